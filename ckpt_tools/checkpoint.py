@@ -1,0 +1,210 @@
+"""A checkpoint opened lazily: config, index, tensor references and the other files.
+
+Opening reads config.json, the index and every shard header - a few MB even for a
+700 GB checkpoint. Shard names from the index are confined to the checkpoint
+directory: absolute paths, ``..`` and symlinks that resolve elsewhere are refused
+(except the Hugging Face cache layout, whose snapshot files link into the same
+repository's ``blobs/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from .config import ConfigView
+from .errors import InputError
+from .safetensors_io import Header, LocalFile, TensorRef, read_header, refs_from_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+MANIFEST_NAME = "ckpt_manifest.json"
+# Weight files in other formats are never carried into outputs.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+_SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", ".ckpt.lock"}
+
+
+@dataclass
+class Checkpoint:
+    root: str  # display name: a directory, or hf://org/repo@rev
+    config: ConfigView
+    tensors: dict[str, TensorRef]  # key -> reference (through the index when there is one)
+    headers: dict[str, Header]  # shard name -> header
+    index: dict | None  # parsed index, None for a single file
+    files: list[str]  # non-weight files (relative paths) that outputs may carry
+    sources: dict[str, object] = field(default_factory=dict)  # shard name -> ByteSource
+    local_dir: Path | None = None
+    shard_keys: dict[str, list[str]] = field(default_factory=dict)  # shard -> keys it holds (header order)
+    manifest: dict | None = None
+    config_present: bool = True
+
+    # -- opening ------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Checkpoint:
+        text = str(path)
+        if text.startswith("hf://"):
+            from .hub import open_remote  # imported lazily: huggingface_hub is only needed here
+
+            return open_remote(text)
+        p = Path(path)
+        if p.is_file() and p.name == "config.json":
+            return cls._config_only(p)
+        if p.is_file() and p.suffix == ".safetensors":
+            return cls._open_dir(p.parent, single=p.name)
+        if not p.is_dir():
+            raise InputError("no such checkpoint directory", path=text)
+        return cls._open_dir(p)
+
+    @classmethod
+    def _config_only(cls, config_path: Path) -> Checkpoint:
+        cfg = ConfigView.from_bytes(config_path.read_bytes(), str(config_path))
+        return cls(str(config_path), cfg, {}, {}, None, [], local_dir=config_path.parent)
+
+    @classmethod
+    def _open_dir(cls, d: Path, single: str | None = None) -> Checkpoint:
+        root = confinement_root(d)
+        cfg_path = d / "config.json"
+        config_present = cfg_path.is_file()
+        config = ConfigView.from_bytes(cfg_path.read_bytes(), str(cfg_path)) if config_present else ConfigView({})
+        index = None
+        if single is None and (d / INDEX_NAME).is_file():
+            index = _read_index(d / INDEX_NAME)
+            shard_names = sorted(set(index["weight_map"].values()))
+        elif single is not None or (d / SINGLE_NAME).is_file():
+            shard_names = [single or SINGLE_NAME]
+        else:
+            raise InputError(
+                f"neither {INDEX_NAME} nor {SINGLE_NAME} found; is this a safetensors checkpoint?",
+                rule="no-weights",
+                path=str(d),
+            )
+        sources: dict[str, LocalFile] = {}
+        headers: dict[str, Header] = {}
+        for name in shard_names:
+            fpath = _confined(d, root, name)
+            if not fpath.is_file():
+                raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
+                                 path=str(d))
+            src = LocalFile(fpath)
+            src.name = str(d / name)
+            sources[name] = src
+            headers[name] = read_header(src)
+        tensors: dict[str, TensorRef] = {}
+        shard_keys: dict[str, list[str]] = {}
+        for name, h in headers.items():
+            refs = refs_from_header(sources[name], h)
+            shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
+            if index is None:
+                tensors.update(refs)
+        if index is not None:
+            for key, shard in index["weight_map"].items():
+                ref = _ref_in(headers, sources, shard, key)
+                if ref is None:
+                    raise InputError(
+                        f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
+                        path=str(d / INDEX_NAME),
+                    )
+                tensors[key] = ref
+        manifest = None
+        if (d / MANIFEST_NAME).is_file():
+            try:
+                manifest = json.loads((d / MANIFEST_NAME).read_text())
+            except (ValueError, OSError):
+                manifest = None
+        return cls(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
+                   manifest, config_present)
+
+    # -- queries --------------------------------------------------------------------
+
+    @property
+    def shard_names(self) -> list[str]:
+        return list(self.headers)
+
+    def shard_of(self, key: str) -> str:
+        ref = self.tensors[key]
+        for name, src in self.sources.items():
+            if src is ref.source:
+                return name
+        raise KeyError(key)
+
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.tensors.values())
+
+    def header_bytes(self) -> int:
+        return sum(8 + h.header_len for h in self.headers.values())
+
+    def file_path(self, name: str) -> Path:
+        assert self.local_dir is not None
+        return self.local_dir / name
+
+
+def _ref_in(headers, sources, shard: str, key: str) -> TensorRef | None:
+    h = headers.get(shard)
+    if h is None or key not in h.tensors:
+        return None
+    info = h.tensors[key]
+    return TensorRef(sources[shard], key, info.dtype, info.shape, h.data_start + info.begin, info.nbytes)
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"index is not valid JSON: {e}", rule="index-json", path=str(path)) from None
+    if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+        raise InputError("index must be an object with a 'weight_map' object", rule="index-json", path=str(path))
+    for k, v in index["weight_map"].items():
+        if not isinstance(v, str):
+            raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=str(path))
+    meta = index.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise InputError("index metadata must be an object", rule="index-json", path=str(path))
+    return index
+
+
+def confinement_root(d: Path) -> Path:
+    """The directory every file of ``d`` must resolve into.
+
+    A Hugging Face cache snapshot (``models--org--name/snapshots/<rev>``) links its
+    files to ``../../blobs/<hash>``: those stay inside the repository's cache folder.
+    """
+    real = d.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith(("models--", "datasets--")):
+        return real.parent.parent
+    return real
+
+
+def _confined(d: Path, root: Path, name: str) -> Path:
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or name.startswith(("/", "\\")) or ".." in pure.parts or "\\" in name or not name:
+        raise InputError(f"shard name {name!r} escapes the checkpoint directory", rule="shard-path",
+                         path=str(d))
+    p = d / name
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError) as e:
+        raise InputError(f"cannot resolve shard {name!r}: {e}", rule="shard-path", path=str(d)) from None
+    if p.exists() and not real.is_relative_to(root):
+        raise InputError(f"shard {name!r} is a link that resolves outside the checkpoint ({real})",
+                         rule="shard-path", path=str(d))
+    return p
+
+
+def _other_files(d: Path, root: Path) -> list[str]:
+    """Non-weight files (tokenizer, generation config, chat template, code, README...)."""
+    out: list[str] = []
+    for p in sorted(d.rglob("*")):
+        rel = p.relative_to(d)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_dir() or p.name in _SKIP_NAMES or p.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        if p.name == "config.json" and len(rel.parts) == 1:
+            continue  # the config is rewritten by each op, never copied blindly
+        if not p.resolve().is_relative_to(root):
+            continue  # a link pointing outside the checkpoint is never followed
+        out.append(str(rel))
+    return out

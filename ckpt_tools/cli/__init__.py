@@ -1,0 +1,47 @@
+"""The `ckpt` command line: thin commands that parse options, call ops, render results."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from .common import STATE
+
+app = typer.Typer(
+    name="ckpt",
+    help="Exact, streaming surgery on Hugging Face checkpoints around MTP (multi-token prediction) layers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+# One module per verb; each defines register(app).
+COMMAND_MODULES = (
+    "inspect_cmd",
+    "validate_cmd",
+    "extract_cmd",
+    "experts_cmd",
+    "stitch_cmd",
+    "diff_cmd",
+    "init_cmd",
+    "push_cmd",
+    "tables_cmd",
+    "demo_cmd",
+)
+
+
+@app.callback()
+def _main(
+    debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks on errors."),
+) -> None:
+    STATE["debug"] = debug
+
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"{__name__}.{_name}").register(app)
+
+
+def main() -> None:
+    app()

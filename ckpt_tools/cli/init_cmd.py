@@ -1,0 +1,5 @@
+"""Placeholder: this verb is not implemented yet."""
+
+
+def register(app) -> None:
+    pass

@@ -1,0 +1,62 @@
+"""Error types and the exit codes they map to.
+
+Every failure the tool reports on purpose is a ``CkptError``. The CLI prints its
+message (no traceback unless ``--debug``) and exits with its ``exit_code``:
+
+    0  success
+    1  the check found problems (validate) or differences (diff)
+    2  usage error (bad option, bad combination of options)
+    3  unusable input: unreadable or hostile checkpoint, missing tensors, unknown family
+    4  output error: cannot write, output exists, disk full
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+EXIT_OUTPUT = 4
+
+
+class CkptError(Exception):
+    """Base class: a failure with a message meant for the user."""
+
+    exit_code = EXIT_INPUT
+
+    def __init__(self, message: str, *, rule: str | None = None, path: str | None = None) -> None:
+        self.rule = rule
+        self.path = path
+        parts = []
+        if path:
+            parts.append(str(path))
+        if rule:
+            parts.append(f"[{rule}]")
+        parts.append(message)
+        super().__init__(": ".join(parts) if path else " ".join(parts))
+
+
+class UsageError(CkptError):
+    exit_code = EXIT_USAGE
+
+
+class InputError(CkptError):
+    """The input cannot be used (corrupt, hostile, incomplete, unknown)."""
+
+    exit_code = EXIT_INPUT
+
+
+class HeaderError(InputError):
+    """A safetensors file breaks a format rule."""
+
+
+class TableError(InputError):
+    """A mapping table is malformed or does not fit the checkpoint."""
+
+
+class PlanError(InputError):
+    """The requested transform cannot be planned (missing, extra or mis-shaped tensors)."""
+
+
+class OutputError(CkptError):
+    exit_code = EXIT_OUTPUT

@@ -1,0 +1,152 @@
+"""Names and shapes of routed-expert tensors in every layout found in the wild.
+
+A group of E experts, each with gate/up ``[I, H]`` and down ``[H, I]`` (``nn.Linear``
+``[out, in]``), can be stored as:
+
+===================  ==========================================================  =========
+layout               tensors                                                      order
+===================  ==========================================================  =========
+per-expert           ``P.{e}.gate_proj.weight`` ``[I,H]``, ``up_proj``, ``down_proj`` ``[H,I]``
+fused                ``P.gate_up_proj`` ``[E,2I,H]``, ``P.down_proj`` ``[E,H,I]``   gate then up blocks
+stacked              ``P.gate_proj.weight`` ``[E,I,H]``, ``up``, ``down`` ``[E,H,I]``
+stacked-transposed   ``P_gate_proj`` ``[E,H,I]``, ``P_up_proj``, ``P_down_proj`` ``[E,I,H]``
+fused-transposed     ``P.gate_up_proj`` ``[E,H,2I]``, ``P.down_proj`` ``[E,I,H]``   blocked or interleaved
+===================  ==========================================================  =========
+
+Non-gated groups (Nemotron-H) have no gate: fused layouts then hold ``P.up_proj``.
+Tables may override the key templates of the layout a family ships.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .expr import render
+
+LAYOUT_NAMES = ("per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed")
+
+DEFAULT_KEYS: dict[str, dict[str, str]] = {
+    "per-expert": {"gate": "{P}.{e}.gate_proj.weight", "up": "{P}.{e}.up_proj.weight", "down": "{P}.{e}.down_proj.weight"},
+    "fused": {"gate_up": "{P}.gate_up_proj", "up": "{P}.up_proj", "down": "{P}.down_proj"},
+    "stacked": {"gate": "{P}.gate_proj.weight", "up": "{P}.up_proj.weight", "down": "{P}.down_proj.weight"},
+    "stacked-transposed": {"gate": "{P}_gate_proj", "up": "{P}_up_proj", "down": "{P}_down_proj"},
+    "fused-transposed": {"gate_up": "{P}.gate_up_proj", "up": "{P}.up_proj", "down": "{P}.down_proj"},
+}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    name: str
+    up_first: bool = False  # fused layouts: the up block comes first (some kernels)
+    interleaved: bool = False  # fused-transposed: gate/up alternate along the last axis (gpt-oss)
+
+    def __post_init__(self) -> None:
+        if self.name not in LAYOUT_NAMES:
+            raise ValueError(f"unknown expert layout {self.name!r}; known: {', '.join(LAYOUT_NAMES)}")
+        if self.interleaved and self.name != "fused-transposed":
+            raise ValueError("only fused-transposed supports interleaved gate/up")
+        if self.up_first and self.name not in ("fused", "fused-transposed"):
+            raise ValueError("up-first applies to fused layouts only")
+
+    @property
+    def transposed(self) -> bool:
+        return self.name in ("stacked-transposed", "fused-transposed")
+
+    @property
+    def per_expert(self) -> bool:
+        return self.name == "per-expert"
+
+    @property
+    def fused(self) -> bool:
+        return self.name in ("fused", "fused-transposed")
+
+    def label(self) -> str:
+        opts = [o for o, on in (("up-first", self.up_first), ("interleaved", self.interleaved)) if on]
+        return self.name + (f"({','.join(opts)})" if opts else "")
+
+    @classmethod
+    def parse(cls, text: str) -> ExpertLayout:
+        """``fused``, ``fused-transposed:interleaved``, ``fused:up-first`` ..."""
+        name, _, opts = text.partition(":")
+        flags = {o.strip() for o in opts.split(",") if o.strip()}
+        unknown = flags - {"up-first", "interleaved"}
+        if unknown:
+            raise ValueError(f"unknown layout option(s) {sorted(unknown)}")
+        return cls(name.strip(), up_first="up-first" in flags, interleaved="interleaved" in flags)
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """One MoE layer's routed experts, resolved against a config."""
+
+    prefix: str  # full key prefix, e.g. ``model.layers.61.mlp.experts``
+    count: int
+    hidden: int
+    inter: int
+    gated: bool
+    layout: ExpertLayout
+    quant: bool = False
+    names: tuple[tuple[str, str], ...] | None = None  # key templates overriding DEFAULT_KEYS[layout]
+    depth: int | None = None
+    sub_prefix: str = ""  # prefix relative to the block (for renaming into draft formats)
+
+    def with_layout(self, layout: ExpertLayout, prefix: str | None = None) -> ExpertGroup:
+        """The same experts in another layout (default key names) and optionally another prefix."""
+        keep_names = self.names if layout == self.layout and prefix is None else None
+        return ExpertGroup(
+            prefix if prefix is not None else self.prefix, self.count, self.hidden, self.inter, self.gated,
+            layout, self.quant, keep_names, self.depth, self.sub_prefix,
+        )
+
+    def projections(self) -> tuple[str, ...]:
+        return ("gate", "up", "down") if self.gated else ("up", "down")
+
+    def key(self, slot: str, e: int | None = None) -> str:
+        templates = dict(self.names) if self.names else DEFAULT_KEYS[self.layout.name]
+        template = templates.get(slot) or DEFAULT_KEYS[self.layout.name][slot]
+        return render(template.replace("{P}", self.prefix), {"e": e if e is not None else 0})
+
+    def tensors(self) -> list[ExpertTensor]:
+        """Every tensor of this group in its layout, in a stable order."""
+        E, H, I = self.count, self.hidden, self.inter
+        lay = self.layout
+        out: list[ExpertTensor] = []
+        if lay.per_expert:
+            for e in range(E):
+                for p in self.projections():
+                    shape = (H, I) if p == "down" else (I, H)
+                    out.append(ExpertTensor(self.key(p, e), shape, p, e))
+            return out
+        t = lay.transposed
+        if lay.fused:
+            if self.gated:
+                out.append(ExpertTensor(self.key("gate_up"), (E, H, 2 * I) if t else (E, 2 * I, H), "gate_up", None))
+            else:
+                out.append(ExpertTensor(self.key("up"), (E, H, I) if t else (E, I, H), "up", None))
+        else:
+            for p in self.projections()[:-1]:
+                out.append(ExpertTensor(self.key(p), (E, H, I) if t else (E, I, H), p, None))
+        out.append(ExpertTensor(self.key("down"), (E, I, H) if t else (E, H, I), "down", None))
+        return out
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    key: str
+    shape: tuple[int, ...]
+    slot: str  # gate | up | down | gate_up
+    expert: int | None  # per-expert tensors only
+
+
+def scale_key(weight_key: str, suffix: str = "weight_scale_inv") -> str:
+    """Companion scale name: ``x.weight`` -> ``x.weight_scale_inv``; bare names get ``_scale_inv``."""
+    if weight_key.endswith(".weight"):
+        return weight_key[: -len("weight")] + suffix
+    return weight_key + "_" + suffix.removeprefix("weight_")
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = (128, 128)) -> tuple[int, ...]:
+    """Block-scale grid for a weight: the last two dims divided by the block, rounded up."""
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))

@@ -1,0 +1,91 @@
+"""Tiny, safe expressions for tables: shapes, templates and conditions.
+
+Tables write ``[n_heads * head_dim, hidden]``, ``model.layers.{num_layers + i}.`` or
+``when: "attention_bias and l >= first_dense"``. Only arithmetic, comparisons,
+boolean logic, conditional expressions and a few functions are allowed; names come
+from the table's declared config variables plus loop indices.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+
+_FUNCS = {
+    "ceil_div": lambda a, b: -(-a // b),
+    "min": min,
+    "max": max,
+    "len": len,
+    "int": int,
+    "ceil": math.ceil,
+}
+
+_ALLOWED = (
+    ast.Expression, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp, ast.Call, ast.Name,
+    ast.Constant, ast.Load, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Div, ast.Mod, ast.Pow, ast.USub,
+    ast.UAdd, ast.Not, ast.And, ast.Or, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In,
+    ast.NotIn, ast.Subscript, ast.List, ast.Tuple,
+)
+
+
+class ExprError(ValueError):
+    pass
+
+
+@lru_cache(maxsize=4096)
+def compile_expr(text: str) -> tuple[object, frozenset[str]]:
+    """Parse and vet an expression; return its code and the variable names it uses."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ExprError(f"cannot parse expression {text!r}: {e.msg}") from None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED):
+            raise ExprError(f"expression {text!r} uses {type(node).__name__}, which tables may not use")
+        if isinstance(node, ast.Call):
+            if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCS or node.keywords:
+                raise ExprError(f"expression {text!r}: only {sorted(_FUNCS)} may be called")
+        elif isinstance(node, ast.Name) and node.id not in _FUNCS:
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, str, bool, type(None))):
+            raise ExprError(f"expression {text!r} has an unsupported constant")
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            raise ExprError(f"expression {text!r}: '**' is not allowed")
+    return compile(tree, "<table>", "eval"), frozenset(names)
+
+
+def names_in(text: str) -> frozenset[str]:
+    return compile_expr(text)[1]
+
+
+def evaluate(text: str | int | float | bool, env: Mapping[str, object]):
+    """Evaluate a table expression; plain numbers pass through."""
+    if isinstance(text, (int, float, bool)):
+        return text
+    code, names = compile_expr(text)
+    missing = [n for n in names if n not in env]
+    if missing:
+        raise ExprError(f"expression {text!r} needs {', '.join(sorted(missing))}, which is not set")
+    try:
+        return eval(code, {"__builtins__": {}, **_FUNCS}, dict(env))  # noqa: S307 - vetted AST above
+    except Exception as e:  # ZeroDivisionError, TypeError on None, ...
+        raise ExprError(f"expression {text!r} failed: {e}") from None
+
+
+_FIELD = re.compile(r"\{([^{}]+)\}")
+
+
+def template_names(template: str) -> frozenset[str]:
+    out: set[str] = set()
+    for m in _FIELD.finditer(template):
+        out |= names_in(m.group(1))
+    return frozenset(out)
+
+
+def render(template: str, env: Mapping[str, object]) -> str:
+    """Fill ``{expr}`` fields of a key template."""
+    return _FIELD.sub(lambda m: str(evaluate(m.group(1), env)), template)

@@ -1,0 +1,193 @@
+"""Plans: every output tensor with its recipe, decided before a byte is written.
+
+A recipe is one of a small vocabulary:
+
+* ``CopyBytes`` - bytes as they are: one range (copy), several ranges laid end to
+  end (concatenation along the first axis) or part of a range (slicing);
+* ``Compute`` - anything that needs arithmetic (transpose, cast, dequantize,
+  initialise), produced in chunks so that memory stays bounded by one tensor or
+  one expert.
+
+Ops build plans; the writer executes them and knows nothing about MTP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .dtypes import DTYPES
+from .safetensors_io import Segment, coalesce
+
+Chunk = Any  # bytes-like, numpy array or torch tensor; see numeric.as_bytes
+
+
+@dataclass
+class CopyBytes:
+    segments: list[Segment]
+    op: str = "copy"  # copy | concat | slice, for display only
+
+    def __post_init__(self) -> None:
+        self.segments = coalesce(self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def describe(self) -> dict:
+        return {
+            "op": self.op,
+            "ranges": [{"file": s.source.name, "offset": s.offset, "length": s.length} for s in self.segments],
+        }
+
+
+@dataclass
+class Compute:
+    produce: Callable[[], Iterable[Chunk]]
+    op: str  # e.g. "transpose", "cast", "dequant", "init"
+    inputs: list[str] = field(default_factory=list)  # source keys, for display and manifests
+    detail: dict = field(default_factory=dict)
+    read_bytes: int = 0  # bytes of input this recipe reads (for plan totals)
+
+    def describe(self) -> dict:
+        return {"op": self.op, "inputs": list(self.inputs), **self.detail}
+
+
+Recipe = CopyBytes | Compute
+
+
+@dataclass
+class OutputTensor:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    recipe: Recipe
+    shard: str | None = None  # explicit output file; None lets the planner assign one
+    meta: dict = field(default_factory=dict)  # carried into the manifest (source, role, layout, ...)
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPES[self.dtype].nbytes(math.prod(self.shape))
+
+
+@dataclass
+class OutputFile:
+    """A non-tensor file of the output: inline content, or a copy/link of a source file."""
+
+    name: str
+    content: bytes | None = None
+    source: Path | None = None
+    link: str = "copy"  # copy | reflink | hardlink | symlink
+    tensors: dict[str, int] = field(default_factory=dict)  # a copied shard: its keys and their byte sizes
+
+
+@dataclass
+class ShardLayout:
+    """A shard whose header must be reproduced verbatim (byte-identical rewrite)."""
+
+    header_bytes: bytes
+    order: list[str]
+
+
+@dataclass
+class Plan:
+    command: str
+    tensors: list[OutputTensor]
+    files: list[OutputFile] = field(default_factory=list)
+    inputs: list[Path] = field(default_factory=list)  # never written to
+    max_shard_size: int = 5 * 10**9
+    shard_pattern: str = "model{suffix}.safetensors"
+    manifest: dict = field(default_factory=dict)  # op-level provenance; the writer adds per-tensor hashes
+    shard_layouts: dict[str, ShardLayout] = field(default_factory=dict)
+    single_file_name: str = "model.safetensors"
+    index_name: str = "model.safetensors.index.json"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def shards(self) -> dict[str, list[OutputTensor]]:
+        """Assign tensors to output files (explicit ``shard`` first, the rest greedily).
+
+        Greedy assignment follows huggingface_hub's splitter: plan order, a new shard
+        when the next tensor would exceed the limit, oversized tensors alone.
+        Everything in one shard is written as ``model.safetensors`` without an index.
+        """
+        from huggingface_hub import split_state_dict_into_shards_factory
+
+        fixed: dict[str, list[OutputTensor]] = {}
+        free: dict[str, OutputTensor] = {}
+        for t in self.tensors:
+            if t.shard is not None:
+                fixed.setdefault(t.shard, []).append(t)
+            else:
+                free[t.key] = t
+        if not free:
+            return fixed
+        split = split_state_dict_into_shards_factory(
+            free,
+            get_storage_size=lambda t: t.nbytes,
+            filename_pattern=self.shard_pattern,
+            max_shard_size=self.max_shard_size,
+        )
+        out = dict(fixed)
+        if not fixed and len(split.filename_to_tensors) == 1:
+            return {self.single_file_name: list(free.values())}
+        for fname, keys in split.filename_to_tensors.items():
+            if fname in out:
+                raise ValueError(f"shard name {fname} is used twice")
+            out[fname] = [free[k] for k in keys]
+        return out
+
+    def to_json(self) -> dict:
+        shards = self.shards()
+        where = {t.key: name for name, ts in shards.items() for t in ts}
+        return {
+            "command": self.command,
+            "total_bytes": self.total_bytes,
+            "shards": {name: sum(t.nbytes for t in ts) for name, ts in shards.items()},
+            "tensors": [
+                {
+                    "key": t.key,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "nbytes": t.nbytes,
+                    "shard": where[t.key],
+                    "recipe": t.recipe.describe(),
+                    **({"meta": t.meta} if t.meta else {}),
+                }
+                for t in self.tensors
+            ],
+            "files": [
+                {"name": f.name, "from": str(f.source) if f.source else "generated", "link": f.link}
+                for f in self.files
+            ],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``500MB`` / ``5GB`` / plain bytes; refuse more than the Hub's 50 GB file limit."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    from .errors import UsageError
+
+    if isinstance(text, int):
+        size = text
+    else:
+        s = text.strip()
+        try:
+            size = int(s) if s.isdigit() else parse_size_to_int(s)
+        except ValueError as e:
+            raise UsageError(f"--max-shard-size {text!r}: {e}") from None
+    if size <= 0:
+        raise UsageError(f"--max-shard-size must be positive, got {text!r}")
+    if size > 50 * 10**9:
+        raise UsageError(f"--max-shard-size {text!r} exceeds the Hub's 50GB per-file limit")
+    return size

@@ -1,0 +1,186 @@
+"""The schema every architecture table must satisfy (validated on load).
+
+A table is data: where a family keeps its MTP layers, what each tensor is, how
+experts are laid out, which norm convention and quantization apply. Key and shape
+fields are expressions over the table's declared config variables (see expr.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GLUE_ROLES = (
+    "embed_norm",  # norm on the token embedding
+    "hidden_norm",  # norm on the previous hidden state
+    "fusion",  # [H, 2H] projection of the concatenated pair
+    "fusion_embed",  # [H, H] embedding half, for families with two projections
+    "fusion_hidden",  # [H, H] hidden half
+    "final_norm",  # norm before the (shared or own) head
+    "embed",  # per-layer copy of the token embedding
+    "head",  # per-layer copy (or own) LM head
+)
+
+TENSOR_KINDS = ("linear", "norm", "bias", "embedding", "router", "other")
+EXPERT_LAYOUTS = ("per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VarDef(_Strict):
+    """Where a config variable comes from: the first of ``keys`` present wins.
+
+    Dotted keys reach into nested objects (``mtp_config.num_nextn_predict_layers``);
+    every key is looked up in ``text_config`` first, then at the top level.
+    """
+
+    keys: list[str]
+    default: int | float | bool | str | list | None = None
+    required: bool = True
+
+
+class TensorDef(_Strict):
+    key: str
+    shape: list[int | str]
+    kind: Literal["linear", "norm", "bias", "embedding", "router", "other"] = "linear"
+    dtype: str | None = None  # stored dtype when it differs from the model's (e.g. F32 router bias)
+    quant: bool = False  # block-quantized (FP8) in quantized releases
+    optional: bool = False  # some releases ship it, some do not
+    when: str | None = None  # condition over config variables
+    tag: str | None = None  # canonical sub-role used by draft formats (router, shared_up_proj, ...)
+    copy_of: str | None = None  # per-layer copy of a shared tensor (embed / head)
+    init: Literal["normal", "zeros", "ones", "copy"] | None = None
+
+
+class ExpertsDef(_Strict):
+    prefix: str  # key prefix of the expert group, e.g. ``mlp.experts``
+    count: str | int
+    hidden: str | int
+    inter: str | int
+    layout: Literal["per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed"] = "per-expert"
+    gated: bool = True
+    interleaved: bool = False  # fused-transposed only: gate/up columns alternate (gpt-oss)
+    up_first: bool = False  # fused layouts: up block before gate block
+    names: dict[str, str] | None = None  # layout-specific key templates overriding the defaults
+    quant: bool = False
+    when: str | None = None
+
+
+class PartItem(_Strict):
+    """One entry of a block part: a tensor, or a group of routed experts."""
+
+    tensor: TensorDef | None = None
+    experts: ExpertsDef | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.tensor is None) == (self.experts is None):
+            raise ValueError("a part item is either a tensor or an experts group")
+        return self
+
+
+class PartRef(_Strict):
+    part: str
+    when: str | None = None
+
+
+class BlockDef(_Strict):
+    """A decoder block (or one sub-block of an MTP step) built from named parts."""
+
+    prefix: str = ""  # relative to the MTP layer prefix; a leading '/' makes it absolute
+    parts: list[PartRef]
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _strings(cls, v):
+        return [{"part": p} if isinstance(p, str) else p for p in v]
+
+
+class TrunkDef(_Strict):
+    prefix: str  # template with {l}
+    count: str
+    parts: list[PartRef]
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _strings(cls, v):
+        return [{"part": p} if isinstance(p, str) else p for p in v]
+
+
+class MtpDef(_Strict):
+    count: str  # expression giving the number of MTP layers (depths)
+    prefix: str  # template with {i}: where MTP layer i lives
+    concat_order: Literal["embed_first", "hidden_first"] = "embed_first"
+    glue: dict[str, TensorDef]  # role -> tensor; keys relative to prefix, '/' = from the root
+    blocks: list[BlockDef]
+    layer_vars: dict[str, str] = Field(default_factory=dict)  # extra per-depth variables (exprs over i)
+    count_field: str | None = None  # config variable to patch when MTP is dropped or added
+
+    @field_validator("glue")
+    @classmethod
+    def _roles(cls, v):
+        bad = sorted(set(v) - set(GLUE_ROLES))
+        if bad:
+            raise ValueError(f"unknown glue role(s) {bad}; known: {list(GLUE_ROLES)}")
+        return v
+
+
+class DetectDef(_Strict):
+    architectures: list[str] = Field(default_factory=list)
+    model_types: list[str] = Field(default_factory=list)
+
+
+class QuantDef(_Strict):
+    method: Literal["fp8-block"] = "fp8-block"
+    block: list[int] = Field(default_factory=lambda: [128, 128])
+    scale_suffix: str = "weight_scale_inv"
+
+
+class Table(_Strict):
+    family: str
+    title: str
+    kind: Literal["mtp", "template"] = "mtp"  # template: a family without native MTP (init-draft only)
+    notes: str | None = None
+    detect: DetectDef
+    config: dict[str, VarDef]
+    norm: Literal["plain", "zero_centred"] = "plain"
+    dtype: str = "BF16"  # default stored dtype when the config names none
+    quantization: QuantDef | None = None
+    shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
+    parts: dict[str, list[PartItem]]
+    trunk: TrunkDef
+    mtp: MtpDef
+    # A tiny but structurally faithful config.json for this family, used by the fixture
+    # generator (ckpt_tools.testing) and the demo. Real key names, tiny dimensions.
+    fixture: dict = Field(default_factory=dict)
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _vars(cls, v):
+        out = {}
+        for name, d in (v or {}).items():
+            if isinstance(d, str):
+                d = {"keys": [d]}
+            elif isinstance(d, list):
+                d = {"keys": d}
+            out[name] = d
+        return out
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _items(cls, v):
+        out = {}
+        for name, items in (v or {}).items():
+            conv = []
+            for it in items:
+                if isinstance(it, dict) and "experts" in it:
+                    conv.append({"experts": it["experts"]})
+                elif isinstance(it, dict) and "tensor" not in it:
+                    conv.append({"tensor": it})
+                else:
+                    conv.append(it)
+            out[name] = conv
+        return out

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints built once per test session."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.testing import FixtureOptions, make_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+
+
+@pytest.fixture(scope="session")
+def make_fixture(tmp_path_factory):
+    """``make_fixture(family, **FixtureOptions)`` -> path of a cached, read-only fixture checkpoint."""
+    cache: dict[tuple, Path] = {}
+
+    def build(family: str, **kw) -> Path:
+        key = (family, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"fx-{family}")
+            cache[key] = make_checkpoint(family, d, FixtureOptions(**kw))
+        return cache[key]
+
+    return build
+
+
+def tree_hash(path: Path) -> str:
+    """A hash of every file's name and bytes under ``path`` (to prove inputs stay untouched)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
