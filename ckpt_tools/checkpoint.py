@@ -208,3 +208,129 @@ def _other_files(d: Path, root: Path) -> list[str]:
             continue  # a link pointing outside the checkpoint is never followed
         out.append(str(rel))
     return out
+
+
+# -- lenient opening (validate) -------------------------------------------------------
+
+
+@dataclass
+class LenientOpen:
+    """A checkpoint opened as far as possible, and the file-level errors met on the way.
+
+    ``ckpt`` holds every shard that could be read; ``errors`` name the rule and file of
+    each one that could not (unreadable index or config, shard path escaping the
+    directory, missing shard, broken header). ``unreadable`` lists those shard names.
+    """
+
+    ckpt: Checkpoint
+    errors: list[InputError]
+    unreadable: list[str]
+
+
+def open_lenient(path: str | os.PathLike) -> LenientOpen:
+    """Like ``Checkpoint.open`` for local paths, but collects file-level errors instead of raising.
+
+    ``ckpt validate`` uses it to report every problem at once. Raises ``InputError``
+    (rule ``no-weights``) only when ``path`` is not a checkpoint at all. Key-level
+    checks (index vs shard contents) are left to the caller, which sees ``index``,
+    ``headers`` and ``shard_keys``.
+    """
+    p = Path(path)
+    single: str | None = None
+    if p.is_file() and p.name == "config.json":
+        p = p.parent
+    elif p.is_file() and p.suffix == ".safetensors":
+        single, p = p.name, p.parent
+    if not p.is_dir():
+        raise InputError("no such checkpoint directory or .safetensors file", rule="no-weights", path=str(path))
+    d = p
+    root = confinement_root(d)
+    errors: list[InputError] = []
+
+    config, config_present = ConfigView({}), False
+    cfg_path = d / "config.json"
+    if cfg_path.is_file():
+        try:
+            config, config_present = ConfigView.from_bytes(cfg_path.read_bytes(), str(cfg_path)), True
+        except InputError as e:
+            errors.append(InputError(str(e).removeprefix(f"{cfg_path}: "), rule="config-json", path=str(cfg_path)))
+
+    index = None
+    if single is not None:
+        shard_names = [single]
+    elif (d / INDEX_NAME).is_file():
+        try:
+            index = _read_index(d / INDEX_NAME)
+            shard_names = sorted(set(index["weight_map"].values()))
+        except InputError as e:
+            errors.append(e)
+            shard_names = sorted(q.name for q in d.glob("*.safetensors"))  # still check what is there
+    elif (d / SINGLE_NAME).is_file():
+        shard_names = [SINGLE_NAME]
+    else:
+        shard_names = sorted(q.name for q in d.glob("*.safetensors"))
+        if not shard_names:
+            raise InputError(
+                f"neither {INDEX_NAME} nor any .safetensors file found; is this a safetensors checkpoint?",
+                rule="no-weights", path=str(d),
+            )
+        if len(shard_names) > 1:
+            errors.append(InputError(f"{len(shard_names)} .safetensors files but no {INDEX_NAME}; loaders "
+                                     "will not find them", rule="no-index", path=str(d)))
+
+    sources: dict[str, LocalFile] = {}
+    headers: dict[str, Header] = {}
+    unreadable: list[str] = []
+    for name in shard_names:
+        try:
+            fpath = _confined(d, root, name)
+            if not fpath.is_file():
+                raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
+                                 path=str(d))
+            src = LocalFile(fpath)
+            src.name = str(d / name)
+            headers[name] = read_header(src)
+            sources[name] = src
+        except InputError as e:
+            if e.rule is None:
+                e = InputError(str(e).removeprefix(f"{d / name}: "), rule="unreadable-shard", path=str(d / name))
+            errors.append(e)
+            unreadable.append(name)
+
+    tensors: dict[str, TensorRef] = {}
+    shard_keys: dict[str, list[str]] = {}
+    for name, h in headers.items():
+        refs = refs_from_header(sources[name], h)
+        shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
+        if index is None:
+            for k, r in refs.items():
+                tensors.setdefault(k, r)
+    if index is not None:
+        for key, shard in index["weight_map"].items():
+            ref = _ref_in(headers, sources, shard, key)
+            if ref is not None:
+                tensors[key] = ref
+    manifest = None
+    if (d / MANIFEST_NAME).is_file():
+        try:
+            manifest = json.loads((d / MANIFEST_NAME).read_text())
+        except (ValueError, OSError):
+            manifest = None
+    ckpt = Checkpoint(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
+                      manifest, config_present)
+    return LenientOpen(ckpt, errors, unreadable)
+
+
+def raw_header(ckpt: Checkpoint, shard: str) -> bytes:
+    """The header JSON bytes of ``shard`` exactly as stored (to rewrite a shard byte-identically)."""
+    from .safetensors_io import read_bytes
+
+    h = ckpt.headers[shard]
+    return bytes(read_bytes(ckpt.sources[shard], 8, h.header_len))
+
+
+def source_name(ckpt: Checkpoint) -> str:
+    """How outputs name their source: ``org/repo`` for hub sources, an absolute path otherwise."""
+    if ckpt.root.startswith("hf://"):
+        return ckpt.root[len("hf://"):].split("@", 1)[0]
+    return str(Path(ckpt.root).resolve())

@@ -87,10 +87,14 @@ class OutputFile:
 
 @dataclass
 class ShardLayout:
-    """A shard whose header must be reproduced verbatim (byte-identical rewrite)."""
+    """A shard that keeps a given tensor order (a rewrite of a source shard).
 
-    header_bytes: bytes
+    With ``header_bytes`` the source header is reproduced verbatim, so a shard whose
+    tensors are unchanged comes out byte-identical to the source file.
+    """
+
     order: list[str]
+    header_bytes: bytes | None = None
 
 
 @dataclass

@@ -216,13 +216,17 @@ class Writer:
 
     def _shard_header(self, name: str, tensors: list[OutputTensor]) -> tuple[bytes, list[OutputTensor]]:
         layout = self.plan.shard_layouts.get(name)
+        meta = {"format": "pt"}
         if layout is not None:
             by_key = {t.key: t for t in tensors}
             if sorted(layout.order) != sorted(by_key):
-                raise RuntimeError(f"verbatim layout of {name} does not match its planned tensors")
-            return layout.header_bytes, [by_key[k] for k in layout.order]
+                raise RuntimeError(f"layout of {name} does not match its planned tensors")
+            ordered = [by_key[k] for k in layout.order]
+            generated = header_bytes([(t.key, t.dtype, t.shape, t.nbytes) for t in ordered], meta)
+            if layout.header_bytes is not None and _same_entries(layout.header_bytes, generated):
+                return layout.header_bytes, ordered
+            return generated, ordered
         ordered = safetensors_order(tensors)
-        meta = {"format": "pt"}
         return header_bytes([(t.key, t.dtype, t.shape, t.nbytes) for t in ordered], meta), ordered
 
     def _write_shard(self, name, tensors, result: WriteResult, hasher: ThreadPoolExecutor, defer: bool):
@@ -385,6 +389,17 @@ class Writer:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _same_entries(a: bytes, b: bytes) -> bool:
+    """Two headers describe the same tensors at the same offsets (formatting aside)."""
+    try:
+        ja, jb = json.loads(a), json.loads(b)
+    except ValueError:
+        return False
+    ja.pop("__metadata__", None)
+    jb.pop("__metadata__", None)
+    return ja == jb
 
 
 def _hash_file_range(path: Path, offset: int, length: int) -> str:

@@ -1,5 +1,49 @@
-"""Placeholder: this verb is not implemented yet."""
+"""`ckpt diff A B`: which tensors differ, with statistics; exit 0 identical, 1 different."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import command, emit_json, out_console
 
 
-def register(app) -> None:
-    pass
+def register(app: typer.Typer) -> None:
+    @app.command("diff")
+    @command
+    def diff_cmd(
+        a: str = typer.Argument(..., help="First checkpoint (before)."),
+        b: str = typer.Argument(..., help="Second checkpoint (after)."),
+        keys: str = typer.Option(None, "--keys", help="Only keys matching this regular expression."),
+        stats: bool = typer.Option(False, "--stats", help="max |delta|, relative L2 and cosine per changed key."),
+        dequant: bool = typer.Option(False, "--dequant", help="Compare FP8 block weights by dequantized value."),
+        show_all: bool = typer.Option(False, "--all", help="List unchanged keys too."),
+        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+    ) -> None:
+        """Compare two checkpoints key by key (streaming; memory stays bounded)."""
+        from ..checkpoint import Checkpoint
+        from ..ops.diff import diff
+
+        report = diff(Checkpoint.open(a), Checkpoint.open(b), keys=keys, stats=stats or dequant, dequant=dequant)
+        if json_output:
+            emit_json(report.to_json(all_keys=show_all))
+        else:
+            render_diffs(report.diffs, report.totals(), show_all)
+        raise typer.Exit(0 if report.identical else 1)
+
+
+def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff") -> None:
+    from rich.table import Table
+
+    c = out_console()
+    rows = [d for d in diffs if show_all or d.status != "unchanged"]
+    if rows:
+        t = Table(title=title)
+        for col in ("tensor", "status", "dtype", "shape", "max |Δ|", "rel L2", "cosine"):
+            t.add_column(col, overflow="fold")
+        for d in rows:
+            dtype = d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a} -> {d.dtype_b}"
+            shape = d.shape_a if d.shape_a == d.shape_b else f"{d.shape_a} -> {d.shape_b}"
+            fmt = (lambda v: "" if v is None else f"{v:.3g}")
+            t.add_row(d.key, d.status, str(dtype), str(shape), fmt(d.max_abs), fmt(d.rel_l2), fmt(d.cosine))
+        c.print(t)
+    c.print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))

@@ -1,5 +1,71 @@
-"""Placeholder: this verb is not implemented yet."""
+"""`ckpt extract`: MTP layers into a standalone draft, or the trunk without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import command, command_line, emit_json, human_bytes, out_console, progress_for
 
 
-def register(app) -> None:
-    pass
+def _layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    from ..errors import UsageError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--layers {text!r}: expected comma-separated integers such as 0,1") from None
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("extract")
+    @command
+    def extract(
+        src: str = typer.Argument(..., help="Checkpoint directory or hf://org/repo[@rev]."),
+        out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty)."),
+        arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
+        layers: str = typer.Option(None, "--layers", help="MTP depths to extract, e.g. 0 or 0,1 (default: all)."),
+        fmt: str = typer.Option("native", "--format", help="native | speculators | angelspec | sglang-nextn"),
+        with_embed: bool = typer.Option(None, "--with-embed/--no-embed",
+                                        help="Carry the embedding (per-layer copy, else the shared one)."),
+        with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
+        dtype: str = typer.Option("keep", "--dtype", help="keep | bf16 | fp16 | fp32 (floating tensors)."),
+        dequant: str = typer.Option(None, "--dequant", help="Dequantize FP8 block weights to bf16 / fp32."),
+        drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Write the trunk: everything but MTP, count 0."),
+        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
+        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
+        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+    ) -> None:
+        """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
+        from ..checkpoint import Checkpoint
+        from ..ops.extract import ExtractRequest, plan_extract
+        from ..plan import parse_size
+        from ..safetensors_io import IO_STATS
+        from .render import render_plan, report_write
+
+        ckpt = Checkpoint.open(src)
+        req = ExtractRequest(
+            arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
+            dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
+            command=command_line(),
+        )
+        plan = plan_extract(ckpt, req)
+        if plan_json is not None:
+            plan.write_json(plan_json)
+        if dry_run:
+            if json_output:
+                emit_json(plan.to_json())
+            else:
+                render_plan(plan, out_console())
+            return
+        from ..writer import execute
+
+        result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
+        report_write(plan, result, json_output, bytes_read=IO_STATS.total, extra={"format": fmt})
+        _ = human_bytes

@@ -149,6 +149,9 @@ class Table(_Strict):
     norm: Literal["plain", "zero_centred"] = "plain"
     dtype: str = "BF16"  # default stored dtype when the config names none
     quantization: QuantDef | None = None
+    # Draft architectures the serving engines use for this family, e.g.
+    # {sglang_nextn: DeepseekV3ForCausalLMNextN, vllm_mtp: DeepSeekMTPModel}
+    engines: dict[str, str] = Field(default_factory=dict)
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
     trunk: TrunkDef

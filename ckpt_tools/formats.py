@@ -1,0 +1,348 @@
+"""Draft formats (tables in mappings/formats/) and the correspondence they define.
+
+A format maps canonical MTP roles to names. Resolved against a verifier's MTP view it
+yields ``Link``s: each draft tensor (or expert group) with the verifier tensor(s) it
+corresponds to. Extract runs the links forward (verifier -> draft); stitch runs the
+same links backward. Every link is invertible: a rename, an expert re-layout, or a swap
+of the fusion projection's two input halves.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import InputError, TableError, UsageError
+from .expert_layouts import ExpertGroup, ExpertLayout
+from .expr import ExprError, evaluate, render
+from .mtp import MtpView
+from .tables.loader import mappings_dir
+from .tables.resolve import Spec
+
+
+class Supports(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_types: list[str] = Field(default_factory=list)
+    reason: str = ""
+
+
+class DetectRule(BaseModel):
+    """How stitch recognises a draft of this format from its config.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    config_equals: dict = Field(default_factory=dict)  # every key must have this value
+    architecture_suffix: str | None = None
+
+
+class ConfigRecipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    base: Literal["source", "none"] = "source"
+    set: dict = Field(default_factory=dict)
+
+
+class Format(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    title: str
+    rename: Literal["native", "reprefix", "roles"]
+    max_layers: int | None = None
+    layer_prefix: str = ""
+    glue: dict[str, str] = Field(default_factory=dict)
+    embed: str | None = None  # where --with-embed puts the embedding (roles formats)
+    head: str | None = None
+    block_prefix: str = ""
+    tag_renames: dict[str, str] = Field(default_factory=dict)
+    expert_layout: str | None = None  # None: keep the verifier's layout
+    expert_prefix: str | None = None  # relative to the block prefix; None: the family's own
+    concat_order: Literal["embed_first", "hidden_first"] | None = None  # None: keep the family's
+    norm: Literal["plain", "zero_centred", "family"] = "family"
+    drop_roles: list[str] = Field(default_factory=list)
+    requires_engine: str | None = None
+    carry_files: bool = False  # copy tokenizer / generation config / other non-weight files
+    detect: DetectRule | None = None
+    ignore_keys: list[str] = Field(default_factory=list)  # draft keys stitch skips on purpose (with reason)
+    supports: Supports = Field(default_factory=Supports)
+    config: ConfigRecipe = Field(default_factory=ConfigRecipe)
+
+
+def formats_dir() -> Path:
+    return mappings_dir() / "formats"
+
+
+def _load(path: Path) -> Format:
+    try:
+        data = yaml.safe_load(path.read_text())
+        fmt = Format.model_validate(data)
+    except yaml.YAMLError as e:
+        raise TableError(f"not valid YAML: {e}", path=str(path)) from None
+    except ValidationError as e:
+        msgs = "; ".join(f"field {'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:6])
+        raise TableError(msgs, path=str(path)) from None
+    if fmt.name != path.stem:
+        raise TableError(f"field name: {fmt.name!r} must match the file name {path.stem!r}", path=str(path))
+    return fmt
+
+
+@lru_cache(maxsize=1)
+def all_formats() -> dict[str, Format]:
+    return {f.name: f for f in (_load(p) for p in sorted(formats_dir().glob("*.yaml")))}
+
+
+def get_format(name: str) -> Format:
+    formats = all_formats()
+    if name not in formats:
+        raise UsageError(f"unknown format {name!r}; known: {', '.join(sorted(formats))}")
+    return formats[name]
+
+
+def detect_format(config: dict, manifest: dict | None) -> Format:
+    """The format of a draft: its manifest says so, else the format tables' detect rules, else native."""
+    if manifest and manifest.get("format") in all_formats():
+        return all_formats()[manifest["format"]]
+    for fmt in all_formats().values():
+        rule = fmt.detect
+        if rule is None:
+            continue
+        if rule.config_equals and all(config.get(k) == v for k, v in rule.config_equals.items()):
+            return fmt
+        archs = config.get("architectures") or []
+        if rule.architecture_suffix and any(isinstance(a, str) and a.endswith(rule.architecture_suffix)
+                                            for a in archs):
+            return fmt
+    return all_formats()["native"]
+
+
+# ---------------------------------------------------------------------------
+# Links
+
+
+@dataclass
+class TensorLink:
+    draft_key: str
+    verifier_key: str
+    spec: Spec  # the verifier-side spec (role, depth, kind, shape)
+    swap_halves: bool = False  # fusion weight whose two input halves trade places
+    shape: tuple[int, ...] = ()
+
+
+@dataclass
+class ExpertLink:
+    draft: ExpertGroup  # layout and prefix in the draft
+    verifier: ExpertGroup  # layout and prefix on the verifier's disk
+
+
+@dataclass
+class Correspondence:
+    fmt: Format
+    view: MtpView
+    layers: list[int]
+    tensors: list[TensorLink] = field(default_factory=list)
+    experts: list[ExpertLink] = field(default_factory=list)
+
+    def draft_keys(self) -> list[str]:
+        out = [t.draft_key for t in self.tensors]
+        for e in self.experts:
+            out += [t.key for t in e.draft.tensors()]
+        return out
+
+
+def _key(template: str, prefix: str, env: dict) -> str:
+    if template.startswith("/"):
+        return render(template[1:], env)
+    return prefix + render(template, env)
+
+
+def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
+    """Refuse, with the reason, a format that cannot hold this family's MTP layers."""
+    table = view.table
+    why = None
+    if fmt.max_layers is not None and len(layers) > fmt.max_layers:
+        why = (f"it holds at most {fmt.max_layers} MTP layer(s) and {len(layers)} were requested; "
+               "pick one with --layers")
+    elif fmt.supports.model_types and not set(fmt.supports.model_types) & set(view.ckpt.config.model_types()):
+        why = fmt.supports.reason or f"it supports model types {fmt.supports.model_types} only"
+    elif fmt.norm not in ("family", table.norm):
+        why = (f"its norms are {fmt.norm} while {table.family} uses {table.norm} norms; converting "
+               "(1 + w) to w in bf16 is lossy")
+    elif fmt.requires_engine and fmt.requires_engine not in table.engines:
+        why = f"table {table.family} names no {fmt.requires_engine} architecture (the engine has no draft class for it)"
+    elif fmt.rename != "native" and len(table.mtp.blocks) != 1:
+        why = f"{table.family} spreads one MTP step over {len(table.mtp.blocks)} sub-blocks"
+    elif fmt.rename == "reprefix":
+        outside = [s.key for s in view.resolved.glue_specs() if s.depth is None]
+        if outside:
+            why = f"{table.family} keeps glue tensors outside the layer prefix ({outside[0]}); it is not an appended-layer family"
+    if why:
+        raise InputError(f"format {fmt.name} cannot express {table.family}: {why}", rule="format-unsupported")
+
+
+def correspond(
+    fmt: Format,
+    view: MtpView,
+    layers: list[int] | None = None,
+    *,
+    with_embed: bool | None = None,
+    with_head: bool | None = None,
+) -> Correspondence:
+    """Which draft tensor corresponds to which verifier tensor, for ``layers`` of ``view``."""
+    res = view.resolved
+    layers = list(range(res.mtp_count)) if layers is None else layers
+    bad = [i for i in layers if not 0 <= i < res.mtp_count]
+    if bad:
+        raise UsageError(f"--layers {bad} out of range: {res.family} declares {res.mtp_count} MTP layer(s)")
+    check_expressible(fmt, view, layers)
+    present = {s.key for s in view.present}
+    corr = Correspondence(fmt, view, layers)
+    family_order = res.table.mtp.concat_order
+    drop = set(fmt.drop_roles)
+    seen: set[str] = set()
+    for out_i, i in enumerate(layers):
+        layer = res.layers[i]
+        env = {"i": out_i if fmt.rename != "native" else i}
+        new_prefix = render(fmt.layer_prefix, env) if fmt.rename != "native" else layer.prefix
+        for role, spec in layer.glue.items():
+            if spec.key in seen or spec.key not in present:
+                continue
+            seen.add(spec.key)
+            keep = _keep_copy(role, fmt.rename == "native", with_embed, with_head, drop)
+            if not keep:
+                continue
+            if fmt.rename == "native":
+                dkey = spec.key
+            elif fmt.rename == "reprefix":
+                dkey = new_prefix + spec.key[len(layer.prefix):]
+            else:
+                template = fmt.glue.get(role) or (fmt.embed if role == "embed" else fmt.head if role == "head"
+                                                  else None)
+                if template is None:
+                    raise InputError(f"format {fmt.name} has no place for the {role} tensor {spec.key}",
+                                     rule="format-unsupported")
+                dkey = _key(template, new_prefix, env)
+            swap = (role == "fusion" and fmt.concat_order is not None and fmt.concat_order != family_order)
+            corr.tensors.append(TensorLink(dkey, spec.key, spec, swap, spec.shape))
+        block_out = new_prefix + fmt.block_prefix if fmt.rename == "roles" else None
+        for b, spec in enumerate(layer.block):
+            if spec.key not in present:
+                continue
+            if fmt.rename == "native":
+                dkey = spec.key
+            elif fmt.rename == "reprefix":
+                dkey = new_prefix + spec.key[len(layer.prefix):]
+            else:
+                sub = fmt.tag_renames.get(spec.tag or "", spec.sub or "")
+                dkey = block_out + sub
+            corr.tensors.append(TensorLink(dkey, spec.key, spec, False, spec.shape))
+        for g in layer.experts:
+            on_disk = g.with_layout(view.layouts[g.prefix]) if view.layouts[g.prefix] != g.layout else g
+            if fmt.rename == "native":
+                draft = on_disk
+            else:
+                layout = ExpertLayout.parse(fmt.expert_layout) if fmt.expert_layout else on_disk.layout
+                if fmt.rename == "reprefix":
+                    dprefix = new_prefix + g.prefix[len(layer.prefix):]
+                else:
+                    dprefix = block_out + (fmt.expert_prefix or g.sub_prefix)
+                draft = on_disk.with_layout(layout, prefix=dprefix)
+            corr.experts.append(ExpertLink(draft, on_disk))
+    # With --with-embed / --with-head and no per-layer copy, carry the shared tensor.
+    shared_extra = [("embed", with_embed, fmt.embed), ("head", with_head, fmt.head)]
+    for role, wanted, template in shared_extra:
+        if not wanted or any(t.spec.role == role for t in corr.tensors):
+            continue
+        spec = _shared_for(role, view)
+        if fmt.rename == "native":
+            dkey = spec.key
+        elif template is None or role in drop:
+            raise UsageError(f"format {fmt.name} cannot carry the {role}; drop --with-{role}")
+        else:
+            dkey = _key(template, "", {"i": 0})
+        corr.tensors.append(TensorLink(dkey, spec.key, spec, False, spec.shape))
+    dupes = _duplicates(corr.draft_keys())
+    if dupes:
+        raise InputError(f"format {fmt.name} maps several tensors of {view.table.family} to {dupes[:5]}",
+                         rule="format-collision")
+    return corr
+
+
+def _keep_copy(role: str, native: bool, with_embed, with_head, drop: set[str]) -> bool:
+    """Per-layer embed/head copies: kept by the native format (lossless), else only when asked."""
+    if role in drop:
+        return False
+    if role == "embed":
+        return with_embed if with_embed is not None else native
+    if role == "head":
+        return with_head if with_head is not None else native
+    return True
+
+
+def _shared_for(role: str, view: MtpView) -> Spec:
+    shared = view.resolved.shared
+    spec = shared.get(role) or (shared.get("embed") if role == "head" else None)
+    if spec is None or spec.key not in view.ckpt.tensors:
+        raise InputError(f"--with-{role}: the checkpoint has no shared {role} tensor to carry", rule="missing-tensor")
+    return Spec(spec.key, spec.shape, role, kind=spec.kind, dtype=spec.dtype)
+
+
+def _duplicates(keys: list[str]) -> list[str]:
+    seen, dup = set(), []
+    for k in keys:
+        if k in seen:
+            dup.append(k)
+        seen.add(k)
+    return dup
+
+
+# ---------------------------------------------------------------------------
+# Draft configs
+
+
+def _fill(value, env: dict, omitted: list[str], path: str):
+    """Evaluate ``"{expr}"`` leaves of a config template; drop leaves whose inputs are unknown."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            filled = _fill(v, env, omitted, f"{path}.{k}" if path else k)
+            if filled is not _OMIT:
+                out[k] = filled
+        return out
+    if isinstance(value, list):
+        return [x for x in (_fill(v, env, omitted, path) for v in value) if x is not _OMIT]
+    if isinstance(value, str) and value.startswith("{") and value.endswith("}") and value.count("{") == 1:
+        try:
+            result = evaluate(value[1:-1], env)
+        except ExprError:
+            omitted.append(path)
+            return _OMIT
+        if result is None:
+            omitted.append(path)
+            return _OMIT
+        return copy.deepcopy(result)
+    return value
+
+
+_OMIT = object()
+
+
+def draft_config(fmt: Format, source: dict, env: dict) -> tuple[dict, list[str]]:
+    """The draft's config.json and the template fields left out for lack of a value."""
+    omitted: list[str] = []
+    base = copy.deepcopy(source) if fmt.config.base == "source" else {}
+    filled = _fill(fmt.config.set, env, omitted, "")
+    _merge(base, filled)
+    return base, omitted
+
+
+def _merge(base: dict, updates: dict) -> None:
+    """Set each key where it lives (text_config first for nested configs), else at the top."""
+    tc = base.get("text_config") if isinstance(base.get("text_config"), dict) else None
+    for k, v in updates.items():
+        if tc is not None and k in tc and k not in base:
+            tc[k] = v
+        else:
+            base[k] = v

@@ -1,0 +1,280 @@
+"""Plans for `ckpt extract`: MTP layers into a draft format, or the trunk without them.
+
+Reads only what the plan needs: headers, then the byte ranges of the MTP tensors.
+Renames are byte copies; transposes, casts and dequantization stream one band or one
+expert at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .. import __version__
+from ..checkpoint import Checkpoint, raw_header, source_name
+from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
+from ..errors import InputError, UsageError
+from ..expert_layouts import scale_key
+from ..formats import Correspondence, Format, correspond, draft_config, get_format
+from ..mtp import MtpView, choose_table, open_mtp
+from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from .. import transforms
+
+DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+@dataclass
+class ExtractRequest:
+    arch: str | None = None
+    layers: list[int] | None = None
+    format: str = "native"
+    with_embed: bool | None = None
+    with_head: bool | None = None
+    dtype: str = "keep"  # keep | bf16 | fp16 | fp32
+    dequant: str | None = None  # None | bf16 | fp16 | fp32: FP8 block weights become this dtype
+    drop_mtp: bool = False
+    max_shard_size: int = 5 * 10**9
+    command: str = "ckpt extract"
+    speculative_tokens: int = 3
+    notes: list[str] = field(default_factory=list)
+
+
+def _dtype_arg(value: str | None, flag: str) -> str | None:
+    if value is None or value == "keep":
+        return None
+    try:
+        name = lookup(value).name
+    except KeyError:
+        raise UsageError(f"{flag} {value!r}: use bf16, fp16 or fp32") from None
+    if name not in FLOAT_DTYPES:
+        raise UsageError(f"{flag} {value!r}: use bf16, fp16 or fp32")
+    return name
+
+
+def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
+    if req.drop_mtp:
+        return plan_trunk(ckpt, req)
+    table = choose_table(ckpt, req.arch)
+    view = open_mtp(ckpt, table)
+    if view.count == 0:
+        hint = f" (but {len(view.beyond)} MTP-looking tensors are present, e.g. {view.beyond[0]})" if view.beyond else ""
+        raise InputError(f"{ckpt.root}: the config declares no MTP layers for {table.family}{hint}; nothing to "
+                         "extract", rule="no-mtp")
+    view.require_complete()
+    fmt = get_format(req.format)
+    cast_to = _dtype_arg(req.dtype, "--dtype")
+    dequant_to = _dtype_arg(req.dequant, "--dequant")
+    corr = correspond(fmt, view, req.layers, with_embed=req.with_embed, with_head=req.with_head)
+    if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
+        raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "
+                         f"0..k-1; use --format sglang-nextn / speculators to renumber a single layer")
+    tensors = draft_tensors(view, corr, cast_to, dequant_to)
+    fp8_source = any(ckpt.tensors[s.key].dtype in FP8_DTYPES for s in view.present)
+    if fp8_source and dequant_to is None and fmt.rename == "roles":
+        raise UsageError(f"the source MTP weights are FP8; format {fmt.name} has no place for block scales: "
+                         "pass --dequant bf16")
+    config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8_source)
+    files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
+    if fmt.carry_files:
+        files += carried_files(ckpt)
+    groups = {
+        e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
+                         "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
+        for e in corr.experts
+    }
+    manifest = {
+        "kind": "mtp-draft",
+        "source": {"path": source_name(ckpt), "revision": _revision(ckpt)},
+        "family": view.table.family,
+        "format": fmt.name,
+        "layers": corr.layers,
+        "mtp_count_in_source": view.count,
+        "concat_order": fmt.concat_order or view.table.mtp.concat_order,
+        "expert_groups": groups,
+        "source_quantization": _quant_info(view) if fp8_source else None,
+        "dequantized_to": dequant_to,
+        "config_fields_omitted": omitted,
+        "tool_version": __version__,
+    }
+    return Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
+                manifest=manifest)
+
+
+def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
+                  ) -> list[OutputTensor]:
+    """Output tensors of the draft: byte copies where names change, computed where values must."""
+    ckpt, res = view.ckpt, view.resolved
+    block = res.block_size
+    out: list[OutputTensor] = []
+    for link in corr.tensors:
+        ref = ckpt.tensors[link.verifier_key]
+        meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
+        if link.spec.depth is not None:
+            meta["depth"] = link.spec.depth
+        t = OutputTensor(link.draft_key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
+        scale = None
+        if ref.dtype in FP8_DTYPES:
+            sref = ckpt.tensors[scale_key(link.verifier_key, res.scale_suffix)]
+            scale = OutputTensor(scale_key(link.draft_key, res.scale_suffix), sref.dtype, sref.shape,
+                                 CopyBytes([sref.segment()]), meta={"source": [sref.key], "role": "scale"})
+        if link.swap_halves:
+            if scale is not None:
+                raise UsageError(f"{ref.key}: swapping the concat order of an FP8 fusion weight needs --dequant")
+            t = transforms.swap_halves(t)
+            t.meta["swapped_halves"] = True
+        out += _finish(t, scale, cast_to, dequant_to, block)
+    for link in corr.experts:
+        if link.draft.layout == link.verifier.layout and link.draft.names == link.verifier.names:
+            group_out = _copy_group(view, link.verifier, link.draft)
+        else:
+            from ..experts import convert_group
+
+            group_out = convert_group(link.verifier, ckpt.tensors, link.draft, scale_suffix=res.scale_suffix,
+                                      block=block)
+        by_key = {t.key: t for t in group_out}
+        scales = {scale_key(t.key, res.scale_suffix) for t in group_out if t.dtype in FP8_DTYPES}
+        for t in group_out:
+            if t.key in scales:
+                continue  # travels with its weight
+            scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
+            out += _finish(t, scale, cast_to, dequant_to, block)
+    return out
+
+
+def _finish(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, block) -> list[OutputTensor]:
+    if t.dtype in FP8_DTYPES:
+        if dequant_to is not None:
+            if scale is None:
+                raise InputError(f"FP8 weight {t.key} has no block scale to dequantize with", rule="fp8-scale")
+            return [transforms.dequantize(t, scale, dequant_to, block)]
+        if cast_to is not None:
+            raise UsageError(f"{t.key} is FP8: --dtype cannot cast block-quantized weights; add --dequant {cast_to}")
+        return [t] + ([scale] if scale is not None else [])
+    if cast_to is not None and t.dtype in FLOAT_DTYPES:
+        t = transforms.cast(t, cast_to)
+    return [t] + ([scale] if scale is not None else [])
+
+
+def _copy_group(view: MtpView, group, renamed) -> list[OutputTensor]:
+    """An expert group whose layout stays: tensor-by-tensor renames (byte copies)."""
+    ckpt, res = view.ckpt, view.resolved
+    out = []
+    for et, dt in zip(group.tensors(), renamed.tensors(), strict=True):
+        ref = ckpt.tensors[et.key]
+        meta = {"source": [et.key], "source_dtype": ref.dtype, "role": "expert", "layout": group.layout.label()}
+        out.append(OutputTensor(dt.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta))
+        skey = scale_key(et.key, res.scale_suffix)
+        if ref.dtype in FP8_DTYPES and skey in ckpt.tensors:
+            sref = ckpt.tensors[skey]
+            out.append(OutputTensor(scale_key(dt.key, res.scale_suffix), sref.dtype, sref.shape,
+                                    CopyBytes([sref.segment()]), meta={"source": [skey], "role": "scale"}))
+    return out
+
+
+def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, dequant_to, fp8_source):
+    ckpt, res = view.ckpt, view.resolved
+    src = ckpt.config.raw
+    float_dtypes = [t.dtype for t in tensors if t.dtype in FLOAT_DTYPES and t.meta.get("role") != "scale"]
+    main = max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else res.dtype
+    text = ckpt.config.text
+    env = dict(res.env)
+    env.update(
+        dtype_name=DTYPE_NAMES.get(main, "bfloat16"),
+        speculative_tokens=3,
+        verifier_name=source_name(ckpt),
+        verifier_architectures=ckpt.config.architectures()[:1] or None,
+        text_config={k: v for k, v in text.items() if k != "quantization_config"},
+        engine_arch=res.table.engines.get(fmt.requires_engine or "", None),
+        has_experts=bool(corr.experts),
+    )
+    config, omitted = draft_config(fmt, src, env)
+    if fmt.config.base == "source":
+        if fmt.rename == "native" and len(corr.layers) != view.count:
+            config = _set_count(view, config, len(corr.layers))
+        if dequant_to is not None and fp8_source:
+            config.pop("quantization_config", None)
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"].pop("quantization_config", None)
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = DTYPE_NAMES[dequant_to]
+    return config, omitted
+
+
+def _set_count(view: MtpView, config: dict, n: int) -> dict:
+    from ..config import ConfigView
+
+    table = view.table
+    field_var = table.mtp.count_field
+    if field_var is None:
+        raise UsageError(f"table {table.family} has no mtp.count_field; cannot change the MTP count")
+    keys = table.config[field_var].keys
+    cv = ConfigView(config)
+    present = [k for k in keys if cv.has(k)] or keys[:1]
+    return cv.with_values({present[0]: n}).raw
+
+
+def _quant_info(view: MtpView) -> dict:
+    q = view.ckpt.config.get("quantization_config")
+    return {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.resolved.block_size),
+            "scale_suffix": view.resolved.scale_suffix}
+
+
+def _revision(ckpt: Checkpoint) -> str | None:
+    if ckpt.root.startswith("hf://") and "@" in ckpt.root:
+        return ckpt.root.rsplit("@", 1)[1]
+    return None
+
+
+def _inputs(ckpt: Checkpoint):
+    return [ckpt.local_dir] if ckpt.local_dir is not None else []
+
+
+def carried_files(ckpt: Checkpoint) -> list[OutputFile]:
+    """Tokenizer, generation config, chat template, code, README: copied as they are."""
+    if ckpt.local_dir is None:
+        fetch = getattr(ckpt, "fetch_file", None)
+        return [OutputFile(name, source=fetch(name)) for name in ckpt.files] if fetch else []
+    return [OutputFile(name, source=ckpt.local_dir / name) for name in ckpt.files]
+
+
+# ---------------------------------------------------------------------------
+# Trunk: everything but the MTP layers
+
+
+def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
+    table = choose_table(ckpt, req.arch)
+    view = open_mtp(ckpt, table)
+    drop = set(view.keys()) | set(view.beyond) | set(view.extra)
+    if not drop:
+        raise InputError(f"{ckpt.root}: no MTP tensors to drop ({table.family} declares {view.count})",
+                         rule="no-mtp")
+    tensors: list[OutputTensor] = []
+    layouts: dict[str, ShardLayout] = {}
+    for shard, keys in ckpt.shard_keys.items():
+        # a key its shard holds but the index does not list is invisible to loaders: not carried
+        keep = [k for k in keys if k not in drop and (ckpt.index is None or ckpt.index["weight_map"].get(k) == shard)]
+        if not keep:
+            continue
+        for k in keep:
+            ref = ckpt.tensors[k]
+            tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
+                                        meta={"source": [k]}))
+        verbatim = raw_header(ckpt, shard) if len(keep) == len(keys) else None
+        layouts[shard] = ShardLayout(order=keep, header_bytes=verbatim)
+    config = _set_count(view, ckpt.config.raw, 0) if table.mtp.count_field else dict(ckpt.config.raw)
+    files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
+    files += carried_files(ckpt)
+    manifest = {
+        "kind": "trunk",
+        "source": {"path": source_name(ckpt), "revision": _revision(ckpt)},
+        "family": table.family,
+        "dropped_mtp_layers": view.count,
+        "dropped_tensors": len(drop),
+        "tool_version": __version__,
+    }
+    plan = Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
+                manifest=manifest, shard_layouts=layouts)
+    if len(layouts) == 1 and ckpt.index is None:
+        plan.single_file_name = next(iter(layouts))
+    return plan
