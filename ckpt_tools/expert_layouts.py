@@ -27,7 +27,11 @@ from .expr import render
 LAYOUT_NAMES = ("per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed")
 
 DEFAULT_KEYS: dict[str, dict[str, str]] = {
-    "per-expert": {"gate": "{P}.{e}.gate_proj.weight", "up": "{P}.{e}.up_proj.weight", "down": "{P}.{e}.down_proj.weight"},
+    "per-expert": {
+        "gate": "{P}.{e}.gate_proj.weight",
+        "up": "{P}.{e}.up_proj.weight",
+        "down": "{P}.{e}.down_proj.weight",
+    },
     "fused": {"gate_up": "{P}.gate_up_proj", "up": "{P}.up_proj", "down": "{P}.down_proj"},
     "stacked": {"gate": "{P}.gate_proj.weight", "up": "{P}.up_proj.weight", "down": "{P}.down_proj.weight"},
     "stacked-transposed": {"gate": "{P}_gate_proj", "up": "{P}_up_proj", "down": "{P}_down_proj"},

@@ -170,14 +170,14 @@ def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
     elif fmt.norm not in ("family", table.norm):
         why = (f"its norms are {fmt.norm} while {table.family} uses {table.norm} norms; converting "
                "(1 + w) to w in bf16 is lossy")
-    elif fmt.requires_engine and fmt.requires_engine not in table.engines:
-        why = f"table {table.family} names no {fmt.requires_engine} architecture (the engine has no draft class for it)"
     elif fmt.rename != "native" and len(table.mtp.blocks) != 1:
         why = f"{table.family} spreads one MTP step over {len(table.mtp.blocks)} sub-blocks"
-    elif fmt.rename == "reprefix":
+    elif fmt.rename == "reprefix" and [s for s in view.resolved.glue_specs() if s.depth is None]:
         outside = [s.key for s in view.resolved.glue_specs() if s.depth is None]
-        if outside:
-            why = f"{table.family} keeps glue tensors outside the layer prefix ({outside[0]}); it is not an appended-layer family"
+        why = (f"{table.family} keeps glue tensors outside the layer prefix ({outside[0]}); "
+               "it is not an appended-layer family")
+    elif fmt.requires_engine and fmt.requires_engine not in table.engines:
+        why = f"table {table.family} names no {fmt.requires_engine} architecture (the engine has no draft class for it)"
     if why:
         raise InputError(f"format {fmt.name} cannot express {table.family}: {why}", rule="format-unsupported")
 
@@ -227,7 +227,7 @@ def correspond(
             swap = (role == "fusion" and fmt.concat_order is not None and fmt.concat_order != family_order)
             corr.tensors.append(TensorLink(dkey, spec.key, spec, swap, spec.shape))
         block_out = new_prefix + fmt.block_prefix if fmt.rename == "roles" else None
-        for b, spec in enumerate(layer.block):
+        for spec in layer.block:
             if spec.key not in present:
                 continue
             if fmt.rename == "native":

@@ -14,7 +14,7 @@ from .dtypes import FP8_DTYPES
 from .errors import InputError
 from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, scale_shape
 from .tables.loader import detect_table, get_table
-from .tables.resolve import Resolved, Spec, expert_specs, resolve
+from .tables.resolve import Resolved, Spec, resolve
 from .tables.schema import Table
 
 
@@ -72,6 +72,12 @@ class MtpView:
 def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
     """The layout whose tensors are on disk; the shipped layout when nothing matches."""
     candidates = [group.layout] + [ExpertLayout(n) for n in LAYOUT_NAMES if n != group.layout.name]
+    # fused and fused-transposed share key names: only shapes (refs in a mapping) tell them apart
+    if hasattr(keys, "get"):
+        for lay in candidates:
+            g = group if lay == group.layout else group.with_layout(lay)
+            if all(tuple(getattr(keys.get(t.key), "shape", ())) == t.shape for t in g.tensors()):
+                return lay
     best, best_hits = group.layout, -1
     for lay in candidates:
         g = group if lay == group.layout else group.with_layout(lay)

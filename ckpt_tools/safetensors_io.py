@@ -8,6 +8,7 @@ own ``Metadata::validate``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -109,11 +110,9 @@ class LocalFile:
             os.close(self._fd)
             self._fd = -1
 
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def read_bytes(src: ByteSource, offset: int, length: int) -> bytearray:
@@ -237,7 +236,8 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
     expected = 0
     for key, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if info.begin < expected:
-            raise fail("overlap", f"tensor {key!r} starts at {info.begin}, inside the previous tensor (ends {expected})")
+            raise fail("overlap", f"tensor {key!r} starts at {info.begin}, inside the previous tensor "
+                       f"(which ends at {expected})")
         if info.begin > expected:
             raise fail(
                 "offsets-not-contiguous", f"tensor {key!r} starts at {info.begin}, leaving a hole after {expected}"
@@ -255,8 +255,8 @@ def read_header(src: ByteSource) -> Header:
     """Read and validate the header of ``src`` without touching tensor data."""
     size = src.size
     if size < 8:
-        raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length", rule="header-length",
-                          path=src.name)
+        raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length",
+                          rule="header-length", path=src.name)
     (n,) = struct.unpack("<Q", read_bytes(src, 0, 8))
     if n > MAX_HEADER_BYTES:
         raise HeaderError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit", rule="header-too-large",

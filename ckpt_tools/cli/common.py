@@ -45,7 +45,9 @@ def command(fn: Callable) -> Callable:
         except CkptError as e:
             if STATE["debug"]:
                 traceback.print_exc()
-            err_console().print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+            from rich.markup import escape
+
+            err_console().print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console().print("interrupted; no output was marked complete")
@@ -53,8 +55,10 @@ def command(fn: Callable) -> Callable:
         except Exception as e:  # a bug: say so, without a traceback unless asked
             if STATE["debug"]:
                 traceback.print_exc()
+            from rich.markup import escape
+
             err_console().print(
-                f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with `ckpt --debug ...` "
+                f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} (rerun with `ckpt --debug ...` "
                 "for a traceback and report it)", soft_wrap=True,
             )
             raise typer.Exit(INTERNAL_ERROR) from None
@@ -74,8 +78,8 @@ class RichProgress(Progress):
         self._task = None
 
     def start(self, total: int, description: str) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress as RP, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import Progress as RP
 
         self._p = RP("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                      TransferSpeedColumn(), TimeRemainingColumn(), console=err_console(), transient=True)

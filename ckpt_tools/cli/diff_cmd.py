@@ -43,7 +43,10 @@ def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff
         for d in rows:
             dtype = d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a} -> {d.dtype_b}"
             shape = d.shape_a if d.shape_a == d.shape_b else f"{d.shape_a} -> {d.shape_b}"
-            fmt = (lambda v: "" if v is None else f"{v:.3g}")
-            t.add_row(d.key, d.status, str(dtype), str(shape), fmt(d.max_abs), fmt(d.rel_l2), fmt(d.cosine))
+            t.add_row(d.key, d.status, str(dtype), str(shape), _num(d.max_abs), _num(d.rel_l2), _num(d.cosine))
         c.print(t)
     c.print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:.3g}"

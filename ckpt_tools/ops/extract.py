@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .. import __version__
+from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, source_name
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
@@ -18,7 +18,6 @@ from ..expert_layouts import scale_key
 from ..formats import Correspondence, Format, correspond, draft_config, get_format
 from ..mtp import MtpView, choose_table, open_mtp
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
-from .. import transforms
 
 DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
@@ -57,7 +56,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     table = choose_table(ckpt, req.arch)
     view = open_mtp(ckpt, table)
     if view.count == 0:
-        hint = f" (but {len(view.beyond)} MTP-looking tensors are present, e.g. {view.beyond[0]})" if view.beyond else ""
+        hint = (f" (but {len(view.beyond)} MTP-looking tensors are present, e.g. {view.beyond[0]})"
+                if view.beyond else "")
         raise InputError(f"{ckpt.root}: the config declares no MTP layers for {table.family}{hint}; nothing to "
                          "extract", rule="no-mtp")
     view.require_complete()

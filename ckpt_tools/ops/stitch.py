@@ -18,7 +18,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .. import __version__
+from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, source_name
 from ..compare import TensorDiff, compare
 from ..config import ConfigView
@@ -29,7 +29,6 @@ from ..formats import Correspondence, Format, correspond, detect_format, get_for
 from ..mtp import MtpView, choose_table, detect_group_layout, open_mtp
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..tables.resolve import Spec, resolve, trunk_specs
-from .. import transforms
 from .extract import _set_count, carried_files
 
 LINK_MODES = ("copy", "reflink", "hardlink", "symlink")
@@ -287,7 +286,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     builder = _Builder(draft, view, corr, req, add=mode == "add")
     builder.build()
     report = StitchReport(mode, fmt.name, table.family)
-    _check_draft(draft, fmt, builder, report, view)
+    _check_draft(draft, fmt, builder, report, view, req.allow_partial)
     mtp_keys = set(declared.keys()) if mode == "replace" else set()
     copies = {k for k in mtp_keys if _is_copy(k, view)}
     report.kept_copies = sorted(copies - set(builder.candidates))
@@ -319,9 +318,10 @@ def _is_copy(key: str, view: MtpView) -> bool:
     return any(s.key == key and s.role in ("embed", "head") for s in view.present)
 
 
-def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: StitchReport, view: MtpView) -> None:
+def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: StitchReport, view: MtpView,
+                 allow_partial: bool) -> None:
     problems = []
-    if builder.missing:
+    if builder.missing and not allow_partial:  # with --allow-partial the verifier's tensors stay
         problems.append(f"missing from the draft: {', '.join(builder.missing[:15])}"
                         + (" ..." if len(builder.missing) > 15 else ""))
     if builder.misshaped:

@@ -195,7 +195,7 @@ def _split(order: list[str], tensors, mtp_keys: set[str], opts: FixtureOptions) 
     names = [f"model-{j + 1:05d}-of-{len(groups):05d}.safetensors" for j in range(len(groups))]
     if opts.mtp_sidecar:
         names[-1] = opts.mtp_sidecar
-    return dict(zip(names, groups))
+    return dict(zip(names, groups, strict=True))
 
 
 def _chunks(keys: list[str], tensors, n: int) -> list[list[str]]:
@@ -203,7 +203,7 @@ def _chunks(keys: list[str], tensors, n: int) -> list[list[str]]:
     total = sum(sizes) or 1
     out: list[list[str]] = [[] for _ in range(n)]
     acc = 0
-    for k, s in zip(keys, sizes):
+    for k, s in zip(keys, sizes, strict=True):
         j = min(n - 1, acc * n // total)
         out[j].append(k)
         acc += s
