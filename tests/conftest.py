@@ -13,6 +13,13 @@ from ckpt_tools.testing import FixtureOptions, make_checkpoint
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 
 
+def pytest_configure(config):
+    # CI runs two pytest workers on two cores: one torch thread each avoids oversubscription
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def make_fixture(tmp_path_factory):
     """``make_fixture(family, **FixtureOptions)`` -> path of a cached, read-only fixture checkpoint."""

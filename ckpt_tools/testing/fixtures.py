@@ -128,6 +128,8 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = get_table(family)
+    if opts.fp8 and table.quantization is None:
+        raise ValueError(f"table {family} declares no block quantization; an FP8 fixture would be fiction")
     cfg = fixture_config(family, opts.config_overrides, opts.fp8)
     view = ConfigView(cfg)
     res = resolve(table, view)
