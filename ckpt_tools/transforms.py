@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from .dtypes import DTYPES, FP8_DTYPES
+from .dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from .errors import PlanError
 from .numeric import as_bytes, bytes_to_numpy, bytes_to_torch
 from .plan import Compute, CopyBytes, OutputTensor, Recipe
@@ -164,3 +164,42 @@ def _inputs(t: OutputTensor) -> list[str]:
     if isinstance(r, Compute):
         return list(r.inputs)
     return list(t.meta.get("source", [])) or [t.key]
+
+
+def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str) -> tuple[OutputTensor, OutputTensor]:
+    """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its F32 ``weight_scale_inv`` grid.
+
+    Both recipes walk ``t`` in bands of one block row (of one matrix of a stack), so
+    memory stays at one band; the cheap per-block amax is simply computed in both.
+    """
+    if t.dtype not in FLOAT_DTYPES or len(t.shape) < 2:
+        raise PlanError(f"{t.key}: cannot quantize {t.dtype} {list(t.shape)} to FP8", rule="fp8-dtype")
+    *lead_dims, rows, cols = t.shape
+    lead = math.prod(lead_dims)
+    grid = (*lead_dims, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    src = t
+    item = DTYPES[t.dtype].nbytes(1)
+
+    def bands():
+        from . import fp8
+
+        reader = RecipeReader(src.recipe)
+        for _ in range(lead):
+            for r in range(0, rows, block[0]):
+                n = min(block[0], rows - r)
+                values = bytes_to_torch(reader.read(n * cols * item), src.dtype, (n, cols)).float()
+                yield fp8.quantize(values, block)
+
+    def weights():
+        for q, _s in bands():
+            yield q
+
+    def scales():
+        for _q, s in bands():
+            yield s
+
+    meta = dict(t.meta, quantized={"block": list(block)})
+    w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", _inputs(t)), t.shard, meta)
+    s = OutputTensor(scale_key, "F32", grid, Compute(scales, "quantize-scale", _inputs(t)), t.shard,
+                     {"role": "scale", "source": _inputs(t)})
+    return w, s

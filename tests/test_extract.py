@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tree_hash
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -19,6 +18,8 @@ from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
 from ckpt_tools.mtp import open_mtp
 from ckpt_tools.tables.loader import all_tables
+
+from conftest import tree_hash
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
 runner = CliRunner()

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tree_hash
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -21,6 +20,8 @@ from ckpt_tools.errors import InputError
 from ckpt_tools.formats import all_formats, check_expressible, get_format
 from ckpt_tools.mtp import open_mtp
 from ckpt_tools.tables.loader import all_tables
+
+from conftest import tree_hash
 
 runner = CliRunner()
 MTP_FAMILIES = sorted(f for f, t in all_tables().items() if t.kind == "mtp")

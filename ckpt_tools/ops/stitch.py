@@ -131,6 +131,7 @@ class _Builder:
         self.missing: list[str] = []
         self.misshaped: list[str] = []
         self.removed: list[str] = []  # verifier keys dropped (scales under --keep-bf16)
+        self.kept_fp8: set[str] = set()  # FP8 verifier tensors whose dequantized value the draft left alone
 
     def build(self) -> None:
         for link in self.corr.tensors:
@@ -234,11 +235,27 @@ class _Builder:
         self.candidates[t.key] = t
 
     def _requantize(self, t: OutputTensor) -> None:
-        from ..fp8 import requant_outputs
+        """Draft values into an FP8 verifier tensor.
 
+        When the draft equals the verifier's dequantized value (in the draft's dtype),
+        the verifier's FP8 bytes and scale are kept exactly; otherwise the values are
+        requantized (per-block amax / 448, round-to-nearest-even e4m3, saturating).
+        """
         vref = self.view.ckpt.tensors[t.key]
-        sref = self.view.ckpt.tensors[scale_key(t.key, self.res.scale_suffix)]
-        w, s = requant_outputs(t, vref, sref, self.res.block_size)
+        skey = scale_key(t.key, self.res.scale_suffix)
+        sref = self.view.ckpt.tensors[skey]
+        vq = OutputTensor(t.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]))
+        vs = OutputTensor(skey, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
+        if t.dtype in FLOAT_DTYPES:
+            as_draft = transforms.dequantize(vq, vs, t.dtype, self.res.block_size)
+            same = compare(t.key, t.dtype, t.shape, as_draft.recipe, t.dtype, t.shape, t.recipe, stats=False)
+            if same.status == "unchanged":
+                self.candidates[t.key] = OutputTensor(t.key, vref.dtype, vref.shape, vq.recipe, meta=t.meta)
+                self.candidates[skey] = OutputTensor(skey, sref.dtype, sref.shape, vs.recipe,
+                                                     meta={"role": "scale", "source": [skey]})
+                self.kept_fp8.add(t.key)
+                return
+        w, s = transforms.requantize(t, self.res.block_size, skey)
         self.candidates[w.key] = w
         self.candidates[s.key] = s
 
