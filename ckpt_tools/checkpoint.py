@@ -286,7 +286,7 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
             fpath = _confined(d, root, name)
             if not fpath.is_file():
                 raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
-                                 path=str(d))
+                                 path=str(d / name))
             src = LocalFile(fpath)
             src.name = str(d / name)
             headers[name] = read_header(src)

@@ -1,5 +1,138 @@
-"""Placeholder: this verb is not implemented yet."""
+"""`ckpt inspect PATH`: the MTP layers of a checkpoint - roles, experts, shards, dtypes, sizes."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import command, emit_json, human_bytes, out_console
+
+MAX_ROWS = 20  # problem keys listed before "..."
 
 
-def register(app) -> None:
-    pass
+def _b(n: int) -> str:
+    """Exact bytes, with the human size alongside."""
+    return f"{n:,} ({human_bytes(n)})" if n >= 1000 else f"{n} B"
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.2f}%" if whole else "-"
+
+
+def render(report) -> None:
+    from rich.table import Table
+
+    con = out_console()
+    src = "--arch" if report.table_source == "arch" else "detected"
+    con.print(f"[bold]{report.path}[/]")
+    con.print(f"family [bold]{report.family}[/] ({report.title}, {src}); "
+              f"MTP layers: [bold]{report.mtp_layers}[/]"
+              + (f" ({report.count_field})" if report.count_field else "")
+              + f"; norm {report.norm}; fusion input {report.concat_order.replace('_', '-')}; dtype {report.dtype}")
+    q = report.quantization
+    if q:
+        con.print(f"quantization: {q['quant_method']}, block {q['weight_block_size']}, scales *{q['scale_suffix']}")
+
+    whole, mtp = report.totals["checkpoint"], report.totals["mtp"]
+    t = Table(title="Size", title_justify="left")
+    for col in ("", "tensors", "parameters", "bytes", "shards"):
+        t.add_column(col, justify="left" if not col else "right")
+    t.add_row("MTP", f"{mtp['tensors']:,}", f"{mtp['params']:,}", _b(mtp["bytes"]), str(mtp["shards"]))
+    t.add_row("checkpoint", f"{whole['tensors']:,}", f"{whole['params']:,}", _b(whole["bytes"]), str(whole["shards"]))
+    t.add_row("MTP share", _pct(mtp["tensors"], whole["tensors"]), _pct(mtp["params"], whole["params"]),
+              _pct(mtp["bytes"], whole["bytes"]), "")
+    con.print(t)
+
+    if report.roles:
+        dtypes_of: dict[str, set[str]] = {}
+        for e in report.tensors:
+            dtypes_of.setdefault(e["role"], set()).add(e["dtype"])
+        t = Table(title="MTP tensors by role", title_justify="left")
+        for col in ("role", "tensors", "parameters", "bytes", "dtypes"):
+            t.add_column(col, justify="right" if col in ("tensors", "parameters", "bytes") else "left")
+        for role, r in report.roles.items():
+            t.add_row(role, str(r["tensors"]), f"{r['params']:,}", f"{r['bytes']:,}",
+                      ", ".join(sorted(dtypes_of.get(role, ()))))
+        con.print(t)
+
+    if len(report.layers) > 1:
+        t = Table(title="MTP layers", title_justify="left")
+        for col in ("depth", "prefix", "tensors", "parameters", "bytes"):
+            t.add_column(col, justify="right" if col != "prefix" else "left")
+        for layer in report.layers:
+            depth = "shared" if layer["depth"] is None else str(layer["depth"])
+            t.add_row(depth, layer["prefix"] or "-", str(layer["tensors"]), f"{layer['params']:,}",
+                      f"{layer['bytes']:,}")
+        con.print(t)
+
+    if report.experts:
+        t = Table(title="Routed experts", title_justify="left")
+        for col in ("group", "E", "H", "I", "layout", "quant", "tensors", "bytes"):
+            t.add_column(col, justify="left" if col in ("group", "layout") else "right",
+                         min_width=24 if col == "group" else None)
+        for g in report.experts:
+            layout = g["layout"] + (f" (shipped {g['layout_shipped']})" if g["layout"] != g["layout_shipped"] else "")
+            t.add_row(g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), layout,
+                      "fp8" if g["quant"] else "-", str(g["tensors"]), f"{g['bytes']:,}")
+        con.print(t)
+
+    if report.shards:
+        t = Table(title="Shards holding MTP tensors", title_justify="left")
+        for col in ("shard", "MTP tensors", "MTP bytes", "tensors", "bytes"):
+            t.add_column(col, justify="left" if col == "shard" else "right")
+        for s in report.shards:
+            t.add_row(s["name"], str(s["mtp_tensors"]), f"{s['mtp_bytes']:,}", str(s["tensors"]), f"{s['bytes']:,}")
+        con.print(t)
+
+    t = Table(title="Dtypes", title_justify="left")
+    for col in ("dtype", "MTP tensors", "MTP bytes", "tensors", "bytes"):
+        t.add_column(col, justify="left" if col == "dtype" else "right")
+    for dt, w in report.dtypes["checkpoint"].items():
+        m = report.dtypes["mtp"].get(dt, {"tensors": 0, "bytes": 0})
+        t.add_row(dt, str(m["tensors"]), f"{m['bytes']:,}", str(w["tensors"]), f"{w['bytes']:,}")
+    con.print(t)
+    if report.fp8["weights"]:
+        f = report.fp8
+        con.print(f"FP8: {f['weights']} MTP weight(s) with {f['scales']} *{f['scale_suffix']} companion(s), "
+                  f"block {f['block'][0]}x{f['block'][1]}")
+
+    _render_status(con, report.status, report.mtp_layers)
+
+
+def _render_status(con, status: dict, count: int) -> None:
+    if status["complete"] and not (status["extra"] or status["beyond"]):
+        note = f"; optional absent: {len(status['optional_absent'])}" if status["optional_absent"] else ""
+        con.print(f"[green]MTP set complete[/] ({count} layer(s)){note}")
+        return
+    lines = [f"missing {m['key']} {m['shape']}" for m in status["missing"]]
+    lines += [f"{m['key']} has shape {m['actual']}, expected {m['expected']}" for m in status["misshaped"]]
+    lines += [f"FP8 weight {k} has no scale" for k in status["missing_scales"]]
+    lines += [f"extra tensor in the MTP namespace: {k}" for k in status["extra"]]
+    lines += [f"MTP tensor past the declared count: {k}" for k in status["beyond"]]
+    con.print(f"[yellow]MTP set has {len(lines)} problem(s)[/] (`ckpt validate` reports them with rules):")
+    for line in lines[:MAX_ROWS]:
+        con.print(f"  {line}", markup=False)
+    if len(lines) > MAX_ROWS:
+        con.print(f"  ... and {len(lines) - MAX_ROWS} more")
+
+
+PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
+ARCH_HELP = "Use this family's table instead of detecting it."
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inspect")
+    @command
+    def inspect_cmd(
+        path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP),
+        arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
+        json_output: bool = typer.Option(False, "--json", help="Print the report as JSON (keys documented in "
+                                                                "ckpt_tools.ops.inspect)."),
+    ) -> None:
+        """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes."""
+        from ..ops.inspect import inspect_checkpoint
+
+        report = inspect_checkpoint(path, arch)
+        if json_output:
+            emit_json(report.to_json())
+        else:
+            render(report)

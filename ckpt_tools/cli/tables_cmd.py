@@ -1,5 +1,30 @@
-"""Placeholder: this verb is not implemented yet."""
+"""`ckpt tables`: known families, what they match, and the draft formats each supports."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import command, emit_json, out_console
 
 
-def register(app) -> None:
-    pass
+def register(app: typer.Typer) -> None:
+    @app.command("tables")
+    @command
+    def tables(json_output: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+        """List the architecture tables (shipped and from $CKPT_TABLES) and their extract formats."""
+        from rich.table import Table
+
+        from ..ops.tables_info import tables_info
+
+        rows = tables_info()
+        if json_output:
+            emit_json(rows)
+            return
+        t = Table(title="architecture tables")
+        for col in ("family", "kind", "architectures / model_type", "MTP prefix", "formats"):
+            t.add_column(col, overflow="fold")
+        for r in rows:
+            ok = [f for f, why in r["formats"].items() if why == "ok"]
+            t.add_row(r["family"], r["kind"], ", ".join(r["architectures"] + r["model_types"]), r["mtp_prefix"],
+                      ", ".join(ok) or "-")
+        out_console().print(t)

@@ -1,0 +1,241 @@
+"""`ckpt inspect`: what a checkpoint's MTP layers are made of, to the byte.
+
+``inspect_checkpoint(path_or_ckpt, arch=None)`` returns an ``InspectReport``; the CLI
+renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
+``mtp.open_mtp``: reads headers only.
+
+``InspectReport.to_json()`` - the ``ckpt inspect --json`` output - has these stable keys:
+
+- ``path``, ``family``, ``title``, ``table_source`` (``"detected"`` or ``"arch"``),
+  ``norm`` (``plain`` | ``zero_centred``), ``concat_order`` (``embed_first`` | ``hidden_first``),
+  ``dtype`` (the model dtype the table resolved), ``mtp_layers`` (declared count) and
+  ``count_field`` (the config key declaring it, or null);
+- ``quantization``: null, or ``{quant_method, weight_block_size, scale_suffix}`` from the config;
+- ``totals``: ``{"checkpoint": T, "mtp": T}`` with ``T = {tensors, params, bytes, shards}``;
+  params count every element of every tensor (FP8 scales included), bytes are tensor data
+  bytes (numel x itemsize, headers excluded), shards the number of files involved;
+- ``roles``: role -> ``{tensors, params, bytes, keys}`` for the MTP tensors present, roles in
+  this order when present: embed_norm, hidden_norm, fusion, fusion_embed, fusion_hidden,
+  final_norm, embed, head (per-layer copies), block, experts, fp8_scales;
+- ``layers``: per depth ``{depth, prefix, tensors, params, bytes}``; tensors shared by every
+  depth (``depth: null``) come last when the family has them;
+- ``experts``: per routed-expert group ``{prefix, depth, count, hidden, inter, gated, quant,
+  layout_shipped, layout, tensors, params, bytes}`` (``layout`` is what is on disk; the sizes
+  count the expert weights, their FP8 scales are under ``fp8_scales``);
+- ``shards``: the files holding MTP tensors, ``{name, mtp_tensors, mtp_bytes, tensors, bytes}``;
+- ``dtypes``: ``{"mtp": D, "checkpoint": D}`` with ``D = {dtype: {tensors, params, bytes}}``;
+- ``fp8``: ``{weights, scales, scale_suffix, block}`` over the MTP tensors;
+- ``tensors``: every MTP tensor present, ``{key, role, depth, dtype, shape, params, bytes, shard}``
+  plus ``scale`` (the companion's key) on FP8 weights;
+- ``status``: ``{complete, missing, misshaped, missing_scales, extra, beyond, optional_absent}``;
+  missing entries are ``{key, role, depth, shape}``, misshaped ``{key, expected, actual}``, the
+  others lists of keys.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..checkpoint import Checkpoint
+from ..dtypes import FP8_DTYPES
+from ..expert_layouts import scale_key
+from ..mtp import MtpView, choose_table, open_mtp
+from ..tables.loader import get_table
+from ..tables.schema import GLUE_ROLES
+
+ROLE_ORDER = (*GLUE_ROLES, "block", "experts", "fp8_scales")
+_ROLE_NAME = {"expert": "experts", "scale": "fp8_scales"}
+
+
+def _stats() -> dict:
+    return {"tensors": 0, "params": 0, "bytes": 0}
+
+
+def _add(stats: dict, numel: int, nbytes: int) -> None:
+    stats["tensors"] += 1
+    stats["params"] += numel
+    stats["bytes"] += nbytes
+
+
+@dataclass
+class InspectReport:
+    path: str
+    family: str
+    title: str
+    table_source: str
+    norm: str
+    concat_order: str
+    dtype: str
+    mtp_layers: int
+    count_field: str | None
+    quantization: dict | None
+    totals: dict
+    roles: dict
+    layers: list[dict]
+    experts: list[dict]
+    shards: list[dict]
+    dtypes: dict
+    fp8: dict
+    tensors: list[dict]
+    status: dict
+    view: MtpView | None = field(default=None, repr=False)  # for callers that go on planning
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.status["complete"])
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "family": self.family,
+            "title": self.title,
+            "table_source": self.table_source,
+            "norm": self.norm,
+            "concat_order": self.concat_order,
+            "dtype": self.dtype,
+            "mtp_layers": self.mtp_layers,
+            "count_field": self.count_field,
+            "quantization": self.quantization,
+            "totals": self.totals,
+            "roles": self.roles,
+            "layers": self.layers,
+            "experts": self.experts,
+            "shards": self.shards,
+            "dtypes": self.dtypes,
+            "fp8": self.fp8,
+            "tensors": self.tensors,
+            "status": self.status,
+        }
+
+
+def _count_field(view: MtpView) -> str | None:
+    table = view.table
+    var = table.config.get(table.mtp.count_field or "")
+    if var is None:
+        return None
+    for k in var.keys:
+        if view.ckpt.config.has(k):
+            return k
+    return None
+
+
+def _quantization(ckpt: Checkpoint, view: MtpView) -> dict | None:
+    qc = ckpt.config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    return {
+        "quant_method": qc.get("quant_method"),
+        "weight_block_size": qc.get("weight_block_size"),
+        "scale_suffix": view.resolved.scale_suffix,
+    }
+
+
+def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport:
+    """The report for an already classified checkpoint."""
+    ckpt = view.ckpt
+    res = view.resolved
+    source_name = {id(src): name for name, src in ckpt.sources.items()}
+
+    whole = _stats()
+    whole_dtypes: dict[str, dict] = {}
+    for ref in ckpt.tensors.values():
+        _add(whole, ref.numel, ref.nbytes)
+        _add(whole_dtypes.setdefault(ref.dtype, _stats()), ref.numel, ref.nbytes)
+    whole["shards"] = len(ckpt.headers)
+
+    mtp = _stats()
+    roles: dict[str, dict] = {}
+    mtp_dtypes: dict[str, dict] = {}
+    by_depth: dict[int | None, dict] = {}
+    by_shard: dict[str, dict] = {}
+    tensors: list[dict] = []
+    fp8 = {"weights": 0, "scales": 0, "scale_suffix": res.scale_suffix, "block": list(res.block_size)}
+    for s in view.present:
+        ref = ckpt.tensors[s.key]
+        role = _ROLE_NAME.get(s.role, s.role)
+        numel, nbytes = ref.numel, ref.nbytes
+        _add(mtp, numel, nbytes)
+        r = roles.setdefault(role, {**_stats(), "keys": []})
+        _add(r, numel, nbytes)
+        r["keys"].append(s.key)
+        _add(mtp_dtypes.setdefault(ref.dtype, _stats()), numel, nbytes)
+        _add(by_depth.setdefault(s.depth, _stats()), numel, nbytes)
+        shard = source_name.get(id(ref.source)) or ckpt.shard_of(s.key)
+        _add(by_shard.setdefault(shard, _stats()), numel, nbytes)
+        entry = {"key": s.key, "role": role, "depth": s.depth, "dtype": ref.dtype, "shape": list(ref.shape),
+                 "params": numel, "bytes": nbytes, "shard": shard}
+        if ref.dtype in FP8_DTYPES:
+            entry["scale"] = scale_key(s.key, res.scale_suffix)
+            fp8["weights"] += 1
+        if role == "fp8_scales":
+            fp8["scales"] += 1
+        tensors.append(entry)
+    mtp["shards"] = len(by_shard)
+
+    layers = [
+        {"depth": layer.depth, "prefix": layer.prefix, **by_depth.get(layer.depth, _stats())}
+        for layer in res.layers
+    ]
+    if None in by_depth:
+        layers.append({"depth": None, "prefix": None, **by_depth[None]})
+
+    experts = []
+    for g in view.groups():
+        shipped = next((x.layout for x in res.experts() if x.prefix == g.prefix), g.layout)
+        st = _stats()
+        present = set(view.keys())
+        for t in g.tensors():
+            if t.key in present:
+                ref = ckpt.tensors[t.key]
+                _add(st, ref.numel, ref.nbytes)
+        experts.append({
+            "prefix": g.prefix, "depth": g.depth, "count": g.count, "hidden": g.hidden, "inter": g.inter,
+            "gated": g.gated, "quant": g.quant, "layout_shipped": shipped.label(), "layout": g.layout.label(),
+            **st,
+        })
+
+    shards = []
+    for name in sorted(by_shard):
+        keys = ckpt.shard_keys.get(name, [])
+        h = ckpt.headers.get(name)
+        shards.append({
+            "name": name,
+            "mtp_tensors": by_shard[name]["tensors"],
+            "mtp_bytes": by_shard[name]["bytes"],
+            "tensors": len(keys),
+            "bytes": sum(i.nbytes for i in h.tensors.values()) if h else 0,
+        })
+
+    status = {
+        "complete": view.complete(),
+        "missing": [{"key": s.key, "role": _ROLE_NAME.get(s.role, s.role), "depth": s.depth, "shape": list(s.shape)}
+                    for s in view.missing],
+        "misshaped": [{"key": s.key, "expected": list(s.shape), "actual": list(a)} for s, a in view.misshaped],
+        "missing_scales": list(view.missing_scales),
+        "extra": list(view.extra),
+        "beyond": list(view.beyond),
+        "optional_absent": [s.key for s in view.optional_absent],
+    }
+    ordered_roles = {r: roles[r] for r in ROLE_ORDER if r in roles}
+    ordered_roles.update({r: v for r, v in roles.items() if r not in ordered_roles})
+    table = view.table
+    return InspectReport(
+        path=ckpt.root, family=table.family, title=table.title, table_source=table_source, norm=table.norm,
+        concat_order=table.mtp.concat_order, dtype=res.dtype, mtp_layers=view.count,
+        count_field=_count_field(view), quantization=_quantization(ckpt, view),
+        totals={"checkpoint": whole, "mtp": mtp}, roles=ordered_roles, layers=layers, experts=experts,
+        shards=shards, dtypes={"mtp": _sorted(mtp_dtypes), "checkpoint": _sorted(whole_dtypes)}, fp8=fp8,
+        tensors=tensors, status=status, view=view,
+    )
+
+
+def _sorted(d: dict[str, dict]) -> dict[str, dict]:
+    return dict(sorted(d.items(), key=lambda kv: -kv[1]["bytes"]))
+
+
+def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str | None = None) -> InspectReport:
+    """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection."""
+    ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint.open(path_or_ckpt)
+    table = get_table(arch) if arch else choose_table(ckpt)
+    return inspect_view(open_mtp(ckpt, table), "arch" if arch else "detected")

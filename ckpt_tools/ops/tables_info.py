@@ -1,0 +1,58 @@
+"""`ckpt tables`: the known families, what they match, and the formats each can be extracted to."""
+
+from __future__ import annotations
+
+from ..checkpoint import Checkpoint
+from ..config import ConfigView
+from ..errors import CkptError
+from ..formats import all_formats, check_expressible
+from ..mtp import MtpView
+from ..tables.loader import all_tables
+from ..tables.resolve import resolve
+
+
+def _virtual(table) -> MtpView | None:
+    """An MTP view of the table's fixture config, as if every MTP tensor were present."""
+    if not table.fixture:
+        return None
+    cfg = ConfigView(dict(table.fixture))
+    ckpt = Checkpoint(table.family, cfg, {}, {}, None, [])
+    res = resolve(table, cfg, mtp_count=max(1, _count(table, cfg)))
+    view = MtpView(ckpt, res, {g.prefix: g.layout for g in res.experts()})
+    view.present = res.mtp_specs()
+    return view
+
+
+def _count(table, cfg: ConfigView) -> int:
+    try:
+        return resolve(table, cfg).mtp_count
+    except CkptError:
+        return 1
+
+
+def tables_info() -> list[dict]:
+    rows = []
+    for name, table in sorted(all_tables().items()):
+        view = _virtual(table)
+        formats = {}
+        for fname, fmt in sorted(all_formats().items()):
+            if view is None:
+                formats[fname] = "no fixture config to check against"
+                continue
+            try:
+                check_expressible(fmt, view, [0])
+                formats[fname] = "ok"
+            except CkptError as e:
+                formats[fname] = str(e).split(": ", 1)[-1]
+        rows.append({
+            "family": name,
+            "title": table.title,
+            "kind": table.kind,
+            "architectures": table.detect.architectures,
+            "model_types": table.detect.model_types,
+            "mtp_prefix": table.mtp.prefix,
+            "norm": table.norm,
+            "concat_order": table.mtp.concat_order,
+            "formats": formats,
+        })
+    return rows
