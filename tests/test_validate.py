@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tree_hash
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -22,6 +21,8 @@ from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, EXIT_USAGE, InputError
 from ckpt_tools.ops.validate import validate
 from ckpt_tools.tables.loader import all_tables, mappings_dir
+
+from conftest import tree_hash
 
 INDEX = "model.safetensors.index.json"
 runner = CliRunner()
