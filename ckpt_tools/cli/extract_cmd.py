@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, human_bytes, out_console, progress_for
+from .common import command, command_line, emit_json, out_console, progress_for
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
         from ..checkpoint import Checkpoint
         from ..ops.extract import ExtractRequest, plan_extract
+        from ..ops.validate import validate_output
         from ..plan import parse_size
         from ..safetensors_io import IO_STATS
         from .render import render_plan, report_write
@@ -67,5 +68,6 @@ def register(app: typer.Typer) -> None:
         from ..writer import execute
 
         result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
-        report_write(plan, result, json_output, bytes_read=IO_STATS.total, extra={"format": fmt})
-        _ = human_bytes
+        bytes_read = IO_STATS.total
+        validation = validate_output(out)
+        report_write(plan, result, json_output, bytes_read=bytes_read, extra={"format": fmt}, validation=validation)

@@ -52,7 +52,10 @@ def register(app: typer.Typer) -> None:
 
             plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
             result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
-            report.validation = _validate(out)
+            from ..ops.validate import validate
+
+            rep = validate(out)
+            report.validation = {"ok": rep.ok, "problems": [p.to_json() for p in rep.problems]}
             (out / "stitch-report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
             _ = result
         data = report.to_json()
@@ -69,12 +72,3 @@ def register(app: typer.Typer) -> None:
                                     f"new shards: {', '.join(report.new_shards) or '-'}")
         if report.validation is not None and not report.validation.get("ok", True):
             raise typer.Exit(1)
-
-
-def _validate(out: Path) -> dict | None:
-    try:
-        from ..ops.validate import validate
-    except ImportError:
-        return None
-    rep = validate(out)
-    return {"ok": rep.ok, "problems": [p.__dict__ if hasattr(p, "__dict__") else str(p) for p in rep.problems]}

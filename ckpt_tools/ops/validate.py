@@ -270,11 +270,47 @@ def _count_field(view) -> str:
     return var.keys[0]
 
 
+def _draft_format(ckpt: Checkpoint) -> str | None:
+    """The draft format of ``ckpt`` when it is a renamed draft (speculators, angelspec, ...), else None."""
+    from ..formats import detect_format
+
+    fmt = detect_format(ckpt.config.raw, ckpt.manifest)
+    return None if fmt.rename == "native" else fmt.name
+
+
+def _manifest_checks(ckpt: Checkpoint, unknown: set[str], report: ValidationReport) -> None:
+    """Every tensor our manifest lists is present with the dtype and shape it was written with."""
+    entries = (ckpt.manifest or {}).get("tensors")
+    if not isinstance(entries, dict) or not ckpt.local_dir:
+        return
+    where = str(ckpt.local_dir / "ckpt_manifest.json")
+    for key, entry in entries.items():
+        if key in unknown or not isinstance(entry, dict):
+            continue
+        ref = ckpt.tensors.get(key)
+        if ref is None:
+            report.add("manifest-missing", where, key, "listed in ckpt_manifest.json but not in the checkpoint")
+        elif entry.get("dtype") != ref.dtype or list(entry.get("shape", [])) != list(ref.shape):
+            report.add("manifest-mismatch", ref.file, key,
+                       f"is {ref.dtype} {list(ref.shape)}, the manifest says {entry.get('dtype')} {entry.get('shape')}")
+    if (ckpt.manifest or {}).get("kind") == "mtp-draft":
+        for key in sorted(set(ckpt.tensors) - set(entries)):
+            report.add("manifest-extra", ckpt.tensors[key].file, key, "not listed in the draft's ckpt_manifest.json")
+
+
 def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config_broken: bool,
                    report: ValidationReport) -> None:
     cfg = _config_path(ckpt)
     view = None
     table = None
+    _manifest_checks(ckpt, unknown, report)
+    draft_format = None if config_broken or arch else _draft_format(ckpt)
+    if draft_format is not None:
+        # a renamed draft has no architecture table of its own: its manifest is the reference
+        report.family = (ckpt.manifest or {}).get("family")
+        layers = (ckpt.manifest or {}).get("layers")
+        report.mtp_layers = len(layers) if isinstance(layers, list) else None
+        return
     if not config_broken:
         try:
             table = choose_table(ckpt, arch)
@@ -384,3 +420,15 @@ def _fp8_checks(ckpt: Checkpoint, table, view, unknown: set[str], cfg: str | Non
             want = f"{list(want_shape)} (block {block[0]}x{block[1]} over {list(ref.shape)})"
         if not ok:
             report.add("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")
+
+
+def validate_output(path: str | os.PathLike) -> dict:
+    """Validate a directory this tool just wrote; an invalid output is an output error (exit 4)."""
+    from ..errors import OutputError
+
+    report = validate(path)
+    if not report.ok:
+        shown = "; ".join(str(p) for p in report.problems[:5])
+        raise OutputError(f"the output failed validation ({len(report.problems)} problem(s)): {shown}",
+                          path=str(path))
+    return {"ok": True, "problems": 0, "family": report.family}
