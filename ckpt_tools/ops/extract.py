@@ -124,16 +124,16 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             t.meta["swapped_halves"] = True
         out += _finish(t, scale, cast_to, dequant_to, block)
     for link in corr.experts:
-        if link.draft.layout == link.verifier.layout and link.draft.names == link.verifier.names:
-            group_out = _copy_group(view, link.verifier, link.draft)
-        else:
-            from ..experts import convert_group
+        from ..experts import BlockDequant, convert_group
 
-            group_out = convert_group(link.verifier, ckpt.tensors, link.draft, scale_suffix=res.scale_suffix,
-                                      block=block)
+        # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
+        # with --dequant each expert piece is dequantized before it is laid out
+        group_out = convert_group(link.verifier, ckpt.tensors, link.draft, scale_suffix=res.scale_suffix,
+                                  block=block, dequant=BlockDequant(dequant_to) if dequant_to else None)
         by_key = {t.key: t for t in group_out}
         scales = {scale_key(t.key, res.scale_suffix) for t in group_out if t.dtype in FP8_DTYPES}
         for t in group_out:
+            t.meta.setdefault("role", "expert")
             if t.key in scales:
                 continue  # travels with its weight
             scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
@@ -153,22 +153,6 @@ def _finish(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, bl
     if cast_to is not None and t.dtype in FLOAT_DTYPES:
         t = transforms.cast(t, cast_to)
     return [t] + ([scale] if scale is not None else [])
-
-
-def _copy_group(view: MtpView, group, renamed) -> list[OutputTensor]:
-    """An expert group whose layout stays: tensor-by-tensor renames (byte copies)."""
-    ckpt, res = view.ckpt, view.resolved
-    out = []
-    for et, dt in zip(group.tensors(), renamed.tensors(), strict=True):
-        ref = ckpt.tensors[et.key]
-        meta = {"source": [et.key], "source_dtype": ref.dtype, "role": "expert", "layout": group.layout.label()}
-        out.append(OutputTensor(dt.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta))
-        skey = scale_key(et.key, res.scale_suffix)
-        if ref.dtype in FP8_DTYPES and skey in ckpt.tensors:
-            sref = ckpt.tensors[skey]
-            out.append(OutputTensor(scale_key(dt.key, res.scale_suffix), sref.dtype, sref.shape,
-                                    CopyBytes([sref.segment()]), meta={"source": [skey], "role": "scale"}))
-    return out
 
 
 def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, dequant_to, fp8_source):

@@ -181,24 +181,10 @@ class _Builder:
             skey = scale_key(et.key, self.res.scale_suffix)
             if skey in self.draft.tensors:
                 self.used.add(skey)
-        if layout == verifier_group.layout:
-            outs = []
-            for st, vt in zip(on_disk.tensors(), verifier_group.tensors(), strict=True):
-                dref = self.draft.tensors[st.key]
-                if tuple(dref.shape) != tuple(vt.shape):
-                    self.misshaped.append(f"{st.key}: draft {list(dref.shape)}, verifier {vt.key} {list(vt.shape)}")
-                    continue
-                outs.append(OutputTensor(vt.key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
-                                         meta={"source": [st.key], "role": "expert"}))
-                if dref.dtype in FP8_DTYPES:
-                    s = self._draft_scale(st.key, vt.key)
-                    if s is not None:
-                        outs.append(s)
-        else:
-            from ..experts import convert_group
+        from ..experts import convert_group
 
-            outs = convert_group(on_disk, self.draft.tensors, verifier_group, scale_suffix=self.res.scale_suffix,
-                                 block=self.res.block_size)
+        outs = convert_group(on_disk, self.draft.tensors, verifier_group, scale_suffix=self.res.scale_suffix,
+                             block=self.res.block_size)
         by_key = {t.key: t for t in outs}
         scales = {scale_key(t.key, self.res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
         for t in outs:
