@@ -334,3 +334,10 @@ def source_name(ckpt: Checkpoint) -> str:
     if ckpt.root.startswith("hf://"):
         return ckpt.root[len("hf://"):].split("@", 1)[0]
     return str(Path(ckpt.root).resolve())
+
+
+def revision_of(ckpt: Checkpoint) -> str | None:
+    """The commit a hub source was read at (``hf://org/repo@sha``); None for local directories."""
+    if ckpt.root.startswith("hf://") and "@" in ckpt.root:
+        return ckpt.root.rsplit("@", 1)[1]
+    return None

@@ -39,7 +39,10 @@ def command(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _report_downloads()
         except typer.Exit:
             raise
         except CkptError as e:
@@ -64,6 +67,14 @@ def command(fn: Callable) -> Callable:
             raise typer.Exit(INTERNAL_ERROR) from None
 
     return wrapper
+
+
+def _report_downloads() -> None:
+    """Commands that read from the Hub say how much they downloaded (on stderr)."""
+    hub = sys.modules.get("ckpt_tools.hub")
+    summary = hub.transfer_summary() if hub is not None else None
+    if summary:
+        err_console().print(summary)
 
 
 def emit_json(obj: Any) -> None:

@@ -1,5 +1,90 @@
-"""Placeholder: this verb is not implemented yet."""
+"""`ckpt push DIR REPO_ID`: validate, write a model card, upload only what the Hub does not have."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import command, command_line, emit_json, err_console, human_bytes, out_console
 
 
-def register(app) -> None:
-    pass
+def render(plan, result) -> None:
+    from rich.markup import escape
+
+    con = out_console()
+    req = plan.request
+    styles = {"add": "yellow", "copy": "cyan", "delete": "red", "unchanged": "dim"}
+    for o in plan.ops:
+        src = o.to_json(req.base).get("from")
+        line = f"[{styles[o.kind]}]{o.kind:<9}[/] {human_bytes(o.size):>10}  {escape(o.path)}"
+        con.print(line + (f"  [dim]<- {escape(src)}[/]" if src else ""), soft_wrap=True)
+    where = f"{req.repo_id}@{req.revision or 'main'}" + (" (new pull request)" if req.create_pr else "")
+    if not plan.repo_exists:
+        where += " (repository will be created" + (", private)" if req.private else ")")
+    v = plan.validation
+    if v is not None:
+        con.print("validation: " + ("[green]ok[/]" if v.ok else f"[red]{len(v.problems)} problem(s)[/] (--force)"))
+    con.print(f"model card: {plan.card_action}")
+    for note in plan.notes:
+        con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+    con.print(
+        f"{'would push' if req.dry_run else 'pushed'} to {escape(where)}: "
+        f"{plan.count('add')} upload(s), {human_bytes(plan.upload_bytes)} ({plan.upload_bytes} bytes); "
+        f"{plan.count('copy')} server-side cop(ies), {human_bytes(plan.copy_bytes)} not uploaded; "
+        f"{plan.count('delete')} delete(s); {plan.count('unchanged')} unchanged", soft_wrap=True,
+    )
+    if result is not None:
+        if result.method == "nothing":
+            con.print("nothing to commit: the repository already holds these files")
+        elif result.pr_url:
+            con.print(f"pull request: {result.pr_url}", soft_wrap=True)
+        elif result.commit_url:
+            con.print(f"commit: {result.commit_url}", soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("push")
+    @command
+    def push_cmd(
+        folder: Path = typer.Argument(..., metavar="DIR",
+                                      help="Checkpoint directory to publish (a ckpt output or any checkpoint)."),
+        repo_id: str = typer.Argument(..., metavar="REPO_ID", help="Target repository, ORG/NAME."),
+        revision: str | None = typer.Option(None, "--revision", metavar="BRANCH",
+                                            help="Branch to push to (created if missing)."),
+        private: bool = typer.Option(False, "--private", help="Create the repository as private."),
+        create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing."),
+        message: str | None = typer.Option(None, "--message", "-m", help="Commit message."),
+        base: str | None = typer.Option(None, "--base", metavar="REPO[@REV]",
+                                        help="Repository whose byte-identical files are copied server-side "
+                                             "instead of uploaded."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print every operation and the bytes to upload; "
+                                                              "change nothing."),
+        force: bool = typer.Option(False, "--force", help="Push even if `ckpt validate` finds problems."),
+        card: str = typer.Option("keep", "--card", metavar="keep|overwrite",
+                                 help="keep: keep the folder's README.md if it has one; overwrite: always write "
+                                      "the generated card."),
+        json_output: bool = typer.Option(False, "--json", help="Print the plan and result as JSON."),
+    ) -> None:
+        """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
+        from ..hub import parse_repo_rev
+        from ..hub_push import PushRequest, push
+
+        target = parse_repo_rev(repo_id, "REPO_ID")
+        if target.revision is not None:
+            from ..errors import UsageError
+
+            raise UsageError(f"REPO_ID {repo_id!r}: give the branch with --revision, not '@'")
+        base_ref = parse_repo_rev(base, "--base") if base else None
+        req = PushRequest(folder, target.repo_id, revision=revision, private=private, create_pr=create_pr,
+                          message=message, base=base_ref, dry_run=dry_run, force=force, card=card,
+                          command=command_line())
+        if not json_output and not dry_run:
+            err_console().print(f"pushing {folder} to {target.repo_id} ...")
+        plan, result = push(req)
+        if json_output:
+            out = plan.to_json()
+            out["result"] = None if result is None else result.to_json()
+            emit_json(out)
+        else:
+            render(plan, result)

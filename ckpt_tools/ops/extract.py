@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from .. import __version__, transforms
-from ..checkpoint import Checkpoint, raw_header, source_name
+from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..expert_layouts import scale_key
@@ -76,7 +76,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8_source)
     files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
     if fmt.carry_files:
-        files += carried_files(ckpt)
+        # the verifier's model card describes the verifier, not this draft (push writes a new one)
+        files += [f for f in carried_files(ckpt) if f.name.lower() != "readme.md"]
     groups = {
         e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
                          "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
@@ -84,7 +85,7 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     }
     manifest = {
         "kind": "mtp-draft",
-        "source": {"path": source_name(ckpt), "revision": _revision(ckpt)},
+        "source": {"path": source_name(ckpt), "revision": revision_of(ckpt)},
         "family": view.table.family,
         "format": fmt.name,
         "layers": corr.layers,
@@ -204,12 +205,6 @@ def _quant_info(view: MtpView) -> dict:
             "scale_suffix": view.resolved.scale_suffix}
 
 
-def _revision(ckpt: Checkpoint) -> str | None:
-    if ckpt.root.startswith("hf://") and "@" in ckpt.root:
-        return ckpt.root.rsplit("@", 1)[1]
-    return None
-
-
 def _inputs(ckpt: Checkpoint):
     return [ckpt.local_dir] if ckpt.local_dir is not None else []
 
@@ -251,7 +246,7 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     files += carried_files(ckpt)
     manifest = {
         "kind": "trunk",
-        "source": {"path": source_name(ckpt), "revision": _revision(ckpt)},
+        "source": {"path": source_name(ckpt), "revision": revision_of(ckpt)},
         "family": table.family,
         "dropped_mtp_layers": view.count,
         "dropped_tensors": len(drop),

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 from .. import __version__, transforms
-from ..checkpoint import Checkpoint, raw_header, source_name
+from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..compare import TensorDiff, compare
 from ..config import ConfigView
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
@@ -508,8 +508,8 @@ def _config_file(verifier: Checkpoint, config: dict) -> list[OutputFile]:
 def _manifest(draft: Checkpoint, verifier: Checkpoint, report: StitchReport, fmt: Format) -> dict:
     return {
         "kind": "stitched",
-        "verifier": {"path": source_name(verifier)},
-        "draft": {"path": source_name(draft), "format": fmt.name},
+        "verifier": {"path": source_name(verifier), "revision": revision_of(verifier)},
+        "draft": {"path": source_name(draft), "format": fmt.name, "revision": revision_of(draft)},
         "family": report.family,
         "mode": report.mode,
         "totals": report.totals(),
