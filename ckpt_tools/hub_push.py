@@ -244,6 +244,9 @@ def plan_push(req: PushRequest) -> PushPlan:
 
     files = local_files(folder)
     manifest = read_json(folder / MANIFEST_NAME)
+    remote_files = _remote_files(manifest)
+    if remote_files:
+        req = _base_for_remote_files(req, remote_files)
     stitch_report = read_json(folder / STITCH_REPORT)
     card: bytes | None = None
     facts = gather(req.repo_id, folder, manifest=manifest, stitch_report=stitch_report, validation=validation,
@@ -293,6 +296,15 @@ def plan_push(req: PushRequest) -> PushPlan:
                 ops.append(Op("copy", path, size, local, src=src.path))
                 continue
         ops.append(Op("add", path, size, local))
+    for path, (ref, src) in sorted(remote_files.items()):
+        # a shard the stitch left on the Hub: only a server-side copy can publish it
+        entry = next((e for es in base_by_size.values() for e in es if e.path == src), None)
+        if entry is None:
+            raise InputError(f"{path} was left on the Hub in {ref} but the base has no LFS file {src}",
+                             rule="remote-file", path=str(folder))
+        r = remote.get(path)
+        same = r is not None and r.lfs is not None and r.lfs.sha256 == entry.lfs.sha256
+        ops.append(Op("unchanged" if same else "copy", path, entry.size, None, src=src))
     if card is not None:
         r = remote.get(CARD_NAME)
         same = r is not None and r.lfs is None and r.blob_id == _git_blob_sha1_bytes(card)
@@ -320,6 +332,31 @@ class PushResult:
     def to_json(self) -> dict:
         return {"commit_url": self.commit_url, "commit": self.commit_oid, "pr_url": self.pr_url,
                 "method": self.method}
+
+
+def _remote_files(manifest: dict | None) -> dict[str, tuple[HubRef, str]]:
+    """Shards a stitch left on the Hub (manifest ``remote_files``): path -> (repo@rev, path there)."""
+    out: dict[str, tuple[HubRef, str]] = {}
+    for name, url in ((manifest or {}).get("remote_files") or {}).items():
+        body, _, src = str(url).removeprefix("hf://").partition("@")
+        rev, _, path = src.partition("/")
+        out[name] = (HubRef(body, rev or None), path or name)
+    return out
+
+
+def _base_for_remote_files(req: PushRequest, remote_files: dict[str, tuple[HubRef, str]]) -> PushRequest:
+    """The base repository the remote shards come from; --base must agree when given."""
+    refs = {ref for ref, _ in remote_files.values()}
+    if len(refs) != 1:
+        raise InputError(f"remote shards come from several repositories ({', '.join(map(str, refs))})",
+                         rule="remote-file", path=str(req.folder))
+    ref = refs.pop()
+    if req.base is not None and (req.base.repo_id != ref.repo_id or (req.base.revision or ref.revision)
+                                 not in (ref.revision, None)):
+        raise UsageError(f"--base {req.base} differs from {ref}, where the untouched shards were left")
+    from dataclasses import replace
+
+    return replace(req, base=req.base or ref)
 
 
 def _escape_glob(path: str) -> str:

@@ -81,8 +81,9 @@ class OutputFile:
     name: str
     content: bytes | None = None
     source: Path | None = None
-    link: str = "copy"  # copy | reflink | hardlink | symlink
+    link: str = "copy"  # copy | reflink | hardlink | symlink | remote
     tensors: dict[str, int] = field(default_factory=dict)  # a copied shard: its keys and their byte sizes
+    remote: str | None = None  # link "remote": the file stays in this hub repo (hf://org/repo@rev/path)
 
 
 @dataclass

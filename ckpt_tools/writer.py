@@ -321,6 +321,8 @@ class Writer:
             return f.read(8 + len(header)) == struct.pack("<Q", len(header)) + header
 
     def _write_file(self, f: OutputFile) -> None:
+        if f.link == "remote":
+            return  # listed in the index and the manifest; `ckpt push --base` copies it server-side
         final = self.out / f.name
         final.parent.mkdir(parents=True, exist_ok=True)
         if f.content is not None:
@@ -370,6 +372,10 @@ class Writer:
                 entry["sha256"] = result.sha256[t.key]
             entry.update(t.meta)
             manifest["tensors"][t.key] = entry
+        remote = {f.name: f.remote for f in self.plan.files if f.link == "remote"}
+        if remote:
+            # shards deliberately not downloaded: the output is complete once pushed over its base
+            manifest["remote_files"] = remote
         content = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 

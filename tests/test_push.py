@@ -346,3 +346,44 @@ def test_missing_base_is_an_input_error(hub, ds, tmp_path):
     r = run("push", d, "me/draft", "--base", "org/nope@")
     assert r.exit_code == 2 and "ORG/REPO" in r.output
     assert "me/draft" not in hub.state.repos
+
+
+def test_remote_stitch_downloads_only_affected_shards_and_push_copies_the_rest(hub, ds, tmp_path):
+    """stitch into hf:// with --link remote, then push: untouched shards never travel either way."""
+    hub.state.add_repo("org/verifier", ds)
+    draft = tmp_path / "draft"
+    assert run("extract", ds, "-o", draft).exit_code == 0
+    shard = sorted(draft.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    key = next(k for k in sorted(tensors) if k.endswith("enorm.weight"))
+    tensors[key] = tensors[key] * 2
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "stitched"
+    hub.state.stats.reset()
+    r = run("stitch", draft, "hf://org/verifier", "-o", out, "--link", "remote", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    rewritten, untouched = set(report["rewritten_shards"]), set(report["linked_files"])
+    assert rewritten and untouched
+    assert not any((out / s).exists() for s in untouched)  # left on the Hub
+    by_file = dict(hub.state.stats.served_by_file)
+    local = Checkpoint.open(ds)
+    from ckpt_tools.mtp import open_mtp
+
+    mtp = open_mtp(local)
+    for s in untouched:  # its header, and the verifier MTP tensors stitch compares with the draft
+        needed = 8 + local.headers[s].header_len + sum(local.tensors[k].nbytes for k in mtp.keys()
+                                                      if local.shard_of(k) == s)
+        assert by_file.get(s, 0) <= needed, (s, by_file.get(s), needed)
+    assert sum(by_file.get(s, 0) for s in untouched) < sum((ds / s).stat().st_size for s in untouched)
+    assert run("validate", out).exit_code == 0
+    r = run("push", out, "me/stitched", "--card", "overwrite", "--json")  # base taken from the manifest
+    assert r.exit_code == 0, r.output
+    ops = {o["path"]: o["op"] for o in json.loads(r.stdout)["operations"]}
+    assert {p for p, op in ops.items() if op == "copy"} == untouched
+    got = hub.state.files("me/stitched")
+    for s in untouched:
+        assert got[s] == (ds / s).read_bytes()
+    for s in rewritten:
+        assert got[s] == (out / s).read_bytes()
+    assert set(hub.state.stats.uploaded_oids) == {sha256_file(out / s) for s in rewritten}

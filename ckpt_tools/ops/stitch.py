@@ -31,7 +31,7 @@ from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
 
-LINK_MODES = ("copy", "reflink", "hardlink", "symlink")
+LINK_MODES = ("copy", "reflink", "hardlink", "symlink", "remote")
 
 
 @dataclass
@@ -249,6 +249,8 @@ class _Builder:
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
     if req.link not in LINK_MODES:
         raise UsageError(f"--link {req.link!r}: use one of {', '.join(LINK_MODES)}")
+    if req.link == "remote" and verifier.local_dir is not None:
+        raise UsageError("--link remote needs an hf:// verifier (its untouched shards stay on the Hub)")
     if draft.local_dir is not None and verifier.local_dir is not None and \
             draft.local_dir.resolve() == verifier.local_dir.resolve():
         raise UsageError("the draft and the verifier are the same directory")
@@ -412,8 +414,7 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
     for shard, keys in verifier.shard_keys.items():
         listed = [k for k in keys if wm is None or wm.get(k) == shard]
         if not any(k in changed for k in listed):
-            files.append(OutputFile(shard, source=verifier.file_path(shard), link=req.link,
-                                    tensors={k: verifier.tensors[k].nbytes for k in listed}))
+            files.append(_untouched(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}))
             report.linked_files.append(shard)
             report.copied_tensors += sum(1 for k in listed if k not in builder.candidates)
             continue
@@ -452,8 +453,9 @@ def _add_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder, req
         listed = [k for k in keys if wm is None or wm.get(k) == shard]
         # a lone model.safetensors would hide the index from loaders: give it a sharded name
         name = "model-00001-of-00002.safetensors" if single else shard
-        files.append(OutputFile(name, source=verifier.file_path(shard), link=req.link,
-                                tensors={k: verifier.tensors[k].nbytes for k in listed}))
+        if single and req.link == "remote":
+            raise UsageError("--link remote cannot rename the verifier's lone model.safetensors; use --link copy")
+        files.append(_untouched(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}, name))
         report.linked_files.append(name)
         report.copied_tensors += len(listed)
     mtp = [builder.candidates[k] for k in sorted(builder.candidates)]
@@ -474,6 +476,14 @@ def _add_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder, req
     files = _config_file(verifier, config) + files + carried_files(verifier)
     return Plan(req.command, tensors, files, inputs=_inputs(draft, verifier), max_shard_size=req.max_shard_size,
                 manifest=_manifest(draft, verifier, report, fmt))
+
+
+def _untouched(verifier: Checkpoint, shard: str, link: str, tensors: dict[str, int], name: str | None = None
+               ) -> OutputFile:
+    """A verifier shard the stitch leaves alone: copied, linked, or (remote) left on the Hub."""
+    if link == "remote":
+        return OutputFile(name or shard, link="remote", remote=f"{verifier.root}/{shard}", tensors=tensors)
+    return OutputFile(name or shard, source=verifier.file_path(shard), link=link, tensors=tensors)
 
 
 def _stitched_config(verifier: Checkpoint, view: MtpView, builder: _Builder, req: StitchRequest, mode: str):
