@@ -19,7 +19,10 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty; never the verifier)."),
         fmt: str = typer.Option("auto", "--format", help="auto | native | speculators | angelspec | sglang-nextn"),
         mode: str = typer.Option("auto", "--mode", help="replace (verifier has MTP) | add (it has none) | auto"),
-        link: str = typer.Option("copy", "--link", help="Untouched shards: copy | reflink | hardlink | symlink | remote (hf:// verifier: leave them on the Hub for `ckpt push --base`)"),
+        link: str = typer.Option(
+            "copy", "--link",
+            help="Untouched shards: copy | reflink | hardlink | symlink | remote (an hf:// verifier's shards "
+                 "stay on the Hub; `ckpt push` copies them server-side)"),
         allow_partial: bool = typer.Option(False, "--allow-partial", help="Keep verifier tensors the draft lacks."),
         dtype: str = typer.Option("verifier", "--dtype", help="verifier (cast to its dtypes) | draft"),
         update_copies: bool = typer.Option(False, "--update-copies", help="Also replace per-layer embed/head copies."),
