@@ -27,7 +27,6 @@ from pathlib import Path
 from . import __version__
 from .dtypes import DTYPES
 from .errors import OutputError, UsageError
-from .numeric import as_bytes
 from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .safetensors_io import COPY_CHUNK, _write_all, copy_segment
 
@@ -286,6 +285,8 @@ class Writer:
                 pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
             return None
         assert isinstance(recipe, Compute)
+        from .numeric import as_bytes  # numpy is only needed for computed tensors
+
         h = hashlib.sha256() if self.hash_tensors else None
         n = 0
         for chunk in recipe.produce():
