@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/ckpt demo
 
 test: $(VENV)/.installed
-	$(VENV)/bin/ruff check ckpt_tools tests benchmarks
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2
 
 .PHONY: install demo test

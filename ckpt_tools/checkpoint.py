@@ -66,6 +66,8 @@ class Checkpoint:
     @classmethod
     def _open_dir(cls, d: Path, single: str | None = None) -> Checkpoint:
         root = confinement_root(d)
+        for err in _escaping_links(d, root).values():
+            raise err
         cfg_path = d / "config.json"
         config_present = cfg_path.is_file()
         config = ConfigView.from_bytes(cfg_path.read_bytes(), str(cfg_path)) if config_present else ConfigView({})
@@ -77,7 +79,8 @@ class Checkpoint:
             shard_names = [single or SINGLE_NAME]
         else:
             raise InputError(
-                f"neither {INDEX_NAME} nor {SINGLE_NAME} found; is this a safetensors checkpoint?",
+                f"neither {INDEX_NAME} nor {SINGLE_NAME} found; " + (_unfinished_write(d) or
+                                                                    "is this a safetensors checkpoint?"),
                 rule="no-weights",
                 path=str(d),
             )
@@ -108,12 +111,7 @@ class Checkpoint:
                         path=str(d / INDEX_NAME),
                     )
                 tensors[key] = ref
-        manifest = None
-        if (d / MANIFEST_NAME).is_file():
-            try:
-                manifest = json.loads((d / MANIFEST_NAME).read_text())
-            except (ValueError, OSError):
-                manifest = None
+        manifest = read_manifest(d / MANIFEST_NAME) if (d / MANIFEST_NAME).is_file() else None
         return cls(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
                    manifest, config_present)
 
@@ -179,7 +177,8 @@ def confinement_root(d: Path) -> Path:
 
 def _confined(d: Path, root: Path, name: str) -> Path:
     pure = PurePosixPath(name)
-    if pure.is_absolute() or name.startswith(("/", "\\")) or ".." in pure.parts or "\\" in name or not name:
+    if (pure.is_absolute() or name.startswith(("/", "\\")) or ".." in pure.parts or "\\" in name or not name
+            or "\0" in name):
         raise InputError(f"shard name {name!r} escapes the checkpoint directory", rule="shard-path",
                          path=str(d))
     p = d / name
@@ -193,6 +192,62 @@ def _confined(d: Path, root: Path, name: str) -> Path:
     return p
 
 
+# Manifest fields the tool reads back (stitch, validate, experts, push), with the JSON types it writes.
+_MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "kind": (str,), "format": (str,), "family": (str,), "command": (str,), "version": (str,),
+    "tool_version": (str,), "quantized_to": (str, type(None)), "layers": (list,), "tensors": (dict,),
+    "remote_files": (dict,),
+}
+
+
+def read_manifest(path: Path) -> dict:
+    """ckpt_manifest.json, checked where other modules trust its shape; InputError (manifest-json) if not.
+
+    A draft's manifest steers stitch (names, layers, layouts): from a stranger it is input like any other.
+    """
+    def bad(msg: str) -> InputError:
+        return InputError(msg, rule="manifest-json", path=str(path))
+
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not valid JSON: {e}") from None
+    except OSError as e:
+        raise bad(f"cannot read: {e.strerror}") from None
+    if not isinstance(manifest, dict):
+        raise bad("the manifest must be a JSON object")
+    for name, types in _MANIFEST_FIELDS.items():
+        if name in manifest and not isinstance(manifest[name], types):
+            raise bad(f"field {name!r} is {type(manifest[name]).__name__}, expected "
+                      f"{' or '.join(t.__name__ for t in types)}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in manifest.get("layers", [])):
+        raise bad("field 'layers' must be a list of integers")
+    for key, entry in manifest.get("tensors", {}).items():
+        if not isinstance(entry, dict):
+            raise bad(f"tensors[{key!r}] is {type(entry).__name__}, expected an object")
+    return manifest
+
+
+def _unfinished_write(d: Path) -> str | None:
+    """A hint when ``d`` holds what an interrupted (or running) ckpt command leaves: its lock, temporary files."""
+    leftovers = sorted(p.name for p in d.glob(".*") if p.name == ".ckpt.lock" or p.name.endswith(".partial"))
+    if not leftovers:
+        return None
+    return (f"a ckpt command stopped (or is still running) before finishing this directory ({', '.join(leftovers[:3])}"
+            f"{' ...' if len(leftovers) > 3 else ''} left); rerun it with --resume, or delete the directory")
+
+
+def _escaping_links(d: Path, root: Path) -> dict[str, InputError]:
+    """config.json, the index and the manifest must not be links to files outside the checkpoint."""
+    out: dict[str, InputError] = {}
+    for name in ("config.json", INDEX_NAME, MANIFEST_NAME):
+        p = d / name
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
+            out[name] = InputError(f"{name} is a link that resolves outside the checkpoint ({p.resolve()})",
+                                   rule="shard-path", path=str(d))
+    return out
+
+
 def _other_files(d: Path, root: Path) -> list[str]:
     """Non-weight files (tokenizer, generation config, chat template, code, README...)."""
     out: list[str] = []
@@ -200,7 +255,7 @@ def _other_files(d: Path, root: Path) -> list[str]:
         rel = p.relative_to(d)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if p.is_dir() or p.name in _SKIP_NAMES or p.name.endswith(_WEIGHT_SUFFIXES):
+        if not p.is_file() or p.name in _SKIP_NAMES or p.name.endswith(_WEIGHT_SUFFIXES):
             continue
         if p.name == "config.json" and len(rel.parts) == 1:
             continue  # the config is rewritten by each op, never copied blindly
@@ -245,11 +300,12 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
         raise InputError("no such checkpoint directory or .safetensors file", rule="no-weights", path=str(path))
     d = p
     root = confinement_root(d)
-    errors: list[InputError] = []
+    blocked = _escaping_links(d, root)
+    errors: list[InputError] = list(blocked.values())
 
     config, config_present = ConfigView({}), False
     cfg_path = d / "config.json"
-    if cfg_path.is_file():
+    if cfg_path.is_file() and "config.json" not in blocked:
         try:
             config, config_present = ConfigView.from_bytes(cfg_path.read_bytes(), str(cfg_path)), True
         except InputError as e:
@@ -258,7 +314,7 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
     index = None
     if single is not None:
         shard_names = [single]
-    elif (d / INDEX_NAME).is_file():
+    elif (d / INDEX_NAME).is_file() and INDEX_NAME not in blocked:
         try:
             index = _read_index(d / INDEX_NAME)
             shard_names = sorted(set(index["weight_map"].values()))
@@ -269,12 +325,16 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
         shard_names = [SINGLE_NAME]
     else:
         shard_names = sorted(q.name for q in d.glob("*.safetensors"))
+        unfinished = _unfinished_write(d)
         if not shard_names:
             raise InputError(
-                f"neither {INDEX_NAME} nor any .safetensors file found; is this a safetensors checkpoint?",
-                rule="no-weights", path=str(d),
+                f"neither {INDEX_NAME} nor any .safetensors file found; "
+                + (unfinished or "is this a safetensors checkpoint?"), rule="no-weights", path=str(d),
             )
-        if len(shard_names) > 1:
+        if unfinished:
+            errors.append(InputError(f"no {INDEX_NAME} or {SINGLE_NAME} yet: {unfinished}", rule="unfinished-write",
+                                     path=str(d)))
+        elif len(shard_names) > 1:
             errors.append(InputError(f"{len(shard_names)} .safetensors files but no {INDEX_NAME}; loaders "
                                      "will not find them", rule="no-index", path=str(d)))
 
@@ -311,11 +371,11 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
             if ref is not None:
                 tensors[key] = ref
     manifest = None
-    if (d / MANIFEST_NAME).is_file():
+    if (d / MANIFEST_NAME).is_file() and MANIFEST_NAME not in blocked:
         try:
-            manifest = json.loads((d / MANIFEST_NAME).read_text())
-        except (ValueError, OSError):
-            manifest = None
+            manifest = read_manifest(d / MANIFEST_NAME)
+        except InputError as e:
+            errors.append(e)
     ckpt = Checkpoint(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
                       manifest, config_present)
     return LenientOpen(ckpt, errors, unreadable)

@@ -64,18 +64,18 @@ class ConfigView:
         return self.find(key) is not None
 
     def architectures(self) -> list[str]:
-        out = []
-        for scope in (self.raw, self.text):
+        out: list[str] = []
+        for scope in (self.raw, self.text) if self.nested else (self.raw,):
             a = scope.get("architectures")
             if isinstance(a, list):
-                out += [x for x in a if isinstance(x, str)]
+                out += [x for x in a if isinstance(x, str) and x not in out]
         return out
 
     def model_types(self) -> list[str]:
-        out = []
-        for scope in (self.raw, self.text):
+        out: list[str] = []
+        for scope in (self.raw, self.text) if self.nested else (self.raw,):
             mt = scope.get("model_type")
-            if isinstance(mt, str):
+            if isinstance(mt, str) and mt not in out:
                 out.append(mt)
         return out
 

@@ -97,7 +97,8 @@ class ExpertGroup:
 
     def with_layout(self, layout: ExpertLayout, prefix: str | None = None) -> ExpertGroup:
         """The same experts in another layout (default key names) and optionally another prefix."""
-        keep_names = self.names if layout == self.layout and prefix is None else None
+        # a table's key templates hold for its own layout; same layout and same prefix = same keys
+        keep_names = self.names if layout == self.layout and prefix in (None, self.prefix) else None
         return ExpertGroup(
             prefix if prefix is not None else self.prefix, self.count, self.hidden, self.inter, self.gated,
             layout, self.quant, keep_names, self.depth, self.sub_prefix,

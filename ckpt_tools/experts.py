@@ -35,7 +35,7 @@ import numpy as np
 
 from .dtypes import DTYPES, FP8_DTYPES
 from .errors import PlanError
-from .expert_layouts import ExpertGroup, ExpertLayout, scale_key, scale_shape
+from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, scale_shape
 from .numeric import bytes_to_numpy, numpy_storage_dtype
 from .plan import Compute, CopyBytes, OutputTensor
 from .safetensors_io import Segment, TensorRef, read_bytes
@@ -302,6 +302,16 @@ def _keys_under(refs: Mapping[str, TensorRef], heads: tuple[str, ...]) -> list[s
     return out
 
 
+def _other_layout_keys(src: ExpertGroup) -> set[str]:
+    """Keys of the group's stacked and fused layouts (per-expert keys are matched by ``_expert_patterns``)."""
+    keys: set[str] = set()
+    for name in LAYOUT_NAMES:
+        if name != "per-expert":
+            g = src if name == src.layout.name else src.with_layout(ExpertLayout(name))
+            keys.update(t.key for t in g.tensors())
+    return keys
+
+
 def _stray(src: ExpertGroup, refs: Mapping[str, TensorRef], expected: set[str]) -> list[tuple[str, str]]:
     """Keys in the group's namespace that its layout does not explain; gaps in expert indices."""
     problems: list[tuple[str, str]] = []
@@ -314,6 +324,14 @@ def _stray(src: ExpertGroup, refs: Mapping[str, TensorRef], expected: set[str]) 
                 return int(m.group(1))
         return None
 
+    # Only keys some layout of this group could write (and their scales) are the group's business: a
+    # router or shared expert may share the prefix (Step-3.5: moe.gate.weight, moe.router_bias beside the
+    # stacked moe.{gate,up,down}_proj.weight)
+    layout_keys = _other_layout_keys(src)
+
+    def layout_like(key: str) -> bool:
+        return index_of(key) is not None or key in layout_keys or any(key.startswith(k + "_") for k in layout_keys)
+
     found: set[int] = set()
     stray: list[str] = []
     for key in _keys_under(refs, (src.prefix + ".", src.prefix + "_")):
@@ -321,7 +339,7 @@ def _stray(src: ExpertGroup, refs: Mapping[str, TensorRef], expected: set[str]) 
             idx = index_of(key)
             if idx is not None:
                 found.add(idx)
-        if key not in expected:
+        if key not in expected and layout_like(key):
             stray.append(key)
     for key in sorted(stray):
         idx = index_of(key)

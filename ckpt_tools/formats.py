@@ -3,8 +3,10 @@
 A format maps canonical MTP roles to names. Resolved against a verifier's MTP view it
 yields ``Link``s: each draft tensor (or expert group) with the verifier tensor(s) it
 corresponds to. Extract runs the links forward (verifier -> draft); stitch runs the
-same links backward. Every link is invertible: a rename, an expert re-layout, or a swap
-of the fusion projection's two input halves.
+same links backward. Every link is invertible: a rename, an expert re-layout, a swap
+of the fusion projection's two input halves, or a column-wise join of a family's two
+``[H, H]`` fusion halves (``fusion_embed`` / ``fusion_hidden``) into a format's single
+``[H, 2H]`` fusion slot (split again by stitch).
 """
 
 from __future__ import annotations
@@ -128,7 +130,16 @@ class TensorLink:
     verifier_key: str
     spec: Spec  # the verifier-side spec (role, depth, kind, shape)
     swap_halves: bool = False  # fusion weight whose two input halves trade places
-    shape: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()  # the draft tensor's shape
+    # Non-empty: the draft tensor is these verifier tensors joined along the last axis, in
+    # this order (extract concatenates them, stitch splits the draft tensor back).
+    columns: tuple[Spec, ...] = ()
+
+    def verifier_keys(self) -> list[str]:
+        return [s.key for s in self.columns] if self.columns else [self.verifier_key]
+
+
+FUSION_HALVES = {"embed_first": ("fusion_embed", "fusion_hidden"), "hidden_first": ("fusion_hidden", "fusion_embed")}
 
 
 @dataclass
@@ -170,8 +181,8 @@ def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
     elif fmt.norm not in ("family", table.norm):
         why = (f"its norms are {fmt.norm} while {table.family} uses {table.norm} norms; converting "
                "(1 + w) to w in bf16 is lossy")
-    elif fmt.rename != "native" and len(table.mtp.blocks) != 1:
-        why = f"{table.family} spreads one MTP step over {len(table.mtp.blocks)} sub-blocks"
+    elif fmt.rename != "native" and _sub_block_count(view) != 1:
+        why = f"{table.family} spreads one MTP step over {_sub_block_count(view)} sub-blocks"
     elif fmt.rename == "reprefix" and [s for s in view.resolved.glue_specs() if s.depth is None]:
         outside = [s.key for s in view.resolved.glue_specs() if s.depth is None]
         why = (f"{table.family} keeps glue tensors outside the layer prefix ({outside[0]}); "
@@ -180,6 +191,11 @@ def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
         why = f"table {table.family} names no {fmt.requires_engine} architecture (the engine has no draft class for it)"
     if why:
         raise InputError(f"format {fmt.name} cannot express {table.family}: {why}", rule="format-unsupported")
+
+
+def _sub_block_count(view: MtpView) -> int:
+    """Sub-blocks of one MTP step (repeated blocks expanded), as the config resolves them."""
+    return max((len(layer.block_prefixes) for layer in view.resolved.layers), default=len(view.table.mtp.blocks))
 
 
 def correspond(
@@ -206,6 +222,7 @@ def correspond(
         layer = res.layers[i]
         env = {"i": out_i if fmt.rename != "native" else i}
         new_prefix = render(fmt.layer_prefix, env) if fmt.rename != "native" else layer.prefix
+        halves: dict[str, Spec] = {}
         for role, spec in layer.glue.items():
             if spec.key in seen or spec.key not in present:
                 continue
@@ -220,12 +237,17 @@ def correspond(
             else:
                 template = fmt.glue.get(role) or (fmt.embed if role == "embed" else fmt.head if role == "head"
                                                   else None)
+                if template is None and role in FUSION_HALVES["embed_first"] and "fusion" in fmt.glue:
+                    halves[role] = spec  # joined into the format's single fusion slot below
+                    continue
                 if template is None:
                     raise InputError(f"format {fmt.name} has no place for the {role} tensor {spec.key}",
                                      rule="format-unsupported")
                 dkey = _key(template, new_prefix, env)
             swap = (role == "fusion" and fmt.concat_order is not None and fmt.concat_order != family_order)
             corr.tensors.append(TensorLink(dkey, spec.key, spec, swap, spec.shape))
+        if halves:
+            corr.tensors.append(_joined_fusion(fmt, halves, fmt.concat_order or family_order, new_prefix, env))
         block_out = new_prefix + fmt.block_prefix if fmt.rename == "roles" else None
         for spec in layer.block:
             if spec.key not in present:
@@ -258,6 +280,8 @@ def correspond(
         spec = _shared_for(role, view)
         if fmt.rename == "native":
             dkey = spec.key
+            if any(t.draft_key == dkey for t in corr.tensors):
+                continue  # a tied head is the embedding, already carried under the same name
         elif template is None or role in drop:
             raise UsageError(f"format {fmt.name} cannot carry the {role}; drop --with-{role}")
         else:
@@ -268,6 +292,26 @@ def correspond(
         raise InputError(f"format {fmt.name} maps several tensors of {view.table.family} to {dupes[:5]}",
                          rule="format-collision")
     return corr
+
+
+def _joined_fusion(fmt: Format, halves: dict[str, Spec], order: str, prefix: str, env: dict) -> TensorLink:
+    """One ``[H, 2H]`` fusion tensor from the family's two ``[H, H]`` halves, in ``order``."""
+    roles = FUSION_HALVES[order]
+    absent = [r for r in roles if r not in halves]
+    if absent:
+        have = ", ".join(s.key for s in halves.values())
+        raise InputError(f"format {fmt.name} joins both fusion halves into one tensor, but {absent[0]} is "
+                         f"missing (have {have})", rule="missing-tensor")
+    parts = tuple(halves[r] for r in roles)
+    rows = {s.shape[:-1] for s in parts}
+    if len(rows) != 1:
+        raise InputError(f"fusion halves {[s.key for s in parts]} differ in shape {[list(s.shape) for s in parts]}",
+                         rule="shape-mismatch")
+    shape = (*parts[0].shape[:-1], sum(s.shape[-1] for s in parts))
+    first = parts[0]
+    spec = Spec(_key(fmt.glue["fusion"], prefix, env), shape, "fusion", depth=first.depth, kind=first.kind,
+                dtype=first.dtype, quant=first.quant)
+    return TensorLink(spec.key, first.key, spec, False, shape, columns=parts)
 
 
 def _keep_copy(role: str, native: bool, with_embed, with_head, drop: set[str]) -> bool:

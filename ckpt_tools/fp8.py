@@ -1,5 +1,11 @@
 """FP8 block quantization (DeepSeek style): dequantize and requantize, exactly.
 
+API: ``dequantize`` / ``quantize`` (in-memory tensors); ``dequant_recipe`` and
+``requant_recipes`` (streaming Compute recipes over TensorRefs or ``TensorRows``
+windows: one expert, a row range); ``dequant_stream`` (over a sequential byte
+reader); ``unchanged_after_dequant`` (may stitch keep the verifier's FP8 bytes?);
+``is_fp8_config`` / ``block_size`` (config).
+
 Format (checkpoint-engineering.md section 3): a quantized ``X.weight`` is ``F8_E4M3``
 ``[..., out, in]`` with a companion ``X.weight_scale_inv`` of ``[..., ceil(out/br),
 ceil(in/bc)]`` (block ``br x bc``, usually 128 x 128). Edge tiles are partial.
@@ -36,8 +42,10 @@ Speed: e4m3 is decoded with integer shifts into float16 (``byte << 7`` is the
 float16 of ``value / 256``, subnormals included), widened to float32 and multiplied
 by ``256 * scale`` - the same real product, so the same float32 rounding as
 ``value * scale``, and no float32 subnormal ever enters the arithmetic. Work runs
-in row bands of about a million elements with reused scratch buffers, which keeps
-it in cache; the band never crosses a block row, so one scale row applies.
+in row bands of about 256K elements with reused scratch buffers, which keeps it in
+cache; a band is part of one block row or a run of whole block rows, so a view of the
+per-column factors applies. Recipes compute one thread ahead of the writer (see
+``_prefetched``) with one torch thread.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .dtypes import DTYPES, FLOAT_DTYPES, lookup, torch_dtype
+from .dtypes import DTYPES, FLOAT_DTYPES, from_torch, lookup, torch_dtype
 from .errors import InputError, PlanError
 from .plan import Compute, OutputTensor
 from .safetensors_io import TensorRef
@@ -59,8 +67,9 @@ from .safetensors_io import TensorRef
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FLT_MIN = 2.0**-126  # smallest normal float32: floor of every block scale (all-zero blocks included)
 DEFAULT_BLOCK = (128, 128)
-BAND_ELEMS = 1 << 20  # elements per compute step: fits the L2/L3 working set
+BAND_ELEMS = 1 << 18  # elements per compute step: ~2 MB of scratch, cache-resident (measured best 2^18..2^19)
 PREFETCH = 2  # chunks computed ahead in a worker thread while the writer writes and hashes (0: inline)
+COMPUTE_THREADS = 1  # torch threads for recipe work: bands are small, and OpenMP teams stall on a busy machine
 QUANT_DTYPE = "F8_E4M3"
 SCALE_DTYPE = "F32"
 FP8_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
@@ -214,8 +223,8 @@ def _has_nan_bytes(raw: torch.Tensor, fmt: str) -> bool:
     """e4m3fn has NaN only at 0x7f / 0xff: the int8 max and the uint8 max, so two cheap reductions find them."""
     if fmt != "F8_E4M3" or raw.numel() == 0:
         return False
-    u8 = raw.view(torch.uint8)
-    return bool(u8.view(torch.int8).max() == 127) or bool(u8.max() == 255)
+    u8 = raw.view(torch.uint8).numpy()  # numpy's byte reductions are the faster ones here
+    return bool(u8.view("int8").max() == 127) or bool(u8.max() == 255)
 
 
 def _decode_into(raw: torch.Tensor, i16: torch.Tensor, out: torch.Tensor, fmt: str) -> None:
@@ -245,7 +254,7 @@ def _multiplier(scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, float | No
 
 
 class _BandKernel:
-    """Dequantizes row bands with reused scratch buffers (one per process of a recipe)."""
+    """Dequantizes row bands with reused scratch buffers (one per run of a recipe)."""
 
     def __init__(self, fmt: str, cols: int, max_rows: int) -> None:
         self.fmt = fmt
@@ -254,10 +263,12 @@ class _BandKernel:
         self.i16 = torch.empty(n, dtype=torch.int16)
         self.f32 = torch.empty(n, dtype=torch.float32)
 
-    def dequant(self, raw: torch.Tensor, col_scale: torch.Tensor, pre: float | None) -> torch.Tensor:
-        """float32 ``value * scale`` of ``raw`` [rows, cols]; ``col_scale`` [cols] from ``_multiplier``.
+    def dequant(self, raw: torch.Tensor, col_scale: torch.Tensor, br: int, pre: float | None) -> torch.Tensor:
+        """float32 ``value * scale`` of ``raw`` [rows, cols].
 
-        Returns a view of the scratch buffer, valid until the next call."""
+        ``col_scale`` [g, cols] holds the factors (from ``_multiplier``) of the block rows
+        the band covers; the band starts on a block-row boundary or lies inside one block
+        row (g = 1). Returns a view of the scratch buffer, valid until the next call."""
         rows = raw.shape[0]
         n = rows * self.cols
         i16 = self.i16[:n].view(rows, self.cols)
@@ -265,7 +276,10 @@ class _BandKernel:
         _decode_into(raw, i16, out, self.fmt)
         if pre is not None:
             out.mul_(pre)
-        out.mul_(col_scale)
+        if col_scale.shape[0] == 1:
+            out.mul_(col_scale[0])
+        else:
+            _apply_row_blocks(out, col_scale, br, torch.Tensor.mul_)
         if _has_nan_bytes(raw, self.fmt):
             u8 = raw.view(torch.uint8)
             out[(u8 & 0x7F) == 0x7F] = float("nan")
@@ -273,13 +287,19 @@ class _BandKernel:
 
 
 def _step(cols: int, block_rows: int) -> int:
-    """Rows per band: about BAND_ELEMS elements, at most one block row."""
-    return max(1, min(block_rows, BAND_ELEMS // max(cols, 1)))
+    """Rows per band, about BAND_ELEMS elements: part of one block row, or whole block rows."""
+    rows = max(1, BAND_ELEMS // max(cols, 1))
+    return rows if rows < block_rows else rows // block_rows * block_rows
 
 
 def _bands(lead: int, rows: int, block_rows: int, step: int) -> Iterator[tuple[int, ...]]:
-    """(lead, r0, r1) bands in C order; a band never crosses a block row."""
+    """(lead, r0, r1) bands in C order, never spanning two matrices of a stack. A band either
+    lies inside one block row or starts on a block-row boundary (``step`` from ``_step``)."""
     for li in range(lead):
+        if step >= block_rows:
+            for r0 in range(0, rows, step):
+                yield li, r0, min(r0 + step, rows)
+            continue
         for b0 in range(0, rows, block_rows):
             b1 = min(b0 + block_rows, rows)
             for r0 in range(b0, b1, step):
@@ -324,21 +344,109 @@ def _check_grid(shape, scale_shape, block, what: str = "scale", path: str | None
         )
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> torch.Tensor:
-    """float32 ``q * scale_inv`` per block for a 2-D or stacked (3-D, ...) fp8 tensor; edge tiles cropped."""
-    br, bc = _check_block(block)
-    fmt = _fmt_of(q)
-    _check_grid(q.shape, scale_inv.shape, (br, bc))
-    q = q.contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
-    _decode_into(q, torch.empty(q.shape, dtype=torch.int16), out, fmt)
-    factor, pre = _multiplier(_scale_to_f32(scale_inv), fmt)
-    if pre is not None:
-        out.mul_(pre)
-    _apply_row_blocks(out, _expand_cols(factor, bc, q.shape[-1]), br, lambda x, f: x.mul_(f))
-    if _has_nan_bytes(q, fmt):
-        out[(q.view(torch.uint8) & 0x7F) == 0x7F] = float("nan")
+@dataclass(frozen=True)
+class _MemoryRows:
+    """A RowSource over an in-memory contiguous tensor (bands are views, no copies)."""
+
+    t: torch.Tensor
+    key: str = "tensor"
+
+    @property
+    def dtype(self) -> str:
+        return from_torch(self.t.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.t.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.t.numel() * self.t.element_size()
+
+    def read(self, lead: int, r0: int, r1: int, buf: bytearray) -> torch.Tensor:
+        return self.t.view(-1, *self.t.shape[-2:])[lead, r0:r1]
+
+
+def dequantize(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, *, dtype=torch.float32
+) -> torch.Tensor:
+    """``q * scale_inv`` per block (float32 product) for a 2-D or stacked fp8 tensor; edge tiles cropped.
+
+    The result is float32, or ``dtype`` (one rounding of the float32 product, without a
+    float32 copy of the whole tensor). Works in cache-sized bands on COMPUTE_THREADS threads.
+    """
+    block = _check_block(block)
+    _fmt_of(q)
+    _check_grid(q.shape, scale_inv.shape, block)
+    src = _MemoryRows(q.contiguous())
+    out = torch.empty(q.shape, dtype=dtype)
+    flat = out.view(-1, *q.shape[-2:]) if q.dim() >= 2 else out
+    with _torch_threads(COMPUTE_THREADS):
+        for li, r0, r1, band in _dequant_bands(src, _scale_to_f32(scale_inv), block):
+            flat[li, r0:r1].copy_(band)
     return out
+
+
+def dequant_stream(
+    read: Callable[[int], Any],
+    shape: tuple[int, ...],
+    fmt: str,
+    scale_inv: torch.Tensor,
+    out_dtype: str = "BF16",
+    block: tuple[int, int] = DEFAULT_BLOCK,
+) -> Iterator[torch.Tensor]:
+    """Dequantize a weight whose bytes come from a sequential reader, chunk by chunk.
+
+    ``read(n)`` returns the next ``n`` bytes of the ``fmt`` (F8_E4M3 / F8_E5M2) weight of
+    ``shape`` in C order (e.g. a reader over another recipe); ``scale_inv`` is its whole
+    (small) scale grid. Yields fresh ``out_dtype`` tensors computed one worker thread
+    ahead, like ``dequant_recipe``.
+    """
+    block = _check_block(block)
+    if fmt not in FP8_WEIGHT_DTYPES:
+        raise PlanError(f"cannot dequantize {fmt}; expected one of {FP8_WEIGHT_DTYPES}", rule="fp8-dtype")
+    _check_grid(shape, scale_inv.shape, block)
+    tdt = torch_dtype(lookup(out_dtype).name)
+    src = _SequentialRows(read, fmt, tuple(shape))
+
+    def chunks() -> Iterator[torch.Tensor]:
+        for _li, _r0, _r1, band in _dequant_bands(src, _scale_to_f32(scale_inv), block):
+            yield band.to(tdt, copy=True)
+
+    return _prefetched(chunks)
+
+
+@dataclass
+class _SequentialRows:
+    """A RowSource over a sequential byte reader: bands must be read in C order (they are)."""
+
+    next_bytes: Callable[[int], Any]
+    dtype: str
+    shape: tuple[int, ...]
+    key: str = "stream"
+    _pos: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return DTYPES[self.dtype].nbytes(math.prod(self.shape))
+
+    def read(self, lead: int, r0: int, r1: int, buf: bytearray) -> torch.Tensor:
+        rows, cols = self.shape[-2:]
+        start = (lead * rows + r0) * cols
+        if start != self._pos:
+            raise RuntimeError(f"sequential source read out of order ({start} != {self._pos})")
+        n = (r1 - r0) * cols
+        self._pos += n
+        if n == 0:
+            return torch.empty((r1 - r0, cols), dtype=torch_dtype(self.dtype))
+        data = memoryview(self.next_bytes(n)).cast("B")
+        if len(data) != n:
+            raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
+        if data.readonly:  # torch.frombuffer wants writable memory
+            mv = memoryview(buf)[:n]
+            mv[:] = data
+            data = mv
+        return torch.frombuffer(data, dtype=torch_dtype(self.dtype)).view(r1 - r0, cols)
 
 
 def _block_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
@@ -385,10 +493,11 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     if not w.dtype.is_floating_point or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise InputError(f"quantize needs a float tensor, got {w.dtype}", rule="fp8-dtype")
     grid_shape(tuple(w.shape), (br, bc))
-    x = w.to(torch.float32, copy=True).contiguous()
-    scale = _scales_from_amax(_block_amax(x, br, bc), "input")
-    _apply_row_blocks(x, _expand_cols(scale, bc, x.shape[-1]), br, lambda t, f: t.div_(f))
-    return _to_e4m3(x), scale.contiguous()
+    with _torch_threads(COMPUTE_THREADS):
+        x = w.to(torch.float32, copy=True).contiguous()
+        scale = _scales_from_amax(_block_amax(x, br, bc), "input")
+        _apply_row_blocks(x, _expand_cols(scale, bc, x.shape[-1]), br, lambda t, f: t.div_(f))
+        return _to_e4m3(x), scale.contiguous()
 
 
 # ---------------------------------------------------------------------------
@@ -401,6 +510,28 @@ class _Failed:
 
 
 _DONE = object()
+
+
+class _torch_threads:
+    """Use ``n`` torch threads in this thread for a while (restored on exit).
+
+    Band-sized ops gain little from a second OpenMP thread, and when the other core is
+    busy (the writer hashing, other processes) every op waits for the descheduled team
+    member: measured 10x slower than one thread on a loaded 2-core machine.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prev = 0
+
+    def __enter__(self) -> None:
+        self.prev = torch.get_num_threads()
+        if self.n > 0 and self.n != self.prev:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if torch.get_num_threads() != self.prev:
+            torch.set_num_threads(self.prev)
 
 
 def _prefetched(make: Callable[[], Iterable[Any]], depth: int | None = None) -> Iterator[Any]:
@@ -429,9 +560,10 @@ def _prefetched(make: Callable[[], Iterable[Any]], depth: int | None = None) -> 
 
     def work() -> None:
         try:
-            for item in make():
-                if not put(item):
-                    return
+            with _torch_threads(COMPUTE_THREADS):
+                for item in make():
+                    if not put(item):
+                        return
             put(_DONE)
         except BaseException as e:  # handed to the consumer, which re-raises it
             put(_Failed(e))
@@ -451,51 +583,62 @@ def _prefetched(make: Callable[[], Iterable[Any]], depth: int | None = None) -> 
         worker.join()
 
 
-def _read_scale(ref: TensorRef) -> torch.Tensor:
-    """The whole scale grid (small: one float per 16K weights) as float32, lead dims flattened."""
-    if ref.dtype not in SCALE_DTYPES:
-        raise PlanError(f"scale {ref.key} is {ref.dtype}; expected one of {SCALE_DTYPES}", rule="fp8-scale-dtype",
-                        path=ref.file)
-    t = _scale_to_f32(ref.torch())
-    return t.reshape(-1, *t.shape[-2:]) if t.dim() >= 2 else t
+def _read_scale(src: RowSource) -> torch.Tensor:
+    """The scale grid (small: one float per block) as float32 [lead, gr, gc], read exactly once."""
+    *_, rows, cols = src.shape
+    lead = _lead(src.shape)
+    out = torch.empty((lead, rows, cols), dtype=torch.float32)
+    buf = bytearray(rows * cols * (DTYPES[src.dtype].bits // 8))
+    for li in range(lead):
+        out[li].copy_(src.read(li, 0, rows, buf))  # exact widening (F32 / BF16 / F16 / E8M0)
+    return out
 
 
 def _lead(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-2])
 
 
-def _check_pair(q_src: RowSource, scale_ref: TensorRef, block: tuple[int, int]) -> str:
+def _check_pair(q_src: RowSource, s_src: RowSource, block: tuple[int, int]) -> str:
+    """Plan-time checks of a weight and its scale: dtypes, grid shape, block alignment of row windows."""
     if q_src.dtype not in FP8_WEIGHT_DTYPES:
         raise PlanError(f"{q_src.key} is {q_src.dtype}, not an FP8 weight ({', '.join(FP8_WEIGHT_DTYPES)})",
                         rule="fp8-dtype", path=_file_of(q_src))
-    _check_grid(q_src.shape, scale_ref.shape, block, what=f"scale {scale_ref.key} of {q_src.key}",
-                path=scale_ref.file)
+    if s_src.dtype not in SCALE_DTYPES:
+        raise PlanError(f"scale {s_src.key} of {q_src.key} is {s_src.dtype}; expected one of {SCALE_DTYPES}",
+                        rule="fp8-scale-dtype", path=_file_of(s_src))
+    _check_grid(q_src.shape, s_src.shape, block, what=f"scale {s_src.key} of {q_src.key}", path=_file_of(s_src))
+    window = getattr(q_src, "rows", None)
+    if isinstance(window, tuple) and window[0] % block[0]:
+        raise PlanError(f"{q_src.key}: rows {window[0]}..{window[1]} start inside a {block[0]}-row scale block",
+                        rule="fp8-block-misaligned", path=_file_of(q_src))
     return q_src.dtype
 
 
-def _dequant_bands(q_src: RowSource, scale_ref: TensorRef, block: tuple[int, int]):
-    """Yield (lead, r0, r1, float32 band view) over the whole weight; views are reused."""
+def _dequant_bands(q_src: RowSource, s_src: RowSource | torch.Tensor, block: tuple[int, int]):
+    """Yield (lead, r0, r1, float32 band view) over the whole weight; views are reused.
+
+    ``s_src`` is the scale as a RowSource (read once) or a float32 tensor."""
     br, bc = block
     fmt = q_src.dtype
     *_, rows, cols = q_src.shape
-    scale = _read_scale(scale_ref)
+    scale = s_src.reshape(-1, *s_src.shape[-2:]) if isinstance(s_src, torch.Tensor) else _read_scale(s_src)
     factor, pre = _multiplier(scale, fmt)
     step = _step(cols, br)
     kern = _BandKernel(fmt, cols, step)
     buf = bytearray(step * cols)
-    last = None
-    col_factor = None
+    last = -1
+    col_factor = factor[0]
     for li, r0, r1 in _bands(_lead(q_src.shape), rows, br, step):
-        if (li, r0 // br) != last:
-            last = (li, r0 // br)
-            col_factor = _expand_cols(factor[li, r0 // br], bc, cols).contiguous()
+        if li != last:  # per-column factors of one matrix: [gr, cols], small
+            last = li
+            col_factor = _expand_cols(factor[li], bc, cols).contiguous()
         raw = q_src.read(li, r0, r1, buf)
-        yield li, r0, r1, kern.dequant(raw, col_factor, pre)
+        yield li, r0, r1, kern.dequant(raw, col_factor[r0 // br : (r1 - 1) // br + 1], br, pre)
 
 
 def dequant_recipe(
     weight_ref: TensorRef | RowSource,
-    scale_ref: TensorRef,
+    scale_ref: TensorRef | RowSource,
     out_dtype: str = "BF16",
     block: tuple[int, int] = DEFAULT_BLOCK,
 ) -> Compute:
@@ -504,17 +647,19 @@ def dequant_recipe(
     Reads the scale grid once and the weight in row bands of about ``BAND_ELEMS``
     elements (never more than one block row of one expert), so memory stays a few MB
     whatever the tensor size. Checks dtypes and the scale shape now, at plan time.
+    One expert of a stack: ``dequant_recipe(TensorRows(w, expert=e), TensorRows(s, expert=e))``.
     """
     block = _check_block(block)
     src = _as_rows(weight_ref)
-    fmt = _check_pair(src, scale_ref, block)
+    scale_src = _as_rows(scale_ref)
+    fmt = _check_pair(src, scale_src, block)
     out = lookup(out_dtype).name
     if out not in ("BF16", "F16", "F32"):
         raise PlanError(f"cannot dequantize {src.key} to {out_dtype}; use BF16, F16 or F32", rule="fp8-out-dtype")
     tdt = torch_dtype(out)
 
     def chunks() -> Iterator[torch.Tensor]:
-        for _li, _r0, _r1, band in _dequant_bands(src, scale_ref, block):
+        for _li, _r0, _r1, band in _dequant_bands(src, scale_src, block):
             yield band.clone() if out == "F32" else band.to(tdt)  # fresh tensor: consumers may keep chunks
 
     def produce() -> Iterator[torch.Tensor]:
@@ -523,9 +668,9 @@ def dequant_recipe(
     return Compute(
         produce,
         "dequant",
-        inputs=[src.key, scale_ref.key],
-        detail={"from": fmt, "to": out, "block": list(block), "scale": scale_ref.key},
-        read_bytes=src.nbytes + scale_ref.nbytes,
+        inputs=[src.key, scale_src.key],
+        detail={"from": fmt, "to": out, "block": list(block), "scale": scale_src.key},
+        read_bytes=src.nbytes + scale_src.nbytes,
     )
 
 
@@ -611,7 +756,7 @@ def requant_recipes(value_source: TensorRef | RowSource, block: tuple[int, int] 
 def unchanged_after_dequant(
     draft_ref: TensorRef | RowSource,
     verifier_q_ref: TensorRef | RowSource,
-    verifier_scale_ref: TensorRef,
+    verifier_scale_ref: TensorRef | RowSource,
     block: tuple[int, int] = DEFAULT_BLOCK,
 ) -> bool:
     """True when the draft equals ``dequantize(verifier)`` cast to the draft's dtype, bit for bit.
@@ -624,7 +769,8 @@ def unchanged_after_dequant(
     block = _check_block(block)
     draft = _as_rows(draft_ref)
     q_src = _as_rows(verifier_q_ref)
-    _check_pair(q_src, verifier_scale_ref, block)
+    s_src = _as_rows(verifier_scale_ref)
+    _check_pair(q_src, s_src, block)
     if tuple(draft.shape) != tuple(q_src.shape) or draft.dtype not in FLOAT_DTYPES:
         return False
     tdt = torch_dtype(draft.dtype)
@@ -634,10 +780,11 @@ def unchanged_after_dequant(
     step = _step(cols, block[0])
     buf = bytearray(step * cols * item)
     cast = torch.empty(step * cols, dtype=tdt)
-    for li, r0, r1, band in _dequant_bands(q_src, verifier_scale_ref, block):
-        d = draft.read(li, r0, r1, buf)
-        c = cast[: band.numel()].view(band.shape)
-        c.copy_(band)
-        if not torch.equal(c.view(bits), d.view(bits)):
-            return False
+    with _torch_threads(COMPUTE_THREADS):
+        for li, r0, r1, band in _dequant_bands(q_src, s_src, block):
+            d = draft.read(li, r0, r1, buf)
+            c = cast[: band.numel()].view(band.shape)
+            c.copy_(band)
+            if not torch.equal(c.view(bits), d.view(bits)):
+                return False
     return True

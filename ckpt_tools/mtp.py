@@ -113,7 +113,7 @@ def _beyond(ckpt: Checkpoint, table: Table, count: int) -> list[str]:
     declared = resolve(table, ckpt.config, mtp_count=count)
     declared_glue = {s.key for s in declared.glue_specs()}
     glue = {s.key for s in probe.glue_specs()} - declared_glue
-    prefixes = [layer.prefix for layer in probe.layers[count:]]
+    prefixes = [p for layer in probe.layers[count:] for p in [layer.prefix, *layer.block_prefixes]]
     for key in ckpt.tensors:
         if key in glue or any(key.startswith(p) for p in prefixes):
             found.append(key)

@@ -9,9 +9,11 @@ own ``Metadata::validate``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import struct
 import threading
 from collections.abc import Iterator
@@ -161,13 +163,63 @@ def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
+# A \ud800-\udfff escape: Python's json decodes a lone one into a string that is not UTF-8 (the library
+# refuses it, and no output header could hold it). Valid UTF-8 text cannot contain one otherwise.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _lone_surrogate(obj: object) -> str | None:
+    """The first key (or string value) holding a lone surrogate, walking without recursion."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
+        for k, v in items:
+            for s in (k, v):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return s
+            if isinstance(v, (dict, list)):
+                stack.append(v)
+    return None
+
+
 class _Duplicate(Exception):
     def __init__(self, key: str) -> None:
         self.key = key
 
 
+# Far beyond any real tensor (numpy stops at 64 dims); refusing early keeps a 100 MB list of dims cheap.
+MAX_RANK = 1024
+MAX_NUMEL = 2**64 - 1  # the library multiplies dims in u64 (checked_mul) and refuses an overflow
+
+
+def _numel(shape: list[int]) -> int | None:
+    """Element count, or None when it overflows 64 bits (checked dim by dim, like the library)."""
+    n = 1
+    for d in shape:
+        n *= d
+        if n > MAX_NUMEL:
+            return None
+    return n
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """repr of a hostile value, cut short for error messages."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _parse_int(s: str) -> int | float:
+    """Negative integer literals (including -0) become floats: no shape or offset may be negative."""
+    return float(s) if s.startswith("-") else int(s)
+
+
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """A JSON integer the library can hold: it parses dims and offsets as u64."""
+    return isinstance(v, int) and not isinstance(v, bool) and v <= MAX_NUMEL
 
 
 def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Header:
@@ -184,15 +236,18 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
     if not text.lstrip().startswith("{"):
         raise fail("header-not-object", "header JSON must be an object starting with '{'")
     try:
-        obj = json.loads(text, object_pairs_hook=_reject_duplicates)
+        # "-0" is an integer to Python but a float to the library (serde_json), which refuses it as a size
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int if "-0" in text else None)
     except _Duplicate as d:
-        raise fail("duplicate-key", f"key {d.key!r} appears twice in the header") from None
+        raise fail("duplicate-key", f"key {_short(d.key)} appears twice in the header") from None
     except RecursionError:
         raise fail("header-json", "header JSON is nested too deeply") from None
     except ValueError as e:
         raise fail("header-json", f"header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise fail("header-not-object", "header JSON must be an object")
+    if _SURROGATE_ESCAPE.search(text) and (bad := _lone_surrogate(obj)) is not None:
+        raise fail("header-json", f"{_short(bad)} holds a lone UTF-16 surrogate escape (not valid UTF-8)")
 
     metadata = obj.pop("__metadata__", None)
     if metadata is not None:
@@ -204,14 +259,17 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
 
     tensors: dict[str, TensorInfo] = {}
     for key, entry in obj.items():
+        key_s = _short(key)
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise fail("tensor-entry", f"tensor {key!r} must have exactly dtype, shape and data_offsets")
+            raise fail("tensor-entry", f"tensor {key_s} must have exactly dtype, shape and data_offsets")
         dtype_name = entry["dtype"]
         if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-            raise fail("unknown-dtype", f"tensor {key!r} has unknown dtype {dtype_name!r}")
+            raise fail("unknown-dtype", f"tensor {key_s} has unknown dtype {_short(dtype_name)}")
         shape = entry["shape"]
+        if isinstance(shape, list) and len(shape) > MAX_RANK:
+            raise fail("bad-shape", f"tensor {key_s} has {len(shape)} dimensions (at most {MAX_RANK})")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise fail("bad-shape", f"tensor {key!r} shape {shape!r} is not a list of non-negative integers")
+            raise fail("bad-shape", f"tensor {key_s} shape {_short(shape)} is not a list of integers in [0, 2**64)")
         offs = entry["data_offsets"]
         if (
             not isinstance(offs, list)
@@ -219,15 +277,22 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
             or not all(_is_int(o) and o >= 0 for o in offs)
             or offs[0] > offs[1]
         ):
-            raise fail("bad-offsets", f"tensor {key!r} data_offsets {offs!r} is not [begin, end] with begin <= end")
+            raise fail("bad-offsets", f"tensor {key_s} data_offsets {_short(offs)} is not [begin, end] with "
+                       "0 <= begin <= end < 2**64")
+        numel = _numel(shape)
+        if numel is None:
+            # no span in a real file can match (the library's checked_mul overflows here too)
+            raise fail("size-mismatch", f"tensor {key_s}: data_offsets span {offs[1] - offs[0]} bytes but shape "
+                       f"{_short(shape)} has more than 2**64 elements")
         dt: DType = DTYPES[dtype_name]
-        bits = math.prod(shape) * dt.bits
+        bits = numel * dt.bits
         if bits % 8:
-            raise fail("misaligned", f"tensor {key!r}: {dtype_name} x {shape} does not end on a byte boundary")
+            raise fail("misaligned",
+                       f"tensor {key_s}: {dtype_name} x {_short(shape)} does not end on a byte boundary")
         if offs[1] - offs[0] != bits // 8:
             raise fail(
                 "size-mismatch",
-                f"tensor {key!r}: data_offsets span {offs[1] - offs[0]} bytes but {dtype_name} x {shape} "
+                f"tensor {key_s}: data_offsets span {offs[1] - offs[0]} bytes but {dtype_name} x {_short(shape)} "
                 f"needs {bits // 8}",
             )
         tensors[key] = TensorInfo(dtype_name, tuple(shape), offs[0], offs[1])
@@ -236,12 +301,11 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
     expected = 0
     for key, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if info.begin < expected:
-            raise fail("overlap", f"tensor {key!r} starts at {info.begin}, inside the previous tensor "
+            raise fail("overlap", f"tensor {_short(key)} starts at {info.begin}, inside the previous tensor "
                        f"(which ends at {expected})")
         if info.begin > expected:
-            raise fail(
-                "offsets-not-contiguous", f"tensor {key!r} starts at {info.begin}, leaving a hole after {expected}"
-            )
+            raise fail("offsets-not-contiguous",
+                       f"tensor {_short(key)} starts at {info.begin}, leaving a hole after {expected}")
         expected = info.end
     data_len = file_size - 8 - header_len
     if expected > data_len:
@@ -347,6 +411,9 @@ def coalesce(segments: list[Segment]) -> list[Segment]:
 
 
 _CFR_OK = hasattr(os, "copy_file_range")
+# copy_file_range refusals that mean "not here" (old kernel, cross-device, special file, filesystem)
+_CFR_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM,
+                    errno.ETXTBSY, errno.EOVERFLOW}
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -372,10 +439,10 @@ def copy_segment(seg: Segment, dst_fd: int, buf: memoryview) -> None:
                 if n == 0:
                     raise InputError(f"short read at byte {seg.offset + done}", path=seg.source.name)
                 done += n
-        except OSError:
-            if done:  # partial kernel copy already advanced the output; continue buffered
-                pass
-            else:
+        except OSError as e:
+            if e.errno not in _CFR_UNSUPPORTED:
+                raise  # disk full, file too large, I/O error: the buffered path would fail the same way
+            if not done:  # partial kernel copy already advanced the output; continue buffered
                 _CFR_OK = False
     IO_STATS.add_copied(done)
     while done < seg.length:

@@ -1,4 +1,5 @@
-"""Arithmetic on planned tensors, streamed in bands: casts, FP8 dequantization, half swaps.
+"""Arithmetic on planned tensors, streamed in bands: casts, FP8 dequantization, half swaps,
+column-wise joins and splits.
 
 Each function takes an ``OutputTensor`` (whatever its recipe: byte copies or a
 computation) and returns a new one whose recipe reads the input recipe's bytes band by
@@ -121,6 +122,82 @@ def swap_halves(t: OutputTensor) -> OutputTensor:
     return OutputTensor(t.key, t.dtype, t.shape, Compute(produce, "swap-halves", _inputs(t)), t.shard, dict(t.meta))
 
 
+def _column_layout(shapes: list[tuple[int, ...]], dtype: str, what: str) -> tuple[tuple[int, ...], list[int]]:
+    """Leading dims shared by every piece, and each piece's row width in bytes."""
+    if not shapes or any(len(s) < 1 for s in shapes) or len({s[:-1] for s in shapes}) != 1:
+        raise PlanError(f"{what}: pieces {[list(s) for s in shapes]} do not share their leading dimensions",
+                        rule="concat-columns")
+    widths = [DTYPES[dtype].nbytes(s[-1]) for s in shapes]
+    if any(w <= 0 or s[-1] * DTYPES[dtype].bits % 8 for s, w in zip(shapes, widths, strict=True)):
+        raise PlanError(f"{what}: columns must be whole bytes, got {[list(s) for s in shapes]} of {dtype}",
+                        rule="concat-columns")
+    return shapes[0][:-1], widths
+
+
+def _bands_of_rows(lead: tuple[int, ...], row_bytes: int) -> Iterator[int]:
+    """Row counts of successive bands covering every row (rows = product of the leading dims)."""
+    rows = math.prod(lead)
+    per = max(1, BAND_BYTES // max(row_bytes, 1))
+    done = 0
+    while done < rows:
+        n = min(per, rows - done)
+        yield n
+        done += n
+
+
+def concat_columns(parts: list[OutputTensor], key: str) -> OutputTensor:
+    """``[A | B | ...]`` along the last axis: every part's row r, side by side (pure byte moves).
+
+    The inverse of ``split_columns``; used where a format holds one ``[H, 2H]`` projection and
+    the family stores its two ``[H, H]`` halves separately.
+    """
+    dtypes = {t.dtype for t in parts}
+    if len(dtypes) != 1:
+        raise PlanError(f"{key}: cannot join columns of different dtypes {sorted(dtypes)}", rule="concat-columns")
+    dtype = dtypes.pop()
+    lead, widths = _column_layout([tuple(t.shape) for t in parts], dtype, key)
+    shape = (*lead, sum(t.shape[-1] for t in parts))
+    srcs = list(parts)
+
+    def produce():
+        import numpy as np
+
+        readers = [RecipeReader(t.recipe) for t in srcs]
+        for n in _bands_of_rows(lead, sum(widths)):
+            pieces = [np.frombuffer(r.read(n * w), dtype=np.uint8).reshape(n, w)
+                      for r, w in zip(readers, widths, strict=True)]
+            yield np.ascontiguousarray(np.concatenate(pieces, axis=1))
+
+    inputs = [k for t in parts for k in _inputs(t)]
+    meta = {"source": inputs, "joined_columns": [t.key for t in parts]}
+    return OutputTensor(key, dtype, shape, Compute(produce, "concat-columns", inputs), parts[0].shard, meta)
+
+
+def split_columns(t: OutputTensor, pieces: list[tuple[str, int]]) -> list[OutputTensor]:
+    """``t`` cut along its last axis into ``(key, width)`` pieces, in order (inverse of ``concat_columns``)."""
+    if not t.shape or sum(w for _, w in pieces) != t.shape[-1]:
+        raise PlanError(f"{t.key}: shape {list(t.shape)} does not split into widths {[w for _, w in pieces]}",
+                        rule="concat-columns")
+    lead, widths = _column_layout([(*t.shape[:-1], w) for _, w in pieces], t.dtype, t.key)
+    total = sum(widths)
+    offsets = [sum(widths[:k]) for k in range(len(widths))]
+    src = t
+    out = []
+    for (key, width), off, wb in zip(pieces, offsets, widths, strict=True):
+        def produce(off=off, wb=wb):
+            import numpy as np
+
+            reader = RecipeReader(src.recipe)
+            for n in _bands_of_rows(lead, total):
+                band = np.frombuffer(reader.read(n * total), dtype=np.uint8).reshape(n, total)
+                yield np.ascontiguousarray(band[:, off:off + wb])
+
+        out.append(OutputTensor(key, t.dtype, (*lead, width), Compute(produce, "split-columns", _inputs(t),
+                                                                     {"columns": [off, off + wb]}),
+                                t.shard, dict(t.meta)))
+    return out
+
+
 def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[int, int]) -> OutputTensor:
     """FP8 block-quantized ``w`` times its ``scale`` grid, as ``dtype``; bands of whole tile rows."""
     if w.dtype not in FP8_DTYPES:
@@ -135,24 +212,11 @@ def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[in
 
     def produce():
         from . import fp8
-        from .dtypes import torch_dtype
 
         scales = bytes_to_torch(bytearray(b"".join(recipe_bytes(sc.recipe, max(sc.nbytes, 1)))), "F32", sc.shape)
-        rows, cols = src.shape[-2], src.shape[-1]
-        lead = math.prod(src.shape[:-2])
-        s2 = scales.reshape(lead, *scales.shape[-2:])
-        # bands of whole tile rows, so every band starts at a scale row
-        band_rows = max(block[0], (BAND_BYTES // max(cols, 1)) // block[0] * block[0])
-        out_dtype = torch_dtype(dtype)
-        reader = RecipeReader(src.recipe)
-        for e in range(lead):
-            r = 0
-            while r < rows:
-                n = min(band_rows, rows - r)
-                q = bytes_to_torch(reader.read(n * cols), src.dtype, (n, cols))
-                srow = s2[e, r // block[0]: r // block[0] + math.ceil(n / block[0])]
-                yield fp8.dequantize(q, srow, block).to(out_dtype)
-                r += n
+        # banded, one worker thread ahead of the writer (fp8.dequant_stream)
+        yield from fp8.dequant_stream(RecipeReader(src.recipe).read, tuple(src.shape), src.dtype, scales, dtype,
+                                      block)
 
     meta = dict(w.meta)
     meta["dequantized_from"] = {"dtype": w.dtype, "scale": scale.key, "block": list(block)}

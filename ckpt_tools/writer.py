@@ -11,6 +11,7 @@ Memory stays bounded by one computed chunk; copied bytes never enter Python.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -86,19 +87,35 @@ def _same_path(a: Path, b: Path) -> bool:
 
 
 class _Lock:
-    """An advisory lock on the output directory: a second writer refuses instead of interleaving."""
+    """An advisory lock on the output directory: a second writer refuses instead of interleaving.
+
+    An flock: the kernel releases it when its holder dies, so a lock file left by a killed
+    run never blocks ``--resume``.
+    """
 
     def __init__(self, out_dir: Path) -> None:
         self.path = out_dir / LOCK_NAME
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip()
+                os.close(self.fd)
+                raise OutputError(
+                    f"another ckpt command{f' (pid {holder})' if holder else ''} is writing this directory "
+                    f"(lock {LOCK_NAME} held); wait for it or pick another -o",
+                    path=str(out_dir),
+                ) from None
+            # The holder we waited on may have unlinked the file between our open and flock: then we
+            # locked an orphan inode while a third writer may lock a new file. Retry on the live path.
+            try:
+                same = os.path.samestat(os.fstat(self.fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(self.fd)
-            raise OutputError(
-                "another ckpt command is writing this directory (lock held); wait for it or pick another -o",
-                path=str(out_dir),
-            ) from None
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"{os.getpid()}\n".encode())
 
@@ -132,6 +149,11 @@ class Writer:
     # -- checks -----------------------------------------------------------------
 
     def _check_output_dir(self) -> None:
+        """Refuse inputs as output, and a non-empty directory unless --overwrite / --resume.
+
+        Called before creating the directory and again under the lock: a concurrent writer may
+        have filled it in between.
+        """
         for src in self.plan.inputs:
             src = Path(src)
             src_dir = src if src.is_dir() else src.parent
@@ -168,14 +190,23 @@ class Writer:
         except OSError as e:
             raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
         lock = _Lock(self.out)
+        try:
+            self._check_output_dir()
+        except BaseException:
+            lock.release()
+            raise
         result = WriteResult(self.out)
+        complete = False
         try:
             if self.overwrite and not self.resume:
                 self._clear_previous_output()
             elif self.resume:
-                # An index or manifest from the interrupted run would claim completeness early.
+                # An index or manifest from the interrupted run would claim completeness early, and its
+                # temporary files (we hold the lock: nobody is writing them) only take disk space.
                 for name in (self.plan.index_name, MANIFEST_NAME):
                     (self.out / name).unlink(missing_ok=True)
+                for p in self.out.glob(".*.partial"):
+                    p.unlink(missing_ok=True)
             shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
@@ -195,6 +226,7 @@ class Writer:
                 os.replace(*deferred)
             else:
                 self._write_index(result)
+            complete = True
             self._fsync_dir()
         except OSError as e:
             raise self._output_error(e) from e
@@ -202,6 +234,8 @@ class Writer:
             self.progress.stop()
             for p in self.out.glob(".*.partial"):
                 p.unlink(missing_ok=True)
+            if not complete:  # a manifest without its completion marker would read as a finished run
+                (self.out / MANIFEST_NAME).unlink(missing_ok=True)
             lock.release()
         result.seconds = time.monotonic() - t0
         return result
@@ -210,6 +244,8 @@ class Writer:
         what = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
         if e.errno == errno.EFBIG:
             what = "file size limit exceeded"
+        elif e.errno == errno.EDQUOT:
+            what = "disk quota exceeded"
         suffix = f" after {written} bytes" if written is not None else ""
         return OutputError(f"write failed ({what}){suffix}", path=where or str(self.out))
 
@@ -256,6 +292,7 @@ class Writer:
                 result.tensor_files[t.key] = name
             os.fsync(fd)
         except OSError as e:
+            written = _size_of(fd, written)
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise self._output_error(e, str(final), written) from e
@@ -287,20 +324,19 @@ class Writer:
         assert isinstance(recipe, Compute)
         from .numeric import as_bytes  # numpy is only needed for computed tensors
 
-        h = hashlib.sha256() if self.hash_tensors else None
         n = 0
         for chunk in recipe.produce():
             mv = as_bytes(chunk)
             if n + len(mv) > t.nbytes:
                 raise RuntimeError(f"plan error: {t.key} produced more than {t.nbytes} bytes")
             _write_all(fd, mv)
-            if h is not None:
-                h.update(mv)
             n += len(mv)
             self.progress.advance(len(mv))
         if n != t.nbytes:
             raise RuntimeError(f"plan error: {t.key} produced {n} bytes, needs {t.nbytes}")
-        return h.hexdigest() if h is not None else None
+        if self.hash_tensors:  # like copies: hashed from the output, off the main thread
+            pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
+        return None
 
     @staticmethod
     def _offset_of(header: bytes, ordered: list[OutputTensor], t: OutputTensor) -> tuple[int, int]:
@@ -328,7 +364,7 @@ class Writer:
         final.parent.mkdir(parents=True, exist_ok=True)
         if f.content is not None:
             tmp = final.with_name(f".{final.name}.partial")
-            with open(tmp, "wb") as fh:
+            with self._cleanup_on_error(tmp, final), open(tmp, "wb") as fh:
                 fh.write(f.content)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -352,8 +388,22 @@ class Writer:
             os.symlink(os.path.abspath(f.source), final)
         else:
             tmp = final.with_name(f".{final.name}.partial")
-            _copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress)
+            with self._cleanup_on_error(tmp, final):
+                _copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress)
             os.replace(tmp, final)
+
+    @contextlib.contextmanager
+    def _cleanup_on_error(self, tmp: Path, final: Path):
+        """A failed write removes its temporary file and names the file and the bytes that reached it."""
+        try:
+            yield
+        except OSError as e:
+            try:
+                written = tmp.stat().st_size
+            except OSError:
+                written = None
+            tmp.unlink(missing_ok=True)
+            raise self._output_error(e, str(final), written) from e
 
     def _write_manifest(self, result: WriteResult) -> None:
         manifest = {
@@ -398,6 +448,13 @@ class Writer:
             os.close(fd)
 
 
+def _size_of(fd: int, default: int) -> int:
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return default
+
+
 def _same_entries(a: bytes, b: bytes) -> bool:
     """Two headers describe the same tensors at the same offsets (formatting aside)."""
     try:
@@ -409,9 +466,12 @@ def _same_entries(a: bytes, b: bytes) -> bool:
     return ja == jb
 
 
+HASH_CHUNK = 4 << 20  # small: the hasher runs beside the main thread's own buffers
+
+
 def _hash_file_range(path: Path, offset: int, length: int) -> str:
     h = hashlib.sha256()
-    buf = bytearray(min(COPY_CHUNK, max(length, 1)))
+    buf = bytearray(min(HASH_CHUNK, max(length, 1)))
     mv = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)

@@ -9,9 +9,13 @@ read back by safetensors, so the writer and our reader are checked too.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from ckpt_tools import fp8
@@ -210,6 +214,33 @@ def test_dequantize_matches_float64_reference(shape, block):
     assert got.dtype == np.float32 and got.shape == shape
 
 
+def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
+    monkeypatch.setattr(fp8, "BAND_ELEMS", 4000)
+    rng = np.random.default_rng(12)
+    qb, scale = random_fp8(rng, (3, 130, 257), (128, 128))
+    q, s = as_fp8(qb), torch.from_numpy(scale)
+    exact32 = ref_dequant(qb, scale, (128, 128)).astype(np.float32)
+    got = fp8.dequantize(q, s, dtype=torch.bfloat16)
+    np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), f32_to_bf16_bits(exact32))
+    np.testing.assert_array_equal(fp8.dequantize(q, s, dtype=torch.float16).numpy(), exact32.astype(np.float16))
+    # a sequential reader (e.g. over another recipe's bytes), consumed in odd-sized pieces
+    data = qb.tobytes()
+    pos = 0
+
+    def read(n):
+        nonlocal pos
+        pos += n
+        piece = data[pos - n : pos]
+        return bytearray(piece) if pos % 2 else piece  # writable (used in place) or read-only (copied)
+
+    chunks = list(fp8.dequant_stream(read, qb.shape, "F8_E4M3", s, "BF16"))
+    assert len(chunks) > 3 and pos == len(data)
+    streamed = torch.cat([c.reshape(-1) for c in chunks]).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(streamed, f32_to_bf16_bits(exact32).reshape(-1))
+    with pytest.raises(InputError, match="fp8-stream"):
+        list(fp8.dequant_stream(lambda n: b"\0" * (n - 1), qb.shape, "F8_E4M3", s))
+
+
 def test_dequantize_survives_flush_denormal_mode():
     qb = np.arange(0, 128, dtype=np.uint8).reshape(1, 128)  # includes e4m3 subnormals 0x01..0x07
     want = ref_dequant(qb, np.ones((1, 1), np.float32), (128, 128)).astype(np.float32)
@@ -239,9 +270,18 @@ def test_dequantize_agrees_with_transformers_fp8_dequantize():
     assert torch.equal(fp8.dequantize(q, s).to(torch.bfloat16).view(torch.int16), theirs.view(torch.int16))
 
 
-@pytest.mark.parametrize("out_dtype", ["BF16", "F16", "F32"])
-def test_dequant_recipe_through_writer(tmp_path, monkeypatch, out_dtype):
-    monkeypatch.setattr(fp8, "BAND_ELEMS", 3000)  # several bands per block row, partial bands included
+@pytest.mark.parametrize(
+    "out_dtype,band",
+    [
+        ("BF16", 3000),  # several bands per block row, partial bands included
+        ("F16", 3000),
+        ("F32", 3000),
+        ("BF16", 60000),  # bands of two block rows (a), of one (e)
+        ("BF16", 1 << 20),  # whole matrices per band
+    ],
+)
+def test_dequant_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
+    monkeypatch.setattr(fp8, "BAND_ELEMS", band)
     rng = np.random.default_rng(3)
     qa, sa = random_fp8(rng, (300, 200), (128, 128), scale_exp=(-12, 0))
     qe, se = random_fp8(rng, (3, 130, 257), (128, 128), scale_exp=(-12, 0))
@@ -297,6 +337,48 @@ def test_dequant_recipe_checks_at_plan_time(tmp_path):
     assert fp8.dequant_recipe(refs["w"], refs["s"], "bf16").describe()["to"] == "BF16"
 
 
+def test_dequant_recipe_windows_and_e8m0_scales(tmp_path):
+    rng = np.random.default_rng(4)
+    qb, sc = random_fp8(rng, (3, 256, 200), (128, 128), scale_exp=(-12, 0))
+    e8 = rng.integers(100, 130, (3, 2, 2)).astype(np.uint8)  # UE8M0 scales: 2**(b - 127)
+    refs, _ = write_refs(
+        tmp_path / "w.safetensors",
+        {"w": as_fp8(qb), "s": torch.from_numpy(sc), "s8": torch.from_numpy(e8).view(torch.float8_e8m0fnu)},
+    )
+    outs = [
+        OutputTensor("one", "BF16", (256, 200),
+                     fp8.dequant_recipe(fp8.TensorRows(refs["w"], expert=2), fp8.TensorRows(refs["s"], expert=2))),
+        OutputTensor("up", "F32", (3, 128, 200),  # rows 128..256 of every expert, e.g. the up half of gate_up
+                     fp8.dequant_recipe(fp8.TensorRows(refs["w"], rows=(128, 256)),
+                                        fp8.TensorRows(refs["s"], rows=(1, 2)), "F32")),
+        OutputTensor("e8", "F32", (3, 256, 200), fp8.dequant_recipe(refs["w"], refs["s8"], "F32")),
+    ]
+    got = run_plan(tmp_path, outs)
+    full = ref_dequant(qb, sc, (128, 128)).astype(np.float32)
+    np.testing.assert_array_equal(got["one"].view(torch.int16).numpy().view(np.uint16), f32_to_bf16_bits(full[2]))
+    np.testing.assert_array_equal(got["up"].numpy(), full[:, 128:])
+    want8 = ref_dequant(qb, (2.0 ** (e8.astype(np.float64) - 127)).astype(np.float32), (128, 128))
+    np.testing.assert_array_equal(got["e8"].numpy(), want8.astype(np.float32))
+    with pytest.raises(PlanError, match="fp8-block-misaligned"):
+        fp8.dequant_recipe(fp8.TensorRows(refs["w"], rows=(64, 192)), fp8.TensorRows(refs["s"], rows=(0, 1)))
+
+
+def test_prefetch_worker_stops_and_restores_threads(tmp_path):
+    rng = np.random.default_rng(8)
+    qb, sc = random_fp8(rng, (4, 128, 300), (128, 128))
+    refs, _ = write_refs(tmp_path / "p.safetensors", {"w": as_fp8(qb), "s": torch.from_numpy(sc)})
+    threads_before, workers_before = torch.get_num_threads(), threading.active_count()
+    gen = fp8.dequant_recipe(refs["w"], refs["s"]).produce()
+    first = next(gen)
+    assert first.dtype == torch.bfloat16
+    gen.close()  # the writer stops early (an error elsewhere): the worker must end
+    assert threading.active_count() == workers_before
+    assert torch.get_num_threads() == threads_before
+    chunks = list(fp8.dequant_recipe(refs["w"], refs["s"]).produce())
+    assert sum(c.numel() for c in chunks) == qb.size and torch.get_num_threads() == threads_before
+    assert not any(c.untyped_storage().data_ptr() == chunks[0].untyped_storage().data_ptr() for c in chunks[1:])
+
+
 # ---------------------------------------------------------------------------
 # Quantization
 
@@ -324,6 +406,16 @@ def test_quantize_matches_numpy_oracle_and_error_bound():
     slack = 1 + 2.0**-20  # one float32 rounding of w / s before the e4m3 rounding
     assert (err[normal] <= 2.0**-4 * np.abs(v[normal]) * slack).all()
     assert (err[~normal] <= 2.0**-10 * slack).all()
+
+
+def test_quantize_rounds_ties_to_even():
+    # with 448 in the block the scale is exactly 1, so these are the e4m3 inputs themselves
+    ties = [1.0625, 1.1875, 248.0, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 0.5 * 2.0**-9, -1.0625, 1.0625 + 2.0**-20]
+    want = [1.0, 1.25, 256.0, 2 * 2.0**-9, 2 * 2.0**-9, 0.0, -1.0, 1.125]
+    q, s = fp8.quantize(torch.tensor([[448.0, *ties]]))
+    assert s.item() == 1.0
+    assert E4M3[q_bytes(q)[0, 1:]].tolist() == want
+    assert np.array_equal(q_bytes(q)[0], ref_e4m3_rne(np.array([448.0, *ties])))
 
 
 def test_quantize_saturates_at_448():
@@ -368,12 +460,31 @@ def test_fixed_point_scale_formula_exhaustive():
 def test_fixed_point_every_code_and_many_scales():
     """e4m3(fl(fl(q * s) / s)) == q for all 254 finite codes and 4096 scales of quantize's form."""
     rng = np.random.default_rng(5)
-    x = (rng.uniform(1, 2, 4096) * 2.0 ** rng.integers(-100, 100, 4096)).astype(np.float32)
-    s = x / np.float32(448)
+    x = (rng.uniform(1, 2, 4096) * 2.0 ** rng.integers(-118, 100, 4096)).astype(np.float32)
+    s = np.maximum(x / np.float32(448), np.float32(2.0**-126))  # down to the floor: subnormal products too
     qv = E4M3[FINITE_BYTES].astype(np.float32)
     w = qv[None, :] * s[:, None]  # float32 products: dequantize
     back = ref_e4m3_rne((w / s[:, None]).astype(np.float64))
     assert np.array_equal(back, np.broadcast_to(FINITE_BYTES, back.shape))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 300), cols=st.integers(1, 300), lead=st.integers(0, 2),
+    br=st.sampled_from([16, 64, 128]), bc=st.sampled_from([32, 48, 128]),
+    exp=st.integers(-60, 40), seed=st.integers(0, 2**32 - 1),
+)
+def test_property_random_shapes_and_blocks(rows, cols, lead, br, bc, exp, seed):
+    rng = np.random.default_rng(seed)
+    shape = (lead, rows, cols) if lead else (rows, cols)
+    w = (rng.standard_normal(shape) * 2.0**exp).astype(np.float32)
+    q, s = fp8.quantize(torch.from_numpy(w), (br, bc))
+    want_q, want_s = ref_quantize(w, (br, bc))
+    assert np.array_equal(q_bytes(q), want_q) and np.array_equal(s.numpy(), want_s)
+    d = fp8.dequantize(q, s, (br, bc))
+    np.testing.assert_array_equal(d.numpy(), ref_dequant(want_q, want_s, (br, bc)).astype(np.float32))
+    q2, s2 = fp8.quantize(d, (br, bc))
+    assert np.array_equal(q_bytes(q2), want_q) and torch.equal(s2, s)
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (3, 130, 257), (256, 384)])
@@ -417,9 +528,10 @@ def test_requant_recipe_refuses_nonfinite_when_producing(tmp_path):
     w[129, 9] = float("nan")
     refs, _ = write_refs(tmp_path / "n.safetensors", {"w": w, "i": torch.zeros(4, 4, dtype=torch.int32)})
     r = fp8.requant_recipes(refs["w"])
-    with pytest.raises(InputError, match="fp8-nonfinite") as e:
-        list(r.scale.produce())
-    assert "'w'" in str(e.value) or "w (rows 128..130)" in str(e.value)
+    for recipe in (r.scale, r.weight):  # the weight recipe raises from its worker thread
+        with pytest.raises(InputError, match="fp8-nonfinite") as e:
+            list(recipe.produce())
+        assert "w (rows 128..130)" in str(e.value) and "n.safetensors" in str(e.value)
     with pytest.raises(PlanError, match="fp8-dtype"):
         fp8.requant_recipes(refs["i"])
 
@@ -428,8 +540,9 @@ def test_requant_recipe_refuses_nonfinite_when_producing(tmp_path):
 # Round trip: dequantize -> bf16 draft -> unchanged?
 
 
-def test_unchanged_after_dequant(tmp_path, monkeypatch):
-    monkeypatch.setattr(fp8, "BAND_ELEMS", 5000)
+@pytest.mark.parametrize("band", [5000, 1 << 20])
+def test_unchanged_after_dequant(tmp_path, monkeypatch, band):
+    monkeypatch.setattr(fp8, "BAND_ELEMS", band)
     rng = np.random.default_rng(9)
     qb, sc = random_fp8(rng, (3, 130, 257), (128, 128), scale_exp=(-12, 0))
     vrefs, _ = write_refs(tmp_path / "v.safetensors", {"w": as_fp8(qb), "w_scale_inv": torch.from_numpy(sc)})

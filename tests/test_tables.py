@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.cli import app
 from ckpt_tools.config import ConfigView
 from ckpt_tools.errors import InputError, TableError
 from ckpt_tools.expert_layouts import ExpertLayout
@@ -407,3 +409,482 @@ def test_get_table_unknown_name_lists_known_families():
         get_table("deepseek_v9")
     for family in FAMILIES:
         assert family in str(ei.value)
+
+
+# --------------------------------------------------------------------------- more families (issue 11, part A)
+# GLM-4.7-Flash, GLM-5, GLM-OCR, MiMo-V2, ERNIE-4.5 MoE, LongCat-Flash, Step-3.5: the same checks as the
+# original families above, kept apart so that each list can grow without touching the other.
+
+MORE_FAMILIES = ["ernie4_5_moe", "glm4_moe_lite", "glm_moe_dsa", "glm_ocr", "longcat_flash", "mimo_v2", "step3p5"]
+
+# Section 2 of mtp-layouts.md, typed by hand (order, norms, count field).
+MORE_MATRIX = {
+    "glm4_moe_lite": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "glm_moe_dsa": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "glm_ocr": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "mimo_v2": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "ernie4_5_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "longcat_flash": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "step3p5": ("embed_first", "zero_centred", "num_nextn_predict_layers"),
+}
+
+# Section 1.9 of mtp-layouts.md, typed by hand. GLM-OCR's SGLang class is not recorded ("GlmOcr...NextN").
+MORE_ENGINES = {
+    "glm4_moe_lite": {"vllm_mtp": "Glm4MoeLiteMTPModel", "sglang_nextn": "Glm4MoeLiteForCausalLMNextN"},
+    "glm_moe_dsa": {"vllm_mtp": "DeepseekV32MTPModel", "sglang_nextn": "GlmMoeDsaForCausalLMNextN"},
+    "glm_ocr": {"vllm_mtp": "GlmOcrMTPModel"},
+    "mimo_v2": {"vllm_mtp": "MiMoV2MTPModel", "sglang_mtp": "MiMoV2MTP"},
+    "ernie4_5_moe": {"vllm_mtp": "ErnieMTPModel", "sglang_mtp": "Ernie4_5_MoeForCausalLMMTP"},
+    "longcat_flash": {"vllm_mtp": "LongCatFlashMTPModel", "sglang_nextn": "LongcatFlashForCausalLMNextN"},
+    "step3p5": {"vllm_mtp": "Step3p5MTP", "sglang_mtp": "Step3p5MTP"},
+}
+
+# Families whose reference lists an FP8 fusion projection (LongCat: eh_proj (+ weight_scale_inv), section 10).
+FP8_FUSION = {"longcat_flash"}
+
+
+def test_more_families_are_shipped():
+    assert set(MORE_FAMILIES) <= _mtp_families()
+    assert set(MORE_MATRIX) == set(MORE_FAMILIES) == set(MORE_ENGINES)
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_tables_match_reference_matrix_and_engines(family):
+    t = get_table(family)
+    order, norm, count_key = MORE_MATRIX[family]
+    assert t.mtp.concat_order == order
+    assert t.norm == norm
+    assert t.mtp.count_field is not None
+    assert t.config[t.mtp.count_field].keys[0] == count_key
+    assert ConfigView(t.fixture).get(count_key) == resolve(t, ConfigView(t.fixture)).mtp_count
+    assert t.engines == MORE_ENGINES[family]
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_quantization_never_touches_norms_routers_embeddings(family):
+    """Reference 1.8: norms, routers, router biases, embeddings and heads stay BF16; the fusion too,
+    except where the family's own section lists it with a scale."""
+    res = resolve(get_table(family), ConfigView(get_table(family).fixture))
+    specs = list(res.shared.values()) + res.mtp_specs() + trunk_specs(res)[0]
+    for s in specs:
+        if s.kind in ("norm", "bias", "embedding", "router") or s.role in ("head", "embed"):
+            assert not s.quant, f"{family}: {s.key} must not be block-quantized"
+        if s.role == "fusion":
+            assert s.quant == (family in FP8_FUSION), s.key
+    if any(layer.experts for layer in res.layers):
+        assert "router" in {s.tag for s in res.mtp_specs()}
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_fixture_configs_detect_their_family(family):
+    cfg = fixture_config(family)
+    assert detect_table(ConfigView(cfg)).family == family
+    cfg.pop("architectures")
+    assert detect_table(ConfigView(cfg)).family == family
+
+
+def test_own_heads_and_own_embeddings_are_not_taken_for_shared_copies():
+    """Step-3.5's per-layer heads are its own (vLLM has_own_lm_head): role head, no copy_of. LongCat's
+    model.mtp.embed_tokens is a required copy of the embedding, shared by every depth."""
+    step = resolve(get_table("step3p5"), ConfigView(fixture_config("step3p5")))
+    heads = [layer.glue["head"] for layer in step.layers]
+    assert [h.key for h in heads] == [f"model.layers.{4 + i}.transformer.shared_head.output.weight" for i in range(3)]
+    assert all(h.copy_of is None and not h.optional for h in heads)
+    lc = resolve(get_table("longcat_flash"), ConfigView(fixture_config("longcat_flash")))
+    embed = lc.layers[0].glue["embed"]
+    assert (embed.key, embed.copy_of, embed.optional, embed.depth) == (
+        "model.mtp.embed_tokens.weight", "embed", False, None)
+    assert lc.layers[0].glue["final_norm"].key == "model.mtp.norm.weight"
+
+
+def test_per_depth_mlp_and_attention_types_of_step3p5():
+    """mtp_mlp_layer_types / mtp_layer_types (or the padded hub lists) choose each depth's block."""
+    cfg = fixture_config("step3p5", {"mtp_mlp_layer_types": ["sparse", "dense", "sparse"],
+                                      "mtp_layer_types": ["sliding_attention", "full_attention", "full_attention"]})
+    res = resolve(get_table("step3p5"), ConfigView(cfg))
+    assert [bool(layer.experts) for layer in res.layers] == [True, False, True]
+    q = [next(s.shape for s in layer.block if s.sub == "self_attn.q_proj.weight") for layer in res.layers]
+    assert q == [(6 * 16, 64), (4 * 16, 64), (4 * 16, 64)]
+
+
+def test_ernie_glue_keeps_one_set_of_root_keys_per_depth():
+    cfg = fixture_config("ernie4_5_moe", {"num_nextn_predict_layers": 2})
+    res = resolve(get_table("ernie4_5_moe"), ConfigView(cfg))
+    for i, layer in enumerate(res.layers):
+        assert {r: s.key for r, s in layer.glue.items()} == {
+            "embed_norm": f"model.mtp_emb_norm.{i}.weight", "hidden_norm": f"model.mtp_hidden_norm.{i}.weight",
+            "fusion": f"model.mtp_linear_proj.{i}.weight"}
+        assert all(s.depth == i for s in layer.glue.values())
+        assert layer.prefix == f"model.mtp_block.{i}."
+
+
+def _no_zero_experts(cfg: dict) -> None:
+    # transformers 5.24 sizes LongcatFlashExperts.gate_up_proj over n_routed_experts + zero_expert_num (the
+    # zero experts are weightless identities in vLLM / SGLang and on disk), so it saves phantom gate/up
+    # tensors for them; without zero experts its layout is the checkpoint's
+    cfg["zero_expert_num"] = 0
+
+
+def _glm_lite_no_q_lora(cfg: dict) -> None:
+    cfg.update(q_lora_rank=None, attention_bias=True)
+
+
+def _glm5_shared_indexers(cfg: dict) -> None:
+    cfg.update(num_hidden_layers=4, index_topk_pattern="FSSF", attention_bias=True)
+
+
+def _ernie_bias_interval(cfg: dict) -> None:
+    cfg.update(use_bias=True, tie_word_embeddings=False, num_hidden_layers=4, moe_layer_start_index=0,
+               moe_layer_interval=2, moe_layer_end_index=2)
+
+
+def _mimo_v2_transformers_style(cfg: dict) -> None:
+    # transformers' own fields instead of the hub's hybrid_layer_pattern / moe_layer_freq / swa_num_key_value_heads
+    for k in ("hybrid_layer_pattern", "moe_layer_freq", "swa_num_key_value_heads"):
+        cfg.pop(k)
+    cfg.update(layer_types=["full_attention", "sliding_attention", "full_attention"],
+               mlp_layer_types=["dense", "sparse", "dense"], attention_bias=True)
+
+
+MORE_TRANSFORMERS_CASES = [
+    pytest.param("glm4_moe_lite", "Glm4MoeLiteForCausalLM", None, "per-expert", id="glm4_moe_lite"),
+    pytest.param("glm4_moe_lite", "Glm4MoeLiteForCausalLM", _glm_lite_no_q_lora, "per-expert",
+                 id="glm4_moe_lite-no-q-lora-bias"),
+    pytest.param("glm_moe_dsa", "GlmMoeDsaForCausalLM", None, "per-expert", id="glm_moe_dsa"),
+    pytest.param("glm_moe_dsa", "GlmMoeDsaForCausalLM", _glm5_shared_indexers, "per-expert",
+                 id="glm_moe_dsa-shared-indexers"),
+    pytest.param("glm_ocr", "GlmOcrForConditionalGeneration", None, None, id="glm_ocr"),
+    pytest.param("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", None, "per-expert", id="ernie4_5_moe"),
+    pytest.param("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", _ernie_bias_interval, "per-expert",
+                 id="ernie4_5_moe-bias-interval"),
+    pytest.param("longcat_flash", "LongcatFlashForCausalLM", _no_zero_experts, "per-expert", id="longcat_flash"),
+    pytest.param("mimo_v2", "MiMoV2FlashForCausalLM", None, "per-expert", id="mimo_v2"),
+    pytest.param("mimo_v2", "MiMoV2FlashForCausalLM", _mimo_v2_transformers_style, "per-expert",
+                 id="mimo_v2-transformers-fields"),
+]
+
+
+@pytest.mark.parametrize(("family", "cls_name", "edit", "saved_layout"), MORE_TRANSFORMERS_CASES)
+def test_more_trunks_match_transformers_save_pretrained(family, cls_name, edit, saved_layout, tmp_path):
+    cfg = fixture_config(family)
+    if edit:
+        edit(cfg)
+    expected = _expected_trunk(family, cfg, saved_layout)
+    got = _saved_by_transformers(cls_name, cfg, tmp_path)
+    assert sorted(set(got) - set(expected)) == [], "transformers writes tensors the table does not know"
+    assert sorted(set(expected) - set(got)) == [], "the table expects tensors transformers does not have"
+    assert got == expected
+
+
+def test_step3p5_trunk_matches_transformers_step3p7(tmp_path):
+    """transformers 5.24 has no text-only Step-3.5 class: the Step-3.7 VLM with the fixture as its text_config
+    saves the text weights under the hub names (model.layers.*, moe.*, share_expert.*)."""
+    text = fixture_config("step3p5")
+    text.pop("auto_map")
+    text.pop("architectures")
+    cfg = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7", "text_config": text,
+           "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "image_size": 28, "patch_size": 14}}
+    got = _saved_by_transformers("Step3p7ForConditionalGeneration", cfg, tmp_path)
+    vision = {k for k in got if k.startswith(("vision_model.", "vit_large_projector."))}
+    assert vision  # the VLM's own tensors, which the text table does not describe
+    text_keys = {k: v for k, v in got.items() if k not in vision}
+    expected = _expected_trunk("step3p5", fixture_config("step3p5"), None)
+    assert sorted(set(text_keys) - set(expected)) == []
+    assert sorted(set(expected) - set(text_keys)) == []
+    assert text_keys == expected
+    # transformers derives the MTP layer types from the padded hub lists the same way the table does
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["text_config"]
+    res = resolve(get_table("step3p5"), ConfigView(fixture_config("step3p5")))
+    assert saved["mtp_mlp_layer_types"] == ["sparse" if layer.experts else "dense" for layer in res.layers]
+
+
+MORE_LOAD_CASES = [
+    pytest.param("glm4_moe_lite", "Glm4MoeLiteForCausalLM", {}, id="glm4_moe_lite"),
+    pytest.param("glm_moe_dsa", "GlmMoeDsaForCausalLM", {}, id="glm_moe_dsa"),
+    pytest.param("glm_ocr", "GlmOcrForConditionalGeneration", {}, id="glm_ocr"),
+    pytest.param("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", {}, id="ernie4_5_moe"),
+    pytest.param("longcat_flash", "LongcatFlashForCausalLM", {"zero_expert_num": 0}, id="longcat_flash"),
+    pytest.param("mimo_v2", "MiMoV2FlashForCausalLM", {}, id="mimo_v2"),
+]
+
+
+@pytest.mark.parametrize(("family", "cls_name", "overrides"), MORE_LOAD_CASES)
+def test_transformers_loads_the_more_trunk_fixtures(family, cls_name, overrides, make_fixture):
+    transformers = pytest.importorskip("transformers")
+    path = make_fixture(family, drop_mtp=True, **({"config_overrides": overrides} if overrides else {}))
+    _, info = getattr(transformers, cls_name).from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"], sorted(info["missing_keys"])
+    assert not info["unexpected_keys"], sorted(info["unexpected_keys"])
+    assert not info["mismatched_keys"], sorted(info["mismatched_keys"])
+    assert not info["error_msgs"]
+
+
+MORE_TRANSFORMERS_IGNORE = [
+    # (family, transformers class): the class's own _keys_to_ignore_on_load_unexpected must cover every MTP
+    # tensor the table declares (transformers drops the MTP layer by these patterns, reference 1.6)
+    pytest.param("glm4_moe_lite", "Glm4MoeLiteForCausalLM", {"num_hidden_layers": 47}, id="glm4_moe_lite"),
+    pytest.param("glm_moe_dsa", "GlmMoeDsaForCausalLM", {"num_hidden_layers": 78}, id="glm_moe_dsa"),
+    pytest.param("glm_ocr", "GlmOcrForConditionalGeneration", {"num_hidden_layers": 16}, id="glm_ocr"),
+    pytest.param("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", {}, id="ernie4_5_moe"),
+    pytest.param("longcat_flash", "LongcatFlashForCausalLM", {}, id="longcat_flash"),
+    pytest.param("mimo_v2", "MiMoV2FlashForCausalLM", {}, id="mimo_v2"),
+]
+
+
+@pytest.mark.parametrize(("family", "cls_name", "overrides"), MORE_TRANSFORMERS_IGNORE)
+def test_transformers_ignore_patterns_cover_the_mtp_keys(family, cls_name, overrides):
+    """With the released depth (47, 78, 16 main layers) the table's MTP keys are exactly what transformers
+    ignores on load: an independent check of the MTP prefix of each family."""
+    transformers = pytest.importorskip("transformers")
+    cls = getattr(transformers, cls_name)
+    patterns = [re.compile(p) for p in cls._keys_to_ignore_on_load_unexpected]
+    cfg = fixture_config(family, overrides)
+    res = resolve(get_table(family), ConfigView(cfg))
+    mtp = {s.key for s in res.mtp_specs()}
+    assert mtp
+    for key in mtp:
+        assert any(p.search(key) for p in patterns), f"{key} is not ignored by {cls_name}"
+    trunk = [s.key for s in trunk_specs(res)[0]] + [s.key for s in res.shared.values()]
+    for key in trunk:
+        assert not any(p.search(key) for p in patterns), f"{key} would be dropped by {cls_name}"
+
+
+# --------------------------------------------------------------------------- variants through the verbs
+
+STEP3P5_MOE_MTP = {"mlp_layer_types": ["dense", "dense", "dense", "sparse", "sparse", "sparse", "sparse"]}
+MIMO_V2_PRO = {"architectures": ["MiMoV2ForCausalLM"], "model_type": "mimo_v2",
+               "attention_projection_layout": "fused_qkv"}
+
+# (family, fixture options): variants the parametrised suites (which use each table's plain fixture) do not see
+VARIANTS = [
+    pytest.param("step3p5", {"config_overrides": STEP3P5_MOE_MTP}, id="step3p5-moe-mtp"),
+    pytest.param("mimo_v2", {"config_overrides": MIMO_V2_PRO}, id="mimo_v2-pro"),
+    pytest.param("mimo_v2", {"config_overrides": MIMO_V2_PRO, "fp8": True}, id="mimo_v2-pro-fp8"),
+    pytest.param("glm4_moe", {"mtp_sidecar": "mtp.safetensors", "with_optional": False}, id="glm4_moe-sidecar"),
+    pytest.param("glm4_moe", {"config_overrides": {"num_hidden_layers": 4, "use_qk_norm": False}}, id="glm4_moe-air"),
+    pytest.param("glm_moe_dsa", {"fp8": True}, id="glm_moe_dsa-fp8"),
+    pytest.param("longcat_flash", {"fp8": True}, id="longcat_flash-fp8"),
+]
+
+
+def _cli(*args, code: int = 0):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output, result.output
+    assert result.exit_code == code, f"exit {result.exit_code}: {result.output}"
+    return result
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(path.iterdir()) if f.is_file()}
+
+
+@pytest.mark.parametrize(("family", "options"), VARIANTS)
+def test_variant_extract_native_then_stitch_is_byte_identical(family, options, make_fixture, tmp_path):
+    src = make_fixture(family, **options)
+    before = _files(src)
+    _cli("validate", src)
+    _cli("extract", src, "-o", tmp_path / "draft")
+    view = open_mtp(Checkpoint.open(src))
+    draft = Checkpoint.open(tmp_path / "draft")
+    assert set(draft.tensors) == set(view.keys())
+    _cli("stitch", tmp_path / "draft", src, "-o", tmp_path / "out")
+    assert json.loads(_cli("diff", src, tmp_path / "out", "--json").output)["identical"] is True
+    out = _files(tmp_path / "out")
+    for name, data in before.items():
+        assert out[name] == data, name
+    assert _files(src) == before
+
+
+def test_sidecar_index_lists_every_mtp_tensor(make_fixture, tmp_path):
+    """GLM-4.6 / 4.7 keep the MTP layer in mtp.safetensors referenced from the index (reference 4.1)."""
+    src = make_fixture("glm4_moe", mtp_sidecar="mtp.safetensors", with_optional=False)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    view = open_mtp(Checkpoint.open(src))
+    mtp = set(view.keys())
+    assert mtp and {index[k] for k in mtp} == {"mtp.safetensors"}
+    assert {k for k, f in index.items() if f == "mtp.safetensors"} == mtp
+    _cli("extract", src, "-o", tmp_path / "draft")
+    _cli("stitch", tmp_path / "draft", src, "-o", tmp_path / "out")
+    assert (tmp_path / "out" / "mtp.safetensors").read_bytes() == (src / "mtp.safetensors").read_bytes()
+    out_index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert out_index == index
+
+
+# (family, fixture options, the layout the release ships): fuse every expert group, then unfuse it back
+FUSE_CASES = [
+    pytest.param("glm4_moe_lite", {}, "per-expert", id="glm4_moe_lite"),
+    pytest.param("glm_moe_dsa", {}, "per-expert", id="glm_moe_dsa"),
+    pytest.param("ernie4_5_moe", {}, "per-expert", id="ernie4_5_moe"),
+    pytest.param("longcat_flash", {}, "per-expert", id="longcat_flash"),
+    pytest.param("mimo_v2", {}, "per-expert", id="mimo_v2"),
+    pytest.param("step3p5", {"config_overrides": STEP3P5_MOE_MTP}, "stacked", id="step3p5-moe-mtp"),
+]
+
+
+@pytest.mark.parametrize(("family", "options", "shipped"), FUSE_CASES)
+def test_more_fuse_then_unfuse_is_byte_identical(family, options, shipped, make_fixture, tmp_path):
+    src = make_fixture(family, **options)
+    before = _files(src)
+    _cli("fuse-experts", src, "-o", tmp_path / "fused")
+    assert json.loads((tmp_path / "fused" / "config.json").read_text())["ckpt_expert_layout"] == "fused"
+    fused = Checkpoint.open(tmp_path / "fused")
+    assert any(k.endswith(".gate_up_proj") for k in fused.tensors)
+    _cli("unfuse-experts", tmp_path / "fused", "-o", tmp_path / "back", "--to", shipped)
+    back = Checkpoint.open(tmp_path / "back")
+    orig = Checkpoint.open(src)
+    assert set(back.tensors) == set(orig.tensors)
+    for key, ref in orig.tensors.items():
+        got = back.tensors[key]
+        assert (got.dtype, tuple(got.shape), got.read()) == (ref.dtype, tuple(ref.shape), ref.read()), key
+    assert _files(src) == before
+
+
+# --------------------------------------------------------------------------- families of issue 11, part B
+# Nemotron-H, EXAONE-MoE, openPangu Ultra MoE, Bailing V2.5, DeepSeek-V4, MiniMax-M3, Inkling: the same
+# checks as above, kept in their own functions. Generic mechanisms they need are tested in test_mechanisms.py.
+
+PART_B_FAMILIES = ["bailing_moe", "deepseek_v4", "exaone_moe", "inkling", "minimax_m3", "nemotron_h", "pangu_ultra_moe"]
+
+# Sections 2, 1.2, 1.3 and 12-16 of mtp-layouts.md, typed by hand: fusion input order, norm convention,
+# the config field holding the MTP count. DeepSeek-V4's order is "separate e_proj / h_proj" (roles
+# fusion_embed / fusion_hidden); its count field is not recorded by the reference (num_nextn_predict_layers
+# in the transformers 5.24 config).
+PART_B_MATRIX = {
+    "nemotron_h": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "exaone_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "pangu_ultra_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "bailing_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "deepseek_v4": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "minimax_m3": ("embed_first", "zero_centred", "num_mtp_modules"),
+    "inkling": ("hidden_first", "plain", "mtp_config.num_nextn_predict_layers"),
+}
+
+# Section 1.9, typed by hand.
+PART_B_ENGINES = {
+    "nemotron_h": {"vllm_mtp": "NemotronHMTPModel", "sglang_mtp": "NemotronHForCausalLMMTP"},
+    "exaone_moe": {"vllm_mtp": "ExaoneMoeMTP", "sglang_mtp": "ExaoneMoEForCausalLMMTP"},
+    "pangu_ultra_moe": {"vllm_mtp": "OpenPanguMTPModel"},
+    "bailing_moe": {"vllm_mtp": "BailingMoeV25MTPModel", "sglang_nextn": "BailingMoeForCausalLMNextN"},
+    "deepseek_v4": {"vllm_mtp": "DeepSeekV4MTPModel"},
+    "minimax_m3": {"vllm_mtp": "MiniMaxM3MTP"},
+    "inkling": {"vllm_mtp": "InklingMTPModel"},
+}
+
+
+def test_part_b_families_are_shipped():
+    assert set(PART_B_FAMILIES) <= _mtp_families()
+    assert set(PART_B_MATRIX) == set(PART_B_FAMILIES) == set(PART_B_ENGINES)
+
+
+@pytest.mark.parametrize("family", PART_B_FAMILIES)
+def test_part_b_tables_match_reference_matrix_and_engines(family):
+    t = get_table(family)
+    order, norm, count_key = PART_B_MATRIX[family]
+    assert (t.mtp.concat_order, t.norm) == (order, norm)
+    assert t.mtp.count_field is not None
+    assert t.config[t.mtp.count_field].keys[0] == count_key
+    assert ConfigView(t.fixture).get(count_key) == resolve(t, ConfigView(t.fixture)).mtp_count
+    assert t.engines == PART_B_ENGINES[family]
+
+
+@pytest.mark.parametrize("family", PART_B_FAMILIES)
+def test_part_b_quantization_never_touches_norms_routers_embeddings_or_fusion(family):
+    res = resolve(get_table(family), ConfigView(get_table(family).fixture))
+    for s in list(res.shared.values()) + res.mtp_specs() + trunk_specs(res)[0]:
+        kept = s.kind in ("norm", "bias", "embedding", "router") or s.role in ("head", "embed")
+        if kept or s.role.startswith("fusion"):
+            assert not s.quant, f"{family}: {s.key} must not be block-quantized"
+    if any(layer.experts for layer in res.layers):
+        assert "router" in {s.tag for s in res.mtp_specs()}
+
+
+@pytest.mark.parametrize("family", PART_B_FAMILIES)
+def test_part_b_fixture_configs_detect_their_family(family):
+    cfg = fixture_config(family)
+    assert detect_table(ConfigView(cfg)).family == family
+    cfg.pop("architectures")
+    assert detect_table(ConfigView(cfg)).family == family
+
+
+def test_nemotron_mtp_step_follows_the_pattern():
+    """mtp.layers.{k}: one physical layer per pattern character; glue on the first, final norm on the last.
+    transformers >= 5 saves the pattern as mtp_layers_block_type; both spellings give the same keys."""
+    t = get_table("nemotron_h")
+    cfg = fixture_config("nemotron_h", {"mtp_hybrid_override_pattern": "*E-"})
+    res = resolve(t, ConfigView(cfg))
+    (layer,) = res.layers
+    assert layer.block_prefixes == ["mtp.layers.0.", "mtp.layers.1.", "mtp.layers.2."]
+    assert {r: s.key for r, s in layer.glue.items()} == {
+        "embed_norm": "mtp.layers.0.enorm.weight", "hidden_norm": "mtp.layers.0.hnorm.weight",
+        "fusion": "mtp.layers.0.eh_proj.weight", "final_norm": "mtp.layers.2.final_layernorm.weight"}
+    mixers = {s.key.removesuffix(".weight") for s in layer.block if ".mixer." in s.key}
+    assert "mtp.layers.0.mixer.q_proj" in mixers and "mtp.layers.1.mixer.gate" in mixers
+    assert "mtp.layers.2.mixer.up_proj" in mixers
+    assert [g.prefix for g in layer.experts] == ["mtp.layers.1.mixer.experts"]
+    words = dict(cfg)
+    words.pop("mtp_hybrid_override_pattern")
+    words["mtp_layers_block_type"] = ["full_attention", "moe", "mlp"]
+    again = resolve(t, ConfigView(words))
+    assert [s.key for s in again.mtp_specs()] == [s.key for s in res.mtp_specs()]
+
+
+def test_minimax_legacy_sparse_and_moe_frequency_fields():
+    """Hub configs may carry sparse_attention_config.sparse_attention_freq / moe_layer_freq instead of the
+    layer-type lists transformers writes; both select the same trunk tensors."""
+    cfg = fixture_config("minimax_m3")
+    tc = cfg["text_config"]
+    lists = {s.key for s in trunk_specs(resolve(get_table("minimax_m3"), ConfigView(cfg)))[0]}
+    tc.pop("layer_types")
+    tc.pop("mlp_layer_types")
+    tc["sparse_attention_config"] = {"sparse_attention_freq": [0, 1]}
+    tc["moe_layer_freq"] = [0, 1]
+    legacy = {s.key for s in trunk_specs(resolve(get_table("minimax_m3"), ConfigView(cfg)))[0]}
+    assert legacy == lists
+
+
+# (family, class, expert layout transformers' save_pretrained writes, key prefix compared: the language model
+# of multimodal classes; their vision / audio towers are outside the tables)
+PART_B_TRANSFORMERS_CASES = [
+    pytest.param("nemotron_h", "NemotronHForCausalLM", "per-expert", None, id="nemotron_h"),
+    pytest.param("exaone_moe", "ExaoneMoeForCausalLM", "per-expert", None, id="exaone_moe"),
+    pytest.param("bailing_moe", "BailingHybridForCausalLM", "per-expert", None, id="bailing_moe"),
+    pytest.param("minimax_m3", "MiniMaxM3SparseForConditionalGeneration", "per-expert", "language_model.",
+                 id="minimax_m3-language-model"),
+    pytest.param("inkling", "InklingForConditionalGeneration", None, "model.llm.", id="inkling-language-model"),
+]
+
+
+@pytest.mark.parametrize(("family", "cls_name", "saved_layout", "prefix"), PART_B_TRANSFORMERS_CASES)
+def test_part_b_trunks_match_transformers_save_pretrained(family, cls_name, saved_layout, prefix, tmp_path):
+    cfg = fixture_config(family)
+    expected = _expected_trunk(family, cfg, saved_layout)
+    got = _saved_by_transformers(cls_name, cfg, tmp_path)
+    if prefix:
+        assert any(k.startswith(prefix) for k in expected)
+        got = {k: v for k, v in got.items() if k.startswith(prefix)}
+        expected = {k: v for k, v in expected.items() if k.startswith(prefix)}
+    assert sorted(set(got) - set(expected)) == [], "transformers writes tensors the table does not know"
+    assert sorted(set(expected) - set(got)) == [], "the table expects tensors transformers does not have"
+    assert got == expected
+
+
+# DeepSeek-V4: transformers' save_pretrained does not reverse every load rename (it writes model.embed_tokens,
+# model.layers.*.attn.norm, ...), so the upstream names are checked by loading the trunk fixture instead.
+PART_B_LOAD_CASES = [
+    pytest.param("nemotron_h", "NemotronHForCausalLM", id="nemotron_h"),
+    pytest.param("exaone_moe", "ExaoneMoeForCausalLM", id="exaone_moe"),
+    pytest.param("bailing_moe", "BailingHybridForCausalLM", id="bailing_moe"),
+    pytest.param("deepseek_v4", "DeepseekV4ForCausalLM", id="deepseek_v4"),
+]
+
+
+@pytest.mark.parametrize(("family", "cls_name"), PART_B_LOAD_CASES)
+def test_transformers_loads_the_part_b_trunk_fixtures(family, cls_name, make_fixture):
+    transformers = pytest.importorskip("transformers")
+    path = make_fixture(family, drop_mtp=True)
+    _, info = getattr(transformers, cls_name).from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"], sorted(info["missing_keys"])
+    assert not info["unexpected_keys"], sorted(info["unexpected_keys"])
+    assert not info["mismatched_keys"], sorted(info["mismatched_keys"])
+    assert not info["error_msgs"]

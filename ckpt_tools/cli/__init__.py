@@ -21,6 +21,7 @@ app = typer.Typer(
 COMMAND_MODULES = (
     "inspect_cmd",
     "validate_cmd",
+    "verify_cmd",
     "extract_cmd",
     "experts_cmd",
     "stitch_cmd",

@@ -11,11 +11,21 @@ import typer
 from .common import command, out_console
 
 
+def _demo_family() -> str:
+    """The table marked ``demo: true`` (family knowledge lives in the tables), else the first with MTP."""
+    from ..tables.loader import all_tables
+
+    tables = sorted(all_tables().values(), key=lambda t: t.family)
+    marked = [t.family for t in tables if t.demo]
+    return (marked or [t.family for t in tables if t.kind == "mtp" and t.fixture])[0]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     @command
     def demo(
-        family: str = typer.Option("deepseek_v3", "--family", help="Table whose tiny fixture to use."),
+        family: str = typer.Option(None, "--family", help="Table whose tiny fixture to use (default: the table "
+                                                           "marked `demo: true`)."),
         keep: Path = typer.Option(None, "--keep", help="Keep the demo files in this (new) directory."),
     ) -> None:
         """Build a tiny checkpoint, then inspect, validate, extract, perturb, stitch and diff it."""
@@ -23,6 +33,8 @@ def register(app: typer.Typer) -> None:
 
         from ..testing import make_checkpoint
 
+        if family is None:
+            family = _demo_family()
         console = out_console()
         root = Path(tempfile.mkdtemp(prefix="ckpt-demo-")) if keep is None else keep
         root.mkdir(parents=True, exist_ok=True)

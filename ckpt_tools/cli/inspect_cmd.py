@@ -115,6 +115,34 @@ def _render_status(con, status: dict, count: int) -> None:
         con.print(f"  ... and {len(lines) - MAX_ROWS} more")
 
 
+def _discover(path: str, write: str | None, json_output: bool) -> None:
+    """`--discover`: the draft table on stdout (or in FILE), a summary on stderr."""
+    from pathlib import Path
+
+    from ..checkpoint import Checkpoint
+    from ..errors import UsageError
+    from ..ops.discover import discover, write_draft
+    from .common import err_console
+
+    if write is not None and not write.endswith((".yaml", ".yml")):
+        raise UsageError(f"--write {write}: a table file ends in .yaml")
+    found = discover(Checkpoint.open(path), family=Path(write).stem if write else None)
+    if write:
+        write_draft(found, write)
+    if json_output:
+        emit_json(found.to_json() | ({"written": write} if write else {}))
+        return
+    con = err_console()
+    depths = sorted({d for d in found.depth_of.values() if d is not None})
+    con.print(f"discovered {len(found.keys)} MTP tensor(s) in {len(depths) or 1} depth(s)"
+              + (f", {found.sub_blocks} sub-layers each" if found.sub_blocks > 1 else "")
+              + (f" ({found.count_key} = {found.count})" if found.count_key else ""))
+    if write:
+        con.print(f"wrote {write}; refine it, then put it in mappings/architectures/ or a CKPT_TABLES directory")
+    else:
+        out_console().print(found.yaml(), markup=False, highlight=False, soft_wrap=True, end="")
+
+
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
 ARCH_HELP = "Use this family's table instead of detecting it."
 
@@ -127,10 +155,17 @@ def register(app: typer.Typer) -> None:
         arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
         json_output: bool = typer.Option(False, "--json", help="Print the report as JSON (keys documented in "
                                                                 "ckpt_tools.ops.inspect)."),
+        discover: bool = typer.Option(False, "--discover", help="Find the MTP tensors from their names and print a "
+                                                                "draft architecture table (YAML) to refine."),
+        write: str | None = typer.Option(None, "--write", metavar="FILE", help="With --discover: write the draft "
+                                         "table to FILE (its name, without .yaml, becomes the family)."),
     ) -> None:
         """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes."""
         from ..ops.inspect import inspect_checkpoint
 
+        if discover or write:
+            _discover(path, write, json_output)
+            return
         report = inspect_checkpoint(path, arch)
         if json_output:
             emit_json(report.to_json())

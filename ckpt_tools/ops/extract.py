@@ -108,6 +108,9 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
     block = res.block_size
     out: list[OutputTensor] = []
     for link in corr.tensors:
+        if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
+            out += _finish(_joined(view, link, dequant_to), None, cast_to, None, block)
+            continue
         ref = ckpt.tensors[link.verifier_key]
         meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
         if link.spec.depth is not None:
@@ -140,6 +143,27 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
             out += _finish(t, scale, cast_to, dequant_to, block)
     return out
+
+
+def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
+    """``link.columns`` side by side along the last axis (FP8 halves are dequantized first)."""
+    ckpt, res = view.ckpt, view.resolved
+    parts = []
+    for spec in link.columns:
+        ref = ckpt.tensors[spec.key]
+        t = OutputTensor(spec.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta={"source": [spec.key]})
+        if ref.dtype in FP8_DTYPES:
+            if dequant_to is None:
+                raise UsageError(f"{spec.key} is FP8: joining it into {link.draft_key} needs --dequant")
+            sref = ckpt.tensors[scale_key(spec.key, res.scale_suffix)]
+            scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
+            t = transforms.dequantize(t, scale, dequant_to, res.block_size)
+        parts.append(t)
+    t = transforms.concat_columns(parts, link.draft_key)
+    t.meta.update(role=link.spec.role, source_dtype=parts[0].dtype)
+    if link.spec.depth is not None:
+        t.meta["depth"] = link.spec.depth
+    return t
 
 
 def _finish(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, block) -> list[OutputTensor]:

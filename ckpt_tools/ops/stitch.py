@@ -105,7 +105,7 @@ def _draft_layers(draft: Checkpoint, fmt: Format, req: StitchRequest, count: int
 def _virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
     """What the verifier's MTP would look like with ``count`` layers (add mode)."""
     res = resolve(table, verifier.config, mtp_count=count)
-    # Experts follow the trunk's layout on disk (a fused Qwen3.5 trunk gets fused MTP experts).
+    # Experts follow the trunk's layout on disk (a trunk with fused experts gets fused MTP experts).
     trunk_layouts = [detect_group_layout(g, verifier.tensors) for g in trunk_specs(res)[1]]
     layouts = {g.prefix: (trunk_layouts[0] if trunk_layouts else g.layout) for g in res.experts()}
     view = MtpView(verifier, res, layouts)
@@ -146,6 +146,17 @@ class _Builder:
                                       f"{list(link.shape)}")
                 continue
             self.used.add(link.draft_key)
+            if link.columns:  # one draft fusion tensor back into the family's halves
+                if dref.dtype in FP8_DTYPES:
+                    raise PlanError(f"{link.draft_key} is FP8; splitting it into {link.verifier_keys()} needs a "
+                                    "BF16 draft", rule="fp8-scale")
+                whole = OutputTensor(link.draft_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
+                                     meta={"source": [link.draft_key], "role": link.spec.role})
+                pieces = transforms.split_columns(whole, [(s.key, s.shape[-1]) for s in link.columns])
+                for piece, spec in zip(pieces, link.columns, strict=True):
+                    piece.meta["role"] = spec.role
+                    self._finish(piece, None, spec)
+                continue
             t = OutputTensor(link.verifier_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
                              meta={"source": [link.draft_key], "role": link.spec.role})
             scale = self._draft_scale(link.draft_key, link.verifier_key)
@@ -281,15 +292,24 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     else:
         raise UsageError(f"--mode {mode!r}: use replace, add or auto")
 
-    copies = req.update_copies or mode == "add"
+    # replace: per-layer embed/head copies stay the verifier's unless --update-copies;
+    # add: whatever the format carries (native drafts bring them), the rest is filled below
+    copies = None if mode == "add" else req.update_copies
     corr = correspond(fmt, view, layers, with_embed=copies, with_head=copies)
     shared_keys = {s.key for s in view.resolved.shared.values()}
     corr.tensors = [t for t in corr.tensors if t.verifier_key not in shared_keys]
+    fill: list[Spec] = []
     if mode == "add":
-        # optional verifier tensors (per-layer copies) exist only where the draft brings them
-        corr.tensors = [t for t in corr.tensors if not t.spec.optional or t.draft_key in draft.tensors]
+        absent = [t for t in corr.tensors if t.draft_key not in draft.tensors and (t.spec.optional or t.spec.copy_of)]
+        corr.tensors = [t for t in corr.tensors if t not in absent]
+        linked = {t.verifier_key for t in corr.tensors}
+        fill = [s for s in view.present if s.copy_of and not s.optional and s.key not in linked]
     builder = _Builder(draft, view, corr, req, add=mode == "add")
     builder.build()
+    for spec in fill:  # a required per-layer copy: the verifier's own shared tensor, byte for byte
+        src = _shared_source(view, spec)
+        builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
+                                                    meta={"source": ["verifier:" + src.key], "role": spec.role})
     report = StitchReport(mode, fmt.name, table.family)
     _check_draft(draft, fmt, builder, report, view, req.allow_partial)
     mtp_keys = set(declared.keys()) if mode == "replace" else set()
@@ -305,6 +325,19 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     _measure(builder, view, report, mode)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
     return plan, report
+
+
+def _shared_source(view: MtpView, spec: Spec):
+    """The verifier tensor a per-layer copy duplicates (a tied head is the embedding)."""
+    shared = view.resolved.shared
+    for name in (spec.copy_of, "embed"):
+        s = shared.get(name or "")
+        if s is not None and s.key in view.ckpt.tensors:
+            ref = view.ckpt.tensors[s.key]
+            if tuple(ref.shape) == tuple(spec.shape):
+                return ref
+    raise InputError(f"{spec.key} copies the verifier's {spec.copy_of}, which the verifier does not have",
+                     rule="missing-tensor")
 
 
 def _draft_count(draft: Checkpoint, fmt: Format, table) -> int:

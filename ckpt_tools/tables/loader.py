@@ -14,7 +14,8 @@ from ..errors import InputError, TableError
 from ..expr import ExprError, names_in, template_names
 from .schema import Table
 
-LOOP_VARS = frozenset({"i", "l"})
+# i: MTP depth, l: trunk layer, j / item: position and element of a repeated MTP sub-block
+LOOP_VARS = frozenset({"i", "l", "j", "item"})
 
 
 def mappings_dir() -> Path:
@@ -27,8 +28,9 @@ def mappings_dir() -> Path:
 
 
 def table_dirs() -> list[Path]:
-    """Shipped tables, plus user directories from ``CKPT_TABLES`` (os.pathsep-separated)."""
-    dirs = [mappings_dir() / "architectures"]
+    """Shipped tables (families with MTP, then ``kind: template`` tables for families without it, used
+    by ``init-draft``), plus user directories from ``CKPT_TABLES`` (os.pathsep-separated)."""
+    dirs = [mappings_dir() / "architectures", mappings_dir() / "templates"]
     for extra in os.environ.get("CKPT_TABLES", "").split(os.pathsep):
         if extra.strip():
             dirs.append(Path(extra))
@@ -94,6 +96,7 @@ def _check_names(table: Table, path: Path) -> None:
         check_tensor(t, f"mtp.glue.{role}")
     for j, b in enumerate(m.blocks):
         check(b.prefix, f"mtp.blocks[{j}].prefix", template=True)
+        check(b.repeat, f"mtp.blocks[{j}].repeat")
         for ref in b.parts:
             if ref.part not in table.parts:
                 raise TableError(f"field mtp.blocks[{j}].parts: unknown part {ref.part!r}", path=str(path))
@@ -110,6 +113,8 @@ def load_table(path: str | os.PathLike) -> Table:
         raise TableError(f"not valid YAML: {e}", path=str(path)) from None
     except OSError as e:
         raise TableError(f"cannot read: {e.strerror}", path=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise TableError(f"not UTF-8 text: {e}", path=str(path)) from None
     if not isinstance(data, dict):
         raise TableError("a table must be a YAML mapping", path=str(path))
     try:
@@ -149,8 +154,8 @@ def detect_table(config: ConfigView, tables: dict[str, Table] | None = None) -> 
     """Pick the table whose architectures (else model_type) match the config.
 
     Among tables matching the same architecture, the first whose required config
-    variables are all present wins (e.g. Qwen3.5 dense vs MoE share a model type
-    family but differ in fields).
+    variables are all present wins (e.g. a dense and a MoE variant that share a model
+    type family but differ in config fields).
     """
     tables = all_tables() if tables is None else tables
     archs = config.architectures()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from dataclasses import dataclass, field
 
 from ..config import ConfigView
 from ..dtypes import DTYPES, lookup
-from ..errors import InputError, TableError
+from ..errors import CkptError, InputError, TableError
 from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key, scale_shape
-from ..expr import ExprError, evaluate, render
+from ..expr import ExprError, evaluate, names_in, render, template_names
 from .schema import PartRef, Table, TensorDef
 
 
@@ -126,6 +129,89 @@ def _config_env(table: Table, config: ConfigView) -> dict:
     return env
 
 
+# Sanity bounds on counts read from a config (hostile configs must not make resolution loop for ever).
+# Far above any real model: MTP depths <= 16, decoder layers <= ~200, routed experts <= ~1k.
+MAX_MTP_LAYERS = 64
+MAX_TRUNK_LAYERS = 2048
+MAX_EXPERTS = 16384
+
+
+class _EvalFailed(TableError):
+    """An expression failed (or gave an unusable value). It stays a TableError unless config values took
+    part: then ``_config_errors`` turns it into an InputError naming the config.json field."""
+
+    def __init__(self, message: str, expr: str, env: dict, template: bool = False) -> None:
+        super().__init__(message)
+        self.detail, self.expr, self.env, self.template = message, expr, env, template
+
+    def explain(self, table: Table, config: ConfigView) -> CkptError:
+        try:
+            names = template_names(self.expr) if self.template else names_in(self.expr)
+        except ExprError:
+            return self
+        fields = []
+        for name in sorted(n for n in names if n in table.config):
+            keys = table.config[name].keys
+            key = next((k for k in keys if (f := config.find(k)) is not None and f[0] is not None), None)
+            fields.append((name, keys, key, self.env.get(name)))
+        if not fields:
+            return self  # a table problem, not the config's
+        suspects = [f for f in fields if not _is_number(f[3])] or fields
+        parts = [f"field {key!r} = {_short(value)}" if key else f"field {' / '.join(keys)} (absent)"
+                 for _, keys, key, value in suspects]
+        return InputError(f"config.json {', '.join(parts)}: unusable for table {table.family!r} "
+                          f"(variable {', '.join(f[0] for f in suspects)}): {self.detail}", rule="config-field")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _short(v: object, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _config_errors(fn):
+    """Turn evaluation failures that involve config values into InputError (rule config-field)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _EvalFailed as e:
+            a = inspect.signature(fn).bind(*args, **kwargs).arguments
+            res = a.get("res")
+            table, config = (res.table, res.config) if res is not None else (a["table"], a["config"])
+            raise e.explain(table, config) from None
+
+    return wrapper
+
+
+def _eval(expr, env: dict, where: str):
+    try:
+        return evaluate(expr, env)
+    except ExprError as e:
+        raise _EvalFailed(f"{where}: {e}", str(expr), env) from None
+
+
+def _int(expr, env: dict, where: str, limit: int | None = None) -> int:
+    """A dimension or count: a non-negative integer (an integral float such as 64.0 is accepted)."""
+    v = _eval(expr, env, where)
+    ok = _is_number(v) and v >= 0 and (isinstance(v, int) or float(v).is_integer())
+    if not ok or (limit is not None and v > limit):
+        want = f"an integer from 0 to {limit}" if limit is not None else "a non-negative integer"
+        raise _EvalFailed(f"{where}: {expr!r} gives {_short(v)}, not {want}", str(expr), env)
+    return int(v)
+
+
+def _render(template: str, env: dict) -> str:
+    try:
+        return render(template, env)
+    except ExprError as e:
+        raise _EvalFailed(f"key {template!r}: {e}", template, env, template=True) from None
+
+
 def _model_dtype(table: Table, config: ConfigView) -> str:
     for key in ("dtype", "torch_dtype"):
         v = config.get(key)
@@ -142,17 +228,11 @@ def _model_dtype(table: Table, config: ConfigView) -> str:
 def _cond(expr: str | None, env: dict, where: str) -> bool:
     if expr is None:
         return True
-    try:
-        return bool(evaluate(expr, env))
-    except ExprError as e:
-        raise TableError(f"{where}: {e}") from None
+    return bool(_eval(expr, env, where))
 
 
 def _spec(t: TensorDef, env: dict, key: str, role: str, dtype: str, **kw) -> Spec:
-    try:
-        shape = tuple(int(evaluate(d, env)) for d in t.shape)
-    except (ExprError, TypeError, ValueError) as e:
-        raise TableError(f"shape of {t.key}: {e}") from None
+    shape = tuple(_int(d, env, f"shape of {t.key}") for d in t.shape)
     if t.dtype is not None and t.dtype not in DTYPES:
         raise TableError(f"tensor {t.key}: unknown dtype {t.dtype}")
     kw.setdefault("tag", t.tag)
@@ -165,8 +245,8 @@ def _spec(t: TensorDef, env: dict, key: str, role: str, dtype: str, **kw) -> Spe
 def _absolute(template: str, prefix: str, env: dict) -> str:
     """Render a key: relative to ``prefix``, or from the root when it starts with '/'."""
     if template.startswith("/"):
-        return render(template[1:], env)
-    return prefix + render(template, env)
+        return _render(template[1:], env)
+    return prefix + _render(template, env)
 
 
 def part_specs(
@@ -182,18 +262,16 @@ def part_specs(
                 t = item.tensor
                 if not _cond(t.when, env, t.key):
                     continue
-                sub = render(t.key, env)
+                sub = _render(t.key, env)
                 specs.append(_spec(t, env, prefix + sub, role, dtype, sub=sub, **kw))
             else:
                 ex = item.experts
                 assert ex is not None
                 if not _cond(ex.when, env, ex.prefix):
                     continue
-                try:
-                    count, hidden, inter = (int(evaluate(getattr(ex, f), env)) for f in ("count", "hidden", "inter"))
-                except (ExprError, TypeError, ValueError) as e:
-                    raise TableError(f"experts {ex.prefix}: {e}") from None
-                sub = render(ex.prefix, env)
+                count = _int(ex.count, env, f"experts {ex.prefix}: count", MAX_EXPERTS)
+                hidden, inter = (_int(getattr(ex, f), env, f"experts {ex.prefix}: {f}") for f in ("hidden", "inter"))
+                sub = _render(ex.prefix, env)
                 layout = ExpertLayout(ex.layout, up_first=ex.up_first, interleaved=ex.interleaved)
                 names = tuple(sorted(ex.names.items())) if ex.names else None
                 groups.append(
@@ -203,23 +281,21 @@ def part_specs(
     return specs, groups
 
 
+@_config_errors
 def resolve(table: Table, config: ConfigView, mtp_count: int | None = None) -> Resolved:
     """Concrete MTP tensors of ``table`` for ``config`` (``mtp_count`` overrides the config's count)."""
     env = _config_env(table, config)
     dtype = _model_dtype(table, config)
-    try:
-        count = int(evaluate(table.mtp.count, env)) if mtp_count is None else mtp_count
-    except (ExprError, TypeError, ValueError) as e:
-        raise TableError(f"{table.family}: mtp.count: {e}") from None
+    count = _int(table.mtp.count, env, f"{table.family}: mtp.count", MAX_MTP_LAYERS) if mtp_count is None else mtp_count
     res = Resolved(table, config, env, dtype, count)
     for name, t in table.shared.items():
         if _cond(t.when, env, f"shared.{name}"):
-            res.shared[name] = _spec(t, env, render(t.key, env), "shared", dtype, tag=t.tag or name)
+            res.shared[name] = _spec(t, env, _render(t.key, env), "shared", dtype, tag=t.tag or name)
     for i in range(count):
         lenv = dict(env, i=i)
         for name, expr in table.mtp.layer_vars.items():
-            lenv[name] = evaluate(expr, lenv)
-        prefix = render(table.mtp.prefix, lenv)
+            lenv[name] = _eval(expr, lenv, f"mtp.layer_vars.{name}")
+        prefix = _render(table.mtp.prefix, lenv)
         glue: dict[str, Spec] = {}
         for role, t in table.mtp.glue.items():
             if not _cond(t.when, lenv, f"glue {role}"):
@@ -229,26 +305,42 @@ def resolve(table: Table, config: ConfigView, mtp_count: int | None = None) -> R
             glue[role] = _spec(t, lenv, key, role, dtype, depth=None if shared_by_depths else i)
         block: list[Spec] = []
         experts: list[ExpertGroup] = []
-        bprefixes = []
-        for b, bdef in enumerate(table.mtp.blocks):
-            bprefix = _absolute(bdef.prefix, prefix, lenv) if bdef.prefix else prefix
+        bprefixes: list[str] = []
+        for benv, bdef in _sub_blocks(table, lenv):
+            b = len(bprefixes)
+            bprefix = _absolute(bdef.prefix, prefix, benv) if bdef.prefix else prefix
             bprefixes.append(bprefix)
-            specs, groups = part_specs(table, bdef.parts, lenv, bprefix, dtype, "block", depth=i, block=b)
+            specs, groups = part_specs(table, bdef.parts, benv, bprefix, dtype, "block", depth=i, block=b)
             block += specs
             experts += groups
         res.layers.append(MtpLayer(i, prefix, bprefixes, glue, block, experts))
     return res
 
 
+def _sub_blocks(table: Table, lenv: dict):
+    """(environment, block) for every sub-block of one MTP step, repeated blocks expanded."""
+    for n, bdef in enumerate(table.mtp.blocks):
+        if bdef.repeat is None:
+            yield lenv, bdef
+            continue
+        seq = _eval(bdef.repeat, lenv, f"{table.family}: mtp.blocks[{n}].repeat")
+        if not isinstance(seq, (str, list, tuple)):
+            raise _EvalFailed(f"{table.family}: mtp.blocks[{n}].repeat must give a string or a list, "
+                              f"got {type(seq).__name__}", str(bdef.repeat), lenv)
+        for j, item in enumerate(seq):
+            yield dict(lenv, j=j, item=item), bdef
+
+
+@_config_errors
 def trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
     """Decoder layers of the main model (the fixture generator and --from-layer use these)."""
     table, env = res.table, res.env
-    n = int(evaluate(table.trunk.count, env))
+    n = _int(table.trunk.count, env, f"{table.family}: trunk.count", MAX_TRUNK_LAYERS)
     specs: list[Spec] = []
     groups: list[ExpertGroup] = []
     for lidx in range(n):
         lenv = dict(env, l=lidx)
-        prefix = render(table.trunk.prefix, lenv)
+        prefix = _render(table.trunk.prefix, lenv)
         s, g = part_specs(table, table.trunk.parts, lenv, prefix, res.dtype, "trunk")
         specs += s
         groups += g

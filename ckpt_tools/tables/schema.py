@@ -88,10 +88,17 @@ class PartRef(_Strict):
 
 
 class BlockDef(_Strict):
-    """A decoder block (or one sub-block of an MTP step) built from named parts."""
+    """A decoder block (or one sub-block of an MTP step) built from named parts.
+
+    ``repeat`` (an expression giving a string or a list, e.g. a hybrid pattern such as
+    ``"*E"``) instantiates the block once per element, in order: the prefix, the parts'
+    ``when`` conditions and the tensors may then use ``j`` (the element's position) and
+    ``item`` (the element itself), e.g. ``when: "item == 'E'"``.
+    """
 
     prefix: str = ""  # relative to the MTP layer prefix; a leading '/' makes it absolute
     parts: list[PartRef]
+    repeat: str | None = None
 
     @field_validator("parts", mode="before")
     @classmethod
@@ -150,8 +157,9 @@ class Table(_Strict):
     dtype: str = "BF16"  # default stored dtype when the config names none
     quantization: QuantDef | None = None
     # Draft architectures the serving engines use for this family, e.g.
-    # {sglang_nextn: DeepseekV3ForCausalLMNextN, vllm_mtp: DeepSeekMTPModel}
+    # {sglang_nextn: <Arch>ForCausalLMNextN, vllm_mtp: <Arch>MTPModel}
     engines: dict[str, str] = Field(default_factory=dict)
+    demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
     trunk: TrunkDef

@@ -87,21 +87,12 @@ def _to_torch(values: np.ndarray, dtype: str):
 
 
 def quantize_fp8_block(values: np.ndarray, block=(128, 128)):
-    """Reference block quantization used to build FP8 fixtures: (F8_E4M3 tensor, F32 scale_inv)."""
+    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``, as ckpt_tools.fp8 quantizes."""
     import torch
 
-    w = torch.from_numpy(values).to(torch.float32)
-    *lead, rows, cols = w.shape
-    br, bc = block
-    gr, gc = -(-rows // br), -(-cols // bc)
-    padded = torch.zeros(*lead, gr * br, gc * bc, dtype=torch.float32)
-    padded[..., :rows, :cols] = w
-    tiles = padded.reshape(*lead, gr, br, gc, bc)
-    amax = tiles.abs().amax(dim=(-3, -1))  # [..., gr, gc]
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    q = (tiles / scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    q = q.reshape(*lead, gr * br, gc * bc)[..., :rows, :cols].contiguous()
-    return q, scale.to(torch.float32).contiguous()
+    from ..fp8 import quantize
+
+    return quantize(torch.from_numpy(values).to(torch.float32), tuple(block))
 
 
 def checkpoint_specs(res: Resolved, opts: FixtureOptions) -> tuple[list[Spec], set[str]]:
@@ -144,7 +135,7 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
     order: list[str] = []
     zero_centred = table.norm == "zero_centred"
     for s in specs:
-        values = spec_values(s, opts.seed, zero_centred)
+        values = spec_values(_copied(s, res), opts.seed, zero_centred)
         if opts.fp8 and s.quant:
             q, scale = quantize_fp8_block(values, res.block_size)
             skey = scale_key(s.key, res.scale_suffix)
@@ -174,6 +165,14 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
         (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}) + "\n")
         (out / "README.md").write_text(f"# tiny {family} fixture\n")
     return out
+
+
+def _copied(spec: Spec, res: Resolved) -> Spec:
+    """A per-layer copy (``copy_of``) holds the same values as the shared tensor, as releases ship it."""
+    shared = res.shared.get(spec.copy_of or "") or (res.shared.get("embed") if spec.copy_of == "head" else None)
+    if shared is not None and tuple(shared.shape) == tuple(spec.shape):
+        return shared
+    return spec
 
 
 def _split(order: list[str], tensors, mtp_keys: set[str], opts: FixtureOptions) -> dict[str, list[str]]:

@@ -1,0 +1,48 @@
+"""`ckpt verify-manifest PATH`: recompute every listed tensor's sha256; exit 0 all match, 1 mismatches,
+3 no manifest (or an unreadable checkpoint)."""
+
+from __future__ import annotations
+
+import typer
+
+from ..errors import EXIT_FOUND
+from .common import command, emit_json, human_bytes, out_console, progress_for
+
+MAX_ROWS = 50  # mismatches listed before "... and N more"
+
+
+def render(report) -> None:
+    from rich.markup import escape
+
+    con = out_console()
+    summary = (f"{report.verified} of {report.listed} listed tensor(s) match ({human_bytes(report.bytes_hashed)} "
+               f"hashed)" + (f"; {report.unlisted} tensor(s) not listed in the manifest" if report.unlisted else ""))
+    if report.ok:
+        con.print(f"[green]verified[/]: {escape(report.root)}: {summary}", soft_wrap=True)
+        return
+    for m in report.mismatches[:MAX_ROWS]:
+        con.print(f"[bold red]{m.problem}[/] [dim]{escape(m.file or '-')}[/] {escape(m.key)}", soft_wrap=True)
+        con.print(f"    manifest {m.expected or '-'}, found {m.actual or '-'}", markup=False, soft_wrap=True)
+    if len(report.mismatches) > MAX_ROWS:
+        con.print(f"... and {len(report.mismatches) - MAX_ROWS} more (all of them with --json)")
+    con.print(f"[red]mismatch[/]: {escape(report.root)}: {len(report.mismatches)} problem(s); {summary}",
+              soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("verify-manifest")
+    @command
+    def verify_manifest_cmd(
+        path: str = typer.Argument(..., metavar="PATH", help="Output directory with a ckpt_manifest.json."),
+        json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    ) -> None:
+        """Recompute the sha256 of every tensor listed in ckpt_manifest.json (streaming) and compare."""
+        from ..ops.verify import verify_manifest
+
+        report = verify_manifest(path, progress=progress_for(json_output))
+        if json_output:
+            emit_json(report.to_json())
+        else:
+            render(report)
+        if not report.ok:
+            raise typer.Exit(EXIT_FOUND)
