@@ -38,6 +38,9 @@ def command(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        hub = sys.modules.get("ckpt_tools.hub")
+        if hub is not None:  # count this command's downloads only (several commands may share a process)
+            hub.HUB_STATS.reset()
         try:
             try:
                 return fn(*args, **kwargs)
