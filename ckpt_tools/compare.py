@@ -1,13 +1,18 @@
-"""Streaming comparison of two tensors: byte identity plus numeric statistics.
+"""Streaming comparison of two tensors: byte identity first, numeric statistics when they differ.
 
-Used by `ckpt diff` and by stitch's validation report. Both sides are read in
-matching chunks, so memory stays bounded whatever the tensor size.
+Used by `ckpt diff` and by stitch's validation report. Both sides are read in matching
+chunks, so memory stays bounded whatever the tensor size. Equal bytes are settled by a
+byte comparison alone; statistics (max |a - b|, relative L2, cosine, NaN/Inf count)
+are computed only for tensors that differ, decoding floats with numpy (bf16 by a bit
+shift), so no arithmetic library is loaded for an unchanged checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from .dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from .plan import CopyBytes, Recipe
@@ -38,60 +43,89 @@ def recipe_of(ref: TensorRef) -> Recipe:
 
 
 def compare(key: str, a_dtype: str, a_shape, a: Recipe, b_dtype: str, b_shape, b: Recipe, *, stats: bool = True,
-            decode_a=None, decode_b=None) -> TensorDiff:
+            finite: bool = True, decode_a=None, decode_b=None) -> TensorDiff:
     """Compare two tensors given as recipes (A = before, B = after).
 
     ``decode_a``/``decode_b`` optionally turn a chunk's raw bytes into float32 values
-    (e.g. FP8 dequantization); by default floats are decoded by dtype and other types
-    compare as bytes only.
+    (e.g. FP8 dequantization: ``decode(buf, first_element, n)``); by default floats are
+    decoded by dtype and other dtypes compare as bytes only.
     """
-    from .transforms import RecipeReader
-
     d = TensorDiff(key, "unchanged", a_dtype, b_dtype, list(a_shape), list(b_shape))
     if list(a_shape) != list(b_shape):
         d.status = "shape-changed"
         return d
-    numel = math.prod(a_shape)
-    ra, rb = RecipeReader(a), RecipeReader(b)
-    sa, sb = DTYPES[a_dtype], DTYPES[b_dtype]
-    same_bytes = a_dtype == b_dtype
-    numeric = stats and (a_dtype in FLOAT_DTYPES | FP8_DTYPES or decode_a) and (b_dtype in FLOAT_DTYPES | FP8_DTYPES
-                                                                                 or decode_b)
-    acc = _Acc() if numeric else None
-    done = 0
-    while done < numel:
-        n = min(CHUNK_ELEMS, numel - done)
-        ba = ra.read(sa.nbytes(n))
-        bb = rb.read(sb.nbytes(n))
-        if same_bytes and ba != bb:
-            same_bytes = False
-        if acc is not None:
-            va = decode_a(ba, done, n) if decode_a else _decode(ba, a_dtype)
-            vb = decode_b(bb, done, n) if decode_b else _decode(bb, b_dtype)
-            if va is not None and vb is not None:
-                acc.add(va, vb)
-        elif b_dtype in FLOAT_DTYPES:
-            vb = _decode(bb, b_dtype)
-            acc_nf = int((~vb.isfinite()).sum())
-            d.nonfinite += acc_nf
-        done += n
-    if acc is not None:
-        d.nonfinite = acc.nonfinite
-        d.max_abs, d.rel_l2, d.cosine = acc.result()
-    if a_dtype != b_dtype:
-        d.status = "dtype-changed"
-    elif not same_bytes:
-        d.status = "replaced"
+    if a_dtype == b_dtype and decode_a is None and decode_b is None and _same_bytes(a, b, a_dtype, a_shape):
+        return d
+    d.status = "replaced" if a_dtype == b_dtype else "dtype-changed"
+    decodable_a = decode_a is not None or a_dtype in FLOAT_DTYPES
+    decodable_b = decode_b is not None or b_dtype in FLOAT_DTYPES
+    if decodable_b and (stats or finite):
+        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a)
     return d
 
 
-def _decode(buf: bytearray, dtype: str):
-    from .numeric import bytes_to_torch
+def count_nonfinite(recipe: Recipe, dtype: str, shape) -> int:
+    """NaN and Inf values a float tensor's recipe produces (0 for other dtypes)."""
+    from .transforms import RecipeReader
 
-    if dtype not in FLOAT_DTYPES and dtype not in FP8_DTYPES:
-        return None
-    t = bytes_to_torch(buf, dtype, (len(buf) // DTYPES[dtype].nbytes(1),))
-    return t.float()
+    if dtype not in FLOAT_DTYPES:
+        return 0
+    reader, numel, done, bad = RecipeReader(recipe), math.prod(shape), 0, 0
+    while done < numel:
+        n = min(CHUNK_ELEMS, numel - done)
+        bad += int(np.count_nonzero(~np.isfinite(decode_floats(reader.read(DTYPES[dtype].nbytes(n)), dtype))))
+        done += n
+    return bad
+
+
+def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape) -> bool:
+    from .transforms import RecipeReader
+
+    nbytes = DTYPES[dtype].nbytes(math.prod(shape))
+    chunk = DTYPES[dtype].nbytes(CHUNK_ELEMS) or CHUNK_ELEMS
+    ra, rb = RecipeReader(a), RecipeReader(b)
+    done = 0
+    while done < nbytes:
+        n = min(chunk, nbytes - done)
+        if ra.read(n) != rb.read(n):
+            return False
+        done += n
+    return True
+
+
+def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str, shape, decode_a, decode_b,
+                with_a: bool) -> None:
+    """Second pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics."""
+    from .transforms import RecipeReader
+
+    numel = math.prod(shape)
+    ra, rb = RecipeReader(a), RecipeReader(b)
+    sa, sb = DTYPES[a_dtype], DTYPES[b_dtype]
+    acc = _Acc()
+    done = 0
+    while done < numel:
+        n = min(CHUNK_ELEMS, numel - done)
+        ba, bb = ra.read(sa.nbytes(n)), rb.read(sb.nbytes(n))
+        vb = decode_b(bb, done, n) if decode_b else decode_floats(bb, b_dtype)
+        vb = np.asarray(vb, dtype=np.float32) if not isinstance(vb, np.ndarray) else vb
+        if with_a:
+            va = decode_a(ba, done, n) if decode_a else decode_floats(ba, a_dtype)
+            acc.add(np.asarray(va, dtype=np.float32) if not isinstance(va, np.ndarray) else va, vb)
+        else:
+            acc.nonfinite += int(np.count_nonzero(~np.isfinite(vb)))
+        done += n
+    d.nonfinite = acc.nonfinite
+    if with_a:
+        d.max_abs, d.rel_l2, d.cosine = acc.result()
+
+
+def decode_floats(buf: bytearray, dtype: str) -> np.ndarray:
+    """float32 values of a float tensor's raw bytes (bf16 widened by a 16-bit shift: exact)."""
+    if dtype == "BF16":
+        return (np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if dtype in ("F16", "F32", "F64"):
+        return np.frombuffer(buf, dtype={"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype])
+    raise ValueError(f"{dtype} is not a float dtype numpy can decode")
 
 
 class _Acc:
@@ -105,22 +139,24 @@ class _Acc:
         self.ab = 0.0
         self.nonfinite = 0
 
-    def add(self, a, b) -> None:
-        import torch
-
-        finite = torch.isfinite(b)
-        self.nonfinite += int((~finite).sum())
-        a64, b64 = a.double(), b.double()
-        diff = (a64 - b64).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        if diff.numel():
-            self.max_abs = max(self.max_abs, float(diff.abs().max()))
-        self.diff2 += float((diff * diff).sum())
-        self.a2 += float((a64 * a64).nan_to_num().sum())
-        self.b2 += float((b64 * b64).nan_to_num().sum())
-        self.ab += float((a64 * b64).nan_to_num().sum())
+    def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        finite = np.isfinite(b)
+        self.nonfinite += int(np.count_nonzero(~finite))
+        a64 = np.nan_to_num(a.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        b64 = np.where(finite, b.astype(np.float64), 0.0)
+        diff = a64 - b64
+        if diff.size:
+            self.max_abs = max(self.max_abs, float(np.abs(diff).max()))
+        self.diff2 += float(np.dot(diff, diff))
+        self.a2 += float(np.dot(a64, a64))
+        self.b2 += float(np.dot(b64, b64))
+        self.ab += float(np.dot(a64, b64))
 
     def result(self) -> tuple[float, float, float]:
         rel = math.sqrt(self.diff2) / math.sqrt(self.a2) if self.a2 > 0 else (0.0 if self.diff2 == 0 else math.inf)
         denom = math.sqrt(self.a2) * math.sqrt(self.b2)
         cos = self.ab / denom if denom > 0 else (1.0 if self.a2 == self.b2 == 0 else 0.0)
         return self.max_abs, rel, cos
+
+
+__all__ = ["TensorDiff", "compare", "count_nonfinite", "decode_floats", "recipe_of", "FP8_DTYPES"]

@@ -12,6 +12,7 @@ of the fusion projection's two input halves, or a column-wise join of a family's
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -24,13 +25,18 @@ from .errors import InputError, TableError, UsageError
 from .expert_layouts import ExpertGroup, ExpertLayout
 from .expr import ExprError, evaluate, render
 from .mtp import MtpView
-from .tables.loader import mappings_dir
+from .tables.loader import SAFE_LOADER, mappings_dir
 from .tables.resolve import Spec
 
 
 class Supports(BaseModel):
+    """What a format's consumer can load. An unmet condition refuses the family, with ``reason``."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     model_types: list[str] = Field(default_factory=list)
+    # block tensor names (after tag renames) the consumer's layer must find, and the only ones it takes
+    block_requires: list[str] = Field(default_factory=list)
+    block_allows: list[str] = Field(default_factory=list)  # regular expressions
     reason: str = ""
 
 
@@ -79,7 +85,7 @@ def formats_dir() -> Path:
 
 def _load(path: Path) -> Format:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=SAFE_LOADER)  # noqa: S506 - (C)SafeLoader
         fmt = Format.model_validate(data)
     except yaml.YAMLError as e:
         raise TableError(f"not valid YAML: {e}", path=str(path)) from None
@@ -178,11 +184,13 @@ def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
                "pick one with --layers")
     elif fmt.supports.model_types and not set(fmt.supports.model_types) & set(view.ckpt.config.model_types()):
         why = fmt.supports.reason or f"it supports model types {fmt.supports.model_types} only"
+    elif fmt.rename != "native" and _sub_block_count(view) != 1:
+        why = f"{table.family} spreads one MTP step over {_sub_block_count(view)} sub-blocks"
     elif fmt.norm not in ("family", table.norm):
         why = (f"its norms are {fmt.norm} while {table.family} uses {table.norm} norms; converting "
                "(1 + w) to w in bf16 is lossy")
-    elif fmt.rename != "native" and _sub_block_count(view) != 1:
-        why = f"{table.family} spreads one MTP step over {_sub_block_count(view)} sub-blocks"
+    elif _block_unfit(fmt, view):
+        why = _block_unfit(fmt, view)
     elif fmt.rename == "reprefix" and [s for s in view.resolved.glue_specs() if s.depth is None]:
         outside = [s.key for s in view.resolved.glue_specs() if s.depth is None]
         why = (f"{table.family} keeps glue tensors outside the layer prefix ({outside[0]}); "
@@ -196,6 +204,20 @@ def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
 def _sub_block_count(view: MtpView) -> int:
     """Sub-blocks of one MTP step (repeated blocks expanded), as the config resolves them."""
     return max((len(layer.block_prefixes) for layer in view.resolved.layers), default=len(view.table.mtp.blocks))
+
+
+def _block_unfit(fmt: Format, view: MtpView) -> str | None:
+    """Why the family's MTP block cannot be the format consumer's layer (None when it can)."""
+    sup = fmt.supports
+    if not (sup.block_requires or sup.block_allows):
+        return None
+    subs = {fmt.tag_renames.get(s.tag or "", s.sub or "") for layer in view.resolved.layers for s in layer.block}
+    missing = [r for r in sup.block_requires if r not in subs]
+    foreign = sorted(x for x in subs if sup.block_allows and not any(re.fullmatch(p, x) for p in sup.block_allows))
+    if not missing and not foreign:
+        return None
+    detail = (f"its block lacks {missing[:3]}" if missing else f"its block has {foreign[:3]}")
+    return f"{sup.reason or 'the consumer cannot load this block'} ({detail})"
 
 
 def correspond(

@@ -283,8 +283,9 @@ def test_from_layer_of_an_fp8_target_keeps_its_scales(make_fixture, tmp_path):
     scales = [k for k in got if k.endswith("weight_scale_inv")]
     assert scales and all(raw(got[k]) == raw(src[k.replace("layers.3.", "layers.1.", 1)]) for k in scales)
     ckpt("stitch", draft, trunk, "-o", out, "--mode", "add")
-    r = ckpt("init-draft", trunk, "-o", tmp_path / "a", "--from-layer", "1", "--format", "angelspec", code=2)
-    assert "--dequant" in r.output
+    ckpt("init-draft", trunk, "-o", tmp_path / "a", "--from-layer", "1", "--format", "sglang-nextn",
+         "--dequant", "bf16")
+    assert not [k for k in tensors_of(tmp_path / "a") if k.endswith("weight_scale_inv")]
     # from scratch the draft holds no FP8 weight, so its config declares no FP8 quantization
     scratch = tmp_path / "scratch"
     ckpt("init-draft", trunk, "-o", scratch)

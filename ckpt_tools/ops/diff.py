@@ -57,7 +57,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
         decode_b = _fp8_decoder(b, key) if dequant and rb.dtype in FP8_DTYPES else None
         report.diffs.append(
             compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape, CopyBytes([rb.segment()]),
-                    stats=stats, decode_a=decode_a, decode_b=decode_b)
+                    stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
         )
     return report
 
@@ -87,7 +87,7 @@ def _fp8_decoder(ckpt: Checkpoint, key: str):
         row = (idx // cols) % rows
         lead = idx // (cols * rows)
         s = scales.reshape(-1, *scales.shape[-2:])[lead, row // block[0], col // block[1]]
-        return q.float() * s
+        return (q.float() * s).numpy()
 
     _ = dequantize
     return decode

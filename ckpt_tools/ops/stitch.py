@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..compare import TensorDiff, compare
+from ..compare import TensorDiff, compare, count_nonfinite
 from ..config import ConfigView
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import InputError, PlanError, UsageError
@@ -245,7 +245,8 @@ class _Builder:
         vs = OutputTensor(skey, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
         if t.dtype in FLOAT_DTYPES:
             as_draft = transforms.dequantize(vq, vs, t.dtype, self.res.block_size)
-            same = compare(t.key, t.dtype, t.shape, as_draft.recipe, t.dtype, t.shape, t.recipe, stats=False)
+            same = compare(t.key, t.dtype, t.shape, as_draft.recipe, t.dtype, t.shape, t.recipe, stats=False,
+                           finite=False)
             if same.status == "unchanged":
                 self.candidates[t.key] = OutputTensor(t.key, vref.dtype, vref.shape, vq.recipe, meta=t.meta)
                 self.candidates[skey] = OutputTensor(skey, sref.dtype, sref.shape, vs.recipe,
@@ -427,10 +428,7 @@ def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) 
 
 
 def _nonfinite(t: OutputTensor) -> int:
-    if t.dtype not in FLOAT_DTYPES:
-        return 0
-    d = compare(t.key, t.dtype, t.shape, t.recipe, t.dtype, t.shape, t.recipe, stats=True)
-    return d.nonfinite
+    return count_nonfinite(t.recipe, t.dtype, t.shape)
 
 
 def _changed(report: StitchReport) -> set[str]:

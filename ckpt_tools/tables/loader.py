@@ -16,6 +16,8 @@ from .schema import Table
 
 # i: MTP depth, l: trunk layer, j / item: position and element of a repeated MTP sub-block
 LOOP_VARS = frozenset({"i", "l", "j", "item"})
+# libyaml's safe loader when available: same safety, ~10x faster than the pure-Python one
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def mappings_dir() -> Path:
@@ -108,7 +110,7 @@ def _check_names(table: Table, path: Path) -> None:
 def load_table(path: str | os.PathLike) -> Table:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=SAFE_LOADER)  # noqa: S506 - (C)SafeLoader
     except yaml.YAMLError as e:
         raise TableError(f"not valid YAML: {e}", path=str(path)) from None
     except OSError as e:

@@ -1,0 +1,242 @@
+"""Statistics, machine description, and the results tables (rich and Markdown)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+from pathlib import Path
+
+RSS_LIMIT = 300 * 10**6
+RSS_FLAT = 1.10  # flat: the largest size's peak RSS within 10% (or 20 MB) of the smallest's
+RSS_FLAT_ABS = 20 * 10**6
+FIELDS = ("wall", "cpu", "maxrss", "rchar", "wchar", "write_bytes")
+CONTENDERS = ("ckpt", "floor", "floor-raw", "naive", "peer")
+
+
+def stats(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r.get("returncode") == 0]
+    out: dict = {"n": len(ok)}
+    for f in FIELDS:
+        vals = [r[f] for r in ok]
+        if vals:
+            out[f] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+    return out
+
+
+def ratio(a: dict | None, b: dict | None, field: str = "wall") -> float | None:
+    try:
+        return a["stats"][field]["median"] / b["stats"][field]["median"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def machine_info(workdir: Path) -> dict:
+    info: dict = {"cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["ram_bytes"] = int(line.split()[1]) * 1024
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info["load_avg"] = list(os.getloadavg())
+    best = ("", "", "")
+    try:
+        target = str(Path(workdir).resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fs = line.split()[:3]
+            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                best = (dev, mnt, fs)
+    except OSError:
+        pass
+    dev, mnt, fs = best
+    info["filesystem"] = fs
+    info["mount"] = mnt
+    info["device"] = dev
+    name = Path(dev).name
+    for block in (name, name.rstrip("0123456789")):
+        rot = Path(f"/sys/block/{block}/queue/rotational")
+        if rot.exists():
+            info["disk"] = f"block device {block} (sysfs rotational={rot.read_text().strip()})"
+            model = Path(f"/sys/block/{block}/device/model")
+            if model.exists():
+                info["disk"] += f" ({model.read_text().strip()})"
+            break
+    try:
+        du = shutil.disk_usage(workdir)
+        info["disk_size_bytes"], info["disk_free_bytes"] = du.total, du.free
+    except OSError:
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("torch", "safetensors", "numpy"):
+        try:
+            info[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return info
+
+
+def describe_machine(m: dict) -> str:
+    ram = m.get("ram_bytes", 0) / 2**30
+    disk = m.get("disk_size_bytes", 0) / 1e9
+    return (f"{m.get('cores')} cores ({m.get('cpu', '?')}), {ram:.0f} GiB RAM, "
+            f"{m.get('disk', 'disk ?')} {disk:.0f} GB, {m.get('filesystem', '?')} on {m.get('mount', '?')}, "
+            f"Linux {m.get('kernel')}, Python {m.get('python')}, torch {m.get('torch', '?')}, "
+            f"safetensors {m.get('safetensors', '?')}")
+
+
+def merge(parts: list[dict]) -> dict:
+    """Results of separate runs (e.g. one per size) as one: sizes side by side, later files win."""
+    out = dict(parts[0])
+    out["sizes"], out["verbs"], out["notes"] = {}, [], []
+    out["commands"] = []
+    for p in parts:
+        out["sizes"].update(p["sizes"])
+        out["verbs"] += [v for v in p.get("verbs", []) if v not in out["verbs"]]
+        out["notes"] += [n for n in p.get("notes", []) if n not in out["notes"]]
+        out["commands"].append(p.get("command", ""))
+    if len(parts) > 1:
+        out["command"] = " ; ".join(out["commands"])
+        out["finished"] = parts[-1].get("finished")
+        out["machine"] = dict(parts[0].get("machine", {}), load_avg_end=parts[-1].get("machine", {}).get(
+            "load_avg_end"))
+    return out
+
+
+# -- formatting ------------------------------------------------------------------------
+
+
+def _s(c: dict | None) -> str:
+    if not c or "wall" not in c.get("stats", {}):
+        return "-" if not c or not c.get("error") else "failed"
+    w = c["stats"]["wall"]
+    return f"{w['median']:.2f} ({w['min']:.2f}-{w['max']:.2f})"
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _mb(c: dict | None, field: str) -> str:
+    try:
+        return f"{c['stats'][field]['median'] / 1e6:.0f}"
+    except (KeyError, TypeError):
+        return "-"
+
+
+ROW_HEAD = ("verb", "size", "ckpt s", "floor s (fsync)", "floor s (raw)", "ckpt/floor", "naive s", "ckpt/naive",
+            "peer s", "ckpt/peer", "ckpt CPU s", "peak RSS MB", "read MB", "written MB")
+
+
+def rows(results: dict) -> list[tuple[str, ...]]:
+    out = []
+    for verb in results.get("verbs", []):
+        for label, size in results["sizes"].items():
+            v = size["verbs"].get(verb)
+            if v is None:
+                continue
+            if v.get("skipped"):
+                out.append((verb, label, "skipped: " + v["skipped"]) + ("",) * (len(ROW_HEAD) - 3))
+                continue
+            c = v["contenders"]
+            ck = c.get("ckpt")
+            cpu = f"{ck['stats']['cpu']['median']:.2f}" if ck and "cpu" in ck.get("stats", {}) else "-"
+            out.append((verb, label, _s(ck), _s(c.get("floor")), _s(c.get("floor-raw")),
+                        _x(v["ratios"].get("floor")), _s(c.get("naive")),
+                        _x(v["ratios"].get("naive")), _s(c.get("peer")), _x(v["ratios"].get("peer")), cpu,
+                        _mb(ck, "maxrss"), _mb(ck, "rchar"), _mb(ck, "wchar")))
+    return out
+
+
+TARGET_HEAD = ("verb", "ckpt/floor by size", "target", "peak RSS MB by size", "RSS < 300 MB and flat", "verdict")
+
+
+def targets(results: dict) -> list[tuple[str, ...]]:
+    out = []
+    labels = list(results["sizes"])
+    for verb in results.get("verbs", []):
+        per = [results["sizes"][lb]["verbs"].get(verb) or {} for lb in labels]
+        if all(p.get("skipped") or not p for p in per):
+            continue
+        ratios = [p.get("ratios", {}).get("floor") for p in per]
+        rss = [((p.get("contenders", {}).get("ckpt") or {}).get("stats", {}).get("maxrss") or {}).get("median")
+               for p in per]
+        limit = next((p.get("max_floor_ratio") for p in per if p.get("max_floor_ratio")), None)
+        speed_ok = None if limit is None or None in ratios else all(r <= limit for r in ratios)
+        known = [r for r in rss if r is not None]
+        rss_ok = None
+        if known:
+            flat = max(known) <= max(min(known) * RSS_FLAT, min(known) + RSS_FLAT_ABS)
+            rss_ok = max(known) < RSS_LIMIT and flat
+        verdict = "pass" if speed_ok is not False and rss_ok is not False else "MISS"
+        if speed_ok is None and rss_ok is None:
+            verdict = "-"
+        out.append((verb, " / ".join(_x(r) for r in ratios), f"<= {limit}x" if limit else "-",
+                    " / ".join("-" if r is None else f"{r / 1e6:.0f}" for r in rss),
+                    "-" if rss_ok is None else ("yes" if rss_ok else "no"), verdict))
+    return out
+
+
+def print_rich(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(260, shutil.get_terminal_size().columns))
+    t = Table(title=f"ckpt benchmarks ({results.get('date', '')}); times are medians (min-max) of "
+                    f"{results.get('runs')} runs, warm page cache", show_lines=False)
+    for h in ROW_HEAD:
+        t.add_column(h, no_wrap=h in ("verb", "size"), overflow="fold")
+    for r in rows(results):
+        t.add_row(*r)
+    console.print(t)
+    t2 = Table(title="targets")
+    for h in TARGET_HEAD:
+        t2.add_column(h)
+    for r in targets(results):
+        t2.add_row(*r)
+    console.print(t2)
+    console.print(describe_machine(results.get("machine", {})))
+
+
+def _loads(v: list | None) -> str:
+    return " / ".join(f"{x:.1f}" for x in v) if v else "?"
+
+
+def markdown(results: dict) -> str:
+    def table(head, body):
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body]
+        return "\n".join(lines)
+
+    m = results.get("machine", {})
+    parts = [
+        ("" if results.get("finished") else "**Partial results: the run did not finish.** ") +
+        f"Run {results.get('date', '?')}, `{results.get('command', '')}`, "
+        f"{results.get('runs')} runs per figure (median, min-max), warm page cache.",
+        "",
+        f"Machine: {describe_machine(m)}. Load average (1, 5, 15 min) at start {_loads(m.get('load_avg'))}, "
+        f"at end {_loads(m.get('load_avg_end'))}.",
+        "",
+    ]
+    for label, size in results["sizes"].items():
+        ck = size.get("checkpoint", {})
+        done = [len(c["runs"]) for v in size["verbs"].values() for c in v.get("contenders", {}).values()]
+        if ck:
+            parts.append(f"- {label}: {ck.get('family')} {ck.get('total_bytes', 0) / 1e9:.2f} GB, "
+                         f"{ck.get('layers')} layers + 1 MTP, {ck.get('experts')} experts, hidden "
+                         f"{ck.get('hidden')}, {ck.get('shards')} shards, MTP {ck.get('mtp_share', 0):.1%} of bytes; "
+                         f"{min(done, default=0)} runs per figure")
+    parts += ["", table(ROW_HEAD, rows(results)), "", table(TARGET_HEAD, targets(results)), ""]
+    skipped = {(v, s["verbs"][v]["skipped"]) for s in results["sizes"].values() for v in s["verbs"]
+               if s["verbs"][v].get("skipped")}
+    for v, why in sorted(skipped):
+        parts.append(f"- `{v}` skipped: {why}")
+    notes = results.get("notes", [])
+    parts += [f"- {n}" for n in notes]
+    return "\n".join(parts).rstrip() + "\n"

@@ -1,0 +1,177 @@
+"""Run the benchmark: per size, generate inputs, then alternate verb / floor / naive / peer runs.
+
+Every contender is a child process measured by ``measure.run``. Runs alternate
+(run 1 of every contender of every verb, then run 2, ...), and the order of the
+contenders rotates from one run to the next, so a slow minute on a shared machine
+hits all of them. Before each run the output directory is removed and ``sync()`` is
+called, so no run pays for the previous one's write-back.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from . import report
+from .layout import tree_bytes
+from .measure import run as measure
+from .peers import Peer, ensure_speculators, peer_env
+from .synth import solve
+from .verbs import VERBS, Ctx, Verb, availability, write_job
+
+HERE = Path(__file__).resolve().parent
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):] or "B"
+    if unit not in UNITS:
+        raise ValueError(f"size {text!r}: unit must be one of B, KB, MB, GB, KiB, MiB, GiB")
+    return int(float(num) * UNITS[unit])
+
+
+def _argvs(verb: Verb, ctx: Ctx, vdir: Path, peer_ok: bool, want: set[str]) -> dict[str, list[str]]:
+    """The command line of each contender (the floor and naive jobs written to files)."""
+    py = sys.executable
+    argvs = {"ckpt": verb.argv(ctx, vdir / "out-ckpt")}
+    if verb.floor and "floor" in want:
+        job = write_job(verb.floor(ctx, vdir / "out-floor"), vdir / "floor.json")
+        raw = write_job(verb.floor(ctx, vdir / "out-floor-raw"), vdir / "floor-raw.json")
+        argvs["floor"] = [py, "-S", str(HERE / "floor.py"), str(job), "--fsync"]
+        argvs["floor-raw"] = [py, "-S", str(HERE / "floor.py"), str(raw)]
+    if verb.naive and "naive" in want:
+        job = write_job(verb.naive(ctx, vdir / "out-naive"), vdir / "naive.json")
+        argvs["naive"] = [py, str(HERE / "naive.py"), str(job)]
+    if verb.peer and peer_ok and "peer" in want:
+        cmd = verb.peer(ctx, vdir / "out-peer")
+        if cmd:
+            argvs["peer"] = cmd
+    return argvs
+
+
+def run(sizes: list[str], verb_names: list[str], *, runs: int = 3, workdir: Path, family: str = "qwen3_next",
+        shards: int = 8, peers: bool = True, retry_peers: bool = False, keep: bool = False,
+        timeout: float = 900.0, contenders: set[str] | None = None, log=print, save=None) -> dict:
+    """Benchmark ``verb_names`` at each size; ``save(results)`` is called after every round of runs,
+    so that an interrupted benchmark still leaves its figures so far."""
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    verbs = [VERBS[n] for n in verb_names]
+    results: dict = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks " + " ".join(sys.argv[1:]),
+        "runs": runs,
+        "family": family,
+        "verbs": verb_names,
+        "machine": report.machine_info(workdir),
+        "sizes": {},
+        "notes": [],
+    }
+    want = set(contenders or ("floor", "naive", "peer"))
+    peers = peers and "peer" in want
+    skip: dict[str, str] = {}
+    for v in verbs:
+        why = availability(v)
+        if why:
+            skip[v.name] = why
+            log(f"skip {v.name}: {why}")
+    peer: Peer | None = None
+    if any(v.peer for v in verbs if v.name not in skip):
+        if peers:
+            peer = ensure_speculators(workdir, retry=retry_peers, log=log)
+            if not peer.ok:
+                log(f"peer speculators unavailable: {peer.reason}")
+                results["notes"].append(f"speculators peer skipped: {peer.reason}")
+            else:
+                results["notes"].append(f"peer: {peer.version}, in its own venv under the work directory")
+        else:
+            results["notes"].append("peers not run (--no-peers, or --contenders without peer)")
+    for label in sizes:
+        target = parse_size(label)
+        log(f"== {label}")
+        root = workdir / f"size-{label}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        sizing = solve(family, target)
+        ctx = Ctx(root, family, sizing, shards, peer, log)
+        size_res: dict = {"verbs": {}}
+        results["sizes"][label] = size_res
+        plans: dict[str, dict[str, list[str]]] = {}
+        for v in verbs:
+            if v.name in skip:
+                size_res["verbs"][v.name] = {"skipped": skip[v.name]}
+                continue
+            vdir = root / v.name
+            vdir.mkdir()
+            try:
+                plans[v.name] = _argvs(v, ctx, vdir, peer is not None and peer.ok, want)
+            except LookupError as e:
+                size_res["verbs"][v.name] = {"skipped": str(e)}
+                continue
+            size_res["verbs"][v.name] = {
+                "summary": v.summary,
+                "max_floor_ratio": v.max_floor_ratio,
+                "peer": v.peer_label if "peer" in plans[v.name] else None,
+                "contenders": {c: {"argv": a, "runs": []} for c, a in plans[v.name].items()},
+            }
+        if ctx.synth:
+            syn = ctx.synth.get("bf16") or next(iter(ctx.synth.values()))
+            size_res["checkpoint"] = {**syn.to_json(), "mtp_share": sizing.mtp_share,
+                                      "variants": {k: s.total_bytes for k, s in ctx.synth.items()}}
+        size_res["setup_seconds"] = ctx.setup_seconds
+        failed: set[tuple[str, str]] = set()
+        for r in range(runs):
+            for v in verbs:
+                if v.name not in plans:
+                    continue
+                names = list(plans[v.name])
+                k = r % len(names)
+                for c in names[k:] + names[:k]:
+                    if (v.name, c) in failed:
+                        continue
+                    out = root / v.name / f"out-{c}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    os.sync()
+                    env = peer_env() if c == "peer" else dict(os.environ, NO_COLOR="1")
+                    s = measure(plans[v.name][c], log=root / v.name / f"{c}-{r}.log", env=env, timeout=timeout)
+                    entry = s.to_json()
+                    entry["output_bytes"] = tree_bytes(out)
+                    size_res["verbs"][v.name]["contenders"][c]["runs"].append(entry)
+                    status = "ok" if s.returncode == 0 else f"FAILED rc={s.returncode}"
+                    log(f"  run {r + 1}/{runs} {v.name:<20} {c:<9} {s.wall:7.2f} s  cpu {s.cpu:6.2f} s  "
+                        f"rss {s.maxrss / 1e6:6.0f} MB  {status}")
+                    if s.returncode != 0:
+                        failed.add((v.name, c))
+                        size_res["verbs"][v.name]["contenders"][c]["error"] = s.stderr_tail[-1500:]
+                        log("    " + s.stderr_tail.strip().replace("\n", "\n    ")[-800:])
+                    shutil.rmtree(out, ignore_errors=True)
+            _summarize(size_res)
+            results["machine"]["load_avg_end"] = list(os.getloadavg())
+            if save is not None:
+                save(results)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    results["machine"]["load_avg_end"] = list(os.getloadavg())
+    results["finished"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    return results
+
+
+def _summarize(size_res: dict) -> None:
+    for vres in size_res["verbs"].values():
+        if vres.get("skipped"):
+            continue
+        cs = vres["contenders"]
+        for c in cs.values():
+            c["stats"] = report.stats(c["runs"])
+        vres["ratios"] = {other: report.ratio(cs.get("ckpt"), cs.get(other))
+                          for other in ("floor", "floor-raw", "naive", "peer") if other in cs}
+
+
+def default_verbs() -> list[str]:
+    return [n for n, v in VERBS.items() if v.default]
+

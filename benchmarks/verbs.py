@@ -1,0 +1,266 @@
+"""What each benchmarked verb runs, and its floor, naive baseline and peer.
+
+A verb names the input it needs (a synthetic checkpoint variant or a draft), the ckpt
+command line, the floor job (the bytes it must move, for ``floor.py``), the naive job
+(for ``naive.py``) and optionally a peer command. The verb is benchmarked only when
+``ckpt <sub> --help`` works and mentions every option it uses.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import layout
+from .peers import Peer, peer_env
+from .synth import Sizing, Synthetic, generate
+
+HERE = Path(__file__).resolve().parent
+
+
+def ckpt_argv() -> list[str]:
+    exe = Path(sys.executable).parent / "ckpt"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_tools"]
+
+
+@dataclass
+class Ctx:
+    """One size: its directory, its synthetic inputs (made on demand) and the peer."""
+
+    root: Path
+    family: str
+    sizing: Sizing
+    shards: int
+    peer: Peer | None
+    log: Callable[[str], None] = print
+    synth: dict[str, Synthetic] = field(default_factory=dict)
+    drafts: dict[str, Path] = field(default_factory=dict)
+    setup_seconds: dict[str, float] = field(default_factory=dict)
+
+    def variant(self, name: str) -> Synthetic:
+        if name not in self.synth:
+            import time
+
+            t0 = time.perf_counter()
+            self.synth[name] = generate(self.family, self.sizing, name, self.root / f"in-{name}",
+                                        shards=self.shards)
+            self.setup_seconds[f"generate {name}"] = time.perf_counter() - t0
+            self.log(f"  generated {name}: {self.synth[name].total_bytes / 1e9:.2f} GB in "
+                     f"{self.setup_seconds[f'generate {name}']:.1f} s")
+        return self.synth[name]
+
+    def mtp_extents(self, variant: str) -> list[layout.Extent]:
+        syn = self.variant(variant)
+        ext = layout.extents(syn.path)
+        return [ext[k] for k in syn.mtp_keys]
+
+    def native_draft(self) -> Path:
+        """A finetuned draft in the verifier's own names: new values, one file, no manifest."""
+        if "native" not in self.drafts:
+            syn = self.variant("bf16")
+            out = self.root / "draft-native"
+            generate(self.family, self.sizing, "bf16", out, seed=1, only=set(syn.mtp_keys))
+            self.drafts["native"] = out
+        return self.drafts["native"]
+
+    def speculators_draft(self) -> Path | None:
+        """A finetuned speculators draft: the peer's own converter output, minus its all-NaN
+        ``verifier_lm_head`` (stitch-mtp rejects raw converter output; training drops it)."""
+        if "speculators" in self.drafts:
+            return self.drafts["speculators"]
+        if self.peer is None or not self.peer.ok:
+            return None
+        raw, out = self.root / "draft-spec-raw", self.root / "draft-speculators"
+        syn = self.variant("bf16")
+        cmd = [self.peer.exe("speculators"), "convert", str(syn.path), "--verifier", str(syn.path),
+               "--algorithm", "mtp", "--output-path", str(raw)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=peer_env(), timeout=1800)
+        if r.returncode != 0:
+            self.log(f"  speculators convert failed: {r.stderr[-300:]}")
+            return None
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        for p in raw.iterdir():
+            if not p.name.endswith(".safetensors"):
+                shutil.copyfile(p, out / p.name)
+        with safe_open(str(raw / "model.safetensors"), "pt") as f:
+            meta = f.metadata()
+            sd = {k: f.get_tensor(k) for k in f.keys() if k != "verifier_lm_head.weight"}  # noqa: SIM118
+        save_file(sd, str(out / "model.safetensors"), metadata=meta)
+        del sd
+        shutil.rmtree(raw)
+        self.drafts["speculators"] = out
+        return out
+
+
+Job = dict
+
+
+@dataclass
+class Verb:
+    name: str
+    summary: str
+    sub: str  # ckpt subcommand whose --help must work ("" = top level)
+    options: tuple[str, ...]  # option strings its --help must mention
+    command: Callable[[Ctx, Path], list[str]]  # ckpt arguments
+    floor: Callable[[Ctx, Path], Job] | None = None
+    naive: Callable[[Ctx, Path], Job] | None = None
+    peer: Callable[[Ctx, Path], list[str] | None] | None = None
+    peer_label: str = ""
+    max_floor_ratio: float | None = None  # target: ckpt wall <= this x fsync'd floor
+    library: bool = False  # runs our library directly, not the CLI
+    default: bool = True
+
+    def argv(self, ctx: Ctx, out: Path) -> list[str]:
+        if self.library:
+            return self.command(ctx, out)
+        return ckpt_argv() + self.command(ctx, out)
+
+
+def _one_file(out: Path, pieces: list[list], name: str = "model.safetensors") -> Job:
+    return {"files": [{"path": str(out / name), "pieces": pieces}]}
+
+
+def _whole_files(src: Path, out: Path, link: set[str] = frozenset()) -> Job:
+    jobs = []
+    for p in layout.files(src):
+        if p.name in link:
+            jobs.append({"path": str(out / p.name), "link": str(p)})
+        else:
+            jobs.append({"path": str(out / p.name), "pieces": [[str(p), 0, p.stat().st_size]]})
+    return {"files": jobs}
+
+
+def _mtp_floor(variant: str):
+    return lambda ctx, out: _one_file(out, layout.pieces(ctx.mtp_extents(variant)))
+
+
+def _dequant_floor(ctx: Ctx, out: Path) -> Job:
+    """Write as many bytes as the bf16 output has (FP8 weights doubled, scales dropped), copied
+    from the FP8 checkpoint's data: "dequant >= 0.5x the copy speed of its bf16 output"."""
+    syn = ctx.variant("fp8")
+    ext = layout.extents(syn.path)
+    n = sum(0 if k.endswith("scale_inv") else 2 * ext[k].length if ext[k].dtype == "F8_E4M3" else ext[k].length
+            for k in syn.mtp_keys)
+    return _one_file(out, layout.first_bytes(syn.path, n))
+
+
+def _affected_shards(ctx: Ctx) -> set[str]:
+    return {Path(e.file).name for e in ctx.mtp_extents("bf16")}
+
+
+def _stitch_floor(link: bool):
+    def job(ctx: Ctx, out: Path) -> Job:
+        src = ctx.variant("bf16").path
+        keep = {p.name for p in layout.files(src) if p.name.endswith(".safetensors")} - _affected_shards(ctx)
+        return _whole_files(src, out, keep if link else set())
+
+    return job
+
+
+def _naive_extract(variant: str, **opts):
+    def job(ctx: Ctx, out: Path) -> Job:
+        syn = ctx.variant(variant)
+        return {"op": "extract", "src": str(syn.path), "keys": syn.mtp_keys, "out": str(out), **opts}
+
+    return job
+
+
+def _speculators_convert(ctx: Ctx, out: Path) -> list[str] | None:
+    if ctx.peer is None or not ctx.peer.ok:
+        return None
+    src = str(ctx.variant("bf16").path)
+    return [ctx.peer.exe("speculators"), "convert", src, "--verifier", src, "--algorithm", "mtp",
+            "--output-path", str(out)]
+
+
+def _speculators_stitch(ctx: Ctx, out: Path) -> list[str] | None:
+    draft = ctx.speculators_draft() if ctx.peer is not None and ctx.peer.ok else None
+    if draft is None:
+        return None
+    return [ctx.peer.exe("speculators"), "stitch-mtp", str(draft), str(ctx.variant("bf16").path),
+            "--output-path", str(out)]
+
+
+def _stitch_cmd(draft: str, *extra: str):
+    def cmd(ctx: Ctx, out: Path) -> list[str]:
+        d = ctx.native_draft() if draft == "native" else ctx.speculators_draft()
+        if d is None:
+            raise LookupError("no speculators draft (needs the speculators peer)")
+        return ["stitch", str(d), str(ctx.variant("bf16").path), "-o", str(out), *extra]
+
+    return cmd
+
+
+VERBS: dict[str, Verb] = {
+    v.name: v
+    for v in [
+        Verb("startup", "`ckpt --help`: interpreter, imports, CLI; the fixed cost of every verb", "", (),
+             lambda ctx, out: ["--help"]),
+        Verb("extract", "extract the MTP layers, native names (bf16 input)", "extract", (),
+             lambda ctx, out: ["extract", str(ctx.variant("bf16").path), "-o", str(out)],
+             floor=_mtp_floor("bf16"), naive=_naive_extract("bf16"), max_floor_ratio=1.3),
+        Verb("extract-speculators", "extract into the speculators format (experts fused)", "extract",
+             ("--format", "speculators"),
+             lambda ctx, out: ["extract", str(ctx.variant("bf16").path), "-o", str(out), "--format", "speculators"],
+             floor=_mtp_floor("bf16"), naive=_naive_extract("bf16", fuse_experts=True),
+             peer=_speculators_convert, peer_label="speculators convert --algorithm mtp", max_floor_ratio=1.3),
+        Verb("dequant", "extract with --dequant bf16 from block-FP8 (floor: copying the bf16 output's bytes)",
+             "extract", ("--dequant",),
+             lambda ctx, out: ["extract", str(ctx.variant("fp8").path), "-o", str(out), "--dequant", "bf16"],
+             floor=_dequant_floor, naive=_naive_extract("fp8", dequant=True), max_floor_ratio=2.0),
+        Verb("fuse", "fuse-experts on the whole checkpoint, per-expert -> fused", "fuse-experts", ("--to",),
+             lambda ctx, out: ["fuse-experts", str(ctx.variant("bf16").path), "-o", str(out)],
+             floor=lambda ctx, out: _whole_files(ctx.variant("bf16").path, out),
+             naive=lambda ctx, out: {"op": "fuse", "src": str(ctx.variant("bf16").path), "out": str(out)},
+             max_floor_ratio=1.3),
+        Verb("unfuse", "unfuse-experts on the whole checkpoint, fused -> per-expert", "unfuse-experts", (),
+             lambda ctx, out: ["unfuse-experts", str(ctx.variant("fused").path), "-o", str(out)],
+             floor=lambda ctx, out: _whole_files(ctx.variant("fused").path, out),
+             naive=lambda ctx, out: {"op": "unfuse", "src": str(ctx.variant("fused").path), "out": str(out)},
+             max_floor_ratio=1.3, default=False),
+        Verb("stitch", "stitch a native finetuned draft into the verifier, --link copy", "stitch", ("--link",),
+             _stitch_cmd("native"), floor=_stitch_floor(link=False),
+             naive=lambda ctx, out: {"op": "stitch", "draft": str(ctx.native_draft()),
+                                     "verifier": str(ctx.variant("bf16").path), "out": str(out)},
+             max_floor_ratio=1.3),
+        Verb("stitch-speculators", "stitch a speculators-format draft (the peer's own input), --link copy",
+             "stitch", ("--format", "speculators"), _stitch_cmd("speculators"), floor=_stitch_floor(link=False),
+             peer=_speculators_stitch, peer_label="speculators stitch-mtp", max_floor_ratio=1.3),
+        Verb("stitch-hardlink", "stitch, untouched shards hard-linked (floor: copying the affected shards)",
+             "stitch", ("--link", "hardlink"), _stitch_cmd("native", "--link", "hardlink"),
+             floor=_stitch_floor(link=True),
+             naive=lambda ctx, out: {"op": "stitch", "draft": str(ctx.native_draft()), "link": "hardlink",
+                                     "verifier": str(ctx.variant("bf16").path), "out": str(out)},
+             max_floor_ratio=1.3),
+        Verb("extract-lib", "extract's job through the library (Checkpoint, open_mtp, writer), no CLI", "", (),
+             lambda ctx, out: [sys.executable, str(HERE / "lib_extract.py"), str(ctx.variant("bf16").path), str(out)],
+             floor=_mtp_floor("bf16"), naive=_naive_extract("bf16"), library=True, default=False),
+    ]
+}
+
+
+def availability(verb: Verb) -> str | None:
+    """None when ``verb`` can run, else why not."""
+    if verb.library or not verb.sub:
+        return None  # the library, or `ckpt --help` itself (a failure is then recorded as such)
+    r = subprocess.run(ckpt_argv() + ([verb.sub] if verb.sub else []) + ["--help"], capture_output=True,
+                       text=True, timeout=300, env=dict(peer_env(), COLUMNS="200"))
+    if r.returncode != 0:
+        return f"`ckpt {verb.sub} --help` exits {r.returncode}: verb not available yet"
+    missing = [o for o in verb.options if o not in r.stdout]
+    if missing:
+        return f"`ckpt {verb.sub} --help` does not mention {', '.join(missing)}"
+    return None
+
+
+def write_job(job: Job, path: Path) -> Path:
+    path.write_text(json.dumps(job) + "\n")
+    return path
