@@ -122,8 +122,6 @@ class Plan:
         when the next tensor would exceed the limit, oversized tensors alone.
         Everything in one shard is written as ``model.safetensors`` without an index.
         """
-        from huggingface_hub import split_state_dict_into_shards_factory
-
         fixed: dict[str, list[OutputTensor]] = {}
         free: dict[str, OutputTensor] = {}
         for t in self.tensors:
@@ -133,6 +131,10 @@ class Plan:
                 free[t.key] = t
         if not free:
             return fixed
+        if not fixed and sum(t.nbytes for t in free.values()) <= self.max_shard_size:
+            return {self.single_file_name: list(free.values())}  # one file; no splitter needed
+        from huggingface_hub import split_state_dict_into_shards_factory
+
         split = split_state_dict_into_shards_factory(
             free,
             get_storage_size=lambda t: t.nbytes,

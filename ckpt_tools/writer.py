@@ -32,6 +32,9 @@ from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .safetensors_io import COPY_CHUNK, _write_all, copy_segment
 
 MANIFEST_NAME = "ckpt_manifest.json"
+# sha256 of written tensors runs on one thread beside the copies (measured: a second thread
+# did not help on 2 cores, where the kernel's copy and writeback need the other core)
+HASH_THREADS = 1
 LOCK_NAME = ".ckpt.lock"
 # Files a previous run of ours may have left; --overwrite clears them before writing.
 _OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json")
@@ -207,13 +210,18 @@ class Writer:
                     (self.out / name).unlink(missing_ok=True)
                 for p in self.out.glob(".*.partial"):
                     p.unlink(missing_ok=True)
+                # Weights of an interrupted run planned differently (another --max-shard-size) would linger.
+                planned = set(self.plan.shards()) | {f.name for f in self.plan.files}
+                for p in self.out.glob("*.safetensors"):
+                    if p.name not in planned:
+                        p.unlink()
             shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
             )
             self.progress.start(self.plan.total_bytes, self.plan.command)
             deferred: tuple[Path, Path] | None = None
-            with ThreadPoolExecutor(max_workers=1) as hasher:
+            with ThreadPoolExecutor(max_workers=HASH_THREADS) as hasher:
                 for name, tensors in shards.items():
                     tmp, final = self._write_shard(name, tensors, result, hasher, defer=single)
                     if single:
