@@ -60,7 +60,7 @@ class Checkpoint:
 
     @classmethod
     def _config_only(cls, config_path: Path) -> Checkpoint:
-        cfg = ConfigView.from_bytes(config_path.read_bytes(), str(config_path))
+        cfg = ConfigView.from_bytes(read_small(config_path, "config-json"), str(config_path))
         return cls(str(config_path), cfg, {}, {}, None, [], local_dir=config_path.parent)
 
     @classmethod
@@ -70,7 +70,8 @@ class Checkpoint:
             raise err
         cfg_path = d / "config.json"
         config_present = cfg_path.is_file()
-        config = ConfigView.from_bytes(cfg_path.read_bytes(), str(cfg_path)) if config_present else ConfigView({})
+        config = (ConfigView.from_bytes(read_small(cfg_path, "config-json"), str(cfg_path)) if config_present
+                  else ConfigView({}))
         index = None
         if single is None and (d / INDEX_NAME).is_file():
             index = _read_index(d / INDEX_NAME)
@@ -147,9 +148,21 @@ def _ref_in(headers, sources, shard: str, key: str) -> TensorRef | None:
     return TensorRef(sources[shard], key, info.dtype, info.shape, h.data_start + info.begin, info.nbytes)
 
 
+SMALL_FILE_LIMIT = 256 << 20  # config, index, manifest: read whole; real ones are KBs to a few MB
+
+
+def read_small(path: Path, rule: str) -> bytes:
+    """A JSON side file, read whole - unless it is absurdly large (a hostile file must not exhaust memory)."""
+    size = path.stat().st_size if isinstance(path, Path) else 0  # hub bytes come size-checked already
+    if size > SMALL_FILE_LIMIT:
+        raise InputError(f"{size:,} bytes; refusing to read more than {SMALL_FILE_LIMIT >> 20} MB", rule=rule,
+                         path=str(path))
+    return path.read_bytes()
+
+
 def _read_index(path: Path) -> dict:
     try:
-        index = json.loads(path.read_bytes())
+        index = json.loads(read_small(path, "index-json"))
     except (ValueError, RecursionError) as e:
         raise InputError(f"index is not valid JSON: {e}", rule="index-json", path=str(path)) from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
@@ -205,15 +218,22 @@ def read_manifest(path: Path) -> dict:
 
     A draft's manifest steers stitch (names, layers, layouts): from a stranger it is input like any other.
     """
+    try:
+        data = read_small(path, "manifest-json")
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror}", rule="manifest-json", path=str(path)) from None
+    return parse_manifest(data, str(path))
+
+
+def parse_manifest(data: bytes, where: str) -> dict:
+    """The checks of ``read_manifest`` on bytes already read (a local file, or one from the Hub)."""
     def bad(msg: str) -> InputError:
-        return InputError(msg, rule="manifest-json", path=str(path))
+        return InputError(msg, rule="manifest-json", path=where)
 
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise bad(f"not valid JSON: {e}") from None
-    except OSError as e:
-        raise bad(f"cannot read: {e.strerror}") from None
     if not isinstance(manifest, dict):
         raise bad("the manifest must be a JSON object")
     for name, types in _MANIFEST_FIELDS.items():
@@ -307,9 +327,10 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
     cfg_path = d / "config.json"
     if cfg_path.is_file() and "config.json" not in blocked:
         try:
-            config, config_present = ConfigView.from_bytes(cfg_path.read_bytes(), str(cfg_path)), True
+            config, config_present = ConfigView.from_bytes(read_small(cfg_path, "config-json"), str(cfg_path)), True
         except InputError as e:
-            errors.append(InputError(str(e).removeprefix(f"{cfg_path}: "), rule="config-json", path=str(cfg_path)))
+            errors.append(e if e.rule else InputError(str(e).removeprefix(f"{cfg_path}: "), rule="config-json",
+                                                      path=str(cfg_path)))
 
     index = None
     if single is not None:

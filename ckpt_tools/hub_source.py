@@ -9,7 +9,6 @@ commit when the checkpoint is opened, so every later read sees the same files.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -28,6 +27,7 @@ from .checkpoint import (
     Checkpoint,
     _read_index,
     _ref_in,
+    parse_manifest,
 )
 from .config import ConfigView
 from .errors import CkptError, InputError
@@ -316,10 +316,7 @@ def open_remote(url: str) -> RemoteCheckpoint:
             tensors[key] = r
     manifest = None
     if MANIFEST_NAME in sizes:
-        try:
-            manifest = json.loads(small(MANIFEST_NAME))
-        except ValueError:
-            manifest = None
+        manifest = parse_manifest(small(MANIFEST_NAME), f"{root}/{MANIFEST_NAME}")
     return RemoteCheckpoint(root, config, tensors, headers, index, _other_files(sizes), sources, None, shard_keys,
                             manifest, config_present, ref=ref, commit=commit, file_sizes=sizes)
 

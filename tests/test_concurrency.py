@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-from test_crash import Zygote, assert_same_output, is_complete
+from test_crash import assert_same_output, is_complete, shared_zygote
 from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
@@ -16,11 +16,9 @@ from ckpt_tools.writer import LOCK_NAME, _Lock
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def zygote():
-    z = Zygote(torch=False)  # extract needs no torch: a light zygote
-    yield z
-    z.close()
+    return shared_zygote(torch=False)  # extract needs no torch
 
 
 @pytest.fixture(scope="module")

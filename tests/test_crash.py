@@ -2,18 +2,20 @@
 
 After every kill the inputs are byte-identical, and the output is either complete (its
 completion marker - the index, or the lone model.safetensors renamed last - is there, and
-every file equals an uninterrupted run's) or visibly incomplete (no marker, no manifest,
-`ckpt validate` says so). Rerunning with --resume - past the dead run's lock file - then
-gives exactly the uninterrupted run's files.
+every file equals an uninterrupted run's) or visibly incomplete (no marker; `ckpt validate`
+fails and, when the dead writer's lock is there, says to rerun with --resume). Rerunning with
+--resume - past the dead run's lock file - then gives exactly the uninterrupted run's files.
 
 Commands run in real child processes forked from a "zygote" (a Python process that imported
 the tool, its tables and torch once), so a kill loop costs milliseconds of start-up, not
-seconds. Kill points are both timed (10/30/60/90% of an uninterrupted run) and pinned to
-writer events (after the n-th byte-range copy, after a given file is renamed into place).
+seconds. Kill points are both timed (10/30/60/90% into the write phase of an uninterrupted
+run) and pinned to writer events (after the n-th byte-range copy, after a given file is
+renamed into place).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -38,7 +40,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # ~31 MB verifier (4 shards), ~12 MB draft: an uninterrupted run takes about a second on 2 busy cores.
 BIG = dict(hidden_size=512, vocab_size=2048, n_routed_experts=8, moe_intermediate_size=256)
-TIMED = (0.1, 0.3, 0.6, 0.9)
+TIMED = (0.1, 0.3, 0.6, 0.9)  # fractions of the write phase (lock taken -> command done)
 
 # The zygote: imports everything once, then forks one child per command. A child may be told to
 # SIGKILL itself at a writer event ("copy" n: after the n-th byte-range copy; "replace" name: right
@@ -165,20 +167,32 @@ class Zygote:
         self.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
+_ZYGOTES: dict[bool, Zygote] = {}
+
+
+def shared_zygote(torch: bool) -> Zygote:
+    """One zygote per test process, shared by the modules that run commands in child processes.
+    ``torch``: the children need torch (stitch compares tensors); a torch zygote also serves the rest."""
+    if True in _ZYGOTES:
+        return _ZYGOTES[True]
+    if not torch and False in _ZYGOTES:
+        return _ZYGOTES[False]
+    if not _ZYGOTES:
+        atexit.register(lambda: [z.close() for z in _ZYGOTES.values()])
+    _ZYGOTES[torch] = Zygote(torch=torch)
+    return _ZYGOTES[torch]
+
+
+@pytest.fixture
 def zygote():
     """For stitch (it compares tensors with torch)."""
-    z = Zygote(torch=True)
-    yield z
-    z.close()
+    return shared_zygote(torch=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def zygote_light():
-    """For extract: no torch import, a quicker start."""
-    z = Zygote(torch=False)
-    yield z
-    z.close()
+    """For extract: no torch import, a quicker start (unless a torch zygote is running already)."""
+    return shared_zygote(torch=False)
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +254,19 @@ def validate_code(out: Path) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
+def wait_for_writer(out: Path, timeout: float = 60.0) -> float:
+    """When the writer took the output's lock (the end of planning): polled, so a few ms late at most."""
+    deadline = time.monotonic() + timeout
+    while not (out / ".ckpt.lock").exists():
+        assert time.monotonic() < deadline, f"no writer started on {out}"
+        time.sleep(0.002)
+    return time.monotonic()
+
+
 class Outcomes:
     def __init__(self) -> None:
         self.rows: list[tuple[str, str, str]] = []
+        self.refusal_checked = False
 
     def add(self, cmd: str, point: str, state: str) -> None:
         self.rows.append((cmd, point, state))
@@ -264,11 +288,13 @@ def check_killed(cmd: str, point: str, out: Path, ref: Path, argv: list, ins: li
         assert code in (1, 3), f"validate accepted an interrupted output ({point}): {text}"
         if (out / ".ckpt.lock").exists():  # the dead writer's lock: validate says what happened and what to do
             assert "stopped (or is still running)" in text and "--resume" in text, text
-        if "incomplete" not in {s for _, _, s in outcomes.rows}:
+        started = [p for p in out.iterdir() if p.name != ".ckpt.lock"]  # only a dead lock: as good as empty
+        if started and not outcomes.refusal_checked:
             # without --resume (or --overwrite) a half-written directory is refused, with a hint (checked once:
             # planning a stitch compares every tensor)
             r = runner.invoke(app, [str(a) for a in argv] + ["-o", str(out)])
             assert r.exit_code == 4 and "--resume" in r.output, r.output
+            outcomes.refusal_checked = True
     outcomes.add(cmd, point, state)
     r = runner.invoke(app, [str(a) for a in argv] + ["-o", str(out), "--resume"])
     assert r.exit_code == 0, f"--resume after a kill at {point}: {r.output}"
@@ -285,11 +311,17 @@ def test_sigkill_then_resume(cmd, inputs, tmp_path, request):
     log = tmp_path / "log"
 
     ref = tmp_path / "ref"
-    code, duration = zygote.run([*argv, "-o", ref], log)
+    # an uninterrupted run, timed: its write phase starts when the writer takes the output's lock
+    zygote.wait_ready()
+    t0 = time.monotonic()
+    pid = zygote.start([*argv, "-o", ref], log)
+    writing = wait_for_writer(ref) - t0
+    code = zygote.wait(pid)
+    window = time.monotonic() - t0 - writing
     assert code == 0, log.read_text()
     assert is_complete(ref)
 
-    points: list[tuple[str, object]] = [(f"{int(f * 100)}% of {duration:.2f} s", f) for f in TIMED]
+    points: list[tuple[str, object]] = [(f"{int(f * 100)}% into writing ({window:.2f} s)", f) for f in TIMED]
     # pinned to writer events: inside the first file, after the first file is in place, with the
     # manifest written but no completion marker, right after the marker
     points += [("after 2nd tensor copy", ("copy", 2))]
@@ -307,7 +339,8 @@ def test_sigkill_then_resume(cmd, inputs, tmp_path, request):
         out = tmp_path / f"out{n}"
         if isinstance(how, float):
             pid = zygote.start([*argv, "-o", out], log)
-            time.sleep(duration * how)
+            wait_for_writer(out)
+            time.sleep(window * how)
             os.kill(pid, signal.SIGKILL)
             code = zygote.wait(pid)
             if code != -signal.SIGKILL:
@@ -322,6 +355,7 @@ def test_sigkill_then_resume(cmd, inputs, tmp_path, request):
     states = {s for _, _, s in outcomes.rows}
     assert "incomplete" in states and "complete" in states, outcomes.rows
     assert stale_locks, "no kill landed while the lock was held"
+    assert outcomes.refusal_checked
     print(f"\n{cmd}: " + "; ".join(f"{p}: {s}" for _, p, s in outcomes.rows))
 
 
@@ -377,3 +411,16 @@ def test_resume_rewrites_a_shard_that_does_not_match_the_plan(small, tmp_path):
     after = [p.stat().st_ino for p in shards]
     assert after[0] != inodes[0] and after[1] != inodes[1], "damaged shards were not rewritten"
     assert after[2:] == inodes[2:], "intact shards were rewritten instead of skipped"
+
+
+def test_resume_with_another_shard_size_leaves_no_stale_shard(small, tmp_path):
+    """Shards of the interrupted run that the new plan does not have are removed, not left beside the index."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    for d, size in ((ref, "60KB"), (out, "40KB")):
+        r = runner.invoke(app, ["extract", str(small), "-o", str(d), "--max-shard-size", size])
+        assert r.exit_code == 0, r.output
+    (out / INDEX).unlink()  # as if killed before the index
+    assert {p.name for p in out.glob("*.safetensors")} != {p.name for p in ref.glob("*.safetensors")}
+    r = runner.invoke(app, ["extract", str(small), "-o", str(out), "--max-shard-size", "60KB", "--resume"])
+    assert r.exit_code == 0, r.output
+    assert_same_output(out, ref)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_crash import INDEX, MANIFEST, SINGLE, Zygote, assert_same_output
+from test_crash import INDEX, MANIFEST, SINGLE, assert_same_output, shared_zygote
 from typer.testing import CliRunner
 
 import ckpt_tools.writer as writer
@@ -22,11 +22,9 @@ from conftest import tree_hash
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def zygote():
-    z = Zygote(torch=False)
-    yield z
-    z.close()
+    return shared_zygote(torch=False)  # extract needs no torch
 
 
 @pytest.fixture(scope="module")

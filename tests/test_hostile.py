@@ -155,6 +155,16 @@ def negative_zero_offset(d: Path) -> None:
     put(p, raw.replace(b'"data_offsets": [0,', b'"data_offsets": [-0,', 1), rest)
 
 
+def sparse_huge(name: str) -> Callable[[Path], None]:
+    """A 300 MB side file (sparse: no disk): refused by size, never read into memory."""
+
+    def mutate(d: Path) -> None:
+        with open(d / name, "r+b") as f:
+            f.truncate(300 << 20)
+
+    return mutate
+
+
 def config_field(field: str, value) -> Callable[[Path], None]:
     return edit_json("config.json", lambda c: c.__setitem__(field, value))
 
@@ -209,6 +219,8 @@ CASES: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("index-key-elsewhere", edit_json(INDEX, lambda i: i["weight_map"].__setitem__(
         "lm_head.weight", sorted(set(i["weight_map"].values()))[-1])), ["index-key-missing"]),
     ("config-symlink-outside", symlinked_config, ["shard-path", "config.json"]),
+    ("index-300mb", sparse_huge(INDEX), ["index-json", "refusing to read"]),
+    ("config-300mb", sparse_huge("config.json"), ["config-json", "refusing to read"]),
     # config.json: wrong types and missing fields name the file and the field
     ("config-layers-string", config_field("num_hidden_layers", "three"),
      ["config-field", "config.json", "num_hidden_layers"]),
@@ -379,3 +391,24 @@ def test_coverage_guided_header_fuzz(tmp_path):
     assert r.returncode == 0 and not found, f"fuzzer found a failing input:\n{detail}\n{r.stderr[-3000:]}"
     runs = [line for line in r.stderr.splitlines() if line.startswith("Done ")]
     assert runs and int(runs[0].split()[1]) > 1000, r.stderr[-2000:]
+
+
+def test_special_files_are_never_carried(base, tmp_path):
+    """A FIFO (or device) among a checkpoint's files would block a copy for ever: only regular files are carried."""
+    import threading
+
+    d = tmp_path / "ck"
+    shutil.copytree(base, d)
+    fifo = d / "tokenizer.json"
+    os.mkfifo(fifo)
+    out = tmp_path / "out"
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(invoke(["extract", d, "-o", out])), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():  # unblock the reader before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=10)
+        pytest.fail("extract blocked on a FIFO in the checkpoint")
+    assert result[0].exit_code == 0, result[0].output
+    assert not (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").is_file()

@@ -888,3 +888,32 @@ def test_transformers_loads_the_part_b_trunk_fixtures(family, cls_name, make_fix
     assert not info["unexpected_keys"], sorted(info["unexpected_keys"])
     assert not info["mismatched_keys"], sorted(info["mismatched_keys"])
     assert not info["error_msgs"]
+
+
+# (family, fused tensor that must appear): Nemotron-H's experts are not gated, so fused means up_proj [E, I, H]
+PART_B_FUSE_CASES = [
+    pytest.param("nemotron_h", "mtp.layers.1.mixer.experts.up_proj", id="nemotron_h-nongated"),
+    pytest.param("exaone_moe", "model.layers.1.mlp.experts.gate_up_proj", id="exaone_moe"),
+    pytest.param("pangu_ultra_moe", "model.layers.3.mlp.experts.gate_up_proj", id="pangu_ultra_moe"),
+    pytest.param("bailing_moe", "model.layers.4.mlp.experts.gate_up_proj", id="bailing_moe"),
+    pytest.param("deepseek_v4", "mtp.0.ffn.experts.gate_up_proj", id="deepseek_v4-w1w2w3"),
+    pytest.param("minimax_m3", "language_model.model.mtp.layers.0.block_sparse_moe.experts.gate_up_proj",
+                 id="minimax_m3-w1w2w3"),
+]
+
+
+@pytest.mark.parametrize(("family", "fused_key"), PART_B_FUSE_CASES)
+def test_part_b_fuse_then_unfuse_is_byte_identical(family, fused_key, make_fixture, tmp_path):
+    """Expert key templates (w1 / w2 / w3) and non-gated experts survive fuse -> unfuse exactly."""
+    src = make_fixture(family)
+    before = _files(src)
+    _cli("fuse-experts", src, "-o", tmp_path / "fused")
+    fused = Checkpoint.open(tmp_path / "fused")
+    assert fused_key in fused.tensors
+    _cli("unfuse-experts", tmp_path / "fused", "-o", tmp_path / "back", "--to", "per-expert")
+    back, orig = Checkpoint.open(tmp_path / "back"), Checkpoint.open(src)
+    assert set(back.tensors) == set(orig.tensors)
+    for key, ref in orig.tensors.items():
+        got = back.tensors[key]
+        assert (got.dtype, tuple(got.shape), got.read()) == (ref.dtype, tuple(ref.shape), ref.read()), key
+    assert _files(src) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -59,7 +60,10 @@ def register(app: typer.Typer) -> None:
 
             rep = validate(out)
             report.validation = {"ok": rep.ok, "problems": [p.to_json() for p in rep.problems]}
-            (out / "stitch-report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+            # tmp + rename: a run killed here leaves the placeholder, never a truncated report
+            tmp = out / ".stitch-report.json.partial"
+            tmp.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+            os.replace(tmp, out / "stitch-report.json")
             _ = result
         data = report.to_json()
         if report_file is not None:
