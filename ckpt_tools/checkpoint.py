@@ -96,22 +96,7 @@ class Checkpoint:
             src.name = str(d / name)
             sources[name] = src
             headers[name] = read_header(src)
-        tensors: dict[str, TensorRef] = {}
-        shard_keys: dict[str, list[str]] = {}
-        for name, h in headers.items():
-            refs = refs_from_header(sources[name], h)
-            shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
-            if index is None:
-                tensors.update(refs)
-        if index is not None:
-            for key, shard in index["weight_map"].items():
-                ref = _ref_in(headers, sources, shard, key)
-                if ref is None:
-                    raise InputError(
-                        f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
-                        path=str(d / INDEX_NAME),
-                    )
-                tensors[key] = ref
+        tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME))
         manifest = read_manifest(d / MANIFEST_NAME) if (d / MANIFEST_NAME).is_file() else None
         return cls(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
                    manifest, config_present)
@@ -138,6 +123,32 @@ class Checkpoint:
     def file_path(self, name: str) -> Path:
         assert self.local_dir is not None
         return self.local_dir / name
+
+
+def references(headers: dict[str, Header], sources: dict, index: dict | None, index_path: str, *,
+               strict: bool = True) -> tuple[dict[str, TensorRef], dict[str, list[str]]]:
+    """Tensor references (through the index when there is one) and each shard's keys in file order.
+
+    ``strict``: a key the index maps to a shard that does not hold it is an error; otherwise
+    it is left out (``validate`` reports it as a problem of its own).
+    """
+    tensors: dict[str, TensorRef] = {}
+    shard_keys: dict[str, list[str]] = {}
+    for name, h in headers.items():
+        refs = refs_from_header(sources[name], h)
+        shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
+        if index is None:
+            for k, r in refs.items():
+                tensors.setdefault(k, r)
+    if index is not None:
+        for key, shard in index["weight_map"].items():
+            ref = _ref_in(headers, sources, shard, key)
+            if ref is not None:
+                tensors[key] = ref
+            elif strict and shard in headers:
+                raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
+                                 path=index_path)
+    return tensors, shard_keys
 
 
 def _ref_in(headers, sources, shard: str, key: str) -> TensorRef | None:
@@ -378,19 +389,7 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
             errors.append(e)
             unreadable.append(name)
 
-    tensors: dict[str, TensorRef] = {}
-    shard_keys: dict[str, list[str]] = {}
-    for name, h in headers.items():
-        refs = refs_from_header(sources[name], h)
-        shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
-        if index is None:
-            for k, r in refs.items():
-                tensors.setdefault(k, r)
-    if index is not None:
-        for key, shard in index["weight_map"].items():
-            ref = _ref_in(headers, sources, shard, key)
-            if ref is not None:
-                tensors[key] = ref
+    tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME), strict=False)
     manifest = None
     if (d / MANIFEST_NAME).is_file() and MANIFEST_NAME not in blocked:
         try:

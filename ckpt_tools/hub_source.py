@@ -26,8 +26,8 @@ from .checkpoint import (
     SINGLE_NAME,
     Checkpoint,
     _read_index,
-    _ref_in,
     parse_manifest,
+    references,
 )
 from .config import ConfigView
 from .errors import CkptError, InputError
@@ -43,7 +43,7 @@ from .hub import (
     parse_hf_url,
     retry_settings,
 )
-from .safetensors_io import IO_STATS, Header, TensorRef, read_header, refs_from_header
+from .safetensors_io import IO_STATS, Header, read_header
 
 HEADER_WORKERS = 8  # shard headers are fetched in parallel: hundreds of shards, two small requests each
 SMALL_FILE_LIMIT = 256 << 20  # config / index / manifest read into memory; anything larger is refused
@@ -300,20 +300,7 @@ def open_remote(url: str) -> RemoteCheckpoint:
         sources[name] = RemoteFile(ref, commit, name, sizes[name])
     with ThreadPoolExecutor(max_workers=min(HEADER_WORKERS, max(len(sources), 1))) as pool:
         headers: dict[str, Header] = dict(zip(sources, pool.map(read_header, sources.values()), strict=True))
-    tensors: dict[str, TensorRef] = {}
-    shard_keys: dict[str, list[str]] = {}
-    for name, h in headers.items():
-        refs = refs_from_header(sources[name], h)
-        shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
-        if index is None:
-            tensors.update(refs)
-    if index is not None:
-        for key, shard in index["weight_map"].items():
-            r = _ref_in(headers, sources, shard, key)
-            if r is None:
-                raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
-                                 path=f"{root}/{INDEX_NAME}")
-            tensors[key] = r
+    tensors, shard_keys = references(headers, sources, index, f"{root}/{INDEX_NAME}")
     manifest = None
     if MANIFEST_NAME in sizes:
         manifest = parse_manifest(small(MANIFEST_NAME), f"{root}/{MANIFEST_NAME}")
