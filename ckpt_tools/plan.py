@@ -68,6 +68,8 @@ class OutputTensor:
     recipe: Recipe
     shard: str | None = None  # explicit output file; None lets the planner assign one
     meta: dict = field(default_factory=dict)  # carried into the manifest (source, role, layout, ...)
+    # sha256 in the manifest; off for bytes copied unchanged from an input that already vouches for them
+    hashed: bool = True
 
     @property
     def nbytes(self) -> int:

@@ -280,7 +280,7 @@ class Writer:
             result.skipped_shards.append(name)
             for t in ordered:
                 result.tensor_files[t.key] = name
-                if self.hash_tensors:
+                if self.hash_tensors and t.hashed:
                     result.sha256[t.key] = _hash_file_range(final, *self._offset_of(header, ordered, t))
                 self.progress.advance(t.nbytes)
             result.files.append(name)
@@ -325,7 +325,7 @@ class Writer:
             for seg in recipe.segments:
                 copy_segment(seg, fd, self._buf)
                 self.progress.advance(seg.length)
-            if self.hash_tensors:
+            if self.hash_tensors and t.hashed:
                 # Hash what landed in the output, off the main thread, while the next copy runs.
                 pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
             return None
@@ -342,7 +342,7 @@ class Writer:
             self.progress.advance(len(mv))
         if n != t.nbytes:
             raise RuntimeError(f"plan error: {t.key} produced {n} bytes, needs {t.nbytes}")
-        if self.hash_tensors:  # like copies: hashed from the output, off the main thread
+        if self.hash_tensors and t.hashed:  # like copies: hashed from the output, off the main thread
             pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
         return None
 

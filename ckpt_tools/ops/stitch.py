@@ -458,8 +458,9 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
                 tensors.append(OutputTensor(k, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
             else:
                 ref = verifier.tensors[k]
+                # the verifier's own bytes, copied unchanged (like whole shards, not re-hashed)
                 tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
-                                            meta={"source": ["verifier:" + k]}))
+                                            meta={"copied_from": "verifier"}, hashed=False))
                 if k not in builder.candidates:
                     report.copied_tensors += 1
             order.append(k)
