@@ -400,24 +400,33 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 
 
 def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) -> None:
-    """Compare every candidate with the verifier's tensor before writing anything."""
+    """Compare every candidate with the verifier's tensor before writing anything.
+
+    Tensors are compared on two threads: reads and numpy arithmetic release the GIL.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     ckpt = view.ckpt
-    bad = []
-    for key, t in builder.candidates.items():
+
+    def one(item: tuple[str, OutputTensor]) -> TensorDiff:
+        key, t = item
         vref = ckpt.tensors.get(key)
         if vref is None:
-            d = compare(key, t.dtype, t.shape, t.recipe, t.dtype, t.shape, t.recipe, stats=False)
-            d.status = "added"
-            d.dtype_a = d.shape_a = None
-            d.nonfinite = _nonfinite(t)
-        else:
-            d = compare(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe)
-            if d.status == "unchanged":
-                # byte-identical: write the verifier's own bytes (cheap, and provably the same)
-                builder.candidates[key] = OutputTensor(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
-                                                       meta=t.meta)
+            return TensorDiff(key, "added", None, t.dtype, None, list(t.shape), nonfinite=_nonfinite(t))
+        return compare(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        diffs = list(pool.map(one, list(builder.candidates.items())))
+    bad = []
+    for d in diffs:
+        t = builder.candidates[d.key]
+        vref = ckpt.tensors.get(d.key)
+        if d.status == "unchanged" and vref is not None:
+            # byte-identical: write the verifier's own bytes (cheap, and provably the same)
+            builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
+                                                     meta=t.meta)
         if d.nonfinite:
-            bad.append(f"{key} ({d.nonfinite} NaN/Inf)")
+            bad.append(f"{d.key} ({d.nonfinite} NaN/Inf)")
         report.diffs.append(d)
     for key in builder.removed:
         vref = ckpt.tensors[key]
