@@ -64,3 +64,31 @@ def test_perturbed_dequantized_draft_requantizes_exactly_those(make_fixture, tmp
         assert torch.equal(c.tensors[k.replace(".weight", ".weight_scale_inv")].torch(), s)
         back = dequantize(c.tensors[k].torch(), s)
         assert (back - tensors[k].float()).abs().max() <= tensors[k].float().abs().max() * 2 ** -4
+
+
+def test_keep_bf16_writes_unquantized_mtp_and_says_so_in_the_config(make_fixture, tmp_path):
+    verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
+    draft, out = tmp_path / "draft", tmp_path / "out"
+    ckpt("extract", verifier, "-o", draft, "--dequant", "bf16")
+    ckpt("stitch", draft, verifier, "-o", out, "--keep-bf16")
+    c, v, d = Checkpoint.open(out), Checkpoint.open(verifier), Checkpoint.open(draft)
+    mtp = [k for k in c.tensors if k.startswith("model.layers.3.")]
+    assert mtp and not [k for k in mtp if k.endswith("weight_scale_inv")]  # scales of MTP weights removed
+    for k in mtp:
+        if k in d.tensors:  # every MTP weight holds the draft's bf16 values, unquantized
+            assert c.tensors[k].dtype == d.tensors[k].dtype and c.tensors[k].read() == d.tensors[k].read(), k
+    for k, ref in v.tensors.items():  # the trunk stays FP8, byte for byte
+        if not k.startswith("model.layers.3."):
+            assert c.tensors[k].read() == ref.read(), k
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.3" in q["modules_to_not_convert"]
+    assert ckpt("validate", out).exit_code == 0
+
+
+def test_fixture_script_writes_a_checkpoint(tmp_path):
+    from ckpt_tools.testing.__main__ import main
+
+    assert main(["qwen3_next", str(tmp_path / "q"), "--shards", "2", "--config", '{"hidden_size": 32}']) == 0
+    c = Checkpoint.open(tmp_path / "q")
+    assert len(c.shard_names) == 2 and c.config.get("hidden_size") == 32
+    assert main(["no_such_family", str(tmp_path / "x")]) == 3
