@@ -12,7 +12,7 @@ from . import FixtureOptions, make_checkpoint
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ckpt_tools.testing", description=__doc__)
-    p.add_argument("family", help="table name, e.g. deepseek_v3 (see `ckpt tables`)")
+    p.add_argument("family", help="table name (list them with `ckpt tables`)")
     p.add_argument("out", help="directory to create")
     p.add_argument("--fp8", action="store_true", help="block-FP8 weights with weight_scale_inv")
     p.add_argument("--no-optional", action="store_true", help="leave optional tensors out (e.g. per-layer copies)")
