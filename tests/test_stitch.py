@@ -300,3 +300,16 @@ def test_diff_keys_filter_and_exit_codes(make_fixture, tmp_path):
     r = json.loads(ckpt("diff", a, b, "--keys", r"^model\.layers\.3\.", "--json", code=1).output)
     assert r["tensors"] and all(t["key"].startswith("model.layers.3.") for t in r["tensors"])
     assert get_format("native").rename == "native"
+
+
+def test_diff_table_is_capped_but_json_and_all_list_every_key(make_fixture):
+    from ckpt_tools.cli.diff_cmd import MAX_ROWS
+
+    a = make_fixture("deepseek_v3")
+    b = make_fixture("deepseek_v3", seed=1)
+    changed = json.loads(ckpt("diff", a, b, "--json", code=1).output)["tensors"]
+    assert len(changed) > MAX_ROWS
+    capped = ckpt("diff", a, b, code=1).output
+    assert f"... and {len(changed) - MAX_ROWS} more changed tensors" in capped
+    full = ckpt("diff", a, b, "--all", code=1).output
+    assert "more changed tensors" not in full and changed[-1]["key"].split(".")[-1] in full

@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         keys: str = typer.Option(None, "--keys", help="Only keys matching this regular expression."),
         stats: bool = typer.Option(False, "--stats", help="max |delta|, relative L2 and cosine per changed key."),
         dequant: bool = typer.Option(False, "--dequant", help="Compare FP8 block weights by dequantized value."),
-        show_all: bool = typer.Option(False, "--all", help="List unchanged keys too."),
+        show_all: bool = typer.Option(False, "--all", help="List every key, unchanged ones too (no row limit)."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
     ) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded)."""
@@ -27,15 +27,21 @@ def register(app: typer.Typer) -> None:
         if json_output:
             emit_json(report.to_json(all_keys=show_all))
         else:
-            render_diffs(report.diffs, report.totals(), show_all)
+            render_diffs(report.diffs, report.totals(), show_all, more_hint="--all or --json lists every key")
         raise typer.Exit(0 if report.identical else 1)
 
 
-def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff") -> None:
+MAX_ROWS = 50  # a terminal table of thousands of experts helps nobody; JSON has them all
+
+
+def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff", more_hint: str = "") -> None:
     from rich.table import Table
 
     c = out_console()
     rows = [d for d in diffs if show_all or d.status != "unchanged"]
+    hidden = 0 if show_all else max(0, len(rows) - MAX_ROWS)
+    if hidden:
+        rows = rows[:MAX_ROWS]
     if rows:
         t = Table(title=title)
         for col in ("tensor", "status", "dtype", "shape", "max |Δ|", "rel L2", "cosine"):
@@ -45,6 +51,8 @@ def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff
             shape = d.shape_a if d.shape_a == d.shape_b else f"{d.shape_a} -> {d.shape_b}"
             t.add_row(d.key, d.status, str(dtype), str(shape), _num(d.max_abs), _num(d.rel_l2), _num(d.cosine))
         c.print(t)
+    if hidden:
+        c.print(f"... and {hidden} more changed tensors" + (f" ({more_hint})" if more_hint else ""))
     c.print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
 
 

@@ -71,7 +71,9 @@ def register(app: typer.Typer) -> None:
         if json_output:
             emit_json(data)
         else:
-            render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})")
+            hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
+            render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})",
+                         more_hint=hint)
             if report.kept_from_verifier:
                 out_console().print(f"kept from the verifier (--allow-partial): {len(report.kept_from_verifier)}")
             if not dry_run:
