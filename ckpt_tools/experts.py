@@ -57,21 +57,15 @@ class Dequantizer(Protocol):
 
 @dataclass(frozen=True)
 class BlockDequant:
-    """The ``Dequantizer`` backed by ``ckpt_tools.fp8.dequantize`` (float32 product, one cast to ``dtype``)."""
+    """The ``Dequantizer`` backed by ``ckpt_tools.fp8_decode`` (float32 product, one cast to ``dtype``)."""
 
     dtype: str = "BF16"
 
     def __call__(self, weight: np.ndarray, scale: np.ndarray, block: tuple[int, int], weight_dtype: str,
                  scale_dtype: str) -> np.ndarray:
-        import torch
+        from .fp8_decode import dequant_array
 
-        from . import fp8
-        from .dtypes import torch_dtype
-
-        q = torch.from_numpy(np.ascontiguousarray(weight)).view(torch_dtype(weight_dtype))
-        s = torch.from_numpy(np.ascontiguousarray(scale)).view(torch_dtype(scale_dtype))
-        out = fp8.dequantize(q, s, block).to(torch_dtype(self.dtype)).contiguous()
-        return out.view(torch.uint8).numpy().view(numpy_storage_dtype(self.dtype)).reshape(weight.shape)
+        return dequant_array(weight, scale, block, weight_dtype, self.dtype, scale_dtype)
 
 
 # ---------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 API: ``dequantize`` / ``quantize`` (in-memory tensors); ``dequant_recipe`` and
 ``requant_recipes`` (streaming Compute recipes over TensorRefs or ``TensorRows``
-windows: one expert, a row range); ``dequant_stream`` (over a sequential byte
-reader); ``unchanged_after_dequant`` (may stitch keep the verifier's FP8 bytes?);
+windows: one expert, a row range); ``fp8_decode`` has the numpy twin of the dequantizer
+for sequential byte readers; ``unchanged_after_dequant`` (may stitch keep the verifier's FP8 bytes?);
 ``is_fp8_config`` / ``block_size`` (config).
 
 Format (checkpoint-engineering.md section 3): a quantized ``X.weight`` is ``F8_E4M3``
@@ -51,8 +51,6 @@ per-column factors applies. Recipes compute one thread ahead of the writer (see
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,7 +59,9 @@ import torch
 
 from .dtypes import DTYPES, FLOAT_DTYPES, from_torch, lookup, torch_dtype
 from .errors import InputError, PlanError
+from .fp8_decode import band_rows, bands
 from .plan import Compute, OutputTensor
+from .prefetch import prefetched
 from .safetensors_io import TensorRef
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -287,23 +287,10 @@ class _BandKernel:
 
 
 def _step(cols: int, block_rows: int) -> int:
-    """Rows per band, about BAND_ELEMS elements: part of one block row, or whole block rows."""
-    rows = max(1, BAND_ELEMS // max(cols, 1))
-    return rows if rows < block_rows else rows // block_rows * block_rows
+    return band_rows(cols, block_rows, BAND_ELEMS)  # BAND_ELEMS read here: tests vary it
 
 
-def _bands(lead: int, rows: int, block_rows: int, step: int) -> Iterator[tuple[int, ...]]:
-    """(lead, r0, r1) bands in C order, never spanning two matrices of a stack. A band either
-    lies inside one block row or starts on a block-row boundary (``step`` from ``_step``)."""
-    for li in range(lead):
-        if step >= block_rows:
-            for r0 in range(0, rows, step):
-                yield li, r0, min(r0 + step, rows)
-            continue
-        for b0 in range(0, rows, block_rows):
-            b1 = min(b0 + block_rows, rows)
-            for r0 in range(b0, b1, step):
-                yield li, r0, min(r0 + step, b1)
+_bands = bands
 
 
 def _expand_cols(scale_rows: torch.Tensor, bc: int, cols: int) -> torch.Tensor:
@@ -387,68 +374,6 @@ def dequantize(
     return out
 
 
-def dequant_stream(
-    read: Callable[[int], Any],
-    shape: tuple[int, ...],
-    fmt: str,
-    scale_inv: torch.Tensor,
-    out_dtype: str = "BF16",
-    block: tuple[int, int] = DEFAULT_BLOCK,
-) -> Iterator[torch.Tensor]:
-    """Dequantize a weight whose bytes come from a sequential reader, chunk by chunk.
-
-    ``read(n)`` returns the next ``n`` bytes of the ``fmt`` (F8_E4M3 / F8_E5M2) weight of
-    ``shape`` in C order (e.g. a reader over another recipe); ``scale_inv`` is its whole
-    (small) scale grid. Yields fresh ``out_dtype`` tensors computed one worker thread
-    ahead, like ``dequant_recipe``.
-    """
-    block = _check_block(block)
-    if fmt not in FP8_WEIGHT_DTYPES:
-        raise PlanError(f"cannot dequantize {fmt}; expected one of {FP8_WEIGHT_DTYPES}", rule="fp8-dtype")
-    _check_grid(shape, scale_inv.shape, block)
-    tdt = torch_dtype(lookup(out_dtype).name)
-    src = _SequentialRows(read, fmt, tuple(shape))
-
-    def chunks() -> Iterator[torch.Tensor]:
-        for _li, _r0, _r1, band in _dequant_bands(src, _scale_to_f32(scale_inv), block):
-            yield band.to(tdt, copy=True)
-
-    return _prefetched(chunks)
-
-
-@dataclass
-class _SequentialRows:
-    """A RowSource over a sequential byte reader: bands must be read in C order (they are)."""
-
-    next_bytes: Callable[[int], Any]
-    dtype: str
-    shape: tuple[int, ...]
-    key: str = "stream"
-    _pos: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return DTYPES[self.dtype].nbytes(math.prod(self.shape))
-
-    def read(self, lead: int, r0: int, r1: int, buf: bytearray) -> torch.Tensor:
-        rows, cols = self.shape[-2:]
-        start = (lead * rows + r0) * cols
-        if start != self._pos:
-            raise RuntimeError(f"sequential source read out of order ({start} != {self._pos})")
-        n = (r1 - r0) * cols
-        self._pos += n
-        if n == 0:
-            return torch.empty((r1 - r0, cols), dtype=torch_dtype(self.dtype))
-        data = memoryview(self.next_bytes(n)).cast("B")
-        if len(data) != n:
-            raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
-        if data.readonly:  # torch.frombuffer wants writable memory
-            mv = memoryview(buf)[:n]
-            mv[:] = data
-            data = mv
-        return torch.frombuffer(data, dtype=torch_dtype(self.dtype)).view(r1 - r0, cols)
-
-
 def _block_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     """[..., rows, cols] -> [..., ceil(rows/br), ceil(cols/bc)] max |x| (NaN propagates)."""
 
@@ -504,14 +429,6 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
 # Streaming recipes
 
 
-class _Failed:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-_DONE = object()
-
-
 class _torch_threads:
     """Use ``n`` torch threads in this thread for a while (restored on exit).
 
@@ -535,52 +452,13 @@ class _torch_threads:
 
 
 def _prefetched(make: Callable[[], Iterable[Any]], depth: int | None = None) -> Iterator[Any]:
-    """Run ``make()`` in a worker thread, ``depth`` items ahead of the consumer.
+    """``prefetch.prefetched`` with the worker limited to COMPUTE_THREADS torch threads."""
 
-    torch and numpy release the GIL, and so do the writer's ``os.write`` and sha256,
-    so dequantizing the next band overlaps writing and hashing the previous one.
-    Items must be fresh objects (they are). Errors surface in the consumer; closing
-    the generator early stops the worker.
-    """
-    depth = PREFETCH if depth is None else depth
-    if depth <= 0:
-        yield from make()
-        return
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+    def limited() -> Iterator[Any]:
+        with _torch_threads(COMPUTE_THREADS):
+            yield from make()
 
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            with _torch_threads(COMPUTE_THREADS):
-                for item in make():
-                    if not put(item):
-                        return
-            put(_DONE)
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            put(_Failed(e))
-
-    worker = threading.Thread(target=work, name="ckpt-fp8", daemon=True)
-    worker.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, _Failed):
-                raise item.exc
-            yield item
-    finally:
-        stop.set()
-        worker.join()
+    return prefetched(limited, PREFETCH if depth is None else depth)
 
 
 def _read_scale(src: RowSource) -> torch.Tensor:

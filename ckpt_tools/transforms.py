@@ -211,12 +211,12 @@ def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[in
     src, sc = w, scale
 
     def produce():
-        from . import fp8
+        from . import fp8_decode
 
-        scales = bytes_to_torch(bytearray(b"".join(recipe_bytes(sc.recipe, max(sc.nbytes, 1)))), "F32", sc.shape)
-        # banded, one worker thread ahead of the writer (fp8.dequant_stream)
-        yield from fp8.dequant_stream(RecipeReader(src.recipe).read, tuple(src.shape), src.dtype, scales, dtype,
-                                      block)
+        raw = bytes_to_numpy(bytearray(b"".join(recipe_bytes(sc.recipe, max(sc.nbytes, 1)))), sc.dtype, sc.shape)
+        # banded, one worker thread ahead of the writer; numpy only (no torch import)
+        yield from fp8_decode.dequant_stream(RecipeReader(src.recipe).read, tuple(src.shape), src.dtype,
+                                             fp8_decode.scale_to_f32(raw, sc.dtype), dtype, block)
 
     meta = dict(w.meta)
     meta["dequantized_from"] = {"dtype": w.dtype, "scale": scale.key, "block": list(block)}
