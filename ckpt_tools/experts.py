@@ -29,9 +29,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from .dtypes import DTYPES, FP8_DTYPES
 from .errors import PlanError
@@ -39,6 +37,9 @@ from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, 
 from .numeric import bytes_to_numpy, numpy_storage_dtype
 from .plan import Compute, CopyBytes, OutputTensor
 from .safetensors_io import Segment, TensorRef, read_bytes
+
+if TYPE_CHECKING:  # numpy is imported where pieces are computed: pure restacking never needs it
+    import numpy as np
 
 MAX_LISTED = 20  # problems listed in one error message
 
@@ -559,6 +560,8 @@ def split(slab: np.ndarray, layout: Slab, index: int, stored_shape: tuple[int, i
 
 def compose(pieces: list[np.ndarray], layout: Slab) -> np.ndarray:
     """Canonical ``[out, in]`` pieces -> one expert's slab in ``layout`` (C-contiguous)."""
+    import numpy as np
+
     if layout.transposed:
         pieces = [p.T for p in pieces]
     if layout.join == "one":

@@ -182,3 +182,16 @@ def test_safetensors_reader_agrees_with_layout(tiny):
     with open(e.file, "rb") as f:
         f.seek(e.offset)
         assert f.read(e.length) == t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_marginal_ratio_separates_fixed_cost_from_per_byte_cost():
+    from benchmarks.report import marginal
+
+    def size(ckpt: float, floor: float) -> dict:
+        return {"contenders": {"ckpt": {"stats": {"wall": {"median": ckpt}}},
+                               "floor": {"stats": {"wall": {"median": floor}}}}}
+
+    # ckpt = 1.5 s + 1.2 x floor
+    slope, fixed = marginal(size(1.5 + 1.2 * 2.0, 2.0), size(1.5 + 1.2 * 10.0, 10.0))
+    assert slope == pytest.approx(1.2) and fixed == pytest.approx(1.5)
+    assert marginal(size(3.0, 2.0), size(4.0, 2.0)) == (None, None)  # the floor did not grow
