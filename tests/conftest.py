@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from ckpt_tools.testing import FixtureOptions, make_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("CKPT_CACHE_DIR", tempfile.mkdtemp(prefix="ckpt-cache-"))  # never the user's cache
 
 
 def pytest_configure(config):

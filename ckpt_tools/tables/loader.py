@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -12,8 +13,10 @@ from pydantic import ValidationError
 from ..config import ConfigView
 from ..errors import InputError, TableError
 from ..expr import ExprError, names_in, template_names
+from . import cache
 from .schema import Table
 
+_UNPARSED = object()
 # i: MTP depth, l: trunk layer, j / item: position and element of a repeated MTP sub-block
 LOOP_VARS = frozenset({"i", "l", "j", "item"})
 # libyaml's safe loader when available: same safety, ~10x faster than the pure-Python one
@@ -107,16 +110,22 @@ def _check_names(table: Table, path: Path) -> None:
         raise TableError(f"field mtp.count_field: {m.count_field!r} is not a config variable", path=str(path))
 
 
-def load_table(path: str | os.PathLike) -> Table:
-    path = Path(path)
+def _parse(path: Path) -> Any:
     try:
-        data = yaml.load(path.read_text(), Loader=SAFE_LOADER)  # noqa: S506 - (C)SafeLoader
+        return yaml.load(path.read_text(), Loader=SAFE_LOADER)  # noqa: S506 - (C)SafeLoader
     except yaml.YAMLError as e:
         raise TableError(f"not valid YAML: {e}", path=str(path)) from None
     except OSError as e:
         raise TableError(f"cannot read: {e.strerror}", path=str(path)) from None
     except UnicodeDecodeError as e:
         raise TableError(f"not UTF-8 text: {e}", path=str(path)) from None
+
+
+def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
+    """Check and build the table in ``path`` (``data``: its already parsed YAML, if at hand)."""
+    path = Path(path)
+    if data is _UNPARSED:
+        data = _parse(path)
     if not isinstance(data, dict):
         raise TableError("a table must be a YAML mapping", path=str(path))
     try:
@@ -131,13 +140,17 @@ def load_table(path: str | os.PathLike) -> Table:
 
 @lru_cache(maxsize=8)
 def _load_dirs(dirs: tuple[Path, ...]) -> dict[str, Table]:
+    files = [path for d in dirs if d.is_dir() for path in sorted(d.glob("*.yaml"))]
+    parsed = cache.load(files)  # YAML parsing is most of the cost; checks below run regardless
+    fresh = parsed is None
+    if fresh:
+        parsed = {str(path): _parse(path) for path in files}
     tables: dict[str, Table] = {}
-    for d in dirs:
-        if not d.is_dir():
-            continue
-        for path in sorted(d.glob("*.yaml")):
-            t = load_table(path)
-            tables[t.family] = t  # later directories override shipped tables
+    for path in files:
+        t = load_table(path, parsed[str(path)])
+        tables[t.family] = t  # later directories override shipped tables
+    if fresh:
+        cache.store(files, parsed)  # only tables that passed every check
     return tables
 
 
