@@ -55,7 +55,12 @@ def register(app: typer.Typer) -> None:
             from ..writer import execute
 
             plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
-            result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
+            try:
+                result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
+            except BaseException:
+                if report.statistics is not None:  # nobody will read them: do not wait for them
+                    report.statistics.cancel()
+                raise
             from ..ops.validate import validate
 
             rep = validate(out)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
@@ -30,6 +31,9 @@ from ..mtp import MtpView, choose_table, detect_group_layout, open_mtp
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
+
+if TYPE_CHECKING:
+    from ..safetensors_io import TensorRef
 
 LINK_MODES = ("copy", "reflink", "hardlink", "symlink", "remote")
 
@@ -49,6 +53,23 @@ class StitchRequest:
     command: str = "ckpt stitch"
 
 
+class Statistics:
+    """Difference statistics being computed on worker threads; ``wait`` fills the report's diffs."""
+
+    def __init__(self, pool, futures: list) -> None:
+        self.pool, self.futures = pool, futures
+
+    def wait(self) -> None:
+        try:
+            for f in self.futures:
+                f.result()  # re-raises a read error from the worker
+        finally:
+            self.pool.shutdown(wait=True)
+
+    def cancel(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass
 class StitchReport:
     mode: str
@@ -63,6 +84,7 @@ class StitchReport:
     new_shards: list[str] = field(default_factory=list)
     linked_files: list[str] = field(default_factory=list)
     validation: dict | None = None
+    statistics: Statistics | None = field(default=None, repr=False, compare=False)  # still being computed
 
     def totals(self) -> dict:
         counts: dict[str, int] = {}
@@ -72,6 +94,8 @@ class StitchReport:
         return counts
 
     def to_json(self) -> dict:
+        if self.statistics is not None:
+            self.statistics.wait()
         return {
             "mode": self.mode,
             "format": self.format,
@@ -400,9 +424,11 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 
 
 def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) -> None:
-    """Compare every candidate with the verifier's tensor before writing anything.
+    """Classify every candidate against the verifier's tensor before writing anything.
 
-    Tensors are compared on two threads: reads and numpy arithmetic release the GIL.
+    This pass settles identity (bytes) and NaN/Inf in what would be written; the difference
+    statistics of changed tensors are left to ``_start_statistics``, which runs while the
+    writer copies. Tensors are compared on two threads: reads and numpy release the GIL.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -413,11 +439,13 @@ def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) 
         vref = ckpt.tensors.get(key)
         if vref is None:
             return TensorDiff(key, "added", None, t.dtype, None, list(t.shape), nonfinite=_nonfinite(t))
-        return compare(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe)
+        return compare(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe,
+                       stats=False)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         diffs = list(pool.map(one, list(builder.candidates.items())))
     bad = []
+    changed = []
     for d in diffs:
         t = builder.candidates[d.key]
         vref = ckpt.tensors.get(d.key)
@@ -425,6 +453,8 @@ def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) 
             # byte-identical: write the verifier's own bytes (cheap, and provably the same)
             builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
                                                      meta=t.meta)
+        elif vref is not None and d.status in ("replaced", "dtype-changed"):
+            changed.append((d, vref, t))
         if d.nonfinite:
             bad.append(f"{d.key} ({d.nonfinite} NaN/Inf)")
         report.diffs.append(d)
@@ -434,6 +464,19 @@ def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) 
     if bad:
         raise InputError(f"non-finite values in the draft: {', '.join(bad[:10])}", rule="nonfinite")
     report.diffs.sort(key=lambda d: d.key)
+    report.statistics = _start_statistics(changed)
+
+
+def _start_statistics(changed: list[tuple[TensorDiff, TensorRef, OutputTensor]]) -> Statistics:
+    """max |delta|, relative L2 and cosine of every changed tensor, computed in the background."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(d: TensorDiff, vref: TensorRef, t: OutputTensor) -> None:
+        full = compare(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe)
+        d.max_abs, d.rel_l2, d.cosine = full.max_abs, full.rel_l2, full.cosine
+
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-stats")
+    return Statistics(pool, [pool.submit(one, *item) for item in changed])
 
 
 def _nonfinite(t: OutputTensor) -> int:
