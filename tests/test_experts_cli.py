@@ -233,3 +233,53 @@ def test_usage_errors(make_fixture, tmp_path):
     ckpt("fuse-experts", src, "-o", tmp_path / "o", "--to", "fused:sideways", code=2)
     ckpt("fuse-experts", src, code=2)  # no -o and no --dry-run
     ckpt("fuse-experts", src, "-o", src, code=2)  # the input as output
+
+
+def _dequant_reference(codes: torch.Tensor, scale: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """float64 value x scale per block, written independently of the code under test, then bf16."""
+    br, bc = block
+    rows, cols = codes.shape
+    x = codes.to(torch.float64)
+    s = scale.to(torch.float64).repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return (x * s).to(torch.float32).to(torch.bfloat16)  # the float32 product is exact: one rounding
+
+
+def test_fuse_with_dequant_writes_bf16_everywhere_with_reference_values(make_fixture, tmp_path):
+    src = make_fixture("deepseek_v3", fp8=True)  # I=32: FP8 scales could not fuse, dequantized ones can
+    out = tmp_path / "fused-bf16"
+    ckpt("fuse-experts", src, "-o", out, "--dequant", "bf16")
+    source = {}
+    for f in sorted(src.glob("*.safetensors")):
+        source.update(load_file(f))
+    written = {}
+    for f in sorted(out.glob("*.safetensors")):
+        written.update(load_file(f))
+    assert not [k for k, t in written.items() if t.dtype == torch.float8_e4m3fn or k.endswith("scale_inv")]
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["ckpt_expert_layout"] == "fused"
+    # a fused MTP expert: gate rows then up rows, each the dequantized source expert
+    n = config["num_hidden_layers"]
+    prefix = f"model.layers.{n}.mlp.experts"
+    gate_up = written[f"{prefix}.gate_up_proj"]
+    for e in (0, gate_up.shape[0] - 1):
+        for half, proj in enumerate(("gate_proj", "up_proj")):
+            w = source[f"{prefix}.{e}.{proj}.weight"]
+            want = _dequant_reference(w, source[f"{prefix}.{e}.{proj}.weight_scale_inv"])
+            rows = w.shape[0]
+            assert torch.equal(gate_up[e, half * rows:(half + 1) * rows].view(torch.int16), want.view(torch.int16))
+    # a non-expert FP8 weight outside any expert group
+    fp8_keys = [k for k, t in source.items() if t.dtype == torch.float8_e4m3fn and ".experts." not in k]
+    key = fp8_keys[0]
+    want = _dequant_reference(source[key], source[key.removesuffix("weight") + "weight_scale_inv"])
+    assert torch.equal(written[key].view(torch.int16), want.view(torch.int16))
+    manifest = json.loads((out / "ckpt_manifest.json").read_text())
+    assert manifest["dequantized_to"] == "BF16" and manifest["source_quantization"]["quant_method"] == "fp8"
+    # and back to per-expert: the same bf16 values, still no FP8
+    back = tmp_path / "per-expert"
+    ckpt("unfuse-experts", out, "-o", back)
+    again = {}
+    for f in sorted(back.glob("*.safetensors")):
+        again.update(load_file(f))
+    w = source[f"{prefix}.0.up_proj.weight"]
+    assert torch.equal(again[f"{prefix}.0.up_proj.weight"].view(torch.int16),
+                       _dequant_reference(w, source[f"{prefix}.0.up_proj.weight_scale_inv"]).view(torch.int16))

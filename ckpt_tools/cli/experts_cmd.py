@@ -51,7 +51,8 @@ def _render(xplan, console) -> None:
 
 
 def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: str, only_mtp: bool, arch: str | None,
-         max_shard_size: str, dry_run: bool, plan_json: Path | None, json_output: bool, overwrite: bool) -> None:
+         max_shard_size: str, dry_run: bool, plan_json: Path | None, json_output: bool, overwrite: bool,
+         dequant: str | None = None) -> None:
     from ..checkpoint import Checkpoint
     from ..errors import UsageError
     from ..ops.experts import ExpertsRequest, plan_experts, stats, validate_output
@@ -62,7 +63,7 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
     if out is None and not dry_run:
         raise UsageError(f"{verb} needs -o OUT (or --dry-run)")
     req = ExpertsRequest(layout, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
-                         command=command_line())
+                         command=command_line(), dequant=dequant)
     xplan = plan_experts(Checkpoint.open(src), req)
     if plan_json is not None:
         xplan.plan.write_json(plan_json)
@@ -114,10 +115,12 @@ def register(app: typer.Typer) -> None:
         plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+        dequant: str = typer.Option(None, "--dequant",
+                                    help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
     ) -> None:
         """Stack routed experts into one tensor per projection (default: fused gate_up_proj [E, 2I, H])."""
         _run("fuse-experts", FUSE_TARGETS, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json,
-             json_output, overwrite)
+             json_output, overwrite, dequant)
 
     @app.command("unfuse-experts")
     @command
@@ -132,7 +135,9 @@ def register(app: typer.Typer) -> None:
         plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+        dequant: str = typer.Option(None, "--dequant",
+                                    help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
     ) -> None:
         """Split fused experts apart again (default: per-expert gate_proj / up_proj / down_proj)."""
         _run("unfuse-experts", UNFUSE_TARGETS, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json,
-             json_output, overwrite)
+             json_output, overwrite, dequant)

@@ -16,14 +16,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, transforms
 from ..checkpoint import Checkpoint, source_name
+from ..dtypes import FP8_DTYPES
 from ..errors import InputError, OutputError, PlanError
-from ..expert_layouts import ExpertGroup, ExpertLayout
-from ..experts import convert_group, layout_from_label
+from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key
+from ..experts import BlockDequant, convert_group, layout_from_label
 from ..mtp import choose_table, detect_group_layout
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..tables.resolve import resolve, trunk_specs
+from .extract import dtype_arg
 
 CONFIG_FIELD = "ckpt_expert_layout"
 SCOPE_FIELD = "ckpt_expert_layout_scope"  # "mtp" when only the MTP groups carry that layout
@@ -36,6 +38,7 @@ class ExpertsRequest:
     arch: str | None = None
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt fuse-experts"
+    dequant: str | None = None  # bf16 | fp16 | fp32: FP8 block weights (experts and others) become this dtype
 
 
 @dataclass
@@ -155,6 +158,8 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
         where = "MTP layers" if req.only_mtp else "layers"
         raise InputError(f"no routed experts to convert: the {table.family} table declares no expert groups in the "
                          f"{where} of this checkpoint", rule="no-experts", path=ckpt.root)
+    dequant_to = dtype_arg(req.dequant, "--dequant")
+    dequantizer = BlockDequant(dequant_to) if dequant_to else None
     recorded = recorded_layouts(ckpt)
     plans: list[GroupPlan] = []
     errors: list[tuple[str, PlanError]] = []
@@ -162,7 +167,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
         src = in_layout(g, source_layout(g, keys, scope, recorded))
         dst = in_layout(g, req.to)
         try:
-            outs = convert_group(src, keys, dst, scale_suffix=suffix, block=block)
+            outs = convert_group(src, keys, dst, scale_suffix=suffix, block=block, dequant=dequantizer)
         except PlanError as e:
             errors.append((g.prefix, e))
             continue
@@ -171,7 +176,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     if errors:
         _raise_all(errors, ckpt.root)
 
-    tensors = _ordered(ckpt, plans)
+    tensors = _ordered(ckpt, plans, Dequant(dequant_to, suffix, block) if dequant_to else None)
     config = _config(ckpt, req)
     files = [OutputFile("config.json", content=config)] if config is not None else []
     files += _carried(ckpt)
@@ -188,6 +193,10 @@ def _manifest(ckpt: Checkpoint, family: str, req: ExpertsRequest, plans: list[Gr
         "source": {"path": source_name(ckpt)},
         "tool_version": __version__,
     }
+    if req.dequant is not None:
+        q = ckpt.config.get("quantization_config")
+        conversion["dequantized_to"] = dtype_arg(req.dequant, "--dequant")
+        conversion["source_quantization"] = q if isinstance(q, dict) else None
     previous = ckpt.manifest or {}
     if previous.get("kind") == "mtp-draft":
         # still a draft: what stitch needs (layers, family, format, source) carries over
@@ -230,7 +239,30 @@ def _raise_all(errors: list[tuple[str, PlanError]], root: str) -> None:
                     rule=rules[0] if len(rules) == 1 else "expert-group", path=root)
 
 
-def _ordered(ckpt: Checkpoint, plans: list[GroupPlan]) -> list[OutputTensor]:
+@dataclass(frozen=True)
+class Dequant:
+    """--dequant for the tensors outside expert groups: FP8 weights and their scales become one tensor."""
+
+    dtype: str
+    suffix: str
+    block: tuple[int, int]
+
+    def apply(self, ckpt: Checkpoint, key: str, t: OutputTensor) -> list[OutputTensor]:
+        keys = ckpt.tensors
+        if t.dtype in FP8_DTYPES:
+            sref = keys.get(scale_key(key, self.suffix))
+            if sref is None:
+                raise InputError(f"FP8 weight {key} has no {self.suffix} to dequantize with", rule="fp8-scale",
+                                 path=ckpt.root)
+            scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
+            return [transforms.dequantize(t, scale, self.dtype, self.block)]
+        weight = key.removesuffix(self.suffix) + "weight" if key.endswith(self.suffix) else None
+        if weight is not None and weight in keys and keys[weight].dtype in FP8_DTYPES:
+            return []  # the scale went into its weight
+        return [t]
+
+
+def _ordered(ckpt: Checkpoint, plans: list[GroupPlan], dequant: Dequant | None = None) -> list[OutputTensor]:
     """Source order (shard, then offset); a group's tensors where its first source tensor was."""
     owner: dict[str, GroupPlan] = {k: g for g in plans for k in g.source_keys}
     out: list[OutputTensor] = []
@@ -243,7 +275,8 @@ def _ordered(ckpt: Checkpoint, plans: list[GroupPlan]) -> list[OutputTensor]:
             g = owner.get(k)
             if g is None:
                 meta = _carried_meta(ckpt, k)
-                out.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta))
+                t = OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
+                out += dequant.apply(ckpt, k, t) if dequant is not None else [t]
             elif id(g) not in done:
                 done.add(id(g))
                 out += g.tensors
@@ -263,6 +296,10 @@ def _config(ckpt: Checkpoint, req: ExpertsRequest) -> bytes | None:
         return None
     raw = dict(ckpt.config.raw)
     raw[CONFIG_FIELD] = req.to.label()
+    if req.dequant is not None:  # no FP8 weight is left: engines must not expect one
+        raw.pop("quantization_config", None)
+        if isinstance(raw.get("text_config"), dict):
+            raw["text_config"] = {k: v for k, v in raw["text_config"].items() if k != "quantization_config"}
     if req.only_mtp:
         raw[SCOPE_FIELD] = "mtp"
     else:

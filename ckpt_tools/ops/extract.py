@@ -38,7 +38,7 @@ class ExtractRequest:
     notes: list[str] = field(default_factory=list)
 
 
-def _dtype_arg(value: str | None, flag: str) -> str | None:
+def dtype_arg(value: str | None, flag: str) -> str | None:
     if value is None or value == "keep":
         return None
     try:
@@ -62,8 +62,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
                          "extract", rule="no-mtp")
     view.require_complete()
     fmt = get_format(req.format)
-    cast_to = _dtype_arg(req.dtype, "--dtype")
-    dequant_to = _dtype_arg(req.dequant, "--dequant")
+    cast_to = dtype_arg(req.dtype, "--dtype")
+    dequant_to = dtype_arg(req.dequant, "--dequant")
     corr = correspond(fmt, view, req.layers, with_embed=req.with_embed, with_head=req.with_head)
     if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
         raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "

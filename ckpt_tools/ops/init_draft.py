@@ -35,7 +35,7 @@ from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..safetensors_io import TensorRef
 from ..tables.resolve import Resolved, Spec, part_specs, resolve, trunk_specs
 from ..tables.schema import Table
-from .extract import _draft_config, _dtype_arg, _set_count, carried_files, draft_tensors
+from .extract import _draft_config, _set_count, carried_files, draft_tensors, dtype_arg
 
 DEFAULT_STD = 0.02
 
@@ -230,8 +230,8 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
     fmt = get_format(req.format)
     count = _count(table, target, req, fmt.max_layers)
     std, std_from = _std(req, target.config)
-    gen_dtype = _dtype_arg(req.dtype, "--dtype")
-    dequant_to = _dtype_arg(req.dequant, "--dequant")
+    gen_dtype = dtype_arg(req.dtype, "--dtype")
+    dequant_to = dtype_arg(req.dequant, "--dequant")
     res = resolve(table, target.config, mtp_count=count)
 
     match = _from_layer(res, target, req.from_layer) if req.from_layer is not None else None
