@@ -216,6 +216,10 @@ VERBS: dict[str, Verb] = {
              "extract", ("--dequant",),
              lambda ctx, out: ["extract", str(ctx.variant("fp8").path), "-o", str(out), "--dequant", "bf16"],
              floor=_dequant_floor, naive=_naive_extract("fp8", dequant=True), max_floor_ratio=2.0),
+        Verb("dequant-all", "every FP8 weight of the checkpoint to bf16 (unfuse-experts --dequant, layout kept); "
+             "floor: copying the bf16 checkpoint, about as many bytes as the output", "unfuse-experts", ("--dequant",),
+             lambda ctx, out: ["unfuse-experts", str(ctx.variant("fp8").path), "-o", str(out), "--dequant", "bf16"],
+             floor=lambda ctx, out: _whole_files(ctx.variant("bf16").path, out), max_floor_ratio=2.0, default=False),
         Verb("fuse", "fuse-experts on the whole checkpoint, per-expert -> fused", "fuse-experts", ("--to",),
              lambda ctx, out: ["fuse-experts", str(ctx.variant("bf16").path), "-o", str(out)],
              floor=lambda ctx, out: _whole_files(ctx.variant("bf16").path, out),
