@@ -101,33 +101,13 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
     )
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("fuse-experts")
-    @command
-    def fuse_experts(
-        src: str = typer.Argument(..., help="Checkpoint or draft directory."),
-        out: Path = typer.Option(None, "-o", "--out", help="Output directory (new or empty)."),
-        to: str = typer.Option("fused", "--to", help=LAYOUT_HELP),
-        only_mtp: bool = typer.Option(False, "--only-mtp", help="Convert the MTP layers' experts only."),
-        arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
-        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-        dequant: str = typer.Option(None, "--dequant",
-                                    help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
-    ) -> None:
-        """Stack routed experts into one tensor per projection (default: fused gate_up_proj [E, 2I, H])."""
-        _run("fuse-experts", FUSE_TARGETS, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json,
-             json_output, overwrite, dequant)
+def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
+    """The CLI function of one direction; both share every option but the default target."""
 
-    @app.command("unfuse-experts")
-    @command
-    def unfuse_experts(
+    def run(
         src: str = typer.Argument(..., help="Checkpoint or draft directory."),
         out: Path = typer.Option(None, "-o", "--out", help="Output directory (new or empty)."),
-        to: str = typer.Option("per-expert", "--to", help=LAYOUT_HELP),
+        to: str = typer.Option(default_to, "--to", help=LAYOUT_HELP),
         only_mtp: bool = typer.Option(False, "--only-mtp", help="Convert the MTP layers' experts only."),
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
@@ -138,6 +118,18 @@ def register(app: typer.Typer) -> None:
         dequant: str = typer.Option(None, "--dequant",
                                     help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
     ) -> None:
-        """Split fused experts apart again (default: per-expert gate_proj / up_proj / down_proj)."""
-        _run("unfuse-experts", UNFUSE_TARGETS, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json,
-             json_output, overwrite, dequant)
+        _run(verb, allowed, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json, json_output,
+             overwrite, dequant)
+
+    run.__doc__ = doc
+    run.__name__ = verb.replace("-", "_")
+    return run
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fuse-experts")(command(_verb(
+        "fuse-experts", FUSE_TARGETS, "fused",
+        "Stack routed experts into one tensor per projection (default: fused gate_up_proj [E, 2I, H]).")))
+    app.command("unfuse-experts")(command(_verb(
+        "unfuse-experts", UNFUSE_TARGETS, "per-expert",
+        "Split fused experts apart again (default: per-expert gate_proj / up_proj / down_proj).")))
