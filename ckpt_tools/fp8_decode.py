@@ -17,6 +17,7 @@ and bf16 is produced by integer rounding of the float32 bits.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,7 +89,9 @@ class BandDequantizer:
     """Dequantizes row bands of one weight into reused scratch buffers."""
 
     def __init__(self, fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int],
-                 out_dtype: str) -> None:
+                 out_dtype: str, thread_scratch: bool = False) -> None:
+        """``thread_scratch``: borrow this thread's scratch buffers (for a dequantizer used start to
+        finish without another one running in between on the same thread)."""
         if fmt not in TABLES:
             raise PlanError(f"cannot dequantize {fmt}; expected one of {', '.join(TABLES)}", rule="fp8-dtype")
         if out_dtype not in OUT_DTYPES:
@@ -104,8 +107,9 @@ class BandDequantizer:
         self.rows, self.cols = rows, cols
         self.scale = scale.reshape(-1, *grid[-2:]).astype(np.float32, copy=False)
         self.step = band_rows(cols, br)
-        self._values = np.empty(self.step * cols, dtype=np.float32)
-        self._bits = np.empty(self.step * cols, dtype=np.uint32)
+        n = self.step * cols
+        self._values = _scratch("values", n, np.float32) if thread_scratch else np.empty(n, dtype=np.float32)
+        self._bits = _scratch("bits", n, np.uint32) if thread_scratch else np.empty(n, dtype=np.uint32)
         self._factors: tuple[int, np.ndarray] | None = None
 
     def dequant(self, codes: np.ndarray, lead: int, r0: int) -> np.ndarray:
@@ -113,7 +117,7 @@ class BandDequantizer:
         dtype's storage (uint16 for bf16). A view of a scratch buffer unless the output is F16."""
         n, cols = codes.shape
         values = self._values[: n * cols].reshape(n, cols)
-        np.take(self.table, codes, out=values)
+        np.take(self.table, codes, out=values, mode="clip")  # codes < 256: nothing to clip; "raise" buffers
         with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
             self._scale(values, lead, r0)
         return self._encode(values)
@@ -151,11 +155,25 @@ class BandDequantizer:
         np.bitwise_and(bits, 1, out=bits)
         bits += 0x7FFF
         bits += u
-        out = (bits >> 16).astype(np.uint16)
+        np.right_shift(bits, 16, out=bits)
+        out = bits.astype(np.uint16)
         nan = np.isnan(values)
         if nan.any():
             out[nan] = _BF16_NAN
         return out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, n: int, dtype) -> np.ndarray:
+    """A per-thread buffer of at least ``n`` elements, reused across dequantizers: fresh multi-MB
+    arrays per expert piece cost more in page faults than the arithmetic."""
+    pool = _SCRATCH.__dict__
+    buf = pool.get(name)
+    if buf is None or buf.size < n or buf.dtype != dtype:
+        buf = pool[name] = np.empty(max(n, 1), dtype=dtype)
+    return buf
 
 
 def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], fmt: str, out_dtype: str,
@@ -163,7 +181,7 @@ def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     """A whole [..., rows, cols] FP8 weight (uint8 storage) -> values in ``out_dtype`` storage."""
     codes = np.ascontiguousarray(codes).view(np.uint8)
     kern = BandDequantizer(fmt, scale_to_f32(np.ascontiguousarray(scale), scale_dtype), codes.shape, block,
-                           out_dtype)
+                           out_dtype, thread_scratch=True)
     rows, cols = codes.shape[-2:]
     flat = codes.reshape(-1, rows, cols)
     out = np.empty(flat.shape, dtype=_storage(out_dtype))
