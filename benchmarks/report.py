@@ -93,12 +93,15 @@ def describe_machine(m: dict) -> str:
 
 
 def merge(parts: list[dict]) -> dict:
-    """Results of separate runs (e.g. one per size) as one: sizes side by side, later files win."""
+    """Results of separate runs (one per size, or a rerun of some verbs) as one: sizes side by side,
+    a verb measured in several files taken from the last."""
     out = dict(parts[0])
     out["sizes"], out["verbs"], out["notes"] = {}, [], []
     out["commands"] = []
     for p in parts:
-        out["sizes"].update(p["sizes"])
+        for label, size in p["sizes"].items():  # verbs of one size from several runs side by side
+            merged = out["sizes"].setdefault(label, {**size, "verbs": {}})
+            merged["verbs"] = {**merged["verbs"], **size["verbs"]}
         out["verbs"] += [v for v in p.get("verbs", []) if v not in out["verbs"]]
         out["notes"] += [n for n in p.get("notes", []) if n not in out["notes"]]
         out["commands"].append(p.get("command", ""))

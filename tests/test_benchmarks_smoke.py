@@ -195,3 +195,17 @@ def test_marginal_ratio_separates_fixed_cost_from_per_byte_cost():
     slope, fixed = marginal(size(1.5 + 1.2 * 2.0, 2.0), size(1.5 + 1.2 * 10.0, 10.0))
     assert slope == pytest.approx(1.2) and fixed == pytest.approx(1.5)
     assert marginal(size(3.0, 2.0), size(4.0, 2.0)) == (None, None)  # the floor did not grow
+
+
+def test_merge_keeps_every_verb_of_a_size_and_takes_reruns_from_the_later_file():
+    from benchmarks.report import merge
+
+    def result(verbs: dict) -> dict:
+        return {"date": "d", "runs": 3, "verbs": list(verbs), "machine": {},
+                "sizes": {"4GB": {"checkpoint": {"total_bytes": 4}, "verbs": verbs}}}
+
+    first = result({"extract": {"v": 1}, "dequant": {"v": "old"}})
+    rerun = result({"dequant": {"v": "new"}, "dequant-all": {"v": 2}})
+    merged = merge([first, rerun])
+    assert merged["sizes"]["4GB"]["verbs"] == {"extract": {"v": 1}, "dequant": {"v": "new"}, "dequant-all": {"v": 2}}
+    assert merged["verbs"] == ["extract", "dequant", "dequant-all"]
