@@ -48,6 +48,8 @@ def _e5m2_table() -> np.ndarray:
 
 
 TABLES = {"F8_E4M3": _e4m3_table(), "F8_E5M2": _e5m2_table()}
+# NaN codes are the top of the positive and of the negative range: e4m3fn 0x7f / 0xff, e5m2 0x7d-0x7f / 0xfd-0xff
+FIRST_NAN_CODE = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7D}
 
 
 def scale_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -107,20 +109,30 @@ class BandDequantizer:
         self.rows, self.cols = rows, cols
         self.scale = scale.reshape(-1, *grid[-2:]).astype(np.float32, copy=False)
         self.step = band_rows(cols, br)
+        self.first_nan_code = FIRST_NAN_CODE[fmt]
+        self.finite_scales = bool(np.isfinite(self.scale).all())  # else inf x 0 or NaN scales make NaN
         n = self.step * cols
         self._values = _scratch("values", n, np.float32) if thread_scratch else np.empty(n, dtype=np.float32)
         self._bits = _scratch("bits", n, np.uint32) if thread_scratch else np.empty(n, dtype=np.uint32)
+        self._half = _scratch("half", n, np.uint16) if thread_scratch else np.empty(n, dtype=np.uint16)
         self._factors: tuple[int, np.ndarray] | None = None
 
     def dequant(self, codes: np.ndarray, lead: int, r0: int) -> np.ndarray:
         """Values of the ``codes`` band [n, cols] at rows ``r0``.. of matrix ``lead``, in the output
-        dtype's storage (uint16 for bf16). A view of a scratch buffer unless the output is F16."""
+        dtype's storage (uint16 for bf16). A view of a scratch buffer (valid until the next call)
+        unless the output is F16."""
         n, cols = codes.shape
         values = self._values[: n * cols].reshape(n, cols)
         np.take(self.table, codes, out=values, mode="clip")  # codes < 256: nothing to clip; "raise" buffers
         with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
             self._scale(values, lead, r0)
-        return self._encode(values)
+        return self._encode(values, maybe_nan=not self.finite_scales or self._has_nan_code(codes))
+
+    def _has_nan_code(self, codes: np.ndarray) -> bool:
+        """Two byte reductions instead of a float pass: NaN codes are the largest of each sign."""
+        if codes.size == 0:
+            return False
+        return bool(codes.view(np.int8).max() >= self.first_nan_code or codes.max() >= 0x80 | self.first_nan_code)
 
     def _scale(self, values: np.ndarray, lead: int, r0: int) -> None:
         n, cols = values.shape
@@ -142,7 +154,7 @@ class BandDequantizer:
             self._factors = (lead, np.repeat(self.scale[lead], bc, axis=-1)[:, : self.cols])
         return self._factors[1]
 
-    def _encode(self, values: np.ndarray) -> np.ndarray:
+    def _encode(self, values: np.ndarray, maybe_nan: bool) -> np.ndarray:
         if self.out_dtype == "F32":
             return values
         if self.out_dtype == "F16":
@@ -156,9 +168,10 @@ class BandDequantizer:
         bits += 0x7FFF
         bits += u
         np.right_shift(bits, 16, out=bits)
-        out = bits.astype(np.uint16)
-        nan = np.isnan(values)
-        if nan.any():
+        out = self._half[: values.size].reshape(values.shape)
+        np.copyto(out, bits, casting="unsafe")  # the top 16 bits are zero after the shift
+        if maybe_nan:
+            nan = np.isnan(values)
             out[nan] = _BF16_NAN
         return out
 
