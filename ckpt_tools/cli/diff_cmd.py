@@ -47,13 +47,19 @@ def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff
         for col in ("tensor", "status", "dtype", "shape", "max |Δ|", "rel L2", "cosine"):
             t.add_column(col, overflow="fold")
         for d in rows:
-            dtype = d.dtype_a if d.dtype_a == d.dtype_b else f"{d.dtype_a} -> {d.dtype_b}"
-            shape = d.shape_a if d.shape_a == d.shape_b else f"{d.shape_a} -> {d.shape_b}"
+            dtype, shape = _before_after(d.dtype_a, d.dtype_b), _before_after(d.shape_a, d.shape_b)
             t.add_row(d.key, d.status, str(dtype), str(shape), _num(d.max_abs), _num(d.rel_l2), _num(d.cosine))
         c.print(t)
     if hidden:
         c.print(f"... and {hidden} more changed tensors" + (f" ({more_hint})" if more_hint else ""))
     c.print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
+
+
+def _before_after(a, b) -> str:
+    """One value when both sides agree or only one side exists (added / removed), else "a -> b"."""
+    if a is None or b is None or a == b:
+        return str(b if a is None else a)
+    return f"{a} -> {b}"
 
 
 def _num(v: float | None) -> str:
