@@ -9,9 +9,9 @@ then one round-to-nearest-even cast to the output dtype. Why a second implementa
 importing torch costs 1.5-2.5 s on a small machine, more than dequantizing a 4 GB
 checkpoint's MTP layer takes, and nothing else on the extract path needs torch.
 
-FP8 codes are decoded through a 256-entry float32 table (every e4m3 / e5m2 value is
-exact in float32), multiplied by per-column scale factors in cache-sized row bands,
-and bf16 is produced by integer rounding of the float32 bits.
+Every e4m3 / e5m2 value is exact in float32, and an element's result depends on its code
+and its block's scale alone: each block gets a 256-entry table of finished output values,
+and a band of codes is decoded with one table lookup per element (see BandDequantizer).
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ def _e5m2_table() -> np.ndarray:
 
 
 TABLES = {"F8_E4M3": _e4m3_table(), "F8_E5M2": _e5m2_table()}
-# NaN codes are the top of the positive and of the negative range: e4m3fn 0x7f / 0xff, e5m2 0x7d-0x7f / 0xfd-0xff
-FIRST_NAN_CODE = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7D}
 
 
 def scale_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -88,7 +86,14 @@ def bands(lead: int, rows: int, block_rows: int, step: int) -> Iterator[tuple[in
 
 
 class BandDequantizer:
-    """Dequantizes row bands of one weight into reused scratch buffers."""
+    """Dequantizes row bands of one weight with one table lookup per element.
+
+    Every element of a block is a function of its code and the block's scale alone, so each
+    block gets a 256-entry table of finished output values (``encode(fl(value * scale))``,
+    exactly what the element-wise computation gives), and a band is decoded by indexing
+    those tables with ``code + 256 * block``: one pass over the codes, whatever the output
+    dtype, NaN and Inf included.
+    """
 
     def __init__(self, fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int],
                  out_dtype: str, thread_scratch: bool = False) -> None:
@@ -105,75 +110,58 @@ class BandDequantizer:
         if tuple(scale.shape) != grid:
             raise PlanError(f"scale grid {list(scale.shape)} does not fit a {list(shape)} weight in {br}x{bc} blocks",
                             rule="fp8-scale")
-        self.table, self.out_dtype, self.block = TABLES[fmt], out_dtype, block
+        self.values, self.out_dtype, self.block = TABLES[fmt], out_dtype, block
         self.rows, self.cols = rows, cols
         self.scale = scale.reshape(-1, *grid[-2:]).astype(np.float32, copy=False)
         self.step = band_rows(cols, br)
-        self.first_nan_code = FIRST_NAN_CODE[fmt]
-        self.finite_scales = bool(np.isfinite(self.scale).all())  # else inf x 0 or NaN scales make NaN
+        self.col_offset = (np.arange(cols, dtype=np.intp) // bc) * 256  # table of each column's block
+        self.row_stride = grid[-1] * 256  # tables of one block row
         n = self.step * cols
-        self._values = _scratch("values", n, np.float32) if thread_scratch else np.empty(n, dtype=np.float32)
-        self._bits = _scratch("bits", n, np.uint32) if thread_scratch else np.empty(n, dtype=np.uint32)
-        self._half = _scratch("half", n, np.uint16) if thread_scratch else np.empty(n, dtype=np.uint16)
-        self._factors: tuple[int, np.ndarray] | None = None
+        self._index = _scratch("index", n, np.intp) if thread_scratch else np.empty(n, dtype=np.intp)
+        out = _storage(out_dtype)
+        self._out = _scratch("out-" + out_dtype, n, out) if thread_scratch else np.empty(n, dtype=out)
+        self._tables: tuple[int, np.ndarray] | None = None
 
-    def dequant(self, codes: np.ndarray, lead: int, r0: int) -> np.ndarray:
+    def dequant(self, codes: np.ndarray, lead: int, r0: int, out: np.ndarray | None = None) -> np.ndarray:
         """Values of the ``codes`` band [n, cols] at rows ``r0``.. of matrix ``lead``, in the output
-        dtype's storage (uint16 for bf16). A view of a scratch buffer (valid until the next call)
-        unless the output is F16."""
+        dtype's storage (uint16 for bf16), written to ``out`` (C-contiguous) or else to a scratch
+        buffer valid until the next call."""
         n, cols = codes.shape
-        values = self._values[: n * cols].reshape(n, cols)
-        np.take(self.table, codes, out=values, mode="clip")  # codes < 256: nothing to clip; "raise" buffers
-        with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
-            self._scale(values, lead, r0)
-        return self._encode(values, maybe_nan=not self.finite_scales or self._has_nan_code(codes))
-
-    def _has_nan_code(self, codes: np.ndarray) -> bool:
-        """Two byte reductions instead of a float pass: NaN codes are the largest of each sign."""
-        if codes.size == 0:
-            return False
-        return bool(codes.view(np.int8).max() >= self.first_nan_code or codes.max() >= 0x80 | self.first_nan_code)
-
-    def _scale(self, values: np.ndarray, lead: int, r0: int) -> None:
-        n, cols = values.shape
         br = self.block[0]
-        factors = self._column_factors(lead)[r0 // br : (r0 + n - 1) // br + 1] if n else None
-        if n and factors.shape[0] == 1:
-            values *= factors[0]
-        elif n:
-            full = (r0 + n) // br * br - r0  # bands of whole block rows start on a boundary: r0 % br == 0
-            if full:
-                values[:full].reshape(full // br, br, cols)[...] *= factors[: full // br, None, :]
-            if full < n:
-                values[full:] *= factors[-1]
-
-    def _column_factors(self, lead: int) -> np.ndarray:
-        """[gr, cols] per-column scale of matrix ``lead`` (edge block cropped), kept for its bands."""
-        if self._factors is None or self._factors[0] != lead:
-            bc = self.block[1]
-            self._factors = (lead, np.repeat(self.scale[lead], bc, axis=-1)[:, : self.cols])
-        return self._factors[1]
-
-    def _encode(self, values: np.ndarray, maybe_nan: bool) -> np.ndarray:
-        if self.out_dtype == "F32":
-            return values
-        if self.out_dtype == "F16":
-            with np.errstate(over="ignore"):  # overflow to +-inf, as torch does
-                return values.astype(np.float16)  # numpy rounds to nearest even, like torch
-        # bf16: round to nearest even on the float32 bits; every NaN becomes torch's 0xFFFF
-        bits = self._bits[: values.size].reshape(values.shape)
-        u = values.view(np.uint32)
-        np.right_shift(u, 16, out=bits)
-        np.bitwise_and(bits, 1, out=bits)
-        bits += 0x7FFF
-        bits += u
-        np.right_shift(bits, 16, out=bits)
-        out = self._half[: values.size].reshape(values.shape)
-        np.copyto(out, bits, casting="unsafe")  # the top 16 bits are zero after the shift
-        if maybe_nan:
-            nan = np.isnan(values)
-            out[nan] = _BF16_NAN
+        tables = self._block_tables(lead)
+        index = self._index[: n * cols].reshape(n, cols)
+        a = 0
+        while a < n:  # rows of one block row share their tables
+            brow = (r0 + a) // br
+            b = min(n, (brow + 1) * br - r0)
+            np.add(codes[a:b], self.col_offset + brow * self.row_stride, out=index[a:b])
+            a = b
+        if out is None:
+            out = self._out[: n * cols].reshape(n, cols)
+        np.take(tables, index, out=out, mode="clip")  # indices are in range; "raise" would buffer
         return out
+
+    def _block_tables(self, lead: int) -> np.ndarray:
+        """[gr * gc * 256] output values of every code in every block of matrix ``lead``."""
+        if self._tables is None or self._tables[0] != lead:
+            with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
+                products = self.scale[lead][:, :, None] * self.values  # float32: one rounding, as per element
+            self._tables = (lead, encode(products, self.out_dtype).reshape(-1))
+        return self._tables[1]
+
+
+def encode(values: np.ndarray, out_dtype: str) -> np.ndarray:
+    """float32 values in ``out_dtype`` storage, rounded to nearest even like torch's casts
+    (bf16 on the bits, every NaN as torch's 0xFFFF)."""
+    if out_dtype == "F32":
+        return values.astype(np.float32, copy=False)
+    if out_dtype == "F16":
+        with np.errstate(over="ignore"):  # overflow to +-inf, as torch does
+            return values.astype(np.float16)
+    u = values.astype(np.float32, copy=False).view(np.uint32).astype(np.uint64)  # no overflow in the sum
+    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    out[np.isnan(values)] = _BF16_NAN
+    return out
 
 
 _SCRATCH = threading.local()
@@ -199,7 +187,7 @@ def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     flat = codes.reshape(-1, rows, cols)
     out = np.empty(flat.shape, dtype=_storage(out_dtype))
     for li, r0, r1 in bands(flat.shape[0], rows, block[0], kern.step):
-        out[li, r0:r1] = kern.dequant(flat[li, r0:r1], li, r0)
+        kern.dequant(flat[li, r0:r1], li, r0, out=out[li, r0:r1])
     return out.reshape(codes.shape)
 
 
@@ -221,7 +209,7 @@ def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str,
             if len(data) != n:
                 raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
             codes = np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, cols)
-            yield np.array(kern.dequant(codes, li, r0), copy=True)
+            yield kern.dequant(codes, li, r0, out=np.empty((r1 - r0, cols), dtype=_storage(out_dtype)))
 
     return prefetched(produce)
 
