@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
+from .numeric import Scratch, decode_floats
 from .plan import CopyBytes, Recipe
 from .safetensors_io import TensorRef
 
@@ -102,7 +103,7 @@ def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str,
     numel = math.prod(shape)
     ra, rb = RecipeReader(a), RecipeReader(b)
     sa, sb = DTYPES[a_dtype], DTYPES[b_dtype]
-    scratch_a, scratch_b = _Scratch(), _Scratch()  # decoded chunks reuse two buffers
+    scratch_a, scratch_b = Scratch(), Scratch()  # decoded chunks reuse two buffers
     acc = _Acc()
     done = 0
     while done < numel:
@@ -119,33 +120,6 @@ def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str,
     d.nonfinite = acc.nonfinite
     if with_a:
         d.max_abs, d.rel_l2, d.cosine = acc.result()
-
-
-class _Scratch:
-    """A reusable uint32 buffer: fresh multi-MB arrays per chunk cost page faults, not arithmetic."""
-
-    def __init__(self) -> None:
-        self.buf = np.empty(0, dtype=np.uint32)
-
-    def take(self, n: int) -> np.ndarray:
-        if self.buf.size < n:
-            self.buf = np.empty(n, dtype=np.uint32)
-        return self.buf[:n]
-
-
-def decode_floats(buf: bytearray, dtype: str, scratch: _Scratch | None = None) -> np.ndarray:
-    """float32 values of a float tensor's raw bytes (bf16 widened by a 16-bit shift: exact).
-
-    With ``scratch`` the bf16 result lives in that buffer and is valid until its next use.
-    """
-    if dtype == "BF16":
-        raw = np.frombuffer(buf, dtype=np.uint16)
-        wide = scratch.take(raw.size) if scratch is not None else np.empty(raw.size, dtype=np.uint32)
-        np.left_shift(raw, 16, out=wide, dtype=np.uint32)
-        return wide.view(np.float32)
-    if dtype in ("F16", "F32", "F64"):
-        return np.frombuffer(buf, dtype={"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype])
-    raise ValueError(f"{dtype} is not a float dtype numpy can decode")
 
 
 class _Acc:
@@ -166,7 +140,7 @@ class _Acc:
         self.a2 = 0.0
         self.b2 = 0.0
         self.nonfinite = 0
-        self._scratch: dict[np.dtype, np.ndarray] = {}
+        self._scratch = Scratch()
 
     def add(self, a: np.ndarray, b: np.ndarray) -> None:
         a, b = a.reshape(-1), b.reshape(-1)
@@ -187,10 +161,7 @@ class _Acc:
         self.b2 += b2
 
     def _buffers(self, dtype: np.dtype, n: int) -> tuple[np.ndarray, np.ndarray]:
-        buf = self._scratch.get(dtype)
-        if buf is None or buf.shape[1] < n:
-            buf = self._scratch[dtype] = np.empty((2, n), dtype=dtype)
-        return buf[0, :n], buf[1, :n]
+        return self._scratch.take("diff", n, dtype), self._scratch.take("square", n, dtype)
 
     def result(self) -> tuple[float, float, float]:
         na, nb = math.sqrt(self.a2), math.sqrt(self.b2)

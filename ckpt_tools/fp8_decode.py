@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, PlanError
+from .numeric import Scratch, decode_floats, numpy_storage_dtype
 from .prefetch import prefetched
 
 BAND_ELEMS = 1 << 18  # elements per compute step: a few MB of scratch, cache-resident
@@ -52,12 +53,8 @@ TABLES = {"F8_E4M3": _e4m3_table(), "F8_E5M2": _e5m2_table()}
 
 def scale_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Scale grid values as float32 (exact for every scale dtype) from their storage array."""
-    if dtype == "F32":
-        return raw.view(np.float32)
-    if dtype == "BF16":
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if dtype == "F16":
-        return raw.view(np.float16).astype(np.float32)
+    if dtype in ("F32", "BF16", "F16"):
+        return decode_floats(np.ascontiguousarray(raw), dtype).astype(np.float32, copy=False).reshape(raw.shape)
     if dtype == "F8_E8M0":  # 2 ** (b - 127); 0xff is NaN
         b = raw.view(np.uint8)
         return np.where(b == 0xFF, np.float32(np.nan), np.ldexp(np.float32(1.0), b.astype(np.int32) - 127))
@@ -96,9 +93,8 @@ class BandDequantizer:
     """
 
     def __init__(self, fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int],
-                 out_dtype: str, thread_scratch: bool = False) -> None:
-        """``thread_scratch``: borrow this thread's scratch buffers (for a dequantizer used start to
-        finish without another one running in between on the same thread)."""
+                 out_dtype: str, scratch: Scratch | None = None) -> None:
+        """``scratch``: where the index buffer lives (shared by dequantizers used one after another)."""
         if fmt not in TABLES:
             raise PlanError(f"cannot dequantize {fmt}; expected one of {', '.join(TABLES)}", rule="fp8-dtype")
         if out_dtype not in OUT_DTYPES:
@@ -116,16 +112,12 @@ class BandDequantizer:
         self.step = band_rows(cols, br)
         self.col_offset = (np.arange(cols, dtype=np.intp) // bc) * 256  # table of each column's block
         self.row_stride = grid[-1] * 256  # tables of one block row
-        n = self.step * cols
-        self._index = _scratch("index", n, np.intp) if thread_scratch else np.empty(n, dtype=np.intp)
-        out = _storage(out_dtype)
-        self._out = _scratch("out-" + out_dtype, n, out) if thread_scratch else np.empty(n, dtype=out)
+        self._index = (scratch or Scratch()).take("index", self.step * cols, np.intp)
         self._tables: tuple[int, np.ndarray] | None = None
 
-    def dequant(self, codes: np.ndarray, lead: int, r0: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Values of the ``codes`` band [n, cols] at rows ``r0``.. of matrix ``lead``, in the output
-        dtype's storage (uint16 for bf16), written to ``out`` (C-contiguous) or else to a scratch
-        buffer valid until the next call."""
+    def dequant(self, codes: np.ndarray, lead: int, r0: int, out: np.ndarray) -> np.ndarray:
+        """Values of the ``codes`` band [n, cols] at rows ``r0``.. of matrix ``lead``, written to
+        ``out`` ([n, cols], C-contiguous, the output dtype's storage: uint16 for bf16)."""
         n, cols = codes.shape
         br = self.block[0]
         tables = self._block_tables(lead)
@@ -136,8 +128,6 @@ class BandDequantizer:
             b = min(n, (brow + 1) * br - r0)
             np.add(codes[a:b], self.col_offset + brow * self.row_stride, out=index[a:b])
             a = b
-        if out is None:
-            out = self._out[: n * cols].reshape(n, cols)
         np.take(tables, index, out=out, mode="clip")  # indices are in range; "raise" would buffer
         return out
 
@@ -164,17 +154,14 @@ def encode(values: np.ndarray, out_dtype: str) -> np.ndarray:
     return out
 
 
-_SCRATCH = threading.local()
+_THREAD = threading.local()
 
 
-def _scratch(name: str, n: int, dtype) -> np.ndarray:
-    """A per-thread buffer of at least ``n`` elements, reused across dequantizers: fresh multi-MB
-    arrays per expert piece cost more in page faults than the arithmetic."""
-    pool = _SCRATCH.__dict__
-    buf = pool.get(name)
-    if buf is None or buf.size < n or buf.dtype != dtype:
-        buf = pool[name] = np.empty(max(n, 1), dtype=dtype)
-    return buf
+def _thread_scratch() -> Scratch:
+    """This thread's buffers, reused across the dequantizers of consecutive expert pieces."""
+    if not hasattr(_THREAD, "scratch"):
+        _THREAD.scratch = Scratch()
+    return _THREAD.scratch
 
 
 def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], fmt: str, out_dtype: str,
@@ -182,10 +169,10 @@ def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     """A whole [..., rows, cols] FP8 weight (uint8 storage) -> values in ``out_dtype`` storage."""
     codes = np.ascontiguousarray(codes).view(np.uint8)
     kern = BandDequantizer(fmt, scale_to_f32(np.ascontiguousarray(scale), scale_dtype), codes.shape, block,
-                           out_dtype, thread_scratch=True)
+                           out_dtype, scratch=_thread_scratch())
     rows, cols = codes.shape[-2:]
     flat = codes.reshape(-1, rows, cols)
-    out = np.empty(flat.shape, dtype=_storage(out_dtype))
+    out = np.empty(flat.shape, dtype=numpy_storage_dtype(out_dtype))
     for li, r0, r1 in bands(flat.shape[0], rows, block[0], kern.step):
         kern.dequant(flat[li, r0:r1], li, r0, out=out[li, r0:r1])
     return out.reshape(codes.shape)
@@ -209,13 +196,9 @@ def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str,
             if len(data) != n:
                 raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
             codes = np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, cols)
-            yield kern.dequant(codes, li, r0, out=np.empty((r1 - r0, cols), dtype=_storage(out_dtype)))
+            yield kern.dequant(codes, li, r0, out=np.empty((r1 - r0, cols), dtype=numpy_storage_dtype(out_dtype)))
 
     return prefetched(produce)
-
-
-def _storage(out_dtype: str) -> np.dtype:
-    return np.dtype({"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[out_dtype])
 
 
 __all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "dequant_array", "dequant_stream",

@@ -52,6 +52,40 @@ def bytes_to_numpy(buf, dtype: str, shape) -> np.ndarray:
     return np.frombuffer(buf, dtype=numpy_storage_dtype(dtype)).reshape(tuple(shape))
 
 
+class Scratch:
+    """Grow-only arrays reused by name: fresh multi-MB arrays per chunk cost page faults, not arithmetic."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, n: int, dtype) -> np.ndarray:
+        """``n`` elements of the buffer ``name`` (valid until the next ``take`` of that name)."""
+        import numpy as np
+
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != np.dtype(dtype):
+            buf = self._bufs[name] = np.empty(max(n, 1), dtype=dtype)
+        return buf[:n]
+
+
+def decode_floats(buf, dtype: str, scratch: Scratch | None = None) -> np.ndarray:
+    """float32 values of a float tensor's raw bytes (bf16 widened by a 16-bit shift: exact);
+    F16 / F64 stay in their own precision.
+
+    With ``scratch`` the bf16 result lives in its buffer and is valid until its next use.
+    """
+    import numpy as np
+
+    if dtype == "BF16":
+        raw = np.frombuffer(buf, dtype=np.uint16)
+        wide = scratch.take("bf16", raw.size, np.uint32) if scratch is not None else np.empty(raw.size, np.uint32)
+        np.left_shift(raw, 16, out=wide, dtype=np.uint32)
+        return wide.view(np.float32)
+    if dtype in ("F16", "F32", "F64"):
+        return np.frombuffer(buf, dtype={"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype])
+    raise ValueError(f"{dtype} is not a float dtype numpy can decode")
+
+
 def bytes_to_torch(buf, dtype: str, shape):
     import torch
 

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__, transforms
+from .. import __version__
 from ..checkpoint import Checkpoint, source_name
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, OutputError, PlanError
@@ -25,7 +25,7 @@ from ..experts import BlockDequant, convert_group, layout_from_label
 from ..mtp import choose_table, detect_group_layout
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..tables.resolve import resolve, trunk_specs
-from .extract import dtype_arg
+from .extract import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"
 SCOPE_FIELD = "ckpt_expert_layout_scope"  # "mtp" when only the MTP groups carry that layout
@@ -176,26 +176,27 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     if errors:
         _raise_all(errors, ckpt.root)
 
-    tensors = _ordered(ckpt, plans, Dequant(dequant_to, suffix, block) if dequant_to else None)
+    tensors = _ordered(ckpt, plans, Dequant.of(ckpt, dequant_to, suffix, block) if dequant_to else None)
     config = _config(ckpt, req)
     files = [OutputFile("config.json", content=config)] if config is not None else []
     files += _carried(ckpt)
-    manifest = _manifest(ckpt, table.family, req, plans, draft)
+    manifest = _manifest(ckpt, table.family, req, plans, draft, dequant_to)
     plan = Plan(req.command, tensors, files, inputs=[ckpt.local_dir] if ckpt.local_dir else [],
                 max_shard_size=req.max_shard_size, manifest=manifest)
     return ExpertsPlan(plan, table.family, plans, draft)
 
 
-def _manifest(ckpt: Checkpoint, family: str, req: ExpertsRequest, plans: list[GroupPlan], draft: bool) -> dict:
+def _manifest(ckpt: Checkpoint, family: str, req: ExpertsRequest, plans: list[GroupPlan], draft: bool,
+              dequant_to: str | None) -> dict:
     conversion = {
         "expert_layout": req.to.label(),
         "scope": "mtp" if req.only_mtp or draft else "all",
         "source": {"path": source_name(ckpt)},
         "tool_version": __version__,
     }
-    if req.dequant is not None:
+    if dequant_to is not None:
         q = ckpt.config.get("quantization_config")
-        conversion["dequantized_to"] = dtype_arg(req.dequant, "--dequant")
+        conversion["dequantized_to"] = dequant_to
         conversion["source_quantization"] = q if isinstance(q, dict) else None
     previous = ckpt.manifest or {}
     if previous.get("kind") == "mtp-draft":
@@ -241,25 +242,26 @@ def _raise_all(errors: list[tuple[str, PlanError]], root: str) -> None:
 
 @dataclass(frozen=True)
 class Dequant:
-    """--dequant for the tensors outside expert groups: FP8 weights and their scales become one tensor."""
+    """--dequant for the tensors outside expert groups: each FP8 weight absorbs its scale, as in extract."""
 
     dtype: str
     suffix: str
     block: tuple[int, int]
+    scales: frozenset[str]  # scales of FP8 weights: written into their weights, not on their own
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, dtype: str, suffix: str, block: tuple[int, int]) -> Dequant:
+        fp8 = (k for k, ref in ckpt.tensors.items() if ref.dtype in FP8_DTYPES)
+        return cls(dtype, suffix, block, frozenset(scale_key(k, suffix) for k in fp8))
 
     def apply(self, ckpt: Checkpoint, key: str, t: OutputTensor) -> list[OutputTensor]:
-        keys = ckpt.tensors
-        if t.dtype in FP8_DTYPES:
-            sref = keys.get(scale_key(key, self.suffix))
-            if sref is None:
-                raise InputError(f"FP8 weight {key} has no {self.suffix} to dequantize with", rule="fp8-scale",
-                                 path=ckpt.root)
-            scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
-            return [transforms.dequantize(t, scale, self.dtype, self.block)]
-        weight = key.removesuffix(self.suffix) + "weight" if key.endswith(self.suffix) else None
-        if weight is not None and weight in keys and keys[weight].dtype in FP8_DTYPES:
-            return []  # the scale went into its weight
-        return [t]
+        if key in self.scales:
+            return []
+        if t.dtype not in FP8_DTYPES:
+            return [t]
+        sref = ckpt.tensors.get(scale_key(key, self.suffix))
+        scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()])) if sref else None
+        return finish_tensor(t, scale, None, self.dtype, self.block)
 
 
 def _ordered(ckpt: Checkpoint, plans: list[GroupPlan], dequant: Dequant | None = None) -> list[OutputTensor]:

@@ -109,7 +109,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
     out: list[OutputTensor] = []
     for link in corr.tensors:
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
-            out += _finish(_joined(view, link, dequant_to), None, cast_to, None, block)
+            out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, block)
             continue
         ref = ckpt.tensors[link.verifier_key]
         meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
@@ -126,7 +126,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
                 raise UsageError(f"{ref.key}: swapping the concat order of an FP8 fusion weight needs --dequant")
             t = transforms.swap_halves(t)
             t.meta["swapped_halves"] = True
-        out += _finish(t, scale, cast_to, dequant_to, block)
+        out += finish_tensor(t, scale, cast_to, dequant_to, block)
     for link in corr.experts:
         from ..experts import BlockDequant, convert_group
 
@@ -141,7 +141,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             if t.key in scales:
                 continue  # travels with its weight
             scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
-            out += _finish(t, scale, cast_to, dequant_to, block)
+            out += finish_tensor(t, scale, cast_to, dequant_to, block)
     return out
 
 
@@ -166,7 +166,8 @@ def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
     return t
 
 
-def _finish(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, block) -> list[OutputTensor]:
+def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, block) -> list[OutputTensor]:
+    """``t`` (and its FP8 ``scale``) as written: dequantized into one tensor, cast, or as they are."""
     if t.dtype in FP8_DTYPES:
         if dequant_to is not None:
             if scale is None:
