@@ -37,6 +37,20 @@ def make_fixture(tmp_path_factory):
     return build
 
 
+def run_ckpt(*args, code: int | None = 0):
+    """Run the CLI in-process: never a traceback, and (unless ``code`` is None) exactly that exit code."""
+    from typer.testing import CliRunner
+
+    from ckpt_tools.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    out = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    assert "Traceback" not in out, out
+    if code is not None:
+        assert result.exit_code == code, f"exit {result.exit_code}: {out}"
+    return result
+
+
 def tree_hash(path: Path) -> str:
     """A hash of every file's name and bytes under ``path`` (to prove inputs stay untouched)."""
     h = hashlib.sha256()

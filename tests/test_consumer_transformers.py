@@ -16,22 +16,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from ckpt_tools.cli import app
 from ckpt_tools.config import ConfigView
 from ckpt_tools.tables.loader import get_table
 from ckpt_tools.tables.resolve import resolve
 from ckpt_tools.testing.fixtures import spec_values
 
+from conftest import run_ckpt as ckpt
+
 transformers = pytest.importorskip("transformers")
-runner = CliRunner()
-
-
-def ckpt(*args):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert r.exit_code == 0, r.output
-    return r
 
 
 def tiny_config():

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.cli import app
 from ckpt_tools.errors import InputError
 from ckpt_tools.mtp import open_mtp
 from ckpt_tools.ops import discover as discover_mod
@@ -24,17 +22,10 @@ from ckpt_tools.ops.discover import discover, write_draft
 from ckpt_tools.tables.loader import all_tables, load_table
 from ckpt_tools.tables.resolve import resolve
 
-runner = CliRunner()
+from conftest import run_ckpt as ckpt
+
 MTP_FAMILIES = sorted(f for f, t in all_tables().items() if t.kind == "mtp")
 MIN_COVERAGE = 0.95
-
-
-def ckpt(*args, code: int = 0):
-    r = runner.invoke(app, [str(a) for a in args])
-    out = r.output + (r.stderr if r.stderr_bytes is not None else "")
-    assert "Traceback" not in out, out
-    assert r.exit_code == code, f"exit {r.exit_code}: {out}"
-    return r
 
 
 @pytest.fixture

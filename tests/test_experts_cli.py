@@ -10,24 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from ckpt_tools.cli import app
 from ckpt_tools.tables.loader import all_tables
 
+from conftest import run_ckpt as ckpt
 from conftest import tree_hash
 
-runner = CliRunner()
 FP8_128 = {"moe_intermediate_size": 128, "hidden_size": 128}  # I multiple of the block: scales fuse exactly
-
-
-def ckpt(*args, code: int | None = 0):
-    result = runner.invoke(app, [str(a) for a in args])
-    out = result.output + (result.stderr if result.stderr_bytes is not None else "")
-    assert "Traceback" not in out, out
-    if code is not None:
-        assert result.exit_code == code, f"exit {result.exit_code}: {out}"
-    return result
 
 
 def tensors_of(path: Path) -> dict[str, tuple[str, list[int], bytes]]:

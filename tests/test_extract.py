@@ -12,27 +12,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.cli import app
 from ckpt_tools.mtp import open_mtp
 from ckpt_tools.tables.loader import all_tables
 
+from conftest import run_ckpt as ckpt
 from conftest import tree_hash
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "golden"
-runner = CliRunner()
 MTP_FAMILIES = sorted(f for f, t in all_tables().items() if t.kind == "mtp")
-
-
-def ckpt(*args: str, code: int | None = 0):
-    result = runner.invoke(app, [str(a) for a in args])
-    out = result.output + (result.stderr if result.stderr_bytes is not None else "")
-    assert "Traceback" not in out, out
-    if code is not None:
-        assert result.exit_code == code, f"exit {result.exit_code}: {out}"
-    return result
 
 
 def tensors_of(path: Path) -> dict[str, tuple[str, list[int], bytes]]:

@@ -8,22 +8,14 @@ import json
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.cli import app
 
+from conftest import run_ckpt as ckpt
 from conftest import tree_hash
 
-runner = CliRunner()
 # dims that are not multiples of 128 on purpose: partial edge tiles everywhere
 FP8_DIMS = {"hidden_size": 160, "moe_intermediate_size": 136, "q_lora_rank": 136, "kv_lora_rank": 24}
-
-
-def ckpt(*args, code=0):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert r.exit_code == code, r.output
-    return r
 
 
 def test_untouched_dequantized_draft_stitches_back_byte_identical(make_fixture, tmp_path):

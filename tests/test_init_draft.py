@@ -22,31 +22,20 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from typer.testing import CliRunner
 
 from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.cli import app
 from ckpt_tools.config import ConfigView
 from ckpt_tools.expert_layouts import ExpertLayout
 from ckpt_tools.tables.loader import all_tables, get_table
 from ckpt_tools.tables.resolve import expert_specs, resolve, trunk_specs
 from ckpt_tools.testing import fixture_config
 
+from conftest import run_ckpt as ckpt
 from conftest import tree_hash
 
-runner = CliRunner()
 TABLES = all_tables()
 MTP_FAMILIES = sorted(f for f, t in TABLES.items() if t.kind == "mtp")
 TEMPLATES = sorted(f for f, t in TABLES.items() if t.kind == "template")
-
-
-def ckpt(*args, code: int | None = 0):
-    result = runner.invoke(app, [str(a) for a in args])
-    out = result.output + (result.stderr if result.stderr_bytes is not None else "")
-    assert "Traceback" not in out, out
-    if code is not None:
-        assert result.exit_code == code, f"exit {result.exit_code}: {out}"
-    return result
 
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:

@@ -17,11 +17,9 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from ckpt_tools import transforms
 from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.cli import app
 from ckpt_tools.config import ConfigView
 from ckpt_tools.errors import InputError, PlanError, TableError
 from ckpt_tools.expert_layouts import ExpertLayout
@@ -33,14 +31,7 @@ from ckpt_tools.tables.loader import get_table, load_table, mappings_dir
 from ckpt_tools.tables.resolve import resolve
 from ckpt_tools.testing import fixture_config
 
-runner = CliRunner()
-
-
-def ckpt(*args, code: int = 0):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert "Traceback" not in r.output, r.output
-    assert r.exit_code == code, f"exit {r.exit_code}: {r.output}"
-    return r
+from conftest import run_ckpt as ckpt
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:

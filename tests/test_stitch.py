@@ -12,27 +12,17 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
 from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.cli import app
 from ckpt_tools.errors import InputError
 from ckpt_tools.formats import all_formats, check_expressible, get_format
 from ckpt_tools.mtp import open_mtp
 from ckpt_tools.tables.loader import all_tables
 
+from conftest import run_ckpt as ckpt
 from conftest import tree_hash
 
-runner = CliRunner()
 MTP_FAMILIES = sorted(f for f, t in all_tables().items() if t.kind == "mtp")
-
-
-def ckpt(*args, code: int | None = 0):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert "Traceback" not in r.output, r.output
-    if code is not None:
-        assert r.exit_code == code, f"exit {r.exit_code}: {r.output}"
-    return r
 
 
 def formats_for(path: Path) -> list[str]:

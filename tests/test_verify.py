@@ -12,20 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from typer.testing import CliRunner
 
-from ckpt_tools.cli import app
 from ckpt_tools.ops.verify import verify_manifest
 from ckpt_tools.writer import Progress
 
-runner = CliRunner()
-
-
-def ckpt(*args, code: int):
-    r = runner.invoke(app, [str(a) for a in args])
-    assert "Traceback" not in r.output
-    assert r.exit_code == code, r.output
-    return r
+from conftest import run_ckpt as ckpt
 
 
 @pytest.fixture(scope="module")
