@@ -43,7 +43,47 @@ REFERENCE_MATRIX = {
     "qwen3_5_moe": ("embed_first", "zero_centred", "mtp_num_hidden_layers"),
     "mimo": ("hidden_first", "plain", "num_nextn_predict_layers"),
     "hy_v3": ("embed_first", "plain", "num_nextn_predict_layers"),
+    # issue 11, part A (same section of the reference)
+    "glm4_moe_lite": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "glm_moe_dsa": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "glm_ocr": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "mimo_v2": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "ernie4_5_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "longcat_flash": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "step3p5": ("embed_first", "zero_centred", "num_nextn_predict_layers"),
+    # issue 11, part B (sections 2, 1.2, 1.3 and 12-16; DeepSeek-V4 fuses through separate e_proj / h_proj,
+    # roles fusion_embed / fusion_hidden; its count field is the transformers 5.24 config's)
+    "nemotron_h": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "exaone_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "pangu_ultra_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "bailing_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "deepseek_v4": ("embed_first", "plain", "num_nextn_predict_layers"),
+    "minimax_m3": ("embed_first", "zero_centred", "num_mtp_modules"),
+    "inkling": ("hidden_first", "plain", "mtp_config.num_nextn_predict_layers"),
 }
+
+# The MTP classes of vLLM / SGLang (section 1.9 of mtp-layouts.md), typed by hand. GLM-OCR's SGLang
+# class is not recorded.
+ENGINES = {
+    "glm4_moe_lite": {"vllm_mtp": "Glm4MoeLiteMTPModel", "sglang_nextn": "Glm4MoeLiteForCausalLMNextN"},
+    "glm_moe_dsa": {"vllm_mtp": "DeepseekV32MTPModel", "sglang_nextn": "GlmMoeDsaForCausalLMNextN"},
+    "glm_ocr": {"vllm_mtp": "GlmOcrMTPModel"},
+    "mimo_v2": {"vllm_mtp": "MiMoV2MTPModel", "sglang_mtp": "MiMoV2MTP"},
+    "ernie4_5_moe": {"vllm_mtp": "ErnieMTPModel", "sglang_mtp": "Ernie4_5_MoeForCausalLMMTP"},
+    "longcat_flash": {"vllm_mtp": "LongCatFlashMTPModel", "sglang_nextn": "LongcatFlashForCausalLMNextN"},
+    "step3p5": {"vllm_mtp": "Step3p5MTP", "sglang_mtp": "Step3p5MTP"},
+    "nemotron_h": {"vllm_mtp": "NemotronHMTPModel", "sglang_mtp": "NemotronHForCausalLMMTP"},
+    "exaone_moe": {"vllm_mtp": "ExaoneMoeMTP", "sglang_mtp": "ExaoneMoEForCausalLMMTP"},
+    "pangu_ultra_moe": {"vllm_mtp": "OpenPanguMTPModel"},
+    "bailing_moe": {"vllm_mtp": "BailingMoeV25MTPModel", "sglang_nextn": "BailingMoeForCausalLMNextN"},
+    "deepseek_v4": {"vllm_mtp": "DeepSeekV4MTPModel"},
+    "minimax_m3": {"vllm_mtp": "MiniMaxM3MTP"},
+    "inkling": {"vllm_mtp": "InklingMTPModel"},
+}
+
+# Families whose reference lists an FP8 fusion projection (LongCat: eh_proj (+ weight_scale_inv), section 10).
+FP8_FUSION = {"longcat_flash"}
+ALL_FAMILIES = sorted(REFERENCE_MATRIX)
 
 
 # --------------------------------------------------------------------------- loading
@@ -55,7 +95,7 @@ def _mtp_families() -> set[str]:
 
 def test_every_shipped_table_loads_and_validates():
     tables = all_tables()
-    assert set(FAMILIES) <= _mtp_families()
+    assert set(FAMILIES) <= set(ALL_FAMILIES) <= _mtp_families() and set(ENGINES) <= set(ALL_FAMILIES)
     paths = sorted(mappings_dir().glob("*/*.yaml"))
     arch_paths = [p for p in paths if p.parent == ARCH_DIR]
     assert {p.stem for p in arch_paths} == _mtp_families()
@@ -73,7 +113,7 @@ def test_every_shipped_table_loads_and_validates():
             assert res.mtp_count >= 1, f"{path.name}: its fixture declares no MTP layer"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_table_matches_reference_matrix(family):
     t = get_table(family)
     order, norm, count_key = REFERENCE_MATRIX[family]
@@ -83,16 +123,21 @@ def test_table_matches_reference_matrix(family):
     assert t.config[t.mtp.count_field].keys[0] == count_key
     # the fixture declares its count in that field (nested text_config for Qwen3.5)
     assert ConfigView(t.fixture).get(count_key) == resolve(t, ConfigView(t.fixture)).mtp_count
+    if family in ENGINES:
+        assert t.engines == ENGINES[family]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_quantization_never_touches_norms_routers_embeddings_or_fusion(family):
-    """Reference 1.8: norms, routers, router biases, embeddings, heads and the fusion stay BF16."""
+    """Reference 1.8: norms, routers, router biases, embeddings, heads and the fusion stay BF16 (the
+    fusion is quantized only where the family's own section lists it with a scale: FP8_FUSION)."""
     res = resolve(get_table(family), ConfigView(get_table(family).fixture))
     specs = list(res.shared.values()) + res.mtp_specs() + trunk_specs(res)[0]
     for s in specs:
-        if s.kind in ("norm", "bias", "embedding", "router") or s.role in ("fusion", "head", "embed"):
+        if s.kind in ("norm", "bias", "embedding", "router") or s.role in ("head", "embed"):
             assert not s.quant, f"{family}: {s.key} must not be block-quantized"
+        if s.role.startswith("fusion"):
+            assert s.quant == (family in FP8_FUSION), f"{family}: {s.key}"
     for s in res.mtp_specs():
         if s.tag in ("router", "router_bias"):
             assert s.kind in ("router", "bias")
@@ -377,7 +422,7 @@ def test_user_table_directory_adds_a_family(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- detection
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_fixture_config_detects_its_own_family(family):
     cfg = fixture_config(family)
     assert detect_table(ConfigView(cfg)).family == family
@@ -412,75 +457,8 @@ def test_get_table_unknown_name_lists_known_families():
 
 
 # --------------------------------------------------------------------------- more families (issue 11, part A)
-# GLM-4.7-Flash, GLM-5, GLM-OCR, MiMo-V2, ERNIE-4.5 MoE, LongCat-Flash, Step-3.5: the same checks as the
-# original families above, kept apart so that each list can grow without touching the other.
-
-MORE_FAMILIES = ["ernie4_5_moe", "glm4_moe_lite", "glm_moe_dsa", "glm_ocr", "longcat_flash", "mimo_v2", "step3p5"]
-
-# Section 2 of mtp-layouts.md, typed by hand (order, norms, count field).
-MORE_MATRIX = {
-    "glm4_moe_lite": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "glm_moe_dsa": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "glm_ocr": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "mimo_v2": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "ernie4_5_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "longcat_flash": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "step3p5": ("embed_first", "zero_centred", "num_nextn_predict_layers"),
-}
-
-# Section 1.9 of mtp-layouts.md, typed by hand. GLM-OCR's SGLang class is not recorded ("GlmOcr...NextN").
-MORE_ENGINES = {
-    "glm4_moe_lite": {"vllm_mtp": "Glm4MoeLiteMTPModel", "sglang_nextn": "Glm4MoeLiteForCausalLMNextN"},
-    "glm_moe_dsa": {"vllm_mtp": "DeepseekV32MTPModel", "sglang_nextn": "GlmMoeDsaForCausalLMNextN"},
-    "glm_ocr": {"vllm_mtp": "GlmOcrMTPModel"},
-    "mimo_v2": {"vllm_mtp": "MiMoV2MTPModel", "sglang_mtp": "MiMoV2MTP"},
-    "ernie4_5_moe": {"vllm_mtp": "ErnieMTPModel", "sglang_mtp": "Ernie4_5_MoeForCausalLMMTP"},
-    "longcat_flash": {"vllm_mtp": "LongCatFlashMTPModel", "sglang_nextn": "LongcatFlashForCausalLMNextN"},
-    "step3p5": {"vllm_mtp": "Step3p5MTP", "sglang_mtp": "Step3p5MTP"},
-}
-
-# Families whose reference lists an FP8 fusion projection (LongCat: eh_proj (+ weight_scale_inv), section 10).
-FP8_FUSION = {"longcat_flash"}
-
-
-def test_more_families_are_shipped():
-    assert set(MORE_FAMILIES) <= _mtp_families()
-    assert set(MORE_MATRIX) == set(MORE_FAMILIES) == set(MORE_ENGINES)
-
-
-@pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_more_tables_match_reference_matrix_and_engines(family):
-    t = get_table(family)
-    order, norm, count_key = MORE_MATRIX[family]
-    assert t.mtp.concat_order == order
-    assert t.norm == norm
-    assert t.mtp.count_field is not None
-    assert t.config[t.mtp.count_field].keys[0] == count_key
-    assert ConfigView(t.fixture).get(count_key) == resolve(t, ConfigView(t.fixture)).mtp_count
-    assert t.engines == MORE_ENGINES[family]
-
-
-@pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_more_quantization_never_touches_norms_routers_embeddings(family):
-    """Reference 1.8: norms, routers, router biases, embeddings and heads stay BF16; the fusion too,
-    except where the family's own section lists it with a scale."""
-    res = resolve(get_table(family), ConfigView(get_table(family).fixture))
-    specs = list(res.shared.values()) + res.mtp_specs() + trunk_specs(res)[0]
-    for s in specs:
-        if s.kind in ("norm", "bias", "embedding", "router") or s.role in ("head", "embed"):
-            assert not s.quant, f"{family}: {s.key} must not be block-quantized"
-        if s.role == "fusion":
-            assert s.quant == (family in FP8_FUSION), s.key
-    if any(layer.experts for layer in res.layers):
-        assert "router" in {s.tag for s in res.mtp_specs()}
-
-
-@pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_more_fixture_configs_detect_their_family(family):
-    cfg = fixture_config(family)
-    assert detect_table(ConfigView(cfg)).family == family
-    cfg.pop("architectures")
-    assert detect_table(ConfigView(cfg)).family == family
+# GLM-4.7-Flash, GLM-5, GLM-OCR, MiMo-V2, ERNIE-4.5 MoE, LongCat-Flash, Step-3.5: their matrix, engines,
+# quantization and detection checks are the shared ones above (ALL_FAMILIES); what follows is particular.
 
 
 def test_own_heads_and_own_embeddings_are_not_taken_for_shared_copies():
@@ -741,70 +719,9 @@ def test_more_fuse_then_unfuse_is_byte_identical(family, options, shipped, make_
 
 
 # --------------------------------------------------------------------------- families of issue 11, part B
-# Nemotron-H, EXAONE-MoE, openPangu Ultra MoE, Bailing V2.5, DeepSeek-V4, MiniMax-M3, Inkling: the same
-# checks as above, kept in their own functions. Generic mechanisms they need are tested in test_mechanisms.py.
-
-PART_B_FAMILIES = ["bailing_moe", "deepseek_v4", "exaone_moe", "inkling", "minimax_m3", "nemotron_h", "pangu_ultra_moe"]
-
-# Sections 2, 1.2, 1.3 and 12-16 of mtp-layouts.md, typed by hand: fusion input order, norm convention,
-# the config field holding the MTP count. DeepSeek-V4's order is "separate e_proj / h_proj" (roles
-# fusion_embed / fusion_hidden); its count field is not recorded by the reference (num_nextn_predict_layers
-# in the transformers 5.24 config).
-PART_B_MATRIX = {
-    "nemotron_h": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "exaone_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "pangu_ultra_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "bailing_moe": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "deepseek_v4": ("embed_first", "plain", "num_nextn_predict_layers"),
-    "minimax_m3": ("embed_first", "zero_centred", "num_mtp_modules"),
-    "inkling": ("hidden_first", "plain", "mtp_config.num_nextn_predict_layers"),
-}
-
-# Section 1.9, typed by hand.
-PART_B_ENGINES = {
-    "nemotron_h": {"vllm_mtp": "NemotronHMTPModel", "sglang_mtp": "NemotronHForCausalLMMTP"},
-    "exaone_moe": {"vllm_mtp": "ExaoneMoeMTP", "sglang_mtp": "ExaoneMoEForCausalLMMTP"},
-    "pangu_ultra_moe": {"vllm_mtp": "OpenPanguMTPModel"},
-    "bailing_moe": {"vllm_mtp": "BailingMoeV25MTPModel", "sglang_nextn": "BailingMoeForCausalLMNextN"},
-    "deepseek_v4": {"vllm_mtp": "DeepSeekV4MTPModel"},
-    "minimax_m3": {"vllm_mtp": "MiniMaxM3MTP"},
-    "inkling": {"vllm_mtp": "InklingMTPModel"},
-}
-
-
-def test_part_b_families_are_shipped():
-    assert set(PART_B_FAMILIES) <= _mtp_families()
-    assert set(PART_B_MATRIX) == set(PART_B_FAMILIES) == set(PART_B_ENGINES)
-
-
-@pytest.mark.parametrize("family", PART_B_FAMILIES)
-def test_part_b_tables_match_reference_matrix_and_engines(family):
-    t = get_table(family)
-    order, norm, count_key = PART_B_MATRIX[family]
-    assert (t.mtp.concat_order, t.norm) == (order, norm)
-    assert t.mtp.count_field is not None
-    assert t.config[t.mtp.count_field].keys[0] == count_key
-    assert ConfigView(t.fixture).get(count_key) == resolve(t, ConfigView(t.fixture)).mtp_count
-    assert t.engines == PART_B_ENGINES[family]
-
-
-@pytest.mark.parametrize("family", PART_B_FAMILIES)
-def test_part_b_quantization_never_touches_norms_routers_embeddings_or_fusion(family):
-    res = resolve(get_table(family), ConfigView(get_table(family).fixture))
-    for s in list(res.shared.values()) + res.mtp_specs() + trunk_specs(res)[0]:
-        kept = s.kind in ("norm", "bias", "embedding", "router") or s.role in ("head", "embed")
-        if kept or s.role.startswith("fusion"):
-            assert not s.quant, f"{family}: {s.key} must not be block-quantized"
-    if any(layer.experts for layer in res.layers):
-        assert "router" in {s.tag for s in res.mtp_specs()}
-
-
-@pytest.mark.parametrize("family", PART_B_FAMILIES)
-def test_part_b_fixture_configs_detect_their_family(family):
-    cfg = fixture_config(family)
-    assert detect_table(ConfigView(cfg)).family == family
-    cfg.pop("architectures")
-    assert detect_table(ConfigView(cfg)).family == family
+# Nemotron-H, EXAONE-MoE, openPangu Ultra MoE, Bailing V2.5, DeepSeek-V4, MiniMax-M3, Inkling: their
+# matrix, engines, quantization and detection checks are the shared ones above (ALL_FAMILIES); what follows
+# is particular to them. Generic mechanisms they need are tested in test_mechanisms.py.
 
 
 def test_nemotron_mtp_step_follows_the_pattern():
