@@ -2,20 +2,85 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import typer
 
 from ..errors import EXIT_INPUT, CkptError
+from ..jsonutil import dumps_strict
 from ..writer import Progress
 
 INTERNAL_ERROR = 5
 STATE = {"debug": False}
+# Signals that stop a command the way Ctrl-C does: cleanup runs, exit code 128 + signal number.
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived while a command ran.
+
+    A KeyboardInterrupt, so every cleanup path written for Ctrl-C (the writer's finally blocks,
+    stitch's statistics threads) runs for the other signals too.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """While a command runs, the stop signals raise ``Terminated`` in the main thread.
+
+    Only default dispositions are replaced: a signal someone chose to ignore (``nohup``, SIGINT
+    of a background job) stays ignored and a host program's own handler stays in place. The
+    previous handlers come back afterwards, so library use and in-process runners are unaffected.
+    """
+    installed: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is not None and signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+                installed[signum] = signal.signal(signum, _raise_terminated)
+    try:
+        yield
+    finally:
+        for signum, previous in installed.items():
+            signal.signal(signum, previous)
+
+
+def _in_writer(tb) -> bool:
+    """Whether an exception was raised while the writer ran (its frames are on the traceback)."""
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "ckpt_tools.writer":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def stopped_message(e: KeyboardInterrupt, kwargs: dict) -> tuple[str, int]:
+    """The one line and the exit code (128 + signal number) for a command stopped by a signal."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    how = "interrupted" if signum == signal.SIGINT else "terminated"
+    text = f"{how} by {signal.Signals(signum).name}"
+    if _in_writer(e.__traceback__):
+        out = kwargs.get("out")
+        rerun = "--resume to finish" if "resume" in kwargs else "--overwrite to start again"
+        text += f" while writing{f' {out}' if out else ''}; no output was marked complete; rerun with {rerun}"
+    else:
+        text += " before the command finished"
+    return text, 128 + signum
 
 
 def err_console():
@@ -42,10 +107,11 @@ def command(fn: Callable) -> Callable:
         if hub is not None:  # count this command's downloads only (several commands may share a process)
             hub.HUB_STATS.reset()
         try:
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _report_downloads()
+            with stop_signals_raise():
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _report_downloads()
         except typer.Exit:
             raise
         except CkptError as e:
@@ -53,23 +119,34 @@ def command(fn: Callable) -> Callable:
                 traceback.print_exc()
             from rich.markup import escape
 
-            err_console().print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            err_console().print(f"[bold red]error:[/] {escape(str(e) or _no_message(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
-            err_console().print("interrupted; no output was marked complete")
-            raise typer.Exit(130) from None
-        except Exception as e:  # a bug: say so, without a traceback unless asked
+        except KeyboardInterrupt as e:
+            if STATE["debug"]:
+                traceback.print_exc()
+            text, code = stopped_message(e, kwargs)
+            err_console().print(text, markup=False, soft_wrap=True)
+            raise typer.Exit(code) from None
+        except (Exception, SystemExit) as e:  # a bug (a stray sys.exit too): say so, no traceback unless asked
             if STATE["debug"]:
                 traceback.print_exc()
             from rich.markup import escape
 
             err_console().print(
-                f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e))} (rerun with `ckpt --debug ...` "
-                "for a traceback and report it)", soft_wrap=True,
+                f"[bold red]internal error:[/] {type(e).__name__}: {escape(str(e) or _no_message(e))} (rerun with "
+                "`ckpt --debug ...` for a traceback and report it)", soft_wrap=True,
             )
             raise typer.Exit(INTERNAL_ERROR) from None
 
     return wrapper
+
+
+def _no_message(e: BaseException) -> str:
+    """What to print for an exception that carries no text: a line must still name the cause."""
+    if isinstance(e, MemoryError):
+        return "out of memory"
+    rule = getattr(e, "rule", None)
+    return f"{type(e).__name__}{f' [{rule}]' if rule else ''} (no message)"
 
 
 def _report_downloads() -> None:
@@ -81,7 +158,8 @@ def _report_downloads() -> None:
 
 
 def emit_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    """Strict JSON on stdout: no bare NaN / Infinity (NaN -> null, +-inf -> "inf" / "-inf"; see jsonutil)."""
+    sys.stdout.write(dumps_strict(obj, indent=2) + "\n")
 
 
 class RichProgress(Progress):

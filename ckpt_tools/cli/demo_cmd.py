@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from .common import command, out_console
+from .common import command, err_console, out_console
 
 
 def _demo_family() -> str:
@@ -42,14 +42,15 @@ def register(app: typer.Typer) -> None:
 
         def step(title: str, *args: str, ok=(0,)) -> None:
             console.rule(f"[bold]{title}[/]  ckpt {' '.join(args)}")
-            try:
-                cli.main(list(args), standalone_mode=False)
-            except click.exceptions.Exit as e:
-                if e.exit_code not in ok:
-                    raise
-            except SystemExit as e:
-                if e.code not in ok:
-                    raise
+            try:  # without standalone mode click returns an Exit's code instead of raising it
+                code = cli.main(list(args), standalone_mode=False)
+            except (click.exceptions.Exit, SystemExit) as e:
+                code = e.exit_code if isinstance(e, click.exceptions.Exit) else e.code
+            code = code or 0  # a command that returns normally gives None
+            if code not in ok:
+                err_console().print(f"demo stopped: step {title!r} (ckpt {' '.join(args)}) exited {code}",
+                                    markup=False, soft_wrap=True)
+                raise typer.Exit(code if isinstance(code, int) else 1)
 
         try:
             verifier = make_checkpoint(family, root / "verifier")

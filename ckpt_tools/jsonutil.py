@@ -1,0 +1,52 @@
+"""Strict JSON for everything a user or a CI job parses (``--json``, reports, plans).
+
+Python's ``json`` writes ``NaN`` / ``Infinity`` by default, which is not JSON: jq, JavaScript
+and most parsers reject the whole document. ``dumps_strict`` never does. Non-finite floats
+become ``"inf"`` / ``"-inf"`` (strings, so the sign survives) and NaN becomes ``null``;
+numpy scalars and arrays become plain numbers and lists, tuples and sets lists, and any other
+object its ``str``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def strict(obj: Any) -> Any:
+    """``obj`` with every value JSON can hold exactly as JSON (see the module docstring)."""
+    if _is_numpy(obj):  # numpy scalars and arrays: their Python values
+        return strict(obj.tolist())
+    if isinstance(obj, float):
+        v = float(obj)
+        if math.isnan(v):
+            return None
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return v
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, dict):
+        return {_key(k): strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((strict(v) for v in obj), key=repr)
+    return str(obj)
+
+
+def dumps_strict(obj: Any, **kw: Any) -> str:
+    """``json.dumps`` of ``strict(obj)``; ``allow_nan=False`` proves nothing non-finite slipped through."""
+    return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
+def _key(k: Any) -> str | int | bool | None:
+    """Dict keys JSON can hold; a non-finite float key (``NaN``) becomes its name, like any other object."""
+    if isinstance(k, (str, int, bool)) or k is None:
+        return k
+    return str(k)
+
+
+def _is_numpy(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and hasattr(obj, "tolist")
