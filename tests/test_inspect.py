@@ -16,7 +16,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
-from ckpt_tools.errors import EXIT_INPUT
+from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
 from ckpt_tools.ops.inspect import inspect_checkpoint
 from ckpt_tools.tables.loader import all_tables
 
@@ -181,7 +181,7 @@ def test_inspect_with_arch_override_and_unknown_family(make_fixture, tmp_path):
     assert j["table_source"] == "arch"
     runner = CliRunner()
     bad = runner.invoke(app, ["inspect", str(d), "--arch", "no_such_family"])
-    assert bad.exit_code == EXIT_INPUT and "unknown-family" in bad.output and "deepseek_v3" in bad.output
+    assert bad.exit_code == EXIT_USAGE and "unknown-family" in bad.output and "deepseek_v3" in bad.output
     assert "Traceback" not in bad.output
     cfg = json.loads((d / "config.json").read_text())
     copy = tmp_path / "unknown"

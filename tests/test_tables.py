@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
 from ckpt_tools.config import ConfigView
-from ckpt_tools.errors import InputError, TableError
+from ckpt_tools.errors import InputError, TableError, UsageError
 from ckpt_tools.expert_layouts import ExpertLayout
 from ckpt_tools.mtp import open_mtp
 from ckpt_tools.tables.loader import all_tables, detect_table, get_table, load_table, mappings_dir
@@ -450,7 +450,7 @@ def test_unknown_config_lists_known_families():
 
 
 def test_get_table_unknown_name_lists_known_families():
-    with pytest.raises(InputError) as ei:
+    with pytest.raises(UsageError) as ei:
         get_table("deepseek_v9")
     for family in FAMILIES:
         assert family in str(ei.value)

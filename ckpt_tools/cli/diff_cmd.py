@@ -22,7 +22,10 @@ def register(app: typer.Typer) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded)."""
         from ..checkpoint import Checkpoint
         from ..ops.diff import diff
+        from ..options import regex
 
+        if keys is not None:
+            regex("--keys", keys)  # before any checkpoint is opened
         report = diff(Checkpoint.open(a), Checkpoint.open(b), keys=keys, stats=stats or dequant, dequant=dequant)
         if json_output:
             emit_json(report.to_json(all_keys=show_all))

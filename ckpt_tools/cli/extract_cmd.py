@@ -10,14 +10,13 @@ from .common import command, command_line, emit_json, out_console, progress_for
 
 
 def _layers(text: str | None) -> list[int] | None:
+    """--layers: MTP depths, each below the MTP bound, none twice (extract and stitch)."""
     if text is None:
         return None
-    from ..errors import UsageError
+    from ..options import index_list
+    from ..tables.resolve import MAX_MTP_LAYERS
 
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--layers {text!r}: expected comma-separated integers such as 0,1") from None
+    return index_list("--layers", text, MAX_MTP_LAYERS - 1)
 
 
 def register(app: typer.Typer) -> None:

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""
         from ..checkpoint import Checkpoint
-        from ..ops.init_draft import InitRequest, plan_init
+        from ..ops.init_draft import InitRequest, check_request, plan_init
         from ..ops.validate import validate_output
         from ..plan import parse_size
         from ..safetensors_io import IO_STATS
@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
         req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=fmt,
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
                           command=command_line())
+        check_request(req)  # before the target is opened
         plan, summary = plan_init(Checkpoint.open(target), req)
         if plan_json is not None:
             plan.write_json(plan_json)

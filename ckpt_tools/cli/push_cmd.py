@@ -43,6 +43,21 @@ def render(plan, result) -> None:
             con.print(f"commit: {result.commit_url}", soft_wrap=True)
 
 
+def _repo(text: str, option: str):
+    """ORG/NAME[@REV] with a name the Hub accepts: a malformed one is a usage error here, not a Hub error later."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from ..errors import UsageError
+    from ..hub import parse_repo_rev
+
+    ref = parse_repo_rev(text, option)
+    try:
+        validate_repo_id(ref.repo_id)
+    except HFValidationError as e:
+        raise UsageError(f"{option} {text!r}: {e}") from None
+    return ref
+
+
 def register(app: typer.Typer) -> None:
     @app.command("push")
     @command
@@ -67,15 +82,14 @@ def register(app: typer.Typer) -> None:
         json_output: bool = typer.Option(False, "--json", help="Print the plan and result as JSON."),
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
-        from ..hub import parse_repo_rev
         from ..hub_push import PushRequest, push
 
-        target = parse_repo_rev(repo_id, "REPO_ID")
+        target = _repo(repo_id, "REPO_ID")
         if target.revision is not None:
             from ..errors import UsageError
 
             raise UsageError(f"REPO_ID {repo_id!r}: give the branch with --revision, not '@'")
-        base_ref = parse_repo_rev(base, "--base") if base else None
+        base_ref = _repo(base, "--base") if base else None
         req = PushRequest(folder, target.repo_id, revision=revision, private=private, create_pr=create_pr,
                           message=message, base=base_ref, dry_run=dry_run, force=force, card=card,
                           command=command_line())

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from ..checkpoint import Checkpoint
 from ..compare import TensorDiff, compare
 from ..dtypes import FP8_DTYPES
+from ..options import regex
 from ..plan import CopyBytes
 
 
@@ -40,7 +40,7 @@ class DiffReport:
 def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool = False,
          dequant: bool = False) -> DiffReport:
     """Compare every tensor of ``a`` and ``b`` (optionally only keys matching ``keys``)."""
-    pattern = re.compile(keys) if keys else None
+    pattern = regex("--keys", keys) if keys else None
     report = DiffReport(a.root, b.root)
     names = sorted(set(a.tensors) | set(b.tensors))
     for key in names:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 from .. import __version__
@@ -31,9 +32,10 @@ from ..expr import evaluate, render
 from ..formats import correspond, get_format
 from ..init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ..mtp import MtpView, choose_table, detect_group_layout
+from ..options import MAX_SEED, int_in_range, positive_finite
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..safetensors_io import TensorRef
-from ..tables.resolve import Resolved, Spec, part_specs, resolve, trunk_specs
+from ..tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ..tables.schema import Table
 from .extract import _draft_config, _set_count, carried_files, draft_tensors, dtype_arg
 
@@ -84,21 +86,58 @@ def init_method(spec: Spec, table: Table) -> str:
     return "normal"  # linear, router, embedding, other
 
 
-def _std(req: InitRequest, config: ConfigView) -> tuple[float, str]:
+def check_request(req: InitRequest) -> None:
+    """Option values, checked before the target is opened; each refusal names its option.
+
+    The target-dependent bounds (a format's layer limit, the target's decoder layers, the dtypes
+    the std must fit) are checked in ``plan_init``, still before anything is written.
+    """
+    if req.num_layers is not None:
+        int_in_range("--num-layers", req.num_layers, 1, MAX_MTP_LAYERS, "the MTP layer bound")
+    int_in_range("--seed", req.seed, 0, MAX_SEED)
     if req.std is not None:
-        if not req.std > 0:
-            raise UsageError(f"--std must be positive, got {req.std}")
-        return float(req.std), "--std"
-    v = config.get("initializer_range")
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-        return float(v), "initializer_range"
-    return DEFAULT_STD, "default"
+        positive_finite("--std", req.std)
+    if req.from_layer is not None:
+        int_in_range("--from-layer", req.from_layer, 0, MAX_TRUNK_LAYERS - 1, "a decoder layer index")
+
+
+def _std(req: InitRequest, target: Checkpoint) -> tuple[float, str]:
+    if req.std is not None:
+        return float(req.std), "--std"  # finite and positive (check_request)
+    v = target.config.get("initializer_range")
+    if v is None:
+        return DEFAULT_STD, "default"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise InputError(f"initializer_range = {v!r} is not a finite number above 0; pass --std X",
+                         rule="config-field", path=f"{target.root}/config.json")
+    return float(v), "initializer_range"
+
+
+# |N(0, 1)| samples stay below this (P(|x| >= 16) ~ 1e-57): std * NORMAL_BOUND must fit the dtype.
+NORMAL_BOUND = 16.0
+
+
+def _check_std_fits(std: float, std_from: str, dtypes: set[str], target: Checkpoint) -> None:
+    """Normal values of this std must be finite, normal numbers in every dtype they are drawn into
+    (float32 first, where they are scaled): no Inf from a huge std, no all-zero tensor from a tiny one."""
+    import torch
+
+    from ..dtypes import torch_dtype
+
+    for dtype in sorted((dtypes | {"F32"}) if dtypes else ()):
+        info = torch.finfo(torch_dtype(dtype))
+        if std * NORMAL_BOUND <= info.max and std >= info.tiny:
+            continue
+        why = (f"normal values of std {std:g} do not fit {dtype} (finite up to {info.max:g}, normal from "
+               f"{info.tiny:g}); use a std from {info.tiny:g} to {info.max / NORMAL_BOUND:g}")
+        if std_from == "--std":
+            raise UsageError(f"--std {std:g}: {why}")
+        raise InputError(f"initializer_range: {why}, or pass --std X", rule="config-field",
+                         path=f"{target.root}/config.json")
 
 
 def _count(table: Table, target: Checkpoint, req: InitRequest, max_layers: int | None) -> int:
-    if req.num_layers is not None:
-        if req.num_layers < 1:
-            raise UsageError(f"--num-layers must be at least 1, got {req.num_layers}")
+    if req.num_layers is not None:  # within 1..MAX_MTP_LAYERS (check_request)
         if max_layers is not None and req.num_layers > max_layers:
             raise UsageError(f"--format {req.format} holds at most {max_layers} MTP layer(s); "
                              f"pass --num-layers {max_layers} or --format native")
@@ -226,10 +265,11 @@ def _shared_source(spec: Spec, res: Resolved, target: Checkpoint) -> TensorRef |
 
 
 def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
+    check_request(req)
     table = choose_table(target, req.arch)
     fmt = get_format(req.format)
     count = _count(table, target, req, fmt.max_layers)
-    std, std_from = _std(req, target.config)
+    std, std_from = _std(req, target)
     gen_dtype = dtype_arg(req.dtype, "--dtype")
     dequant_to = dtype_arg(req.dequant, "--dequant")
     res = resolve(table, target.config, mtp_count=count)
@@ -268,6 +308,7 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
         else:
             recipes.append(InitRecipe(spec.key, gen_dtype or spec.dtype, tuple(spec.shape), method, std, req.seed))
         present.append(spec)
+    _check_std_fits(std, std_from, {r.dtype for r in recipes if r.method == "normal"}, target)
     if missing_copies:
         raise InputError(
             f"{table.family} MTP layers carry per-layer copies of the target's embedding / head "

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from ..config import ConfigView
-from ..errors import InputError, TableError
+from ..errors import InputError, TableError, UsageError
 from ..expr import ExprError, names_in, template_names
 from . import cache
 from .schema import Table
@@ -159,9 +159,10 @@ def all_tables() -> dict[str, Table]:
 
 
 def get_table(name: str) -> Table:
+    """The table a user named (``--arch``, ``--family``): an unknown name is a usage error (exit 2)."""
     tables = all_tables()
     if name not in tables:
-        raise InputError(f"unknown family {name!r}; known: {', '.join(sorted(tables))}", rule="unknown-family")
+        raise UsageError(f"unknown family {name!r}; known: {', '.join(sorted(tables))}", rule="unknown-family")
     return tables[name]
 
 
