@@ -83,7 +83,7 @@ class OutputFile:
     name: str
     content: bytes | None = None
     source: Path | None = None
-    link: str = "copy"  # copy | reflink | hardlink | symlink | remote
+    link: str = "copy"  # copy | reflink | hardlink | remote
     tensors: dict[str, int] = field(default_factory=dict)  # a copied shard: its keys and their byte sizes
     remote: str | None = None  # link "remote": the file stays in this hub repo (hf://org/repo@rev/path)
 
@@ -193,7 +193,7 @@ def parse_size(text: str | int) -> int:
         s = text.strip()
         try:
             size = int(s) if s.isdigit() else parse_size_to_int(s)
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:  # OverflowError: "infGB"
             raise UsageError(f"--max-shard-size {text!r}: {e}") from None
     if size <= 0:
         raise UsageError(f"--max-shard-size must be positive, got {text!r}")

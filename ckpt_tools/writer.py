@@ -380,7 +380,7 @@ class Writer:
             return
         assert f.source is not None
         if final.exists() or final.is_symlink():
-            if f.link in ("hardlink", "symlink") or not self.resume:
+            if f.link == "hardlink" or not self.resume or final.is_symlink():
                 final.unlink()
             else:
                 return  # resumed: a finished copy (renamed into place) is complete
@@ -392,8 +392,6 @@ class Writer:
                     f"cannot hardlink {f.source} ({e.strerror}); use --link copy or put the output on the same "
                     "filesystem", path=str(final)
                 ) from e
-        elif f.link == "symlink":
-            os.symlink(os.path.abspath(f.source), final)
         else:
             tmp = final.with_name(f".{final.name}.partial")
             with self._cleanup_on_error(tmp, final):

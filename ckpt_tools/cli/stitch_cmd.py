@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         mode: str = typer.Option("auto", "--mode", help="replace (verifier has MTP) | add (it has none) | auto"),
         link: str = typer.Option(
             "copy", "--link",
-            help="Untouched shards: copy | reflink | hardlink | symlink | remote (an hf:// verifier's shards "
+            help="Untouched shards: copy | reflink | hardlink | remote (an hf:// verifier's shards "
                  "stay on the Hub; `ckpt push` copies them server-side)"),
         allow_partial: bool = typer.Option(False, "--allow-partial", help="Keep verifier tensors the draft lacks."),
         dtype: str = typer.Option("verifier", "--dtype", help="verifier (cast to its dtypes) | draft"),

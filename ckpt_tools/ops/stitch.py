@@ -35,7 +35,7 @@ from .extract import _set_count, carried_files
 if TYPE_CHECKING:
     from ..safetensors_io import TensorRef
 
-LINK_MODES = ("copy", "reflink", "hardlink", "symlink", "remote")
+LINK_MODES = ("copy", "reflink", "hardlink", "remote")
 
 
 @dataclass
@@ -283,8 +283,14 @@ class _Builder:
 
 
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
+    if req.link == "symlink":  # removed: links out of the output fail our own shard-path rule
+        raise UsageError("--link symlink was removed: a symlinked output is not self-contained and every verb "
+                         "refuses shards that resolve outside the checkpoint; use --link hardlink or --link reflink "
+                         "(the same space saving)")
     if req.link not in LINK_MODES:
         raise UsageError(f"--link {req.link!r}: use one of {', '.join(LINK_MODES)}")
+    if req.dtype not in ("verifier", "draft"):
+        raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")
     if req.link == "remote" and verifier.local_dir is not None:
         raise UsageError("--link remote needs an hf:// verifier (its untouched shards stay on the Hub)")
     if draft.local_dir is not None and verifier.local_dir is not None and \
