@@ -13,6 +13,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,6 +130,16 @@ def test_an_ignored_signal_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_closed_stdout_is_said_on_stderr(verifier):
+    """`ckpt inspect V | head -1`: the reader went away; one line on stderr, exit 141, no internal error."""
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tools", "inspect", str(verifier)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    proc.stdout.close()  # before the child has written anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert err.strip() == "stdout was closed before the output was complete (broken pipe)", err
 
 
 # --------------------------------------------------------------------------- option values

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
 import sys
 import threading
@@ -18,6 +19,7 @@ from ..jsonutil import dumps_strict
 from ..writer import Progress
 
 INTERNAL_ERROR = 5
+EXIT_BROKEN_PIPE = 128 + 13  # like a process killed by SIGPIPE, which Python ignores in favour of an exception
 STATE = {"debug": False}
 # Signals that stop a command the way Ctrl-C does: cleanup runs, exit code 128 + signal number.
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
@@ -128,6 +130,9 @@ def command(fn: Callable) -> Callable:
             err_console().print(text, markup=False, soft_wrap=True)
             raise typer.Exit(code) from None
         except (Exception, SystemExit) as e:  # a bug (a stray sys.exit too): say so, no traceback unless asked
+            if _broken_pipe(e):
+                err_console().print("stdout was closed before the output was complete (broken pipe)")
+                raise typer.Exit(EXIT_BROKEN_PIPE) from None
             if STATE["debug"]:
                 traceback.print_exc()
             from rich.markup import escape
@@ -139,6 +144,20 @@ def command(fn: Callable) -> Callable:
             raise typer.Exit(INTERNAL_ERROR) from None
 
     return wrapper
+
+
+def _broken_pipe(e: BaseException) -> bool:
+    """Whether stdout's reader went away (``ckpt ... | head``); rich turns that into SystemExit(1).
+
+    Then stdout is pointed at /dev/null, so the interpreter's last flush does not fail again.
+    """
+    if not (isinstance(e, BrokenPipeError) or isinstance(e, SystemExit) and isinstance(e.__context__, BrokenPipeError)):
+        return False
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (an in-process runner)
+        pass
+    return True
 
 
 def _no_message(e: BaseException) -> str:
