@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -47,6 +49,23 @@ def dumps_strict(obj: Any, **kw: Any) -> str:
         return json.dumps(obj, allow_nan=False, default=strict, **kw)
     except (ValueError, TypeError):
         return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
+def write_json_file(path: str | os.PathLike, obj: Any, option: str, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Strict JSON into a file the user named (``--plan-json``, ``--report``).
+
+    A path inside one of the command's ``inputs`` is refused (it would change an input), and a
+    path that cannot be written is an output error naming the option, never an internal error.
+    """
+    from .errors import OutputError
+    from .options import outside_inputs
+
+    outside_inputs(option, path, inputs)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(dumps_strict(obj, indent=2) + "\n")
+    except OSError as e:
+        raise OutputError(f"{option}: cannot write it ({e.strerror or e})", path=os.fspath(path)) from None
 
 
 def _key(k: Any) -> str | int | bool | None:

@@ -8,8 +8,11 @@ run or an output built from it.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
 
 from .errors import UsageError
 
@@ -61,6 +64,15 @@ def _index(text: str, hi: int) -> int | None:
         return None
     value = int(digits)
     return value if value <= hi else None
+
+
+def outside_inputs(option: str, path: str | os.PathLike, inputs: Iterable[str | os.PathLike]) -> None:
+    """A file the user asked us to write (``--plan-json``, ``--write``) must not land in an input."""
+    target = Path(path).resolve()
+    for src in inputs:
+        src = Path(src).resolve()
+        if target == src or target.is_relative_to(src if src.is_dir() else src.parent):
+            raise UsageError(f"{option} {path}: inside the input {src}; write it somewhere else")
 
 
 def _shown(value: object, limit: int = 60) -> str:

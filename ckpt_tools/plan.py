@@ -13,7 +13,6 @@ Ops build plans; the writer executes them and knows nothing about MTP.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -178,7 +177,9 @@ class Plan:
         }
 
     def write_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        from .jsonutil import write_json_file
+
+        write_json_file(path, self.to_json(), "--plan-json", self.inputs)
 
 
 def parse_size(text: str | int) -> int:

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
 from ckpt_tools.cli.common import command
-from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE, InputError
+from ckpt_tools.errors import EXIT_INPUT, EXIT_OUTPUT, EXIT_USAGE, InputError
 from ckpt_tools.jsonutil import dumps_strict
 
 from conftest import run_ckpt, tree_hash
@@ -179,6 +179,12 @@ def _bad_options(v: Path, d: Path, out: Path) -> list[tuple[list, int, list[str]
         (["stitch", d, v, "-o", out, "--dtype", "bf16"], EXIT_USAGE, ["--dtype", "verifier or draft"]),
         (["stitch", d, v, "-o", out, "--link", "symlink"], EXIT_USAGE,
          ["--link symlink was removed", "hardlink", "reflink"]),
+        (["extract", v, "-o", out, "--plan-json", v / "model.safetensors.index.json"], EXIT_USAGE,
+         ["--plan-json", "inside the input"]),  # it used to overwrite the input's index
+        (["stitch", d, v, "-o", out, "--plan-json", d / "plan.json"], EXIT_USAGE, ["--plan-json", "inside the input"]),
+        (["extract", v, "-o", out, "--plan-json", out.parent / "no-dir" / "p.json"], EXIT_OUTPUT,
+         ["--plan-json", "cannot write"]),  # was an internal error (exit 5)
+        (["inspect", v, "--discover", "--write", v / "x.yaml"], EXIT_USAGE, ["--write", "inside the input"]),
         (["push", v, "bad id", "--dry-run"], EXIT_USAGE, ["REPO_ID", "bad id"]),
         (["push", v, "org/x", "--base", "a/b..c", "--dry-run"], EXIT_USAGE, ["--base"]),
     ]

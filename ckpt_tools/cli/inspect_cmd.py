@@ -122,11 +122,15 @@ def _discover(path: str, write: str | None, json_output: bool) -> None:
     from ..checkpoint import Checkpoint
     from ..errors import UsageError
     from ..ops.discover import discover, write_draft
+    from ..options import outside_inputs
     from .common import err_console
 
     if write is not None and not write.endswith((".yaml", ".yml")):
         raise UsageError(f"--write {write}: a table file ends in .yaml")
-    found = discover(Checkpoint.open(path), family=Path(write).stem if write else None)
+    ckpt = Checkpoint.open(path)
+    if write is not None:
+        outside_inputs("--write", write, [ckpt.local_dir] if ckpt.local_dir else [])
+    found = discover(ckpt, family=Path(write).stem if write else None)
     if write:
         write_draft(found, write)
     if json_output:
