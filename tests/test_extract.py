@@ -264,6 +264,8 @@ def test_declared_mtp_with_missing_tensors_names_them(make_fixture, tmp_path):
     ("family", "fmt", "why"),
     [
         ("qwen3_next", "angelspec", "zero_centred"),
+        # AngelSpec always builds its own final_layernorm; ERNIE-4.5's MTP layer has none
+        ("ernie4_5_moe", "angelspec", "no final_norm tensor"),
         ("qwen3_next", "sglang-nextn", "outside the layer prefix"),
         ("deepseek_v3", "speculators", "Qwen3"),
     ],
