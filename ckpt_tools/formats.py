@@ -521,8 +521,8 @@ def _fill(value, env: dict, omitted: list[str], path: str):
     """Evaluate ``"{expr}"`` leaves of a config template; drop leaves whose inputs are unknown.
 
     A dict may start from ``$merge`` (a list of dicts or "{expr}"s giving dicts, later ones
-    winning; an item whose inputs are unknown contributes nothing) and remove ``$drop`` keys;
-    its other keys are set on top.
+    winning; an item whose inputs are unknown contributes nothing) and remove ``$drop`` keys
+    (names, or "{expr}"s giving lists of names); its other keys are set on top.
     """
     if isinstance(value, dict) and ("$merge" in value or "$drop" in value):
         return _merged(value, env, omitted, path)
@@ -559,8 +559,10 @@ def _merged(value: dict, env: dict, omitted: list[str], path: str) -> dict:
             out.update(part)
         elif part is not _OMIT:
             raise TableError(f"{path}: $merge item {item!r} is not a mapping", path="format config")
-    for k in value.get("$drop") or []:
-        out.pop(k, None)
+    for item in value.get("$drop") or []:
+        keys = _fill(item, env, [], path)  # a key, or "{expr}" giving a list of keys
+        for k in (keys if isinstance(keys, list) else [] if keys is _OMIT else [keys]):
+            out.pop(k, None)
     rest = {k: v for k, v in value.items() if k not in ("$merge", "$drop")}
     out.update(_fill(rest, env, omitted, path))
     return out
