@@ -195,7 +195,7 @@ def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, deq
     env.update(
         dtype_name=DTYPE_NAMES.get(main, "bfloat16"),
         speculative_tokens=3,
-        verifier_name=verifier or verifier_name_of(ckpt.root),
+        verifier_name=verifier or verifier_name_of(_checkpoint_dir(ckpt.root)),
         # the verifier config.json's own (top-level) list, as speculators records it
         verifier_architectures=src.get("architectures") or ckpt.config.architectures()[:1] or None,
         text_config={k: v for k, v in text.items() if k != "quantization_config"},
@@ -214,6 +214,12 @@ def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, deq
                 if key in config:
                     config[key] = DTYPE_NAMES[dequant_to]
     return config, omitted
+
+
+def _checkpoint_dir(root: str) -> str:
+    """The checkpoint a source names: a ``config.json`` (init-draft's config-only target) means its folder."""
+    head, sep, name = root.replace("\\", "/").rpartition("/")
+    return (head or ".") if name == "config.json" else root
 
 
 def _set_count(view: MtpView, config: dict, n: int) -> dict:
