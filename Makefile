@@ -16,8 +16,32 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/ckpt demo
 
-test: $(VENV)/.installed
-	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -n 2
+# A real consumer in its own environment: speculators 0.9.0 from PyPI pins torch / transformers
+# of its own. torch==2.13.0 (the CPU wheel) first, then speculators without its dependency list
+# (which names torchvision / torchaudio), then that list with torch held by a constraint.
+# tests/test_consumer_speculators.py skips, saying why, when this venv could not be built.
+SPEC_VENV ?= .venv-speculators
+SPEC_LOG := $(SPEC_VENV).log
 
-.PHONY: install demo test
+$(SPEC_VENV)/.installed: tests/consumers/speculators-deps.txt
+	@rm -rf $(SPEC_VENV)
+	@echo "building $(SPEC_VENV) (speculators 0.9.0; log: $(SPEC_LOG))"
+	@start=$$(date +%s); \
+	( python3 -m venv $(SPEC_VENV) \
+	  && $(SPEC_VENV)/bin/python -m pip install -q "$(TORCH)" \
+	  && echo "$(TORCH)" > $(SPEC_VENV)/constraints.txt \
+	  && $(SPEC_VENV)/bin/python -m pip install -q --no-deps speculators==0.9.0 \
+	  && $(SPEC_VENV)/bin/python -m pip install -q -c $(SPEC_VENV)/constraints.txt -r tests/consumers/speculators-deps.txt \
+	  && $(SPEC_VENV)/bin/python -c "import speculators.models.mtp, speculators.convert.mtp.converter" \
+	) > $(SPEC_LOG) 2>&1 \
+	&& touch $@ && echo "$(SPEC_VENV) built in $$(( $$(date +%s) - start )) s" \
+	|| { echo "could not build $(SPEC_VENV); its tests will be skipped (see $(SPEC_LOG))"; tail -5 $(SPEC_LOG); }
+
+speculators-venv: $(SPEC_VENV)/.installed
+
+test: $(VENV)/.installed
+	-@$(MAKE) --no-print-directory speculators-venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -n 2 -rs
+
+.PHONY: install demo test speculators-venv

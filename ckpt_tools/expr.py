@@ -14,8 +14,19 @@ import re
 from collections.abc import Mapping
 from functools import lru_cache
 
+_MAX_LIST = 1 << 16
+
+
+def _every(n: int, k: int, other: object, kth: object) -> list:
+    """``n`` items: ``kth`` at every ``k``-th position (1-based), ``other`` elsewhere (e.g. layer types)."""
+    if not (isinstance(n, int) and isinstance(k, int)) or not 0 <= n <= _MAX_LIST or k < 1:
+        raise ValueError(f"every({n!r}, {k!r}, ...): need 0 <= n <= {_MAX_LIST} and k >= 1")
+    return [kth if (i + 1) % k == 0 else other for i in range(n)]
+
+
 _FUNCS = {
     "ceil_div": lambda a, b: -(-a // b),
+    "every": _every,
     "min": min,
     "max": max,
     "len": len,

@@ -23,10 +23,32 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import InputError, TableError, UsageError
 from .expert_layouts import ExpertGroup, ExpertLayout
-from .expr import ExprError, evaluate, render
+from .expr import ExprError, evaluate, names_in, render
 from .mtp import MtpView
 from .tables.loader import SAFE_LOADER, mappings_dir
 from .tables.resolve import Spec
+
+
+class FieldRequirement(BaseModel):
+    """Config fields (dotted paths in ``config.set``) whose source value must be known when ``when`` holds.
+
+    The consumer builds its model from them and has a default of its own for each; writing no
+    value would let that default (another model's) decide silently, so the family is refused.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    fields: list[str]
+    when: str | None = None  # condition over the format environment (format_env)
+    reason: str = ""
+
+
+class ConfigCheck(BaseModel):
+    """A condition over the format environment the consumer's model needs (refused with ``reason``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    expr: str
+    reason: str
+    when: str | None = None
 
 
 class Supports(BaseModel):
@@ -38,6 +60,11 @@ class Supports(BaseModel):
     block_requires: list[str] = Field(default_factory=list)
     block_allows: list[str] = Field(default_factory=list)  # regular expressions
     reason: str = ""
+    # glue roles the consumer's layer always has: a family without one cannot round-trip
+    glue_requires: list[str] = Field(default_factory=list)
+    glue_reason: str = ""
+    config_requires: list[FieldRequirement] = Field(default_factory=list)
+    config_checks: list[ConfigCheck] = Field(default_factory=list)
 
 
 class DetectRule(BaseModel):
@@ -77,6 +104,9 @@ class Format(BaseModel):
     ignore_keys: list[str] = Field(default_factory=list)  # draft keys stitch skips on purpose (with reason)
     supports: Supports = Field(default_factory=Supports)
     config: ConfigRecipe = Field(default_factory=ConfigRecipe)
+    # named constant tables the config template reads (e.g. a consumer's per-model-type defaults);
+    # their "{expr}" leaves are filled over the same environment first
+    tables: dict[str, dict] = Field(default_factory=dict)
 
 
 def formats_dir() -> Path:
@@ -197,6 +227,10 @@ def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:
                "it is not an appended-layer family")
     elif fmt.requires_engine and fmt.requires_engine not in table.engines:
         why = f"table {table.family} names no {fmt.requires_engine} architecture (the engine has no draft class for it)"
+    elif _glue_unfit(fmt, view, layers):
+        why = _glue_unfit(fmt, view, layers)
+    elif _config_unfit(fmt, view, layers):
+        why = _config_unfit(fmt, view, layers)
     if why:
         raise InputError(f"format {fmt.name} cannot express {table.family}: {why}", rule="format-unsupported")
 
@@ -218,6 +252,106 @@ def _block_unfit(fmt: Format, view: MtpView) -> str | None:
         return None
     detail = (f"its block lacks {missing[:3]}" if missing else f"its block has {foreign[:3]}")
     return f"{sup.reason or 'the consumer cannot load this block'} ({detail})"
+
+
+def _glue_unfit(fmt: Format, view: MtpView, layers: list[int]) -> str | None:
+    """Why the family lacks a glue role the consumer's layer always has (None when it has them all)."""
+    need = fmt.supports.glue_requires
+    have = {role for i in layers for role in view.resolved.layers[i].glue}
+    missing = [r for r in need if r not in have]
+    if not missing:
+        return None
+    return f"its MTP layer has no {missing[0]} tensor: {fmt.supports.glue_reason or 'the consumer always builds one'}"
+
+
+def format_env(fmt: Format, view: MtpView, layers: list[int]) -> dict:
+    """The variables a format's config template and checks read: the family table's config
+    variables, plus facts about the MTP layers as this format names them."""
+    res = view.resolved
+    present = {s.key for s in view.present}
+    chosen = [res.layers[i] for i in layers]
+    block = [s for layer in chosen for s in layer.block if s.key in present]
+    env = dict(res.env)
+    env.update(
+        has_experts=any(layer.experts for layer in chosen),
+        # block tensor names in the format (after its tag renames), relative to its block prefix
+        block_keys=sorted({fmt.tag_renames.get(s.tag or "", s.sub or "") for s in block}),
+        verifier_prefix=chosen[0].prefix if chosen else None,
+        # the format keeps the verifier's names below the layer prefix (glue and block alike)
+        names_kept=_names_kept(fmt, chosen, present),
+        verifier_expert_layouts=sorted({view.layouts[g.prefix].label() for layer in chosen for g in layer.experts}),
+    )
+    return env
+
+
+def _names_kept(fmt: Format, chosen, present: set[str]) -> bool:
+    for layer in chosen:
+        for role, spec in layer.glue.items():
+            if spec.key not in present or role in ("embed", "head"):
+                continue
+            if fmt.glue.get(role) != spec.key.removeprefix(layer.prefix) or not spec.key.startswith(layer.prefix):
+                return False
+        if any(fmt.tag_renames.get(s.tag or "", s.sub) != s.sub for s in layer.block if s.key in present):
+            return False
+        if any(fmt.expert_prefix not in (None, g.sub_prefix) for g in layer.experts):
+            return False
+    return True
+
+
+def _config_unfit(fmt: Format, view: MtpView, layers: list[int]) -> str | None:
+    """Why the consumer cannot be configured for this family (None when it can)."""
+    sup = fmt.supports
+    if not (sup.config_requires or sup.config_checks):
+        return None
+    env = format_env(fmt, view, layers)
+    for req in sup.config_requires:
+        if req.when and not _holds(req.when, env):
+            continue
+        for path in req.fields:
+            missing = _unknown_field(fmt, path, env)
+            if missing:
+                table = view.table
+                keys = [k for n in missing if n in table.config for k in table.config[n].keys]
+                where = (f"config.json has none of {keys}" if keys
+                         else f"table {table.family} declares no {', '.join(missing)}")
+                return f"it needs {path} ({where}){': ' + req.reason if req.reason else ''}"
+    for check in sup.config_checks:
+        if check.when and not _holds(check.when, env):
+            continue
+        try:
+            ok = bool(evaluate(check.expr, env))
+        except ExprError as e:
+            return f"{check.reason} (cannot tell: {e})"
+        if not ok:
+            return check.reason
+    return None
+
+
+def _holds(expr: str, env: dict) -> bool:
+    try:
+        return bool(evaluate(expr, env))
+    except ExprError:
+        return False
+
+
+def _unknown_field(fmt: Format, path: str, env: dict) -> list[str]:
+    """The variables ``path``'s template needs but cannot get ([] when its value is known)."""
+    node: object = fmt.config.set
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise TableError(f"config_requires names {path!r}, which config.set does not have",
+                             path=f"format {fmt.name}")
+        node = node[part]
+    if not (isinstance(node, str) and node.startswith("{") and node.endswith("}")):
+        return []
+    expr = node[1:-1]
+    try:
+        if evaluate(expr, env) is not None:
+            return []
+    except ExprError:
+        pass
+    names = sorted(n for n in names_in(expr) if env.get(n) is None)
+    return names or [expr]
 
 
 def correspond(
@@ -367,9 +501,31 @@ def _duplicates(keys: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------
 # Draft configs
 
+_HUB_CACHE = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def verifier_name_of(source: str) -> str:
+    """How a draft config names its verifier: the Hub id for ``hf://org/name[@rev]`` and for a Hub
+    cache snapshot (``.../models--org--name/snapshots/<sha>``), else the path exactly as given
+    (never made absolute: the config may be pushed, and a user's directory is no one else's)."""
+    text = str(source)
+    if text.startswith("hf://"):
+        return text[len("hf://"):].split("@", 1)[0].rstrip("/")
+    m = _HUB_CACHE.search(text.replace("\\", "/"))
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    return text
+
 
 def _fill(value, env: dict, omitted: list[str], path: str):
-    """Evaluate ``"{expr}"`` leaves of a config template; drop leaves whose inputs are unknown."""
+    """Evaluate ``"{expr}"`` leaves of a config template; drop leaves whose inputs are unknown.
+
+    A dict may start from ``$merge`` (a list of dicts or "{expr}"s giving dicts, later ones
+    winning; an item whose inputs are unknown contributes nothing) and remove ``$drop`` keys
+    (names, or "{expr}"s giving lists of names); its other keys are set on top.
+    """
+    if isinstance(value, dict) and ("$merge" in value or "$drop" in value):
+        return _merged(value, env, omitted, path)
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -395,11 +551,33 @@ def _fill(value, env: dict, omitted: list[str], path: str):
 _OMIT = object()
 
 
+def _merged(value: dict, env: dict, omitted: list[str], path: str) -> dict:
+    out: dict = {}
+    for item in value.get("$merge") or []:
+        part = _fill(item, env, [], path)  # optional contributions: nothing to report when absent
+        if isinstance(part, dict):
+            out.update(part)
+        elif part is not _OMIT:
+            raise TableError(f"{path}: $merge item {item!r} is not a mapping", path="format config")
+    for item in value.get("$drop") or []:
+        keys = _fill(item, env, [], path)  # a key, or "{expr}" giving a list of keys
+        for k in (keys if isinstance(keys, list) else [] if keys is _OMIT else [keys]):
+            out.pop(k, None)
+    rest = {k: v for k, v in value.items() if k not in ("$merge", "$drop")}
+    out.update(_fill(rest, env, omitted, path))
+    return out
+
+
+def template_env(fmt: Format, env: dict) -> dict:
+    """``env`` plus the format's named tables, their "{expr}" leaves filled over ``env``."""
+    return {**env, **{name: _fill(t, env, [], name) for name, t in fmt.tables.items()}}
+
+
 def draft_config(fmt: Format, source: dict, env: dict) -> tuple[dict, list[str]]:
     """The draft's config.json and the template fields left out for lack of a value."""
     omitted: list[str] = []
     base = copy.deepcopy(source) if fmt.config.base == "source" else {}
-    filled = _fill(fmt.config.set, env, omitted, "")
+    filled = _fill(fmt.config.set, template_env(fmt, env), omitted, "")
     _merge(base, filled)
     return base, omitted
 

@@ -139,7 +139,7 @@ def test_speculators_qwen3_next_follows_the_reference(make_fixture, tmp_path):
     assert sc["algorithm"] == "mtp" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"][0]["proposal_type"] == "greedy"
     assert sc["verifier"]["architectures"] == source_cfg["architectures"]
-    assert sc["verifier"]["name_or_path"] == str(work.resolve())
+    assert sc["verifier"]["name_or_path"] == str(work)  # as given
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3_next"
     assert cfg["transformer_layer_config"]["hidden_size"] == source_cfg["hidden_size"]
 
@@ -154,6 +154,39 @@ def test_speculators_qwen3_next_follows_the_reference(make_fixture, tmp_path):
     for e in range(gate_up.shape[0]):  # each fused expert block against the source per-expert tensors
         g = load_key(work, f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight")
         assert torch.equal(load_key(out, "mtp_layers.0.mlp.experts.gate_up_proj")[e, : g.shape[0]], g)
+
+
+SPECULATORS_OWN = sorted(GOLDEN.glob("formats/*.speculators.config.json"))
+
+
+@pytest.mark.parametrize("golden", SPECULATORS_OWN, ids=lambda p: p.name.split(".")[0])
+def test_speculators_config_is_what_speculators_writes(golden, make_fixture, tmp_path, monkeypatch):
+    family = golden.name.split(".")[0]
+    theirs = json.loads(golden.read_text())
+    shutil.copytree(make_fixture(family), tmp_path / family)
+    monkeypatch.chdir(tmp_path)  # the converter was given the fixture as a relative path, so are we
+    ckpt("extract", family, "-o", "spec", "--format", "speculators")
+    ours = json.loads((tmp_path / "spec" / "config.json").read_text())
+    for key in ("auto_map", "speculators_version", "transformers_version"):  # no config.py, no versions we never ran
+        theirs.pop(key)
+    assert ours == theirs
+
+
+def test_speculators_verifier_name(make_fixture, tmp_path, monkeypatch):
+    def name(src, *extra) -> str:
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        ckpt("extract", src, "-o", out, "--format", "speculators", *extra)
+        return json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-Next-80B-A3B-Instruct" / "snapshots" / "0123abcd"
+    shutil.copytree(make_fixture("qwen3_next"), snapshot)
+    assert name(snapshot) == "Qwen/Qwen3-Next-80B-A3B-Instruct"  # a Hub cache snapshot: its Hub id
+    monkeypatch.chdir(snapshot.parent)
+    assert name("./0123abcd/") == "./0123abcd/"  # a local path exactly as given, never made absolute
+    assert name("0123abcd", "--verifier-name", "me/my-verifier") == "me/my-verifier"
+    from ckpt_tools.formats import verifier_name_of
+
+    assert verifier_name_of("hf://Qwen/Qwen3.5-35B-A3B@3f1c2e0") == "Qwen/Qwen3.5-35B-A3B"  # hf:// sources
 
 
 def test_speculators_qwen3_5_moe_nested_config_and_fused_experts(make_fixture, tmp_path):
@@ -264,6 +297,8 @@ def test_declared_mtp_with_missing_tensors_names_them(make_fixture, tmp_path):
     ("family", "fmt", "why"),
     [
         ("qwen3_next", "angelspec", "zero_centred"),
+        # AngelSpec always builds its own final_layernorm; ERNIE-4.5's MTP layer has none
+        ("ernie4_5_moe", "angelspec", "no final_norm tensor"),
         ("qwen3_next", "sglang-nextn", "outside the layer prefix"),
         ("deepseek_v3", "speculators", "Qwen3"),
     ],

@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("keep", "--dtype", help="keep | bf16 | fp16 | fp32 (floating tensors)."),
         dequant: str = typer.Option(None, "--dequant", help="Dequantize FP8 block weights to bf16 / fp32."),
         drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Write the trunk: everything but MTP, count 0."),
+        verifier_name: str = typer.Option(None, "--verifier-name",
+                                          help="How the draft config names its verifier (default: the Hub id "
+                                               "of an hf:// or Hub-cache source, else SRC as given)."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
         plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
@@ -53,7 +56,7 @@ def register(app: typer.Typer) -> None:
         req = ExtractRequest(
             arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
             dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
-            command=command_line(),
+            command=command_line(), source=src, verifier_name=verifier_name,
         )
         plan = plan_extract(ckpt, req)
         if plan_json is not None:

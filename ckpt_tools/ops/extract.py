@@ -15,7 +15,7 @@ from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..expert_layouts import scale_key
-from ..formats import Correspondence, Format, correspond, draft_config, get_format
+from ..formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
 from ..mtp import MtpView, choose_table, open_mtp
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 
@@ -35,6 +35,8 @@ class ExtractRequest:
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt extract"
     speculative_tokens: int = 3
+    source: str | None = None  # the source exactly as the user gave it
+    verifier_name: str | None = None  # --verifier-name: what a draft config names its verifier
     notes: list[str] = field(default_factory=list)
 
 
@@ -73,7 +75,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if fp8_source and dequant_to is None and fmt.rename == "roles":
         raise UsageError(f"the source MTP weights are FP8; format {fmt.name} has no place for block scales: "
                          "pass --dequant bf16")
-    config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8_source)
+    verifier = req.verifier_name or verifier_name_of(req.source or ckpt.root)
+    config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8_source, verifier=verifier)
     files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
     if fmt.carry_files:
         # the verifier's model card describes the verifier, not this draft (push writes a new one)
@@ -181,18 +184,20 @@ def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_
     return [t] + ([scale] if scale is not None else [])
 
 
-def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, dequant_to, fp8_source):
+def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, dequant_to, fp8_source,
+                  verifier: str | None = None):
     ckpt, res = view.ckpt, view.resolved
     src = ckpt.config.raw
     float_dtypes = [t.dtype for t in tensors if t.dtype in FLOAT_DTYPES and t.meta.get("role") != "scale"]
     main = max(set(float_dtypes), key=float_dtypes.count) if float_dtypes else res.dtype
     text = ckpt.config.text
-    env = dict(res.env)
+    env = format_env(fmt, view, corr.layers)
     env.update(
         dtype_name=DTYPE_NAMES.get(main, "bfloat16"),
         speculative_tokens=3,
-        verifier_name=source_name(ckpt),
-        verifier_architectures=ckpt.config.architectures()[:1] or None,
+        verifier_name=verifier or verifier_name_of(_checkpoint_dir(ckpt.root)),
+        # the verifier config.json's own (top-level) list, as speculators records it
+        verifier_architectures=src.get("architectures") or ckpt.config.architectures()[:1] or None,
         text_config={k: v for k, v in text.items() if k != "quantization_config"},
         engine_arch=res.table.engines.get(fmt.requires_engine or "", None),
         has_experts=bool(corr.experts),
@@ -209,6 +214,12 @@ def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, deq
                 if key in config:
                     config[key] = DTYPE_NAMES[dequant_to]
     return config, omitted
+
+
+def _checkpoint_dir(root: str) -> str:
+    """The checkpoint a source names: a ``config.json`` (init-draft's config-only target) means its folder."""
+    head, sep, name = root.replace("\\", "/").rpartition("/")
+    return (head or ".") if name == "config.json" else root
 
 
 def _set_count(view: MtpView, config: dict, n: int) -> dict:

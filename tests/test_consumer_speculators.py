@@ -1,0 +1,91 @@
+"""A real consumer: speculators 0.9.0 (PyPI), in its own virtual environment (make speculators-venv).
+
+For Qwen3-Next and Qwen3.5-MoE fixtures, inside that environment:
+- `SpeculatorModel.from_pretrained` loads our `extract --format speculators` output (exactly our
+  weights) and runs a forward pass;
+- speculators' own MTPConverter converts the same verifier; its config equals ours (but for
+  auto_map / versions: we write no code file);
+- both drafts are "trained" identically (same step on every MTP weight, saved with
+  save_pretrained, as a training epoch folder is), and `ckpt stitch` of either into the verifier
+  gives byte-identical checkpoints in which exactly the MTP tensors changed.
+Skipped, with the build log's tail as the reason, only when the environment could not be built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.mtp import open_mtp
+
+from conftest import run_ckpt as ckpt
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("SPEC_VENV", ROOT / ".venv-speculators"))
+SCRIPT = Path(__file__).resolve().parent / "consumers" / "speculators_check.py"
+NOT_OURS = ("auto_map", "speculators_version", "transformers_version")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def spec_python() -> Path:
+    if not (VENV / ".installed").is_file():
+        log = Path(f"{VENV}.log")
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
+        pytest.skip(f"speculators 0.9.0 venv {VENV} could not be built (make speculators-venv): {' | '.join(tail)}")
+    return VENV / "bin" / "python"
+
+
+def tensors(path: Path) -> dict[str, bytes]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            out.update({k: fh.get_tensor(k).contiguous().view(torch.uint8).numpy().tobytes() for k in fh.keys()})
+    return out
+
+
+def run_in_venv(python: Path, cwd: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run([str(python), str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_speculators_loads_converts_and_stitches_like_us(family, spec_python, make_fixture, tmp_path, monkeypatch):
+    shutil.copytree(make_fixture(family), tmp_path / family)
+    monkeypatch.chdir(tmp_path)  # relative names: the configs name the verifier as given
+    ckpt("extract", family, "-o", "ours", "--format", "speculators")
+    report = run_in_venv(spec_python, tmp_path, family, "ours", "work")
+
+    assert report["class"] == "MTPDraftModel"
+    assert report["not_loaded"] == []  # every tensor of ours, bit for bit
+    fwd = report["forward"]
+    assert fwd["finite"] and fwd["steps"] == 3 and fwd["logits_shape"][-1] > 0
+
+    theirs = {k: v for k, v in report["theirs_config"].items() if k not in NOT_OURS}
+    assert json.loads((tmp_path / "ours" / "config.json").read_text()) == theirs
+
+    for name in ("ours-trained", "theirs-trained"):
+        ckpt("stitch", tmp_path / "work" / name, family, "-o", f"stitched-{name}")
+    a, b = tmp_path / "stitched-ours-trained", tmp_path / "stitched-theirs-trained"
+    files = sorted(p.name for p in a.iterdir() if p.name not in ("ckpt_manifest.json", "stitch-report.json"))
+    assert files == sorted(p.name for p in b.iterdir() if p.name not in ("ckpt_manifest.json", "stitch-report.json"))
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+    before, after = tensors(tmp_path / family), tensors(a)
+    assert set(after) == set(before)
+    changed = {k for k in after if after[k] != before[k]}
+    assert changed == set(open_mtp(Checkpoint.open(tmp_path / family)).keys())
