@@ -16,6 +16,8 @@ from pathlib import Path, PurePosixPath
 
 from .config import ConfigView
 from .errors import InputError
+from .readers import TORCH_SUFFIXES, read_weights
+from .readers import detect as detect_reader
 from .safetensors_io import Header, LocalFile, TensorRef, read_header, refs_from_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -39,6 +41,8 @@ class Checkpoint:
     shard_keys: dict[str, list[str]] = field(default_factory=dict)  # shard -> keys it holds (header order)
     manifest: dict | None = None
     config_present: bool = True
+    reader: str = "safetensors"  # what the weights were read from: safetensors, torch (state dict) or dcp
+    reader_notes: list[str] = field(default_factory=list)  # what a draft reader unwrapped or ignored
 
     # -- opening ------------------------------------------------------------------
 
@@ -54,6 +58,8 @@ class Checkpoint:
             return cls._config_only(p)
         if p.is_file() and p.suffix == ".safetensors":
             return cls._open_dir(p.parent, single=p.name)
+        if p.is_file() and p.suffix in TORCH_SUFFIXES:
+            return open_draft_source(p)
         if not p.is_dir():
             raise InputError("no such checkpoint directory", path=text)
         return cls._open_dir(p)
@@ -68,16 +74,15 @@ class Checkpoint:
         root = confinement_root(d)
         for err in _escaping_links(d, root).values():
             raise err
-        cfg_path = d / "config.json"
-        config_present = cfg_path.is_file()
-        config = (ConfigView.from_bytes(read_small(cfg_path, "config-json"), str(cfg_path)) if config_present
-                  else ConfigView({}))
+        config, config_present = _read_config(d)
         index = None
         if single is None and (d / INDEX_NAME).is_file():
             index = _read_index(d / INDEX_NAME)
             shard_names = sorted(set(index["weight_map"].values()))
         elif single is not None or (d / SINGLE_NAME).is_file():
             shard_names = [single or SINGLE_NAME]
+        elif not any(d.glob("*.safetensors")) and detect_reader(d) is not None:
+            return open_draft_source(d)
         else:
             raise InputError(
                 f"neither {INDEX_NAME} nor {SINGLE_NAME} found; " + (_unfinished_write(d) or
@@ -123,6 +128,33 @@ class Checkpoint:
     def file_path(self, name: str) -> Path:
         assert self.local_dir is not None
         return self.local_dir / name
+
+
+def _read_config(d: Path) -> tuple[ConfigView, bool]:
+    """config.json of ``d`` (an empty view when there is none) and whether it exists."""
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        return ConfigView({}), False
+    return ConfigView.from_bytes(read_small(cfg_path, "config-json"), str(cfg_path)), True
+
+
+def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Checkpoint:
+    """A draft saved as a torch state dict or a torch DCP checkpoint (see ``readers``), as a Checkpoint.
+
+    ``path`` is a directory (detected by content; ``kind`` "torch" or "dcp" overrides) or a torch file.
+    ``headers`` stay empty and ``index`` None: those describe safetensors files only.
+    """
+    p = Path(path)
+    d, only = (p.parent, p.name) if p.is_file() else (p, None)
+    root = confinement_root(d)
+    for err in _escaping_links(d, root).values():
+        raise err
+    ws = read_weights(d, lambda name: _confined(d, root, name), _read_index, only=only, kind=kind)
+    config, config_present = _read_config(d)
+    files = [f for f in _other_files(d, root) if f not in ws.consumed] if ws.carries_files else []
+    manifest = read_manifest(d / MANIFEST_NAME) if (d / MANIFEST_NAME).is_file() else None
+    return Checkpoint(str(d), config, ws.tensors, {}, None, files, dict(ws.files), d, ws.keys, manifest,
+                      config_present, reader=ws.reader, reader_notes=ws.notes)
 
 
 def references(headers: dict[str, Header], sources: dict, index: dict | None, index_path: str, *,
@@ -327,6 +359,8 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
         p = p.parent
     elif p.is_file() and p.suffix == ".safetensors":
         single, p = p.name, p.parent
+    elif p.is_file() and p.suffix in TORCH_SUFFIXES:
+        return LenientOpen(open_draft_source(p), [], [])
     if not p.is_dir():
         raise InputError("no such checkpoint directory or .safetensors file", rule="no-weights", path=str(path))
     d = p
@@ -357,6 +391,8 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
         shard_names = [SINGLE_NAME]
     else:
         shard_names = sorted(q.name for q in d.glob("*.safetensors"))
+        if not shard_names and detect_reader(d) is not None:
+            return LenientOpen(open_draft_source(d), [], [])
         unfinished = _unfinished_write(d)
         if not shard_names:
             raise InputError(

@@ -142,7 +142,7 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
     for ref in ckpt.tensors.values():
         _add(whole, ref.numel, ref.nbytes)
         _add(whole_dtypes.setdefault(ref.dtype, _stats()), ref.numel, ref.nbytes)
-    whole["shards"] = len(ckpt.headers)
+    whole["shards"] = len(ckpt.shard_keys)  # safetensors shards, or the files a draft reader read
 
     mtp = _stats()
     roles: dict[str, dict] = {}
@@ -204,7 +204,7 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
             "mtp_tensors": by_shard[name]["tensors"],
             "mtp_bytes": by_shard[name]["bytes"],
             "tensors": len(keys),
-            "bytes": sum(i.nbytes for i in h.tensors.values()) if h else 0,
+            "bytes": sum(i.nbytes for i in h.tensors.values()) if h else sum(ckpt.tensors[k].nbytes for k in keys),
         })
 
     status = {
