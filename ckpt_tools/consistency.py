@@ -131,13 +131,30 @@ def shard_path(ckpt: Checkpoint, name: str) -> str:
     return str(ckpt.local_dir / name) if ckpt.local_dir else f"{ckpt.root}/{name}"
 
 
-def holders_of(ckpt: Checkpoint) -> dict[str, list[str]]:
-    """key -> the shards (opened ones) that hold it."""
-    holders: dict[str, list[str]] = {}
-    for name, keys in ckpt.shard_keys.items():
-        for k in keys:
-            holders.setdefault(k, []).append(name)
-    return holders
+class Holders:
+    """Which opened shards hold each key. Built with set operations: only keys held twice get a list."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.keys: set[str] = set()
+        total = 0
+        for keys in ckpt.shard_keys.values():
+            self.keys.update(keys)
+            total += len(keys)
+        self.twice: dict[str, list[str]] = {}
+        if total != len(self.keys):  # rare: find the keys held by several files
+            seen: dict[str, list[str]] = {}
+            for name, keys in ckpt.shard_keys.items():
+                for k in keys:
+                    seen.setdefault(k, []).append(name)
+            self.twice = {k: names for k, names in seen.items() if len(names) > 1}
+        self._shards = ckpt.shard_keys
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def first(self, key: str) -> str:
+        """A shard holding ``key`` (for messages; a scan, so call it for problems only)."""
+        return next(name for name, keys in self._shards.items() if key in keys)
 
 
 def unknown_keys(ckpt: Checkpoint, unreadable: Iterable[str]) -> set[str]:
@@ -146,15 +163,14 @@ def unknown_keys(ckpt: Checkpoint, unreadable: Iterable[str]) -> set[str]:
     return {k for k, s in ckpt.index["weight_map"].items() if s in bad} if ckpt.index is not None and bad else set()
 
 
-def index_problems(ckpt: Checkpoint, holders: dict[str, list[str]] | None = None) -> list[Problem]:
+def index_problems(ckpt: Checkpoint, holders: Holders | None = None) -> list[Problem]:
     """Index vs the shards it names: empty map, keys held twice, keys the index does not map where they are."""
     out: list[Problem] = []
-    holders = holders_of(ckpt) if holders is None else holders
-    for key, names in holders.items():
-        if len(names) > 1:
-            out.append(Problem("duplicate-tensor", shard_path(ckpt, names[1]), key,
-                               f"held by {len(names)} files: {', '.join(names)}; loaders that read every indexed "
-                               "file (vLLM) load both copies"))
+    holders = Holders(ckpt) if holders is None else holders
+    for key, names in holders.twice.items():
+        out.append(Problem("duplicate-tensor", shard_path(ckpt, names[1]), key,
+                           f"held by {len(names)} files: {', '.join(names)}; loaders that read every indexed "
+                           "file (vLLM) load both copies"))
     index = ckpt.index
     if index is None:
         return out
@@ -162,11 +178,14 @@ def index_problems(ckpt: Checkpoint, holders: dict[str, list[str]] | None = None
     if not wmap:
         out.append(Problem("index-empty", index_path(ckpt), None,
                            "weight_map is empty: the index names no tensor, so loaders load nothing"))
-    for key, shard in wmap.items():
-        if shard in ckpt.headers and key not in ckpt.headers[shard].tensors:
-            out.append(Problem("index-key-missing", index_path(ckpt), key,
-                               f"index maps it to {shard}, which does not hold it"))
+    if len(ckpt.tensors) != len(wmap):  # every entry found its tensor otherwise (a strict open ensures it)
+        for key, shard in wmap.items():
+            if shard in ckpt.headers and key not in ckpt.headers[shard].tensors:
+                out.append(Problem("index-key-missing", index_path(ckpt), key,
+                                   f"index maps it to {shard}, which does not hold it"))
     for name, keys in ckpt.shard_keys.items():
+        if set(map(wmap.get, keys)) <= {name}:
+            continue  # the common case: every key mapped to this shard (checked at C speed)
         for k in keys:
             mapped = wmap.get(k)
             if mapped is None:
@@ -203,10 +222,10 @@ def _weight_files(ckpt: Checkpoint) -> Iterator[tuple[str, str, object]]:
         yield name, f"{ckpt.root}/{name}", lambda n=name: RemoteFile(ckpt.ref, ckpt.commit, n, sizes[n])
 
 
-def stray_problems(ckpt: Checkpoint, holders: dict[str, list[str]] | None = None) -> list[Problem]:
+def stray_problems(ckpt: Checkpoint, holders: Holders | None = None) -> list[Problem]:
     """``.safetensors`` files the index does not name: stale copies (duplicate-tensor) or left-out shards."""
     out: list[Problem] = []
-    holders = holders_of(ckpt) if holders is None else holders
+    holders = Holders(ckpt) if holders is None else holders
     referenced = set(ckpt.headers) | (set(ckpt.index["weight_map"].values()) if ckpt.index else set())
     where = f"{INDEX_NAME} does not name it" if ckpt.index is not None else f"there is no {INDEX_NAME} naming it"
     for name, path, opener in _weight_files(ckpt):
@@ -230,7 +249,7 @@ def stray_problems(ckpt: Checkpoint, holders: dict[str, list[str]] | None = None
         dups = sorted(k for k in keys if k in holders)
         for k in dups[:MAX_LISTED]:
             out.append(Problem("duplicate-tensor", path, k,
-                               f"stale copy: also held by {holders[k][0]}; {name} is not in the index, but tools "
+                               f"stale copy: also held by {holders.first(k)}; {name} is not in the index, but tools "
                                "that glob *.safetensors load both"))
         own = sorted(k for k in keys if k not in holders)
         if own:
@@ -333,9 +352,13 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
     if not whole_model and is_draft(view, (s.key for s in specs)):
         return []
     expected = [s for s in res.shared.values() if not s.optional] + [s for s in specs if not s.optional]
-    for g in groups:  # routed experts in the layout found on disk
-        lay = detect_group_layout(g, ckpt.tensors)
-        expected += (g if lay == g.layout else g.with_layout(lay)).tensors()
+    tensors = ckpt.tensors
+    for g in groups:  # routed experts in the layout found on disk (the shipped one, checked first, is usual)
+        ts = g.tensors()
+        if all((ref := tensors.get(t.key)) is not None and ref.shape == t.shape for t in ts):
+            continue  # complete as shipped
+        lay = detect_group_layout(g, tensors)
+        expected += ts if lay == g.layout else g.with_layout(lay).tensors()
     out: list[Problem] = []
     cfg = config_path(ckpt)
     for s in expected:
@@ -369,12 +392,12 @@ def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, un
                  cfg: str | None) -> list[Problem]:
     """Every F8 weight has its scale, of the block shape; FP8 tensors present <=> quant_method fp8."""
     out: list[Problem] = []
-    fp8 = sorted(k for k, r in ckpt.tensors.items() if r.dtype in FP8_DTYPES)
+    fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in FP8_DTYPES]
     qc = ckpt.config.get("quantization_config") if cfg else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if cfg is not None:
         if fp8 and method is None:
-            out.append(Problem("quant-config", cfg, fp8[0],
+            out.append(Problem("quant-config", cfg, min(fp8),
                                f"{len(fp8)} FP8 tensor(s) (e.g. this one) but config.json has no quantization_config "
                                "with quant_method 'fp8'; loaders would read the FP8 bytes as the model dtype"))
         elif method == "fp8" and not fp8 and not unknown:
@@ -385,26 +408,29 @@ def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, un
             return out  # another method (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
     suffix = table.quantization.scale_suffix if table is not None and table.quantization else "weight_scale_inv"
     block = block_size(qc, view)
+    grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> scale shape (few distinct shapes)
+    tensors = ckpt.tensors
+    found: list[tuple[str, Problem]] = []
     for k in fp8:
-        skey = scale_key(k, suffix)
-        ref = ckpt.tensors[k]
-        sref = ckpt.tensors.get(skey)
+        # scale_key's common case inlined: tens of thousands of weights in a large FP8 release
+        skey = k[:-6] + suffix if k.endswith(".weight") else scale_key(k, suffix)
+        ref = tensors[k]
+        sref = tensors.get(skey)
         if sref is None:
             if skey not in unknown:
-                out.append(Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}"))
+                found.append((k, Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")))
             continue
         if block is None:
-            ok = tuple(sref.shape) in ((), (1,))
-            want = "[] (one per-tensor scale)"
+            want = None if sref.shape in ((), (1,)) else "[] (one per-tensor scale)"
         elif len(ref.shape) < 2:
             continue  # block scales are defined for matrices (and stacks of them) only
         else:
-            want_shape = scale_shape(tuple(ref.shape), block)
-            ok = tuple(sref.shape) == want_shape
-            want = f"{list(want_shape)} (block {block[0]}x{block[1]} over {list(ref.shape)})"
-        if not ok:
-            out.append(Problem("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}"))
-    return out
+            want_shape = grids.get(ref.shape) or grids.setdefault(ref.shape, scale_shape(ref.shape, block))
+            want = None if sref.shape == want_shape else (f"{list(want_shape)} (block {block[0]}x{block[1]} over "
+                                                          f"{list(ref.shape)})")
+        if want is not None:
+            found.append((k, Problem("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")))
+    return out + [p for _, p in sorted(found, key=lambda kp: kp[0])]
 
 
 def model_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
@@ -428,7 +454,7 @@ def check(ckpt: Checkpoint, table: Table | None = None, *, arch: str | None = No
     if scope not in ("files", "auto", "model"):
         raise ValueError(f"scope {scope!r}")
     weightless = not ckpt.headers and ckpt.index is None
-    holders = holders_of(ckpt)
+    holders = Holders(ckpt)
     problems = [] if weightless else index_problems(ckpt, holders) + stray_problems(ckpt, holders)
     if scope == "files":
         return problems, view
