@@ -162,7 +162,7 @@ def _metadata_checks(ckpt: Checkpoint, report: ValidationReport) -> None:
 
 def _index_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationReport) -> set[str]:
     """Index vs shards. Returns the keys whose presence cannot be known (their shard is unreadable)."""
-    holders = consistency.holders_of(ckpt)
+    holders = consistency.Holders(ckpt)
     report.extend(consistency.index_problems(ckpt, holders))
     index = ckpt.index
     if index is not None:
