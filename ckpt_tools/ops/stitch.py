@@ -321,6 +321,10 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         view = declared
         layers = _draft_layers(draft, fmt, req, view.count)
     elif mode == "add":
+        if any(p.rule == "unindexed-key" for p in vgate.allowed):
+            raise InputError("add mode copies the verifier's shards whole, so keys its index does not list would "
+                             "stay in them; write a clean trunk first (`ckpt extract --drop-mtp --allow-invalid "
+                             "unindexed-key`), then stitch into it", rule="unindexed-key", path=verifier.root)
         held = [s.key for s in declared.present] + declared.beyond + declared.extra
         if held:
             raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
@@ -513,7 +517,8 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
     layouts: dict[str, ShardLayout] = {}
     for shard, keys in verifier.shard_keys.items():
         listed = [k for k in keys if wm is None or wm.get(k) == shard]
-        if not any(k in changed for k in listed):
+        # a whole-file copy would carry keys the index does not list (--allow-invalid unindexed-key): rewrite
+        if not any(k in changed for k in listed) and len(listed) == len(keys):
             files.append(_untouched(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}))
             report.linked_files.append(shard)
             report.copied_tensors += sum(1 for k in listed if k not in builder.candidates)
