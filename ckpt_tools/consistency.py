@@ -303,7 +303,8 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
             continue
         where = f"depth {s.depth}" if s.depth is not None else "shared by every depth"
         out.append(Problem("mtp-missing", cfg, s.key, f"{declared} but this {s.role} tensor {list(s.shape)} "
-                                                      f"({where}) is missing"))
+                                                      f"({where}) is missing (a release without MTP weights sets "
+                                                      f"{field_name} to 0)"))
     for s, actual in view.misshaped:
         if s.role == "scale":
             continue  # FP8 scales are checked for every weight, with the config's block size

@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
         verifier: str = typer.Argument(..., help="Verifier checkpoint directory or hf://org/repo[@rev]."),
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty; never the verifier)."),
         fmt: str = typer.Option("auto", "--format", help="auto | native | speculators | angelspec | sglang-nextn"),
-        mode: str = typer.Option("auto", "--mode", help="replace (verifier has MTP) | add (it has none) | auto"),
+        mode: str = typer.Option("auto", "--mode",
+                                 help="replace (verifier has MTP) | add (it has none; sets the count) | auto"),
         link: str = typer.Option(
             "copy", "--link",
             help="Untouched shards: copy | reflink | hardlink | symlink | remote (an hf:// verifier's shards "
