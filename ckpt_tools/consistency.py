@@ -109,11 +109,11 @@ class Gate:
 
 def parse_allow(rules: Iterable[str] | None) -> frozenset[str]:
     """The rules of ``--allow-invalid RULE`` options; an unknown name is a usage error listing the valid ones."""
-    out = frozenset(r.strip() for r in rules or () if r.strip())
+    out = frozenset(r.strip() for r in rules or ())
     unknown = sorted(out - set(RULES))
     if unknown:
-        raise UsageError(f"--allow-invalid {', '.join(unknown)}: not a rule the consistency check refuses on; "
-                         f"use one of {', '.join(RULES)}")
+        raise UsageError(f"--allow-invalid {', '.join(map(repr, unknown))}: not a rule the consistency check "
+                         f"refuses on; use one of {', '.join(RULES)}")
     return out
 
 
