@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .expr import render
 
@@ -107,10 +108,12 @@ class ExpertGroup:
     def projections(self) -> tuple[str, ...]:
         return ("gate", "up", "down") if self.gated else ("up", "down")
 
-    def key(self, slot: str, e: int | None = None) -> str:
+    def _template(self, slot: str) -> str:
         templates = dict(self.names) if self.names else DEFAULT_KEYS[self.layout.name]
-        template = templates.get(slot) or DEFAULT_KEYS[self.layout.name][slot]
-        return render(template.replace("{P}", self.prefix), {"e": e if e is not None else 0})
+        return (templates.get(slot) or DEFAULT_KEYS[self.layout.name][slot]).replace("{P}", self.prefix)
+
+    def key(self, slot: str, e: int | None = None) -> str:
+        return render(self._template(slot), {"e": e if e is not None else 0})
 
     def tensors(self) -> list[ExpertTensor]:
         """Every tensor of this group in its layout, in a stable order."""
@@ -118,10 +121,17 @@ class ExpertGroup:
         lay = self.layout
         out: list[ExpertTensor] = []
         if lay.per_expert:
+            # thousands of keys per layer: a template whose only field is {e} is filled by concatenation
+            slots = []
+            for p in self.projections():
+                template = self._template(p)
+                head, _, tail = template.partition("{e}")
+                simple = template.count("{") == 1 and template != head
+                slots.append((p, template, (H, I) if p == "down" else (I, H), head if simple else None, tail))
             for e in range(E):
-                for p in self.projections():
-                    shape = (H, I) if p == "down" else (I, H)
-                    out.append(ExpertTensor(self.key(p, e), shape, p, e))
+                for p, template, shape, head, tail in slots:
+                    key = head + str(e) + tail if head is not None else render(template, {"e": e})
+                    out.append(ExpertTensor(key, shape, p, e))
             return out
         t = lay.transposed
         if lay.fused:
@@ -136,8 +146,7 @@ class ExpertGroup:
         return out
 
 
-@dataclass(frozen=True)
-class ExpertTensor:
+class ExpertTensor(NamedTuple):  # a tuple: built tens of thousands of times per checkpoint, cheaply
     key: str
     shape: tuple[int, ...]
     slot: str  # gate | up | down | gate_up

@@ -99,4 +99,10 @@ def template_names(template: str) -> frozenset[str]:
 
 def render(template: str, env: Mapping[str, object]) -> str:
     """Fill ``{expr}`` fields of a key template."""
-    return _FIELD.sub(lambda m: str(evaluate(m.group(1), env)), template)
+    return _FIELD.sub(lambda m: _field(m.group(1), env), template)
+
+
+def _field(text: str, env: Mapping[str, object]) -> str:
+    if text in env and text.isidentifier():  # a bare variable ({e}, {l}, {i}): no parsing needed
+        return str(env[text])
+    return str(evaluate(text, env))

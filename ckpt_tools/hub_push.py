@@ -49,6 +49,7 @@ class PushRequest:
     force: bool = False
     card: str = "keep"  # keep | overwrite
     command: str = "ckpt push"
+    allow_invalid: frozenset[str] = frozenset()  # validate rules pushed anyway (--allow-invalid); the card lists them
 
 
 @dataclass
@@ -235,11 +236,12 @@ def plan_push(req: PushRequest) -> PushPlan:
         if not req.force:
             raise
         validation = _Unvalidated([str(e)])
-    if not validation.ok and not req.force:
-        shown = "\n  ".join(str(p) for p in validation.problems[:10])
-        more = f"\n  ... and {len(validation.problems) - 10} more" if len(validation.problems) > 10 else ""
-        raise InputError(f"ckpt validate found {len(validation.problems)} problem(s); refusing to push "
-                         f"(--force pushes anyway, and the card lists the problems):\n  {shown}{more}",
+    blocking = [p for p in validation.problems if getattr(p, "rule", None) not in req.allow_invalid]
+    if blocking and not req.force:
+        shown = "\n  ".join(str(p) for p in blocking[:10])
+        more = f"\n  ... and {len(blocking) - 10} more" if len(blocking) > 10 else ""
+        raise InputError(f"ckpt validate found {len(blocking)} problem(s); refusing to push (--allow-invalid "
+                         f"RULE or --force pushes anyway, and the card lists the problems):\n  {shown}{more}",
                          rule="invalid-checkpoint", path=str(folder))
 
     files = local_files(folder)

@@ -186,7 +186,8 @@ def test_missing_expert(make_fixture, tmp_path):
     drop = [f"model.layers.3.mlp.experts.2.{p}_proj.weight" for p in ("gate", "up", "down")]
     bad = rewrite(src, tmp_path / "bad", drop=drop)
     before = tree_hash(bad)
-    r = ckpt("fuse-experts", bad, "-o", tmp_path / "o", code=3)
+    # the consistency gate refuses this input too (mtp-missing); let it through to reach fuse's own check
+    r = ckpt("fuse-experts", bad, "-o", tmp_path / "o", "--allow-invalid", "mtp-missing", code=3)
     msg = " ".join(_error(r).split())
     assert "[expert-noncontiguous]" in msg and "model.layers.3.mlp.experts" in msg and "no 2" in msg
     assert "missing model.layers.3.mlp.experts.2.gate_proj.weight" in msg
@@ -198,7 +199,8 @@ def test_non_contiguous_expert_indices(make_fixture, tmp_path):
     ren = {f"model.layers.1.mlp.experts.3.{p}_proj.weight": f"model.layers.1.mlp.experts.5.{p}_proj.weight"
            for p in ("gate", "up", "down")}
     bad = rewrite(src, tmp_path / "bad", rename=ren)
-    r = ckpt("fuse-experts", bad, "-o", tmp_path / "o", code=3)
+    # the consistency gate refuses this input too (trunk-missing); let it through to reach fuse's own check
+    r = ckpt("fuse-experts", bad, "-o", tmp_path / "o", "--allow-invalid", "trunk-missing", code=3)
     msg = " ".join(_error(r).split())
     assert "[expert-noncontiguous] expert indices of model.layers.1.mlp.experts are not contiguous" in msg
     assert "[expert-index] model.layers.1.mlp.experts.5.down_proj.weight: expert index 5" in msg

@@ -288,8 +288,8 @@ def test_declared_mtp_with_missing_tensors_names_them(make_fixture, tmp_path):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     del index["weight_map"]["model.layers.3.eh_proj.weight"]
     (work / "model.safetensors.index.json").write_text(json.dumps(index))
-    r = ckpt("extract", work, "-o", tmp_path / "o", code=3)
-    assert "model.layers.3.eh_proj.weight" in r.output and "mtp-incomplete" in r.output
+    r = ckpt("extract", work, "-o", tmp_path / "o", code=3)  # refused by the consistency gate, before planning
+    assert "model.layers.3.eh_proj.weight" in r.output and "[mtp-missing]" in r.output
     assert not (tmp_path / "o").exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .common import command, emit_json, out_console
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 
 def register(app: typer.Typer) -> None:
@@ -18,6 +19,7 @@ def register(app: typer.Typer) -> None:
         dequant: bool = typer.Option(False, "--dequant", help="Compare FP8 block weights by dequantized value."),
         show_all: bool = typer.Option(False, "--all", help="List every key, unchanged ones too (no row limit)."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded)."""
         from ..checkpoint import Checkpoint
@@ -26,7 +28,10 @@ def register(app: typer.Typer) -> None:
 
         if keys is not None:
             regex("--keys", keys)  # before any checkpoint is opened
-        report = diff(Checkpoint.open(a), Checkpoint.open(b), keys=keys, stats=stats or dequant, dequant=dequant)
+        allow = allowed_rules(allow_invalid)
+        report = diff(Checkpoint.open(a), Checkpoint.open(b), keys=keys, stats=stats or dequant, dequant=dequant,
+                      allow=allow)
+        say_allowed(report.allowed_invalid)
         if json_output:
             emit_json(report.to_json(all_keys=show_all))
         else:

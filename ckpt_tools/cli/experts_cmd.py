@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import command, command_line, emit_json, human_bytes, out_console, progress_for
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 LAYOUT_HELP = (
     "per-expert | fused | stacked | stacked-transposed | fused-transposed, with options after ':' "
@@ -52,7 +53,7 @@ def _render(xplan, console) -> None:
 
 def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: str, only_mtp: bool, arch: str | None,
          max_shard_size: str, dry_run: bool, plan_json: Path | None, json_output: bool, overwrite: bool,
-         dequant: str | None = None) -> None:
+         dequant: str | None = None, allow_invalid: list[str] | None = None) -> None:
     from ..checkpoint import Checkpoint
     from ..errors import UsageError
     from ..ops.experts import ExpertsRequest, plan_experts, stats, validate_output
@@ -60,11 +61,13 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
     from ..safetensors_io import IO_STATS
 
     layout = _layout(to, verb, allowed)
+    allow = allowed_rules(allow_invalid)
     if out is None and not dry_run:
         raise UsageError(f"{verb} needs -o OUT (or --dry-run)")
     req = ExpertsRequest(layout, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
-                         command=command_line(), dequant=dequant)
+                         command=command_line(), dequant=dequant, allow_invalid=allow)
     xplan = plan_experts(Checkpoint.open(src), req)
+    say_allowed(xplan.plan.manifest.get("allowed_invalid"))
     if plan_json is not None:
         xplan.plan.write_json(plan_json)
     if dry_run:
@@ -76,7 +79,7 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
     from ..writer import execute
 
     result = execute(xplan.plan, out, overwrite=overwrite, progress=progress_for(json_output))
-    report = validate_output(out, arch=arch)
+    report = validate_output(out, arch=arch, allow=allow)
     summary = {
         "output": str(result.out_dir),
         "layout": layout.label(),
@@ -117,9 +120,10 @@ def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
         dequant: str = typer.Option(None, "--dequant",
                                     help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         _run(verb, allowed, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json, json_output,
-             overwrite, dequant)
+             overwrite, dequant, allow_invalid)
 
     run.__doc__ = doc
     run.__name__ = verb.replace("-", "_")

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import command, command_line, emit_json, out_console, progress_for
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -33,7 +34,8 @@ def register(app: typer.Typer) -> None:
         with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
         dtype: str = typer.Option("keep", "--dtype", help="keep | bf16 | fp16 | fp32 (floating tensors)."),
         dequant: str = typer.Option(None, "--dequant", help="Dequantize FP8 block weights to bf16 / fp32."),
-        drop_mtp: bool = typer.Option(False, "--drop-mtp", help="Write the trunk: everything but MTP, count 0."),
+        drop_mtp: bool = typer.Option(False, "--drop-mtp",
+                                      help="Write the trunk: everything but MTP, count 0 (mtp-* rules do not block)."),
         verifier_name: str = typer.Option(None, "--verifier-name",
                                           help="How the draft config names its verifier (default: the Hub id "
                                                "of an hf:// or Hub-cache source, else SRC as given)."),
@@ -43,6 +45,7 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
         resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
         from ..checkpoint import Checkpoint
@@ -52,13 +55,15 @@ def register(app: typer.Typer) -> None:
         from ..safetensors_io import IO_STATS
         from .render import render_plan, report_write
 
+        allow = allowed_rules(allow_invalid)
         ckpt = Checkpoint.open(src)
         req = ExtractRequest(
             arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
             dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
-            command=command_line(), source=src, verifier_name=verifier_name,
+            command=command_line(), source=src, verifier_name=verifier_name, allow_invalid=allow,
         )
         plan = plan_extract(ckpt, req)
+        say_allowed(plan.manifest.get("allowed_invalid"))
         if plan_json is not None:
             plan.write_json(plan_json)
         if dry_run:
@@ -71,5 +76,5 @@ def register(app: typer.Typer) -> None:
 
         result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
         bytes_read = IO_STATS.total
-        validation = validate_output(out)
+        validation = validate_output(out, allow=allow)
         report_write(plan, result, json_output, bytes_read=bytes_read, extra={"format": fmt}, validation=validation)

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import command, command_line, emit_json, out_console, progress_for
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +31,7 @@ def register(app: typer.Typer) -> None:
         plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""
         from ..checkpoint import Checkpoint
@@ -39,11 +41,13 @@ def register(app: typer.Typer) -> None:
         from ..safetensors_io import IO_STATS
         from .render import render_plan, report_write
 
+        allow = allowed_rules(allow_invalid)
         req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=fmt,
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
-                          command=command_line())
+                          command=command_line(), allow_invalid=allow)
         check_request(req)  # before the target is opened
         plan, summary = plan_init(Checkpoint.open(target), req)
+        say_allowed(plan.manifest.get("allowed_invalid"))
         if plan_json is not None:
             plan.write_json(plan_json)
         if dry_run:
@@ -57,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
         result = execute(plan, out, overwrite=overwrite, progress=progress_for(json_output))
         bytes_read = IO_STATS.total
-        validation = validate_output(out)  # an invalid output is an output error (exit 4)
+        validation = validate_output(out, allow=allow)  # an invalid output is an output error (exit 4)
         report_write(plan, result, json_output, bytes_read=bytes_read,
                      extra={"format": fmt, "init": summary.to_json()}, validation=validation)
         if not json_output:

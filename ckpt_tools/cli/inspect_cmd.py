@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .common import command, emit_json, human_bytes, out_console
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 MAX_ROWS = 20  # problem keys listed before "..."
 
@@ -115,7 +116,7 @@ def _render_status(con, status: dict, count: int) -> None:
         con.print(f"  ... and {len(lines) - MAX_ROWS} more")
 
 
-def _discover(path: str, write: str | None, json_output: bool) -> None:
+def _discover(path: str, write: str | None, json_output: bool, allow: frozenset[str] = frozenset()) -> None:
     """`--discover`: the draft table on stdout (or in FILE), a summary on stderr."""
     from pathlib import Path
 
@@ -127,9 +128,12 @@ def _discover(path: str, write: str | None, json_output: bool) -> None:
 
     if write is not None and not write.endswith((".yaml", ".yml")):
         raise UsageError(f"--write {write}: a table file ends in .yaml")
+    from ..consistency import require_consistent
+
     ckpt = Checkpoint.open(path)
     if write is not None:
         outside_inputs("--write", write, [ckpt.local_dir] if ckpt.local_dir else [])
+    say_allowed([p.to_json() for p in require_consistent(ckpt, scope="files", allow=allow).allowed])
     found = discover(ckpt, family=Path(write).stem if write else None)
     if write:
         write_draft(found, write)
@@ -163,14 +167,17 @@ def register(app: typer.Typer) -> None:
                                                                 "draft architecture table (YAML) to refine."),
         write: str | None = typer.Option(None, "--write", metavar="FILE", help="With --discover: write the draft "
                                          "table to FILE (its name, without .yaml, becomes the family)."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes."""
         from ..ops.inspect import inspect_checkpoint
 
+        allow = allowed_rules(allow_invalid)
         if discover or write:
-            _discover(path, write, json_output)
+            _discover(path, write, json_output, allow)
             return
-        report = inspect_checkpoint(path, arch)
+        report = inspect_checkpoint(path, arch, allow)
+        say_allowed(report.allowed_invalid)
         if json_output:
             emit_json(report.to_json())
         else:

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import command, command_line, emit_json, err_console, human_bytes, out_console
+from .gate_options import allow_invalid_option, allowed_rules
 
 
 def render(plan, result) -> None:
@@ -80,10 +81,12 @@ def register(app: typer.Typer) -> None:
                                  help="keep: keep the folder's README.md if it has one; overwrite: always write "
                                       "the generated card."),
         json_output: bool = typer.Option(False, "--json", help="Print the plan and result as JSON."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
         from ..hub_push import PushRequest, push
 
+        allow = allowed_rules(allow_invalid)
         target = _repo(repo_id, "REPO_ID")
         if target.revision is not None:
             from ..errors import UsageError
@@ -92,7 +95,7 @@ def register(app: typer.Typer) -> None:
         base_ref = _repo(base, "--base") if base else None
         req = PushRequest(folder, target.repo_id, revision=revision, private=private, create_pr=create_pr,
                           message=message, base=base_ref, dry_run=dry_run, force=force, card=card,
-                          command=command_line())
+                          command=command_line(), allow_invalid=allow)
         if not json_output and not dry_run:
             err_console().print(f"pushing {folder} to {target.repo_id} ...")
         plan, result = push(req)

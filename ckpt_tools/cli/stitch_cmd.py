@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from .common import command, command_line, emit_json, out_console, progress_for
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +20,8 @@ def register(app: typer.Typer) -> None:
         verifier: str = typer.Argument(..., help="Verifier checkpoint directory or hf://org/repo[@rev]."),
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty; never the verifier)."),
         fmt: str = typer.Option("auto", "--format", help="auto | native | speculators | angelspec | sglang-nextn"),
-        mode: str = typer.Option("auto", "--mode", help="replace (verifier has MTP) | add (it has none) | auto"),
+        mode: str = typer.Option("auto", "--mode",
+                                 help="replace (verifier has MTP) | add (it has none; sets the count) | auto"),
         link: str = typer.Option(
             "copy", "--link",
             help="Untouched shards: copy | reflink | hardlink | remote (an hf:// verifier's shards "
@@ -37,6 +39,7 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
         resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
         json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from ..checkpoint import Checkpoint
@@ -45,10 +48,12 @@ def register(app: typer.Typer) -> None:
         from .diff_cmd import render_diffs
         from .extract_cmd import _layers
 
+        allow = allowed_rules(allow_invalid)
         req = StitchRequest(format=fmt, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
                             update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
-                            max_shard_size=parse_size(max_shard_size), command=command_line())
+                            max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
         plan, report = plan_stitch(Checkpoint.open(draft), Checkpoint.open(verifier), req)
+        say_allowed(plan.manifest.get("allowed_invalid"))
         if plan_json is not None:
             plan.write_json(plan_json)
         if not dry_run:
@@ -64,7 +69,8 @@ def register(app: typer.Typer) -> None:
             from ..ops.validate import validate
 
             rep = validate(out)
-            report.validation = {"ok": rep.ok, "problems": [p.to_json() for p in rep.problems]}
+            ok = all(p.rule in allow for p in rep.problems)  # what --allow-invalid let in may be carried out
+            report.validation = {"ok": ok, "problems": [p.to_json() for p in rep.problems]}
             # tmp + rename: a run killed here leaves the placeholder, never a truncated report
             tmp = out / ".stitch-report.json.partial"
             tmp.write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint import Checkpoint
 from ..compare import TensorDiff, compare
+from ..consistency import require_consistent
 from ..dtypes import FP8_DTYPES
 from ..options import regex
 from ..plan import CopyBytes
@@ -16,6 +17,7 @@ class DiffReport:
     a: str
     b: str
     diffs: list[TensorDiff] = field(default_factory=list)
+    allowed_invalid: list[dict] = field(default_factory=list)  # input problems let through by --allow-invalid
 
     @property
     def identical(self) -> bool:
@@ -34,14 +36,20 @@ class DiffReport:
             "identical": self.identical,
             "totals": self.totals(),
             "tensors": [d.to_json() for d in self.diffs if all_keys or d.status != "unchanged"],
+            **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
         }
 
 
 def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool = False,
-         dequant: bool = False) -> DiffReport:
-    """Compare every tensor of ``a`` and ``b`` (optionally only keys matching ``keys``)."""
+         dequant: bool = False, allow: frozenset[str] = frozenset()) -> DiffReport:
+    """Compare every tensor of ``a`` and ``b`` (optionally only keys matching ``keys``).
+
+    Both sides pass the index rules of the consistency gate first: a shard left out of an
+    index would otherwise make its tensors "removed", or two broken sides "identical".
+    """
+    gates = [require_consistent(c, scope="files", allow=allow, role=side) for side, c in (("first", a), ("second", b))]
     pattern = regex("--keys", keys) if keys else None
-    report = DiffReport(a.root, b.root)
+    report = DiffReport(a.root, b.root, allowed_invalid=[p.to_json() for g in gates for p in g.allowed])
     names = sorted(set(a.tensors) | set(b.tensors))
     for key in names:
         if pattern is not None and not pattern.search(key):

@@ -18,13 +18,14 @@ from pathlib import Path
 
 from .. import __version__
 from ..checkpoint import Checkpoint, source_name
+from ..consistency import note_allowed, require_consistent
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, OutputError, PlanError
 from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key
 from ..experts import BlockDequant, convert_group, layout_from_label
-from ..mtp import choose_table, detect_group_layout
+from ..mtp import detect_group_layout
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
-from ..tables.resolve import resolve, trunk_specs
+from ..tables.resolve import trunk_specs
 from .extract import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"
@@ -39,6 +40,7 @@ class ExpertsRequest:
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt fuse-experts"
     dequant: str | None = None  # bf16 | fp16 | fp32: FP8 block weights (experts and others) become this dtype
+    allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
 
 
 @dataclass
@@ -138,8 +140,8 @@ def _present(group: ExpertGroup, keys) -> bool:
 
 
 def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
-    table = choose_table(ckpt, req.arch)
-    res = resolve(table, ckpt.config)
+    gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
+    table, res = gate.table, gate.view.resolved
     keys = ckpt.tensors
     block, suffix = res.block_size, res.scale_suffix
     block = _config_block(ckpt) or block
@@ -180,7 +182,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     config = _config(ckpt, req)
     files = [OutputFile("config.json", content=config)] if config is not None else []
     files += _carried(ckpt)
-    manifest = _manifest(ckpt, table.family, req, plans, draft, dequant_to)
+    manifest = note_allowed(_manifest(ckpt, table.family, req, plans, draft, dequant_to), gate)
     plan = Plan(req.command, tensors, files, inputs=[ckpt.local_dir] if ckpt.local_dir else [],
                 max_shard_size=req.max_shard_size, manifest=manifest)
     return ExpertsPlan(plan, table.family, plans, draft)
@@ -322,15 +324,19 @@ def stats(xplan: ExpertsPlan) -> dict:
     return {"bytes_copied": copied, "bytes_computed": computed}
 
 
-def validate_output(out: str | Path, arch: str | None = None):
-    """Run ``ckpt validate`` on what was written; OutputError listing the problems if any."""
+def validate_output(out: str | Path, arch: str | None = None, allow: frozenset[str] = frozenset()):
+    """Run ``ckpt validate`` on what was written; OutputError listing the problems if any.
+
+    ``allow``: rules let through on the input (--allow-invalid), which the output may carry.
+    """
     try:
         from .validate import validate
     except ImportError:  # pragma: no cover - validate ships with the package
         return None
     report = validate(out, arch=arch)
-    if not report.ok:
-        listed = "; ".join(str(p) for p in report.problems[:20])
-        raise OutputError(f"the output fails validation ({len(report.problems)} problem(s)): {listed}",
+    problems = [p for p in report.problems if p.rule not in allow]
+    if problems:
+        listed = "; ".join(str(p) for p in problems[:20])
+        raise OutputError(f"the output fails validation ({len(problems)} problem(s)): {listed}",
                           path=str(out))
     return report

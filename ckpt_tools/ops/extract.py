@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
+from ..consistency import MTP_RULES, note_allowed, require_consistent
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..expert_layouts import scale_key
 from ..formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
-from ..mtp import MtpView, choose_table, open_mtp
+from ..mtp import MtpView
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 
 DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -38,6 +39,7 @@ class ExtractRequest:
     source: str | None = None  # the source exactly as the user gave it
     verifier_name: str | None = None  # --verifier-name: what a draft config names its verifier
     notes: list[str] = field(default_factory=list)
+    allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
 
 
 def dtype_arg(value: str | None, flag: str) -> str | None:
@@ -55,8 +57,8 @@ def dtype_arg(value: str | None, flag: str) -> str | None:
 def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if req.drop_mtp:
         return plan_trunk(ckpt, req)
-    table = choose_table(ckpt, req.arch)
-    view = open_mtp(ckpt, table)
+    gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
+    view, table = gate.view, gate.table
     if view.count == 0:
         hint = (f" (but {len(view.beyond)} MTP-looking tensors are present, e.g. {view.beyond[0]})"
                 if view.beyond else "")
@@ -101,7 +103,7 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "tool_version": __version__,
     }
     return Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
-                manifest=manifest)
+                manifest=note_allowed(manifest, gate))
 
 
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
@@ -257,9 +259,13 @@ def carried_files(ckpt: Checkpoint) -> list[OutputFile]:
 # Trunk: everything but the MTP layers
 
 
+# --drop-mtp writes no tensor of the MTP namespace, so what is wrong inside it does not reach the output
+DROP_MTP_REPAIRS = {rule: "--drop-mtp drops every MTP-namespace tensor" for rule in MTP_RULES}
+
+
 def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
-    table = choose_table(ckpt, req.arch)
-    view = open_mtp(ckpt, table)
+    gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid, waive=DROP_MTP_REPAIRS)
+    view, table = gate.view, gate.table
     drop = set(view.keys()) | set(view.beyond) | set(view.extra)
     if not drop:
         raise InputError(f"{ckpt.root}: no MTP tensors to drop ({table.family} declares {view.count})",
@@ -288,6 +294,7 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "dropped_tensors": len(drop),
         "tool_version": __version__,
     }
+    note_allowed(manifest, gate)
     plan = Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
                 manifest=manifest, shard_layouts=layouts)
     if len(layouts) == 1 and ckpt.index is None:

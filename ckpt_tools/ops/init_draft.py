@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from .. import __version__
 from ..checkpoint import Checkpoint, revision_of, source_name
 from ..config import ConfigView
+from ..consistency import MTP_RULES, note_allowed, require_consistent
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
 from ..expert_layouts import ExpertLayout, scale_key
 from ..expr import evaluate, render
 from ..formats import correspond, get_format
 from ..init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
-from ..mtp import MtpView, choose_table, detect_group_layout
+from ..mtp import MtpView, detect_group_layout
 from ..options import MAX_SEED, int_in_range, positive_finite
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..safetensors_io import TensorRef
@@ -54,6 +55,11 @@ class InitRequest:
     dequant: str | None = None  # --from-layer of an FP8 target into a format without scales
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt init-draft"
+    allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
+
+
+# init-draft reads no MTP tensor of its target: what is wrong there does not reach the draft
+INIT_IGNORES = {rule: "init-draft reads no MTP tensor of the target" for rule in MTP_RULES}
 
 
 @dataclass
@@ -266,7 +272,8 @@ def _shared_source(spec: Spec, res: Resolved, target: Checkpoint) -> TensorRef |
 
 def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
     check_request(req)
-    table = choose_table(target, req.arch)
+    gate = require_consistent(target, arch=req.arch, allow=req.allow_invalid, waive=INIT_IGNORES)
+    table = gate.table
     fmt = get_format(req.format)
     count = _count(table, target, req, fmt.max_layers)
     std, std_from = _std(req, target)
@@ -363,7 +370,8 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
         "tool_version": __version__,
     }
     inputs = [target.local_dir] if target.local_dir is not None else []
-    plan = Plan(req.command, tensors, files, inputs=inputs, max_shard_size=req.max_shard_size, manifest=manifest)
+    plan = Plan(req.command, tensors, files, inputs=inputs, max_shard_size=req.max_shard_size,
+                manifest=note_allowed(manifest, gate))
     return plan, summary
 
 

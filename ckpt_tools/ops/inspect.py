@@ -29,7 +29,9 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
   plus ``scale`` (the companion's key) on FP8 weights;
 - ``status``: ``{complete, missing, misshaped, missing_scales, extra, beyond, optional_absent}``;
   missing entries are ``{key, role, depth, shape}``, misshaped ``{key, expected, actual}``, the
-  others lists of keys.
+  others lists of keys;
+- ``allowed_invalid`` (only when ``--allow-invalid`` let problems through): those problems,
+  ``{rule, path, key, message}``.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import os
 from dataclasses import dataclass, field
 
 from ..checkpoint import Checkpoint
+from ..consistency import require_consistent
 from ..dtypes import FP8_DTYPES
 from ..expert_layouts import scale_key
-from ..mtp import MtpView, choose_table, open_mtp
-from ..tables.loader import get_table
+from ..mtp import MtpView
 from ..tables.schema import GLUE_ROLES
 
 ROLE_ORDER = (*GLUE_ROLES, "block", "experts", "fp8_scales")
@@ -80,6 +82,7 @@ class InspectReport:
     tensors: list[dict]
     status: dict
     view: MtpView | None = field(default=None, repr=False)  # for callers that go on planning
+    allowed_invalid: list[dict] = field(default_factory=list)  # problems let through by --allow-invalid
 
     @property
     def complete(self) -> bool:
@@ -106,6 +109,7 @@ class InspectReport:
             "fp8": self.fp8,
             "tensors": self.tensors,
             "status": self.status,
+            **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
         }
 
 
@@ -234,8 +238,15 @@ def _sorted(d: dict[str, dict]) -> dict[str, dict]:
     return dict(sorted(d.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
-def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str | None = None) -> InspectReport:
-    """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection."""
+def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str | None = None,
+                       allow: frozenset[str] = frozenset()) -> InspectReport:
+    """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection.
+
+    An inconsistent checkpoint is refused (``consistency.require_consistent``) unless ``allow``
+    names every rule it breaks.
+    """
     ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint.open(path_or_ckpt)
-    table = get_table(arch) if arch else choose_table(ckpt)
-    return inspect_view(open_mtp(ckpt, table), "arch" if arch else "detected")
+    gate = require_consistent(ckpt, arch=arch, allow=allow)
+    report = inspect_view(gate.view, "arch" if arch else "detected")
+    report.allowed_invalid = [p.to_json() for p in gate.allowed]
+    return report

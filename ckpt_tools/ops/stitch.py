@@ -23,11 +23,12 @@ from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..compare import TensorDiff, compare, count_nonfinite
 from ..config import ConfigView
+from ..consistency import count_field, note_allowed, require_consistent
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..expert_layouts import ExpertGroup, scale_key
 from ..formats import Correspondence, Format, correspond, detect_format, get_format
-from ..mtp import MtpView, choose_table, detect_group_layout, open_mtp
+from ..mtp import MtpView, choose_table, detect_group_layout
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
     from ..safetensors_io import TensorRef
 
 LINK_MODES = ("copy", "reflink", "hardlink", "remote")
+# --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
+ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
+STITCH_HINTS = {"mtp-missing": "if the verifier ships no MTP weights, `--mode add` adds the draft's layers (and sets "
+                               "the count to the draft's)"}
 
 
 @dataclass
@@ -51,6 +56,7 @@ class StitchRequest:
     layers: list[int] | None = None  # verifier MTP depths the draft's layers map to
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt stitch"
+    allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
 
 
 class Statistics:
@@ -302,9 +308,17 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     if manifest.get("family") and manifest["family"] != table.family:
         raise InputError(f"the draft was extracted from a {manifest['family']} checkpoint; the verifier is "
                          f"{table.family}", rule="wrong-family")
-    declared = open_mtp(verifier, table)
+    # mode selection: never a silent switch. Both inputs pass the consistency gate first (the draft: its
+    # index and files; the verifier: every rule, as a whole model); auto mode only picks what the
+    # verifier's config and tensors agree on.
+    if req.mode not in ("auto", "replace", "add"):
+        raise UsageError(f"--mode {req.mode!r}: use replace, add or auto")
+    draft_gate = require_consistent(draft, scope="files", allow=req.allow_invalid, role="draft")
+    vgate = require_consistent(verifier, table, allow=req.allow_invalid, scope="model", role="verifier",
+                               waive=ADD_REPAIRS if req.mode == "add" else None, hints=STITCH_HINTS)
+    declared = vgate.view
     mode = req.mode
-    if mode == "auto":
+    if mode == "auto":  # declared and absent gets here only with --allow-invalid mtp-missing: add them
         mode = "replace" if declared.count > 0 and declared.present else "add"
     if mode == "replace":
         if declared.count == 0:
@@ -313,15 +327,21 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         view = declared
         layers = _draft_layers(draft, fmt, req, view.count)
     elif mode == "add":
-        if declared.present:
-            raise UsageError(f"the verifier already has {len(declared.present)} MTP tensors; use --mode replace")
+        if any(p.rule == "unindexed-key" for p in vgate.allowed):
+            raise InputError("add mode copies the verifier's shards whole, so keys its index does not list would "
+                             "stay in them; write a clean trunk first (`ckpt extract --drop-mtp --allow-invalid "
+                             "unindexed-key`), then stitch into it", rule="unindexed-key", path=verifier.root)
+        held = [s.key for s in declared.present] + declared.beyond + declared.extra
+        if held:
+            raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
+                             "mode would leave beside the new ones: use --mode replace (with "
+                             f"{count_field(declared)} set to the layers it holds), or drop them first with "
+                             "`ckpt extract --drop-mtp`", rule="mtp-exists", path=verifier.root)
         layers = _draft_layers(draft, fmt, req, _draft_count(draft, fmt, table))
         count = max(layers) + 1 if layers else 0
         if layers != list(range(count)):
             raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
         view = _virtual_view(verifier, table, count)
-    else:
-        raise UsageError(f"--mode {mode!r}: use replace, add or auto")
 
     # replace: per-layer embed/head copies stay the verifier's unless --update-copies;
     # add: whatever the format carries (native drafts bring them), the rest is filled below
@@ -355,6 +375,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         report.kept_from_verifier = absent
     _measure(builder, view, report, mode)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
+    note_allowed(plan.manifest, draft_gate, vgate)
     return plan, report
 
 
@@ -502,7 +523,8 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
     layouts: dict[str, ShardLayout] = {}
     for shard, keys in verifier.shard_keys.items():
         listed = [k for k in keys if wm is None or wm.get(k) == shard]
-        if not any(k in changed for k in listed):
+        # a whole-file copy would carry keys the index does not list (--allow-invalid unindexed-key): rewrite
+        if not any(k in changed for k in listed) and len(listed) == len(keys):
             files.append(_untouched(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}))
             report.linked_files.append(shard)
             report.copied_tensors += sum(1 for k in listed if k not in builder.candidates)

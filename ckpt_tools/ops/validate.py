@@ -43,16 +43,14 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint, open_lenient
-from ..dtypes import FP8_DTYPES
+from .. import consistency
+from ..checkpoint import Checkpoint, open_lenient
+from ..consistency import Problem, config_path
 from ..errors import CkptError, InputError
-from ..expert_layouts import scale_key, scale_shape
-from ..expr import ExprError, render
 from ..mtp import choose_table, open_mtp
-from ..safetensors_io import LocalFile, read_header
 
 VALID_FORMATS = ("pt", "tf", "flax", "mlx")  # transformers load_state_dict's accepted __metadata__ formats
 # Rules that come from opening files (used to recognise them on a strict, remote open).
@@ -60,25 +58,10 @@ FILE_RULES = frozenset({
     "header-length", "header-too-large", "header-json", "header-not-object", "duplicate-key",
     "metadata-not-string", "tensor-entry", "unknown-dtype", "bad-shape", "bad-offsets", "misaligned",
     "size-mismatch", "overlap", "offsets-not-contiguous", "past-end", "trailing-bytes", "unreadable-shard",
-    "index-json", "shard-path", "missing-shard", "index-key-missing", "config-json",
+    "index-json", "shard-path", "missing-shard", "index-key-missing", "config-json", "config-field",
 })
-MAX_LISTED = 20  # keys named in one message before "..."
-
-
-@dataclass(frozen=True)
-class Problem:
-    rule: str
-    path: str | None  # the file the problem is in
-    key: str | None  # the tensor key, when the problem concerns one
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.path}: " if self.path else ""
-        key = f"{self.key}: " if self.key else ""
-        return f"{where}[{self.rule}] {key}{self.message}"
-
-    def to_json(self) -> dict:
-        return {"rule": self.rule, "path": self.path, "key": self.key, "message": self.message}
+MAX_LISTED = consistency.MAX_LISTED
+__all__ = ["Problem", "ValidationReport", "validate", "validate_output", "bare_message"]
 
 
 @dataclass
@@ -99,6 +82,9 @@ class ValidationReport:
 
     def add(self, rule: str, path: str | os.PathLike | None, key: str | None, message: str) -> None:
         self.problems.append(Problem(rule, str(path) if path is not None else None, key, message))
+
+    def extend(self, problems: list[Problem]) -> None:
+        self.problems += problems
 
     def to_json(self) -> dict:
         """Stable keys: path, ok, family, mtp_layers, checked{files,tensors}, counts{rule: n}, problems[]."""
@@ -153,7 +139,7 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
     report.tensors_checked = sum(len(h.tensors) for h in ckpt.headers.values())
     _metadata_checks(ckpt, report)
     unknown = _index_checks(ckpt, unreadable, report)
-    config_broken = "config-json" in report.rules()
+    config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
     _config_checks(ckpt, arch, unknown, config_broken, report)
     return report
 
@@ -161,19 +147,12 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
 # -- format -----------------------------------------------------------------------------
 
 
-def _shard_path(ckpt: Checkpoint, name: str) -> str:
-    src = ckpt.sources.get(name)
-    if src is not None:
-        return src.name
-    return str(ckpt.local_dir / name) if ckpt.local_dir else f"{ckpt.root}/{name}"
-
-
 def _metadata_checks(ckpt: Checkpoint, report: ValidationReport) -> None:
     for name, h in ckpt.headers.items():
         if h.metadata is not None and h.metadata.get("format") not in VALID_FORMATS:
             fmt = h.metadata.get("format")
             what = "has no 'format'" if fmt is None else f"has format {fmt!r}"
-            report.add("metadata-format", _shard_path(ckpt, name), None,
+            report.add("metadata-format", consistency.shard_path(ckpt, name), None,
                        f"__metadata__ {what}; transformers' load_state_dict (v4) refuses a format that is not one of "
                        f"{', '.join(VALID_FORMATS)} (write {{\"format\": \"pt\"}})")
 
@@ -183,35 +162,11 @@ def _metadata_checks(ckpt: Checkpoint, report: ValidationReport) -> None:
 
 def _index_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationReport) -> set[str]:
     """Index vs shards. Returns the keys whose presence cannot be known (their shard is unreadable)."""
-    index_path = str(ckpt.local_dir / INDEX_NAME) if ckpt.local_dir else f"{ckpt.root}/{INDEX_NAME}"
-    holders: dict[str, list[str]] = {}
-    for name, keys in ckpt.shard_keys.items():
-        for k in keys:
-            holders.setdefault(k, []).append(name)
-    for key, names in holders.items():
-        if len(names) > 1:
-            report.add("duplicate-tensor", _shard_path(ckpt, names[1]), key,
-                       f"held by {len(names)} files: {', '.join(names)}; loaders that read every indexed file "
-                       "(vLLM) load both copies")
-    unknown: set[str] = set()
+    holders = consistency.Holders(ckpt)
+    report.extend(consistency.index_problems(ckpt, holders))
     index = ckpt.index
     if index is not None:
-        wmap: dict[str, str] = index["weight_map"]
-        unknown = {k for k, s in wmap.items() if s in unreadable}
-        for key, shard in wmap.items():
-            if shard in ckpt.headers and key not in ckpt.headers[shard].tensors:
-                report.add("index-key-missing", index_path, key, f"index maps it to {shard}, which does not hold it")
-        for name, keys in ckpt.shard_keys.items():
-            for k in keys:
-                mapped = wmap.get(k)
-                if mapped is None:
-                    report.add("unindexed-key", _shard_path(ckpt, name), k,
-                               f"{name} holds it but the index does not list it; index-driven loaders never see it")
-                elif mapped != name and mapped in ckpt.headers and k not in ckpt.headers[mapped].tensors:
-                    report.add("unindexed-key", _shard_path(ckpt, name), k,
-                               f"{name} holds it but the index maps it to {mapped}")
-                # mapped elsewhere and held there too: a duplicate, reported above; mapped to a missing or
-                # unreadable shard: reported with that shard
+        index_path = consistency.index_path(ckpt)
         meta = index.get("metadata")
         if not isinstance(meta, dict):
             report.add("index-metadata", index_path, None,
@@ -223,62 +178,11 @@ def _index_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationRep
             if not isinstance(ts, int) or isinstance(ts, bool) or ts != total:
                 report.add("total-size", index_path, None,
                            f"metadata.total_size is {ts!r} but the shards hold {total} tensor bytes")
-    _stray_files(ckpt, holders, report)
-    return unknown
-
-
-def _stray_files(ckpt: Checkpoint, holders: dict[str, list[str]], report: ValidationReport) -> None:
-    d = ckpt.local_dir
-    if d is None or not Path(d).is_dir():
-        return
-    referenced = set(ckpt.headers) | (set(ckpt.index["weight_map"].values()) if ckpt.index else set())
-    if ckpt.index is not None and (d / SINGLE_NAME).is_file() and referenced != {SINGLE_NAME}:
-        report.add("single-file-shadows-index", d / SINGLE_NAME, None,
-                   f"{SINGLE_NAME} sits next to {INDEX_NAME}, which references other files; transformers loads "
-                   f"{SINGLE_NAME} alone and ignores the index")
-    for p in sorted(Path(d).glob("*.safetensors")):
-        if p.name in referenced:
-            continue
-        try:
-            src = LocalFile(p)
-            try:
-                keys = read_header(src).tensors
-            finally:
-                src.close()
-        except InputError:
-            continue  # not part of the checkpoint; only stale copies of its tensors matter
-        dups = sorted(k for k in keys if k in holders)
-        for k in dups[:MAX_LISTED]:
-            report.add("duplicate-tensor", p, k,
-                       f"stale copy: also held by {holders[k][0]}; {p.name} is not in the index, but tools that "
-                       "glob *.safetensors load both")
+    report.extend(consistency.stray_problems(ckpt, holders))
+    return consistency.unknown_keys(ckpt, unreadable)
 
 
 # -- config vs tensors --------------------------------------------------------------------
-
-
-def _config_path(ckpt: Checkpoint) -> str:
-    return str(ckpt.local_dir / "config.json") if ckpt.local_dir else f"{ckpt.root}/config.json"
-
-
-def _count_field(view) -> str:
-    """The config key that declares the MTP count (for messages)."""
-    table = view.table
-    var = table.config.get(table.mtp.count_field or "")
-    if var is None:
-        return "the MTP count"
-    for k in var.keys:
-        if view.ckpt.config.has(k):
-            return k
-    return var.keys[0]
-
-
-def _draft_format(ckpt: Checkpoint) -> str | None:
-    """The draft format of ``ckpt`` when it is a renamed draft (speculators, angelspec, ...), else None."""
-    from ..formats import detect_format
-
-    fmt = detect_format(ckpt.config.raw, ckpt.manifest)
-    return None if fmt.rename == "native" else fmt.name
 
 
 def _manifest_checks(ckpt: Checkpoint, unknown: set[str], report: ValidationReport) -> None:
@@ -303,11 +207,11 @@ def _manifest_checks(ckpt: Checkpoint, unknown: set[str], report: ValidationRepo
 
 def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config_broken: bool,
                    report: ValidationReport) -> None:
-    cfg = _config_path(ckpt)
+    cfg = config_path(ckpt)
     view = None
     table = None
     _manifest_checks(ckpt, unknown, report)
-    draft_format = None if config_broken or arch else _draft_format(ckpt)
+    draft_format = None if config_broken or arch else consistency.renamed_format(ckpt)
     if draft_format is not None:
         # a renamed draft has no architecture table of its own: its manifest is the reference
         report.family = (ckpt.manifest or {}).get("family")
@@ -322,116 +226,29 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
             report.add(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
     if view is not None:
         report.family, report.mtp_layers = view.table.family, view.count
-        _mtp_checks(view, unknown, report)
-        _tied_head(view, report)
-    _fp8_checks(ckpt, table, view, unknown, None if config_broken or not ckpt.config_present else cfg, report)
+        try:
+            report.extend(consistency.model_problems(view, unknown))
+        except CkptError as e:  # the trunk's expressions meet a config value they cannot use
+            report.add(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
+    report.extend(consistency.fp8_problems(ckpt, table, view, unknown,
+                                           None if config_broken or not ckpt.config_present else cfg))
 
 
-def _mtp_checks(view, unknown: set[str], report: ValidationReport) -> None:
-    ckpt = view.ckpt
-    cfg = _config_path(ckpt)
-    field_name = _count_field(view)
-    declared = f"config declares {view.count} MTP layer(s) ({field_name}, {view.table.family})"
-    for s in view.missing:
-        if s.key in unknown:
-            continue
-        where = f"depth {s.depth}" if s.depth is not None else "shared by every depth"
-        report.add("mtp-missing", cfg, s.key, f"{declared} but this {s.role} tensor {list(s.shape)} "
-                                                    f"({where}) is missing")
-    for s, actual in view.misshaped:
-        if s.role == "scale":
-            continue  # FP8 scales are checked for every weight below, with the config's block size
-        report.add("mtp-misshaped", _file_of(ckpt, s.key), s.key,
-                   f"shape {list(actual)}, but the {view.table.family} table expects {list(s.shape)}")
-    for k in view.beyond:
-        report.add("mtp-beyond", _file_of(ckpt, k), k,
-                   f"{declared} but this tensor belongs to an MTP layer past that count; set {field_name} to "
-                   "match the weights, or drop the tensors")
-    for k in view.extra:
-        report.add("mtp-extra", _file_of(ckpt, k), k,
-                   f"inside the MTP namespace but not a tensor of the {view.table.family} table")
+def validate_output(path: str | os.PathLike, allow: Iterable[str] = ()) -> dict:
+    """Validate a directory this tool just wrote; an invalid output is an output error (exit 4).
 
-
-def _file_of(ckpt: Checkpoint, key: str) -> str | None:
-    try:
-        return ckpt.tensors[key].file
-    except KeyError:
-        return None
-
-
-def _tied_head(view, report: ValidationReport) -> None:
-    res = view.resolved
-    head = res.table.shared.get("head")
-    if head is None or head.when is None or "head" in res.shared:
-        return
-    try:
-        key = render(head.key, res.env)
-    except ExprError:
-        return
-    if key in view.ckpt.tensors:
-        report.add("tied-head", _file_of(view.ckpt, key), key,
-                   f"the config ties the head to the embedding (tie_word_embeddings), so loaders ignore this "
-                   f"tensor; set tie_word_embeddings: false or drop {key}")
-
-
-def _block_size(ckpt: Checkpoint, qc, view) -> tuple[int, int] | None:
-    """Scale block (rows, cols); None means one per-tensor scale."""
-    if isinstance(qc, dict) and "weight_block_size" in qc:
-        b = qc["weight_block_size"]
-        if b is None:
-            return None
-        if isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b):
-            return (b[0], b[1])
-    if view is not None:
-        return view.resolved.block_size
-    return (128, 128)
-
-
-def _fp8_checks(ckpt: Checkpoint, table, view, unknown: set[str], cfg: str | None,
-                report: ValidationReport) -> None:
-    fp8 = sorted(k for k, r in ckpt.tensors.items() if r.dtype in FP8_DTYPES)
-    qc = ckpt.config.get("quantization_config") if cfg else None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if cfg is not None:
-        if fp8 and method is None:
-            report.add("quant-config", cfg, fp8[0],
-                       f"{len(fp8)} FP8 tensor(s) (e.g. this one) but config.json has no quantization_config "
-                       "with quant_method 'fp8'; loaders would read the FP8 bytes as the model dtype")
-        elif method == "fp8" and not fp8 and not unknown:
-            report.add("quant-config", cfg, None,
-                       "quantization_config says quant_method 'fp8' but no tensor is FP8; remove quantization_config")
-        if method not in (None, "fp8"):
-            return  # another method (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
-    suffix = table.quantization.scale_suffix if table is not None and table.quantization else "weight_scale_inv"
-    block = _block_size(ckpt, qc, view)
-    for k in fp8:
-        skey = scale_key(k, suffix)
-        ref = ckpt.tensors[k]
-        sref = ckpt.tensors.get(skey)
-        if sref is None:
-            if skey not in unknown:
-                report.add("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")
-            continue
-        if block is None:
-            ok = tuple(sref.shape) in ((), (1,))
-            want = "[] (one per-tensor scale)"
-        elif len(ref.shape) < 2:
-            continue  # block scales are defined for matrices (and stacks of them) only
-        else:
-            want_shape = scale_shape(tuple(ref.shape), block)
-            ok = tuple(sref.shape) == want_shape
-            want = f"{list(want_shape)} (block {block[0]}x{block[1]} over {list(ref.shape)})"
-        if not ok:
-            report.add("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")
-
-
-def validate_output(path: str | os.PathLike) -> dict:
-    """Validate a directory this tool just wrote; an invalid output is an output error (exit 4)."""
+    ``allow``: rules the user let through on the input (``--allow-invalid``); an output that
+    carries them is not refused for them, and the result lists them under ``allowed``.
+    """
     from ..errors import OutputError
 
     report = validate(path)
-    if not report.ok:
-        shown = "; ".join(str(p) for p in report.problems[:5])
-        raise OutputError(f"the output failed validation ({len(report.problems)} problem(s)): {shown}",
-                          path=str(path))
-    return {"ok": True, "problems": 0, "family": report.family}
+    allowed = [p for p in report.problems if p.rule in set(allow)]
+    problems = [p for p in report.problems if p.rule not in set(allow)]
+    if problems:
+        raise OutputError(f"the output failed validation ({len(problems)} problem(s)): "
+                          f"{consistency.problems_text(problems)}", path=str(path))
+    out = {"ok": True, "problems": 0, "family": report.family}
+    if allowed:
+        out["allowed"] = [p.to_json() for p in allowed]
+    return out

@@ -14,6 +14,7 @@ from ..config import ConfigView
 from ..errors import InputError, TableError, UsageError
 from ..expr import ExprError, names_in, template_names
 from . import cache
+from .resolve import typed_value
 from .schema import Table
 
 _UNPARSED = object()
@@ -56,6 +57,13 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
 def _check_names(table: Table, path: Path) -> None:
     """Every expression may only use declared config variables and the loop indices."""
     known = set(table.config) | LOOP_VARS | set(table.mtp.layer_vars)
+    for name, var in table.config.items():
+        if var.default is not None:
+            try:
+                typed_value(var.kind, var.default)
+            except ValueError as e:
+                raise TableError(f"field config.{name}.default: {var.default!r} is not of type {var.kind} ({e})",
+                                 path=str(path)) from None
 
     def check(text, where: str, template: bool = False) -> None:
         if not isinstance(text, str):

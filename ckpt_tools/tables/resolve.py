@@ -110,13 +110,45 @@ def scale_specs(specs: list[Spec], resolved: Resolved) -> list[Spec]:
     ]
 
 
+MAX_COUNT = 2**63 - 1  # a dimension beyond any safetensors shape is not a dimension
+_SCALAR_TYPES = (str, int, float, bool)
+_KIND_TEXT = {
+    "count": "a non-negative integer", "int": "an integer", "number": "a finite number", "bool": "true or false",
+    "str": "a string", "list": "a list of strings or numbers",
+    "seq": "a string or a list of strings or numbers", "any": "anything",
+}
+
+
+def typed_value(kind: str, v: object) -> object:
+    """``v`` as a value of ``kind`` (see ``VarDef``); ValueError saying what was expected if it is not one."""
+    ok = {
+        "count": lambda: _is_number(v) and 0 <= v <= MAX_COUNT and float(v).is_integer(),
+        "int": lambda: _is_number(v) and abs(v) <= MAX_COUNT and float(v).is_integer(),
+        "number": lambda: _is_number(v),
+        "bool": lambda: isinstance(v, bool) or (type(v) is int and v in (0, 1)),
+        "str": lambda: isinstance(v, str),
+        "list": lambda: isinstance(v, list) and all(x is None or isinstance(x, _SCALAR_TYPES) for x in v),
+        "seq": lambda: isinstance(v, str) or (isinstance(v, list) and all(x is None or isinstance(x, _SCALAR_TYPES)
+                                                                         for x in v)),
+        "any": lambda: True,
+    }[kind]()
+    if not ok:
+        raise ValueError(f"expected {_KIND_TEXT[kind]}")
+    return int(v) if kind in ("count", "int") else v
+
+
 def _config_env(table: Table, config: ConfigView) -> dict:
+    """The table's variables from ``config``, each checked against its type before any expression sees it."""
     env: dict = {}
     for name, var in table.config.items():
         for key in var.keys:
             found = config.find(key)
             if found is not None and found[0] is not None:
-                env[name] = found[0]
+                try:
+                    env[name] = typed_value(var.kind, found[0])
+                except ValueError as e:
+                    raise InputError(f"field {key!r} = {_short(found[0])}: table {table.family!r} reads it as "
+                                     f"{name!r}, {e}", rule="config-field", path=config.name or "config.json") from None
                 break
         else:
             if var.default is not None or not var.required:
@@ -124,7 +156,7 @@ def _config_env(table: Table, config: ConfigView) -> dict:
             else:
                 raise InputError(
                     f"config.json has none of {var.keys}, which table {table.family!r} needs for {name!r}",
-                    rule="config-field",
+                    rule="config-field", path=config.name,
                 )
     return env
 
@@ -160,11 +192,14 @@ class _EvalFailed(TableError):
         parts = [f"field {key!r} = {_short(value)}" if key else f"field {' / '.join(keys)} (absent)"
                  for _, keys, key, value in suspects]
         return InputError(f"config.json {', '.join(parts)}: unusable for table {table.family!r} "
-                          f"(variable {', '.join(f[0] for f in suspects)}): {self.detail}", rule="config-field")
+                          f"(variable {', '.join(f[0] for f in suspects)}): {self.detail}", rule="config-field",
+                          path=config.name)
 
 
 def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))  # ints of any size are finite
 
 
 def _short(v: object, limit: int = 60) -> str:
@@ -327,6 +362,9 @@ def _sub_blocks(table: Table, lenv: dict):
         if not isinstance(seq, (str, list, tuple)):
             raise _EvalFailed(f"{table.family}: mtp.blocks[{n}].repeat must give a string or a list, "
                               f"got {type(seq).__name__}", str(bdef.repeat), lenv)
+        if len(seq) > MAX_TRUNK_LAYERS:  # one sub-block per element: a hostile config must not loop for ever
+            raise _EvalFailed(f"{table.family}: mtp.blocks[{n}].repeat gives {len(seq)} elements, more than "
+                              f"{MAX_TRUNK_LAYERS}", str(bdef.repeat), lenv)
         for j, item in enumerate(seq):
             yield dict(lenv, j=j, item=item), bdef
 

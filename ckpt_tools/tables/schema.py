@@ -30,16 +30,36 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+VAR_TYPES = ("count", "int", "number", "bool", "str", "list", "seq", "any")
+_DEFAULT_TYPES = ((bool, "bool"), (int, "count"), (float, "number"), (str, "str"), (list, "list"))
+
+
 class VarDef(_Strict):
     """Where a config variable comes from: the first of ``keys`` present wins.
 
     Dotted keys reach into nested objects (``mtp_config.num_nextn_predict_layers``);
     every key is looked up in ``text_config`` first, then at the top level.
+
+    ``type`` is what the config value must be before any expression sees it: ``count`` (a
+    non-negative integer: every dimension and count), ``int``, ``number`` (finite), ``bool``, ``str``,
+    ``list`` (of scalars), ``seq`` (a string or such a list) or ``any``. When a table leaves it
+    out, the default's type decides (``false`` -> bool, ``0`` -> count, ``[]`` -> list, ...), and
+    a variable without a default is a count.
     """
 
     keys: list[str]
     default: int | float | bool | str | list | None = None
     required: bool = True
+    type: Literal["count", "int", "number", "bool", "str", "list", "seq", "any"] | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.type is not None:
+            return self.type
+        for py, name in _DEFAULT_TYPES:
+            if isinstance(self.default, py):
+                return name
+        return "count"
 
 
 class TensorDef(_Strict):

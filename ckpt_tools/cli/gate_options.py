@@ -1,0 +1,37 @@
+"""``--allow-invalid RULE``: the one option every verb that reads a checkpoint shares (see consistency.py)."""
+
+from __future__ import annotations
+
+import typer
+
+ALLOW_INVALID_HELP = (
+    "Proceed although the input breaks this consistency rule (repeatable). Without it, an inconsistent "
+    "input is refused; `ckpt validate PATH` lists every problem with its rule."
+)
+
+
+def allow_invalid_option():
+    return typer.Option(None, "--allow-invalid", metavar="RULE", help=ALLOW_INVALID_HELP)
+
+
+def allowed_rules(values: list[str] | None) -> frozenset[str]:
+    """The checked rule names (a usage error, exit 2, for an unknown one), before anything is opened."""
+    from ..consistency import parse_allow
+
+    return parse_allow(values)
+
+
+def say_allowed(problems: list[dict] | None) -> None:
+    """One line on stderr for what --allow-invalid let through (``Problem.to_json`` dicts): never silent."""
+    if not problems:
+        return
+    from rich.markup import escape
+
+    from .common import err_console
+
+    rules = sorted({p["rule"] for p in problems})
+    first = problems[0]
+    where = f"{first['path']}: " if first.get("path") else ""
+    key = f"{first['key']}: " if first.get("key") else ""
+    err_console().print(f"[yellow]note:[/] proceeding despite {len(problems)} problem(s) allowed by --allow-invalid "
+                        f"({', '.join(rules)}); first: {escape(where + key + first['message'])}", soft_wrap=True)
