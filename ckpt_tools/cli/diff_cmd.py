@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
         from ..checkpoint import Checkpoint
         from ..ops.diff import diff
 
-        report = diff(Checkpoint.open(a), Checkpoint.open(b), keys=keys, stats=stats or dequant, dequant=dequant)
+        with Checkpoint.open(a) as ca, Checkpoint.open(b) as cb:
+            report = diff(ca, cb, keys=keys, stats=stats or dequant, dequant=dequant)
         if json_output:
             emit_json(report.to_json(all_keys=show_all))
         else:

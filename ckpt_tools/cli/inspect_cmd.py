@@ -126,7 +126,8 @@ def _discover(path: str, write: str | None, json_output: bool) -> None:
 
     if write is not None and not write.endswith((".yaml", ".yml")):
         raise UsageError(f"--write {write}: a table file ends in .yaml")
-    found = discover(Checkpoint.open(path), family=Path(write).stem if write else None)
+    with Checkpoint.open(path) as ckpt:
+        found = discover(ckpt, family=Path(write).stem if write else None)
     if write:
         write_draft(found, write)
     if json_output:

@@ -236,6 +236,8 @@ def _sorted(d: dict[str, dict]) -> dict[str, dict]:
 
 def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str | None = None) -> InspectReport:
     """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection."""
-    ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint.open(path_or_ckpt)
-    table = get_table(arch) if arch else choose_table(ckpt)
-    return inspect_view(open_mtp(ckpt, table), "arch" if arch else "detected")
+    if not isinstance(path_or_ckpt, Checkpoint):
+        with Checkpoint.open(path_or_ckpt) as ckpt:
+            return inspect_checkpoint(ckpt, arch)
+    table = get_table(arch) if arch else choose_table(path_or_ckpt)
+    return inspect_view(open_mtp(path_or_ckpt, table), "arch" if arch else "detected")
