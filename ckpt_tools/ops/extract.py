@@ -15,6 +15,7 @@ from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..expert_layouts import scale_key
+from ..fingerprint import record_inputs
 from ..formats import Correspondence, Format, correspond, draft_config, get_format
 from ..mtp import MtpView, choose_table, open_mtp
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
@@ -97,8 +98,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "config_fields_omitted": omitted,
         "tool_version": __version__,
     }
-    return Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
-                manifest=manifest)
+    return record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size, manifest=manifest),
+                         source=ckpt)
 
 
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
@@ -230,10 +231,6 @@ def _quant_info(view: MtpView) -> dict:
             "scale_suffix": view.resolved.scale_suffix}
 
 
-def _inputs(ckpt: Checkpoint):
-    return [ckpt.local_dir] if ckpt.local_dir is not None else []
-
-
 def carried_files(ckpt: Checkpoint) -> list[OutputFile]:
     """Tokenizer, generation config, chat template, code, README: copied as they are."""
     if ckpt.local_dir is None:
@@ -277,8 +274,8 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "dropped_tensors": len(drop),
         "tool_version": __version__,
     }
-    plan = Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
-                manifest=manifest, shard_layouts=layouts)
+    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size, manifest=manifest,
+                              shard_layouts=layouts), source=ckpt)
     if len(layouts) == 1 and ckpt.index is None:
         plan.single_file_name = next(iter(layouts))
     return plan
