@@ -36,27 +36,28 @@ def register(app: typer.Typer) -> None:
         from ..ops.init_draft import InitRequest, plan_init
         from ..ops.validate import validate_output
         from ..plan import parse_size
-        from ..safetensors_io import IO_STATS
         from .render import render_plan, report_write
 
         req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=fmt,
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
                           command=command_line())
-        plan, summary = plan_init(Checkpoint.open(target), req)
-        if plan_json is not None:
-            plan.write_json(plan_json)
-        if dry_run:
-            if json_output:
-                emit_json({**plan.to_json(), "init": summary.to_json()})
-            else:
-                render_plan(plan, out_console())
-                _say(summary)
-            return
-        from ..writer import execute
+        with Checkpoint.open(target) as ckpt:
+            plan, summary = plan_init(ckpt, req)
+            if plan_json is not None:
+                plan.write_json(plan_json)
+            if dry_run:
+                if json_output:
+                    emit_json({**plan.to_json(), "init": summary.to_json()})
+                else:
+                    render_plan(plan, out_console())
+                    _say(summary)
+                return
+            from ..writer import execute
 
-        result = execute(plan, out, overwrite=overwrite, progress=progress_for(json_output))
-        bytes_read = IO_STATS.total
-        validation = validate_output(out)  # an invalid output is an output error (exit 4)
+            validation: dict = {}  # an invalid output is an output error (exit 4), left without its marker
+            result = execute(plan, out, overwrite=overwrite, progress=progress_for(json_output),
+                             check=lambda path, pending: validation.update(validate_output(path, pending=pending)))
+        bytes_read = result.bytes_read
         report_write(plan, result, json_output, bytes_read=bytes_read,
                      extra={"format": fmt, "init": summary.to_json()}, validation=validation)
         if not json_output:

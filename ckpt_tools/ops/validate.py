@@ -53,6 +53,7 @@ from ..expert_layouts import scale_key, scale_shape
 from ..expr import ExprError, render
 from ..mtp import choose_table, open_mtp
 from ..safetensors_io import LocalFile, read_header
+from ..writer import PendingOutput
 
 VALID_FORMATS = ("pt", "tf", "flax", "mlx")  # transformers load_state_dict's accepted __metadata__ formats
 # Rules that come from opening files (used to recognise them on a strict, remote open).
@@ -125,8 +126,12 @@ def bare_message(e: CkptError) -> str:
     return s
 
 
-def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | None = None) -> ValidationReport:
-    """Check a checkpoint (a local path, an ``hf://`` URL or an opened ``Checkpoint``)."""
+def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | None = None, *,
+             pending: PendingOutput | None = None) -> ValidationReport:
+    """Check a checkpoint (a local path, an ``hf://`` URL or an opened ``Checkpoint``).
+
+    ``pending``: an output the writer has not marked complete yet, checked as it will be.
+    """
     unreadable: list[str] = []
     if isinstance(path_or_checkpoint, Checkpoint):
         ckpt = path_or_checkpoint
@@ -141,7 +146,8 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             report.add(e.rule, e.path, None, bare_message(e))
             return report
     else:
-        opened = open_lenient(path_or_checkpoint)
+        opened = open_lenient(path_or_checkpoint, index=pending.index if pending else None,
+                              renamed=pending.renamed if pending else None)
         ckpt, unreadable = opened.ckpt, opened.unreadable
         report = ValidationReport(ckpt.root)
         remote = set((ckpt.manifest or {}).get("remote_files") or {})
@@ -149,12 +155,16 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             if e.rule == "missing-shard" and e.path and os.path.basename(e.path) in remote:
                 continue  # left on the Hub on purpose (stitch --link remote); push --base copies it
             report.add(e.rule or "unreadable", e.path, None, bare_message(e))
-    report.files_checked = len(ckpt.headers) + len(unreadable)
-    report.tensors_checked = sum(len(h.tensors) for h in ckpt.headers.values())
-    _metadata_checks(ckpt, report)
-    unknown = _index_checks(ckpt, unreadable, report)
-    config_broken = "config-json" in report.rules()
-    _config_checks(ckpt, arch, unknown, config_broken, report)
+    try:
+        report.files_checked = len(ckpt.headers) + len(unreadable)
+        report.tensors_checked = sum(len(h.tensors) for h in ckpt.headers.values())
+        _metadata_checks(ckpt, report)
+        unknown = _index_checks(ckpt, unreadable, report)
+        config_broken = "config-json" in report.rules()
+        _config_checks(ckpt, arch, unknown, config_broken, report)
+    finally:
+        if ckpt is not path_or_checkpoint:
+            ckpt.close()
     return report
 
 
@@ -425,13 +435,17 @@ def _fp8_checks(ckpt: Checkpoint, table, view, unknown: set[str], cfg: str | Non
             report.add("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")
 
 
-def validate_output(path: str | os.PathLike) -> dict:
-    """Validate a directory this tool just wrote; an invalid output is an output error (exit 4)."""
+def validate_output(path: str | os.PathLike, *, arch: str | None = None, pending: PendingOutput | None = None
+                    ) -> dict:
+    """Validate an output this tool is writing (the writer's check, before its completion marker).
+
+    An invalid output is an output error (exit 4) with the first problem's rule.
+    """
     from ..errors import OutputError
 
-    report = validate(path)
+    report = validate(path, arch, pending=pending)
     if not report.ok:
         shown = "; ".join(str(p) for p in report.problems[:5])
         raise OutputError(f"the output failed validation ({len(report.problems)} problem(s)): {shown}",
-                          path=str(path))
+                          rule=report.problems[0].rule, path=str(path))
     return {"ok": True, "problems": 0, "family": report.family}
