@@ -237,6 +237,9 @@ def fingerprint_change(old: dict[str, dict], new: dict[str, dict]) -> tuple[str,
     return None
 
 
+_FIELD_NAMES = {"mtime_ns": "modification time", "header_sha256": "header bytes", "sha256": "content sha256"}
+
+
 def _how(a: object, b: object) -> str:
     if a is None:
         return "appeared"
@@ -244,7 +247,7 @@ def _how(a: object, b: object) -> str:
         return "is gone"
     if isinstance(a, dict) and isinstance(b, dict):
         fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        return f"changed ({', '.join(f.replace('_', ' ') for f in fields)})"
+        return f"changed ({', '.join(_FIELD_NAMES.get(f, f) for f in fields)})"
     return "changed (sha256)"
 
 

@@ -188,8 +188,12 @@ class _Lock:
             if same:
                 break
             os.close(self.fd)
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            self.release()
+            raise
 
     def release(self) -> None:
         try:
@@ -322,7 +326,10 @@ class Writer:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
-        lock = _Lock(self.out)
+        try:
+            lock = _Lock(self.out)
+        except OSError as e:
+            raise self._output_error(e, str(self.out / LOCK_NAME)) from e
         digest = self.plan.digest()
         try:
             self._check_output_dir()
