@@ -330,8 +330,8 @@ class Writer:
             lock = _Lock(self.out)
         except OSError as e:
             raise self._output_error(e, str(self.out / LOCK_NAME)) from e
-        digest = self.plan.digest()
         try:
+            digest = self.plan.digest()
             self._check_output_dir()
             if self.resume:
                 self._check_resume(digest)  # before anything is touched: a refusal leaves the directory as it was
@@ -358,18 +358,20 @@ class Writer:
             )
             self.progress.start(self.plan.total_bytes, self.plan.command)
             deferred: tuple[Path, Path] | None = None
-            with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="ckpt-hash") as hasher:
-                pending: dict[str, Future] = {}
-                landed: dict[str, Future] = {}
+            with _Hasher(HASH_THREADS if self.hash_tensors else 0) as hasher:
+                # shards copied or linked whole first: their hashing then overlaps the shards being written
+                whole = [f for f in self.plan.files if f.tensors]
+                for f in whole:
+                    self._write_file(f, hasher)
                 for name, tensors in shards.items():
-                    tmp, final = self._write_shard(name, tensors, result, hasher, pending, defer=single)
+                    tmp, final = self._write_shard(name, tensors, result, hasher, defer=single)
                     if single:
                         deferred = (tmp, final)
                 for f in self.plan.files:
-                    self._write_file(f, hasher, landed)
+                    if not f.tensors:
+                        self._write_file(f, hasher)
                     result.files.append(f.name)
-                result.sha256.update((k, fut.result()) for k, fut in pending.items())
-                result.landed.update((k, fut.result()) for k, fut in landed.items())
+                result.sha256, result.landed = hasher.results()
             self._write_manifest(result, digest)
             result.bytes_read = IO_STATS.total
             self._run_check(result, deferred)
@@ -432,18 +434,18 @@ class Writer:
         ordered = safetensors_order(tensors)
         return header_bytes([(t.key, t.dtype, t.shape, t.nbytes) for t in ordered], meta), ordered
 
-    def _write_shard(self, name: str, tensors: list[OutputTensor], result: WriteResult, hasher: ThreadPoolExecutor,
-                     pending: dict[str, Future], defer: bool) -> tuple[Path, Path]:
+    def _write_shard(self, name: str, tensors: list[OutputTensor], result: WriteResult, hasher: _Hasher,
+                     defer: bool) -> tuple[Path, Path]:
         header, ordered = self._shard_header(name, tensors)
         final = self.out / name
         tmp = self.out / f".{name}.partial"
         if self.resume and self._shard_complete(final, header, ordered):
             result.skipped_shards.append(name)
+            reader = hasher.open(final)
             pos = 8 + len(header)
             for t in ordered:
                 result.tensor_files[t.key] = name
-                if self.hash_tensors:
-                    pending[t.key] = hasher.submit(_hash_file_range, final, pos, t.nbytes)
+                hasher.tensor(t.key, reader, pos, t.nbytes)
                 pos += t.nbytes
                 self.progress.advance(t.nbytes)
             result.files.append(name)
@@ -451,12 +453,12 @@ class Writer:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
         written = 0
         try:
+            reader = hasher.open(tmp)
             _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header))
             pos = 8 + len(header)
             for t in ordered:
                 self._write_tensor(fd, t)
-                if self.hash_tensors:  # what landed in the output, off the main thread, while the next copy runs
-                    pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
+                hasher.tensor(t.key, reader, pos, t.nbytes)  # what landed, hashed while the next copy runs
                 pos += t.nbytes
                 written += t.nbytes
                 result.tensor_files[t.key] = name
@@ -474,11 +476,7 @@ class Writer:
         result.bytes_written += pos
         result.files.append(name)
         if not defer:
-            # the hashes of this shard still read it under its temporary name: wait for them first
-            for t in ordered:
-                if t.key in pending:
-                    pending[t.key].result()
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # the hashes read through their own descriptor: no need to wait for them
         return tmp, final
 
     def _write_tensor(self, fd: int, t: OutputTensor) -> None:
@@ -514,9 +512,8 @@ class Writer:
         with open(final, "rb") as f:
             return f.read(8 + len(header)) == struct.pack("<Q", len(header)) + header
 
-    def _write_file(self, f: OutputFile, hasher: ThreadPoolExecutor | None = None,
-                    landed: dict[str, Future] | None = None) -> None:
-        """Write, copy or link one file; a copied shard is then hashed as it landed (``landed``)."""
+    def _write_file(self, f: OutputFile, hasher: _Hasher | None = None) -> None:
+        """Write, copy or link one file; a copied shard is then hashed as it landed."""
         if f.link == "remote":
             return  # listed in the index and the manifest; `ckpt push --base` copies it server-side
         final = self.out / f.name
@@ -534,7 +531,7 @@ class Writer:
             if f.link in ("hardlink", "symlink") or not self.resume or final.is_symlink():
                 final.unlink()
             else:
-                self._hash_landed(f, final, hasher, landed)
+                self._hash_landed(f, final, hasher)
                 return  # resumed: a finished copy (renamed into place) is complete
         if f.link == "hardlink":
             try:
@@ -551,11 +548,12 @@ class Writer:
             with self._cleanup_on_error(tmp, final):
                 copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
             os.replace(tmp, final)
-        self._hash_landed(f, final, hasher, landed)
+        self._hash_landed(f, final, hasher)
 
-    def _hash_landed(self, f: OutputFile, final: Path, hasher, landed) -> None:
-        if f.tensors and self.hash_tensors and hasher is not None and landed is not None:
-            landed[f.name] = hasher.submit(_hash_shard_file, final)
+    @staticmethod
+    def _hash_landed(f: OutputFile, final: Path, hasher: _Hasher | None) -> None:
+        if f.tensors and hasher is not None:
+            hasher.file(f.name, final)
 
     @contextlib.contextmanager
     def _cleanup_on_error(self, tmp: Path, final: Path):
@@ -666,19 +664,65 @@ def _same_entries(a: bytes, b: bytes) -> bool:
 HASH_CHUNK = 4 << 20  # small: the hashers run beside the main thread's own buffers
 
 
-def _hash_file_range(path: Path, offset: int, length: int) -> str:
+class _Hasher:
+    """sha256 of what landed in the output, on threads beside the copies (hashlib releases the GIL).
+
+    Tensor ranges are read through a descriptor opened on the shard's temporary file: it
+    survives the rename, so a shard goes into place without waiting for its hashes. With
+    0 threads nothing is hashed (synthetic benchmark inputs).
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-hash") if threads else None
+        self._tensors: dict[str, Future] = {}
+        self._files: dict[str, Future] = {}
+        self._readers: dict[int, list[Future]] = {}  # open descriptor -> its pending hashes
+
+    def open(self, path: Path) -> int:
+        self._close_readers(only_done=True)
+        if self.pool is None:
+            return -1
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._readers[fd] = []
+        return fd
+
+    def tensor(self, key: str, reader: int, offset: int, length: int) -> None:
+        if self.pool is not None:
+            self._tensors[key] = fut = self.pool.submit(_hash_fd_range, reader, offset, length)
+            self._readers[reader].append(fut)
+
+    def file(self, name: str, path: Path) -> None:
+        if self.pool is not None:
+            self._files[name] = self.pool.submit(_hash_shard_file, path)
+
+    def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
+        return ({k: f.result() for k, f in self._tensors.items()}, {k: f.result() for k, f in self._files.items()})
+
+    def _close_readers(self, only_done: bool) -> None:
+        for fd, futures in list(self._readers.items()):
+            if not only_done or all(f.done() for f in futures):
+                os.close(fd)
+                del self._readers[fd]
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a descriptor after this
+        self._close_readers(only_done=False)
+
+
+def _hash_fd_range(fd: int, offset: int, length: int) -> str:
     h = hashlib.sha256()
-    buf = bytearray(min(HASH_CHUNK, max(length, 1)))
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        left = length
-        while left:
-            n = f.readinto(mv[: min(len(mv), left)])
-            if not n:
-                raise OSError(errno.EIO, f"{path} shorter than expected while hashing")
-            h.update(mv[:n])
-            left -= n
+    mv = memoryview(bytearray(min(HASH_CHUNK, max(length, 1))))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [mv[: min(len(mv), length - done)]], offset + done)
+        if not n:
+            raise OSError(errno.EIO, f"output ended {length - done} bytes early while hashing")
+        h.update(mv[:n])
+        done += n
     return h.hexdigest()
 
 
@@ -706,6 +750,15 @@ _FICLONE = 0x40049409
 WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
 
 
+def _reflink(source: LocalFile, dst_fd: int) -> bool:
+    """Share the source's extents (FICLONE); False on a filesystem without reflinks."""
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, source.local_fd())
+        return True
+    except OSError:
+        return False  # copy_file_range may still share extents
+
+
 def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview) -> None:
     """Copy ``src`` to a new ``dst``: a reflink when asked and possible, else ranges of ``copy_segment``.
 
@@ -715,17 +768,13 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
     source = LocalFile(src)
     try:
         with open(dst, "wb") as fo:
-            if reflink:
-                try:
-                    fcntl.ioctl(fo.fileno(), _FICLONE, source.local_fd())
-                    progress.advance(source.size)
-                    return
-                except OSError:
-                    pass  # filesystem without reflinks: copy_file_range below may still share extents
-            for offset in range(0, source.size, WHOLE_FILE_STEP):
-                seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
-                copy_segment(seg, fo.fileno(), buf)
-                progress.advance(seg.length)
+            if not (reflink and _reflink(source, fo.fileno())):
+                for offset in range(0, source.size, WHOLE_FILE_STEP):
+                    seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
+                    copy_segment(seg, fo.fileno(), buf)
+                    progress.advance(seg.length)
+            else:
+                progress.advance(source.size)
             fo.flush()
             os.fsync(fo.fileno())
     finally:

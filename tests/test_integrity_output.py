@@ -115,7 +115,7 @@ def test_stitch_resume_with_another_draft_is_refused_and_the_same_draft_resumes(
     ckpt("stitch", draft, verifier, "-o", ref)
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        interrupt_after(m, 1, "copy_whole_file")  # the rewritten MTP shard is in place, one copy being renamed
+        interrupt_after(m, 2, "copy_whole_file")  # one verifier shard copied into place, the next one not
         ckpt("stitch", draft, verifier, "-o", out, code=130)
     assert not complete(out) and (out / RECORD).is_file()
     finished = {p.name: p.read_bytes() for p in out.glob("*.safetensors")}
