@@ -450,7 +450,7 @@ class Writer:
                 self.progress.advance(t.nbytes)
             result.files.append(name)
             return final, final
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = _create(tmp)
         written = 0
         try:
             reader = hasher.open(tmp)
@@ -518,9 +518,13 @@ class Writer:
             return  # listed in the index and the manifest; `ckpt push --base` copies it server-side
         final = self.out / f.name
         final.parent.mkdir(parents=True, exist_ok=True)
+        if not final.parent.resolve().is_relative_to(self.out.resolve()):
+            raise OutputError(f"{final.parent.relative_to(self.out)} is a link out of the output directory; the "
+                              "output is never written through a link: remove it", rule="output-link",
+                              path=str(final.parent))
         if f.content is not None:
             tmp = final.with_name(f".{final.name}.partial")
-            with self._cleanup_on_error(tmp, final), open(tmp, "wb") as fh:
+            with self._cleanup_on_error(tmp, final), open(tmp, "wb", opener=_exclusive) as fh:
                 fh.write(f.content)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -641,6 +645,35 @@ class Writer:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _exclusive(path: str, flags: int) -> int:
+    """An ``open`` opener for temporary files: a new file, never through a link or into another file.
+
+    Whatever an earlier run (or anyone) left under the name is unlinked first - a link is
+    removed, its target untouched.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _create(path: Path) -> int:
+    return _exclusive(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+
+def write_file_atomically(path: Path, content: bytes) -> None:
+    """``content`` into ``path`` by a new temporary file, fsync and rename (never through a link)."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "wb", opener=_exclusive) as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _size_of(fd: int, default: int) -> int:
@@ -767,7 +800,7 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
     """
     source = LocalFile(src)
     try:
-        with open(dst, "wb") as fo:
+        with open(dst, "wb", opener=_exclusive) as fo:
             if not (reflink and _reflink(source, fo.fileno())):
                 for offset in range(0, source.size, WHOLE_FILE_STEP):
                     seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))

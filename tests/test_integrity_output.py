@@ -445,3 +445,24 @@ def test_checkpoint_closes_its_files(verifier, tmp_path):
     ckpt("extract", verifier, "-o", tmp_path / "out")
     ckpt("verify-manifest", tmp_path / "out")
     assert _open_fds() == before
+
+
+@pytest.mark.parametrize("planted", [".model.safetensors.partial", ".config.json.partial", "sub"])
+def test_leftovers_in_the_output_are_never_written_through(planted, verifier, tmp_path):
+    """With --overwrite, a temporary name or a directory of the output that is a link is replaced, not followed."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "x").write_text("precious\n")
+    src = tmp_path / "src"
+    shutil.copytree(verifier, src)
+    (src / "sub").mkdir()
+    (src / "sub" / "notes.json").write_text("{}")  # a carried file in a subdirectory
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / planted).symlink_to(victim if planted == "sub" else victim / "x")
+    r = ckpt("extract", src, "-o", out, "--overwrite", code=None)
+    assert (victim / "x").read_text() == "precious\n" and sorted(p.name for p in victim.iterdir()) == ["x"]
+    if planted == "sub":
+        assert r.exit_code == 4 and "[output-link]" in r.output and not complete(out)
+    else:
+        assert r.exit_code == 0, r.output

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -74,7 +73,7 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
     """Execute the stitch; the output is validated before its index appears (a failure is exit 4)."""
     from ..ops.validate import validate_output
     from ..plan import OutputFile
-    from ..writer import execute
+    from ..writer import execute, write_file_atomically
 
     def check(path: Path, pending) -> None:
         validate_output(path, pending=pending)
@@ -88,6 +87,4 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
             report.statistics.cancel()
         raise
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    tmp = out / ".stitch-report.json.partial"
-    tmp.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    os.replace(tmp, out / "stitch-report.json")
+    write_file_atomically(out / "stitch-report.json", (json.dumps(report.to_json(), indent=2) + "\n").encode())
