@@ -135,7 +135,7 @@ def test_stitch_resume_with_another_draft_is_refused_and_the_same_draft_resumes(
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # record, lock, temporaries gone
 
 
-@pytest.mark.parametrize("change", ["mtime", "header"])
+@pytest.mark.parametrize("change", ["mtime", "header", "carried-file"])
 def test_resume_with_a_changed_verifier_shard_is_refused(change, local_verifier, tmp_path, monkeypatch):
     out = tmp_path / "out"
     with monkeypatch.context() as m:
@@ -145,12 +145,15 @@ def test_resume_with_a_changed_verifier_shard_is_refused(change, local_verifier,
     st = shard.stat()
     if change == "mtime":
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    elif change == "carried-file":  # a file the output carries as it is
+        shard = local_verifier / "generation_config.json"
+        shard.write_text('{"bos_token_id": 7}')
     else:  # the same tensors under a rewritten header, the modification time put back
         save_file(load_file(shard), shard, metadata={"format": "pt", "note": "rewritten"})
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
     r = ckpt("extract", local_verifier, "-o", out, "--max-shard-size", "40KB", "--resume", code=4)
     assert "[resume-mismatch]" in r.output and shard.name in r.output
-    assert ("modification time" if change == "mtime" else "header bytes") in r.output
+    assert {"mtime": "modification time", "header": "header bytes", "carried-file": "changed"}[change] in r.output
     assert not complete(out)
 
 
@@ -279,11 +282,16 @@ def test_init_draft_with_too_many_layers_leaves_no_complete_output(verifier, tmp
 # -- every tensor accounted for ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def stitched(verifier, tmp_path):
+@pytest.fixture(params=["copy", "hardlink"])
+def stitched(verifier, tmp_path, request):
     draft = finetuned_draft(verifier, tmp_path / "draft")
     out = tmp_path / "stitched"
-    ckpt("stitch", draft, verifier, "-o", out)
+    ckpt("stitch", draft, verifier, "-o", out, "--link", request.param)
+    if request.param == "hardlink":  # tampering must not reach the verifier: copy the linked shards apart
+        for p in out.glob("*.safetensors"):
+            data = p.read_bytes()
+            p.unlink()
+            p.write_bytes(data)
     return out
 
 
@@ -312,6 +320,16 @@ def test_verify_manifest_fails_on_a_tampered_copied_shard(stitched):
         f.write(bytes([last[0] ^ 1]))
     rep = json.loads(ckpt("verify-manifest", stitched, "--json", code=1).stdout)
     assert [(x["key"], x["problem"]) for x in rep["mismatches"]] == [(name, "file-sha256")]
+
+
+def test_an_output_whose_copied_shards_have_no_digest_is_not_verified(stitched):
+    """A manifest of an earlier version (copied tensors listed without any digest) is not reported OK."""
+    m = json.loads((stitched / MANIFEST).read_text())
+    copied = m.pop("files")
+    (stitched / MANIFEST).write_text(json.dumps(m))
+    rep = json.loads(ckpt("verify-manifest", stitched, "--json", code=1).stdout)
+    assert {x["problem"] for x in rep["mismatches"]} == {"no-hash"}
+    assert {x["file"] for x in rep["mismatches"]} == set(copied)
 
 
 def test_verify_manifest_fails_on_an_unlisted_tensor(stitched):
