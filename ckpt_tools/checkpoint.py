@@ -9,6 +9,7 @@ repository's ``blobs/``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from .safetensors_io import Header, LocalFile, TensorRef, read_header, refs_from
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 MANIFEST_NAME = "ckpt_manifest.json"
+RESUME_NAME = ".ckpt-resume.json"  # what an unfinished write is doing (see writer); removed on completion
 # Weight files in other formats are never carried into outputs.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
 _SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", ".ckpt.lock"}
@@ -43,6 +45,8 @@ class Checkpoint:
     config_present: bool = True
     reader: str = "safetensors"  # what the weights were read from: safetensors, torch (state dict) or dcp
     reader_notes: list[str] = field(default_factory=list)  # what a draft reader unwrapped or ignored
+    # sha256 of config.json, the index and the manifest as they were read (part of the input's fingerprint)
+    digests: dict[str, str] = field(default_factory=dict)
 
     # -- opening ------------------------------------------------------------------
 
@@ -66,18 +70,23 @@ class Checkpoint:
 
     @classmethod
     def _config_only(cls, config_path: Path) -> Checkpoint:
-        cfg = ConfigView.from_bytes(read_small(config_path, "config-json"), str(config_path))
-        return cls(str(config_path), cfg, {}, {}, None, [], local_dir=config_path.parent)
+        data = read_small(config_path, "config-json")
+        cfg = ConfigView.from_bytes(data, str(config_path))
+        return cls(str(config_path), cfg, {}, {}, None, [], local_dir=config_path.parent,
+                   digests={"config.json": sha256_of(data)})
 
     @classmethod
     def _open_dir(cls, d: Path, single: str | None = None) -> Checkpoint:
         root = confinement_root(d)
         for err in _escaping_links(d, root).values():
             raise err
-        config, config_present = _read_config(d)
+        digests: dict[str, str] = {}
+        config, config_present = _read_config(d, digests)
         index = None
         if single is None and (d / INDEX_NAME).is_file():
-            index = _read_index(d / INDEX_NAME)
+            data = read_small(d / INDEX_NAME, "index-json")
+            digests[INDEX_NAME] = sha256_of(data)
+            index = parse_index(data, str(d / INDEX_NAME))
             shard_names = sorted(set(index["weight_map"].values()))
         elif single is not None or (d / SINGLE_NAME).is_file():
             shard_names = [single or SINGLE_NAME]
@@ -92,19 +101,39 @@ class Checkpoint:
             )
         sources: dict[str, LocalFile] = {}
         headers: dict[str, Header] = {}
-        for name in shard_names:
-            fpath = _confined(d, root, name)
-            if not fpath.is_file():
-                raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
-                                 path=str(d))
-            src = LocalFile(fpath)
-            src.name = str(d / name)
-            sources[name] = src
-            headers[name] = read_header(src)
-        tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME))
-        manifest = read_manifest(d / MANIFEST_NAME) if (d / MANIFEST_NAME).is_file() else None
+        try:
+            for name in shard_names:
+                fpath = _confined(d, root, name)
+                if not fpath.is_file():
+                    raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
+                                     path=str(d))
+                src = LocalFile(fpath)
+                src.name = str(d / name)
+                sources[name] = src
+                headers[name] = read_header(src)
+            tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME))
+            manifest = None
+            if (d / MANIFEST_NAME).is_file():
+                data = _read_side_file(d / MANIFEST_NAME)
+                digests[MANIFEST_NAME] = sha256_of(data)
+                manifest = parse_manifest(data, str(d / MANIFEST_NAME))
+        except BaseException:
+            _close_all(sources)  # a refused checkpoint leaves no open file behind
+            raise
         return cls(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
-                   manifest, config_present)
+                   manifest, config_present, digests=digests)
+
+    # -- closing ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every shard file this checkpoint opened (idempotent)."""
+        _close_all(self.sources)
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- queries --------------------------------------------------------------------
 
@@ -130,12 +159,14 @@ class Checkpoint:
         return self.local_dir / name
 
 
-def _read_config(d: Path) -> tuple[ConfigView, bool]:
-    """config.json of ``d`` (an empty view when there is none) and whether it exists."""
+def _read_config(d: Path, digests: dict[str, str]) -> tuple[ConfigView, bool]:
+    """config.json of ``d`` (an empty view when there is none) and whether it exists; its sha256 goes to ``digests``."""
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         return ConfigView({}), False
-    return ConfigView.from_bytes(read_small(cfg_path, "config-json"), str(cfg_path)), True
+    data = read_small(cfg_path, "config-json")
+    digests["config.json"] = sha256_of(data)
+    return ConfigView.from_bytes(data, str(cfg_path)), True
 
 
 def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Checkpoint:
@@ -150,11 +181,16 @@ def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Check
     for err in _escaping_links(d, root).values():
         raise err
     ws = read_weights(d, lambda name: _confined(d, root, name), _read_index, only=only, kind=kind)
-    config, config_present = _read_config(d)
+    digests: dict[str, str] = {}
+    config, config_present = _read_config(d, digests)
     files = [f for f in _other_files(d, root) if f not in ws.consumed] if ws.carries_files else []
-    manifest = read_manifest(d / MANIFEST_NAME) if (d / MANIFEST_NAME).is_file() else None
+    manifest = None
+    if (d / MANIFEST_NAME).is_file():
+        data = _read_side_file(d / MANIFEST_NAME)
+        digests[MANIFEST_NAME] = sha256_of(data)
+        manifest = parse_manifest(data, str(d / MANIFEST_NAME))
     return Checkpoint(str(d), config, ws.tensors, {}, None, files, dict(ws.files), d, ws.keys, manifest,
-                      config_present, reader=ws.reader, reader_notes=ws.notes)
+                      config_present, reader=ws.reader, reader_notes=ws.notes, digests=digests)
 
 
 def references(headers: dict[str, Header], sources: dict, index: dict | None, index_path: str, *,
@@ -203,19 +239,35 @@ def read_small(path: Path, rule: str) -> bytes:
     return path.read_bytes()
 
 
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _close_all(sources: dict) -> None:
+    for src in sources.values():
+        close = getattr(src, "close", None)  # remote sources hold no file descriptor
+        if close is not None:
+            close()
+
+
 def _read_index(path: Path) -> dict:
+    return parse_index(read_small(path, "index-json"), str(path))
+
+
+def parse_index(data: bytes, where: str) -> dict:
+    """The checks of an index file, on bytes already read (a local file, or one from the Hub)."""
     try:
-        index = json.loads(read_small(path, "index-json"))
+        index = json.loads(data)
     except (ValueError, RecursionError) as e:
-        raise InputError(f"index is not valid JSON: {e}", rule="index-json", path=str(path)) from None
+        raise InputError(f"index is not valid JSON: {e}", rule="index-json", path=where) from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-        raise InputError("index must be an object with a 'weight_map' object", rule="index-json", path=str(path))
+        raise InputError("index must be an object with a 'weight_map' object", rule="index-json", path=where)
     for k, v in index["weight_map"].items():
         if not isinstance(v, str):
-            raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=str(path))
+            raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=where)
     meta = index.get("metadata")
     if meta is not None and not isinstance(meta, dict):
-        raise InputError("index metadata must be an object", rule="index-json", path=str(path))
+        raise InputError("index metadata must be an object", rule="index-json", path=where)
     return index
 
 
@@ -252,7 +304,7 @@ def _confined(d: Path, root: Path, name: str) -> Path:
 _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "kind": (str,), "format": (str,), "family": (str,), "command": (str,), "version": (str,),
     "tool_version": (str,), "quantized_to": (str, type(None)), "layers": (list,), "tensors": (dict,),
-    "remote_files": (dict,),
+    "remote_files": (dict,), "files": (dict,), "inputs": (dict,), "plan": (dict,),
 }
 
 
@@ -261,11 +313,14 @@ def read_manifest(path: Path) -> dict:
 
     A draft's manifest steers stitch (names, layers, layouts): from a stranger it is input like any other.
     """
+    return parse_manifest(_read_side_file(path), str(path))
+
+
+def _read_side_file(path: Path) -> bytes:
     try:
-        data = read_small(path, "manifest-json")
+        return read_small(path, "manifest-json")
     except OSError as e:
         raise InputError(f"cannot read: {e.strerror}", rule="manifest-json", path=str(path)) from None
-    return parse_manifest(data, str(path))
 
 
 def parse_manifest(data: bytes, where: str) -> dict:
@@ -293,7 +348,8 @@ def parse_manifest(data: bytes, where: str) -> dict:
 
 def _unfinished_write(d: Path) -> str | None:
     """A hint when ``d`` holds what an interrupted (or running) ckpt command leaves: its lock, temporary files."""
-    leftovers = sorted(p.name for p in d.glob(".*") if p.name == ".ckpt.lock" or p.name.endswith(".partial"))
+    leftovers = sorted(p.name for p in d.glob(".*")
+                       if p.name in (".ckpt.lock", RESUME_NAME) or p.name.endswith(".partial"))
     if not leftovers:
         return None
     return (f"a ckpt command stopped (or is still running) before finishing this directory ({', '.join(leftovers[:3])}"
@@ -345,14 +401,21 @@ class LenientOpen:
     unreadable: list[str]
 
 
-def open_lenient(path: str | os.PathLike) -> LenientOpen:
+def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
+                 renamed: dict[str, Path] | None = None) -> LenientOpen:
     """Like ``Checkpoint.open`` for local paths, but collects file-level errors instead of raising.
 
     ``ckpt validate`` uses it to report every problem at once. Raises ``InputError``
     (rule ``no-weights``) only when ``path`` is not a checkpoint at all. Key-level
     checks (index vs shard contents) are left to the caller, which sees ``index``,
     ``headers`` and ``shard_keys``.
+
+    An output the writer has not marked complete yet is opened as it will be: ``index``
+    is the index about to be written, ``renamed`` maps final file names to the temporary
+    files that hold them (the lone ``model.safetensors`` before its rename).
     """
+    renamed = renamed or {}
+    given_index = index
     p = Path(path)
     single: str | None = None
     if p.is_file() and p.name == "config.json":
@@ -380,6 +443,9 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
     index = None
     if single is not None:
         shard_names = [single]
+    elif given_index is not None:
+        index = given_index
+        shard_names = sorted(set(index["weight_map"].values()))
     elif (d / INDEX_NAME).is_file() and INDEX_NAME not in blocked:
         try:
             index = _read_index(d / INDEX_NAME)
@@ -387,7 +453,7 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
         except InputError as e:
             errors.append(e)
             shard_names = sorted(q.name for q in d.glob("*.safetensors"))  # still check what is there
-    elif (d / SINGLE_NAME).is_file():
+    elif (d / SINGLE_NAME).is_file() or SINGLE_NAME in renamed:
         shard_names = [SINGLE_NAME]
     else:
         shard_names = sorted(q.name for q in d.glob("*.safetensors"))
@@ -411,7 +477,7 @@ def open_lenient(path: str | os.PathLike) -> LenientOpen:
     unreadable: list[str] = []
     for name in shard_names:
         try:
-            fpath = _confined(d, root, name)
+            fpath = renamed.get(name) or _confined(d, root, name)
             if not fpath.is_file():
                 raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
                                  path=str(d / name))

@@ -27,6 +27,7 @@ class CkptError(Exception):
     def __init__(self, message: str, *, rule: str | None = None, path: str | None = None) -> None:
         self.rule = rule
         self.path = path
+        self.message = message  # without the "path: [rule]" prefix
         parts = []
         if path:
             parts.append(str(path))

@@ -28,6 +28,7 @@ from .checkpoint import (
     _read_index,
     parse_manifest,
     references,
+    sha256_of,
 )
 from .config import ConfigView
 from .errors import CkptError, InputError
@@ -214,6 +215,7 @@ class RemoteCheckpoint(Checkpoint):
     ref: HubRef | None = None
     commit: str = ""
     file_sizes: dict[str, int] = field(default_factory=dict)  # every file of the repository
+    lfs_sha256: dict[str, str] = field(default_factory=dict)  # the Hub's sha256 of each LFS file (whole file)
 
     @property
     def repo_id(self) -> str:
@@ -272,12 +274,16 @@ def open_remote(url: str) -> RemoteCheckpoint:
     entries = call(lambda: list(api.list_repo_tree(ref.repo_id, revision=commit, recursive=True)),
                    ref=ref, what=f"listing the files of {ref}")
     sizes = {e.path: int(e.size) for e in entries if isinstance(e, RepoFile)}
+    lfs = {e.path: e.lfs.sha256 for e in entries if isinstance(e, RepoFile) and e.lfs is not None}
     root = f"hf://{ref.repo_id}@{commit}"
+    digests: dict[str, str] = {}
 
     def small(name: str) -> bytes:
         if sizes[name] > SMALL_FILE_LIMIT:
             raise InputError(f"{name} is {sizes[name]} bytes; refusing to read it into memory", path=root)
-        return RemoteFile(ref, commit, name, sizes[name]).read_all()
+        data = RemoteFile(ref, commit, name, sizes[name]).read_all()
+        digests[name] = sha256_of(data)  # the fingerprint of the input as read
+        return data
 
     config_present = "config.json" in sizes
     config = ConfigView.from_bytes(small("config.json"), f"{root}/config.json") if config_present else ConfigView({})
@@ -305,7 +311,8 @@ def open_remote(url: str) -> RemoteCheckpoint:
     if MANIFEST_NAME in sizes:
         manifest = parse_manifest(small(MANIFEST_NAME), f"{root}/{MANIFEST_NAME}")
     return RemoteCheckpoint(root, config, tensors, headers, index, _other_files(sizes), sources, None, shard_keys,
-                            manifest, config_present, ref=ref, commit=commit, file_sizes=sizes)
+                            manifest, config_present, digests, ref=ref, commit=commit, file_sizes=sizes,
+                            lfs_sha256=lfs)
 
 
 def _other_files(sizes: dict[str, int]) -> list[str]:

@@ -13,14 +13,17 @@ Ops build plans; the writer executes them and knows nothing about MTP.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .dtypes import DTYPES
-from .safetensors_io import Segment, coalesce
+from .safetensors_io import Header, Segment, coalesce
 
 Chunk = Any  # bytes-like, numpy array or torch tensor; see numeric.as_bytes
 
@@ -67,8 +70,6 @@ class OutputTensor:
     recipe: Recipe
     shard: str | None = None  # explicit output file; None lets the planner assign one
     meta: dict = field(default_factory=dict)  # carried into the manifest (source, role, layout, ...)
-    # sha256 in the manifest; off for bytes copied unchanged from an input that already vouches for them
-    hashed: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -83,8 +84,12 @@ class OutputFile:
     content: bytes | None = None
     source: Path | None = None
     link: str = "copy"  # copy | reflink | hardlink | remote
-    tensors: dict[str, int] = field(default_factory=dict)  # a copied shard: its keys and their byte sizes
+    tensors: dict[str, int] = field(default_factory=dict)  # a copied shard: its indexed keys and their byte sizes
     remote: str | None = None  # link "remote": the file stays in this hub repo (hf://org/repo@rev/path)
+    # a copied shard's header as read from its source (dtypes and shapes for the manifest of a remote file;
+    # a local copy is described from the bytes that landed in the output)
+    header: Header | None = None
+    sha256: str | None = None  # the source file's whole-file sha256 when its host vouches for it (Hub LFS)
 
 
 @dataclass
@@ -111,6 +116,8 @@ class Plan:
     shard_layouts: dict[str, ShardLayout] = field(default_factory=dict)
     single_file_name: str = "model.safetensors"
     index_name: str = "model.safetensors.index.json"
+    # role ("source", "verifier", "draft", "target") -> what the input was when planned (see fingerprint.py)
+    fingerprints: dict[str, dict] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -180,6 +187,70 @@ class Plan:
         from .jsonutil import write_json_file
 
         write_json_file(path, self.to_json(), "--plan-json", self.inputs)
+
+    def digest(self) -> dict[str, str]:
+        """sha256 of what this plan writes, part by part, and of the whole (``plan``).
+
+        Covers every tensor (name, dtype, shape, shard, recipe with its options and source
+        ranges), every file (generated content by its sha256), the op's manifest, the input
+        fingerprints and the tool version: equal digests mean the same output from the same
+        inputs. The command line is left out (it names -o and --resume).
+        """
+        body = self.to_json()
+        files = body.pop("files")
+        for entry, f in zip(files, self.files, strict=True):
+            if f.content is not None:
+                entry["sha256"] = hashlib.sha256(f.content).hexdigest()
+        parts = {
+            "tensors": {"shards": body["shards"], "tensors": body["tensors"], "single": self.single_file_name,
+                        "index": self.index_name},
+            "files": files,
+            "manifest": self.manifest,
+            "inputs": self.fingerprints,
+            "tool": __version__,
+        }
+        out = {name: _sha256_json(v) for name, v in parts.items()}
+        out["plan"] = _sha256_json(out)
+        return out
+
+
+def _sha256_json(obj: object) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint_change(old: dict[str, dict], new: dict[str, dict]) -> tuple[str, str] | None:
+    """The first difference between two plans' input fingerprints: (file or root, what changed), or None."""
+    for role in sorted(set(old) | set(new)):
+        a, b = old.get(role), new.get(role)
+        if a is None or b is None:
+            return (str((a or b or {}).get("root")), f"the {role} input was {'added' if a is None else 'removed'}")
+        if a.get("root") != b.get("root"):
+            return str(b.get("root")), f"the {role} is another checkpoint (was {a.get('root')})"
+        root = str(b.get("root"))
+        for group, what in (("files", "shard"), ("side_files", "file"), ("other_files", "file")):
+            fa, fb = a.get(group) or {}, b.get(group) or {}
+            for name in sorted(set(fa) | set(fb)):
+                if fa.get(name) != fb.get(name):
+                    return f"{root}/{name}", f"the {role}'s {what} {name} {_how(fa.get(name), fb.get(name))}"
+        if a.get("tensors") != b.get("tensors"):
+            n = (b.get("tensors") or {}).get("count", 0)
+            return root, f"the {role}'s tensors changed ({n} tensor(s) taken; their sha256 differs)"
+    return None
+
+
+_FIELD_NAMES = {"mtime_ns": "modification time", "header_sha256": "header bytes", "sha256": "content sha256"}
+
+
+def _how(a: object, b: object) -> str:
+    if a is None:
+        return "appeared"
+    if b is None:
+        return "is gone"
+    if isinstance(a, dict) and isinstance(b, dict):
+        fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        return f"changed ({', '.join(_FIELD_NAMES.get(f, f) for f in fields)})"
+    return "changed (sha256)"
 
 
 def parse_size(text: str | int) -> int:

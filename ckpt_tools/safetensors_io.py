@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import math
 import os
@@ -84,7 +85,8 @@ class LocalFile:
         self.path = Path(path)
         self.name = str(path)
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            # ``path`` itself, not a copy: a path object may fetch its file when opened (hub cache)
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise InputError(f"cannot open: {e.strerror}", path=self.name) from e
         self._size = os.fstat(self._fd).st_size
@@ -96,11 +98,12 @@ class LocalFile:
     def readinto(self, offset: int, buf: memoryview) -> None:
         done = 0
         while done < len(buf):
-            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            try:
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise read_error(e, self.name, offset + done) from e
             if n <= 0:
-                raise InputError(
-                    f"short read at byte {offset + done} (file changed while reading?)", path=self.name
-                )
+                raise short_read(self.name, offset + done)
             done += n
         IO_STATS.add_read(done)
 
@@ -115,6 +118,16 @@ class LocalFile:
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
         with contextlib.suppress(Exception):
             self.close()
+
+
+def read_error(e: OSError, name: str, at: int) -> InputError:
+    """An input that cannot be read is an input error (exit 3) naming it, never an output error."""
+    return InputError(f"cannot read at byte {at}: {e.strerror or e}", rule="read-error", path=name)
+
+
+def short_read(name: str, at: int) -> InputError:
+    return InputError(f"short read at byte {at} (file changed or shrank while reading?)", rule="short-read",
+                      path=name)
 
 
 def read_bytes(src: ByteSource, offset: int, length: int) -> bytearray:
@@ -148,6 +161,7 @@ class Header:
     header_len: int
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str] | None
+    sha256: str = ""  # of the header JSON bytes as read: part of an input's fingerprint
 
     @property
     def data_start(self) -> int:
@@ -312,7 +326,7 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
         raise fail("past-end", f"tensors need {expected} data bytes but the file holds {data_len}")
     if expected < data_len:
         raise fail("trailing-bytes", f"{data_len - expected} bytes after the last tensor")
-    return Header(name, header_len, tensors, metadata)
+    return Header(name, header_len, tensors, metadata, hashlib.sha256(raw).hexdigest())
 
 
 def read_header(src: ByteSource) -> Header:
@@ -414,6 +428,8 @@ _CFR_OK = hasattr(os, "copy_file_range")
 # copy_file_range refusals that mean "not here" (old kernel, cross-device, special file, filesystem)
 _CFR_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM,
                     errno.ETXTBSY, errno.EOVERFLOW}
+# copy_file_range errors that can only be the output's: reported as they are
+_CFR_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -423,11 +439,14 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 def copy_segment(seg: Segment, dst_fd: int, buf: memoryview) -> None:
-    """Append ``seg`` to ``dst_fd`` at its current position.
+    """Append ``seg`` to ``dst_fd`` at its current position, all of it or an error.
 
     Uses ``os.copy_file_range`` (in-kernel, no user-space buffer) when both ends are
     local files, and a buffered copy through ``buf`` otherwise or when the kernel
-    refuses (cross-device, unsupported filesystem).
+    refuses (cross-device, unsupported filesystem). A kernel copy error that could be
+    either side's (EIO) is retried through the buffered path, whose separate read and
+    write say which side fails: a read is an ``InputError`` (``read-error``), a write
+    stays an ``OSError`` for the writer. A copy that ends early is ``short-read``.
     """
     global _CFR_OK
     src_fd = seg.source.local_fd()
@@ -437,13 +456,13 @@ def copy_segment(seg: Segment, dst_fd: int, buf: memoryview) -> None:
             while done < seg.length:
                 n = os.copy_file_range(src_fd, dst_fd, seg.length - done, seg.offset + done)
                 if n == 0:
-                    raise InputError(f"short read at byte {seg.offset + done}", path=seg.source.name)
+                    raise short_read(seg.source.name, seg.offset + done)
                 done += n
         except OSError as e:
-            if e.errno not in _CFR_UNSUPPORTED:
-                raise  # disk full, file too large, I/O error: the buffered path would fail the same way
-            if not done:  # partial kernel copy already advanced the output; continue buffered
-                _CFR_OK = False
+            if e.errno in _CFR_WRITE_ERRORS:
+                raise
+            if e.errno in _CFR_UNSUPPORTED and not done:
+                _CFR_OK = False  # not on this system: do not ask again
     IO_STATS.add_copied(done)
     while done < seg.length:
         n = min(len(buf), seg.length - done)

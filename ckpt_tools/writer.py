@@ -2,9 +2,18 @@
 
 Per output shard: write the header, stream each recipe's bytes (kernel copies for
 byte ranges, chunks for computed tensors), fsync, rename from a hidden temporary
-name. Non-tensor files follow, then the manifest, and the completion marker last
-(``model.safetensors.index.json``, or the lone ``model.safetensors``): a crash
-leaves no marker, so an incomplete output is obviously incomplete.
+name. Non-tensor files follow, then the manifest, then the caller's check (``ckpt
+validate`` on the output as it will be), and the completion marker last
+(``model.safetensors.index.json``, or the lone ``model.safetensors``): a crash or a
+failed check leaves no marker, so an incomplete output is obviously incomplete.
+
+Before the first shard a resume record (``.ckpt-resume.json``: the plan's digest and
+its input fingerprints) is written; ``--resume`` continues only a run whose record
+equals the new plan's, so a finished shard of another job is never reused.
+
+The manifest accounts for every tensor of the output: a sha256 per tensor written, and
+the whole-file sha256 of each shard copied or linked as it is - all hashed from the
+bytes that landed in the output, on hasher threads beside the copies.
 
 Memory stays bounded by one computed chunk; copied bytes never enter Python.
 """
@@ -17,7 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -27,17 +36,28 @@ from pathlib import Path
 
 from . import __version__
 from .dtypes import DTYPES
-from .errors import OutputError, UsageError
-from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
-from .safetensors_io import COPY_CHUNK, _write_all, copy_segment
+from .errors import CkptError, OutputError, UsageError
+from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, fingerprint_change
+from .safetensors_io import (
+    COPY_CHUNK,
+    IO_STATS,
+    MAX_HEADER_BYTES,
+    Header,
+    LocalFile,
+    Segment,
+    _write_all,
+    copy_segment,
+    parse_header_bytes,
+)
 
 MANIFEST_NAME = "ckpt_manifest.json"
-# sha256 of written tensors runs on one thread beside the copies (measured: a second thread
-# did not help on 2 cores, where the kernel's copy and writeback need the other core)
-HASH_THREADS = 1
+# sha256 of what landed in the output runs on two threads beside the copies (hashlib releases the GIL:
+# two copied shards hash at once while the main thread keeps the kernel copying)
+HASH_THREADS = 2
 LOCK_NAME = ".ckpt.lock"
+RESUME_NAME = ".ckpt-resume.json"
 # Files a previous run of ours may have left; --overwrite clears them before writing.
-_OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json")
+_OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json", RESUME_NAME)
 
 
 def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict | None) -> bytes:
@@ -80,13 +100,62 @@ class WriteResult:
     bytes_written: int = 0
     seconds: float = 0.0
     skipped_shards: list[str] = field(default_factory=list)
+    bytes_read: int = 0  # IO_STATS.total before the output's check (which reads the output, not the inputs)
+    # files copied or linked whole: name -> (sha256, size, header) of what landed in the output
+    landed: dict[str, tuple[str, int, object]] = field(default_factory=dict)
 
 
-def _same_path(a: Path, b: Path) -> bool:
+@dataclass
+class PendingOutput:
+    """An output with every file in place but its completion marker: what a check sees first.
+
+    ``index`` is the index about to be written (None for a lone file); ``renamed`` maps final
+    file names to the temporary files still holding them (the lone ``model.safetensors``).
+    """
+
+    index: dict | None
+    renamed: dict[str, Path]
+
+
+Check = Callable[[Path, PendingOutput], None]
+
+
+def _real(path: Path) -> Path:
+    """The real path of ``path``, which may not exist yet: its nearest existing ancestor, resolved."""
+    p = Path(os.path.abspath(path))
+    rest: list[str] = []
+    while not p.exists() and p != p.parent:
+        rest.append(p.name)
+        p = p.parent
+    return p.resolve().joinpath(*reversed(rest))
+
+
+def _plain_file(st: os.stat_result) -> bool:
+    """A regular file with one name: writing it changes nothing outside the output."""
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def _open_lock(path: Path) -> int:
+    """Open (creating) the lock file without following a link; only a plain file of ours is used.
+
+    O_NOFOLLOW refuses a symlink, O_NONBLOCK keeps a FIFO from blocking the open, and the
+    fstat refuses devices, FIFOs and hard links to other files before a byte is written.
+    (Not O_EXCL: a killed run's lock file must not block ``--resume``; flock decides.)
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        what = "a symbolic link" if e.errno == errno.ELOOP else f"not usable ({e.strerror})"
+        raise OutputError(f"{LOCK_NAME} is {what}; the lock is never written through a link or into another "
+                          "file: remove it", rule="lock-file", path=str(path)) from None
+    st = os.fstat(fd)
+    if not _plain_file(st):
+        os.close(fd)
+        what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise OutputError(f"{LOCK_NAME} is {what}; the lock is never written into another file: remove it",
+                          rule="lock-file", path=str(path))
+    return fd
 
 
 class _Lock:
@@ -99,7 +168,7 @@ class _Lock:
     def __init__(self, out_dir: Path) -> None:
         self.path = out_dir / LOCK_NAME
         while True:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self.fd = _open_lock(self.path)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -113,14 +182,18 @@ class _Lock:
             # The holder we waited on may have unlinked the file between our open and flock: then we
             # locked an orphan inode while a third writer may lock a new file. Retry on the live path.
             try:
-                same = os.path.samestat(os.fstat(self.fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(self.fd), os.stat(self.path, follow_symlinks=False))
             except FileNotFoundError:
                 same = False
             if same:
                 break
             os.close(self.fd)
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            self.release()
+            raise
 
     def release(self) -> None:
         try:
@@ -140,6 +213,7 @@ class Writer:
         resume: bool = False,
         progress: Progress | None = None,
         hash_tensors: bool = True,
+        check: Check | None = None,
     ) -> None:
         self.plan = plan
         self.out = Path(out_dir)
@@ -147,25 +221,43 @@ class Writer:
         self.resume = resume
         self.progress = progress or Progress()
         self.hash_tensors = hash_tensors
+        self.check = check
         self._buf = memoryview(bytearray(COPY_CHUNK))
 
     # -- checks -----------------------------------------------------------------
 
+    def _check_not_an_input(self) -> None:
+        """Refuse an -o that is, is inside, or contains an input: an input must never change.
+
+        Real paths (links resolved; a missing -o by its nearest existing parent). An input
+        directory is the whole directory; an input file is that file.
+        """
+        out = _real(self.out)
+        for src in self.plan.inputs:
+            real = Path(src).resolve()
+            if out == real:
+                where = "is an input of this command"
+            elif real.is_dir() and out.is_relative_to(real):
+                where = f"is inside the input {real}"
+            elif real.is_relative_to(out):
+                where = f"contains the input {real}"
+            else:
+                continue
+            raise UsageError(f"output directory {self.out} {where}; choose an -o outside every input",
+                             rule="output-overlaps-input")
+
     def _check_output_dir(self) -> None:
-        """Refuse inputs as output, and a non-empty directory unless --overwrite / --resume.
+        """Refuse a non-empty directory unless --overwrite / --resume.
 
         Called before creating the directory and again under the lock: a concurrent writer may
-        have filled it in between.
+        have filled it in between. Only a plain lock file is not counted (a link or anything
+        else named like the lock is someone else's).
         """
-        for src in self.plan.inputs:
-            src = Path(src)
-            src_dir = src if src.is_dir() else src.parent
-            if _same_path(self.out, src_dir) or (self.out.exists() and _same_path(self.out, src)):
-                raise UsageError(f"output directory {self.out} is an input of this command; choose another -o")
         if self.out.exists() and not self.out.is_dir():
             raise OutputError("output path exists and is not a directory", path=str(self.out))
         if self.out.exists():
-            leftovers = [p.name for p in self.out.iterdir() if p.name != LOCK_NAME]
+            leftovers = [p.name for p in self.out.iterdir()
+                         if p.name != LOCK_NAME or not _plain_file(p.lstat())]
             if leftovers and not (self.overwrite or self.resume):
                 raise OutputError(
                     f"output directory is not empty ({len(leftovers)} entries, e.g. {sorted(leftovers)[0]}); "
@@ -183,59 +275,113 @@ class Writer:
             for p in self.out.glob(pattern):
                 p.unlink()
 
+    def _previous_record(self) -> dict | None:
+        """What the interrupted run was doing: its resume record, else the manifest of a finished run."""
+        for name in (RESUME_NAME, MANIFEST_NAME):
+            p = self.out / name
+            if not p.is_file() or p.is_symlink():
+                continue
+            try:
+                record = json.loads(p.read_bytes())
+            except (OSError, ValueError, RecursionError):
+                continue
+            if isinstance(record, dict) and isinstance(record.get("plan"), dict):
+                return record
+        return None
+
+    def _check_resume(self, digest: dict[str, str]) -> None:
+        """--resume continues only the same job: same plan, same inputs (names what differs)."""
+        def refuse(msg: str, path: str) -> OutputError:
+            return OutputError(f"--resume refused: {msg}; finished shards would not be this job's. Pass --overwrite "
+                               "to start again", rule="resume-mismatch", path=path)
+
+        record = self._previous_record()
+        if record is None and not self._finished_files():
+            return  # nothing written yet (killed before the first file): nothing to reuse, nothing to prove
+        if record is None:
+            raise refuse(f"{self.out} holds no resume record ({RESUME_NAME}) or manifest of a run of this plan",
+                         str(self.out))
+        old = record["plan"]
+        if old.get("plan") == digest["plan"]:
+            return
+        inputs = record.get("inputs")
+        change = fingerprint_change(inputs, self.plan.fingerprints) if isinstance(inputs, dict) else None
+        if change is not None:
+            raise refuse(f"{change[1]} since the interrupted run", change[0])
+        parts = [k for k in sorted(digest) if k != "plan" and old.get(k) != digest[k]]
+        raise refuse(f"the plan differs from the interrupted run's ({', '.join(parts) or 'plan'}: other options, "
+                     "tables or tool version)", str(self.out))
+
+    def _finished_files(self) -> list[str]:
+        """What a run left in place (hidden lock, record and temporary files aside)."""
+        return [p.name for p in self.out.iterdir() if not p.name.startswith(".")]
+
     # -- execution ----------------------------------------------------------------
 
     def run(self) -> WriteResult:
         t0 = time.monotonic()
+        self._check_not_an_input()
         self._check_output_dir()
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
-        lock = _Lock(self.out)
         try:
+            lock = _Lock(self.out)
+        except OSError as e:
+            raise self._output_error(e, str(self.out / LOCK_NAME)) from e
+        try:
+            digest = self.plan.digest()
             self._check_output_dir()
+            if self.resume:
+                self._check_resume(digest)  # before anything is touched: a refusal leaves the directory as it was
         except BaseException:
             lock.release()
             raise
         result = WriteResult(self.out)
         complete = False
         try:
-            if self.overwrite and not self.resume:
-                self._clear_previous_output()
-            elif self.resume:
+            if self.resume:
                 # An index or manifest from the interrupted run would claim completeness early, and its
                 # temporary files (we hold the lock: nobody is writing them) only take disk space.
                 for name in (self.plan.index_name, MANIFEST_NAME):
                     (self.out / name).unlink(missing_ok=True)
                 for p in self.out.glob(".*.partial"):
                     p.unlink(missing_ok=True)
-                # Weights of an interrupted run planned differently (another --max-shard-size) would linger.
-                planned = set(self.plan.shards()) | {f.name for f in self.plan.files}
-                for p in self.out.glob("*.safetensors"):
-                    if p.name not in planned:
-                        p.unlink()
+            elif self.overwrite:
+                self._clear_previous_output()
+            record = {"plan": digest, "inputs": self.plan.fingerprints, "command": self.plan.command}
+            self._write_file(OutputFile(RESUME_NAME, content=(json.dumps(record, indent=1) + "\n").encode()))
             shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
             )
             self.progress.start(self.plan.total_bytes, self.plan.command)
             deferred: tuple[Path, Path] | None = None
-            with ThreadPoolExecutor(max_workers=HASH_THREADS) as hasher:
+            with _Hasher(HASH_THREADS if self.hash_tensors else 0) as hasher:
+                # shards copied or linked whole first: their hashing then overlaps the shards being written
+                whole = [f for f in self.plan.files if f.tensors]
+                for f in whole:
+                    self._write_file(f, hasher)
                 for name, tensors in shards.items():
                     tmp, final = self._write_shard(name, tensors, result, hasher, defer=single)
                     if single:
                         deferred = (tmp, final)
-            for f in self.plan.files:
-                self._write_file(f)
-                result.files.append(f.name)
-            self._write_manifest(result)
+                for f in self.plan.files:
+                    if not f.tensors:
+                        self._write_file(f, hasher)
+                    result.files.append(f.name)
+                result.sha256, result.landed = hasher.results()
+            self._write_manifest(result, digest)
+            result.bytes_read = IO_STATS.total
+            self._run_check(result, deferred)
             if deferred is not None:
                 os.replace(*deferred)
             else:
                 self._write_index(result)
             complete = True
             self._fsync_dir()
+            (self.out / RESUME_NAME).unlink(missing_ok=True)  # done: nothing left to resume
         except OSError as e:
             raise self._output_error(e) from e
         finally:
@@ -247,6 +393,22 @@ class Writer:
             lock.release()
         result.seconds = time.monotonic() - t0
         return result
+
+    def _run_check(self, result: WriteResult, deferred: tuple[Path, Path] | None) -> None:
+        """The caller's check of the output as it will be; a failure leaves it without its marker."""
+        if self.check is None:
+            return
+        if deferred is not None:
+            pending = PendingOutput(None, {deferred[1].name: deferred[0]})
+            marker = deferred[1].name
+        else:
+            pending = PendingOutput(self._index(result), {})
+            marker = self.plan.index_name
+        try:
+            self.check(self.out, pending)
+        except CkptError as e:
+            raise OutputError(f"{e.message}; the output was left incomplete (no {marker}, no {MANIFEST_NAME})",
+                              rule=e.rule or "output-invalid", path=e.path or str(self.out)) from None
 
     def _output_error(self, e: OSError, where: str | None = None, written: int | None = None) -> OutputError:
         what = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
@@ -272,29 +434,31 @@ class Writer:
         ordered = safetensors_order(tensors)
         return header_bytes([(t.key, t.dtype, t.shape, t.nbytes) for t in ordered], meta), ordered
 
-    def _write_shard(self, name, tensors, result: WriteResult, hasher: ThreadPoolExecutor, defer: bool):
+    def _write_shard(self, name: str, tensors: list[OutputTensor], result: WriteResult, hasher: _Hasher,
+                     defer: bool) -> tuple[Path, Path]:
         header, ordered = self._shard_header(name, tensors)
         final = self.out / name
         tmp = self.out / f".{name}.partial"
         if self.resume and self._shard_complete(final, header, ordered):
             result.skipped_shards.append(name)
+            reader = hasher.open(final)
+            pos = 8 + len(header)
             for t in ordered:
                 result.tensor_files[t.key] = name
-                if self.hash_tensors and t.hashed:
-                    result.sha256[t.key] = _hash_file_range(final, *self._offset_of(header, ordered, t))
+                hasher.tensor(t.key, reader, pos, t.nbytes)
+                pos += t.nbytes
                 self.progress.advance(t.nbytes)
             result.files.append(name)
             return final, final
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = _create(tmp)
         written = 0
-        pending: dict[str, Future] = {}
         try:
+            reader = hasher.open(tmp)
             _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header))
             pos = 8 + len(header)
             for t in ordered:
-                digest = self._write_tensor(fd, t, tmp, pos, hasher, pending)
-                if digest is not None:
-                    result.sha256[t.key] = digest
+                self._write_tensor(fd, t)
+                hasher.tensor(t.key, reader, pos, t.nbytes)  # what landed, hashed while the next copy runs
                 pos += t.nbytes
                 written += t.nbytes
                 result.tensor_files[t.key] = name
@@ -309,15 +473,13 @@ class Writer:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        for key, fut in pending.items():
-            result.sha256[key] = fut.result()
         result.bytes_written += pos
         result.files.append(name)
         if not defer:
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # the hashes read through their own descriptor: no need to wait for them
         return tmp, final
 
-    def _write_tensor(self, fd: int, t: OutputTensor, tmp: Path, pos: int, hasher, pending) -> str | None:
+    def _write_tensor(self, fd: int, t: OutputTensor) -> None:
         recipe = t.recipe
         if isinstance(recipe, CopyBytes):
             if recipe.nbytes != t.nbytes:
@@ -325,10 +487,7 @@ class Writer:
             for seg in recipe.segments:
                 copy_segment(seg, fd, self._buf)
                 self.progress.advance(seg.length)
-            if self.hash_tensors and t.hashed:
-                # Hash what landed in the output, off the main thread, while the next copy runs.
-                pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
-            return None
+            return
         assert isinstance(recipe, Compute)
         from .numeric import as_bytes  # numpy is only needed for computed tensors
 
@@ -342,22 +501,10 @@ class Writer:
             self.progress.advance(len(mv))
         if n != t.nbytes:
             raise RuntimeError(f"plan error: {t.key} produced {n} bytes, needs {t.nbytes}")
-        if self.hash_tensors and t.hashed:  # like copies: hashed from the output, off the main thread
-            pending[t.key] = hasher.submit(_hash_file_range, tmp, pos, t.nbytes)
-        return None
-
-    @staticmethod
-    def _offset_of(header: bytes, ordered: list[OutputTensor], t: OutputTensor) -> tuple[int, int]:
-        pos = 8 + len(header)
-        for o in ordered:
-            if o is t:
-                return pos, t.nbytes
-            pos += o.nbytes
-        raise KeyError(t.key)
 
     @staticmethod
     def _shard_complete(final: Path, header: bytes, ordered: list[OutputTensor]) -> bool:
-        if not final.exists():
+        if not final.is_file() or final.is_symlink():
             return False
         size = 8 + len(header) + sum(t.nbytes for t in ordered)
         if final.stat().st_size != size:
@@ -365,14 +512,19 @@ class Writer:
         with open(final, "rb") as f:
             return f.read(8 + len(header)) == struct.pack("<Q", len(header)) + header
 
-    def _write_file(self, f: OutputFile) -> None:
+    def _write_file(self, f: OutputFile, hasher: _Hasher | None = None) -> None:
+        """Write, copy or link one file; a copied shard is then hashed as it landed."""
         if f.link == "remote":
             return  # listed in the index and the manifest; `ckpt push --base` copies it server-side
         final = self.out / f.name
         final.parent.mkdir(parents=True, exist_ok=True)
+        if not final.parent.resolve().is_relative_to(self.out.resolve()):
+            raise OutputError(f"{final.parent.relative_to(self.out)} is a link out of the output directory; the "
+                              "output is never written through a link: remove it", rule="output-link",
+                              path=str(final.parent))
         if f.content is not None:
             tmp = final.with_name(f".{final.name}.partial")
-            with self._cleanup_on_error(tmp, final), open(tmp, "wb") as fh:
+            with self._cleanup_on_error(tmp, final), open(tmp, "wb", opener=_exclusive) as fh:
                 fh.write(f.content)
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -383,6 +535,7 @@ class Writer:
             if f.link == "hardlink" or not self.resume or final.is_symlink():
                 final.unlink()
             else:
+                self._hash_landed(f, final, hasher)
                 return  # resumed: a finished copy (renamed into place) is complete
         if f.link == "hardlink":
             try:
@@ -395,12 +548,22 @@ class Writer:
         else:
             tmp = final.with_name(f".{final.name}.partial")
             with self._cleanup_on_error(tmp, final):
-                _copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress)
+                copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
             os.replace(tmp, final)
+        self._hash_landed(f, final, hasher)
+
+    @staticmethod
+    def _hash_landed(f: OutputFile, final: Path, hasher: _Hasher | None) -> None:
+        if f.tensors and hasher is not None:
+            hasher.file(f.name, final)
 
     @contextlib.contextmanager
     def _cleanup_on_error(self, tmp: Path, final: Path):
-        """A failed write removes its temporary file and names the file and the bytes that reached it."""
+        """A failed write removes its temporary file and names the file and the bytes that reached it.
+
+        Only the output's own errors become output errors; an input that cannot be read stays
+        the InputError it is - its temporary file is removed all the same.
+        """
         try:
             yield
         except OSError as e:
@@ -410,13 +573,20 @@ class Writer:
                 written = None
             tmp.unlink(missing_ok=True)
             raise self._output_error(e, str(final), written) from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
-    def _write_manifest(self, result: WriteResult) -> None:
+    def _write_manifest(self, result: WriteResult, digest: dict[str, str]) -> None:
+        """Every tensor of the output: written ones with their sha256, those in copied shards by file."""
         manifest = {
             "tool": "ckpt-tools",
             "version": __version__,
             "command": self.plan.command,
             **self.plan.manifest,
+            "inputs": self.plan.fingerprints,
+            "plan": digest,
+            "files": {},
             "tensors": {},
         }
         for t in self.plan.tensors:
@@ -429,6 +599,24 @@ class Writer:
                 entry["sha256"] = result.sha256[t.key]
             entry.update(t.meta)
             manifest["tensors"][t.key] = entry
+        for f in self.plan.files:
+            if not f.tensors:
+                continue
+            header = f.header
+            if f.link == "remote":
+                about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}
+            elif f.name in result.landed:
+                sha, size, header = result.landed[f.name]
+                about = {"sha256": sha, "size": size, "copied_from": str(f.source), "link": f.link}
+            else:
+                continue  # hashing off (benchmark fixtures)
+            manifest["files"][f.name] = about
+            keys = header.tensors if header is not None else dict.fromkeys(f.tensors)
+            for key, info in keys.items():
+                entry = {"file": f.name}
+                if info is not None:
+                    entry.update(dtype=info.dtype, shape=list(info.shape))
+                manifest["tensors"][key] = entry
         remote = {f.name: f.remote for f in self.plan.files if f.link == "remote"}
         if remote:
             # shards deliberately not downloaded: the output is complete once pushed over its base
@@ -436,15 +624,18 @@ class Writer:
         content = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 
-    def _write_index(self, result: WriteResult) -> None:
+    def _index(self, result: WriteResult) -> dict:
         weight_map = dict(result.tensor_files)
         total = sum(t.nbytes for t in self.plan.tensors)
         for f in self.plan.files:
-            for key, nbytes in getattr(f, "tensors", {}).items():
+            for key, nbytes in f.tensors.items():
                 weight_map[key] = f.name
                 total += nbytes
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        self._write_file(OutputFile(self.plan.index_name, content=(json.dumps(index, indent=2) + "\n").encode()))
+        return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+    def _write_index(self, result: WriteResult) -> None:
+        content = (json.dumps(self._index(result), indent=2) + "\n").encode()
+        self._write_file(OutputFile(self.plan.index_name, content=content))
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.out, os.O_RDONLY)
@@ -452,6 +643,35 @@ class Writer:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _exclusive(path: str, flags: int) -> int:
+    """An ``open`` opener for temporary files: a new file, never through a link or into another file.
+
+    Whatever an earlier run (or anyone) left under the name is unlinked first - a link is
+    removed, its target untouched.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _create(path: Path) -> int:
+    return _exclusive(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+
+def write_file_atomically(path: Path, content: bytes) -> None:
+    """``content`` into ``path`` by a new temporary file, fsync and rename (never through a link)."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "wb", opener=_exclusive) as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _size_of(fd: int, default: int) -> int:
@@ -472,53 +692,124 @@ def _same_entries(a: bytes, b: bytes) -> bool:
     return ja == jb
 
 
-HASH_CHUNK = 4 << 20  # small: the hasher runs beside the main thread's own buffers
+HASH_CHUNK = 4 << 20  # small: the hashers run beside the main thread's own buffers
 
 
-def _hash_file_range(path: Path, offset: int, length: int) -> str:
+class _Hasher:
+    """sha256 of what landed in the output, on threads beside the copies (hashlib releases the GIL).
+
+    Tensor ranges are read through a descriptor opened on the shard's temporary file: it
+    survives the rename, so a shard goes into place without waiting for its hashes. With
+    0 threads nothing is hashed (synthetic benchmark inputs).
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-hash") if threads else None
+        self._tensors: dict[str, Future] = {}
+        self._files: dict[str, Future] = {}
+        self._readers: dict[int, list[Future]] = {}  # open descriptor -> its pending hashes
+
+    def open(self, path: Path) -> int:
+        self._close_readers(only_done=True)
+        if self.pool is None:
+            return -1
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._readers[fd] = []
+        return fd
+
+    def tensor(self, key: str, reader: int, offset: int, length: int) -> None:
+        if self.pool is not None:
+            self._tensors[key] = fut = self.pool.submit(_hash_fd_range, reader, offset, length)
+            self._readers[reader].append(fut)
+
+    def file(self, name: str, path: Path) -> None:
+        if self.pool is not None:
+            self._files[name] = self.pool.submit(_hash_shard_file, path)
+
+    def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
+        return ({k: f.result() for k, f in self._tensors.items()}, {k: f.result() for k, f in self._files.items()})
+
+    def _close_readers(self, only_done: bool) -> None:
+        for fd, futures in list(self._readers.items()):
+            if not only_done or all(f.done() for f in futures):
+                os.close(fd)
+                del self._readers[fd]
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a descriptor after this
+        self._close_readers(only_done=False)
+
+
+def _hash_fd_range(fd: int, offset: int, length: int) -> str:
     h = hashlib.sha256()
-    buf = bytearray(min(HASH_CHUNK, max(length, 1)))
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        left = length
-        while left:
-            n = f.readinto(mv[: min(len(mv), left)])
-            if not n:
-                raise OSError(errno.EIO, f"{path} shorter than expected while hashing")
-            h.update(mv[:n])
-            left -= n
+    mv = memoryview(bytearray(min(HASH_CHUNK, max(length, 1))))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [mv[: min(len(mv), length - done)]], offset + done)
+        if not n:
+            raise OSError(errno.EIO, f"output ended {length - done} bytes early while hashing")
+        h.update(mv[:n])
+        done += n
     return h.hexdigest()
 
 
+def _hash_shard_file(path: Path) -> tuple[str, int, Header | None]:
+    """(sha256, size, header) of a safetensors file as it landed in the output, in one pass."""
+    h = hashlib.sha256()
+    mv = memoryview(bytearray(HASH_CHUNK))
+    head = bytearray()  # the file's first bytes, up to the end of its header
+    need = 8
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(mv):
+            h.update(mv[:n])
+            if len(head) < need:  # the header rides along with the first chunk(s)
+                head += mv[len(head) - size : min(n, need - size)]
+                if need == 8 and len(head) == 8:
+                    need = 8 + min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)
+                    head += mv[8 - size : min(n, need - size)]  # size < 8 here: this chunk holds byte 8
+            size += n
+    header = parse_header_bytes(bytes(head[8:]), size, str(path)) if len(head) == need > 8 else None
+    return h.hexdigest(), size, header
+
+
 _FICLONE = 0x40049409
+WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
 
 
-def _copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress) -> None:
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        if reflink:
-            try:
-                fcntl.ioctl(fo.fileno(), _FICLONE, fi.fileno())
-                progress.advance(os.fstat(fi.fileno()).st_size)
-                return
-            except OSError:
-                pass  # filesystem without reflinks: copy_file_range below may still share extents
-        size = os.fstat(fi.fileno()).st_size
-        done = 0
-        try:
-            while done < size:
-                n = os.copy_file_range(fi.fileno(), fo.fileno(), size - done)
-                if n == 0:
-                    break
-                done += n
-                progress.advance(n)
-        except OSError:
-            fi.seek(done)
-            fo.seek(done)
-            shutil.copyfileobj(fi, fo, COPY_CHUNK)
-            progress.advance(size - done)
-        fo.flush()
-        os.fsync(fo.fileno())
+def _reflink(source: LocalFile, dst_fd: int) -> bool:
+    """Share the source's extents (FICLONE); False on a filesystem without reflinks."""
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, source.local_fd())
+        return True
+    except OSError:
+        return False  # copy_file_range may still share extents
+
+
+def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview) -> None:
+    """Copy ``src`` to a new ``dst``: a reflink when asked and possible, else ranges of ``copy_segment``.
+
+    Exactly the size ``src`` had when opened, or an error: a source that shrinks is a ``short-read``
+    (exit 3, the input named), a write that fails an OSError of the output.
+    """
+    source = LocalFile(src)
+    try:
+        with open(dst, "wb", opener=_exclusive) as fo:
+            if not (reflink and _reflink(source, fo.fileno())):
+                for offset in range(0, source.size, WHOLE_FILE_STEP):
+                    seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
+                    copy_segment(seg, fo.fileno(), buf)
+                    progress.advance(seg.length)
+            else:
+                progress.advance(source.size)
+            fo.flush()
+            os.fsync(fo.fileno())
+    finally:
+        source.close()
 
 
 def execute(plan: Plan, out_dir, **kwargs) -> WriteResult:

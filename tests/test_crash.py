@@ -413,14 +413,19 @@ def test_resume_rewrites_a_shard_that_does_not_match_the_plan(small, tmp_path):
     assert after[2:] == inodes[2:], "intact shards were rewritten instead of skipped"
 
 
-def test_resume_with_another_shard_size_leaves_no_stale_shard(small, tmp_path):
-    """Shards of the interrupted run that the new plan does not have are removed, not left beside the index."""
+def test_resume_with_another_shard_size_is_refused(small, tmp_path):
+    """Another --max-shard-size is another plan: --resume refuses (finished shards are never reused across plans)
+    and leaves the directory as it was; --overwrite then writes the new plan without stale shards."""
     ref, out = tmp_path / "ref", tmp_path / "out"
     for d, size in ((ref, "60KB"), (out, "40KB")):
         r = runner.invoke(app, ["extract", str(small), "-o", str(d), "--max-shard-size", size])
         assert r.exit_code == 0, r.output
     (out / INDEX).unlink()  # as if killed before the index
+    before = tree_hash(out)
     assert {p.name for p in out.glob("*.safetensors")} != {p.name for p in ref.glob("*.safetensors")}
     r = runner.invoke(app, ["extract", str(small), "-o", str(out), "--max-shard-size", "60KB", "--resume"])
+    assert r.exit_code == 4 and "[resume-mismatch]" in r.output and "plan differs" in r.output, r.output
+    assert tree_hash(out) == before and not is_complete(out)
+    r = runner.invoke(app, ["extract", str(small), "-o", str(out), "--max-shard-size", "60KB", "--overwrite"])
     assert r.exit_code == 0, r.output
     assert_same_output(out, ref)

@@ -63,9 +63,14 @@ def invoke(*args):
 
 
 def _wait_for_partial(out: Path, timeout: float = 60.0) -> None:
-    """Until the writer has a temporary file open (it is then paused after its first copy)."""
+    """Until the writer has its resume record in place and a shard open (it is then paused after its first copy)."""
     deadline = time.monotonic() + timeout
-    while not (out.is_dir() and any(p.name.endswith(".partial") for p in out.iterdir())):
+
+    def writing() -> bool:
+        names = [p.name for p in out.iterdir()] if out.is_dir() else []
+        return ".ckpt-resume.json" in names and any(n.endswith(".safetensors.partial") for n in names)
+
+    while not writing():
         assert time.monotonic() < deadline, f"no writer started on {out}"
         time.sleep(0.005)
 
@@ -91,7 +96,8 @@ def test_signal_stops_cleanly_and_resume_finishes(cmd, sig, verifier, draft, tmp
         in " ".join(text.split()), text
     assert "Traceback" not in text
     assert not (out / INDEX).exists() and not (out / SINGLE).exists()
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "temporary file or lock left"
+    # only the resume record stays (--resume needs it to prove the same job); no temporary file, no lock
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ckpt-resume.json"]
     assert [tree_hash(p) for p in inputs] == hashes
 
     run_ckpt(*argv, "-o", out, "--resume")

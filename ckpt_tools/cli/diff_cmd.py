@@ -29,8 +29,8 @@ def register(app: typer.Typer) -> None:
         if keys is not None:
             regex("--keys", keys)  # before any checkpoint is opened
         allow = allowed_rules(allow_invalid)
-        report = diff(Checkpoint.open(a), Checkpoint.open(b), keys=keys, stats=stats or dequant, dequant=dequant,
-                      allow=allow)
+        with Checkpoint.open(a) as ca, Checkpoint.open(b) as cb:
+            report = diff(ca, cb, keys=keys, stats=stats or dequant, dequant=dequant, allow=allow)
         say_allowed(report.allowed_invalid)
         if json_output:
             emit_json(report.to_json(all_keys=show_all))

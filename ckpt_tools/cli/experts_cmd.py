@@ -56,9 +56,9 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
          dequant: str | None = None, allow_invalid: list[str] | None = None) -> None:
     from ..checkpoint import Checkpoint
     from ..errors import UsageError
-    from ..ops.experts import ExpertsRequest, plan_experts, stats, validate_output
+    from ..ops.experts import ExpertsRequest, plan_experts, stats
+    from ..ops.validate import validate_output
     from ..plan import parse_size
-    from ..safetensors_io import IO_STATS
 
     layout = _layout(to, verb, allowed)
     allow = allowed_rules(allow_invalid)
@@ -66,31 +66,34 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
         raise UsageError(f"{verb} needs -o OUT (or --dry-run)")
     req = ExpertsRequest(layout, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
                          command=command_line(), dequant=dequant, allow_invalid=allow)
-    xplan = plan_experts(Checkpoint.open(src), req)
-    say_allowed(xplan.plan.manifest.get("allowed_invalid"))
-    if plan_json is not None:
-        xplan.plan.write_json(plan_json)
-    if dry_run:
-        if json_output:
-            emit_json({**xplan.summary(), "plan": xplan.plan.to_json()})
-        else:
-            _render(xplan, out_console())
-        return
-    from ..writer import execute
+    with Checkpoint.open(src) as ckpt:
+        xplan = plan_experts(ckpt, req)
+        say_allowed(xplan.plan.manifest.get("allowed_invalid"))
+        if plan_json is not None:
+            xplan.plan.write_json(plan_json)
+        if dry_run:
+            if json_output:
+                emit_json({**xplan.summary(), "plan": xplan.plan.to_json()})
+            else:
+                _render(xplan, out_console())
+            return
+        from ..writer import execute
 
-    result = execute(xplan.plan, out, overwrite=overwrite, progress=progress_for(json_output))
-    report = validate_output(out, arch=arch, allow=allow)
+        report: dict = {}
+        result = execute(xplan.plan, out, overwrite=overwrite, progress=progress_for(json_output),
+                         check=lambda path, pending: report.update(validate_output(path, arch=arch, allow=allow,
+                                                                                   pending=pending)))
     summary = {
         "output": str(result.out_dir),
         "layout": layout.label(),
         "groups": [g.to_json() for g in xplan.groups],
         "tensors": len(xplan.plan.tensors),
         "bytes_written": result.bytes_written,
-        "bytes_read": IO_STATS.total,
+        "bytes_read": result.bytes_read,
         **stats(xplan),
         "files": result.files,
         "seconds": round(result.seconds, 3),
-        "validated": report is not None,
+        "validated": bool(report),
     }
     if json_output:
         emit_json(summary)
@@ -100,7 +103,7 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
         f"wrote {summary['tensors']} tensors ({human_bytes(xplan.plan.total_bytes)}) to {result.out_dir} in "
         f"{summary['seconds']} s: {changed} of {len(xplan.groups)} expert group(s) now {layout.label()}; "
         f"{human_bytes(summary['bytes_copied'])} copied by range, {human_bytes(summary['bytes_computed'])} computed"
-        + ("; validated" if report is not None else "")
+        + ("; validated" if report else "")
     )
 
 

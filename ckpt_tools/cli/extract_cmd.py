@@ -52,29 +52,30 @@ def register(app: typer.Typer) -> None:
         from ..ops.extract import ExtractRequest, plan_extract
         from ..ops.validate import validate_output
         from ..plan import parse_size
-        from ..safetensors_io import IO_STATS
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
-        ckpt = Checkpoint.open(src)
         req = ExtractRequest(
             arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
             dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
             command=command_line(), source=src, verifier_name=verifier_name, allow_invalid=allow,
         )
-        plan = plan_extract(ckpt, req)
-        say_allowed(plan.manifest.get("allowed_invalid"))
-        if plan_json is not None:
-            plan.write_json(plan_json)
-        if dry_run:
-            if json_output:
-                emit_json(plan.to_json())
-            else:
-                render_plan(plan, out_console())
-            return
-        from ..writer import execute
+        with Checkpoint.open(src) as ckpt:
+            plan = plan_extract(ckpt, req)
+            say_allowed(plan.manifest.get("allowed_invalid"))
+            if plan_json is not None:
+                plan.write_json(plan_json)
+            if dry_run:
+                if json_output:
+                    emit_json(plan.to_json())
+                else:
+                    render_plan(plan, out_console())
+                return
+            from ..writer import execute
 
-        result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
-        bytes_read = IO_STATS.total
-        validation = validate_output(out, allow=allow)
+            validation: dict = {}
+            result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output),
+                             check=lambda path, pending: validation.update(validate_output(path, allow=allow,
+                                                                                           pending=pending)))
+            bytes_read = result.bytes_read
         report_write(plan, result, json_output, bytes_read=bytes_read, extra={"format": fmt}, validation=validation)

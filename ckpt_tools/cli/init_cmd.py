@@ -38,7 +38,6 @@ def register(app: typer.Typer) -> None:
         from ..ops.init_draft import InitRequest, check_request, plan_init
         from ..ops.validate import validate_output
         from ..plan import parse_size
-        from ..safetensors_io import IO_STATS
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
@@ -46,22 +45,25 @@ def register(app: typer.Typer) -> None:
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
                           command=command_line(), allow_invalid=allow)
         check_request(req)  # before the target is opened
-        plan, summary = plan_init(Checkpoint.open(target), req)
-        say_allowed(plan.manifest.get("allowed_invalid"))
-        if plan_json is not None:
-            plan.write_json(plan_json)
-        if dry_run:
-            if json_output:
-                emit_json({**plan.to_json(), "init": summary.to_json()})
-            else:
-                render_plan(plan, out_console())
-                _say(summary)
-            return
-        from ..writer import execute
+        with Checkpoint.open(target) as ckpt:
+            plan, summary = plan_init(ckpt, req)
+            say_allowed(plan.manifest.get("allowed_invalid"))
+            if plan_json is not None:
+                plan.write_json(plan_json)
+            if dry_run:
+                if json_output:
+                    emit_json({**plan.to_json(), "init": summary.to_json()})
+                else:
+                    render_plan(plan, out_console())
+                    _say(summary)
+                return
+            from ..writer import execute
 
-        result = execute(plan, out, overwrite=overwrite, progress=progress_for(json_output))
-        bytes_read = IO_STATS.total
-        validation = validate_output(out, allow=allow)  # an invalid output is an output error (exit 4)
+            validation: dict = {}  # an invalid output is an output error (exit 4), left without its marker
+            result = execute(plan, out, overwrite=overwrite, progress=progress_for(json_output),
+                             check=lambda path, pending: validation.update(validate_output(path, allow=allow,
+                                                                                           pending=pending)))
+        bytes_read = result.bytes_read
         report_write(plan, result, json_output, bytes_read=bytes_read,
                      extra={"format": fmt, "init": summary.to_json()}, validation=validation)
         if not json_output:

@@ -130,11 +130,11 @@ def _discover(path: str, write: str | None, json_output: bool, allow: frozenset[
         raise UsageError(f"--write {write}: a table file ends in .yaml")
     from ..consistency import require_consistent
 
-    ckpt = Checkpoint.open(path)
-    if write is not None:
-        outside_inputs("--write", write, [ckpt.local_dir] if ckpt.local_dir else [])
-    say_allowed([p.to_json() for p in require_consistent(ckpt, scope="files", allow=allow).allowed])
-    found = discover(ckpt, family=Path(write).stem if write else None)
+    with Checkpoint.open(path) as ckpt:
+        if write is not None:
+            outside_inputs("--write", write, [ckpt.local_dir] if ckpt.local_dir else [])
+        say_allowed([p.to_json() for p in require_consistent(ckpt, scope="files", allow=allow).allowed])
+        found = discover(ckpt, family=Path(write).stem if write else None)
     if write:
         write_draft(found, write)
     if json_output:

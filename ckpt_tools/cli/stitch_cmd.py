@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
@@ -44,7 +43,7 @@ def register(app: typer.Typer) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from ..checkpoint import Checkpoint
         from ..ops.stitch import StitchRequest, plan_stitch
-        from ..plan import OutputFile, parse_size
+        from ..plan import parse_size
         from .diff_cmd import render_diffs
         from .extract_cmd import _layers
 
@@ -52,31 +51,14 @@ def register(app: typer.Typer) -> None:
         req = StitchRequest(format=fmt, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
                             update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
                             max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
-        plan, report = plan_stitch(Checkpoint.open(draft), Checkpoint.open(verifier), req)
-        say_allowed(plan.manifest.get("allowed_invalid"))
-        if plan_json is not None:
-            plan.write_json(plan_json)
-        if not dry_run:
-            from ..writer import execute
-
-            plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
-            try:
-                result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
-            except BaseException:
-                if report.statistics is not None:  # nobody will read them: do not wait for them
-                    report.statistics.cancel()
-                raise
-            from ..ops.validate import validate
-
-            rep = validate(out)
-            ok = all(p.rule in allow for p in rep.problems)  # what --allow-invalid let in may be carried out
-            report.validation = {"ok": ok, "problems": [p.to_json() for p in rep.problems]}
-            # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-            tmp = out / ".stitch-report.json.partial"
-            tmp.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-            os.replace(tmp, out / "stitch-report.json")
-            _ = result
-        data = report.to_json()
+        with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:  # open until the statistics are done
+            plan, report = plan_stitch(d, v, req)
+            say_allowed(plan.manifest.get("allowed_invalid"))
+            if plan_json is not None:
+                plan.write_json(plan_json)
+            if not dry_run:
+                _write(plan, report, out, overwrite, resume, json_output, allow)
+            data = report.to_json()
         if report_file is not None:
             report_file.write_text(json.dumps(data, indent=2) + "\n")
         if json_output:
@@ -90,5 +72,28 @@ def register(app: typer.Typer) -> None:
             if not dry_run:
                 out_console().print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
                                     f"new shards: {', '.join(report.new_shards) or '-'}")
-        if report.validation is not None and not report.validation.get("ok", True):
-            raise typer.Exit(1)
+
+
+def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str]) -> None:
+    """Execute the stitch; the output is validated before its index appears (a failure is exit 4).
+
+    What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
+    """
+    from ..ops.validate import validate_output
+    from ..plan import OutputFile
+    from ..writer import execute, write_file_atomically
+
+    def check(path: Path, pending) -> None:
+        result = validate_output(path, allow=allow, pending=pending)
+        report.validation = {"ok": True, "problems": [], **({"allowed": result["allowed"]} if "allowed" in result
+                                                            else {})}
+
+    plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
+    try:
+        execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
+    except BaseException:
+        if report.statistics is not None:  # nobody will read them: do not wait for them
+            report.statistics.cancel()
+        raise
+    # tmp + rename: a run killed here leaves the placeholder, never a truncated report
+    write_file_atomically(out / "stitch-report.json", (json.dumps(report.to_json(), indent=2) + "\n").encode())

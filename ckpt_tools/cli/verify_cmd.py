@@ -1,5 +1,5 @@
-"""`ckpt verify-manifest PATH`: recompute every listed tensor's sha256; exit 0 all match, 1 mismatches,
-3 no manifest (or an unreadable checkpoint)."""
+"""`ckpt verify-manifest PATH`: recompute every listed tensor's (or whole shard's) sha256; exit 0 all match,
+1 mismatches, unlisted tensors or shards not verifiable locally, 3 no manifest (or an unreadable checkpoint)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ def render(report) -> None:
 
     con = out_console()
     summary = (f"{report.verified} of {report.listed} listed tensor(s) match ({human_bytes(report.bytes_hashed)} "
-               f"hashed)" + (f"; {report.unlisted} tensor(s) not listed in the manifest" if report.unlisted else ""))
+               f"hashed" + (f", {report.files_verified} shard(s) as whole files" if report.files_verified else "")
+               + ")" + (f"; {report.unlisted} tensor(s) not listed in the manifest" if report.unlisted else "")
+               + (f"; {report.remote_tensors} tensor(s) in {len(report.remote_files)} shard(s) left on the Hub: not "
+                  "verifiable locally" if report.remote_files else ""))
     if report.ok:
         con.print(f"[green]verified[/]: {escape(report.root)}: {summary}", soft_wrap=True)
         return
@@ -25,8 +28,8 @@ def render(report) -> None:
         con.print(f"    manifest {m.expected or '-'}, found {m.actual or '-'}", markup=False, soft_wrap=True)
     if len(report.mismatches) > MAX_ROWS:
         con.print(f"... and {len(report.mismatches) - MAX_ROWS} more (all of them with --json)")
-    con.print(f"[red]mismatch[/]: {escape(report.root)}: {len(report.mismatches)} problem(s); {summary}",
-              soft_wrap=True)
+    label = "[red]mismatch[/]" if report.mismatches else "[red]not verified[/]"
+    con.print(f"{label}: {escape(report.root)}: {len(report.mismatches)} problem(s); {summary}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -36,7 +39,8 @@ def register(app: typer.Typer) -> None:
         path: str = typer.Argument(..., metavar="PATH", help="Output directory with a ckpt_manifest.json."),
         json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     ) -> None:
-        """Recompute the sha256 of every tensor listed in ckpt_manifest.json (streaming) and compare."""
+        """Recompute the sha256 of every tensor (or whole shard) ckpt_manifest.json lists, streaming; every tensor
+        of the checkpoint must be listed."""
         from ..ops.verify import verify_manifest
 
         report = verify_manifest(path, progress=progress_for(json_output))

@@ -14,15 +14,15 @@ import dataclasses
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import __version__
 from ..checkpoint import Checkpoint, source_name
 from ..consistency import note_allowed, require_consistent
 from ..dtypes import FP8_DTYPES
-from ..errors import InputError, OutputError, PlanError
+from ..errors import InputError, PlanError
 from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key
 from ..experts import BlockDequant, convert_group, layout_from_label
+from ..fingerprint import record_inputs
 from ..mtp import detect_group_layout
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..tables.resolve import trunk_specs
@@ -183,8 +183,8 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     files = [OutputFile("config.json", content=config)] if config is not None else []
     files += _carried(ckpt)
     manifest = note_allowed(_manifest(ckpt, table.family, req, plans, draft, dequant_to), gate)
-    plan = Plan(req.command, tensors, files, inputs=[ckpt.local_dir] if ckpt.local_dir else [],
-                max_shard_size=req.max_shard_size, manifest=manifest)
+    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size, manifest=manifest),
+                         source=ckpt)
     return ExpertsPlan(plan, table.family, plans, draft)
 
 
@@ -322,21 +322,3 @@ def stats(xplan: ExpertsPlan) -> dict:
     copied = sum(t.nbytes for t in xplan.plan.tensors if isinstance(t.recipe, CopyBytes))
     computed = sum(t.nbytes for t in xplan.plan.tensors if isinstance(t.recipe, Compute))
     return {"bytes_copied": copied, "bytes_computed": computed}
-
-
-def validate_output(out: str | Path, arch: str | None = None, allow: frozenset[str] = frozenset()):
-    """Run ``ckpt validate`` on what was written; OutputError listing the problems if any.
-
-    ``allow``: rules let through on the input (--allow-invalid), which the output may carry.
-    """
-    try:
-        from .validate import validate
-    except ImportError:  # pragma: no cover - validate ships with the package
-        return None
-    report = validate(out, arch=arch)
-    problems = [p for p in report.problems if p.rule not in allow]
-    if problems:
-        listed = "; ".join(str(p) for p in problems[:20])
-        raise OutputError(f"the output fails validation ({len(problems)} problem(s)): {listed}",
-                          path=str(out))
-    return report

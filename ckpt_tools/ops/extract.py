@@ -16,6 +16,7 @@ from ..consistency import MTP_RULES, note_allowed, require_consistent
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..expert_layouts import scale_key
+from ..fingerprint import record_inputs
 from ..formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
 from ..mtp import MtpView
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
@@ -102,8 +103,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "config_fields_omitted": omitted,
         "tool_version": __version__,
     }
-    return Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
-                manifest=note_allowed(manifest, gate))
+    return record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
+                              manifest=note_allowed(manifest, gate)), source=ckpt)
 
 
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
@@ -243,10 +244,6 @@ def _quant_info(view: MtpView) -> dict:
             "scale_suffix": view.resolved.scale_suffix}
 
 
-def _inputs(ckpt: Checkpoint):
-    return [ckpt.local_dir] if ckpt.local_dir is not None else []
-
-
 def carried_files(ckpt: Checkpoint) -> list[OutputFile]:
     """Tokenizer, generation config, chat template, code, README: copied as they are."""
     if ckpt.local_dir is None:
@@ -295,8 +292,8 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "tool_version": __version__,
     }
     note_allowed(manifest, gate)
-    plan = Plan(req.command, tensors, files, inputs=_inputs(ckpt), max_shard_size=req.max_shard_size,
-                manifest=manifest, shard_layouts=layouts)
+    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size, manifest=manifest,
+                              shard_layouts=layouts), source=ckpt)
     if len(layouts) == 1 and ckpt.index is None:
         plan.single_file_name = next(iter(layouts))
     return plan

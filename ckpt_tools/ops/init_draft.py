@@ -30,6 +30,7 @@ from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
 from ..expert_layouts import ExpertLayout, scale_key
 from ..expr import evaluate, render
+from ..fingerprint import record_inputs
 from ..formats import correspond, get_format
 from ..init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ..mtp import MtpView, detect_group_layout
@@ -369,9 +370,8 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
         "init": _recipe_record(req, table, summary, sha, sha_of, gen_dtype),
         "tool_version": __version__,
     }
-    inputs = [target.local_dir] if target.local_dir is not None else []
-    plan = Plan(req.command, tensors, files, inputs=inputs, max_shard_size=req.max_shard_size,
-                manifest=note_allowed(manifest, gate))
+    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
+                              manifest=note_allowed(manifest, gate)), target=target)
     return plan, summary
 
 

@@ -245,8 +245,10 @@ def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str |
     An inconsistent checkpoint is refused (``consistency.require_consistent``) unless ``allow``
     names every rule it breaks.
     """
-    ckpt = path_or_ckpt if isinstance(path_or_ckpt, Checkpoint) else Checkpoint.open(path_or_ckpt)
-    gate = require_consistent(ckpt, arch=arch, allow=allow)
+    if not isinstance(path_or_ckpt, Checkpoint):
+        with Checkpoint.open(path_or_ckpt) as ckpt:
+            return inspect_checkpoint(ckpt, arch, allow)
+    gate = require_consistent(path_or_ckpt, arch=arch, allow=allow)
     report = inspect_view(gate.view, "arch" if arch else "detected")
     report.allowed_invalid = [p.to_json() for p in gate.allowed]
     return report

@@ -27,6 +27,7 @@ from ..consistency import count_field, note_allowed, require_consistent
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..expert_layouts import ExpertGroup, scale_key
+from ..fingerprint import record_inputs
 from ..formats import Correspondence, Format, correspond, detect_format, get_format
 from ..mtp import MtpView, choose_table, detect_group_layout
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
@@ -376,6 +377,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     _measure(builder, view, report, mode)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
     note_allowed(plan.manifest, draft_gate, vgate)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
     return plan, report
 
 
@@ -538,9 +540,9 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
                 tensors.append(OutputTensor(k, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
             else:
                 ref = verifier.tensors[k]
-                # the verifier's own bytes, copied unchanged (like whole shards, not re-hashed)
+                # the verifier's own bytes, copied unchanged
                 tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
-                                            meta={"copied_from": "verifier"}, hashed=False))
+                                            meta={"copied_from": "verifier"}))
                 if k not in builder.candidates:
                     report.copied_tensors += 1
             order.append(k)

@@ -51,6 +51,7 @@ from ..checkpoint import Checkpoint, open_lenient
 from ..consistency import Problem, config_path
 from ..errors import CkptError, InputError
 from ..mtp import choose_table, open_mtp
+from ..writer import PendingOutput
 
 VALID_FORMATS = ("pt", "tf", "flax", "mlx")  # transformers load_state_dict's accepted __metadata__ formats
 # Rules that come from opening files (used to recognise them on a strict, remote open).
@@ -111,8 +112,12 @@ def bare_message(e: CkptError) -> str:
     return s
 
 
-def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | None = None) -> ValidationReport:
-    """Check a checkpoint (a local path, an ``hf://`` URL or an opened ``Checkpoint``)."""
+def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | None = None, *,
+             pending: PendingOutput | None = None) -> ValidationReport:
+    """Check a checkpoint (a local path, an ``hf://`` URL or an opened ``Checkpoint``).
+
+    ``pending``: an output the writer has not marked complete yet, checked as it will be.
+    """
     unreadable: list[str] = []
     if isinstance(path_or_checkpoint, Checkpoint):
         ckpt = path_or_checkpoint
@@ -127,7 +132,8 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             report.add(e.rule, e.path, None, bare_message(e))
             return report
     else:
-        opened = open_lenient(path_or_checkpoint)
+        opened = open_lenient(path_or_checkpoint, index=pending.index if pending else None,
+                              renamed=pending.renamed if pending else None)
         ckpt, unreadable = opened.ckpt, opened.unreadable
         report = ValidationReport(ckpt.root)
         remote = set((ckpt.manifest or {}).get("remote_files") or {})
@@ -135,12 +141,16 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             if e.rule == "missing-shard" and e.path and os.path.basename(e.path) in remote:
                 continue  # left on the Hub on purpose (stitch --link remote); push --base copies it
             report.add(e.rule or "unreadable", e.path, None, bare_message(e))
-    report.files_checked = len(ckpt.headers) + len(unreadable)
-    report.tensors_checked = sum(len(h.tensors) for h in ckpt.headers.values())
-    _metadata_checks(ckpt, report)
-    unknown = _index_checks(ckpt, unreadable, report)
-    config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
-    _config_checks(ckpt, arch, unknown, config_broken, report)
+    try:
+        report.files_checked = len(ckpt.headers) + len(unreadable)
+        report.tensors_checked = sum(len(h.tensors) for h in ckpt.headers.values())
+        _metadata_checks(ckpt, report)
+        unknown = _index_checks(ckpt, unreadable, report)
+        config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
+        _config_checks(ckpt, arch, unknown, config_broken, report)
+    finally:
+        if ckpt is not path_or_checkpoint:
+            ckpt.close()
     return report
 
 
@@ -234,20 +244,22 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
                                            None if config_broken or not ckpt.config_present else cfg))
 
 
-def validate_output(path: str | os.PathLike, allow: Iterable[str] = ()) -> dict:
-    """Validate a directory this tool just wrote; an invalid output is an output error (exit 4).
+def validate_output(path: str | os.PathLike, *, arch: str | None = None, allow: Iterable[str] = (),
+                    pending: PendingOutput | None = None) -> dict:
+    """Validate an output this tool is writing (the writer's check, before its completion marker).
 
-    ``allow``: rules the user let through on the input (``--allow-invalid``); an output that
-    carries them is not refused for them, and the result lists them under ``allowed``.
+    An invalid output is an output error (exit 4) with the first problem's rule. ``allow``: rules the
+    user let through on the input (``--allow-invalid``); an output that carries them is not refused
+    for them, and the result lists them under ``allowed``.
     """
     from ..errors import OutputError
 
-    report = validate(path)
+    report = validate(path, arch, pending=pending)
     allowed = [p for p in report.problems if p.rule in set(allow)]
     problems = [p for p in report.problems if p.rule not in set(allow)]
     if problems:
         raise OutputError(f"the output failed validation ({len(problems)} problem(s)): "
-                          f"{consistency.problems_text(problems)}", path=str(path))
+                          f"{consistency.problems_text(problems)}", rule=problems[0].rule, path=str(path))
     out = {"ok": True, "problems": 0, "family": report.family}
     if allowed:
         out["allowed"] = [p.to_json() for p in allowed]

@@ -1,10 +1,13 @@
-"""`ckpt verify-manifest`: recompute the sha256 of every tensor ckpt_manifest.json lists, and compare.
+"""`ckpt verify-manifest`: every tensor of the output accounted for, every digest recomputed.
 
-The manifest records, per tensor written, its file, dtype, shape and the sha256 of its bytes.
-Verification streams each tensor's byte range through the hash in fixed-size chunks (memory
-stays at one chunk whatever the tensor size), file by file in offset order so reads are
-sequential. Tensors the checkpoint holds but the manifest does not list (a stitch copies
-untouched verifier shards whole) are counted, not judged.
+The manifest lists every tensor of the output with its file, dtype and shape, and proves its
+bytes one of two ways: its own sha256 (tensors the writer wrote), or the whole-file sha256 of
+the shard it sits in (``files``: shards copied or linked as they were). Verification streams
+each tensor range or whole file through the hash in fixed-size chunks (memory stays at one
+chunk), file by file in offset order. A tensor the checkpoint holds but the manifest does not
+list is a problem (``unlisted``), as is a listed tensor without any digest (``no-hash``).
+Shards left on the Hub (``stitch --link remote``) cannot be verified locally: they are counted
+and the report is not OK.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..checkpoint import MANIFEST_NAME, Checkpoint
+from ..checkpoint import MANIFEST_NAME, Checkpoint, open_lenient
 from ..errors import InputError
-from ..safetensors_io import COPY_CHUNK, TensorRef, iter_chunks
+from ..safetensors_io import COPY_CHUNK, Segment, iter_chunks
 from ..writer import Progress
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -26,8 +30,8 @@ HASH_CHUNK = min(COPY_CHUNK, 8 << 20)
 
 @dataclass
 class Mismatch:
-    key: str
-    problem: str  # sha256 | missing | file | dtype | shape | no-hash
+    key: str  # a tensor key, or a file name for whole-file problems
+    problem: str  # sha256 | missing | file | dtype | shape | no-hash | unlisted | file-sha256 | file-size
     file: str | None
     expected: str | None
     actual: str | None
@@ -41,25 +45,27 @@ class Mismatch:
 class VerifyReport:
     root: str
     listed: int = 0  # tensors in the manifest
-    verified: int = 0  # hashed and matching
+    verified: int = 0  # proven by their own sha256 or by their file's
     bytes_hashed: int = 0
-    unlisted: int = 0  # tensors of the checkpoint the manifest does not list
-    unhashed_copies: int = 0  # listed as copied unchanged from an input, without a hash of their own
+    unlisted: int = 0  # tensors of the checkpoint the manifest does not list (each one a mismatch too)
+    files_verified: int = 0  # shards proven by their whole-file sha256
+    remote_tensors: int = 0  # listed in shards left on the Hub: not verifiable locally
+    remote_files: list[str] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches
+        return not self.mismatches and not self.remote_files
 
     def to_json(self) -> dict:
         return {"root": self.root, "ok": self.ok, "listed": self.listed, "verified": self.verified,
-                "bytes_hashed": self.bytes_hashed, "unlisted": self.unlisted,
-                "unhashed_copies": self.unhashed_copies,
+                "bytes_hashed": self.bytes_hashed, "unlisted": self.unlisted, "files_verified": self.files_verified,
+                "remote_tensors": self.remote_tensors, "remote_files": self.remote_files,
                 "mismatches": [m.to_json() for m in self.mismatches]}
 
 
 def load_manifest(ckpt: Checkpoint) -> dict:
-    """The manifest's ``tensors`` object; InputError (exit 3) when there is none or it is unusable."""
+    """The whole manifest, checked to have a ``tensors`` object; InputError (exit 3) when unusable."""
     where = str(ckpt.local_dir / MANIFEST_NAME) if ckpt.local_dir is not None else f"{ckpt.root}/{MANIFEST_NAME}"
     manifest = ckpt.manifest
     if ckpt.local_dir is not None:
@@ -73,69 +79,125 @@ def load_manifest(ckpt: Checkpoint) -> dict:
     elif manifest is None:
         raise InputError(f"no readable {MANIFEST_NAME}: nothing to verify against", rule="no-manifest",
                          path=ckpt.root)
-    tensors = manifest.get("tensors") if isinstance(manifest, dict) else None
-    if not isinstance(tensors, dict):
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors"), dict):
         raise InputError("the manifest has no 'tensors' object", rule="manifest-json", path=where)
-    return tensors
+    files = manifest.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise InputError("the manifest's 'files' must map file names to objects", rule="manifest-json", path=where)
+    return manifest
 
 
-def _file_name(ckpt: Checkpoint, ref: TensorRef) -> str:
+def _file_name(ckpt: Checkpoint, source) -> str:
     for name, src in ckpt.sources.items():
-        if src is ref.source:
+        if src is source:
             return name
-    return ref.file
+    return source.name
 
 
-def hash_ref(ref: TensorRef, progress: Progress | None = None) -> str:
-    """sha256 of a tensor's bytes, streamed in chunks."""
+def _hash(seg: Segment, progress: Progress) -> str:
+    """sha256 of a byte range, streamed in chunks."""
     h = hashlib.sha256()
-    for chunk in iter_chunks(ref.segment(), HASH_CHUNK):
+    for chunk in iter_chunks(seg, HASH_CHUNK):
         h.update(chunk)
-        if progress is not None:
-            progress.advance(len(chunk))
+        progress.advance(len(chunk))
     return h.hexdigest()
 
 
-def verify_manifest(path: str | os.PathLike, progress: Progress | None = None) -> VerifyReport:
-    ckpt = Checkpoint.open(path)
-    entries = load_manifest(ckpt)
-    progress = progress or Progress()
-    report = VerifyReport(ckpt.root, listed=len(entries))
-    report.unlisted = sum(1 for k in ckpt.tensors if k not in entries)
+def open_output(path: str | os.PathLike) -> Checkpoint:
+    """The checkpoint at ``path``; shards its manifest says were left on the Hub may be absent."""
+    try:
+        return Checkpoint.open(path)
+    except InputError as e:
+        if e.rule != "missing-shard" or "://" in str(path):
+            raise
+    opened = open_lenient(path)
+    remote = set((opened.ckpt.manifest or {}).get("remote_files") or {})
+    for err in opened.errors:
+        if not (err.rule == "missing-shard" and err.path and os.path.basename(err.path) in remote):
+            opened.ckpt.close()
+            raise err
+    return opened.ckpt
 
-    todo: list[tuple[str, TensorRef, str]] = []
+
+def verify_manifest(path: str | os.PathLike, progress: Progress | None = None) -> VerifyReport:
+    with open_output(path) as ckpt:
+        return _verify(ckpt, load_manifest(ckpt), progress or Progress())
+
+
+def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyReport:
+    entries: dict = manifest["tensors"]
+    files: dict[str, dict] = manifest.get("files", {})
+    remote = {n for n, f in files.items() if "remote" in f} | set(manifest.get("remote_files") or {})
+    report = VerifyReport(ckpt.root, listed=len(entries))
+    for key in sorted(k for k in ckpt.tensors if k not in entries):
+        report.mismatches.append(Mismatch(key, "unlisted", _file_name(ckpt, ckpt.tensors[key].source),
+                                          "listed", "not in the manifest"))
+        report.unlisted += 1
+
+    by_file: dict[str, int] = {}  # tensors each whole-file digest vouches for
+    todo: list[tuple[str, str, Segment, str]] = []  # (expected sha256, key, bytes, file)
     for key, entry in entries.items():
         entry = entry if isinstance(entry, dict) else {}
+        if entry.get("file") in remote:
+            report.remote_tensors += 1
+            continue
         ref = ckpt.tensors.get(key)
         if ref is None:
             report.mismatches.append(Mismatch(key, "missing", entry.get("file"), "listed", "absent"))
             continue
-        fname = _file_name(ckpt, ref)
+        fname = _file_name(ckpt, ref.source)
         checks = (("file", entry.get("file"), fname), ("dtype", entry.get("dtype"), ref.dtype),
                   ("shape", entry.get("shape"), list(ref.shape)))
         bad = [(what, want, got) for what, want, got in checks if want is not None and want != got]
         for what, want, got in bad:
             report.mismatches.append(Mismatch(key, what, fname, str(want), str(got)))
         sha = entry.get("sha256")
-        if sha is None and entry.get("copied_from"):
-            report.unhashed_copies += 1  # bytes copied unchanged from an input (stitch); nothing to compare
-            continue
-        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        if sha is None and "sha256" in files.get(fname, {}):
+            by_file[fname] = by_file.get(fname, 0) + (not bad)
+        elif not isinstance(sha, str) or not _SHA256.fullmatch(sha):
             report.mismatches.append(Mismatch(key, "no-hash", fname, None if sha is None else str(sha)[:80], None))
         elif not bad:
-            todo.append((sha, ref, fname))
+            todo.append((sha, key, ref.segment(), fname))
+    wholes = list(_whole_files(ckpt, files, remote, report))
+    report.remote_files = sorted(n for n in remote if n in files or n in (manifest.get("remote_files") or {}))
 
-    todo.sort(key=lambda t: (t[2], t[1].offset))  # file by file, in offset order: sequential reads
-    progress.start(sum(ref.nbytes for _, ref, _ in todo), "verify")
+    todo.sort(key=lambda t: (t[3], t[2].offset))  # file by file, in offset order: sequential reads
+    progress.start(sum(seg.length for _, _, seg, _ in todo) + sum(seg.length for _, seg, _ in wholes), "verify")
     try:
-        for sha, ref, fname in todo:
-            got = hash_ref(ref, progress)
-            report.bytes_hashed += ref.nbytes
+        for sha, key, seg, fname in todo:
+            got = _hash(seg, progress)
+            report.bytes_hashed += seg.length
             if got == sha:
                 report.verified += 1
             else:
-                report.mismatches.append(Mismatch(ref.key, "sha256", fname, sha, got))
+                report.mismatches.append(Mismatch(key, "sha256", fname, sha, got))
+        for name, seg, sha in wholes:
+            got = _hash(seg, progress)
+            report.bytes_hashed += seg.length
+            if got == sha:
+                report.files_verified += 1
+                report.verified += by_file.get(name, 0)
+            else:
+                report.mismatches.append(Mismatch(name, "file-sha256", name, sha, got))
     finally:
         progress.stop()
     report.mismatches.sort(key=lambda m: (m.file or "", m.key))
     return report
+
+
+def _whole_files(ckpt: Checkpoint, files: dict[str, dict], remote: set[str], report: VerifyReport
+                 ) -> Iterator[tuple[str, Segment, str]]:
+    """(name, the whole file, expected sha256) of each shard the manifest vouches for as a whole."""
+    for name, about in sorted(files.items()):
+        if name in remote:
+            continue
+        sha, size = about.get("sha256"), about.get("size")
+        src = ckpt.sources.get(name)
+        if src is None:
+            report.mismatches.append(Mismatch(name, "missing", name, "a shard of the checkpoint", "absent"))
+        elif not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            report.mismatches.append(Mismatch(name, "no-hash", name, None if sha is None else str(sha)[:80], None))
+        elif size is not None and size != src.size:
+            report.mismatches.append(Mismatch(name, "file-size", name, str(size), str(src.size)))
+        else:
+            yield name, Segment(src, 0, src.size), sha
