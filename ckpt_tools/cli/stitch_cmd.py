@@ -31,6 +31,10 @@ def register(app: typer.Typer) -> None:
         arch: str = typer.Option(None, "--arch", help="Verifier table instead of detecting it."),
         layers: str = typer.Option(None, "--layers", help="Verifier MTP depth(s) a renumbered draft maps to."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="For new MTP shards (add mode)."),
+        accept_divergent: bool = typer.Option(
+            False, "--accept-divergent",
+            help="Stitch even when replaced tensors diverge from the verifier's beyond what finetuning does "
+                 "(cosine < 0.2 or a norm ratio beyond 4x; the report lists them)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Plan and compare, print the report, write nothing."),
         plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
         report_file: Path = typer.Option(None, "--report", help="Also write the report here."),
@@ -47,7 +51,8 @@ def register(app: typer.Typer) -> None:
 
         req = StitchRequest(format=fmt, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
                             update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
-                            max_shard_size=parse_size(max_shard_size), command=command_line())
+                            max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
+                            command=command_line())
         plan, report = plan_stitch(Checkpoint.open(draft), Checkpoint.open(verifier), req)
         if plan_json is not None:
             plan.write_json(plan_json)
@@ -55,12 +60,7 @@ def register(app: typer.Typer) -> None:
             from ..writer import execute
 
             plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
-            try:
-                result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
-            except BaseException:
-                if report.statistics is not None:  # nobody will read them: do not wait for them
-                    report.statistics.cancel()
-                raise
+            result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output))
             from ..ops.validate import validate
 
             rep = validate(out)
@@ -79,6 +79,9 @@ def register(app: typer.Typer) -> None:
             hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
             render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})",
                          more_hint=hint)
+            if report.divergent():
+                out_console().print("divergent, stitched with --accept-divergent: "
+                                    + "; ".join(f"{d.key} ({d.divergent})" for d in report.divergent()))
             if report.kept_from_verifier:
                 out_console().print(f"kept from the verifier (--allow-partial): {len(report.kept_from_verifier)}")
             if not dry_run:
