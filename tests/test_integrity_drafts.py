@@ -120,6 +120,25 @@ def test_e5m2_weight_is_requantized_into_the_verifiers_e4m3(fp8, tmp_path):
     q, s = quantize(dequantize(d.tensors[Q_B].torch(), d.tensors[Q_B + "_scale_inv"].torch()))
     assert torch.equal(c.tensors[Q_B].torch().view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(c.tensors[Q_B + "_scale_inv"].torch(), s)
+    entry = {t["key"]: t for t in report(out)["tensors"]}[Q_B]
+    assert entry["status"] == "replaced" and entry["cosine"] > 0.99  # compared by value, not by FP8 bytes
+    ckpt("validate", out)
+
+
+def test_e5m2_experts_are_requantized_too(fp8, tmp_path):
+    verifier, draft8, _ = fp8
+    draft = copy(draft8, tmp_path / "d")
+
+    def to_e5m2(t):
+        for k in list(t):
+            if ".mlp.experts." in k and t[k].dtype == torch.float8_e4m3fn:
+                t[k] = t[k].float().to(torch.float8_e5m2)
+
+    edit(draft, to_e5m2)
+    out = tmp_path / "out"
+    ckpt("stitch", draft, verifier, "-o", out)
+    experts = {k: r.dtype for k, r in Checkpoint.open(out).tensors.items() if ".mlp.experts." in k}
+    assert experts and set(experts.values()) == {"F8_E4M3", "F32"}
     ckpt("validate", out)
 
 
