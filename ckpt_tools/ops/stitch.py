@@ -60,6 +60,7 @@ class Divergence:
     judged: a norm left at its initial ones still has cosine 0.999 with a trained one.
     """
 
+    measured: str = "measured finetunes keep cosine >= 0.38 and a norm ratio within 0.40-2.54"
     min_cosine: float = 0.2
     max_norm_ratio: float = 4.0  # ||draft|| / ||verifier|| beyond 4x either way
     tiny_rms: float = 1e-3  # a verifier tensor this close to zero has no direction to compare with
@@ -578,6 +579,7 @@ def _probe(builder: _Builder, view: MtpView, key: str, t: OutputTensor, stop) ->
         d.status = ("unchanged" if same else "replaced") if vref.dtype == t.dtype else "dtype-changed"
         if same and d.status == "dtype-changed":  # same values, stored in another dtype
             d.max_abs, d.rel_l2, d.cosine = 0.0, 0.0, 1.0
+            d.unjudged = "the verifier's values, in another dtype"
     return d
 
 
@@ -627,7 +629,7 @@ def _gate(report: StitchReport, builder: _Builder, draft: Checkpoint, req: Stitc
         listed = "; ".join(f"{d.key} ({d.divergent})" for d in bad[:10]) + (" ..." if len(bad) > 10 else "")
         raise InputError(
             f"{len(bad)} tensor(s) of the draft {draft.root} diverge from the verifier's beyond what finetuning does "
-            f"(measured finetunes keep cosine >= 0.38 and a norm ratio within 0.4-2.5): {listed}. Another model's "
+            f"({DIVERGENCE.measured}): {listed}. Another model's "
             "weights, swapped halves or a wrong layer? Nothing was written; --accept-divergent stitches it anyway",
             rule="divergent")
 
@@ -651,7 +653,7 @@ def _judge(d: TensorDiff, kind: str | None, exempt: str | None) -> None:
     elif kind == "norm":
         d.unjudged = "norm (cosine and norm ratio cannot tell a norm left at its init from a trained one)"
     elif d.cosine is None or d.norm_a is None or d.norm_b is None:
-        d.unjudged = "no finite values to compare"
+        d.unjudged = "no statistics (not a float tensor, or no finite values)"
     elif d.norm_a <= lim.tiny_rms * math.sqrt(max(numel, 1)):
         d.unjudged = f"the verifier's tensor is (nearly) zero (RMS <= {lim.tiny_rms:g}): no direction to compare"
     else:
