@@ -170,9 +170,11 @@ def compare(before: dict, after: dict) -> dict[str, dict]:
         if float(a.abs().max()) == 0.0:  # a zero buffer (e_score_correction_bias): no direction to compare
             continue
         cos, ratio = measure(a, after[name])
-        r = rows.setdefault(kind_of(name), {"min_cos": 1.0, "min_ratio": math.inf, "max_ratio": 0.0, "worst": ""})
+        r = rows.setdefault(kind_of(name), {"min_cos": 1.0, "max_cos": -1.0, "min_ratio": math.inf, "max_ratio": 0.0,
+                                            "worst": ""})
         if cos < r["min_cos"]:
             r["min_cos"], r["worst"] = cos, name
+        r["max_cos"] = max(r["max_cos"], cos)
         r["min_ratio"], r["max_ratio"] = min(r["min_ratio"], ratio), max(r["max_ratio"], ratio)
     return rows
 
@@ -226,6 +228,8 @@ def render(results: dict) -> str:
         lines.append(f"{label:<40}" + "  ".join(_cell(run["kinds"].get(k)) for k in KINDS))
     for name, rows in results["broken"].items():
         lines.append(f"{name:<40}" + "  ".join(_cell(rows.get(k)) for k in KINDS))
+        lines.append(f"{'  (max cosine)':<40}" + "  ".join(f"{rows[k]['max_cos']:>17.3f}" if k in rows else f"{'-':>17}"
+                                                       for k in KINDS))
     lines.append("median RMS  " + "  ".join(f"{k} {v:.3g}" for k, v in results["rms"].items()))
     lines.append("cells: min cosine / norm ratio range (||after|| / ||before||)")
     return "\n".join(lines)
