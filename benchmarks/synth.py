@@ -156,7 +156,7 @@ def solve(family: str, target: int, max_hidden: int = 1024) -> Sizing:
 class _Pools:
     """Pseudo-random byte pools per dtype; a tensor is a window into its pool."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, finetuned: bool = False) -> None:
         rng = np.random.default_rng(seed)
         u16 = rng.integers(0, 1 << 16, POOL_BYTES // 2, dtype=np.uint16)
         # keep sign and mantissa, exponent 120..121: |x| in [2^-7, 2^-5), like trained weights
@@ -164,6 +164,11 @@ class _Pools:
         u8 = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
         f8 = u8 & np.uint8(0xBF)  # exponent < 0b1111: never the NaN encodings 0x7f / 0xff
         f32 = rng.uniform(1e-4, 4e-3, POOL_BYTES // 4).astype(np.float32)
+        if finetuned:  # the same values, each moved a little (low mantissa bits): what finetuning does
+            tweak = np.random.default_rng(seed + 1)
+            bf16 = bf16 ^ tweak.integers(0, 8, bf16.size, dtype=np.uint16)
+            f8 = f8 ^ tweak.integers(0, 2, f8.size, dtype=np.uint8)
+            f32 = f32 * (1 + 0.01 * tweak.standard_normal(f32.size)).astype(np.float32)
         self.pools = {2: bf16.tobytes(), 1: f8.tobytes(), 4: f32.tobytes()}
 
     def produce(self, key: str, dtype: str, nbytes: int):
@@ -229,11 +234,12 @@ def _split(order: list[tuple[str, int]], mtp: set[str], n: int) -> dict[str, int
 
 
 def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: int = 8, seed: int = 0,
-             only: set[str] | None = None) -> Synthetic:
-    """Write a synthetic checkpoint (or, with ``only``, just those keys as a native draft)."""
+             only: set[str] | None = None, finetuned: bool = False) -> Synthetic:
+    """Write a synthetic checkpoint (or, with ``only``, just those keys as a native draft;
+    ``finetuned``: the same seed's values, each moved a little)."""
     opts = VARIANTS[variant]
     table, cfg, res, specs, mtp = _specs(family, sizing.overrides, opts)
-    pools = _Pools(seed)
+    pools = _Pools(seed, finetuned)
     items: list[tuple[str, str, tuple[int, ...]]] = []
     mtp_keys: set[str] = set(mtp)
     for s in specs:

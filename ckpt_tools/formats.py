@@ -101,6 +101,9 @@ class Format(BaseModel):
     requires_engine: str | None = None
     carry_files: bool = False  # copy tokenizer / generation config / other non-weight files
     detect: DetectRule | None = None
+    # config.json fields (dotted paths) naming the model a draft of this format came from:
+    # stitch's proof that the draft belongs to the verifier (see provenance.py)
+    evidence: list[str] = Field(default_factory=list)
     ignore_keys: list[str] = Field(default_factory=list)  # draft keys stitch skips on purpose (with reason)
     supports: Supports = Field(default_factory=Supports)
     config: ConfigRecipe = Field(default_factory=ConfigRecipe)

@@ -45,7 +45,8 @@ by ``256 * scale`` - the same real product, so the same float32 rounding as
 in row bands of about 256K elements with reused scratch buffers, which keeps it in
 cache; a band is part of one block row or a run of whole block rows, so a view of the
 per-column factors applies. Recipes compute one thread ahead of the writer (see
-``_prefetched``) with one torch thread.
+``_prefetched``) with one torch thread, set by the consuming main thread (a worker
+never changes torch's process-wide thread count).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .dtypes import DTYPES, FLOAT_DTYPES, from_torch, lookup, torch_dtype
+from .dtypes import DTYPES, FLOAT_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES, from_torch, lookup, torch_dtype
 from .errors import InputError, PlanError
 from .fp8_decode import band_rows, bands
+from .numeric import COMPUTE_THREADS, torch_threads
 from .plan import Compute, OutputTensor
 from .prefetch import prefetched
 from .safetensors_io import TensorRef
@@ -69,11 +71,8 @@ FLT_MIN = 2.0**-126  # smallest normal float32: floor of every block scale (all-
 DEFAULT_BLOCK = (128, 128)
 BAND_ELEMS = 1 << 18  # elements per compute step: ~2 MB of scratch, cache-resident (measured best 2^18..2^19)
 PREFETCH = 2  # chunks computed ahead in a worker thread while the writer writes and hashes (0: inline)
-COMPUTE_THREADS = 1  # torch threads for recipe work: bands are small, and OpenMP teams stall on a busy machine
 QUANT_DTYPE = "F8_E4M3"
 SCALE_DTYPE = "F32"
-FP8_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")
-SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
 _FAST_SCALE_LIMIT = 2.0**119  # 256 * scale stays finite below this
 
 
@@ -429,36 +428,19 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
 # Streaming recipes
 
 
-class _torch_threads:
-    """Use ``n`` torch threads in this thread for a while (restored on exit).
-
-    Band-sized ops gain little from a second OpenMP thread, and when the other core is
-    busy (the writer hashing, other processes) every op waits for the descheduled team
-    member: measured 10x slower than one thread on a loaded 2-core machine.
-    """
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.prev = 0
-
-    def __enter__(self) -> None:
-        self.prev = torch.get_num_threads()
-        if self.n > 0 and self.n != self.prev:
-            torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        if torch.get_num_threads() != self.prev:
-            torch.set_num_threads(self.prev)
+def _torch_threads(n: int):
+    """``n`` torch threads for band work, set on the main thread only (see ``numeric.torch_threads``)."""
+    return torch_threads(n, load=True)
 
 
 def _prefetched(make: Callable[[], Iterable[Any]], depth: int | None = None) -> Iterator[Any]:
-    """``prefetch.prefetched`` with the worker limited to COMPUTE_THREADS torch threads."""
+    """``prefetch.prefetched``, the worker starting with COMPUTE_THREADS torch threads.
 
-    def limited() -> Iterator[Any]:
-        with _torch_threads(COMPUTE_THREADS):
-            yield from make()
-
-    return prefetched(limited, PREFETCH if depth is None else depth)
+    The consumer's thread sets the count (when it is the main thread) before the worker
+    starts and restores it when the iteration ends: the worker never sets it itself.
+    """
+    with _torch_threads(COMPUTE_THREADS):
+        yield from prefetched(make, PREFETCH if depth is None else depth)
 
 
 def _read_scale(src: RowSource) -> torch.Tensor:

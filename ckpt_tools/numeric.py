@@ -7,6 +7,9 @@ torch is imported only by the functions that do arithmetic.
 
 from __future__ import annotations
 
+import sys
+import threading
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .dtypes import DTYPES, torch_dtype
@@ -84,6 +87,45 @@ def decode_floats(buf, dtype: str, scratch: Scratch | None = None) -> np.ndarray
     if dtype in ("F16", "F32", "F64"):
         return np.frombuffer(buf, dtype={"F16": np.float16, "F32": np.float32, "F64": np.float64}[dtype])
     raise ValueError(f"{dtype} is not a float dtype numpy can decode")
+
+
+COMPUTE_THREADS = 1  # torch threads for band-sized work (see torch_threads)
+_THREADS_LOCK = threading.Lock()
+_threads_held: list = [0, 0]  # [contexts open, torch's thread count before the first]
+
+
+@contextmanager
+def torch_threads(n: int = COMPUTE_THREADS, *, load: bool = False):
+    """Run torch work with ``n`` intra-op threads while the context is open.
+
+    torch's thread count is process-wide state: a thread takes the count the process has
+    when it first runs a parallel op, so a worker that calls ``set_num_threads`` changes
+    what every later thread starts with. The count is therefore set on the main thread
+    only (elsewhere this is a no-op), once for the outermost of any number of open
+    contexts (they may close in any order: generators), and restored when the last one
+    closes; threads started inside take ``n``. Nothing happens when torch has not been
+    imported, unless ``load`` (importing it costs seconds a byte-copying run never needs).
+    Band-sized ops gain little from a second thread, and an OpenMP team with a descheduled
+    member stalls every op: measured 25x slower with 2 threads than with 1 on a 2-core machine.
+    """
+    active = n > 0 and threading.current_thread() is threading.main_thread() and (load or "torch" in sys.modules)
+    if active:
+        import torch
+
+        with _THREADS_LOCK:
+            if _threads_held[0] == 0:
+                _threads_held[1] = torch.get_num_threads()
+                if _threads_held[1] != n:
+                    torch.set_num_threads(n)
+            _threads_held[0] += 1
+    try:
+        yield
+    finally:
+        if active:
+            with _THREADS_LOCK:
+                _threads_held[0] -= 1
+                if _threads_held[0] == 0 and torch.get_num_threads() != _threads_held[1]:
+                    torch.set_num_threads(_threads_held[1])
 
 
 def bytes_to_torch(buf, dtype: str, shape):

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 
 from .dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from .errors import PlanError
-from .numeric import as_bytes, bytes_to_numpy, bytes_to_torch
+from .numeric import as_bytes, bytes_to_numpy, bytes_to_torch, torch_threads
 from .plan import Compute, CopyBytes, OutputTensor, Recipe
 from .safetensors_io import read_bytes
 
 BAND_BYTES = 16 << 20  # target size of one band of input
+TORCH_OPS = frozenset({"cast", "quantize", "quantize-scale"})  # the recipes below that compute with torch
 
 
 class RecipeReader:
@@ -93,9 +94,10 @@ def cast(t: OutputTensor, dtype: str) -> OutputTensor:
 
         band = _rows_per_band(src)
         rb = _row_bytes(src)
-        for buf in recipe_bytes(src.recipe, band * rb if src.shape else src.nbytes):
-            n = len(buf) // DTYPES[src.dtype].nbytes(1)
-            yield bytes_to_torch(buf, src.dtype, (n,)).to(torch_dtype(dtype))
+        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
+            for buf in recipe_bytes(src.recipe, band * rb if src.shape else src.nbytes):
+                n = len(buf) // DTYPES[src.dtype].nbytes(1)
+                yield bytes_to_torch(buf, src.dtype, (n,)).to(torch_dtype(dtype))
 
     return OutputTensor(t.key, dtype, t.shape, Compute(produce, "cast", _inputs(t), {"from": t.dtype, "to": dtype}),
                         t.shard, dict(t.meta))
@@ -248,11 +250,12 @@ def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str) -> tuple
         from . import fp8
 
         reader = RecipeReader(src.recipe)
-        for _ in range(lead):
-            for r in range(0, rows, block[0]):
-                n = min(block[0], rows - r)
-                values = bytes_to_torch(reader.read(n * cols * item), src.dtype, (n, cols)).float()
-                yield fp8.quantize(values, block)
+        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
+            for _ in range(lead):
+                for r in range(0, rows, block[0]):
+                    n = min(block[0], rows - r)
+                    values = bytes_to_torch(reader.read(n * cols * item), src.dtype, (n, cols)).float()
+                    yield fp8.quantize(values, block)
 
     def weights():
         for q, _s in bands():

@@ -37,6 +37,7 @@ from pathlib import Path
 from . import __version__
 from .dtypes import DTYPES
 from .errors import CkptError, OutputError, UsageError
+from .jsonutil import dumps_strict
 from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, fingerprint_change
 from .safetensors_io import (
     COPY_CHUNK,
@@ -621,7 +622,7 @@ class Writer:
         if remote:
             # shards deliberately not downloaded: the output is complete once pushed over its base
             manifest["remote_files"] = remote
-        content = (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode()
+        content = (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 
     def _index(self, result: WriteResult) -> dict:

@@ -56,8 +56,11 @@ def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff
             t.add_column(col, overflow="fold")
         for d in rows:
             dtype, shape = _before_after(d.dtype_a, d.dtype_b), _before_after(d.shape_a, d.shape_b)
-            t.add_row(d.key, d.status, str(dtype), str(shape), _num(d.max_abs), _num(d.rel_l2), _num(d.cosine))
+            t.add_row(d.key, d.status, str(dtype), str(shape), _max_cell(d), _num(d.rel_l2), _num(d.cosine))
         c.print(t)
+    if any(d.nan_count or d.inf_count for d in diffs):
+        c.print("NaN / Inf positions are counted beside max |Δ|; rel L2 and cosine are over the positions where "
+                "both sides are finite")
     if hidden:
         c.print(f"... and {hidden} more changed tensors" + (f" ({more_hint})" if more_hint else ""))
     c.print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
@@ -71,4 +74,9 @@ def _before_after(a, b) -> str:
 
 
 def _num(v: float | None) -> str:
-    return "" if v is None else f"{v:.3g}"
+    return "" if v is None else f"{v:.3g}"  # inf and nan print as such
+
+
+def _max_cell(d) -> str:
+    counts = [f"{n} {what}" for n, what in ((d.nan_count, "NaN"), (d.inf_count, "Inf")) if n]
+    return _num(d.max_abs) + (f" ({', '.join(counts)})" if counts else "")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -32,6 +31,10 @@ def register(app: typer.Typer) -> None:
         arch: str = typer.Option(None, "--arch", help="Verifier table instead of detecting it."),
         layers: str = typer.Option(None, "--layers", help="Verifier MTP depth(s) a renumbered draft maps to."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="For new MTP shards (add mode)."),
+        accept_divergent: bool = typer.Option(
+            False, "--accept-divergent",
+            help="Stitch even when replaced tensors diverge from the verifier's beyond what finetuning does "
+                 "(cosine < 0.2 or a norm ratio beyond 4x; the report lists them)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Plan and compare, print the report, write nothing."),
         plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
         report_file: Path = typer.Option(None, "--report", help="Also write the report here."),
@@ -42,7 +45,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from ..checkpoint import Checkpoint
+        from ..jsonutil import write_json_file
         from ..ops.stitch import StitchRequest, plan_stitch
+        from ..options import outside_inputs
         from ..plan import parse_size
         from .diff_cmd import render_diffs
         from .extract_cmd import _layers
@@ -50,23 +55,29 @@ def register(app: typer.Typer) -> None:
         allow = allowed_rules(allow_invalid)
         req = StitchRequest(format=fmt, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
                             update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
-                            max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
-        with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:  # open until the statistics are done
+                            max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
+                            command=command_line(), allow_invalid=allow)
+        with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
             plan, report = plan_stitch(d, v, req)
             say_allowed(plan.manifest.get("allowed_invalid"))
+            if report_file is not None:
+                outside_inputs("--report", report_file, plan.inputs)  # before anything is written
             if plan_json is not None:
                 plan.write_json(plan_json)
             if not dry_run:
                 _write(plan, report, out, overwrite, resume, json_output, allow)
             data = report.to_json()
         if report_file is not None:
-            report_file.write_text(json.dumps(data, indent=2) + "\n")
+            write_json_file(report_file, data, "--report", plan.inputs)
         if json_output:
             emit_json(data)
         else:
             hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
             render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})",
                          more_hint=hint)
+            if report.divergent():
+                out_console().print("divergent, stitched with --accept-divergent: "
+                                    + "; ".join(f"{d.key} ({d.divergent})" for d in report.divergent()))
             if report.kept_from_verifier:
                 out_console().print(f"kept from the verifier (--allow-partial): {len(report.kept_from_verifier)}")
             if not dry_run:
@@ -79,6 +90,7 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
 
     What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
     """
+    from ..jsonutil import dumps_strict
     from ..ops.validate import validate_output
     from ..plan import OutputFile
     from ..writer import execute, write_file_atomically
@@ -89,11 +101,6 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
                                                             else {})}
 
     plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
-    try:
-        execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
-    except BaseException:
-        if report.statistics is not None:  # nobody will read them: do not wait for them
-            report.statistics.cancel()
-        raise
+    execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    write_file_atomically(out / "stitch-report.json", (json.dumps(report.to_json(), indent=2) + "\n").encode())
+    write_file_atomically(out / "stitch-report.json", (dumps_strict(report.to_json(), indent=2) + "\n").encode())

@@ -73,15 +73,16 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
 def _fp8_decoder(ckpt: Checkpoint, key: str):
     """Chunk decoder giving dequantized float32 values of an FP8 block-quantized weight."""
     from ..expert_layouts import scale_key
-    from ..fp8 import block_size, dequantize
+    from ..fp8 import TensorRows, _check_pair, block_size
     from ..numeric import bytes_to_torch
 
     skey = scale_key(key)
     if skey not in ckpt.tensors:
         return None
     ref = ckpt.tensors[key]
-    scales = ckpt.tensors[skey].torch()
     block = block_size(ckpt.config)
+    _check_pair(TensorRows(ref), TensorRows(ckpt.tensors[skey]), block)  # dtypes and grid shape, named
+    scales = ckpt.tensors[skey].torch().float()
     cols = ref.shape[-1]
     rows = ref.shape[-2]
 
@@ -97,5 +98,4 @@ def _fp8_decoder(ckpt: Checkpoint, key: str):
         s = scales.reshape(-1, *scales.shape[-2:])[lead, row // block[0], col // block[1]]
         return (q.float() * s).numpy()
 
-    _ = dequantize
     return decode

@@ -2,10 +2,16 @@
 
 The draft's format gives the same correspondence extract used, run backwards: each
 verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer index,
-expert layout and dtype. Before anything is written every candidate is compared with
-the verifier's tensor: byte-identical ones are copied from the verifier (so an untouched
-round trip reproduces the verifier's files), the others are reported with statistics,
-and NaN / Inf is an error.
+expert layout and dtype. Before anything is written the draft has to pass a gate:
+
+- it proves it belongs to the verifier's family (``provenance.prove_family``);
+- its dtypes follow the policy in ``_Builder`` (floats replace floats, FP8 weights keep the
+  verifier's FP8 format and scales, integer / bool / complex tensors are refused);
+- every candidate is compared with the verifier's tensor in one pass (``_measure``):
+  byte- or value-identical ones are copied from the verifier (so an untouched round trip
+  reproduces the verifier's files), NaN / Inf is an error, and a replaced tensor that
+  diverges beyond what finetuning does (``DIVERGENCE``) stops the stitch unless
+  ``--accept-divergent``.
 
 Replace mode rewrites only the shards that hold changed tensors (keeping their names
 and tensor order); every other file is copied or linked. Add mode puts the MTP tensors
@@ -15,7 +21,10 @@ into new shards next to a verifier that has none, and updates index and config.
 from __future__ import annotations
 
 import json
+import math
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,13 +33,15 @@ from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..compare import TensorDiff, compare, count_nonfinite
 from ..config import ConfigView
 from ..consistency import count_field, note_allowed, require_consistent
-from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
-from ..expert_layouts import ExpertGroup, scale_key
+from ..expert_layouts import ExpertGroup, scale_key, scale_shape
 from ..fingerprint import record_inputs
 from ..formats import Correspondence, Format, correspond, detect_format, get_format
 from ..mtp import MtpView, choose_table, detect_group_layout
-from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ..numeric import torch_threads
+from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ..provenance import prove_family
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
 
@@ -42,6 +53,31 @@ LINK_MODES = ("copy", "reflink", "hardlink", "remote")
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
 STITCH_HINTS = {"mtp-missing": "if the verifier ships no MTP weights, `--mode add` adds the draft's layers (and sets "
                                "the count to the draft's)"}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """When a replaced tensor is not a finetune of the verifier's but another tensor.
+
+    Measured with ``python -m benchmarks.divergence`` (AdamW on the MTP layer of a tiny
+    DeepSeek-V3, weights ~0.02-0.06 RMS): finetunes at lr 1e-5..1e-3 for 500-2000 steps keep
+    cosine >= 0.38 and a norm ratio within 0.40-2.54; broken drafts (another model's
+    weights, gate / up halves swapped) give cosines from -0.44 to 0.12 with ordinary norm
+    ratios (0.87-1.09), so the ratio catches scale mistakes rather than these. Norms are not
+    judged: a norm left at its initial ones still has cosine 0.999 with a trained one.
+    """
+
+    measured: str = "measured finetunes keep cosine >= 0.38 and a norm ratio within 0.40-2.54"
+    min_cosine: float = 0.2
+    max_norm_ratio: float = 4.0  # ||draft|| / ||verifier|| beyond 4x either way
+    tiny_rms: float = 1e-3  # a verifier tensor this close to zero has no direction to compare with
+
+    def to_json(self) -> dict:
+        return {"min_cosine": self.min_cosine, "max_norm_ratio": self.max_norm_ratio, "tiny_rms": self.tiny_rms}
+
+
+DIVERGENCE = Divergence()
+GATE_THREADS = 2  # the gate's comparisons: reads and numpy release the GIL
 
 
 @dataclass
@@ -56,25 +92,9 @@ class StitchRequest:
     arch: str | None = None
     layers: list[int] | None = None  # verifier MTP depths the draft's layers map to
     max_shard_size: int = 5 * 10**9
+    accept_divergent: bool = False
     command: str = "ckpt stitch"
     allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
-
-
-class Statistics:
-    """Difference statistics being computed on worker threads; ``wait`` fills the report's diffs."""
-
-    def __init__(self, pool, futures: list) -> None:
-        self.pool, self.futures = pool, futures
-
-    def wait(self) -> None:
-        try:
-            for f in self.futures:
-                f.result()  # re-raises a read error from the worker
-        finally:
-            self.pool.shutdown(wait=True)
-
-    def cancel(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -90,8 +110,9 @@ class StitchReport:
     rewritten_shards: list[str] = field(default_factory=list)
     new_shards: list[str] = field(default_factory=list)
     linked_files: list[str] = field(default_factory=list)
+    provenance: str = ""  # the evidence that the draft belongs to the verifier
+    exempt: str | None = None  # why the divergence check does not apply to this draft
     validation: dict | None = None
-    statistics: Statistics | None = field(default=None, repr=False, compare=False)  # still being computed
 
     def totals(self) -> dict:
         counts: dict[str, int] = {}
@@ -100,14 +121,18 @@ class StitchReport:
         counts["copied (outside MTP)"] = self.copied_tensors
         return counts
 
+    def divergent(self) -> list[TensorDiff]:
+        return [d for d in self.diffs if d.divergent]
+
     def to_json(self) -> dict:
-        if self.statistics is not None:
-            self.statistics.wait()
         return {
             "mode": self.mode,
             "format": self.format,
             "family": self.family,
+            "provenance": self.provenance,
             "totals": self.totals(),
+            "divergence": {**DIVERGENCE.to_json(), "divergent": [d.key for d in self.divergent()],
+                           **({"exempt": self.exempt} if self.exempt else {})},
             "tensors": [d.to_json() for d in self.diffs],
             "kept_from_verifier": self.kept_from_verifier,
             "kept_copies": self.kept_copies,
@@ -152,7 +177,17 @@ def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
 
 
 class _Builder:
-    """Turns correspondence links into verifier-named candidate tensors built from the draft."""
+    """Turns correspondence links into verifier-named candidate tensors built from the draft.
+
+    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64,
+    or FP8 weights with their block scales) replace float tensors, whatever ``--dtype``;
+    a non-float verifier tensor is replaced only by one of its own dtype; an FP8 verifier
+    weight keeps its exact FP8 format (a draft in another FP8 format is re-quantized from
+    its value) and its scale keeps the verifier's dtype (a narrower float scale is widened,
+    exactly) and the shape its block grid needs. What the verifier stores unquantized
+    instead (``--keep-bf16``, or ``--dtype draft`` with a float draft) drops the scale,
+    and the config's ignore list says so. Violations are collected and raised together.
+    """
 
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):
         self.draft, self.view, self.corr, self.req, self.add = draft, view, corr, req, add
@@ -161,8 +196,10 @@ class _Builder:
         self.used: set[str] = set()
         self.missing: list[str] = []
         self.misshaped: list[str] = []
-        self.removed: list[str] = []  # verifier keys dropped (scales under --keep-bf16)
-        self.kept_fp8: set[str] = set()  # FP8 verifier tensors whose dequantized value the draft left alone
+        self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
+        self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
+        self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
+        self.refusals: dict[str, list[str]] = {}  # rule -> problems
 
     def build(self) -> None:
         for link in self.corr.tensors:
@@ -236,57 +273,122 @@ class _Builder:
             self._finish(t, scale, None)
 
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
-        """Give ``t`` the verifier's dtype (cast, requantize, or keep FP8 bytes) and record it."""
-        target = _dtype_of(self.view, t.key, spec)
-        vscale_key = scale_key(t.key, self.res.scale_suffix)
-        if self.req.dtype == "draft":
-            target = t.dtype
-        if target in FP8_DTYPES and not self.add:
-            if self.req.keep_bf16:
-                target = "BF16" if t.dtype in FP8_DTYPES else t.dtype
-                if vscale_key in self.view.ckpt.tensors:
-                    self.removed.append(vscale_key)
-            elif t.dtype in FP8_DTYPES:
-                self.candidates[t.key] = t  # FP8 draft into FP8 verifier: bytes and scale as they are
-                if scale is not None:
-                    self.candidates[scale.key] = scale
+        """Give ``t`` the verifier's dtype (cast, dequantize, requantize, or keep FP8 bytes) and record it."""
+        vt = _dtype_of(self.view, t.key, spec)
+        if spec is not None:
+            t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
+        if not self._admit(t, vt) or (t.dtype in FP8_DTYPES and not self._scale_fits(t, scale)):
+            return
+        if vt in FP8_DTYPES:
+            if not self.add:
+                self._into_fp8(t, scale, vt)
                 return
-            else:
-                self._requantize(t)
-                return
+            vt = "BF16"  # add mode writes the MTP layers unquantized (and the ignore list says so)
+        if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
+            self.candidates[t.key] = t
+            return
+        target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES else vt
         if t.dtype in FP8_DTYPES:
-            if scale is None:
-                raise PlanError(f"FP8 draft tensor {t.key} has no scale to dequantize with", rule="fp8-scale")
-            t = transforms.dequantize(t, scale, target if target in FLOAT_DTYPES else "BF16", self.res.block_size)
-        elif target != t.dtype and target in FLOAT_DTYPES and t.dtype in FLOAT_DTYPES:
+            t = transforms.dequantize(t, scale, target, self.res.block_size)
+        elif target != t.dtype:
             t = transforms.cast(t, target)
         self.candidates[t.key] = t
 
-    def _requantize(self, t: OutputTensor) -> None:
-        """Draft values into an FP8 verifier tensor.
+    def _admit(self, t: OutputTensor, vt: str) -> bool:
+        """Floats replace floats; a non-float verifier tensor only its own dtype."""
+        src = _source_of(t)
+        if vt not in FLOAT_DTYPES and vt not in FP8_DTYPES:
+            if t.dtype == vt:
+                return True
+            return self._refuse("draft-dtype", f"{src} is {t.dtype}; the verifier's {t.key} is {vt}, which only "
+                                               "a tensor of that dtype may replace")
+        if t.dtype in FLOAT_DTYPES or t.dtype in FP8_WEIGHT_DTYPES:
+            return True
+        return self._refuse("draft-dtype", f"{src} is {t.dtype}, not a float dtype; it cannot replace the "
+                                           f"verifier's {vt} {t.key}")
 
-        When the draft equals the verifier's dequantized value (in the draft's dtype),
-        the verifier's FP8 bytes and scale are kept exactly; otherwise the values are
-        requantized (per-block amax / 448, round-to-nearest-even e4m3, saturating).
+    def _scale_fits(self, t: OutputTensor, scale: OutputTensor | None) -> bool:
+        """An FP8 draft weight's block scale: present, a scale dtype, the grid its shape and block need."""
+        src = _source_of(t)
+        if scale is None:
+            return self._refuse("fp8-scale", f"FP8 draft tensor {src} has no block scale to read its values with")
+        block = self.res.block_size
+        want = scale_shape(tuple(t.shape), block) if len(t.shape) >= 2 else None
+        if scale.dtype not in SCALE_DTYPES:
+            return self._refuse("fp8-scale-dtype", f"{_source_of(scale)} (block scale of {src}) is {scale.dtype}; "
+                                                   f"a block scale is one of {', '.join(SCALE_DTYPES)}")
+        if want is None or tuple(scale.shape) != want:
+            return self._refuse("fp8-scale-shape", f"{_source_of(scale)} (block scale of {src}) has shape "
+                                                   f"{list(scale.shape)}; a {list(t.shape)} weight in "
+                                                   f"{list(block)} blocks needs {list(want or ())}")
+        return True
+
+    def _into_fp8(self, t: OutputTensor, scale: OutputTensor | None, vt: str) -> None:
+        """Draft values for an FP8 verifier weight: its own FP8 bytes, re-quantized, or unquantized."""
+        vscale = scale_key(t.key, self.res.scale_suffix)
+        sref = self.view.ckpt.tensors.get(vscale)
+        if self.req.keep_bf16 or (self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES):
+            # written unquantized: the weight's scale goes, its module joins the config's ignore list
+            if t.dtype in FP8_DTYPES:
+                t = transforms.dequantize(t, scale, "BF16", self.res.block_size)
+            self.candidates[t.key] = t
+            if sref is not None:
+                self.removed.append(vscale)
+            return
+        if t.dtype == vt and scale is not None:  # the verifier's own FP8 format: bytes and scale as they are
+            scale = self._verifier_scale_dtype(scale, sref)
+            if scale is not None:
+                self.candidates[t.key], self.candidates[scale.key] = t, scale
+                self.scale_of[t.key] = scale.key
+            return
+        if t.dtype in FP8_DTYPES:  # another FP8 format is never written as such: re-quantized from its value
+            t = transforms.dequantize(t, scale, "F32", self.res.block_size)
+        self._requantize(t, vt, sref)
+
+    def _verifier_scale_dtype(self, scale: OutputTensor, sref: TensorRef | None) -> OutputTensor | None:
+        """The draft's scale in the verifier's scale dtype: as it is, widened exactly, or refused."""
+        if sref is None or scale.dtype == sref.dtype:
+            return scale
+        floats = scale.dtype in FLOAT_DTYPES and sref.dtype in FLOAT_DTYPES
+        if floats and DTYPES[scale.dtype].bits < DTYPES[sref.dtype].bits:
+            return transforms.cast(scale, sref.dtype)  # every value of the narrower float is exact in the wider
+        self._refuse("fp8-scale-dtype", f"{_source_of(scale)} is {scale.dtype}; the verifier's {sref.key} is "
+                                        f"{sref.dtype} (only a narrower float scale is converted, exactly)")
+        return None
+
+    def _requantize(self, t: OutputTensor, vt: str, sref: TensorRef | None) -> None:
+        """Block-FP8 quantization of draft values (per-block amax / 448, round-to-nearest-even e4m3).
+
+        ``_measure`` compares the values with the verifier's dequantized ones first: equal
+        values keep the verifier's FP8 bytes and scale exactly.
         """
-        vref = self.view.ckpt.tensors[t.key]
-        skey = scale_key(t.key, self.res.scale_suffix)
-        sref = self.view.ckpt.tensors[skey]
-        vq = OutputTensor(t.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]))
-        vs = OutputTensor(skey, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
-        if t.dtype in FLOAT_DTYPES:
-            as_draft = transforms.dequantize(vq, vs, t.dtype, self.res.block_size)
-            same = compare(t.key, t.dtype, t.shape, as_draft.recipe, t.dtype, t.shape, t.recipe, stats=False,
-                           finite=False)
-            if same.status == "unchanged":
-                self.candidates[t.key] = OutputTensor(t.key, vref.dtype, vref.shape, vq.recipe, meta=t.meta)
-                self.candidates[skey] = OutputTensor(skey, sref.dtype, sref.shape, vs.recipe,
-                                                     meta={"role": "scale", "source": [skey]})
-                self.kept_fp8.add(t.key)
-                return
-        w, s = transforms.requantize(t, self.res.block_size, skey)
-        self.candidates[w.key] = w
-        self.candidates[s.key] = s
+        from ..fp8 import QUANT_DTYPE, SCALE_DTYPE
+
+        if vt != QUANT_DTYPE or (sref is not None and sref.dtype != SCALE_DTYPE):
+            self._refuse("draft-dtype", f"{t.key}: the verifier stores {vt} weights with "
+                                        f"{sref.dtype if sref else '?'} scales, and re-quantizing writes "
+                                        f"{QUANT_DTYPE} with {SCALE_DTYPE} scales (--keep-bf16 writes the draft's "
+                                        "values unquantized)")
+            return
+        w, s = transforms.requantize(t, self.res.block_size, scale_key(t.key, self.res.scale_suffix))
+        self.candidates[w.key], self.candidates[s.key] = w, s
+        self.values[w.key] = t
+        self.scale_of[w.key] = s.key
+
+    def _refuse(self, rule: str, problem: str) -> bool:
+        self.refusals.setdefault(rule, []).append(problem)
+        return False
+
+    def raise_refusals(self) -> None:
+        for rule, problems in self.refusals.items():
+            more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+            raise InputError(f"draft {self.draft.root}: " + "; ".join(problems[:10]) + more, rule=rule)
+
+
+def _source_of(t: OutputTensor) -> str:
+    """The draft key(s) a candidate comes from, for messages."""
+    src = t.meta.get("source") or [t.key]
+    return ", ".join(src[:3]) + (" ..." if len(src) > 3 else "") if isinstance(src, list) else str(src)
 
 
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
@@ -305,10 +407,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         raise UsageError("the draft and the verifier are the same directory")
     table = choose_table(verifier, req.arch)
     fmt = detect_format(draft.config.raw, draft.manifest) if req.format == "auto" else get_format(req.format)
-    manifest = draft.manifest or {}
-    if manifest.get("family") and manifest["family"] != table.family:
-        raise InputError(f"the draft was extracted from a {manifest['family']} checkpoint; the verifier is "
-                         f"{table.family}", rule="wrong-family")
+    provenance = f"asserted with --arch {req.arch}" if req.arch else prove_family(draft, fmt, table, verifier)
     # mode selection: never a silent switch. Both inputs pass the consistency gate first (the draft: its
     # index and files; the verifier: every rule, as a whole model); auto mode only picks what the
     # verifier's config and tensors agree on.
@@ -362,8 +461,9 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         src = _shared_source(view, spec)
         builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
                                                     meta={"source": ["verifier:" + src.key], "role": spec.role})
-    report = StitchReport(mode, fmt.name, table.family)
+    report = StitchReport(mode, fmt.name, table.family, provenance=provenance)
     _check_draft(draft, fmt, builder, report, view, req.allow_partial)
+    builder.raise_refusals()
     mtp_keys = set(declared.keys()) if mode == "replace" else set()
     copies = {k for k in mtp_keys if _is_copy(k, view)}
     report.kept_copies = sorted(copies - set(builder.candidates))
@@ -374,7 +474,8 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
                              + ", ".join(absent[:15]) + (" ..." if len(absent) > 15 else "")
                              + " (pass --allow-partial to keep the verifier's)", rule="missing-tensor")
         report.kept_from_verifier = absent
-    _measure(builder, view, report, mode)
+    _measure(builder, view, report)
+    _gate(report, builder, draft, req)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
     note_allowed(plan.manifest, draft_gate, vgate)
     record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
@@ -452,64 +553,147 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
     return False
 
 
-def _measure(builder: _Builder, view: MtpView, report: StitchReport, mode: str) -> None:
-    """Classify every candidate against the verifier's tensor before writing anything.
+def _measure(builder: _Builder, view: MtpView, report: StitchReport) -> None:
+    """Compare every candidate with the verifier's tensor before anything is written, one pass each.
 
-    This pass settles identity (bytes) and NaN/Inf in what would be written; the difference
-    statistics of changed tensors are left to ``_start_statistics``, which runs while the
-    writer copies. Tensors are compared on two threads: reads and numpy release the GIL.
+    The pass settles identity (an unchanged tensor is written from the verifier's own bytes),
+    NaN / Inf in what would be written, and the statistics the report and the divergence
+    check need. It compares values: an FP8 verifier weight is dequantized and compared with
+    the draft's values as they were before re-quantization; its block scale follows the
+    weight (unchanged with it, replaced with it). Runs on GATE_THREADS threads owned here.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    ckpt = view.ckpt
-
-    def one(item: tuple[str, OutputTensor]) -> TensorDiff:
-        key, t = item
-        vref = ckpt.tensors.get(key)
-        if vref is None:
-            return TensorDiff(key, "added", None, t.dtype, None, list(t.shape), nonfinite=_nonfinite(t))
-        return compare(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe,
-                       stats=False)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        diffs = list(pool.map(one, list(builder.candidates.items())))
+    companions = set(builder.scale_of.values())
+    jobs = [(k, t) for k, t in builder.candidates.items() if k not in companions]
+    with torch_threads(load=any(_uses_torch(t) for _, t in jobs)):  # before the gate's threads start
+        diffs = _in_parallel(lambda item, stop: _probe(builder, view, *item, stop), jobs)
+    by_key = {d.key: d for d in diffs}
+    for wkey, skey in builder.scale_of.items():
+        by_key[skey] = _follow(by_key[wkey], skey, view.ckpt.tensors.get(skey), builder.candidates[skey])
     bad = []
-    changed = []
-    for d in diffs:
-        t = builder.candidates[d.key]
-        vref = ckpt.tensors.get(d.key)
+    for key, d in by_key.items():
+        vref = view.ckpt.tensors.get(key)
         if d.status == "unchanged" and vref is not None:
-            # byte-identical: write the verifier's own bytes (cheap, and provably the same)
-            builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
-                                                     meta=t.meta)
-        elif vref is not None and d.status in ("replaced", "dtype-changed"):
-            changed.append((d, vref, t))
+            # identical: write the verifier's own bytes (cheap, and provably the same)
+            builder.candidates[key] = OutputTensor(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
+                                                   meta=builder.candidates[key].meta)
         if d.nonfinite:
-            bad.append(f"{d.key} ({d.nonfinite} NaN/Inf)")
+            bad.append(f"{key} ({d.nonfinite} NaN/Inf)")
         report.diffs.append(d)
     for key in builder.removed:
-        vref = ckpt.tensors[key]
+        vref = view.ckpt.tensors[key]
         report.diffs.append(TensorDiff(key, "removed", vref.dtype, None, list(vref.shape), None))
     if bad:
-        raise InputError(f"non-finite values in the draft: {', '.join(bad[:10])}", rule="nonfinite")
+        raise InputError(f"non-finite values in the draft: {', '.join(sorted(bad)[:10])}", rule="nonfinite")
     report.diffs.sort(key=lambda d: d.key)
-    report.statistics = _start_statistics(changed)
 
 
-def _start_statistics(changed: list[tuple[TensorDiff, TensorRef, OutputTensor]]) -> Statistics:
-    """max |delta|, relative L2 and cosine of every changed tensor, computed in the background."""
-    from concurrent.futures import ThreadPoolExecutor
+def _probe(builder: _Builder, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
+    """One candidate against the verifier: values compared, status and dtypes as written."""
+    vref = view.ckpt.tensors.get(key)
+    if vref is None:
+        return TensorDiff(key, "added", None, t.dtype, None, list(t.shape),
+                          nonfinite=count_nonfinite(t.recipe, t.dtype, t.shape))
+    block = builder.res.block_size
+    b = builder.values.get(key, t)
+    if b.dtype in FP8_DTYPES:
+        b = transforms.dequantize(b, builder.candidates[builder.scale_of[key]], "F32", block)
+    a_dtype, a = vref.dtype, CopyBytes([vref.segment()])
+    if vref.dtype in FP8_DTYPES:  # the verifier's value, in the precision of the draft's
+        a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"
+        sref = view.ckpt.tensors[scale_key(key, builder.res.scale_suffix)]
+        a = transforms.dequantize(_as_tensor(vref), _as_tensor(sref), a_dtype, block).recipe
+    d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop)
+    d.dtype_a, d.dtype_b = vref.dtype, t.dtype
+    if d.status != "shape-changed":
+        same = d.status == "unchanged"
+        d.status = ("unchanged" if same else "replaced") if vref.dtype == t.dtype else "dtype-changed"
+        if same and d.status == "dtype-changed":  # same values, stored in another dtype
+            d.max_abs, d.rel_l2, d.cosine = 0.0, 0.0, 1.0
+            d.unjudged = "the verifier's values, in another dtype"
+    return d
 
-    def one(d: TensorDiff, vref: TensorRef, t: OutputTensor) -> None:
-        full = compare(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]), t.dtype, t.shape, t.recipe)
-        d.max_abs, d.rel_l2, d.cosine = full.max_abs, full.rel_l2, full.cosine
 
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-stats")
-    return Statistics(pool, [pool.submit(one, *item) for item in changed])
+def _follow(weight: TensorDiff, key: str, vref: TensorRef | None, t: OutputTensor) -> TensorDiff:
+    """A block scale's entry: it is written (or kept) with its weight and judged through it."""
+    return TensorDiff(key, weight.status if vref is not None else "added", vref.dtype if vref else None, t.dtype,
+                      list(vref.shape) if vref else None, list(t.shape),
+                      unjudged="block scale (judged with its weight)")
 
 
-def _nonfinite(t: OutputTensor) -> int:
-    return count_nonfinite(t.recipe, t.dtype, t.shape)
+def _as_tensor(ref: TensorRef) -> OutputTensor:
+    return OutputTensor(ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]))
+
+
+def _uses_torch(t: OutputTensor) -> bool:
+    return isinstance(t.recipe, Compute) and t.recipe.op in transforms.TORCH_OPS
+
+
+def _in_parallel(fn, items: list, workers: int = GATE_THREADS) -> list:
+    """``fn(item, stop)`` for every item on ``workers`` threads, results in order.
+
+    The pool belongs to this call: on any error (or Ctrl-C) ``stop`` is set, so running
+    comparisons end at their next chunk, queued ones are cancelled, and every thread has
+    ended when the error propagates.
+    """
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-gate")
+    try:
+        futures = [pool.submit(fn, item, stop) for item in items]
+        return [f.result() for f in futures]
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _gate(report: StitchReport, builder: _Builder, draft: Checkpoint, req: StitchRequest) -> None:
+    """Refuse, before anything is written, a draft whose replaced tensors are not finetunes of the verifier's."""
+    report.exempt = _exempt(draft)
+    for d in report.diffs:
+        if d.status in ("replaced", "dtype-changed") and d.unjudged is None:
+            t = builder.candidates.get(d.key)
+            _judge(d, t.meta.get("kind") if t is not None else None, report.exempt)
+    bad = report.divergent()
+    if bad and not req.accept_divergent:
+        listed = "; ".join(f"{d.key} ({d.divergent})" for d in bad[:10]) + (" ..." if len(bad) > 10 else "")
+        raise InputError(
+            f"{len(bad)} tensor(s) of the draft {draft.root} diverge from the verifier's beyond what finetuning does "
+            f"({DIVERGENCE.measured}): {listed}. Another model's "
+            "weights, swapped halves or a wrong layer? Nothing was written; --accept-divergent stitches it anyway",
+            rule="divergent")
+
+
+def _exempt(draft: Checkpoint) -> str | None:
+    """Drafts init-draft made are not finetunes of the verifier's MTP: nothing to diverge from."""
+    init = (draft.manifest or {}).get("init")
+    if not isinstance(init, dict):
+        return None
+    layer = init.get("from_layer")
+    how = "from scratch" if layer is None else f"from target layer {layer}"
+    return f"the draft was initialised {how} (ckpt_manifest.json init): not a finetune of the verifier's MTP"
+
+
+def _judge(d: TensorDiff, kind: str | None, exempt: str | None) -> None:
+    """Set ``d.divergent`` (why it is another tensor) or ``d.unjudged`` (why it cannot be told)."""
+    lim = DIVERGENCE
+    numel = math.prod(d.shape_a or [])
+    if exempt:
+        d.unjudged = "exempt: initialised draft"
+    elif kind == "norm":
+        d.unjudged = "norm (cosine and norm ratio cannot tell a norm left at its init from a trained one)"
+    elif d.cosine is None or d.norm_a is None or d.norm_b is None:
+        d.unjudged = "no statistics (not a float tensor, or no finite values)"
+    elif d.norm_a <= lim.tiny_rms * math.sqrt(max(numel, 1)):
+        d.unjudged = f"the verifier's tensor is (nearly) zero (RMS <= {lim.tiny_rms:g}): no direction to compare"
+    else:
+        ratio = d.norm_b / d.norm_a
+        why = []
+        if d.cosine < lim.min_cosine:
+            why.append(f"cosine {d.cosine:.3f} < {lim.min_cosine}")
+        if not 1 / lim.max_norm_ratio <= ratio <= lim.max_norm_ratio:
+            why.append(f"norm ratio {ratio:.3g} beyond {lim.max_norm_ratio:g}x")
+        d.divergent = ", ".join(why) or None
 
 
 def _changed(report: StitchReport) -> set[str]:
@@ -607,12 +791,11 @@ def _stitched_config(verifier: Checkpoint, view: MtpView, builder: _Builder, req
     if mode == "add":
         config = _set_count(view, raw, view.count)
     quant = ConfigView(config).get("quantization_config")
-    unquantized_mtp = (mode == "add" and isinstance(quant, dict)) or (req.keep_bf16 and builder.removed)
+    unquantized_mtp = (mode == "add" and isinstance(quant, dict)) or builder.removed
     if unquantized_mtp and isinstance(quant, dict):
         config = ConfigView(config).with_values({}).raw  # deep copy
         q = ConfigView(config).get("quantization_config")
-        prefixes = sorted({layer.prefix.rstrip(".") for layer in view.resolved.layers}
-                          | {s.key.rsplit(".", 1)[0] for s in view.resolved.glue_specs() if s.depth is None})
+        prefixes = _unquantized_modules(view, builder, mode)
         if isinstance(q.get("ignore"), list):  # compressed-tensors
             q["ignore"] = q["ignore"] + [f"re:^{re.escape(p)}\\..*" for p in prefixes
                                          if f"re:^{re.escape(p)}\\..*" not in q["ignore"]]
@@ -620,6 +803,17 @@ def _stitched_config(verifier: Checkpoint, view: MtpView, builder: _Builder, req
             have = list(q.get("modules_to_not_convert") or [])
             q["modules_to_not_convert"] = have + [p for p in prefixes if p not in have]
     return config
+
+
+def _unquantized_modules(view: MtpView, builder: _Builder, mode: str) -> list[str]:
+    """What the quantization config must list as not quantized: every MTP layer when all of
+    its FP8 weights are written unquantized (add mode, --keep-bf16), else each such module."""
+    scales = {s.key for s in view.present if s.role == "scale"}
+    if mode == "add" or set(builder.removed) >= scales:
+        return sorted({layer.prefix.rstrip(".") for layer in view.resolved.layers}
+                      | {s.key.rsplit(".", 1)[0] for s in view.resolved.glue_specs() if s.depth is None})
+    suffix = "." + view.resolved.scale_suffix
+    return sorted({k.removesuffix(suffix) for k in builder.removed})
 
 
 def _config_file(verifier: Checkpoint, config: dict) -> list[OutputFile]:
@@ -633,7 +827,8 @@ def _manifest(draft: Checkpoint, verifier: Checkpoint, report: StitchReport, fmt
     return {
         "kind": "stitched",
         "verifier": {"path": source_name(verifier), "revision": revision_of(verifier)},
-        "draft": {"path": source_name(draft), "format": fmt.name, "revision": revision_of(draft)},
+        "draft": {"path": source_name(draft), "format": fmt.name, "revision": revision_of(draft),
+                  "provenance": report.provenance},
         "family": report.family,
         "mode": report.mode,
         "totals": report.totals(),
