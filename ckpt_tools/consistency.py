@@ -32,6 +32,10 @@ Report-only rules (``validate`` lists them, no verb refuses): ``total-size``, ``
 and ``metadata-format`` (every output writes its own index, metadata and headers), and the
 ``manifest-*`` rules (a manifest records what a run wrote; a finetuned draft differs from it
 by design).
+
+Notes (``absent_notes``; ``validate`` lists them, ``ok`` stays true): ``copy-absent``, an optional
+per-layer embed / head copy the MTP layer leaves out (its engines take the trunk's tensor), and
+``optional-absent`` for any other optional tensor.
 """
 
 from __future__ import annotations
@@ -317,6 +321,29 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
     for k in view.extra:
         out.append(Problem("mtp-extra", file_of(ckpt, k), k,
                            f"inside the MTP namespace but not a tensor of the {view.table.family} table"))
+    return out
+
+
+def absent_notes(view: MtpView) -> list[Problem]:
+    """Notes, not problems: optional MTP tensors the checkpoint leaves out (``optional: true`` in the table).
+
+    In every table these are per-layer embed / head copies whose engines take the trunk's tensor
+    when the copy is absent (GLM-4.6 and later ship without them, SGLang's NextN export drops them
+    from DeepSeek-V3); no rule of the gate refuses their absence.
+    """
+    cfg = config_path(view.ckpt)
+    out: list[Problem] = []
+    for s in view.optional_absent:
+        where = f"MTP depth {s.depth}" if s.depth is not None else "the MTP layers"
+        source = view.resolved.shared_source(s.copy_of) if s.copy_of else None
+        if source is not None:
+            what = "embedding" if s.role == "embed" else "LM head"
+            out.append(Problem("copy-absent", cfg, s.key,
+                               f"{where} has no per-layer copy of the {what}; optional in the {view.table.family} "
+                               f"table: its engines take the trunk's {source.key}"))
+        else:
+            out.append(Problem("optional-absent", cfg, s.key,
+                               f"absent from {where}; optional in the {view.table.family} table"))
     return out
 
 

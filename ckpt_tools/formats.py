@@ -485,8 +485,7 @@ def _keep_copy(role: str, native: bool, with_embed, with_head, drop: set[str]) -
 
 
 def _shared_for(role: str, view: MtpView) -> Spec:
-    shared = view.resolved.shared
-    spec = shared.get(role) or (shared.get("embed") if role == "head" else None)
+    spec = view.resolved.shared_source(role)
     if spec is None or spec.key not in view.ckpt.tensors:
         raise InputError(f"--with-{role}: the checkpoint has no shared {role} tensor to carry", rule="missing-tensor")
     return Spec(spec.key, spec.shape, role, kind=spec.kind, dtype=spec.dtype)

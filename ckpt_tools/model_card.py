@@ -38,6 +38,7 @@ class CardFacts:
     draft_format: str | None = None
     validation_ok: bool | None = None
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # validate's notes (e.g. per-layer copies left out)
     stitch_summary: dict | None = None
 
 
@@ -123,6 +124,7 @@ def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: 
     if validation is not None:
         facts.validation_ok = bool(validation.ok)
         facts.problems = [str(p) for p in validation.problems]
+        facts.notes = [f"`{n.key}`: {n.message}" for n in getattr(validation, "notes", [])]
     if stitch_report is not None:
         facts.stitch_summary = _stitch_summary(stitch_report)
     return facts
@@ -222,6 +224,8 @@ def render(f: CardFacts) -> str:
         lines += [f"- {p}" for p in f.problems[:20]]
         if len(f.problems) > 20:
             lines.append(f"- ... and {len(f.problems) - 20} more")
+    if f.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in f.notes]
     lines += ["", "## Serving with MTP speculative decoding", ""]
     for title, cmd in serving_snippets(f):
         lines += [f"{title}:", "", "```bash", cmd, "```", ""]

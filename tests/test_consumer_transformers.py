@@ -2,9 +2,11 @@
 
 The verifier is a tiny DeepSeek-V3 built by transformers itself with 61 decoder layers (so
 the MTP layer sits at the real release's index, model.layers.61), its MTP layer written in
-the released per-expert layout. extract -> perturb -> stitch, then `MtpModel.from_pretrained`
-must load exactly the perturbed weights, and `generate(use_mtp=True)` must produce the same
-greedy tokens as plain greedy decoding.
+the released per-expert layout, with the per-layer embed / head copies the release ships or
+without them (as SGLang's NextN export leaves it). extract -> perturb -> stitch, then
+`MtpModel.from_pretrained` must load exactly the perturbed weights, take the embedding and head
+from the main model, and `generate(use_mtp=True)` must produce the same greedy tokens as plain
+greedy decoding.
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ def tiny_config():
     )
 
 
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["copies", "nocopies"])
+def verifier(tmp_path_factory, request) -> Path:
     """transformers writes the trunk; the MTP layer (layer 61) is added in the released layout."""
-    d = tmp_path_factory.mktemp("dsv3-61")
+    d = tmp_path_factory.mktemp(f"dsv3-61-{request.param}")
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(tiny_config())
     model.save_pretrained(d, max_shard_size="400KB")
@@ -50,6 +52,8 @@ def verifier(tmp_path_factory) -> Path:
     state = model.state_dict()
     mtp = {}
     for spec in res.mtp_specs():
+        if spec.copy_of and request.param == "nocopies":
+            continue  # optional: transformers' MtpModel and the engines take the trunk's
         if spec.copy_of:  # per-layer copies of the embedding and head, as DeepSeek-V3 ships them
             source = "model.embed_tokens.weight" if spec.role == "embed" else "lm_head.weight"
             mtp[spec.key] = state[source].clone()
@@ -65,6 +69,7 @@ def verifier(tmp_path_factory) -> Path:
     return d
 
 
+COPIES = ["model.layers.61.embed_tokens.weight", "model.layers.61.shared_head.head.weight"]
 PERTURB = [
     "model.layers.61.eh_proj.weight",
     "model.layers.61.enorm.weight",
@@ -78,7 +83,10 @@ PERTURB = [
 @pytest.mark.slow
 def test_mtp_model_loads_perturbed_weights_and_generates(verifier, tmp_path):
     draft, out = tmp_path / "draft", tmp_path / "stitched"
-    ckpt("extract", verifier, "-o", draft)
+    has_copies = all(k in json.loads((verifier / "model.safetensors.index.json").read_text())["weight_map"]
+                     for k in COPIES)
+    # without per-layer copies, --with-embed carries the trunk's embedding (stitch leaves it alone)
+    ckpt("extract", verifier, "-o", draft, *([] if has_copies else ["--with-embed"]))
     f = draft / "model.safetensors"
     tensors = load_file(str(f))
     rng = np.random.default_rng(0)
@@ -89,11 +97,15 @@ def test_mtp_model_loads_perturbed_weights_and_generates(verifier, tmp_path):
     ckpt("stitch", draft, verifier, "-o", out)
     report = json.loads((out / "stitch-report.json").read_text())
     assert sorted(t["key"] for t in report["tensors"] if t["status"] == "replaced") == sorted(PERTURB)
+    assert (report["kept_copies"], report["absent_copies"]) == ((COPIES, []) if has_copies else ([], COPIES))
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all((k in index) == has_copies for k in COPIES)  # kept when shipped, never invented
 
     main = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     from transformers.modeling_layers import MtpModel
 
     mtp = MtpModel.from_pretrained(main)
+    assert mtp.shared_head is main.lm_head and mtp.embed_tokens is main.get_input_embeddings()
     layer = mtp.layers[0]
     p = {k: v.float() for k, v in tensors.items()}
     exact = {

@@ -293,11 +293,11 @@ def test_config_only_target(make_fixture, tmp_path):
     left = json.loads((tmp_path / "g" / "ckpt_manifest.json").read_text())["init"]["left_out"]
     assert left and all(k.endswith(("embed_tokens.weight", "shared_head.head.weight")) for k in left)
     assert not set(left) & set(tensors_of(tmp_path / "g"))
-    # required copies (DeepSeek-V3 ships them) cannot be made up from a config alone
-    ds = get_table("deepseek_v3").mtp.glue
-    if not (ds["embed"].optional and ds["head"].optional):
-        r = ckpt("init-draft", make_fixture("deepseek_v3") / "config.json", "-o", tmp_path / "d", code=3)
-        assert "copy-needs-weights" in r.output
+    # required copies (LongCat's own embedding; DeepSeek-V3's became optional) cannot be made up from a
+    # config alone
+    assert not get_table("longcat_flash").mtp.glue["embed"].optional
+    r = ckpt("init-draft", make_fixture("longcat_flash") / "config.json", "-o", tmp_path / "d", code=3)
+    assert "copy-needs-weights" in r.output
     ckpt("init-draft", cfg, "-o", tmp_path / "f", "--from-layer", "0", code=2)  # no weights to copy
     ckpt("init-draft", cfg, "-o", tmp_path / "s", "--format", "speculators", "--num-layers", "2", code=2)
 

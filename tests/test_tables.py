@@ -176,6 +176,19 @@ def test_every_family_has_a_golden_list():
     assert covered == _mtp_families()
 
 
+def test_optional_tensors_have_golden_lists_with_and_without_them():
+    # an optional tensor (per-layer embed/head copies) is a claim about releases both ways: each
+    # family that has one is held to a hand-written list with it and one without it
+    optional = {name for name, t in all_tables().items() if t.kind == "mtp"
+                and any(s.optional for s in resolve(t, ConfigView(t.fixture)).mtp_specs())}
+    assert {"deepseek_v3", "deepseek_v32", "glm4_moe"} <= optional
+    variants: dict[str, set[bool]] = {}
+    for p in _golden_files():
+        spec, _ = _read_golden(p)
+        variants.setdefault(spec["family"], set()).add(spec["options"].get("with_optional", True))
+    assert {f for f in optional if variants.get(f) != {True, False}} == set()
+
+
 @pytest.mark.parametrize("golden", _golden_files(), ids=lambda p: p.stem)
 def test_fixture_mtp_tensors_equal_golden_list(golden, make_fixture):
     spec, expected = _read_golden(golden)

@@ -78,4 +78,9 @@ def register(app: typer.Typer) -> None:
                              check=lambda path, pending: validation.update(validate_output(path, allow=allow,
                                                                                            pending=pending)))
             bytes_read = result.bytes_read
-        report_write(plan, result, json_output, bytes_read=bytes_read, extra={"format": fmt}, validation=validation)
+        from_trunk = plan.manifest.get("shared_from_trunk")
+        extra = {"format": fmt, **({"shared_from_trunk": from_trunk} if from_trunk is not None else {})}
+        report_write(plan, result, json_output, bytes_read=bytes_read, extra=extra, validation=validation)
+        if not json_output:
+            for role, key in (from_trunk or {}).items():
+                out_console().print(f"{role}: the MTP layer has no per-layer copy; carried the trunk's {key}")

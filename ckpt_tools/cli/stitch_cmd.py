@@ -78,6 +78,9 @@ def register(app: typer.Typer) -> None:
             if report.divergent():
                 out_console().print("divergent, stitched with --accept-divergent: "
                                     + "; ".join(f"{d.key} ({d.divergent})" for d in report.divergent()))
+            if report.absent_copies:
+                out_console().print(f"per-layer embed/head copies the verifier does not have, left out: "
+                                    f"{', '.join(report.absent_copies)}")
             if report.kept_from_verifier:
                 out_console().print(f"kept from the verifier (--allow-partial): {len(report.kept_from_verifier)}")
             if not dry_run:

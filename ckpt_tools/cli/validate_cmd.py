@@ -29,6 +29,8 @@ def render(report) -> None:
     con = out_console()
     what = f"{report.family}, {report.mtp_layers} MTP layer(s); " if report.family else ""
     checked = f"{what}{report.files_checked} file(s), {report.tensors_checked} tensor(s) checked"
+    for n in report.notes:  # not problems: shown either way
+        con.print(f"[yellow]note[/] [dim]{n.rule}[/] {escape(n.key or '')}: {escape(n.message)}", soft_wrap=True)
     if report.ok:
         con.print(f"[green]valid[/]: {report.root} ({checked})")
         return

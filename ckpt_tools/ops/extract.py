@@ -101,10 +101,18 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "source_quantization": _quant_info(view) if fp8_source else None,
         "dequantized_to": dequant_to,
         "config_fields_omitted": omitted,
+        "shared_from_trunk": shared_from_trunk(view, corr),
         "tool_version": __version__,
     }
     return record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
                               manifest=note_allowed(manifest, gate)), source=ckpt)
+
+
+def shared_from_trunk(view: MtpView, corr: Correspondence) -> dict[str, str]:
+    """Role -> trunk key for each embed / head carried from the trunk (--with-embed / --with-head where
+    the MTP layer has no per-layer copy), so the draft says whose tensor it holds."""
+    shared = {s.key for s in view.resolved.shared.values()}
+    return {t.spec.role: t.verifier_key for t in corr.tensors if t.verifier_key in shared}
 
 
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None

@@ -265,9 +265,7 @@ def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, suffix: str) -> 
 
 def _shared_source(spec: Spec, res: Resolved, target: Checkpoint) -> TensorRef | None:
     """The target tensor a per-layer copy duplicates (the embedding stands in for a tied head)."""
-    shared = res.shared.get(spec.copy_of or spec.role)
-    if shared is None and (spec.copy_of or spec.role) == "head":
-        shared = res.shared.get("embed")
+    shared = res.shared_source(spec.copy_of or spec.role)
     return target.tensors.get(shared.key) if shared is not None else None
 
 

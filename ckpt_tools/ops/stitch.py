@@ -105,6 +105,7 @@ class StitchReport:
     diffs: list[TensorDiff] = field(default_factory=list)
     kept_from_verifier: list[str] = field(default_factory=list)  # --allow-partial
     kept_copies: list[str] = field(default_factory=list)  # per-layer embed/head copies left as they were
+    absent_copies: list[str] = field(default_factory=list)  # optional copies the output leaves out, as the verifier did
     ignored_draft_keys: dict[str, str] = field(default_factory=dict)  # key -> reason
     copied_tensors: int = 0  # verifier tensors outside MTP, byte copies
     rewritten_shards: list[str] = field(default_factory=list)
@@ -136,6 +137,7 @@ class StitchReport:
             "tensors": [d.to_json() for d in self.diffs],
             "kept_from_verifier": self.kept_from_verifier,
             "kept_copies": self.kept_copies,
+            "absent_copies": self.absent_copies,
             "ignored_draft_keys": self.ignored_draft_keys,
             "rewritten_shards": self.rewritten_shards,
             "new_shards": self.new_shards,
@@ -467,6 +469,9 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     mtp_keys = set(declared.keys()) if mode == "replace" else set()
     copies = {k for k in mtp_keys if _is_copy(k, view)}
     report.kept_copies = sorted(copies - set(builder.candidates))
+    # never invented: a copy the verifier does not have is written only when the draft brings it (add mode)
+    report.absent_copies = sorted(s.key for s in view.resolved.glue_specs()
+                                  if s.copy_of and s.key not in builder.candidates and s.key not in copies)
     absent = sorted(mtp_keys - set(builder.candidates) - set(builder.removed) - copies)
     if absent:
         if not req.allow_partial:

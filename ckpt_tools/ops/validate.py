@@ -35,6 +35,10 @@ Three groups of checks run, and none stops at the first problem:
    accepted as they are), ``tied-head`` (``tie_word_embeddings`` ties the head while the
    checkpoint ships the head tensor the table drops when tied).
 
+Notes are not problems (``ok`` stays true): ``copy-absent`` / ``optional-absent``, an optional
+MTP tensor the checkpoint leaves out - a per-layer embed / head copy whose engines take the
+trunk's tensor (``consistency.absent_notes``).
+
 Public API: ``validate(path_or_checkpoint, arch=None) -> ValidationReport``. ``validate``
 raises ``InputError`` (exit 3) only when the path is not a checkpoint at all.
 """
@@ -69,6 +73,7 @@ __all__ = ["Problem", "ValidationReport", "validate", "validate_output", "bare_m
 class ValidationReport:
     root: str
     problems: list[Problem] = field(default_factory=list)
+    notes: list[Problem] = field(default_factory=list)  # worth knowing, not wrong (ok stays true)
     family: str | None = None
     mtp_layers: int | None = None
     files_checked: int = 0
@@ -88,7 +93,7 @@ class ValidationReport:
         self.problems += problems
 
     def to_json(self) -> dict:
-        """Stable keys: path, ok, family, mtp_layers, checked{files,tensors}, counts{rule: n}, problems[]."""
+        """Stable keys: path, ok, family, mtp_layers, checked{files,tensors}, counts{rule: n}, problems[], notes[]."""
         return {
             "path": self.root,
             "ok": self.ok,
@@ -97,6 +102,7 @@ class ValidationReport:
             "checked": {"files": self.files_checked, "tensors": self.tensors_checked},
             "counts": dict(sorted(Counter(p.rule for p in self.problems).items())),
             "problems": [p.to_json() for p in self.problems],
+            "notes": [n.to_json() for n in self.notes],
         }
 
 
@@ -238,6 +244,7 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
         report.family, report.mtp_layers = view.table.family, view.count
         try:
             report.extend(consistency.model_problems(view, unknown))
+            report.notes += consistency.absent_notes(view)
         except CkptError as e:  # the trunk's expressions meet a config value they cannot use
             report.add(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
     report.extend(consistency.fp8_problems(ckpt, table, view, unknown,

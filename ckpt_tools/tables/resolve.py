@@ -87,6 +87,10 @@ class Resolved:
     def experts(self) -> list[ExpertGroup]:
         return [g for layer in self.layers for g in layer.experts]
 
+    def shared_source(self, role: str) -> Spec | None:
+        """The shared tensor a per-layer ``role`` copy duplicates (a tied head is the embedding)."""
+        return self.shared.get(role) or (self.shared.get("embed") if role == "head" else None)
+
     def mtp_prefixes(self) -> list[str]:
         return [layer.prefix for layer in self.layers]
 
