@@ -358,8 +358,11 @@ def test_inspect_and_diff_match_the_safetensors_draft(native_draft, tmp_path, fm
     run_ckpt("diff", other, native_draft, code=0)
     a = json.loads(run_ckpt("inspect", other, "--json").output)
     b = json.loads(run_ckpt("inspect", native_draft, "--json").output)
+    # the reports say which reader read the weights, and otherwise agree
+    assert (a["reader"], b["reader"]) == ({"bin": "torch", "dcp": "dcp"}[fmt], "safetensors")
     for report in (a, b):
         report.pop("path")
+        report.pop("reader")
         for entry in report["tensors"] + report["shards"]:
             entry.pop("shard", None)
             entry.pop("name", None)
