@@ -150,6 +150,35 @@ def test_verbs_say_how_they_read_a_draft(angelspec):
     assert "[draft-format]" in out and "ckpt validate" in out
 
 
+class Payload:
+    """Unpickling this would create a file: proof that a trainer file beside the draft was never loaded."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.write_text, (self.target, "loaded"))
+
+
+def test_speculators_epoch_folder_stitches(make_fixture, tmp_path):
+    """``<save_path>/<epoch>/`` as speculators' trainer leaves it: no manifest, optimizer state beside it."""
+    verifier = make_fixture("qwen3_next")
+    epoch = tmp_path / "spec-out" / "2"
+    ckpt("extract", verifier, "-o", epoch, "--format", "speculators")
+    (epoch / "ckpt_manifest.json").unlink()
+    weights = epoch / "model.safetensors"
+    save_file(trained(load_file(weights), keys={"mtp_layers.0.input_proj.weight"}), weights)
+    loaded = tmp_path / "loaded"
+    for name in ("optimizer_state_dict.pt", "scheduler_state_dict.pt"):
+        torch.save({"state": {0: Payload(loaded)}}, epoch / name)
+    report = json.loads(ckpt("stitch", epoch, verifier, "-o", tmp_path / "out", "--json").output)
+    assert report["format"] == "speculators" and report["provenance"].startswith("config.json transformer_layer")
+    assert report["draft"] == {"reader": "safetensors", "reader_notes": [], "prefix_stripped": None}
+    d = diff_json(verifier, tmp_path / "out")
+    assert [t["key"] for t in d["tensors"] if t["status"] != "unchanged"] == ["mtp.fc.weight"]
+    assert not loaded.exists()
+
+
 # -- wrapper prefixes -------------------------------------------------------------------------------
 
 
