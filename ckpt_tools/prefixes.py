@@ -8,9 +8,9 @@ e.g. AngelSpec's DCP ``model_state.model.``).
 
 Stripping is a rename of keys only: the bytes are never touched. A prefix is stripped when every
 key carries it and the remainder matches the draft format better than the keys as stored; the
-verb reports which one. A prefix only some keys carry is refused (``prefix-partial``), since
-stripping it would mix two namings (and may make two keys one). A prefix no table knows is not
-guessed: the draft stays refused, with the message naming ``--strip-prefix P``.
+verb reports which one. A wrapper only some keys carry, whose stripping would make those keys
+match, is refused (``prefix-partial``): it would mix two namings (and may make two keys one). A
+prefix no table knows is not guessed: the draft stays refused, the message naming ``--strip-prefix P``.
 """
 
 from __future__ import annotations
@@ -90,14 +90,13 @@ def unwrap(ckpt: Checkpoint, known: Collection[str], *, wrappers: Sequence[str] 
 
 
 def rename(ckpt: Checkpoint, prefix: str) -> Checkpoint:
-    """``ckpt`` with ``prefix`` stripped from every key (which all carry it): references renamed, bytes untouched.
+    """``ckpt`` with ``prefix`` stripped from every key: references renamed, bytes untouched.
 
-    Headers and index still describe the files as stored.
+    Every key carries ``prefix`` (callers check), so no two keys become one. Headers and index
+    still describe the files as stored.
     """
     n = len(prefix)
     tensors = {k[n:]: dataclasses.replace(ref, key=k[n:]) for k, ref in ckpt.tensors.items()}
-    if len(tensors) != len(ckpt.tensors):  # cannot happen when every key carries the prefix; never silently
-        raise InputError(f"stripping {prefix!r} makes two keys one", rule="prefix-collision", path=ckpt.root)
     shard_keys = {name: [k[n:] for k in keys] for name, keys in ckpt.shard_keys.items()}
     return dataclasses.replace(ckpt, tensors=tensors, shard_keys=shard_keys)
 
