@@ -280,7 +280,7 @@ def renamed_format(ckpt: Checkpoint) -> str | None:
     """The draft format of ``ckpt`` when it is a renamed draft (speculators, angelspec, ...), else None."""
     from .formats import detect_format
 
-    fmt = detect_format(ckpt.config.raw, ckpt.manifest)
+    fmt = detect_format(ckpt.config.raw, ckpt.manifest, ckpt.tensors)
     return None if fmt.rename == "native" else fmt.name
 
 

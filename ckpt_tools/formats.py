@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +26,7 @@ from .errors import InputError, TableError, UsageError
 from .expert_layouts import ExpertGroup, ExpertLayout
 from .expr import ExprError, evaluate, names_in, render
 from .mtp import MtpView
+from .prefixes import WRAPPERS, peel
 from .tables.loader import SAFE_LOADER, mappings_dir
 from .tables.resolve import Spec
 
@@ -73,6 +75,9 @@ class DetectRule(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     config_equals: dict = Field(default_factory=dict)  # every key must have this value
     architecture_suffix: str | None = None
+    # draft keys (after wrapper prefixes) that mark this format when no config or manifest says
+    # (a trainer's DCP step folder has neither): every one must be present
+    keys: list[str] = Field(default_factory=list)
 
 
 class ConfigRecipe(BaseModel):
@@ -105,6 +110,8 @@ class Format(BaseModel):
     # stitch's proof that the draft belongs to the verifier (see provenance.py)
     evidence: list[str] = Field(default_factory=list)
     ignore_keys: list[str] = Field(default_factory=list)  # draft keys stitch skips on purpose (with reason)
+    # wrapper prefixes this format's trainer puts on keys, beyond the generic ones (prefixes.WRAPPERS)
+    strip_prefixes: list[str] = Field(default_factory=list)
     supports: Supports = Field(default_factory=Supports)
     config: ConfigRecipe = Field(default_factory=ConfigRecipe)
     # named constant tables the config template reads (e.g. a consumer's per-model-type defaults);
@@ -142,10 +149,38 @@ def get_format(name: str) -> Format:
     return formats[name]
 
 
-def detect_format(config: dict, manifest: dict | None) -> Format:
-    """The format of a draft: its manifest says so, else the format tables' detect rules, else native."""
+def detect_format(config: dict, manifest: dict | None, keys: Collection[str] = (),
+                  strip_prefix: str | None = None) -> Format:
+    """The format of a draft: its manifest says so, else the format tables' detect rules (its config,
+    then its keys, with wrapper prefixes or ``strip_prefix`` stripped), else native."""
     if manifest and manifest.get("format") in all_formats():
         return all_formats()[manifest["format"]]
+    return _by_config(config) or _by_keys(keys, strip_prefix) or all_formats()["native"]
+
+
+def wrappers_of(fmt: Format) -> tuple[list[str], dict[str, str]]:
+    """The wrapper prefixes a draft of ``fmt`` may carry, and how each is known (for reports)."""
+    own = [p for p in fmt.strip_prefixes if p not in WRAPPERS]
+    return [*own, *WRAPPERS], {p: f"format {fmt.name}" for p in own}
+
+
+def all_wrappers() -> list[str]:
+    """Every wrapper prefix known: the generic ones and those any format declares."""
+    return list(dict.fromkeys(p for fmt in all_formats().values() for p in wrappers_of(fmt)[0]))
+
+
+def _by_keys(keys: Collection[str], strip_prefix: str | None) -> Format | None:
+    listed = list(keys)
+    have = set(listed)
+    for fmt in all_formats().values():
+        marks = fmt.detect.keys if fmt.detect else []
+        prefixes = [strip_prefix] if strip_prefix is not None else ["", *peel(listed, wrappers_of(fmt)[0])]
+        if marks and any(all(p + m in have for m in marks) for p in prefixes):
+            return fmt
+    return None
+
+
+def _by_config(config: dict) -> Format | None:
     for fmt in all_formats().values():
         rule = fmt.detect
         if rule is None:
@@ -156,7 +191,7 @@ def detect_format(config: dict, manifest: dict | None) -> Format:
         if rule.architecture_suffix and any(isinstance(a, str) and a.endswith(rule.architecture_suffix)
                                             for a in archs):
             return fmt
-    return all_formats()["native"]
+    return None
 
 
 # ---------------------------------------------------------------------------

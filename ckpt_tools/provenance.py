@@ -40,9 +40,10 @@ def prove_family(draft: Checkpoint, fmt: Format, table: Table, verifier: Checkpo
     claims = config_claims(draft.config.raw, fmt.evidence)
     if not claims:
         fields = ", ".join(fmt.evidence) or "none for this format"
+        config = (f"its config.json has no {fmt.name} evidence field ({fields})" if draft.config_present
+                  else "it has no config.json")
         raise InputError(f"the draft {draft.root} does not say which model it belongs to: no ckpt_manifest.json "
-                         f"family, and its config.json has no {fmt.name} evidence field ({fields}). {OVERRIDE}",
-                         rule="draft-unproven")
+                         f"family, and {config}. {OVERRIDE}", rule="draft-unproven")
     ours = verifier_names(table, verifier)
     foreign = [(f, v) for f, v in claims if v not in ours]
     if foreign:

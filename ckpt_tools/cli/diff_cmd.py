@@ -35,8 +35,23 @@ def register(app: typer.Typer) -> None:
         if json_output:
             emit_json(report.to_json(all_keys=show_all))
         else:
+            _say_how_read(report)
             render_diffs(report.diffs, report.totals(), show_all, more_hint="--all or --json lists every key")
         raise typer.Exit(0 if report.identical else 1)
+
+
+def _say_how_read(report) -> None:
+    """A line per side not read as safetensors as stored: its reader and notes, the prefix stripped."""
+    for side, r in report.readers.items():
+        parts = []
+        if r["reader"] != "safetensors":
+            notes = "; ".join(r["reader_notes"])
+            parts.append(f"read with the {r['reader']} reader" + (f" ({notes})" if notes else ""))
+        if r["prefix_stripped"]:
+            parts.append(f"compared without the prefix {r['prefix_stripped']!r} every key carries")
+        if parts:
+            out_console().print(f"{side} ({getattr(report, side)}): " + "; ".join(parts), markup=False,
+                                soft_wrap=True)
 
 
 MAX_ROWS = 50  # a terminal table of thousands of experts helps nobody; JSON has them all

@@ -29,6 +29,9 @@ def render(report) -> None:
               f"MTP layers: [bold]{report.mtp_layers}[/]"
               + (f" ({report.count_field})" if report.count_field else "")
               + f"; norm {report.norm}; fusion input {report.concat_order.replace('_', '-')}; dtype {report.dtype}")
+    if report.reader != "safetensors":
+        notes = "; ".join(report.reader_notes)
+        con.print(f"read with the {report.reader} reader" + (f": {notes}" if notes else ""), markup=False)
     q = report.quantization
     if q:
         con.print(f"quantization: {q['quant_method']}, block {q['weight_block_size']}, scales *{q['scale_suffix']}")

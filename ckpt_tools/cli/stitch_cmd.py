@@ -29,6 +29,10 @@ def register(app: typer.Typer) -> None:
         update_copies: bool = typer.Option(False, "--update-copies", help="Also replace per-layer embed/head copies."),
         keep_bf16: bool = typer.Option(False, "--keep-bf16", help="FP8 verifier: write bf16 MTP weights, unquantized."),
         arch: str = typer.Option(None, "--arch", help="Verifier table instead of detecting it."),
+        strip_prefix: str = typer.Option(
+            None, "--strip-prefix", metavar="P",
+            help="Strip P from every draft key (a wrapper prefix no table knows; module., _orig_mod., "
+                 "draft_model. and the format's own are stripped without it). A rename only."),
         layers: str = typer.Option(None, "--layers", help="Verifier MTP depth(s) a renumbered draft maps to."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="For new MTP shards (add mode)."),
         accept_divergent: bool = typer.Option(
@@ -45,6 +49,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from ..checkpoint import Checkpoint
+        from ..errors import UsageError
         from ..jsonutil import write_json_file
         from ..ops.stitch import StitchRequest, plan_stitch
         from ..options import outside_inputs
@@ -53,10 +58,12 @@ def register(app: typer.Typer) -> None:
         from .extract_cmd import _layers
 
         allow = allowed_rules(allow_invalid)
+        if strip_prefix is not None and not strip_prefix:
+            raise UsageError("--strip-prefix needs a non-empty prefix (e.g. --strip-prefix model.)")
         req = StitchRequest(format=fmt, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
                             update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
                             max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
-                            command=command_line(), allow_invalid=allow)
+                            strip_prefix=strip_prefix, command=command_line(), allow_invalid=allow)
         with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
             plan, report = plan_stitch(d, v, req)
             say_allowed(plan.manifest.get("allowed_invalid"))
@@ -73,6 +80,7 @@ def register(app: typer.Typer) -> None:
             emit_json(data)
         else:
             hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
+            say_how_read(report.draft)
             render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})",
                          more_hint=hint)
             if report.divergent():
@@ -86,6 +94,19 @@ def register(app: typer.Typer) -> None:
             if not dry_run:
                 out_console().print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
                                     f"new shards: {', '.join(report.new_shards) or '-'}")
+
+
+def say_how_read(draft: dict) -> None:
+    """One line when the draft was not read as safetensors as stored: its reader and notes, the prefix stripped."""
+    parts = []
+    if draft.get("reader", "safetensors") != "safetensors":
+        notes = "; ".join(draft.get("reader_notes") or [])
+        parts.append(f"read with the {draft['reader']} reader" + (f" ({notes})" if notes else ""))
+    stripped = draft.get("prefix_stripped")
+    if stripped:
+        parts.append(f"stripped the prefix {stripped['prefix']!r} from every key ({stripped['how']})")
+    if parts:
+        out_console().print("draft: " + "; ".join(parts), markup=False, soft_wrap=True)
 
 
 def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str]) -> None:

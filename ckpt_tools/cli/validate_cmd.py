@@ -28,11 +28,13 @@ def render(report) -> None:
 
     con = out_console()
     what = f"{report.family}, {report.mtp_layers} MTP layer(s); " if report.family else ""
-    checked = f"{what}{report.files_checked} file(s), {report.tensors_checked} tensor(s) checked"
+    fmt = f"{report.draft_format} draft; " if report.draft_format else ""
+    checked = escape(f"{fmt}{what}{report.files_checked} file(s), {report.tensors_checked} tensor(s) checked"
+                     + _how_read(report))
     for n in report.notes:  # not problems: shown either way
         con.print(f"[yellow]note[/] [dim]{n.rule}[/] {escape(n.key or '')}: {escape(n.message)}", soft_wrap=True)
     if report.ok:
-        con.print(f"[green]valid[/]: {report.root} ({checked})")
+        con.print(f"[green]valid[/]: {escape(report.root)} ({checked})")
         return
     shown: dict[str, int] = {}
     for p in report.problems:
@@ -46,6 +48,13 @@ def render(report) -> None:
         if n > MAX_PER_RULE:
             con.print(f"[bold red]{rule}[/]: ... and {n - MAX_PER_RULE} more (all of them with --json)")
     con.print(f"[red]invalid[/]: {len(report.problems)} problem(s) ({checked})")
+
+
+def _how_read(report) -> str:
+    if report.reader == "safetensors":
+        return ""
+    notes = "; ".join(report.reader_notes)
+    return f"; read with the {report.reader} reader" + (f": {notes}" if notes else "")
 
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."

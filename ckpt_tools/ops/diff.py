@@ -8,8 +8,10 @@ from ..checkpoint import Checkpoint
 from ..compare import TensorDiff, compare
 from ..consistency import require_consistent
 from ..dtypes import FP8_DTYPES
+from ..formats import all_wrappers
 from ..options import regex
 from ..plan import CopyBytes
+from ..prefixes import choose, rename
 
 
 @dataclass
@@ -18,6 +20,7 @@ class DiffReport:
     b: str
     diffs: list[TensorDiff] = field(default_factory=list)
     allowed_invalid: list[dict] = field(default_factory=list)  # input problems let through by --allow-invalid
+    readers: dict[str, dict] = field(default_factory=dict)  # side -> {reader, reader_notes}: how its weights were read
 
     @property
     def identical(self) -> bool:
@@ -35,6 +38,7 @@ class DiffReport:
             "b": self.b,
             "identical": self.identical,
             "totals": self.totals(),
+            "readers": self.readers,
             "tensors": [d.to_json() for d in self.diffs if all_keys or d.status != "unchanged"],
             **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
         }
@@ -50,6 +54,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
     gates = [require_consistent(c, scope="files", allow=allow, role=side) for side, c in (("first", a), ("second", b))]
     pattern = regex("--keys", keys) if keys else None
     report = DiffReport(a.root, b.root, allowed_invalid=[p.to_json() for g in gates for p in g.allowed])
+    a, b = _aligned(a, b, report)
     names = sorted(set(a.tensors) | set(b.tensors))
     for key in names:
         if pattern is not None and not pattern.search(key):
@@ -68,6 +73,19 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
                     stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
         )
     return report
+
+
+def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoint, Checkpoint]:
+    """Each side with a wrapper prefix stripped when every key carries it and the other side then matches
+    better (a draft saved from a wrapped module vs the same draft unwrapped); the report says so."""
+    wrappers = all_wrappers()
+    out = []
+    for side, this, other in (("a", a, b), ("b", b, a)):
+        prefix = choose(list(this.tensors), other.tensors, wrappers)
+        report.readers[side] = {"reader": this.reader, "reader_notes": list(this.reader_notes),
+                                "prefix_stripped": prefix or None}
+        out.append(rename(this, prefix) if prefix else this)
+    return out[0], out[1]
 
 
 def _fp8_decoder(ckpt: Checkpoint, key: str):

@@ -30,6 +30,8 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
 - ``status``: ``{complete, missing, misshaped, missing_scales, extra, beyond, optional_absent}``;
   missing entries are ``{key, role, depth, shape}``, misshaped ``{key, expected, actual}``, the
   others lists of keys;
+- ``reader`` (``safetensors``, or the draft reader: ``torch``, ``dcp``) and ``reader_notes`` (what it
+  unwrapped or ignored);
 - ``allowed_invalid`` (only when ``--allow-invalid`` let problems through): those problems,
   ``{rule, path, key, message}``.
 """
@@ -40,8 +42,9 @@ import os
 from dataclasses import dataclass, field
 
 from ..checkpoint import Checkpoint
-from ..consistency import require_consistent
+from ..consistency import renamed_format, require_consistent
 from ..dtypes import FP8_DTYPES
+from ..errors import InputError
 from ..expert_layouts import scale_key
 from ..mtp import MtpView
 from ..tables.schema import GLUE_ROLES
@@ -82,6 +85,8 @@ class InspectReport:
     tensors: list[dict]
     status: dict
     view: MtpView | None = field(default=None, repr=False)  # for callers that go on planning
+    reader: str = "safetensors"
+    reader_notes: list[str] = field(default_factory=list)
     allowed_invalid: list[dict] = field(default_factory=list)  # problems let through by --allow-invalid
 
     @property
@@ -109,6 +114,8 @@ class InspectReport:
             "fp8": self.fp8,
             "tensors": self.tensors,
             "status": self.status,
+            "reader": self.reader,
+            "reader_notes": self.reader_notes,
             **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
         }
 
@@ -230,7 +237,7 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         count_field=_count_field(view), quantization=_quantization(ckpt, view),
         totals={"checkpoint": whole, "mtp": mtp}, roles=ordered_roles, layers=layers, experts=experts,
         shards=shards, dtypes={"mtp": _sorted(mtp_dtypes), "checkpoint": _sorted(whole_dtypes)}, fp8=fp8,
-        tensors=tensors, status=status, view=view,
+        tensors=tensors, status=status, view=view, reader=ckpt.reader, reader_notes=list(ckpt.reader_notes),
     )
 
 
@@ -248,7 +255,21 @@ def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str |
     if not isinstance(path_or_ckpt, Checkpoint):
         with Checkpoint.open(path_or_ckpt) as ckpt:
             return inspect_checkpoint(ckpt, arch, allow)
+    _refuse_renamed(path_or_ckpt, arch)
     gate = require_consistent(path_or_ckpt, arch=arch, allow=allow)
     report = inspect_view(gate.view, "arch" if arch else "detected")
     report.allowed_invalid = [p.to_json() for p in gate.allowed]
     return report
+
+
+def _refuse_renamed(ckpt: Checkpoint, arch: str | None) -> None:
+    """A draft in a renamed format has no family table of its own: say what describes it instead."""
+    fmt = renamed_format(ckpt)
+    if fmt is None:
+        return
+    family = (ckpt.manifest or {}).get("family")
+    about = f" (extracted from {family})" if family else ""
+    raise InputError(f"a draft in the {fmt} format{about}: inspect describes checkpoints in a family's own names"
+                     f"{' (--arch does not rename it)' if arch else ''}. `ckpt validate {ckpt.root}` checks it; "
+                     f"`ckpt stitch {ckpt.root} VERIFIER -o OUT --dry-run` shows where each of its tensors goes",
+                     rule="draft-format", path=ckpt.root)

@@ -37,10 +37,11 @@ from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_
 from ..errors import InputError, PlanError, UsageError
 from ..expert_layouts import ExpertGroup, scale_key, scale_shape
 from ..fingerprint import record_inputs
-from ..formats import Correspondence, Format, correspond, detect_format, get_format
+from ..formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
 from ..mtp import MtpView, choose_table, detect_group_layout
 from ..numeric import torch_threads
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ..prefixes import Unwrapped, unwrap
 from ..provenance import prove_family
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
@@ -93,6 +94,7 @@ class StitchRequest:
     layers: list[int] | None = None  # verifier MTP depths the draft's layers map to
     max_shard_size: int = 5 * 10**9
     accept_divergent: bool = False
+    strip_prefix: str | None = None  # --strip-prefix: a wrapper prefix no table knows, stripped from every draft key
     command: str = "ckpt stitch"
     allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
 
@@ -113,6 +115,7 @@ class StitchReport:
     linked_files: list[str] = field(default_factory=list)
     provenance: str = ""  # the evidence that the draft belongs to the verifier
     exempt: str | None = None  # why the divergence check does not apply to this draft
+    draft: dict = field(default_factory=dict)  # how the draft was read: reader, its notes, the prefix stripped
     validation: dict | None = None
 
     def totals(self) -> dict:
@@ -131,6 +134,7 @@ class StitchReport:
             "format": self.format,
             "family": self.family,
             "provenance": self.provenance,
+            "draft": self.draft,
             "totals": self.totals(),
             "divergence": {**DIVERGENCE.to_json(), "divergent": [d.key for d in self.divergent()],
                            **({"exempt": self.exempt} if self.exempt else {})},
@@ -408,7 +412,8 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
             draft.local_dir.resolve() == verifier.local_dir.resolve():
         raise UsageError("the draft and the verifier are the same directory")
     table = choose_table(verifier, req.arch)
-    fmt = detect_format(draft.config.raw, draft.manifest) if req.format == "auto" else get_format(req.format)
+    fmt = (detect_format(draft.config.raw, draft.manifest, draft.tensors, req.strip_prefix) if req.format == "auto"
+           else get_format(req.format))
     provenance = f"asserted with --arch {req.arch}" if req.arch else prove_family(draft, fmt, table, verifier)
     # mode selection: never a silent switch. Both inputs pass the consistency gate first (the draft: its
     # index and files; the verifier: every rule, as a whole model); auto mode only picks what the
@@ -449,6 +454,8 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     # add: whatever the format carries (native drafts bring them), the rest is filled below
     copies = None if mode == "add" else req.update_copies
     corr = correspond(fmt, view, layers, with_embed=copies, with_head=copies)
+    unwrapped = _unwrap(draft, corr, req)
+    draft = unwrapped.ckpt  # from here on, the draft's keys are the format's names
     shared_keys = {s.key for s in view.resolved.shared.values()}
     corr.tensors = [t for t in corr.tensors if t.verifier_key not in shared_keys]
     fill: list[Spec] = []
@@ -463,7 +470,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         src = _shared_source(view, spec)
         builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
                                                     meta={"source": ["verifier:" + src.key], "role": spec.role})
-    report = StitchReport(mode, fmt.name, table.family, provenance=provenance)
+    report = StitchReport(mode, fmt.name, table.family, provenance=provenance, draft=_how_read(unwrapped))
     _check_draft(draft, fmt, builder, report, view, req.allow_partial)
     builder.raise_refusals()
     mtp_keys = set(declared.keys()) if mode == "replace" else set()
@@ -485,6 +492,21 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     note_allowed(plan.manifest, draft_gate, vgate)
     record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
     return plan, report
+
+
+def _unwrap(draft: Checkpoint, corr: Correspondence, req: StitchRequest) -> Unwrapped:
+    """The draft with the wrapper prefix of its keys stripped (prefixes.py), judged against the format's names."""
+    fmt = corr.fmt
+    known = set(corr.draft_keys()) | set(fmt.ignore_keys) | {s.key for s in corr.view.resolved.shared.values()}
+    known |= {t[1:] for t in (fmt.embed, fmt.head) if t and t.startswith("/")}
+    wrappers, origin = wrappers_of(fmt)
+    return unwrap(draft, known, wrappers=wrappers, explicit=req.strip_prefix, origin=origin)
+
+
+def _how_read(unwrapped: Unwrapped) -> dict:
+    """What the report and manifest say about reading the draft."""
+    d = unwrapped.ckpt
+    return {"reader": d.reader, "reader_notes": list(d.reader_notes), "prefix_stripped": unwrapped.to_json()}
 
 
 def _shared_source(view: MtpView, spec: Spec):
@@ -833,7 +855,7 @@ def _manifest(draft: Checkpoint, verifier: Checkpoint, report: StitchReport, fmt
         "kind": "stitched",
         "verifier": {"path": source_name(verifier), "revision": revision_of(verifier)},
         "draft": {"path": source_name(draft), "format": fmt.name, "revision": revision_of(draft),
-                  "provenance": report.provenance},
+                  "provenance": report.provenance, **report.draft},
         "family": report.family,
         "mode": report.mode,
         "totals": report.totals(),

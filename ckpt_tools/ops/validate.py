@@ -78,6 +78,9 @@ class ValidationReport:
     mtp_layers: int | None = None
     files_checked: int = 0
     tensors_checked: int = 0
+    reader: str = "safetensors"  # what the weights were read from (a draft reader: torch, dcp)
+    reader_notes: list[str] = field(default_factory=list)
+    draft_format: str | None = None  # a renamed draft (speculators, angelspec, ...): checked as such
 
     @property
     def ok(self) -> bool:
@@ -100,6 +103,9 @@ class ValidationReport:
             "family": self.family,
             "mtp_layers": self.mtp_layers,
             "checked": {"files": self.files_checked, "tensors": self.tensors_checked},
+            "reader": self.reader,
+            "reader_notes": self.reader_notes,
+            "draft_format": self.draft_format,
             "counts": dict(sorted(Counter(p.rule for p in self.problems).items())),
             "problems": [p.to_json() for p in self.problems],
             "notes": [n.to_json() for n in self.notes],
@@ -150,6 +156,10 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
     try:
         report.files_checked = len(ckpt.headers) + len(unreadable)
         report.tensors_checked = sum(len(h.tensors) for h in ckpt.headers.values())
+        if ckpt.reader != "safetensors":  # a draft reader checked every tensor's dtype, shape and bytes on opening
+            report.reader, report.reader_notes = ckpt.reader, list(ckpt.reader_notes)
+            report.files_checked = sum(len(getattr(src, "paths", ())) or 1 for src in ckpt.sources.values())
+            report.tensors_checked = len(ckpt.tensors)
         _metadata_checks(ckpt, report)
         unknown = _index_checks(ckpt, unreadable, report)
         config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
@@ -230,6 +240,7 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
     draft_format = None if config_broken or arch else consistency.renamed_format(ckpt)
     if draft_format is not None:
         # a renamed draft has no architecture table of its own: its manifest is the reference
+        report.draft_format = draft_format
         report.family = (ckpt.manifest or {}).get("family")
         layers = (ckpt.manifest or {}).get("layers")
         report.mtp_layers = len(layers) if isinstance(layers, list) else None

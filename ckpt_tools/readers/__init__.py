@@ -199,6 +199,11 @@ class TensorFile:
     def size(self) -> int:
         return self._size
 
+    @property
+    def paths(self) -> list[str]:
+        """The files on disk holding these tensors (a DCP folder's ``*.distcp``)."""
+        return [f.name for f in self._files]
+
     def local_fd(self) -> int | None:
         return None
 
