@@ -7,7 +7,7 @@ A fingerprint proves identity without reading tensor data the plan does not read
   as read, and for Hub files the LFS sha256 the Hub reports;
 * ``side_files``: the sha256 of config.json, the index and the manifest as read;
 * ``other_files``: size and mtime of the non-weight files an output may carry (stat only);
-* ``tensors`` (drafts only): the number and combined sha256 of the tensors the plan takes
+* ``tensors`` (drafts only): the number and combined BLAKE3 digest of the tensors the plan takes
   from it - read anyway to be compared, so proving them costs no extra seek.
 
 ``record_inputs`` puts them in ``Plan.fingerprints`` (the writer's resume record and the
@@ -17,12 +17,12 @@ shards an output copies whole from an input.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from . import digest
 from .checkpoint import Checkpoint
 from .plan import Plan
 from .safetensors_io import COPY_CHUNK, TensorRef, iter_chunks
@@ -48,7 +48,7 @@ def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = ()) -> dict:
                 "other_files": _other_files(ckpt)}
     keys = sorted(set(tensor_keys))
     if keys:
-        fp["tensors"] = {"count": len(keys), "sha256": tensors_sha256([ckpt.tensors[k] for k in keys])}
+        fp["tensors"] = {"count": len(keys), digest.MANIFEST_ALGO: tensors_digest([ckpt.tensors[k] for k in keys])}
     return fp
 
 
@@ -73,18 +73,18 @@ def _other_files(ckpt: Checkpoint) -> dict[str, dict]:
     return out
 
 
-def tensors_sha256(refs: list[TensorRef]) -> str:
-    """One sha256 over (key, dtype, shape, sha256 of the bytes) of every tensor, in key order."""
+def tensors_digest(refs: list[TensorRef]) -> str:
+    """One digest over (key, dtype, shape, digest of the bytes) of every tensor, in key order."""
     with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="ckpt-fingerprint") as pool:
-        digests = list(pool.map(tensor_sha256, refs))
-    h = hashlib.sha256()
+        digests = list(pool.map(tensor_digest, refs))
+    h = digest.new()
     for ref, d in zip(refs, digests, strict=True):
         h.update(f"{ref.key}\0{ref.dtype}\0{list(ref.shape)}\0{d}\n".encode())
     return h.hexdigest()
 
 
-def tensor_sha256(ref: TensorRef) -> str:
-    h = hashlib.sha256()
+def tensor_digest(ref: TensorRef) -> str:
+    h = digest.new()
     for chunk in iter_chunks(ref.segment(), COPY_CHUNK // 4):
         h.update(chunk)
     return h.hexdigest()

@@ -235,7 +235,7 @@ def fingerprint_change(old: dict[str, dict], new: dict[str, dict]) -> tuple[str,
                     return f"{root}/{name}", f"the {role}'s {what} {name} {_how(fa.get(name), fb.get(name))}"
         if a.get("tensors") != b.get("tensors"):
             n = (b.get("tensors") or {}).get("count", 0)
-            return root, f"the {role}'s tensors changed ({n} tensor(s) taken; their sha256 differs)"
+            return root, f"the {role}'s tensors changed ({n} tensor(s) taken; their digest differs)"
     return None
 
 

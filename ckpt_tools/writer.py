@@ -11,8 +11,8 @@ Before the first shard a resume record (``.ckpt-resume.json``: the plan's digest
 its input fingerprints) is written; ``--resume`` continues only a run whose record
 equals the new plan's, so a finished shard of another job is never reused.
 
-The manifest accounts for every tensor of the output: a sha256 per tensor written, and
-the whole-file sha256 of each shard copied or linked as it is - all hashed from the
+The manifest accounts for every tensor of the output: a digest (BLAKE3, see ``digest``) per
+tensor written, and the whole-file digest of each shard copied or linked as it is - all hashed from the
 bytes that landed in the output, on hasher threads beside the copies.
 
 Memory stays bounded by one computed chunk; copied bytes never enter Python.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import stat
@@ -34,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
+from . import __version__, digest
 from .dtypes import DTYPES
 from .errors import CkptError, OutputError, UsageError
 from .jsonutil import dumps_strict
@@ -52,7 +51,7 @@ from .safetensors_io import (
 )
 
 MANIFEST_NAME = "ckpt_manifest.json"
-# sha256 of what landed in the output runs on two threads beside the copies (hashlib releases the GIL:
+# digests of what landed in the output run on two threads beside the copies (BLAKE3 releases the GIL:
 # two copied shards hash at once while the main thread keeps the kernel copying)
 HASH_THREADS = 2
 LOCK_NAME = ".ckpt.lock"
@@ -97,12 +96,12 @@ class WriteResult:
     out_dir: Path
     files: list[str] = field(default_factory=list)
     tensor_files: dict[str, str] = field(default_factory=dict)
-    sha256: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # tensor key -> digest.MANIFEST_ALGO of its bytes
     bytes_written: int = 0
     seconds: float = 0.0
     skipped_shards: list[str] = field(default_factory=list)
     bytes_read: int = 0  # IO_STATS.total before the output's check (which reads the output, not the inputs)
-    # files copied or linked whole: name -> (sha256, size, header) of what landed in the output
+    # files copied or linked whole: name -> (digest, size, header) of what landed in the output
     landed: dict[str, tuple[str, int, object]] = field(default_factory=dict)
 
 
@@ -290,7 +289,7 @@ class Writer:
                 return record
         return None
 
-    def _check_resume(self, digest: dict[str, str]) -> None:
+    def _check_resume(self, plan_digest: dict[str, str]) -> None:
         """--resume continues only the same job: same plan, same inputs (names what differs)."""
         def refuse(msg: str, path: str) -> OutputError:
             return OutputError(f"--resume refused: {msg}; finished shards would not be this job's. Pass --overwrite "
@@ -303,13 +302,13 @@ class Writer:
             raise refuse(f"{self.out} holds no resume record ({RESUME_NAME}) or manifest of a run of this plan",
                          str(self.out))
         old = record["plan"]
-        if old.get("plan") == digest["plan"]:
+        if old.get("plan") == plan_digest["plan"]:
             return
         inputs = record.get("inputs")
         change = fingerprint_change(inputs, self.plan.fingerprints) if isinstance(inputs, dict) else None
         if change is not None:
             raise refuse(f"{change[1]} since the interrupted run", change[0])
-        parts = [k for k in sorted(digest) if k != "plan" and old.get(k) != digest[k]]
+        parts = [k for k in sorted(plan_digest) if k != "plan" and old.get(k) != plan_digest[k]]
         raise refuse(f"the plan differs from the interrupted run's ({', '.join(parts) or 'plan'}: other options, "
                      "tables or tool version)", str(self.out))
 
@@ -332,10 +331,10 @@ class Writer:
         except OSError as e:
             raise self._output_error(e, str(self.out / LOCK_NAME)) from e
         try:
-            digest = self.plan.digest()
+            plan_digest = self.plan.digest()
             self._check_output_dir()
             if self.resume:
-                self._check_resume(digest)  # before anything is touched: a refusal leaves the directory as it was
+                self._check_resume(plan_digest)  # before anything is touched: a refusal leaves the directory as it was
         except BaseException:
             lock.release()
             raise
@@ -351,7 +350,7 @@ class Writer:
                     p.unlink(missing_ok=True)
             elif self.overwrite:
                 self._clear_previous_output()
-            record = {"plan": digest, "inputs": self.plan.fingerprints, "command": self.plan.command}
+            record = {"plan": plan_digest, "inputs": self.plan.fingerprints, "command": self.plan.command}
             self._write_file(OutputFile(RESUME_NAME, content=(json.dumps(record, indent=1) + "\n").encode()))
             shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
@@ -372,8 +371,8 @@ class Writer:
                     if not f.tensors:
                         self._write_file(f, hasher)
                     result.files.append(f.name)
-                result.sha256, result.landed = hasher.results()
-            self._write_manifest(result, digest)
+                result.digests, result.landed = hasher.results()
+            self._write_manifest(result, plan_digest)
             result.bytes_read = IO_STATS.total
             self._run_check(result, deferred)
             if deferred is not None:
@@ -578,15 +577,15 @@ class Writer:
             tmp.unlink(missing_ok=True)
             raise
 
-    def _write_manifest(self, result: WriteResult, digest: dict[str, str]) -> None:
-        """Every tensor of the output: written ones with their sha256, those in copied shards by file."""
+    def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
+        """Every tensor of the output: written ones with their digest, those in copied shards by their file's."""
         manifest = {
             "tool": "ckpt-tools",
             "version": __version__,
             "command": self.plan.command,
             **self.plan.manifest,
             "inputs": self.plan.fingerprints,
-            "plan": digest,
+            "plan": plan_digest,
             "files": {},
             "tensors": {},
         }
@@ -596,8 +595,8 @@ class Writer:
                 "dtype": t.dtype,
                 "shape": list(t.shape),
             }
-            if t.key in result.sha256:
-                entry["sha256"] = result.sha256[t.key]
+            if t.key in result.digests:
+                entry[digest.MANIFEST_ALGO] = result.digests[t.key]
             entry.update(t.meta)
             manifest["tensors"][t.key] = entry
         for f in self.plan.files:
@@ -605,10 +604,10 @@ class Writer:
                 continue
             header = f.header
             if f.link == "remote":
-                about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}
+                about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}  # the Hub's LFS oid
             elif f.name in result.landed:
-                sha, size, header = result.landed[f.name]
-                about = {"sha256": sha, "size": size, "copied_from": str(f.source), "link": f.link}
+                value, size, header = result.landed[f.name]
+                about = {digest.MANIFEST_ALGO: value, "size": size, "copied_from": str(f.source), "link": f.link}
             else:
                 continue  # hashing off (benchmark fixtures)
             manifest["files"][f.name] = about
@@ -697,7 +696,7 @@ HASH_CHUNK = 4 << 20  # small: the hashers run beside the main thread's own buff
 
 
 class _Hasher:
-    """sha256 of what landed in the output, on threads beside the copies (hashlib releases the GIL).
+    """Digests of what landed in the output, on threads beside the copies (the hash releases the GIL).
 
     Tensor ranges are read through a descriptor opened on the shard's temporary file: it
     survives the rename, so a shard goes into place without waiting for its hashes. With
@@ -746,7 +745,7 @@ class _Hasher:
 
 
 def _hash_fd_range(fd: int, offset: int, length: int) -> str:
-    h = hashlib.sha256()
+    h = digest.new()
     mv = memoryview(bytearray(min(HASH_CHUNK, max(length, 1))))
     done = 0
     while done < length:
@@ -759,8 +758,8 @@ def _hash_fd_range(fd: int, offset: int, length: int) -> str:
 
 
 def _hash_shard_file(path: Path) -> tuple[str, int, Header | None]:
-    """(sha256, size, header) of a safetensors file as it landed in the output, in one pass."""
-    h = hashlib.sha256()
+    """(digest, size, header) of a safetensors file as it landed in the output, in one pass."""
+    h = digest.new()
     mv = memoryview(bytearray(HASH_CHUNK))
     head = bytearray()  # the file's first bytes, up to the end of its header
     need = 8

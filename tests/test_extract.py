@@ -65,7 +65,7 @@ def test_native_extract_reproduces_source_mtp_bytes(family, make_fixture, tmp_pa
     for key, entry in manifest["tensors"].items():
         assert entry["source"] == [key]
         assert entry["dtype"] and entry["shape"] == draft[key][1]
-        assert len(entry["sha256"]) == 64
+        assert len(entry["blake3"]) == 64
     assert (out / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
     assert tree_hash(src) == before
 

@@ -157,7 +157,7 @@ def test_extract_remote_equals_extract_local(hub, ds, tmp_path):
         if n != "ckpt_manifest.json":  # it names its source (a path vs hf://org/verifier@commit)
             assert (a / n).read_bytes() == (b / n).read_bytes(), n
     ma, mb = (json.loads((d / "ckpt_manifest.json").read_text()) for d in (a, b))
-    hashes = [{k: v.get("sha256") for k, v in m["tensors"].items()} for m in (ma, mb)]
+    hashes = [{k: v.get("blake3") for k, v in m["tensors"].items()} for m in (ma, mb)]
     assert hashes[0] == hashes[1]
     # Downloaded: the MTP tensors, the headers, config/index and the small files carried along.
     carried = sum((ds / f).stat().st_size for f in local.files if (b / f).exists())

@@ -305,7 +305,7 @@ def test_every_nonzero_exit_prints_its_cause(verifier, draft, tmp_path, monkeypa
     run_ckpt("extract", verifier, "-o", damaged)
     manifest = json.loads((damaged / "ckpt_manifest.json").read_text())
     key = next(iter(manifest["tensors"]))
-    manifest["tensors"][key]["sha256"] = "0" * 64
+    manifest["tensors"][key]["blake3"] = "0" * 64
     (damaged / "ckpt_manifest.json").write_text(json.dumps(manifest))
     busy = o / "busy"
     busy.mkdir()

@@ -7,7 +7,7 @@
   containing an input is refused before anything is written.
 * The output is validated before its completion marker: a failure is exit 4 with the rule, no
   index / lone file, no manifest.
-* The manifest accounts for every tensor (copied shards by their whole-file sha256);
+* The manifest accounts for every tensor (copied shards by their whole-file digest);
   ``verify-manifest`` fails on an unlisted tensor or a tampered copied shard.
 * An input that cannot be read is exit 3 naming it; a copy that ends early is an error.
 * ``Checkpoint`` closes its files.
@@ -300,9 +300,9 @@ def test_stitch_manifest_lists_every_tensor_and_verifies(stitched, verifier):
     with Checkpoint.open(stitched) as c:
         assert set(m["tensors"]) == set(c.tensors)
         rewritten = set(json.loads((stitched / "stitch-report.json").read_text())["rewritten_shards"])
-        copied = set(m["files"])  # shards copied whole: proven by their file's sha256
+        copied = set(m["files"])  # shards copied whole: proven by their file's digest
         assert copied and rewritten and not copied & rewritten and copied | rewritten == set(c.headers)
-        assert all("sha256" in m["tensors"][k] for k in c.tensors if m["tensors"][k]["file"] in rewritten)
+        assert all("blake3" in m["tensors"][k] for k in c.tensors if m["tensors"][k]["file"] in rewritten)
     assert set(m["inputs"]) == {"verifier", "draft"}
     assert m["inputs"]["draft"]["tensors"]["count"] > 0
     assert set(m["inputs"]["verifier"]["files"]) == {p.name for p in verifier.glob("*.safetensors")}
@@ -319,7 +319,7 @@ def test_verify_manifest_fails_on_a_tampered_copied_shard(stitched):
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
     rep = json.loads(ckpt("verify-manifest", stitched, "--json", code=1).stdout)
-    assert [(x["key"], x["problem"]) for x in rep["mismatches"]] == [(name, "file-sha256")]
+    assert [(x["key"], x["problem"]) for x in rep["mismatches"]] == [(name, "file-digest")]
 
 
 def test_an_output_whose_copied_shards_have_no_digest_is_not_verified(stitched):

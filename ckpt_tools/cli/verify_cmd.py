@@ -1,5 +1,6 @@
-"""`ckpt verify-manifest PATH`: recompute every listed tensor's (or whole shard's) sha256; exit 0 all match,
-1 mismatches, unlisted tensors or shards not verifiable locally, 3 no manifest (or an unreadable checkpoint)."""
+"""`ckpt verify-manifest PATH`: recompute every listed tensor's (or whole shard's) digest (BLAKE3; sha256 in
+older manifests); exit 0 all match, 1 mismatches, unlisted tensors or shards not verifiable locally,
+3 no manifest (or an unreadable checkpoint)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
         path: str = typer.Argument(..., metavar="PATH", help="Output directory with a ckpt_manifest.json."),
         json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     ) -> None:
-        """Recompute the sha256 of every tensor (or whole shard) ckpt_manifest.json lists, streaming; every tensor
+        """Recompute the digest of every tensor (or whole shard) ckpt_manifest.json lists, streaming; every tensor
         of the checkpoint must be listed."""
         from ..ops.verify import verify_manifest
 

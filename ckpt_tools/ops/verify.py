@@ -1,8 +1,10 @@
 """`ckpt verify-manifest`: every tensor of the output accounted for, every digest recomputed.
 
 The manifest lists every tensor of the output with its file, dtype and shape, and proves its
-bytes one of two ways: its own sha256 (tensors the writer wrote), or the whole-file sha256 of
-the shard it sits in (``files``: shards copied or linked as they were). Verification streams
+bytes one of two ways: its own digest (tensors the writer wrote), or the whole-file digest of
+the shard it sits in (``files``: shards copied or linked as they were). A digest is ``blake3``
+(what the writer records) or ``sha256`` (manifests of earlier versions); each is recomputed with
+its own algorithm (``digest.recorded``). Verification streams
 each tensor range or whole file through the hash in fixed-size chunks (memory stays at one
 chunk), file by file in offset order. A tensor the checkpoint holds but the manifest does not
 list is a problem (``unlisted``), as is a listed tensor without any digest (``no-hash``).
@@ -12,26 +14,24 @@ and the report is not OK.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .. import digest
 from ..checkpoint import MANIFEST_NAME, Checkpoint, open_lenient
 from ..errors import InputError
 from ..safetensors_io import COPY_CHUNK, Segment, iter_chunks
 from ..writer import Progress
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 HASH_CHUNK = min(COPY_CHUNK, 8 << 20)
 
 
 @dataclass
 class Mismatch:
     key: str  # a tensor key, or a file name for whole-file problems
-    problem: str  # sha256 | missing | file | dtype | shape | no-hash | unlisted | file-sha256 | file-size
+    problem: str  # digest | missing | file | dtype | shape | no-hash | unlisted | file-digest | file-size
     file: str | None
     expected: str | None
     actual: str | None
@@ -45,10 +45,10 @@ class Mismatch:
 class VerifyReport:
     root: str
     listed: int = 0  # tensors in the manifest
-    verified: int = 0  # proven by their own sha256 or by their file's
+    verified: int = 0  # proven by their own digest or by their file's
     bytes_hashed: int = 0
     unlisted: int = 0  # tensors of the checkpoint the manifest does not list (each one a mismatch too)
-    files_verified: int = 0  # shards proven by their whole-file sha256
+    files_verified: int = 0  # shards proven by their whole-file digest
     remote_tensors: int = 0  # listed in shards left on the Hub: not verifiable locally
     remote_files: list[str] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -94,9 +94,9 @@ def _file_name(ckpt: Checkpoint, source) -> str:
     return source.name
 
 
-def _hash(seg: Segment, progress: Progress) -> str:
-    """sha256 of a byte range, streamed in chunks."""
-    h = hashlib.sha256()
+def _hash(seg: Segment, algo: str, progress: Progress) -> str:
+    """The ``algo`` digest of a byte range, streamed in chunks."""
+    h = digest.new(algo)
     for chunk in iter_chunks(seg, HASH_CHUNK):
         h.update(chunk)
         progress.advance(len(chunk))
@@ -135,7 +135,7 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
         report.unlisted += 1
 
     by_file: dict[str, int] = {}  # tensors each whole-file digest vouches for
-    todo: list[tuple[str, str, Segment, str]] = []  # (expected sha256, key, bytes, file)
+    todo: list[tuple[tuple[str, str], str, Segment, str]] = []  # ((algo, expected), key, bytes, file)
     for key, entry in entries.items():
         entry = entry if isinstance(entry, dict) else {}
         if entry.get("file") in remote:
@@ -151,34 +151,34 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
         bad = [(what, want, got) for what, want, got in checks if want is not None and want != got]
         for what, want, got in bad:
             report.mismatches.append(Mismatch(key, what, fname, str(want), str(got)))
-        sha = entry.get("sha256")
-        if sha is None and "sha256" in files.get(fname, {}):
+        own = digest.recorded(entry)
+        if own is None and digest.recorded(files.get(fname, {})) is not None:
             by_file[fname] = by_file.get(fname, 0) + (not bad)
-        elif not isinstance(sha, str) or not _SHA256.fullmatch(sha):
-            report.mismatches.append(Mismatch(key, "no-hash", fname, None if sha is None else str(sha)[:80], None))
+        elif own is None or not digest.well_formed(own[1]):
+            report.mismatches.append(Mismatch(key, "no-hash", fname, None if own is None else str(own[1])[:80], None))
         elif not bad:
-            todo.append((sha, key, ref.segment(), fname))
+            todo.append((own, key, ref.segment(), fname))
     wholes = list(_whole_files(ckpt, files, remote, report))
     report.remote_files = sorted(n for n in remote if n in files or n in (manifest.get("remote_files") or {}))
 
     todo.sort(key=lambda t: (t[3], t[2].offset))  # file by file, in offset order: sequential reads
     progress.start(sum(seg.length for _, _, seg, _ in todo) + sum(seg.length for _, seg, _ in wholes), "verify")
     try:
-        for sha, key, seg, fname in todo:
-            got = _hash(seg, progress)
+        for (algo, want), key, seg, fname in todo:
+            got = _hash(seg, algo, progress)
             report.bytes_hashed += seg.length
-            if got == sha:
+            if got == want:
                 report.verified += 1
             else:
-                report.mismatches.append(Mismatch(key, "sha256", fname, sha, got))
-        for name, seg, sha in wholes:
-            got = _hash(seg, progress)
+                report.mismatches.append(Mismatch(key, "digest", fname, f"{algo} {want}", f"{algo} {got}"))
+        for name, seg, (algo, want) in wholes:
+            got = _hash(seg, algo, progress)
             report.bytes_hashed += seg.length
-            if got == sha:
+            if got == want:
                 report.files_verified += 1
                 report.verified += by_file.get(name, 0)
             else:
-                report.mismatches.append(Mismatch(name, "file-sha256", name, sha, got))
+                report.mismatches.append(Mismatch(name, "file-digest", name, f"{algo} {want}", f"{algo} {got}"))
     finally:
         progress.stop()
     report.mismatches.sort(key=lambda m: (m.file or "", m.key))
@@ -186,18 +186,19 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
 
 
 def _whole_files(ckpt: Checkpoint, files: dict[str, dict], remote: set[str], report: VerifyReport
-                 ) -> Iterator[tuple[str, Segment, str]]:
-    """(name, the whole file, expected sha256) of each shard the manifest vouches for as a whole."""
+                 ) -> Iterator[tuple[str, Segment, tuple[str, str]]]:
+    """(name, the whole file, (algorithm, expected digest)) of each shard the manifest vouches for as a whole."""
     for name, about in sorted(files.items()):
         if name in remote:
             continue
-        sha, size = about.get("sha256"), about.get("size")
+        found, size = digest.recorded(about), about.get("size")
         src = ckpt.sources.get(name)
         if src is None:
             report.mismatches.append(Mismatch(name, "missing", name, "a shard of the checkpoint", "absent"))
-        elif not isinstance(sha, str) or not _SHA256.fullmatch(sha):
-            report.mismatches.append(Mismatch(name, "no-hash", name, None if sha is None else str(sha)[:80], None))
+        elif found is None or not digest.well_formed(found[1]):
+            report.mismatches.append(Mismatch(name, "no-hash", name, None if found is None else str(found[1])[:80],
+                                              None))
         elif size is not None and size != src.size:
             report.mismatches.append(Mismatch(name, "file-size", name, str(size), str(src.size)))
         else:
-            yield name, Segment(src, 0, src.size), sha
+            yield name, Segment(src, 0, src.size), found
