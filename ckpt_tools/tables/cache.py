@@ -31,7 +31,7 @@ def cache_dir() -> Path | None:
     return Path(base) / "ckpt-tools"
 
 
-def _entry(files: list[Path]) -> Path | None:
+def _entry(files: list[Path], prefix: str = PREFIX) -> Path | None:
     from .. import __version__
 
     root = cache_dir()
@@ -41,13 +41,14 @@ def _entry(files: list[Path]) -> Path | None:
     for f in files:  # contents, not modification times: those tick coarser than a quick edit
         key.append([str(f.resolve()), hashlib.sha256(f.read_bytes()).hexdigest()])
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
-    return root / f"{PREFIX}{digest}.json"
+    return root / f"{prefix}{digest}.json"
 
 
-def load(files: list[Path]) -> dict[str, Any] | None:
-    """The parsed data of exactly these table files ({str(path): data}), or None."""
+def load(files: list[Path], prefix: str = PREFIX) -> dict[str, Any] | None:
+    """The parsed data of exactly these table files ({str(path): data}), or None. ``prefix``: one
+    cache entry per kind of table (architectures, quantization schemes)."""
     try:
-        path = _entry(files)
+        path = _entry(files, prefix)
         if path is None:
             return None
         with open(path, encoding="utf-8") as fh:
@@ -62,14 +63,14 @@ def load(files: list[Path]) -> dict[str, Any] | None:
         return None
 
 
-def store(files: list[Path], parsed: dict[str, Any]) -> None:
+def store(files: list[Path], parsed: dict[str, Any], prefix: str = PREFIX) -> None:
     """Save the parsed data (atomically), replacing older entries. Data that JSON would change
     (non-string keys, dates, ...) is not cached; failures cost speed, never correctness."""
     try:
         text = json.dumps(parsed)
         if json.loads(text) != parsed:
             return
-        path = _entry(files)
+        path = _entry(files, prefix)
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ def store(files: list[Path], parsed: dict[str, Any]) -> None:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        for old in path.parent.glob(f"{PREFIX}*.json"):
+        for old in path.parent.glob(f"{prefix}*.json"):
             if old != path:
                 old.unlink(missing_ok=True)
     except Exception:

@@ -1,0 +1,48 @@
+"""Quantized checkpoints as tables: which scheme a configuration declares, how a module is stored,
+what the configuration declares for it, and the exclusion entries that make it load unquantized.
+
+The schemes are data (``mappings/quantization/*.yaml``, one per scheme, schema in ``schema``);
+no verb branches on a scheme name. The API:
+
+``detect_scheme(ckpt) -> QuantScheme | None``
+    What config.json ``quantization_config`` / ``hf_quant_config.json`` declare: the scheme
+    tables involved (a compressed-tensors config can mix groups of several schemes; a ModelOpt
+    MIXED_PRECISION config names its modules) and every place that declares them. None when the
+    checkpoint declares no quantization; InputError (rule ``quant-unknown``) when it declares one
+    no table describes.
+
+``module_storage(ckpt, scheme, module, shape=None, fused=None) -> Storage``
+    How ``module`` (e.g. ``model.layers.61.eh_proj``) is stored: ``unquantized`` (its float
+    dtype), ``quantized`` (which table and format, which tensors, which companions are missing
+    or wrong) or ``absent``.
+
+``declared(scheme, config, module, fused) -> "quantized" | "excluded" | "conflict"``
+    What the configuration declares for ``module``, with each consumer's own matching rules
+    (``match``): compressed-tensors ``match_name`` (exact, ``re:``, class targets, fused names by
+    their shards), ModelOpt fnmatch globs over ``ignore`` / ``exclude_modules`` and per-module
+    ``quantized_layers``, Quark ``exclude``, transformers ``modules_to_not_convert``. ``config``:
+    the files to read (None: as detected), e.g. a repaired copy. ``fused``: the engine's fused
+    layers (vLLM ``packed_modules_mapping`` form: ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``).
+    ``declaration`` gives the group and the reason too.
+
+``exclusion_entries(scheme, modules, fused) -> ConfigPatch``
+    The configuration change that makes every listed module excluded, in the form each list's
+    consumers match, fused names included; ``patch.apply(files)`` returns the changed files.
+
+``quant_files(ckpt)`` reads the configuration files a scheme may be declared in.
+"""
+
+from __future__ import annotations
+
+from .config import quant_files
+from .declared import Declared, declaration, declared
+from .detect import Declaration, Group, QuantScheme, detect_in, detect_scheme
+from .exclude import Change, ConfigPatch, engine_names, exclusion_entries
+from .storage import Storage, module_storage, scale_grid
+from .tables import all_schemes, get_scheme
+
+__all__ = [
+    "Change", "ConfigPatch", "Declaration", "Declared", "Group", "QuantScheme", "Storage", "all_schemes",
+    "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries", "get_scheme",
+    "module_storage", "quant_files", "scale_grid",
+]

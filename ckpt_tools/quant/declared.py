@@ -1,0 +1,108 @@
+"""What a quantization configuration declares for one module, read as its consumers read it.
+
+``declared(scheme, config, module, fused)`` is ``"quantized"``, ``"excluded"`` (not quantized:
+excluded by name, or not targeted at all) or ``"conflict"`` (the places that declare the scheme,
+or the shards of a fused layer, disagree: an engine refuses to load or picks one silently).
+``declaration`` returns the same with the group that quantizes the module and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from .config import QuantFiles, dig, section
+from .detect import Declaration, Group, QuantScheme
+from .match import Fused, excluded, shards_of, targeted
+
+State = Literal["quantized", "excluded", "conflict"]
+
+
+@dataclass(frozen=True)
+class Declared:
+    state: State
+    group: Group | None  # the group (or per-module entry) that quantizes the module
+    reason: str  # one line: which place, entry or pattern decided
+
+
+def _exclusions(decl: Declaration, sec: Mapping) -> list[tuple[str, list[str]]]:
+    """(matcher, patterns) of each exclude field present in the section."""
+    out = []
+    for e in decl.where.exclude:
+        value = dig(sec, e.field)
+        if isinstance(value, list):
+            out.append((e.matcher, [p for p in value if isinstance(p, str)]))
+    return out
+
+
+def _one(decl: Declaration, sec: Mapping, module: str, fused: Fused | None, kind: str) -> Declared:
+    """What one place declares for ``module``."""
+    where = decl.label
+    for matcher, patterns in _exclusions(decl, sec):
+        state = excluded(matcher, module, patterns, fused)
+        if state is None:
+            return Declared("conflict", None, f"{where}: the shards {shards_of(module, fused)} of {module} are "
+                                              f"not all excluded by {matcher} patterns")
+        if state:
+            return Declared("excluded", None, f"{where}: excluded by its {matcher} exclusion list")
+    if decl.where.per_module:
+        entries = dig(sec, decl.where.per_module) or {}
+        if module in entries:
+            group = decl.modules.get(module)
+            return Declared("quantized", group, f"{where}: {decl.where.per_module} lists it")
+        shards = shards_of(module, fused)
+        if shards:
+            listed = {s in entries for s in shards}
+            if listed == {True}:
+                return Declared("quantized", decl.modules.get(shards[0]),
+                                f"{where}: {decl.where.per_module} lists every shard")
+            if len(listed) > 1:
+                return Declared("conflict", None, f"{where}: {decl.where.per_module} lists some of the shards "
+                                                  f"{shards} of {module}")
+        return Declared("excluded", None, f"{where}: not in {decl.where.per_module}")
+    hit = None
+    for g in decl.groups:
+        if g.targets is None:
+            hit = hit or g
+            continue
+        t = targeted(module, list(g.targets), fused, kind)
+        if t is None:
+            return Declared("conflict", None, f"{where}: group {g.name} targets some of the shards of {module}")
+        if t:
+            hit = g
+            break
+    if hit is None:
+        return Declared("excluded", None, f"{where}: no group targets it")
+    return Declared("quantized", hit, f"{where}: group {hit.name} targets it")
+
+
+def declaration(scheme: QuantScheme, config: QuantFiles | None, module: str, fused: Fused | None = None,
+                kind: str = "Linear") -> Declared:
+    """What ``scheme`` declares for ``module`` (a checkpoint or engine module name, no ``.weight``).
+
+    ``config``: the configuration files to read (file name -> JSON object), e.g. a repaired copy;
+    None reads the files the scheme was detected in. ``fused``: the engine's fused layers
+    (fused suffix -> shard suffixes), so a fused name is judged by its shards. ``kind``: the
+    module's class for class-name targets (``Linear``).
+    """
+    files = scheme.files if config is None else config
+    results = []
+    for decl in scheme.declarations:
+        sec = section(files, decl.file, decl.path)
+        if sec is None:  # the place was removed: it declares nothing any more
+            continue
+        results.append(_one(decl, sec, module, fused, kind))
+    if not results:
+        return Declared("excluded", None, "no quantization section declares it")
+    states = {r.state for r in results}
+    if len(states) > 1:
+        detail = "; ".join(r.reason for r in results)
+        return Declared("conflict", None, f"the configuration files disagree: {detail}")
+    return results[0]
+
+
+def declared(scheme: QuantScheme, config: QuantFiles | None, module: str, fused: Fused | None = None,
+             kind: str = "Linear") -> State:
+    """``"quantized"``, ``"excluded"`` or ``"conflict"``: see ``declaration``."""
+    return declaration(scheme, config, module, fused, kind).state

@@ -1,0 +1,100 @@
+"""Module-name matching, exactly as each consumer of a quantization config does it.
+
+- ``compressed-tensors`` (``compressed_tensors.utils.match.match_name``; vLLM
+  ``compressed_tensors/utils.py`` ``should_ignore_layer``): a pattern starting with ``re:`` is a
+  regex applied with ``re.match`` (anchored at the start only), anything else must equal the name.
+  A class-name target (``Linear``) matches every linear layer (vLLM: a substring of the layer's
+  class name); only targets, never ignore entries, are read as class names here.
+- ``quark`` (vLLM ``quark/utils.py``): the same rules as compressed-tensors.
+- ``modelopt``: ``exclude_modules`` / ``ignore`` entries are fnmatch globs (ModelOpt's own
+  loader; vLLM and SGLang accept more, e.g. substrings, so a name these globs exclude is excluded
+  for every one of them).
+- ``transformers`` (``quantizers_utils.should_convert_module``, transformers 5.24):
+  ``modules_to_not_convert`` entries are regexes matched from the start up to a module boundary,
+  or a suffix of the name.
+- ``exact``: the name itself (vLLM fp8 ``ignored_layers``).
+
+Fused modules. Engines build one layer for several checkpoint modules (vLLM/SGLang
+``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``). Such a layer
+is excluded when a pattern names the fused module itself (compressed-tensors: only an exact
+entry does, as in vLLM), else when every shard is excluded; shards that disagree are a
+``conflict`` (vLLM refuses to load: "all shards of fused layers must have the same precision").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from fnmatch import fnmatchcase
+from functools import lru_cache
+
+Fused = Mapping[str, Iterable[str]]  # fused suffix -> shard suffixes (vLLM packed_modules_mapping)
+
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+@lru_cache(maxsize=4096)
+def _regex(pattern: str) -> re.Pattern | None:
+    try:
+        return re.compile(pattern)
+    except re.error:
+        return None  # a pattern that does not compile matches nothing (the consumer would raise)
+
+
+def match_one(matcher: str, name: str, pattern: str) -> bool:
+    """Does one exclusion / target ``pattern`` name module ``name`` under ``matcher``'s rules?"""
+    if matcher in ("compressed-tensors", "quark"):
+        if pattern.startswith("re:"):
+            rx = _regex(pattern[3:])
+            return rx is not None and rx.match(name) is not None
+        return pattern == name
+    if matcher == "modelopt":
+        return pattern == name or fnmatchcase(name, pattern)
+    if matcher == "transformers":
+        rx = _regex(f"(?:{pattern}){_BOUNDARY}")
+        return (rx is not None and rx.match(name) is not None) or name.endswith(pattern)
+    if matcher == "exact":
+        return pattern == name
+    raise ValueError(f"unknown matcher {matcher!r}")
+
+
+def match_any(matcher: str, name: str, patterns: Iterable[str]) -> bool:
+    return any(match_one(matcher, name, p) for p in patterns)
+
+
+def shards_of(name: str, fused: Fused | None) -> list[str] | None:
+    """The checkpoint modules an engine's fused layer ``name`` is built from, or None if not fused."""
+    if not fused:
+        return None
+    head, dot, last = name.rpartition(".")
+    parts = fused.get(last)
+    if parts is None:
+        return None
+    return [f"{head}{dot}{p}" for p in parts]
+
+
+def excluded(matcher: str, name: str, patterns: list[str], fused: Fused | None = None) -> bool | None:
+    """True / False, or None when the shards of a fused ``name`` disagree (a conflict)."""
+    shards = shards_of(name, fused)
+    if shards is not None:
+        regex_style = matcher in ("compressed-tensors", "quark")  # vLLM: only an exact entry names the fused layer
+        if (name in patterns) if regex_style else match_any(matcher, name, patterns):
+            return True
+        states = {match_any(matcher, s, patterns) for s in shards}
+        return states.pop() if len(states) == 1 else None
+    return match_any(matcher, name, patterns)
+
+
+def targeted(name: str, targets: list[str], fused: Fused | None = None, kind: str = "Linear") -> bool | None:
+    """compressed-tensors targets: a name pattern, or a class name (``Linear``) the module is (``kind``).
+
+    A fused layer is targeted when all its shards are (vLLM ``_match_fused_layer``)."""
+    if kind in targets:
+        return True
+    if match_any("compressed-tensors", name, targets):
+        return True
+    shards = shards_of(name, fused)
+    if shards is None:
+        return False
+    states = {match_any("compressed-tensors", s, targets) for s in shards}
+    return states.pop() if len(states) == 1 else None
