@@ -50,7 +50,7 @@ from .dtypes import FP8_DTYPES
 from .errors import InputError, UsageError
 from .expert_layouts import scale_key, scale_shape
 from .expr import ExprError, render
-from .mtp import MtpView, choose_table, detect_group_layout, open_mtp
+from .mtp import MtpView, QuantLookup, choose_table, detect_group_layout, open_mtp
 from .safetensors_io import LocalFile, read_header
 from .tables.resolve import trunk_specs
 
@@ -305,6 +305,10 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
     for s in view.missing:
         if s.key in unknown:
             continue
+        if s.role == "scale":  # a quantized weight's companion (quant storage formats)
+            out.append(Problem("mtp-missing", cfg, s.key, "a quantized MTP weight's scale / companion tensor is "
+                                                          "missing; engines cannot load the module"))
+            continue
         where = f"depth {s.depth}" if s.depth is not None else "shared by every depth"
         out.append(Problem("mtp-missing", cfg, s.key, f"{declared} but this {s.role} tensor {list(s.shape)} "
                                                       f"({where}) is missing (a release without MTP weights sets "
@@ -314,6 +318,8 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
             continue  # FP8 scales are checked for every weight, with the config's block size
         out.append(Problem("mtp-misshaped", file_of(ckpt, s.key), s.key,
                            f"shape {list(actual)}, but the {view.table.family} table expects {list(s.shape)}"))
+    for k, msg in view.quant_problems:
+        out.append(Problem("mtp-misshaped", file_of(ckpt, view.quantized[k].all_keys()[0]), k, msg))
     for k in view.beyond:
         out.append(Problem("mtp-beyond", file_of(ckpt, k), k,
                            f"{declared} but this tensor belongs to an MTP layer past that count; set {field_name} to "
@@ -389,8 +395,16 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
         expected += ts if lay == g.layout else g.with_layout(lay).tensors()
     out: list[Problem] = []
     cfg = config_path(ckpt)
+    quant = QuantLookup(ckpt, res.scale_suffix)
     for s in expected:
         ref = ckpt.tensors.get(s.key)
+        if ref is None or tuple(ref.shape) != tuple(s.shape):
+            st = quant.storage(s, ref)  # a quantized weight stored under other names or packed
+            if st is not None:
+                out += [Problem("trunk-missing", cfg, k, f"{st.label} weight {s.key} without this tensor")
+                        for k in st.missing if k not in unknown]
+                out += [Problem("trunk-misshaped", file_of(ckpt, st.all_keys()[0]), s.key, p) for p in st.problems]
+                continue
         if ref is None:
             if s.key not in unknown:
                 out.append(Problem("trunk-missing", cfg, s.key,
@@ -424,6 +438,8 @@ def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, un
     qc = ckpt.config.get("quantization_config") if cfg else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if cfg is not None:
+        if method is None and ckpt.local_dir is not None and (ckpt.local_dir / "hf_quant_config.json").is_file():
+            return out  # declared in ModelOpt's side file, with its own scale names (quant scheme tables)
         if fp8 and method is None:
             out.append(Problem("quant-config", cfg, min(fp8),
                                f"{len(fp8)} FP8 tensor(s) (e.g. this one) but config.json has no quantization_config "

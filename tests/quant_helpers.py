@@ -127,3 +127,71 @@ def write_quantized(src: Path, dst: Path, scheme, ignore: list[str]) -> Path:
     cfg["quantization_config"] = ct_config(scheme, ignore)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+# -- the DeepSeek-V4 release layout, from a bf16 fixture (no library writes it; the format is simple) --
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """Biased power-of-two exponents with 2**(e-127) * top >= amax (UE8M0 scales)."""
+    e = torch.ceil(torch.log2(torch.clamp(amax.float(), min=1e-30) / top)).to(torch.int32) + 127
+    return torch.clamp(e, 1, 254).to(torch.uint8)
+
+
+def fp4_e8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (I8 [out, in/2] two e2m1 codes per byte, low nibble first; F8_E8M0 [out, in/32])."""
+    out, cols = w.shape
+    g = w.float().reshape(out, cols // 32, 32)
+    e = _e8m0(g.abs().amax(-1), 6.0)
+    x = g / torch.ldexp(torch.ones(()), e.to(torch.int32) - 127).unsqueeze(-1)
+    codes = (x.unsqueeze(-1) - E2M1).abs().argmin(-1).to(torch.uint8).reshape(out, cols)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
+    return packed.contiguous(), e.view(torch.float8_e8m0fnu)
+
+
+def fp8_e8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 with UE8M0 scales: (F8_E4M3 [out, in], F8_E8M0 [ceil(out/128), ceil(in/128)])."""
+    r, c = w.shape
+    p = torch.nn.functional.pad(w.float(), (0, -c % block, 0, -r % block))
+    blocks = p.reshape(p.shape[0] // block, block, p.shape[1] // block, block)
+    e = _e8m0(blocks.abs().amax(dim=(1, 3)), 448.0)
+    s = torch.ldexp(torch.ones(()), e.to(torch.int32) - 127)
+    q = (blocks / s[:, None, :, None]).reshape(p.shape)[:r, :c].to(torch.float8_e4m3fn)
+    return q.contiguous(), e.view(torch.float8_e8m0fnu)
+
+
+def deepseek_v4_release(src: Path, dst: Path) -> Path:
+    """The bf16 DeepSeek-V4 fixture stored as the release is: FP8 + UE8M0 `.scale` where the table marks
+    `quant: true`, routed experts FP4 (I8) + UE8M0 per-32 `.scale`."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from ckpt_tools.config import ConfigView
+    from ckpt_tools.tables.loader import get_table
+    from ckpt_tools.tables.resolve import resolve, trunk_specs
+
+    dst.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    res = resolve(get_table("deepseek_v4"), ConfigView(cfg))
+    fp8 = {s.key for s in [*res.mtp_specs(), *trunk_specs(res)[0]] if s.quant}
+    expert = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight$")
+    state = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        state.update(load_file(f))
+    out = {}
+    for k, v in state.items():
+        head = k.removesuffix(".weight")
+        if expert.match(k):
+            out[k], out[f"{head}.scale"] = fp4_e8m0(v)
+        elif k in fp8:
+            out[k], out[f"{head}.scale"] = fp8_e8m0(v)
+        else:
+            out[k] = v
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
+from ckpt_tools.expert_layouts import scale_key
 from ckpt_tools.ops.inspect import inspect_checkpoint
-from ckpt_tools.tables.loader import all_tables
+from ckpt_tools.tables.loader import all_tables, get_table
 
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
             "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
@@ -127,11 +128,14 @@ def test_inspect_numbers_match_an_independent_count(make_fixture, family, fp8):
     assert {dt: v["bytes"] for dt, v in j["dtypes"]["mtp"].items()} == by_dtype
     fp8_weights = {k for k in mtp_keys if tensors[k]["dtype"] in ("F8_E4M3", "F8_E5M2")}
     assert j["fp8"]["weights"] == len(fp8_weights)
-    assert j["fp8"]["scales"] == sum(1 for k in mtp_keys if k.endswith("_scale_inv"))
+    # the family's scale suffix (weight_scale_inv; DeepSeek-V4's release names them `.scale`)
+    q = get_table(family).quantization
+    suffix = q.scale_suffix if q else "weight_scale_inv"
+    assert j["fp8"]["scales"] == sum(1 for k in mtp_keys if k.endswith("." + suffix) or k.endswith("_scale_inv"))
     if not fp8:
         assert not fp8_weights
     for k in fp8_weights:  # each FP8 weight brings its block-scale companion into the MTP set
-        assert (k[: -len("weight")] + "weight_scale_inv" if k.endswith(".weight") else k + "_scale_inv") in mtp_keys
+        assert scale_key(k, suffix) in mtp_keys
     assert sum(g["bytes"] for g in j["experts"]) == j["roles"].get("experts", {"bytes": 0})["bytes"]
     assert j["status"]["complete"] and not j["status"]["extra"] and not j["status"]["beyond"]
     assert j["mtp_layers"] == len(j["layers"]) - (1 if j["layers"] and j["layers"][-1]["depth"] is None else 0)

@@ -293,3 +293,22 @@ def test_deepseek_v4_is_told_from_block_fp8_by_its_scales(make_fixture):
     st = module_storage(ck, qs, "mtp.0.ffn.experts.0.w1")
     assert (st.format, st.shape, st.complete) == ("fp4-experts", (32, 64), True), st
     assert module_storage(ck, qs, "mtp.0.attn.wq_a").format == "fp8-block"
+
+
+def test_a_missing_extra_is_one_error_naming_it(monkeypatch):
+    import builtins
+
+    from ckpt_tools.errors import UsageError
+    from ckpt_tools.quant.extra import compressed_tensors
+
+    real = builtins.__import__
+
+    def no_ct(name, *a, **kw):
+        if name.startswith("compressed_tensors"):
+            raise ImportError(f"No module named {name!r}", name=name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_ct)
+    with pytest.raises(UsageError) as e:
+        compressed_tensors("graft --dequant-trunk")
+    assert "ckpt-tools[quant]" in str(e.value) and e.value.exit_code == 2

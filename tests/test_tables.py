@@ -81,8 +81,9 @@ ENGINES = {
     "inkling": {"vllm_mtp": "InklingMTPModel"},
 }
 
-# Families whose reference lists an FP8 fusion projection (LongCat: eh_proj (+ weight_scale_inv), section 10).
-FP8_FUSION = {"longcat_flash"}
+# Families whose reference lists an FP8 fusion projection (LongCat: eh_proj (+ weight_scale_inv), section 10;
+# DeepSeek-V4: e_proj / h_proj in FP8 with UE8M0 `.scale`, section 15 and trainers-quantization-stores.md 2).
+FP8_FUSION = {"longcat_flash", "deepseek_v4"}
 ALL_FAMILIES = sorted(REFERENCE_MATRIX)
 
 

@@ -20,6 +20,7 @@ from ..fingerprint import record_inputs
 from ..formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
 from ..mtp import MtpView
 from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ..quant.config import SIDE_FILES
 
 DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
@@ -73,17 +74,20 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
         raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "
                          f"0..k-1; use --format sglang-nextn / speculators to renumber a single layer")
-    tensors = draft_tensors(view, corr, cast_to, dequant_to)
-    fp8_source = any(ckpt.tensors[s.key].dtype in FP8_DTYPES for s in view.present)
+    fp8_source = bool(view.quantized) or any(ckpt.tensors[k].dtype in FP8_DTYPES for _, k in view.stored())
     if fp8_source and dequant_to is None and fmt.rename == "roles":
-        raise UsageError(f"the source MTP weights are FP8; format {fmt.name} has no place for block scales: "
+        what = "quantized" if view.quantized else "FP8"
+        raise UsageError(f"the source MTP weights are {what}; format {fmt.name} has no place for their scales: "
                          "pass --dequant bf16")
+    tensors = draft_tensors(view, corr, cast_to, dequant_to)
     verifier = req.verifier_name or verifier_name_of(req.source or ckpt.root)
     config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8_source, verifier=verifier)
     files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
     if fmt.carry_files:
-        # the verifier's model card describes the verifier, not this draft (push writes a new one)
-        files += [f for f in carried_files(ckpt) if f.name.lower() != "readme.md"]
+        # the verifier's model card describes the verifier, not this draft (push writes a new one); a
+        # dequantized draft must not carry a side file that declares quantization (hf_quant_config.json)
+        dropped = {"readme.md"} | ({n.lower() for n in SIDE_FILES} if dequant_to and fp8_source else set())
+        files += [f for f in carried_files(ckpt) if f.name.lower() not in dropped]
     groups = {
         e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
                          "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
@@ -125,10 +129,14 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
             out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, block)
             continue
-        ref = ckpt.tensors[link.verifier_key]
+        ref = ckpt.tensors.get(link.verifier_key) or ckpt.tensors[view.quantized[link.verifier_key].all_keys()[0]]
         meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
         if link.spec.depth is not None:
             meta["depth"] = link.spec.depth
+        st = view.quantized.get(link.verifier_key)
+        if st is not None:  # stored by a quantization scheme table's format
+            out += _quantized(view, st, link.draft_key, link.swap_halves, cast_to, dequant_to, meta)
+            continue
         t = OutputTensor(link.draft_key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
         scale = None
         if ref.dtype in FP8_DTYPES:
@@ -144,6 +152,10 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
     for link in corr.experts:
         from ..experts import BlockDequant, convert_group
 
+        if any(t.key in view.quantized for t in link.verifier.tensors()):
+            out += _quantized_experts(view, link, cast_to, dequant_to)
+            continue
+
         # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
         # with --dequant each expert piece is dequantized before it is laid out
         group_out = convert_group(link.verifier, ckpt.tensors, link.draft, scale_suffix=res.scale_suffix,
@@ -156,6 +168,44 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
                 continue  # travels with its weight
             scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
             out += finish_tensor(t, scale, cast_to, dequant_to, block)
+    return out
+
+
+def _quantized(view: MtpView, st, draft_key: str, swap: bool, cast_to, dequant_to, meta: dict) -> list[OutputTensor]:
+    """A module a quantization scheme table describes: dequantized (then swapped / laid out like any
+    float tensor), or its stored tensors renamed."""
+    from ..quant.dequant import module_outputs
+
+    if dequant_to is None and (swap or cast_to is not None):
+        why = "swapping its concat order" if swap else "--dtype"
+        raise UsageError(f"{st.module} is {st.label}: {why} needs --dequant")
+    out = module_outputs(view.ckpt, st, draft_key, dequant_to, {**meta, "source_dtype": st.label})
+    if swap:
+        out = [transforms.swap_halves(out[0])]
+        out[0].meta["swapped_halves"] = True
+    return out
+
+
+def _quantized_experts(view: MtpView, link, cast_to, dequant_to) -> list[OutputTensor]:
+    """Routed experts stored by a quantization scheme table's format: expert by expert, in the layout they
+    have (restacking packed experts into another layout is not supported)."""
+    src, dst = link.verifier, link.draft
+    if src.layout != dst.layout:
+        raise UsageError(f"{src.prefix}: the experts are stored quantized ({view.quantized[src.tensors()[0].key].label}"
+                         f" ...); the {dst.layout.label()} layout of this format needs them restacked, which is "
+                         "supported for float and block-FP8 experts only: extract --format native --dequant bf16, "
+                         "then convert that")
+    out: list[OutputTensor] = []
+    for s, d in zip(src.tensors(), dst.tensors(), strict=True):
+        meta = {"source": [s.key], "role": "expert"}
+        st = view.quantized.get(s.key)
+        if st is not None:
+            out += _quantized(view, st, d.key, False, cast_to, dequant_to, meta)
+            continue
+        ref = view.ckpt.tensors[s.key]
+        t = OutputTensor(d.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
+                         meta={**meta, "source_dtype": ref.dtype})
+        out += finish_tensor(t, None, cast_to, dequant_to, view.resolved.block_size)
     return out
 
 
@@ -248,8 +298,12 @@ def _set_count(view: MtpView, config: dict, n: int) -> dict:
 
 def _quant_info(view: MtpView) -> dict:
     q = view.ckpt.config.get("quantization_config")
-    return {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.resolved.block_size),
+    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.resolved.block_size),
             "scale_suffix": view.resolved.scale_suffix}
+    if view.quantized:
+        info["schemes"] = sorted({st.scheme for st in view.quantized.values()})
+        info["storage"] = sorted({st.label for st in view.quantized.values()})
+    return info
 
 
 def carried_files(ckpt: Checkpoint) -> list[OutputFile]:

@@ -162,21 +162,23 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
     by_shard: dict[str, dict] = {}
     tensors: list[dict] = []
     fp8 = {"weights": 0, "scales": 0, "scale_suffix": res.scale_suffix, "block": list(res.block_size)}
-    for s in view.present:
-        ref = ckpt.tensors[s.key]
+    for s, key in view.stored():  # a quantized weight (quant scheme tables) counts every tensor it is stored as
+        ref = ckpt.tensors[key]
         role = _ROLE_NAME.get(s.role, s.role)
         numel, nbytes = ref.numel, ref.nbytes
         _add(mtp, numel, nbytes)
         r = roles.setdefault(role, {**_stats(), "keys": []})
         _add(r, numel, nbytes)
-        r["keys"].append(s.key)
+        r["keys"].append(key)
         _add(mtp_dtypes.setdefault(ref.dtype, _stats()), numel, nbytes)
         _add(by_depth.setdefault(s.depth, _stats()), numel, nbytes)
-        shard = source_name.get(id(ref.source)) or ckpt.shard_of(s.key)
+        shard = source_name.get(id(ref.source)) or ckpt.shard_of(key)
         _add(by_shard.setdefault(shard, _stats()), numel, nbytes)
-        entry = {"key": s.key, "role": role, "depth": s.depth, "dtype": ref.dtype, "shape": list(ref.shape),
+        entry = {"key": key, "role": role, "depth": s.depth, "dtype": ref.dtype, "shape": list(ref.shape),
                  "params": numel, "bytes": nbytes, "shard": shard}
-        if ref.dtype in FP8_DTYPES:
+        if s.key in view.quantized:
+            entry["stored_as"] = view.quantized[s.key].label
+        elif ref.dtype in FP8_DTYPES:
             entry["scale"] = scale_key(s.key, res.scale_suffix)
             fp8["weights"] += 1
         if role == "fp8_scales":

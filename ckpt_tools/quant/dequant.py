@@ -94,3 +94,20 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
 def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str) -> OutputTensor:
     """``dequant_parts`` over the module's tensors as the checkpoint stores them."""
     return dequant_parts(key, stored_tensors(ckpt, storage), storage, out_dtype)
+
+
+def module_outputs(ckpt: Any, storage: Storage, draft_key: str, dequant_to: str | None,
+                   meta: dict) -> list[OutputTensor]:
+    """A quantized module's tensors under the draft's name ``draft_key`` (its logical ``.weight`` key):
+    one tensor of ``dequant_to`` values, or (None) every stored tensor as its bytes, renamed."""
+    if dequant_to is not None:
+        t = dequant_module(ckpt, storage, draft_key, dequant_to)
+        t.meta.update({k: v for k, v in meta.items() if k != "source"})
+        return [t]
+    head = draft_key.removesuffix(".weight")
+    out = []
+    for suffix, key in storage.tensors.items():
+        role = "weight" if key == f"{storage.module}.weight" or suffix == format_of(storage).weight.suffix else "scale"
+        extra = dict(meta) if role == "weight" else {"role": "scale"}
+        out.append(copy_of(ckpt.tensors[key], f"{head}.{suffix}", {**extra, "source": [key], "quant": storage.label}))
+    return out

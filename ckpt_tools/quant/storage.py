@@ -46,7 +46,8 @@ class Storage:
     def complete(self) -> bool:
         return not (self.missing or self.problems)
 
-    def keys(self) -> list[str]:
+    def all_keys(self) -> list[str]:
+        """Every tensor the module is stored as (weight first)."""
         return list(self.tensors.values())
 
 
@@ -54,6 +55,9 @@ def _params(scheme: QuantScheme | None, table: SchemeTable, module: str, fused) 
     defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
     if scheme is None or table.scheme not in {t.scheme for t in scheme.tables}:
         return defaults
+    groups = [g for d in scheme.declarations for g in (*d.groups, *d.modules.values()) if g.table is table]
+    if len({repr(sorted(g.params.items())) for g in groups}) == 1:
+        return {**defaults, **groups[0].params}  # one parameter set: no need to match the module's names
     from .declared import declaration
 
     group = declaration(scheme, None, module, fused).group
