@@ -213,7 +213,27 @@ VARIANTS = {
     "bf16": FixtureOptions(),
     "fused": FixtureOptions(expert_layout="fused"),
     "fp8": FixtureOptions(fp8=True),
+    "nvfp4": FixtureOptions(),  # compressed-tensors nvfp4-pack-quantized: every 2-D linear but the head
 }
+NVFP4_GROUP = 16
+# what llm-compressor's NVFP4 preset writes (targets Linear, lm_head ignored); see mappings/quantization/ct-nvfp4.yaml
+NVFP4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "weights": {
+        "num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_GROUP, "symmetric": True,
+        "dynamic": False}}},
+    "ignore": ["lm_head"],
+}
+
+
+def _nvfp4(s: Spec) -> list[tuple[str, str, tuple[int, ...]]] | None:
+    """The tensors compressed-tensors stores an NVFP4 linear as (None: the spec stays as it is)."""
+    if s.kind != "linear" or len(s.shape) != 2 or s.shape[1] % NVFP4_GROUP or s.role == "head" \
+            or not s.key.endswith(".weight"):
+        return None
+    m, (rows, cols) = s.key[: -len(".weight")], s.shape
+    return [(f"{m}.weight_packed", "U8", (rows, cols // 2)),
+            (f"{m}.weight_scale", "F8_E4M3", (rows, cols // NVFP4_GROUP)), (f"{m}.weight_global_scale", "F32", (1,))]
 
 
 def _split(order: list[tuple[str, int]], mtp: set[str], n: int) -> dict[str, int]:
@@ -242,7 +262,16 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
     pools = _Pools(seed, finetuned)
     items: list[tuple[str, str, tuple[int, ...]]] = []
     mtp_keys: set[str] = set(mtp)
+    if variant == "nvfp4":
+        cfg = dict(cfg, quantization_config=NVFP4_CONFIG)
     for s in specs:
+        packed = _nvfp4(s) if variant == "nvfp4" else None
+        if packed is not None:
+            items += packed
+            if s.key in mtp:
+                mtp_keys |= {k for k, _, _ in packed}
+                mtp_keys.discard(s.key)
+            continue
         if opts.fp8 and s.quant:
             items.append((s.key, "F8_E4M3", s.shape))
             sk = scale_key(s.key, res.scale_suffix)

@@ -153,6 +153,15 @@ def _dequant_floor(ctx: Ctx, out: Path) -> Job:
     return _one_file(out, layout.first_bytes(syn.path, n))
 
 
+def _nvfp4_dequant_floor(ctx: Ctx, out: Path) -> Job:
+    """Write as many bytes as the bf16 output has (a packed weight quadrupled, its scales dropped)."""
+    syn = ctx.variant("nvfp4")
+    ext = layout.extents(syn.path)
+    n = sum(4 * ext[k].length if k.endswith(".weight_packed") else
+            0 if k.endswith((".weight_scale", ".weight_global_scale")) else ext[k].length for k in syn.mtp_keys)
+    return _one_file(out, layout.first_bytes(syn.path, n))
+
+
 def _affected_shards(ctx: Ctx) -> set[str]:
     return {Path(e.file).name for e in ctx.mtp_extents("bf16")}
 
@@ -217,6 +226,10 @@ VERBS: dict[str, Verb] = {
              "extract", ("--dequant",),
              lambda ctx, out: ["extract", str(ctx.variant("fp8").path), "-o", str(out), "--dequant", "bf16"],
              floor=_dequant_floor, naive=_naive_extract("fp8", dequant=True), max_floor_ratio=2.0),
+        Verb("dequant-nvfp4", "extract with --dequant bf16 from compressed-tensors NVFP4 (floor: copying the bf16 "
+             "output's bytes)", "extract", ("--dequant",),
+             lambda ctx, out: ["extract", str(ctx.variant("nvfp4").path), "-o", str(out), "--dequant", "bf16"],
+             floor=_nvfp4_dequant_floor, max_floor_ratio=2.0),
         Verb("dequant-all", "every FP8 weight of the checkpoint to bf16 (unfuse-experts --dequant, layout kept); "
              "floor: copying the bf16 checkpoint, about as many bytes as the output", "unfuse-experts", ("--dequant",),
              lambda ctx, out: ["unfuse-experts", str(ctx.variant("fp8").path), "-o", str(out), "--dequant", "bf16"],

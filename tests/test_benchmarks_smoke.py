@@ -209,3 +209,19 @@ def test_merge_keeps_every_verb_of_a_size_and_takes_reruns_from_the_later_file()
     merged = merge([first, rerun])
     assert merged["sizes"]["4GB"]["verbs"] == {"extract": {"v": 1}, "dequant": {"v": "new"}, "dequant-all": {"v": 2}}
     assert merged["verbs"] == ["extract", "dequant", "dequant-all"]
+
+
+def test_nvfp4_variant_is_a_valid_compressed_tensors_checkpoint_that_dequantizes(tmp_path):
+    """The dequant-nvfp4 verb's input: every linear NVFP4-packed the compressed-tensors way; validate passes
+    and extract --dequant bf16 writes each MTP weight once, in bf16, without its scales."""
+    from ckpt_tools.ops.validate import validate
+
+    from conftest import run_ckpt
+
+    syn = generate("qwen3_next", solve("qwen3_next", TINY), "nvfp4", tmp_path / "nvfp4", shards=4)
+    assert any(k.endswith(".weight_packed") for k in syn.mtp_keys)
+    assert validate(syn.path).ok
+    run_ckpt("extract", syn.path, "-o", tmp_path / "out", "--dequant", "bf16")
+    out = read_all(tmp_path / "out")
+    assert not any(k.endswith((".weight_packed", ".weight_scale", ".weight_global_scale")) for k in out)
+    assert out["mtp.fc.weight"].dtype == torch.bfloat16

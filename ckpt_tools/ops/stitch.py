@@ -432,6 +432,11 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
             raise UsageError("the verifier declares no MTP layers; use --mode add")
         declared.require_complete()
         view = declared
+        if view.quantized:  # packed / renamed weights (quant scheme tables): no byte-level replace plan yet
+            st = next(iter(view.quantized.values()))
+            raise InputError(f"the verifier stores its MTP weights as {st.label} (e.g. {st.module}); stitching "
+                             "into MTP layers stored that way is not supported yet", rule="quant-unsupported",
+                             path=verifier.root)
         layers = _draft_layers(draft, fmt, req, view.count)
     elif mode == "add":
         if any(p.rule == "unindexed-key" for p in vgate.allowed):

@@ -150,6 +150,7 @@ class BandDecoder:
         self.zero = None if zero_point is None else zero_point.reshape(d.lead, *d.grid).astype(np.float32)
         self.table = code_table(d.spec.codes, d.spec.bits, d.spec.offset, d.weight_dtype)
         self.per_byte = self.table.shape[1]
+        self.items = np.ascontiguousarray(self.table).view({1: np.float32, 2: np.float64}[self.per_byte]).reshape(256)
         self.step = band_rows(d.cols, d.tile[0])
         self.scratch = scratch or Scratch()
         self._fast = None
@@ -174,38 +175,64 @@ class BandDecoder:
         out = np.empty((n, d.cols), dtype=numpy_storage_dtype(d.out_dtype)) if out is None else out
         if self._fast is not None:
             return self._fast.dequant(raw, lead, r0, out)
-        vals = self.table[raw.reshape(n, -1)].reshape(n, -1)  # float32 codes, [n, stored bytes * per_byte]
-        if vals.shape[1] != d.cols:
+        per_row = d.row_bytes * self.per_byte
+        # one lookup per byte gives every code it holds: the table's rows read as one item each
+        # (float32, or a float32 pair as 8 bytes), indices widened first (numpy's fast take path)
+        index = self.scratch.take("index", raw.size, np.intp).reshape(raw.shape)
+        np.copyto(index, raw, casting="unsafe")
+        codes = self.scratch.take("codes", n * per_row, np.float32)
+        np.take(self.items, index, out=codes.view(self.items.dtype).reshape(raw.shape), mode="clip")
+        vals = codes.reshape(n, per_row)
+        if per_row != d.cols:  # padding of the last packed word (compressed-tensors pack format)
             vals = np.ascontiguousarray(vals[:, : d.cols])
         tr, tc = d.tile
-        a = 0
-        while a < n:  # rows of one tile row share their scales
-            trow = (r0 + a) // tr
-            b = min(n, (trow + 1) * tr - r0)
-            block = vals[a:b]
+        if tr == 1:  # a scale row per weight row (group, channel): the whole band at once
             if self.zero is not None:
-                block -= _expand(self.zero[lead, trow], tc, d.cols)
-            _scale_cols(block, self.scale[lead, trow], tc)
-            a = b
-        out[...] = encode(vals, d.out_dtype).reshape(n, d.cols)
+                _tiles(vals, self.zero[lead, r0:r0 + n], tc, np.subtract)
+            _tiles(vals, self.scale[lead, r0:r0 + n], tc, np.multiply)
+        else:
+            a = 0
+            while a < n:  # rows of one tile row share their scales (bands hold whole tile rows or part of one)
+                trow = (r0 + a) // tr
+                b = min(n, (trow + 1) * tr - r0)
+                if self.zero is not None:
+                    _tiles(vals[a:b], self.zero[lead, trow:trow + 1], tc, np.subtract)
+                _tiles(vals[a:b], self.scale[lead, trow:trow + 1], tc, np.multiply)
+                a = b
+        _encode_into(vals, out, d.out_dtype, self.scratch)
         return out
 
 
-def _expand(per_tile: np.ndarray, tc: int, cols: int) -> np.ndarray:
-    return np.repeat(per_tile, tc)[:cols]
-
-
-def _scale_cols(block: np.ndarray, per_tile: np.ndarray, tc: int) -> None:
-    """``block[:, c] *= per_tile[c // tc]`` in place (float32)."""
+def _tiles(block: np.ndarray, per_tile: np.ndarray, tc: int, op) -> None:
+    """``block[r, c] = op(block[r, c], per_tile[r or 0, c // tc])`` in place (float32)."""
     rows, cols = block.shape
     full = cols // tc
     if full:
         # a strided 3-D view of the whole tiles (a reshape would copy when a partial tile follows)
         item = block.itemsize
         view = np.lib.stride_tricks.as_strided(block, (rows, full, tc), (block.strides[0], tc * item, item))
-        view *= per_tile[:full, None]
+        op(view, per_tile[:, :full, None], out=view)
     if cols % tc:
-        block[:, full * tc:] *= per_tile[full]
+        tail = block[:, full * tc:]
+        op(tail, per_tile[:, full:full + 1], out=tail)
+
+
+def _encode_into(vals: np.ndarray, out: np.ndarray, out_dtype: str, scratch: Scratch) -> None:
+    """Round float32 ``vals`` to nearest even into ``out`` (the output dtype's storage), as torch's casts do."""
+    if out_dtype != "BF16":
+        out[...] = encode(vals, out_dtype)
+        return
+    u = vals.view(np.uint32)
+    t = scratch.take("bf16", u.size, np.uint32).reshape(u.shape)
+    np.right_shift(u, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    t += 0x7FFF
+    t += u  # wraps only for negative NaN payloads, fixed below
+    t >>= 16
+    np.copyto(out, t, casting="unsafe")
+    nan = np.isnan(vals)
+    if nan.any():
+        out[nan] = 0xFFFF  # the NaN torch's float32 -> bfloat16 cast writes (fp8_decode.encode)
 
 
 def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
