@@ -312,3 +312,29 @@ def test_a_missing_extra_is_one_error_naming_it(monkeypatch):
     with pytest.raises(UsageError) as e:
         compressed_tensors("graft --dequant-trunk")
     assert "ckpt-tools[quant]" in str(e.value) and e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_subtree_entries_exclude_a_whole_mtp_layer_for_every_matcher(quantized, tmp_path, mixed):
+    """One entry per MTP prefix where the list's matcher has a subtree form; exact names elsewhere."""
+    match_name = ct()["match_name"]
+    mtp = ["model.layers.3.self_attn.q_a_proj", "model.layers.3.mlp.experts.0.gate_proj", "model.layers.3.eh_proj"]
+    ck = Checkpoint.open(quantized("FP8_DYNAMIC"))
+    qs = detect_scheme(ck)
+    files = exclusion_entries(qs, mtp, FUSED, subtrees=["model.layers.3."]).apply(quant_files(ck))
+    ignore = files["config.json"]["quantization_config"]["ignore"]
+    assert ignore[len(IGNORE):] == ["re:^model\\.layers\\.3\\..*"]  # one entry covers every module under it
+    for m in mtp + ["model.layers.3.self_attn.fused_qkv_a_proj", "model.layers.3.mlp.experts.7.up_proj"]:
+        assert declared(qs, files, m, FUSED) == "excluded" and any(match_name(m, i) for i in ignore), m
+    assert declared(qs, files, "model.layers.31.mlp.down_proj") == "quantized"  # a prefix, not a substring
+    mo = Checkpoint.open(_modelopt(tmp_path, quantized("NVFP4"), mixed))
+    qm = detect_scheme(mo)
+    files = exclusion_entries(qm, mtp, FUSED, subtrees=["model.layers.3"]).apply(quant_files(mo))
+    assert "model.layers.3.*" in files["hf_quant_config.json"]["quantization"]["exclude_modules"]
+    for m in mtp:
+        assert declared(qm, files, m, FUSED) == "excluded", m
+    fp8 = detect_in({"config.json": {"quantization_config": {"quant_method": "fp8", "ignored_layers": ["lm_head"]}}})
+    files = exclusion_entries(fp8, mtp, FUSED, subtrees=["model.layers.3"]).apply(fp8.files)
+    q = files["config.json"]["quantization_config"]
+    assert q["ignored_layers"][1:] == [*mtp, "model.layers.3.mlp.experts.0.gate_up_proj"]  # exact names only
+    assert "modules_to_not_convert" not in q  # written where the config already lists exclusions

@@ -1,4 +1,4 @@
-"""Quantized checkpoints as tables: which scheme a configuration declares, how a module is stored,
+r"""Quantized checkpoints as tables: which scheme a configuration declares, how a module is stored,
 what the configuration declares for it, and the exclusion entries that make it load unquantized.
 
 The schemes are data (``mappings/quantization/*.yaml``, one per scheme, schema in ``schema``);
@@ -25,9 +25,11 @@ no verb branches on a scheme name. The API:
     layers (vLLM ``packed_modules_mapping`` form: ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``).
     ``declaration`` gives the group and the reason too.
 
-``exclusion_entries(scheme, modules, fused) -> ConfigPatch``
+``exclusion_entries(scheme, modules, fused, subtrees=()) -> ConfigPatch``
     The configuration change that makes every listed module excluded, in the form each list's
-    consumers match, fused names included; ``patch.apply(files)`` returns the changed files.
+    consumers match, fused names included; ``subtrees`` (MTP layer prefixes) get one entry each
+    where the list's matcher can say "everything under" (``re:^prefix\..*``, ``prefix.*``).
+    ``patch.apply(files)`` returns the changed files.
 
 ``quant_files(ckpt)`` reads the configuration files a scheme may be declared in.
 """

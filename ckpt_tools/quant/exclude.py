@@ -12,6 +12,7 @@ again. ``patch.apply(files)`` gives the changed files; ``declared`` on them says
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -90,9 +91,24 @@ def engine_names(modules: Iterable[str], fused: Fused | None) -> list[str]:
     return out
 
 
-def exclusion_entries(scheme: QuantScheme, modules: Iterable[str], fused: Fused | None = None) -> ConfigPatch:
-    """The patch that makes every module of ``modules`` excluded in every place ``scheme`` is declared."""
+def subtree_entry(template: str, prefix: str) -> str:
+    """One exclusion entry for every module under ``prefix`` (an ExcludeDef ``subtree`` template)."""
+    prefix = prefix.rstrip(".")
+    return template.replace("{re}", re.escape(prefix)).replace("{name}", prefix)
+
+
+def exclusion_entries(scheme: QuantScheme, modules: Iterable[str], fused: Fused | None = None,
+                      subtrees: Iterable[str] = ()) -> ConfigPatch:
+    r"""The patch that makes every module of ``modules`` excluded in every place ``scheme`` is declared.
+
+    ``subtrees``: module prefixes (e.g. MTP layer prefixes) excluded whole with one entry each where the
+    list's matcher has a subtree form (compressed-tensors / Quark ``re:^prefix\..*``, ModelOpt
+    ``prefix.*``, transformers ``prefix``); an entry also covers the names engines give fused layers
+    and expert containers under that prefix. Lists without a subtree form (vLLM ``ignored_layers``)
+    get the exact names of ``modules`` only, so pass every module there too.
+    """
     names = engine_names(modules, fused)
+    prefixes = [p.rstrip(".") for p in subtrees]
     changes: list[Change] = []
     for decl in scheme.declarations:
         sec = decl.section
@@ -100,10 +116,14 @@ def exclusion_entries(scheme: QuantScheme, modules: Iterable[str], fused: Fused 
         targets = present or [e for e in decl.where.exclude if e.create]
         for e in targets:
             patterns = [p for p in (dig(sec, e.field) or []) if isinstance(p, str)]
+            add: list[str] = []
+            if e.subtree is not None:
+                add += [x for p in prefixes if (x := subtree_entry(e.subtree, p)) not in patterns]
+            covered = patterns + add
             # a fused name is written even when its shards are excluded: SGLang matches the layer name only
-            add = tuple(n for n in names if not match_any(e.matcher, n, patterns))
+            add += [n for n in names if not match_any(e.matcher, n, covered)]
             if add:
-                changes.append(Change(decl.file, decl.path, e.field, add=add))
+                changes.append(Change(decl.file, decl.path, e.field, add=tuple(add)))
         if decl.where.per_module:
             listed = dig(sec, decl.where.per_module) or {}
             remove = tuple(n for n in names if n in listed)

@@ -49,6 +49,9 @@ class ExcludeDef(_Strict):
     # or a suffix); exact: the name itself (vLLM fp8 ``ignored_layers``)
     matcher: Literal["compressed-tensors", "quark", "modelopt", "transformers", "exact"]
     create: bool = False  # exclusion_entries adds this field when no exclude field exists yet
+    # how one entry excludes a whole subtree (an MTP layer prefix), in this matcher's pattern language:
+    # {name} the prefix as it is, {re} regex-escaped; None: the matcher has none (exact names only)
+    subtree: str | None = None
 
 
 class ConfigDef(_Strict):
