@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dtypes import DTYPES, torch_dtype
+from .fp8_decode import encode
 
 METHODS = ("normal", "zeros", "ones")
 BAND_ELEMS = 1 << 20  # values generated at a time: 4 MiB of float32
@@ -72,12 +73,11 @@ def generator(seed: int, name: str) -> np.random.Generator:
 
 
 def _encode(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values -> the stored dtype's bytes (torch's round-to-nearest-even casts)."""
-    if dtype == "F32":
-        return values
-    import torch
-
-    return torch.from_numpy(values).to(torch_dtype(dtype)).view(torch.uint8).numpy()
+    """float32 values -> the stored dtype's bytes, rounded to nearest even as torch's casts round
+    (numpy on the bits: an init-draft run never imports torch, which alone costs ~250 MB of RSS)."""
+    if dtype == "F64":
+        return values.astype(np.float64)  # every float32 is a float64: exact
+    return encode(values, dtype)
 
 
 def _constant(recipe: InitRecipe, n: int) -> np.ndarray:

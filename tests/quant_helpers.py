@@ -145,7 +145,7 @@ def fp4_e8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, cols = w.shape
     g = w.float().reshape(out, cols // 32, 32)
     e = _e8m0(g.abs().amax(-1), 6.0)
-    x = g / torch.ldexp(torch.ones(()), e.to(torch.int32) - 127).unsqueeze(-1)
+    x = g / torch.exp2(e.to(torch.float32) - 127).unsqueeze(-1)  # powers of two: exact
     codes = (x.unsqueeze(-1) - E2M1).abs().argmin(-1).to(torch.uint8).reshape(out, cols)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(torch.int8)
     return packed.contiguous(), e.view(torch.float8_e8m0fnu)
@@ -157,7 +157,7 @@ def fp8_e8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Ten
     p = torch.nn.functional.pad(w.float(), (0, -c % block, 0, -r % block))
     blocks = p.reshape(p.shape[0] // block, block, p.shape[1] // block, block)
     e = _e8m0(blocks.abs().amax(dim=(1, 3)), 448.0)
-    s = torch.ldexp(torch.ones(()), e.to(torch.int32) - 127)
+    s = torch.exp2(e.to(torch.float32) - 127)
     q = (blocks / s[:, None, :, None]).reshape(p.shape)[:r, :c].to(torch.float8_e4m3fn)
     return q.contiguous(), e.view(torch.float8_e8m0fnu)
 

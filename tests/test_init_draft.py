@@ -368,7 +368,7 @@ _CHILD = """
 import json, re, sys, time
 def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
-import numpy, torch, safetensors, huggingface_hub, rich  # the libraries any run loads
+import numpy, safetensors, huggingface_hub, rich  # the libraries a run may load (torch is not one)
 import ckpt_tools.ops.init_draft, ckpt_tools.ops.validate, ckpt_tools.writer
 from ckpt_tools.cli import app
 base = hwm()
@@ -377,7 +377,8 @@ try:
     app(["init-draft", sys.argv[1], "-o", sys.argv[2], "--json"])
 except SystemExit as e:
     assert not e.code, e.code
-print(json.dumps({"base_kb": base, "peak_kb": hwm(), "seconds": time.monotonic() - t}))
+print(json.dumps({"base_kb": base, "peak_kb": hwm(), "seconds": time.monotonic() - t,
+                  "torch_loaded": "torch" in sys.modules}))
 """
 
 
@@ -409,6 +410,7 @@ def test_peak_memory_is_bounded_by_bands(tmp_path):
     peak, largest = stats["peak_kb"] * 1024, stats["largest_tensor"]
     assert largest == 4096 * 8192 * 2 and stats["total_bytes"] > 3 * largest
     assert peak < 300 * 2**20 + largest, stats  # the issue's bound
+    assert not stats["torch_loaded"], "init-draft computes in numpy: torch alone is ~250 MB of RSS"
     # the run itself stays near one tensor (bands, copy and hashing buffers, allocator arenas), not the draft
     assert peak - stats["base_kb"] * 1024 < largest + 32 * 2**20, stats
 

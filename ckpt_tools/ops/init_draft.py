@@ -124,15 +124,26 @@ def _std(req: InitRequest, target: Checkpoint) -> tuple[float, str]:
 NORMAL_BOUND = 16.0
 
 
+@dataclass(frozen=True)
+class _Range:
+    max: float  # largest finite value
+    tiny: float  # smallest normal value
+
+
+# torch.finfo's values, without importing torch (init-draft computes in numpy only)
+_FLOAT_RANGE = {
+    "F16": _Range(65504.0, 2.0**-14),
+    "BF16": _Range(float.fromhex("0x1.fep127"), 2.0**-126),
+    "F32": _Range(float.fromhex("0x1.fffffep127"), 2.0**-126),
+    "F64": _Range(float.fromhex("0x1.fffffffffffffp1023"), 2.0**-1022),
+}
+
+
 def _check_std_fits(std: float, std_from: str, dtypes: set[str], target: Checkpoint) -> None:
     """Normal values of this std must be finite, normal numbers in every dtype they are drawn into
     (float32 first, where they are scaled): no Inf from a huge std, no all-zero tensor from a tiny one."""
-    import torch
-
-    from ..dtypes import torch_dtype
-
     for dtype in sorted((dtypes | {"F32"}) if dtypes else ()):
-        info = torch.finfo(torch_dtype(dtype))
+        info = _FLOAT_RANGE[dtype]
         if std * NORMAL_BOUND <= info.max and std >= info.tiny:
             continue
         why = (f"normal values of std {std:g} do not fit {dtype} (finite up to {info.max:g}, normal from "
@@ -375,7 +386,6 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
 
 def _recipe_record(req: InitRequest, table: Table, summary: InitSummary, sha: str, sha_of: str, dtype) -> dict:
     import numpy as np
-    import torch
 
     return {
         "seed": req.seed,
@@ -391,11 +401,20 @@ def _recipe_record(req: InitRequest, table: Table, summary: InitSummary, sha: st
         "rng": RNG_DESCRIPTION,
         "band_elems": BAND_ELEMS,
         "numpy": np.__version__,
-        "torch": torch.__version__,
+        "torch": _torch_version(),  # whose casts the bf16 / f16 rounding reproduces
         "initialised_tensors": len(summary.initialised),
         "copied_from_target": len(summary.copied),
         "left_out": summary.left_out,
     }
+
+
+def _torch_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
 
 
 def _direct(t: OutputTensor, source: InitSource, copied: dict[str, str]) -> OutputTensor:

@@ -72,13 +72,20 @@ def code_table(codes: str, bits: int = 8, offset: int = 0, weight_dtype: str | N
     raise PlanError(f"no decoder for {codes} codes of {bits} bits", rule="dequant")
 
 
+def _e8m0_table(top: float) -> np.ndarray:
+    """float32 value of every E8M0 byte: 2**(e - 127); e = 255 is ``top`` (2**128 is no float32)."""
+    out = np.ldexp(np.float32(1.0), np.arange(255, dtype=np.int32) - 127).astype(np.float32)
+    return np.append(out, np.float32(top))
+
+
+_E8M0_NAN, _E8M0_INF = _e8m0_table(np.nan), _e8m0_table(np.inf)
+
+
 def scale_values(raw: np.ndarray, dtype: str, encoding: str = "float", top: str = "nan") -> np.ndarray:
     """float32 values of a scale tensor's storage array (exact)."""
     if encoding == "e8m0" or dtype == "F8_E8M0":
-        e = raw.view(np.uint8).astype(np.int32)
-        out = np.ldexp(np.float32(1.0), e - 127).astype(np.float32)
-        out[e == 255] = np.float32(np.nan if (dtype == "F8_E8M0" or top == "nan") else np.inf)
-        return out
+        nan_top = dtype == "F8_E8M0" or top == "nan"
+        return (_E8M0_NAN if nan_top else _E8M0_INF)[raw.view(np.uint8)]
     if dtype == "F8_E4M3":
         return FP8_TABLES["F8_E4M3"][raw.view(np.uint8)]
     if dtype in ("F32", "BF16", "F16"):
