@@ -124,11 +124,8 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
     cfg = fixture_config(family, opts.config_overrides, opts.fp8)
     view = ConfigView(cfg)
     res = resolve(table, view)
-    if opts.drop_mtp and table.mtp.count_field:
-        var = table.config[table.mtp.count_field]
-        present = [k for k in var.keys if view.has(k)]
-        view = view.with_values({k: 0 for k in present[:1] or var.keys[:1]})
-        cfg = view.raw
+    if opts.drop_mtp:
+        cfg = zero_mtp_count(table, view).raw
     specs, mtp_keys = checkpoint_specs(res, opts)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -165,6 +162,15 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
         (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}) + "\n")
         (out / "README.md").write_text(f"# tiny {family} fixture\n")
     return out
+
+
+def zero_mtp_count(table, view: ConfigView) -> ConfigView:
+    """The config with its MTP count set to 0 (the first of the count's keys it has), as a trunk declares it."""
+    if not table.mtp.count_field:
+        return view
+    var = table.config[table.mtp.count_field]
+    present = [k for k in var.keys if view.has(k)]
+    return view.with_values({k: 0 for k in present[:1] or var.keys[:1]})
 
 
 def _copied(spec: Spec, res: Resolved) -> Spec:
