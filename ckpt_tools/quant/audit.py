@@ -25,6 +25,7 @@ Each disagreement is a ``Finding`` with the change that repairs it (``exclude`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -56,6 +57,7 @@ class Stored:
     dtype: str | None = None  # the weight's stored dtype
 
 
+StoredOf = Callable[[str], "Stored | None"]
 Row = tuple[str, Stored, bool, bool]  # (module, how it is stored, the table's quant flag, routed expert)
 
 
@@ -129,29 +131,34 @@ def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Store
     return Stored("unquantized", st.label, None, st, st.dtype)
 
 
-def module_rows(view: MtpView, scheme: QuantScheme | None) -> list[Row]:
-    """(module, stored, quant flag, expert) of every MTP linear module present."""
+def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf | None = None) -> list[Row]:
+    """(module, stored, quant flag, expert) of every MTP linear module present.
+
+    ``stored_of(key)``: how a verb is about to store the tensor ``key`` (None: as the checkpoint does).
+    """
+    def look(key: str, shape) -> Stored:
+        got = stored_of(key) if stored_of is not None else None
+        return got if got is not None else _stored(view, scheme, key, shape)
+
     out: list[Row] = []
     for s in view.present:
         if s.role in ("scale", "expert") or s.kind != "linear" or not s.key.endswith(".weight"):
             continue
-        out.append((s.key.removesuffix(".weight"), _stored(view, scheme, s.key, s.shape), s.quant, False))
+        out.append((s.key.removesuffix(".weight"), look(s.key, s.shape), s.quant, False))
     present = {s.key for s in view.present}
     for g in view.groups():
         if g.layout.per_expert:
             for t in g.tensors():
                 if t.key in present:
-                    out.append((t.key.removesuffix(".weight"), _stored(view, scheme, t.key, t.shape), g.quant, True))
+                    out.append((t.key.removesuffix(".weight"), look(t.key, t.shape), g.quant, True))
             continue
         # fused / stacked experts: engines still probe (and exclude) them per expert
-        refs = [view.ckpt.tensors.get(t.key) for t in g.tensors() if t.key in present]
-        dtypes = sorted({r.dtype for r in refs if r is not None})
-        if not dtypes:
+        parts = [look(t.key, t.shape) for t in g.tensors() if t.key in present]
+        if not parts:
             continue
-        if all(d in FLOAT_DTYPES for d in dtypes):
-            stored = Stored("unquantized", "/".join(dtypes), dtype=dtypes[0])
-        else:
-            stored = Stored("quantized", f"{'/'.join(dtypes)} ({g.layout.label()} experts)", dtype=dtypes[0])
+        labels = "/".join(sorted({p.label for p in parts}))
+        state = "unquantized" if all(p.state == "unquantized" for p in parts) else "quantized"
+        stored = Stored(state, f"{labels} ({g.layout.label()} experts)", dtype=parts[0].dtype)
         for t in g.with_layout(PER_EXPERT).tensors():
             out.append((t.key.removesuffix(".weight"), stored, g.quant, True))
     return out

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .audit import Audit, Finding, Row, audit, judge, module_rows, scheme_of
+from .audit import Audit, Finding, Row, StoredOf, audit, judge, module_rows, scheme_of
 from .config import QuantFiles, dig, quant_files
 from .detect import QuantScheme, detect_in
 from .exclude import Change, ConfigPatch, exclusion_entries
@@ -126,3 +126,19 @@ def repair_view(view: MtpView) -> Repair:
         return Repair(unfixable=list(audit(view).findings))
     return repair(module_rows(view, scheme), scheme, view.table, quant_files(ckpt), linear_modules(ckpt.tensors),
                   ckpt.tensors)
+
+
+def repair_written(view: MtpView, files: QuantFiles, tensors: Mapping[str, Any], modules: Iterable[str],
+                   stored_of: StoredOf | None = None, changed_only: bool = False) -> Repair:
+    """``repair`` for the MTP a verb is about to write: ``view``'s modules stored as ``stored_of`` says
+    (None: as ``view``'s checkpoint stores them), judged against ``files`` (the output's configuration
+    before repair) of a checkpoint holding ``tensors``. ``changed_only``: judge only the modules whose
+    storage the verb changes (the others stay as the input declares them)."""
+    scheme = detect_in(files, tensors)
+    rows = module_rows(view, scheme, stored_of)
+    if changed_only:
+        now = {m: st.state for m, st, *_ in module_rows(view, scheme)}
+        rows = [r for r in rows if now.get(r[0]) != r[1].state]
+    if not rows:
+        return Repair()
+    return repair(rows, scheme, view.table, files, modules, tensors)
