@@ -19,7 +19,8 @@ Rules that refuse a checkpoint (``RULES``):
   are refused when the checkpoint is opened (``Checkpoint.open``), before the gate runs.
 - config vs tensors (needs the family's table): ``mtp-missing``, ``mtp-misshaped``,
   ``mtp-beyond``, ``mtp-extra``, ``fp8-scale-missing``, ``fp8-scale-shape``, ``quant-config``,
-  ``tied-head``; config values of the wrong type are refused while the table is resolved
+  ``mtp-quant-config`` (each MTP module stored as the quantization config declares it, see
+  ``quant.audit``), ``tied-head``; config values of the wrong type are refused while the table is resolved
   (``config-field``, see ``tables.resolve``).
 - a complete trunk: ``trunk-missing`` / ``trunk-misshaped``: the shared embedding, final norm and
   head (unless tied), and every decoder layer's required tensors per the table (``trunk_specs``),
@@ -61,7 +62,7 @@ MAX_LISTED = 20  # keys named in one message before "..."
 
 INDEX_RULES = ("index-empty", "unindexed-shard", "unindexed-key", "duplicate-tensor", "single-file-shadows-index")
 MTP_RULES = ("mtp-missing", "mtp-misshaped", "mtp-beyond", "mtp-extra")
-CONFIG_RULES = (*MTP_RULES, "fp8-scale-missing", "fp8-scale-shape", "quant-config", "tied-head")
+CONFIG_RULES = (*MTP_RULES, "fp8-scale-missing", "fp8-scale-shape", "quant-config", "mtp-quant-config", "tied-head")
 TRUNK_RULES = ("trunk-missing", "trunk-misshaped")
 # Every rule the gate refuses on, and what proceeding with --allow-invalid RULE means.
 RULES: dict[str, str] = {
@@ -77,6 +78,8 @@ RULES: dict[str, str] = {
     "fp8-scale-missing": "an FP8 weight without its block scale",
     "fp8-scale-shape": "a block scale of the wrong shape",
     "quant-config": "FP8 tensors and quantization_config disagree",
+    "mtp-quant-config": "an MTP module is stored otherwise than the quantization config declares it (not excluded, "
+                        "excluded, fused names missed, scales missing)",
     "tied-head": "the config ties the head while the checkpoint ships one",
     "trunk-missing": "a tensor of the embedding, head, final norm or a decoder layer is absent",
     "trunk-misshaped": "a trunk tensor has another shape than the table says",
@@ -301,18 +304,17 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
     cfg = config_path(ckpt)
     field_name = count_field(view)
     declared = f"config declares {view.count} MTP layer(s) ({field_name}, {view.table.family})"
+    # no MTP weight at all: what quantizers that drop MTP leave behind
+    fix = (f"; quantizer dropped MTP? `ckpt graft SOURCE {ckpt.root} -o OUT` restores it from the original release"
+           if not view.present else "")
     out: list[Problem] = []
     for s in view.missing:
-        if s.key in unknown:
-            continue
-        if s.role == "scale":  # a quantized weight's companion (quant storage formats)
-            out.append(Problem("mtp-missing", cfg, s.key, "a quantized MTP weight's scale / companion tensor is "
-                                                          "missing; engines cannot load the module"))
+        if s.key in unknown or s.role == "scale":  # a quantized weight's companion: rule mtp-quant-config
             continue
         where = f"depth {s.depth}" if s.depth is not None else "shared by every depth"
         out.append(Problem("mtp-missing", cfg, s.key, f"{declared} but this {s.role} tensor {list(s.shape)} "
                                                       f"({where}) is missing (a release without MTP weights sets "
-                                                      f"{field_name} to 0)"))
+                                                      f"{field_name} to 0){fix}"))
     for s, actual in view.misshaped:
         if s.role == "scale":
             continue  # FP8 scales are checked for every weight, with the config's block size
@@ -339,6 +341,13 @@ def absent_notes(view: MtpView) -> list[Problem]:
     """
     cfg = config_path(view.ckpt)
     out: list[Problem] = []
+    ckpt = view.ckpt
+    if view.count == 0 and not view.beyond and (ckpt.config.get("quantization_config") is not None
+                                                 or "hf_quant_config.json" in ckpt.files):
+        out.append(Problem("mtp-none", cfg, None,
+                           f"a quantized {view.table.family} checkpoint without MTP layers ({count_field(view)} is 0); "
+                           f"if its release ships them, the quantizer dropped them: `ckpt graft SOURCE {ckpt.root} "
+                           "-o OUT` restores them"))
     for s in view.optional_absent:
         where = f"MTP depth {s.depth}" if s.depth is not None else "the MTP layers"
         source = view.resolved.shared_source(s.copy_of) if s.copy_of else None
@@ -477,9 +486,23 @@ def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, un
     return out + [p for _, p in sorted(found, key=lambda kp: kp[0])]
 
 
+def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:
+    """``mtp-quant-config``: every MTP module stored as the quantization config declares it (quant.audit)."""
+    from .quant.audit import RULE, audit
+
+    cfg = config_path(view.ckpt)
+    fix = f"; `ckpt validate --fix-quant-config {view.ckpt.root} -o OUT` repairs the config"
+    out = []
+    for f in audit(view).findings:
+        if any(k.startswith(f.key + ".") for k in unknown):
+            continue
+        out.append(Problem(RULE, cfg, f.key, f.message + (fix if f.fix else "")))
+    return out
+
+
 def model_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
     """Config vs tensors and the trunk, for a checkpoint whose table is known."""
-    return (mtp_problems(view, unknown) + tied_head_problems(view)
+    return (mtp_problems(view, unknown) + quant_config_problems(view, unknown) + tied_head_problems(view)
             + trunk_problems(view, unknown, whole_model=whole_model))
 
 

@@ -99,15 +99,25 @@ def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
             if all(tuple(getattr(keys.get(t.key), "shape", ())) == t.shape for t in g.tensors()):
                 return lay
     best, best_hits = group.layout, -1
+    stored = _stored_weight_suffixes()
     for lay in candidates:
         g = group if lay == group.layout else group.with_layout(lay)
         ts = g.tensors()
-        hits = sum(1 for t in ts if t.key in keys)
+        # a weight a quantization scheme stores under another name (weight_packed) is on disk too
+        hits = sum(1 for t in ts if t.key in keys or (t.key.endswith(".weight") and any(
+            t.key[:-6] + s in keys for s in stored)))
         if hits == len(ts):
             return lay
         if hits > best_hits:
             best, best_hits = lay, hits
     return best if best_hits > 0 else group.layout
+
+
+def _stored_weight_suffixes() -> tuple[str, ...]:
+    """The names the quantization scheme tables store a weight under, besides ``weight``."""
+    from .quant import all_schemes
+
+    return tuple(sorted({f.weight.suffix for t in all_schemes().values() for f in t.storage} - {"weight"}))
 
 
 def choose_table(ckpt: Checkpoint, arch: str | None = None) -> Table:

@@ -80,8 +80,8 @@ def test_extract_dequant_from_modelopt_nvfp4_drops_its_side_file(make_fixture, t
     ct_dir = write_quantized(make_fixture("deepseek_v3"), tmp_path / "ct", scheme_for("NVFP4"), list(IGNORE))
     (tmp_path / "mo").mkdir()
     src = _modelopt(tmp_path / "mo", ct_dir, mixed=False)
-    # the modelopt fixture excludes model.layers.3.mlp*: the MTP experts stay BF16 there
-    run_ckpt("extract", src, "-o", tmp_path / "out", "--dequant", "bf16")
+    # the modelopt fixture excludes model.layers.3.mlp*, which holds NVFP4 modules (rule mtp-quant-config)
+    run_ckpt("extract", src, "-o", tmp_path / "out", "--dequant", "bf16", "--allow-invalid", "mtp-quant-config")
     assert not (tmp_path / "out" / "hf_quant_config.json").exists()
     out, state = _out(tmp_path / "out"), load_file(src / "model.safetensors")
     m = f"{MTP}self_attn.o_proj"

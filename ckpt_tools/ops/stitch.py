@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ from typing import TYPE_CHECKING
 from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..compare import TensorDiff, compare, count_nonfinite
-from ..config import ConfigView
 from ..consistency import count_field, note_allowed, require_consistent
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
@@ -43,6 +41,7 @@ from ..numeric import torch_threads
 from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..prefixes import Unwrapped, unwrap
 from ..provenance import prove_family
+from ..quant.repair import Repair
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
 
@@ -116,6 +115,7 @@ class StitchReport:
     provenance: str = ""  # the evidence that the draft belongs to the verifier
     exempt: str | None = None  # why the divergence check does not apply to this draft
     draft: dict = field(default_factory=dict)  # how the draft was read: reader, its notes, the prefix stripped
+    quant_config: dict | None = None  # the quantization config repair (quant.repair), when the config changed
     validation: dict | None = None
 
     def totals(self) -> dict:
@@ -146,6 +146,7 @@ class StitchReport:
             "rewritten_shards": self.rewritten_shards,
             "new_shards": self.new_shards,
             "linked_files": self.linked_files,
+            **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
             **({"validation": self.validation} if self.validation is not None else {}),
         }
 
@@ -203,6 +204,7 @@ class _Builder:
         self.missing: list[str] = []
         self.misshaped: list[str] = []
         self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
+        self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
         self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
@@ -298,6 +300,12 @@ class _Builder:
             t = transforms.dequantize(t, scale, target, self.res.block_size)
         elif target != t.dtype:
             t = transforms.cast(t, target)
+        stored = None if self.add else self.view.quantized.get(t.key)
+        if stored is not None:
+            # the verifier stores it in a scheme table's format this tool does not write: the draft's values
+            # go in unquantized, in place of its stored tensors, and the config excludes the module
+            self.removed += stored.all_keys()
+            self.placed[stored.all_keys()[0]] = t.key
         self.candidates[t.key] = t
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
@@ -622,6 +630,18 @@ def _measure(builder: _Builder, view: MtpView, report: StitchReport) -> None:
 def _probe(builder: _Builder, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
     """One candidate against the verifier: values compared, status and dtypes as written."""
     vref = view.ckpt.tensors.get(key)
+    stored = view.quantized.get(key) if vref is None else None
+    if stored is not None:  # a module stored by a scheme table: its dequantized values
+        from ..quant.dequant import dequant_module
+
+        a = dequant_module(view.ckpt, stored, key, "F32")
+        d = compare(key, "F32", a.shape, a.recipe, t.dtype, t.shape, t.recipe, stop=stop)
+        if d.status != "shape-changed":
+            d.status = "dtype-changed"
+            if d.max_abs == 0:
+                d.unjudged = "the verifier's values, unquantized"
+        d.dtype_a, d.dtype_b = stored.label, t.dtype
+        return d
     if vref is None:
         return TensorDiff(key, "added", None, t.dtype, None, list(t.shape),
                           nonfinite=count_nonfinite(t.recipe, t.dtype, t.shape))
@@ -749,6 +769,11 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
             continue
         order = []
         for k in listed:
+            if k in builder.placed:  # written unquantized where the verifier stored it quantized
+                t = builder.candidates[builder.placed[k]]
+                tensors.append(OutputTensor(t.key, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
+                order.append(t.key)
+                continue
             if k in removed:
                 continue
             if k in builder.candidates and k in changed:
@@ -764,8 +789,8 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
             order.append(k)
         layouts[shard] = ShardLayout(order=order, header_bytes=raw_header(verifier, shard))
         report.rewritten_shards.append(shard)
-    config = _stitched_config(verifier, view, builder, req, mode="replace")
-    files = _config_file(verifier, config) + files + carried_files(verifier)
+    config = _stitched_files(verifier, view, builder, "replace", report)
+    files = config + files + [f for f in carried_files(verifier) if f.name not in {c.name for c in config}]
     plan = Plan(req.command, tensors, files, inputs=_inputs(draft, verifier), max_shard_size=req.max_shard_size,
                 manifest=_manifest(draft, verifier, report, fmt), shard_layouts=layouts)
     if verifier.index is None:
@@ -774,38 +799,63 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
 
 
 def _add_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder, req, report: StitchReport, fmt):
+    mtp = [builder.candidates[k] for k in sorted(builder.candidates)]
+    files = _stitched_files(verifier, view, builder, "add", report)
+    return mtp_into(verifier, mtp, files, req.link, req.max_shard_size, req.command, _inputs(draft, verifier),
+                    _manifest(draft, verifier, report, fmt), report)
+
+
+def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[OutputFile], link: str,
+             max_shard_size: int, command: str, inputs, manifest: dict, report: StitchReport,
+             drop: frozenset[str] = frozenset()) -> Plan:
+    """The verifier with ``mtp`` written into new ``model-mtp*`` shards (stitch add mode, graft).
+
+    Its shards are copied or linked as they are, except those holding ``drop`` keys (MTP tensors
+    being replaced), which are rewritten without them; ``config_files`` replace the verifier's own
+    files of those names (config.json, hf_quant_config.json); the other files are carried.
+    """
     from huggingface_hub import split_state_dict_into_shards_factory
 
     files: list[OutputFile] = []
+    tensors: list[OutputTensor] = []
+    layouts: dict[str, ShardLayout] = {}
     wm = verifier.index["weight_map"] if verifier.index else None
     single = verifier.index is None
     for shard, keys in verifier.shard_keys.items():
         listed = [k for k in keys if wm is None or wm.get(k) == shard]
         # a lone model.safetensors would hide the index from loaders: give it a sharded name
         name = "model-00001-of-00002.safetensors" if single else shard
-        if single and req.link == "remote":
-            raise UsageError("--link remote cannot rename the verifier's lone model.safetensors; use --link copy")
-        files.append(_untouched(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}, name))
-        report.linked_files.append(name)
-        report.copied_tensors += len(listed)
-    mtp = [builder.candidates[k] for k in sorted(builder.candidates)]
+        kept = [k for k in listed if k not in drop]
+        if len(kept) == len(listed):
+            if single and link == "remote":
+                raise UsageError("--link remote cannot rename the verifier's lone model.safetensors; use --link copy")
+            files.append(_untouched(verifier, shard, link, {k: verifier.tensors[k].nbytes for k in listed}, name))
+            report.linked_files.append(name)
+        elif kept:  # rewritten without the dropped tensors, the others byte for byte in their order
+            for k in kept:
+                ref = verifier.tensors[k]
+                tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=name,
+                                            meta={"copied_from": "verifier"}))
+            layouts[name] = ShardLayout(order=kept)
+            report.rewritten_shards.append(name)
+        report.copied_tensors += len(kept)
     if single:
         names = {t.key: "model-00002-of-00002.safetensors" for t in mtp}
     else:
         split = split_state_dict_into_shards_factory({t.key: t for t in mtp}, get_storage_size=lambda t: t.nbytes,
                                                      filename_pattern="model-mtp{suffix}.safetensors",
-                                                     max_shard_size=req.max_shard_size)
+                                                     max_shard_size=max_shard_size)
         names = {k: f for f, ks in split.filename_to_tensors.items() for k in ks}
-    tensors = [OutputTensor(t.key, t.dtype, t.shape, t.recipe, shard=names[t.key], meta=t.meta) for t in mtp]
-    taken = {f.name for f in files}
+    tensors += [OutputTensor(t.key, t.dtype, t.shape, t.recipe, shard=names[t.key], meta=t.meta) for t in mtp]
+    taken = {f.name for f in files} | set(layouts)
     clash = taken & set(names.values())
     if clash:
         raise PlanError(f"new MTP shard name(s) {sorted(clash)} already exist in the verifier", rule="shard-name")
     report.new_shards = sorted(set(names.values()))
-    config = _stitched_config(verifier, view, builder, req, mode="add")
-    files = _config_file(verifier, config) + files + carried_files(verifier)
-    return Plan(req.command, tensors, files, inputs=_inputs(draft, verifier), max_shard_size=req.max_shard_size,
-                manifest=_manifest(draft, verifier, report, fmt))
+    replaced = {f.name for f in config_files}
+    files = config_files + files + [f for f in carried_files(verifier) if f.name not in replaced]
+    return Plan(command, tensors, files, inputs=inputs, max_shard_size=max_shard_size, manifest=manifest,
+                shard_layouts=layouts)
 
 
 def _untouched(verifier: Checkpoint, shard: str, link: str, tensors: dict[str, int], name: str | None = None
@@ -816,36 +866,57 @@ def _untouched(verifier: Checkpoint, shard: str, link: str, tensors: dict[str, i
     return OutputFile(name or shard, source=verifier.file_path(shard), link=link, tensors=tensors)
 
 
-def _stitched_config(verifier: Checkpoint, view: MtpView, builder: _Builder, req: StitchRequest, mode: str):
-    """The verifier's config, with the MTP count (add mode) and quantization ignore list updated."""
-    raw = verifier.config.raw
-    config = raw
-    if mode == "add":
-        config = _set_count(view, raw, view.count)
-    quant = ConfigView(config).get("quantization_config")
-    unquantized_mtp = (mode == "add" and isinstance(quant, dict)) or builder.removed
-    if unquantized_mtp and isinstance(quant, dict):
-        config = ConfigView(config).with_values({}).raw  # deep copy
-        q = ConfigView(config).get("quantization_config")
-        prefixes = _unquantized_modules(view, builder, mode)
-        if isinstance(q.get("ignore"), list):  # compressed-tensors
-            q["ignore"] = q["ignore"] + [f"re:^{re.escape(p)}\\..*" for p in prefixes
-                                         if f"re:^{re.escape(p)}\\..*" not in q["ignore"]]
-        else:  # transformers / vLLM fp8: modules_to_not_convert
-            have = list(q.get("modules_to_not_convert") or [])
-            q["modules_to_not_convert"] = have + [p for p in prefixes if p not in have]
-    return config
+def _stitched_files(verifier: Checkpoint, view: MtpView, builder: _Builder, mode: str, report: StitchReport
+                    ) -> list[OutputFile]:
+    """config.json (MTP count in add mode) and the quantization config repaired wherever the stitch
+    writes an MTP module unquantized that the config declares quantized (``quant.repair``)."""
+    config = _set_count(view, verifier.config.raw, view.count) if mode == "add" else verifier.config.raw
+    written = {k: t.dtype for k, t in builder.candidates.items() if t.dtype in FLOAT_DTYPES}
+    # replace mode judges only the modules whose storage changes (written unquantized where the verifier
+    # stores them quantized: --keep-bf16, --dtype draft, a scheme this tool does not write)
+    repaired = repair_config(verifier, view, config, written, changed_only=mode != "add")
+    report.quant_config = repaired.to_json() if repaired.changed else None
+    return config_files(verifier, config, repaired)
 
 
-def _unquantized_modules(view: MtpView, builder: _Builder, mode: str) -> list[str]:
-    """What the quantization config must list as not quantized: every MTP layer when all of
-    its FP8 weights are written unquantized (add mode, --keep-bf16), else each such module."""
-    scales = {s.key for s in view.present if s.role == "scale"}
-    if mode == "add" or set(builder.removed) >= scales:
-        return sorted({layer.prefix.rstrip(".") for layer in view.resolved.layers}
-                      | {s.key.rsplit(".", 1)[0] for s in view.resolved.glue_specs() if s.depth is None})
-    suffix = "." + view.resolved.scale_suffix
-    return sorted({k.removesuffix(suffix) for k in builder.removed})
+def repair_config(ckpt: Checkpoint, view: MtpView, config: dict, dtypes: dict[str, str],
+                  changed_only: bool = False) -> Repair:
+    """The quantization config of ``ckpt`` (``config`` as its config.json) repaired for the MTP modules
+    ``view`` describes, with the float tensors ``dtypes`` (key -> dtype) written unquantized (see
+    ``quant.repair.repair_written``). Refused (rule mtp-quant-config) when no change of the config can
+    make it declare what is written."""
+    from ..quant import quant_files
+    from ..quant.audit import Stored
+    from ..quant.repair import linear_modules, repair_written
+
+    files = {**quant_files(ckpt), "config.json": config}
+
+    def stored_of(key: str) -> Stored | None:
+        dt = dtypes.get(key)
+        return Stored("unquantized", dt, dtype=dt) if dt is not None else None
+
+    modules = linear_modules(ckpt.tensors) | {k.rpartition(".")[0] for k in dtypes}
+    try:
+        rep = repair_written(view, files, ckpt.tensors, modules, stored_of, changed_only)
+    except InputError as e:
+        if e.rule == "quant-unknown":  # a scheme no table describes: its config is left as it is
+            return Repair()
+        raise
+    if rep.unfixable:
+        shown = "; ".join(f"{f.key}: {f.message}" for f in rep.unfixable[:5])
+        raise InputError(f"the MTP would be written in a storage the quantization config cannot be made to declare "
+                         f"({len(rep.unfixable)} module(s)): {shown}", rule="mtp-quant-config", path=ckpt.root)
+    return rep
+
+
+def config_files(ckpt: Checkpoint, config: dict, repaired: Repair) -> list[OutputFile]:
+    """config.json (byte copy when unchanged) and every repaired quantization side file."""
+    config = repaired.files.get("config.json", config)
+    out = _config_file(ckpt, config)
+    for name, obj in sorted(repaired.files.items()):
+        if name != "config.json":
+            out.append(OutputFile(name, content=(json.dumps(obj, indent=2) + "\n").encode()))
+    return out
 
 
 def _config_file(verifier: Checkpoint, config: dict) -> list[OutputFile]:

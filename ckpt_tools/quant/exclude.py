@@ -27,7 +27,7 @@ class Change:
     section: str  # dotted path of the section within the file
     field: str  # dotted path within the section
     add: tuple[str, ...] = ()  # entries appended to a list field
-    remove: tuple[str, ...] = ()  # keys removed from a per-module mapping field
+    remove: tuple[str, ...] = ()  # keys removed from a per-module mapping field, or entries from a list
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class ConfigPatch:
             if c.remove and isinstance(parent.get(leaf), dict):
                 for k in c.remove:
                     parent[leaf].pop(k, None)
+            elif c.remove and isinstance(parent.get(leaf), list):  # entries dropped from an exclusion list
+                parent[leaf] = [x for x in parent[leaf] if x not in c.remove]
         return out
 
     def to_json(self) -> list[dict]:

@@ -179,6 +179,10 @@ class Table(_Strict):
     # Draft architectures the serving engines use for this family, e.g.
     # {sglang_nextn: <Arch>ForCausalLMNextN, vllm_mtp: <Arch>MTPModel}
     engines: dict[str, str] = Field(default_factory=dict)
+    # Layers the serving engines build from several checkpoint modules (vLLM packed_modules_mapping /
+    # SGLang stacked_params_mapping): fused name -> the module names it packs, e.g. {qkv_proj: [q_proj,
+    # k_proj, v_proj]}. Quantization exclusions must name both spellings (ckpt_tools.quant.audit).
+    fused_modules: dict[str, list[str]] = Field(default_factory=dict)
     demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
@@ -199,6 +203,14 @@ class Table(_Strict):
                 d = {"keys": d}
             out[name] = d
         return out
+
+    @field_validator("fused_modules")
+    @classmethod
+    def _fused(cls, v):
+        for name, shards in v.items():
+            if len(shards) < 2 or len(set(shards)) != len(shards) or name in shards:
+                raise ValueError(f"fused module {name!r} needs two or more distinct shard names, not itself")
+        return v
 
     @field_validator("parts", mode="before")
     @classmethod
