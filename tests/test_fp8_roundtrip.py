@@ -73,7 +73,13 @@ def test_keep_bf16_writes_unquantized_mtp_and_says_so_in_the_config(make_fixture
         if not k.startswith("model.layers.3."):
             assert c.tensors[k].read() == ref.read(), k
     q = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert "model.layers.3" in q["modules_to_not_convert"]
+    from transformers.quantizers.quantizers_utils import should_convert_module  # the consumer's matcher
+
+    # every module stitch turned from FP8 into bf16 (the verifier's own bf16 modules keep their declaration)
+    modules = {k.removesuffix(".weight") for k in mtp if k.endswith(".weight") and v.tensors[k].dtype == "F8_E4M3"}
+    assert modules and not [m for m in modules if should_convert_module(m, q["modules_to_not_convert"])]
+    trunk = {k.removesuffix(".weight") for k in c.tensors if k.endswith("_proj.weight") and k not in mtp}
+    assert all(should_convert_module(m, q["modules_to_not_convert"]) for m in trunk)  # the trunk stays FP8
     assert ckpt("validate", out).exit_code == 0
 
 
