@@ -221,18 +221,23 @@ def e5m2(t):
     return t
 
 
+
+def keys_where(out: str, pred) -> list[str]:
+    """Keys of the output's shards whose (key, stored dtype) satisfy ``pred``."""
+    from safetensors import safe_open
+
+    found = []
+    for f in glob.glob(f"{out}/*.safetensors"):
+        with safe_open(f, "pt") as s:
+            found += [k for k in s.keys() if pred(k, s.get_slice(k).get_dtype())]
+    return found
+
+
 D4 = fresh(DFq, "D4")
 edit_tensors(D4, e5m2)
 rc, o = ckpt("stitch", D4, VF, "-o", "S4")
 if rc == 0:
-    from safetensors import safe_open
-
-    bad = []
-    for f in glob.glob("S4/*.safetensors"):
-        with safe_open(f, "pt") as s:
-            for k in s.keys():
-                if "weight_scale_inv" not in k and s.get_slice(k).get_dtype() == "F8_E5M2":
-                    bad.append(k)
+    bad = keys_where("S4", lambda k, dt: "weight_scale_inv" not in k and dt == "F8_E5M2")
     record(4, "E5M2 into E4M3 slot", not bad and ckpt("validate", "S4")[0] == 0, f"rc=0 e5m2 left={bad[:2]}")
 else:
     refused(4, "E5M2 into E4M3 slot", rc, o, "S4")
@@ -250,14 +255,7 @@ for dt in (torch.int32, torch.bfloat16):
     shutil.rmtree("S4", ignore_errors=True)
     rc, o = ckpt("stitch", D4, VF, "-o", "S4")
     if rc == 0:
-        from safetensors import safe_open
-
-        wrong = []
-        for f in glob.glob("S4/*.safetensors"):
-            with safe_open(f, "pt") as s:
-                for k in s.keys():
-                    if k.endswith("weight_scale_inv") and s.get_slice(k).get_dtype() != "F32":
-                        wrong.append(k)
+        wrong = keys_where("S4", lambda k, dt: k.endswith("weight_scale_inv") and dt != "F32")
         record(4, f"{dt} scale", not wrong, f"rc=0 non-F32 scales={wrong[:2]}")
     else:
         refused(4, f"{dt} scale", rc, o, "S4")

@@ -98,18 +98,7 @@ def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
 
 @lru_cache(maxsize=4)
 def _load(dirs: tuple[Path, ...]) -> dict[str, SchemeTable]:
-    files = [p for d in dirs if d.is_dir() for p in sorted(d.glob("*.yaml"))]
-    parsed = cache.load(files, CACHE_PREFIX)
-    fresh = parsed is None
-    if fresh:
-        parsed = {str(p): _parse(p) for p in files}
-    out: dict[str, SchemeTable] = {}
-    for p in files:
-        t = load_scheme(p, parsed[str(p)])
-        out[t.scheme] = t  # later directories override shipped tables
-    if fresh:
-        cache.store(files, parsed, CACHE_PREFIX)
-    return out
+    return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
 
 
 def all_schemes() -> dict[str, SchemeTable]:

@@ -17,10 +17,12 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 PREFIX = "tables-"
+T = TypeVar("T")
 
 
 def cache_dir() -> Path | None:
@@ -87,3 +89,22 @@ def store(files: list[Path], parsed: dict[str, Any], prefix: str = PREFIX) -> No
                 old.unlink(missing_ok=True)
     except Exception:
         return
+
+
+def load_tables(dirs: tuple[Path, ...], parse: Callable[[Path], Any], build: Callable[[Path, Any], T],
+                name_of: Callable[[T], str], prefix: str = PREFIX) -> dict[str, T]:
+    """Every ``*.yaml`` of ``dirs`` built into a table, by name (later directories override earlier
+    ones). YAML parsing is most of the cost, so the parsed data is cached; ``build`` checks run on every
+    load, and only data whose tables all passed them is stored."""
+    files = [p for d in dirs if d.is_dir() for p in sorted(d.glob("*.yaml"))]
+    parsed = load(files, prefix)
+    fresh = parsed is None
+    if fresh:
+        parsed = {str(p): parse(p) for p in files}
+    out: dict[str, T] = {}
+    for p in files:
+        t = build(p, parsed[str(p)])
+        out[name_of(t)] = t
+    if fresh:
+        store(files, parsed, prefix)
+    return out

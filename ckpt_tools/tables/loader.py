@@ -148,18 +148,7 @@ def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
 
 @lru_cache(maxsize=8)
 def _load_dirs(dirs: tuple[Path, ...]) -> dict[str, Table]:
-    files = [path for d in dirs if d.is_dir() for path in sorted(d.glob("*.yaml"))]
-    parsed = cache.load(files)  # YAML parsing is most of the cost; checks below run regardless
-    fresh = parsed is None
-    if fresh:
-        parsed = {str(path): _parse(path) for path in files}
-    tables: dict[str, Table] = {}
-    for path in files:
-        t = load_table(path, parsed[str(path)])
-        tables[t.family] = t  # later directories override shipped tables
-    if fresh:
-        cache.store(files, parsed)  # only tables that passed every check
-    return tables
+    return cache.load_tables(dirs, _parse, load_table, lambda t: t.family)
 
 
 def all_tables() -> dict[str, Table]:
