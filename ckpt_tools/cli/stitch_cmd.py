@@ -8,6 +8,7 @@ import typer
 
 from .common import command, command_line, emit_json, out_console, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .quant_render import say_config_changes
 
 
 def register(app: typer.Typer) -> None:
@@ -89,6 +90,7 @@ def register(app: typer.Typer) -> None:
             if report.absent_copies:
                 out_console().print(f"per-layer embed/head copies the verifier does not have, left out: "
                                     f"{', '.join(report.absent_copies)}")
+            say_config_changes(report.quant_config)
             if report.kept_from_verifier:
                 out_console().print(f"kept from the verifier (--allow-partial): {len(report.kept_from_verifier)}")
             if not dry_run:

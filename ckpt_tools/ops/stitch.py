@@ -283,6 +283,11 @@ class _Builder:
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
         """Give ``t`` the verifier's dtype (cast, dequantize, requantize, or keep FP8 bytes) and record it."""
         vt = _dtype_of(self.view, t.key, spec)
+        # stored by a scheme table's format this tool does not write (NVFP4, int4, per-channel FP8, ...): the
+        # draft's values go in unquantized, in place of the stored tensors, and the config excludes the module
+        stored = None if self.add else self.view.quantized.get(t.key)
+        if stored is not None:
+            vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
         if spec is not None:
             t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
         if not self._admit(t, vt) or (t.dtype in FP8_DTYPES and not self._scale_fits(t, scale)):
@@ -300,12 +305,10 @@ class _Builder:
             t = transforms.dequantize(t, scale, target, self.res.block_size)
         elif target != t.dtype:
             t = transforms.cast(t, target)
-        stored = None if self.add else self.view.quantized.get(t.key)
         if stored is not None:
-            # the verifier stores it in a scheme table's format this tool does not write: the draft's values
-            # go in unquantized, in place of its stored tensors, and the config excludes the module
-            self.removed += stored.all_keys()
-            self.placed[stored.all_keys()[0]] = t.key
+            self.removed += [k for k in stored.all_keys() if k != t.key]
+            if stored.all_keys()[0] != t.key:
+                self.placed[stored.all_keys()[0]] = t.key
         self.candidates[t.key] = t
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
@@ -440,11 +443,6 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
             raise UsageError("the verifier declares no MTP layers; use --mode add")
         declared.require_complete()
         view = declared
-        if view.quantized:  # packed / renamed weights (quant scheme tables): no byte-level replace plan yet
-            st = next(iter(view.quantized.values()))
-            raise InputError(f"the verifier stores its MTP weights as {st.label} (e.g. {st.module}); stitching "
-                             "into MTP layers stored that way is not supported yet", rule="quant-unsupported",
-                             path=verifier.root)
         layers = _draft_layers(draft, fmt, req, view.count)
     elif mode == "add":
         if any(p.rule == "unindexed-key" for p in vgate.allowed):
@@ -575,8 +573,23 @@ def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: Stit
         problems.append(f"{len(extra)} draft tensor(s) have no place in the verifier: {', '.join(extra[:15])}"
                         + (" ..." if len(extra) > 15 else ""))
     if problems:
+        hint = _quantized_draft_hint(draft, builder.missing)
         raise InputError(f"draft {draft.root} ({fmt.name} format) does not fit {view.table.family} verifier: "
-                         + " | ".join(problems), rule="draft-mismatch")
+                         + " | ".join(problems) + hint, rule="draft-mismatch")
+
+
+def _quantized_draft_hint(draft: Checkpoint, missing: list[str]) -> str:
+    """Drafts are float tensors: say so when the missing weights are stored quantized in the draft
+    (a native extract of a quantized checkpoint keeps its packed tensors)."""
+    from ..quant import module_storage
+
+    for key in missing[:3]:
+        module = key.split(" ", 1)[0].removesuffix(".weight")
+        st = module_storage(draft, None, module)
+        if st.quantized:
+            return (f" | the draft stores {module} quantized ({st.label}); stitch takes float weights: "
+                    f"`ckpt extract --dequant bf16` of the quantized checkpoint writes a draft it takes")
+    return ""
 
 
 def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
@@ -630,16 +643,18 @@ def _measure(builder: _Builder, view: MtpView, report: StitchReport) -> None:
 def _probe(builder: _Builder, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
     """One candidate against the verifier: values compared, status and dtypes as written."""
     vref = view.ckpt.tensors.get(key)
-    stored = view.quantized.get(key) if vref is None else None
+    stored = view.quantized.get(key)
     if stored is not None:  # a module stored by a scheme table: its dequantized values
         from ..quant.dequant import dequant_module
 
-        a = dequant_module(view.ckpt, stored, key, "F32")
-        d = compare(key, "F32", a.shape, a.recipe, t.dtype, t.shape, t.recipe, stop=stop)
+        a_dtype = t.dtype if t.dtype in ("BF16", "F16", "F32") else "F32"  # in the draft's precision
+        a = dequant_module(view.ckpt, stored, key, a_dtype)
+        d = compare(key, a_dtype, a.shape, a.recipe, t.dtype, t.shape, t.recipe, stop=stop)
+        if d.status == "unchanged":  # the draft holds exactly the verifier's values, now unquantized
+            d.max_abs, d.rel_l2, d.cosine = 0.0, 0.0, 1.0
+            d.unjudged = "the verifier's values, unquantized"
         if d.status != "shape-changed":
             d.status = "dtype-changed"
-            if d.max_abs == 0:
-                d.unjudged = "the verifier's values, unquantized"
         d.dtype_a, d.dtype_b = stored.label, t.dtype
         return d
     if vref is None:
