@@ -109,8 +109,10 @@ def say_how_read(draft: dict) -> None:
         out_console().print("draft: " + "; ".join(parts), markup=False, soft_wrap=True)
 
 
-def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str]) -> None:
-    """Execute the stitch; the output is validated before its index appears (a failure is exit 4).
+def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str],
+           name: str = "stitch-report.json") -> None:
+    """Execute the stitch (or graft); the output is validated before its index appears (a failure is exit 4),
+    then the report is written as ``name``.
 
     What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
     """
@@ -124,7 +126,7 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
         report.validation = {"ok": True, "problems": [], **({"allowed": result["allowed"]} if "allowed" in result
                                                             else {})}
 
-    plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
+    plan.files.append(OutputFile(name, content=b"{}"))  # placeholder, rewritten below
     execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    write_file_atomically(out / "stitch-report.json", (dumps_strict(report.to_json(), indent=2) + "\n").encode())
+    write_file_atomically(out / name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())
