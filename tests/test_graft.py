@@ -319,3 +319,63 @@ def test_resume_after_an_interruption_gives_the_same_bytes(build, tmp_path, monk
     assert "--resume" in r.output
     ckpt("graft", src, target, "-o", out, "--resume")
     assert visible(out) == visible(ref)
+
+
+# ---------------------------------------------------------------------------
+# a real consumer: transformers loads the grafted DeepSeek-V3 (its trunk dequantized by compressed-tensors)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # the dequantize=True load option
+def test_transformers_loads_the_grafted_mtp_after_dequantizing_the_trunk(tmp_path):
+    """The release: a tiny 61-layer DeepSeek-V3 transformers wrote, with its MTP layer 61. The quantizer: the
+    trunk (MTP dropped, count 0) compressed to FP8 by compressed-tensors, which ignores lm_head and routers.
+    After graft, transformers loads the trunk with compressed-tensors decompressing it, `MtpModel` loads the
+    grafted layer exactly, and `generate(use_mtp=True)` gives plain greedy decoding's tokens."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import save_file
+    from test_consumer_transformers import tiny_config
+
+    from ckpt_tools.config import ConfigView
+    from ckpt_tools.tables.resolve import resolve
+    from ckpt_tools.testing.fixtures import spec_values
+
+    import quant_helpers as qh
+
+    release = tmp_path / "release"
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(tiny_config())
+    model.save_pretrained(release, max_shard_size="400KB")
+    res = resolve(get_table("deepseek_v3"), ConfigView(json.loads((release / "config.json").read_text())))
+    mtp = {s.key: torch.from_numpy(spec_values(s, 7, zero_centred=False)).to(
+        torch.float32 if s.dtype == "F32" else torch.bfloat16) for s in res.mtp_specs() if not s.copy_of}
+    save_file(mtp, str(release / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((release / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in mtp})
+    (release / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    trunk, target, out = tmp_path / "trunk", tmp_path / "target", tmp_path / "out"
+    ckpt("extract", release, "--drop-mtp", "-o", trunk)
+    qh.write_quantized(trunk, target, qh.scheme_for("FP8_DYNAMIC"), ["lm_head", "re:.*mlp.gate$"])
+    ckpt("graft", release, target, "-o", out)
+    ckpt("validate", out)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    modules = _mtp_linears(_open(release), "deepseek_v3")
+    assert "model.layers.61.self_attn.fused_qkv_a_proj" in modules
+    assert not [m for m in modules if not any(match_name(m, i) for i in ignore)]
+
+    main = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    o_proj = main.model.layers[5].self_attn.o_proj
+    ref = model.model.layers[5].self_attn.o_proj.weight.float()
+    assert type(o_proj) is torch.nn.Linear and float((o_proj.weight.detach() - ref.detach()).norm() / ref.norm()) < 0.05  # FP8 error
+    from transformers.modeling_layers import MtpModel
+
+    layer = dict(MtpModel.from_pretrained(main).layers[0].named_parameters())
+    assert torch.equal(layer["eh_proj.weight"].float(), mtp["model.layers.61.eh_proj.weight"].float())
+    assert torch.equal(layer["mtp_block.self_attn.kv_b_proj.weight"].float(),
+                       mtp["model.layers.61.self_attn.kv_b_proj.weight"].float())
+    ids = torch.tensor([[1, 5, 9, 17, 33, 62]])
+    plain = main.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(plain, main.generate(ids, max_new_tokens=8, do_sample=False, use_mtp=True))
