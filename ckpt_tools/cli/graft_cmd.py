@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, out_console
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .common import command, command_line, out_console
+from .gate_options import allow_invalid_option, allowed_rules
 
 
 def register(app: typer.Typer) -> None:
@@ -38,30 +38,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
         from ..checkpoint import Checkpoint
-        from ..jsonutil import write_json_file
         from ..ops.graft import GraftRequest, plan_graft
-        from ..options import outside_inputs
         from ..plan import parse_size
         from .diff_cmd import render_diffs
-        from .stitch_cmd import _write
+        from .stitch_cmd import Outputs, execute_and_report
 
         allow = allowed_rules(allow_invalid)
         req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
                            max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
         with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
             plan, report = plan_graft(s, t, req)
-            say_allowed(plan.manifest.get("allowed_invalid"))
-            if report_file is not None:
-                outside_inputs("--report", report_file, plan.inputs)  # before anything is written
-            if plan_json is not None:
-                plan.write_json(plan_json)
-            if not dry_run:
-                _write(plan, report, out, overwrite, resume, json_output, allow, name="graft-report.json")
-            data = report.to_json()
-        if report_file is not None:
-            write_json_file(report_file, data, "--report", plan.inputs)
+            execute_and_report(plan, report, Outputs(out, dry_run, plan_json, report_file, overwrite, resume,
+                                                     json_output), allow, "graft-report.json")
         if json_output:
-            emit_json(data)
             return
         hint = "graft-report.json lists every key" if not dry_run else "--json lists every key"
         render_diffs(report.diffs, report.totals(), title=f"graft ({report.family}, MTP {report.storage})",
