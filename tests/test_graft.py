@@ -204,6 +204,19 @@ def test_mtp_quant_into_a_scheme_that_cannot_declare_it_is_refused(build, tmp_pa
     assert "[mtp-quant-config]" in r.output and not (tmp_path / "o").exists()
 
 
+def test_a_source_storage_the_target_config_cannot_declare_is_refused_and_mtp_dtype_fits_it(make_fixture, build,
+                                                                                             tmp_path):
+    """DeepSeek's block FP8 (weight_scale_inv) is not what a compressed-tensors config declares: as stored it is
+    refused (rule named, the way out said); --mtp-dtype bf16 dequantizes it into an MTP the config excludes."""
+    src, target = make_fixture("deepseek_v3", fp8=True), build("deepseek_v3", "ct-fp8-block", mtp="dropped")
+    r = ckpt("graft", src, target, "-o", tmp_path / "o", code=3)
+    assert "[mtp-quant-config]" in r.output and "--mtp-dtype bf16" in r.output and not (tmp_path / "o").exists()
+    ckpt("graft", src, target, "-o", tmp_path / "o", "--mtp-dtype", "bf16")
+    res = _open(tmp_path / "o")
+    assert {res.tensors[k].dtype for k in res.tensors if _is_mtp(k, "deepseek_v3")} == {"BF16", "F32"}
+    ckpt("validate", tmp_path / "o")
+
+
 def test_mtp_dtype_dequantizes_a_quantized_source(build, tmp_path):
     """A quantized checkpoint that kept its MTP (NVFP4) is a source too: --mtp-dtype bf16 dequantizes it, with
     the values `extract --dequant bf16` gives."""
@@ -380,3 +393,13 @@ def test_transformers_loads_the_grafted_mtp_after_dequantizing_the_trunk(tmp_pat
     ids = torch.tensor([[1, 5, 9, 17, 33, 62]])
     plain = main.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(plain, main.generate(ids, max_new_tokens=8, do_sample=False, use_mtp=True))
+
+
+def test_hardlink_links_the_untouched_target_shards(build, tmp_path):
+    src, target = build("deepseek_v3"), build("deepseek_v3", "ct-nvfp4", mtp="dropped")
+    out = tmp_path / "out"
+    ckpt("graft", src, target, "-o", out, "--link", "hardlink", "--plan-json", tmp_path / "plan.json")
+    shards = sorted(p.name for p in target.glob("*.safetensors"))
+    assert shards and all((out / n).stat().st_ino == (target / n).stat().st_ino for n in shards)
+    assert json.loads((tmp_path / "plan.json").read_text())
+    ckpt("validate", out)

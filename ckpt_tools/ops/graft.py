@@ -133,7 +133,13 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
 
     config = _set_count(out_view, target.config.raw, sview.count)
     stored = {k: p.stored for k, p in pieces.items() if p.stored is not None}
-    repaired = repair_config(target, out_view, config, {}, stored=stored)
+    try:
+        repaired = repair_config(target, out_view, config, {}, stored=stored)
+    except InputError as e:
+        if e.rule != "mtp-quant-config" or req.mtp_dtype:
+            raise
+        raise InputError(f"{e.message}; --mtp-dtype bf16 writes the source's MTP values unquantized, which the "
+                         "config can exclude", rule=e.rule, path=e.path) from None
     report.quant_config = repaired.to_json() if repaired.changed else None
     manifest = {
         "kind": "grafted",
