@@ -154,7 +154,9 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
                     req.max_shard_size, req.command, [], manifest, report, drop=drop)
     manifest["totals"] = report.totals()
     note_allowed(plan.manifest, tgate, sgate)
-    record_inputs(plan, target=target, source=(source, [k for t in mtp for k in _sources(t)]))
+    # --resume proves the same source bytes: every source tensor the MTP is read from
+    taken = sorted({k for t in mtp for k in _sources(t) if k in source.tensors})
+    record_inputs(plan, target=target, source=(source, taken))
     return plan, report
 
 
