@@ -214,6 +214,7 @@ VARIANTS = {
     "fused": FixtureOptions(expert_layout="fused"),
     "fp8": FixtureOptions(fp8=True),
     "nvfp4": FixtureOptions(),  # compressed-tensors nvfp4-pack-quantized: every 2-D linear but the head
+    "nvfp4-nomtp": FixtureOptions(),  # the same, as a quantizer that dropped MTP leaves it (count kept): graft's target
 }
 NVFP4_GROUP = 16
 # what llm-compressor's NVFP4 preset writes (targets Linear, lm_head ignored); see mappings/quantization/ct-nvfp4.yaml
@@ -262,10 +263,11 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
     pools = _Pools(seed, finetuned)
     items: list[tuple[str, str, tuple[int, ...]]] = []
     mtp_keys: set[str] = set(mtp)
-    if variant == "nvfp4":
+    nvfp4 = variant.startswith("nvfp4")
+    if nvfp4:
         cfg = dict(cfg, quantization_config=NVFP4_CONFIG)
     for s in specs:
-        packed = _nvfp4(s) if variant == "nvfp4" else None
+        packed = _nvfp4(s) if nvfp4 else None
         if packed is not None:
             items += packed
             if s.key in mtp:
@@ -284,6 +286,11 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
         items = [it for it in items if it[0] in only]
     sizes = [(k, DTYPES[d].nbytes(math.prod(sh))) for k, d, sh in items]
     where = _split(sizes, mtp_keys, shards) if only is None else {k: 0 for k, _ in sizes}
+    if variant.endswith("-nomtp"):  # the trunk's shards as they were, without the MTP tensors
+        kept = [i for i, (k, _) in enumerate(sizes) if k not in mtp_keys]
+        items, sizes = [items[i] for i in kept], [sizes[i] for i in kept]
+        used = sorted({where[k] for k, _ in sizes})
+        where = {k: used.index(where[k]) for k, _ in sizes}
     count = max(where.values()) + 1
     names = [f"model-{j + 1:05d}-of-{count:05d}.safetensors" for j in range(count)]
     if count == 1:

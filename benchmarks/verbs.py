@@ -175,6 +175,13 @@ def _stitch_floor(link: bool):
     return job
 
 
+def _graft_floor(ctx: Ctx, out: Path) -> Job:
+    """Copying what graft writes: the trunk's files whole, and the release's MTP bytes into one new shard."""
+    job = _whole_files(ctx.variant("nvfp4-nomtp").path, out)
+    job["files"] += _one_file(out, layout.pieces(ctx.mtp_extents("bf16")), "model-mtp.safetensors")["files"]
+    return job
+
+
 def _naive_extract(variant: str, **opts):
     def job(ctx: Ctx, out: Path) -> Job:
         syn = ctx.variant(variant)
@@ -258,6 +265,11 @@ VERBS: dict[str, Verb] = {
              naive=lambda ctx, out: {"op": "stitch", "draft": str(ctx.native_draft()), "link": "hardlink",
                                      "verifier": str(ctx.variant("bf16").path), "out": str(out)},
              max_floor_ratio=1.3),
+        Verb("graft", "graft the bf16 release's MTP into its NVFP4 trunk that lost it, --link copy (floor: copying "
+             "the trunk's files and the MTP bytes)", "graft", ("--link",),
+             lambda ctx, out: ["graft", str(ctx.variant("bf16").path), str(ctx.variant("nvfp4-nomtp").path), "-o",
+                               str(out)],
+             floor=_graft_floor, max_floor_ratio=1.3),
         Verb("extract-lib", "extract's job through the library (Checkpoint, open_mtp, writer), no CLI", "", (),
              lambda ctx, out: [sys.executable, str(HERE / "lib_extract.py"), str(ctx.variant("bf16").path), str(out)],
              floor=_mtp_floor("bf16"), naive=_naive_extract("bf16"), library=True, default=False),

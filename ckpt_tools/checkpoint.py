@@ -27,7 +27,7 @@ MANIFEST_NAME = "ckpt_manifest.json"
 RESUME_NAME = ".ckpt-resume.json"  # what an unfinished write is doing (see writer); removed on completion
 # Weight files in other formats are never carried into outputs.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
-_SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", ".ckpt.lock"}
+_SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", "graft-report.json", ".ckpt.lock"}
 
 
 @dataclass

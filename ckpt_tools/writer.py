@@ -57,7 +57,8 @@ HASH_THREADS = 2
 LOCK_NAME = ".ckpt.lock"
 RESUME_NAME = ".ckpt-resume.json"
 # Files a previous run of ours may have left; --overwrite clears them before writing.
-_OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json", RESUME_NAME)
+_OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json", "graft-report.json",
+                  RESUME_NAME)
 
 
 def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict | None) -> bytes:

@@ -225,3 +225,26 @@ def test_nvfp4_variant_is_a_valid_compressed_tensors_checkpoint_that_dequantizes
     out = read_all(tmp_path / "out")
     assert not any(k.endswith((".weight_packed", ".weight_scale", ".weight_global_scale")) for k in out)
     assert out["mtp.fc.weight"].dtype == torch.bfloat16
+
+
+def test_graft_verb_inputs_are_a_release_and_its_nvfp4_trunk_without_mtp(tmp_path):
+    """The graft verb's target: the NVFP4 variant as a quantizer that dropped MTP leaves it (same shards minus the
+    MTP tensors, count kept); graft of the bf16 variant into it validates, and the floor copies the same bytes."""
+    from benchmarks.verbs import VERBS, Ctx
+    from ckpt_tools.ops.validate import validate
+
+    from conftest import run_ckpt
+
+    sizing = solve("qwen3_next", TINY)
+    ctx = Ctx(tmp_path, "qwen3_next", sizing, 4, None, log=lambda _: None)
+    trunk = ctx.variant("nvfp4-nomtp")
+    assert not trunk.mtp_keys and not [k for k in read_all(trunk.path) if k.startswith("mtp.")]
+    assert validate(trunk.path).rules() == {"mtp-missing"}
+    verb = VERBS["graft"]
+    out = tmp_path / "out"
+    run_ckpt(*verb.command(ctx, out))
+    assert validate(out).ok
+    floor_bytes = sum(p[2] for f in verb.floor(ctx, tmp_path / "floor")["files"] for p in f.get("pieces", []))
+    ours = ("ckpt_manifest.json", "graft-report.json")
+    written = sum(p.stat().st_size for p in out.iterdir() if p.name not in ours)
+    assert abs(floor_bytes / written - 1) < 0.05  # the same bytes (ckpt adds a header, rewrites config and index)

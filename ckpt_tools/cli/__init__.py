@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "extract_cmd",
     "experts_cmd",
     "stitch_cmd",
+    "graft_cmd",
     "diff_cmd",
     "init_cmd",
     "push_cmd",

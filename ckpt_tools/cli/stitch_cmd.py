@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -51,9 +52,7 @@ def register(app: typer.Typer) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from ..checkpoint import Checkpoint
         from ..errors import UsageError
-        from ..jsonutil import write_json_file
         from ..ops.stitch import StitchRequest, plan_stitch
-        from ..options import outside_inputs
         from ..plan import parse_size
         from .diff_cmd import render_diffs
         from .extract_cmd import _layers
@@ -67,19 +66,9 @@ def register(app: typer.Typer) -> None:
                             strip_prefix=strip_prefix, command=command_line(), allow_invalid=allow)
         with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
             plan, report = plan_stitch(d, v, req)
-            say_allowed(plan.manifest.get("allowed_invalid"))
-            if report_file is not None:
-                outside_inputs("--report", report_file, plan.inputs)  # before anything is written
-            if plan_json is not None:
-                plan.write_json(plan_json)
-            if not dry_run:
-                _write(plan, report, out, overwrite, resume, json_output, allow)
-            data = report.to_json()
-        if report_file is not None:
-            write_json_file(report_file, data, "--report", plan.inputs)
-        if json_output:
-            emit_json(data)
-        else:
+            execute_and_report(plan, report, Outputs(out, dry_run, plan_json, report_file, overwrite, resume,
+                                                     json_output), allow)
+        if not json_output:
             hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
             say_how_read(report.draft)
             render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})",
@@ -111,8 +100,43 @@ def say_how_read(draft: dict) -> None:
         out_console().print("draft: " + "; ".join(parts), markup=False, soft_wrap=True)
 
 
-def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str]) -> None:
-    """Execute the stitch; the output is validated before its index appears (a failure is exit 4).
+@dataclass(frozen=True)
+class Outputs:
+    """Where a writing verb's results go (its -o, --dry-run, --plan-json, --report, ... options)."""
+
+    out: Path
+    dry_run: bool
+    plan_json: Path | None
+    report_file: Path | None
+    overwrite: bool
+    resume: bool
+    json_output: bool
+
+
+def execute_and_report(plan, report, o: Outputs, allow: frozenset[str], name: str = "stitch-report.json") -> None:
+    """Say what --allow-invalid let in, write the plan JSON, execute the plan (unless --dry-run), write the
+    report file and, with --json, print the report. Inputs stay open meanwhile (the writer reads them)."""
+    from ..jsonutil import write_json_file
+    from ..options import outside_inputs
+
+    say_allowed(plan.manifest.get("allowed_invalid"))
+    if o.report_file is not None:
+        outside_inputs("--report", o.report_file, plan.inputs)  # before anything is written
+    if o.plan_json is not None:
+        plan.write_json(o.plan_json)
+    if not o.dry_run:
+        _write(plan, report, o.out, o.overwrite, o.resume, o.json_output, allow, name)
+    data = report.to_json()
+    if o.report_file is not None:
+        write_json_file(o.report_file, data, "--report", plan.inputs)
+    if o.json_output:
+        emit_json(data)
+
+
+def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str],
+           name: str = "stitch-report.json") -> None:
+    """Execute the stitch (or graft); the output is validated before its index appears (a failure is exit 4),
+    then the report is written as ``name``.
 
     What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
     """
@@ -126,7 +150,7 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
         report.validation = {"ok": True, "problems": [], **({"allowed": result["allowed"]} if "allowed" in result
                                                             else {})}
 
-    plan.files.append(OutputFile("stitch-report.json", content=b"{}"))  # placeholder, rewritten below
+    plan.files.append(OutputFile(name, content=b"{}"))  # placeholder, rewritten below
     execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    write_file_atomically(out / "stitch-report.json", (dumps_strict(report.to_json(), indent=2) + "\n").encode())
+    write_file_atomically(out / name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())

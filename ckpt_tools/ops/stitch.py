@@ -46,6 +46,9 @@ from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ..quant.audit import Stored
     from ..safetensors_io import TensorRef
 
 LINK_MODES = ("copy", "reflink", "hardlink", "remote")
@@ -165,7 +168,7 @@ def _draft_layers(draft: Checkpoint, fmt: Format, req: StitchRequest, count: int
     return list(range(count))
 
 
-def _virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
+def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
     """What the verifier's MTP would look like with ``count`` layers (add mode)."""
     res = resolve(table, verifier.config, mtp_count=count)
     # Experts follow the trunk's layout on disk (a trunk with fused experts gets fused MTP experts).
@@ -408,20 +411,34 @@ def _source_of(t: OutputTensor) -> str:
     return ", ".join(src[:3]) + (" ..." if len(src) > 3 else "") if isinstance(src, list) else str(src)
 
 
-def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
-    if req.link == "symlink":  # removed: links out of the output fail our own shard-path rule
+def check_inputs(link: str, verifier: Checkpoint, other: Checkpoint, roles: tuple[str, str] = ("verifier", "draft")
+                 ) -> None:
+    """--link against the verifier (the checkpoint whose shards are carried), and two distinct inputs."""
+    if link == "symlink":  # removed: links out of the output fail our own shard-path rule
         raise UsageError("--link symlink was removed: a symlinked output is not self-contained and every verb "
                          "refuses shards that resolve outside the checkpoint; use --link hardlink or --link reflink "
                          "(the same space saving)")
-    if req.link not in LINK_MODES:
-        raise UsageError(f"--link {req.link!r}: use one of {', '.join(LINK_MODES)}")
+    if link not in LINK_MODES:
+        raise UsageError(f"--link {link!r}: use one of {', '.join(LINK_MODES)}")
+    if link == "remote" and verifier.local_dir is not None:
+        raise UsageError(f"--link remote needs an hf:// {roles[0]} (its untouched shards stay on the Hub)")
+    if other.local_dir is not None and verifier.local_dir is not None and \
+            other.local_dir.resolve() == verifier.local_dir.resolve():
+        raise UsageError(f"the {roles[1]} and the {roles[0]} are the same directory")
+
+
+def require_indexed(gate, verifier: Checkpoint, verb: str) -> None:
+    """Shards copied whole would carry keys the index does not list (let in by --allow-invalid unindexed-key)."""
+    if any(p.rule == "unindexed-key" for p in gate.allowed):
+        raise InputError(f"{verb} copies the verifier's shards whole, so keys its index does not list would "
+                         "stay in them; write a clean trunk first (`ckpt extract --drop-mtp --allow-invalid "
+                         "unindexed-key`), then stitch into it", rule="unindexed-key", path=verifier.root)
+
+
+def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")
-    if req.link == "remote" and verifier.local_dir is not None:
-        raise UsageError("--link remote needs an hf:// verifier (its untouched shards stay on the Hub)")
-    if draft.local_dir is not None and verifier.local_dir is not None and \
-            draft.local_dir.resolve() == verifier.local_dir.resolve():
-        raise UsageError("the draft and the verifier are the same directory")
+    check_inputs(req.link, verifier, draft)
     table = choose_table(verifier, req.arch)
     fmt = (detect_format(draft.config.raw, draft.manifest, draft.tensors, req.strip_prefix) if req.format == "auto"
            else get_format(req.format))
@@ -445,10 +462,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         view = declared
         layers = _draft_layers(draft, fmt, req, view.count)
     elif mode == "add":
-        if any(p.rule == "unindexed-key" for p in vgate.allowed):
-            raise InputError("add mode copies the verifier's shards whole, so keys its index does not list would "
-                             "stay in them; write a clean trunk first (`ckpt extract --drop-mtp --allow-invalid "
-                             "unindexed-key`), then stitch into it", rule="unindexed-key", path=verifier.root)
+        require_indexed(vgate, verifier, "add mode")
         held = [s.key for s in declared.present] + declared.beyond + declared.extra
         if held:
             raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
@@ -459,7 +473,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         count = max(layers) + 1 if layers else 0
         if layers != list(range(count)):
             raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
-        view = _virtual_view(verifier, table, count)
+        view = virtual_view(verifier, table, count)
 
     # replace: per-layer embed/head copies stay the verifier's unless --update-copies;
     # add: whatever the format carries (native drafts bring them), the rest is filled below
@@ -895,9 +909,10 @@ def _stitched_files(verifier: Checkpoint, view: MtpView, builder: _Builder, mode
 
 
 def repair_config(ckpt: Checkpoint, view: MtpView, config: dict, dtypes: dict[str, str],
-                  changed_only: bool = False) -> Repair:
+                  changed_only: bool = False, stored: Mapping[str, Stored] | None = None) -> Repair:
     """The quantization config of ``ckpt`` (``config`` as its config.json) repaired for the MTP modules
-    ``view`` describes, with the float tensors ``dtypes`` (key -> dtype) written unquantized (see
+    ``view`` describes, with the float tensors ``dtypes`` (key -> dtype) written unquantized, and the
+    weights ``stored`` (key -> how it is written; graft) as said there (see
     ``quant.repair.repair_written``). Refused (rule mtp-quant-config) when no change of the config can
     make it declare what is written."""
     from ..quant import quant_files
@@ -905,12 +920,13 @@ def repair_config(ckpt: Checkpoint, view: MtpView, config: dict, dtypes: dict[st
     from ..quant.repair import linear_modules, repair_written
 
     files = {**quant_files(ckpt), "config.json": config}
+    stored = stored or {}
 
     def stored_of(key: str) -> Stored | None:
         dt = dtypes.get(key)
-        return Stored("unquantized", dt, dtype=dt) if dt is not None else None
+        return Stored("unquantized", dt, dtype=dt) if dt is not None else stored.get(key)
 
-    modules = linear_modules(ckpt.tensors) | {k.rpartition(".")[0] for k in dtypes}
+    modules = linear_modules(ckpt.tensors) | {k.rpartition(".")[0] for k in (*dtypes, *stored)}
     try:
         rep = repair_written(view, files, ckpt.tensors, modules, stored_of, changed_only)
     except InputError as e:

@@ -1,0 +1,67 @@
+"""`ckpt graft SOURCE TARGET -o OUT`: a converted checkpoint that lost its MTP gets it back from the release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import command, command_line, out_console
+from .gate_options import allow_invalid_option, allowed_rules
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("graft")
+    @command
+    def graft(
+        source: str = typer.Argument(..., help="Checkpoint with MTP (the original release) or hf://org/repo[@rev]."),
+        target: str = typer.Argument(..., help="Quantized / converted checkpoint whose MTP is missing or mangled."),
+        out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty; never an input)."),
+        mtp_dtype: str = typer.Option(None, "--mtp-dtype",
+                                      help="bf16 | fp32 | fp16: MTP values in this dtype (quantized ones dequantized); "
+                                           "default: as the source stores them"),
+        mtp_quant: str = typer.Option(None, "--mtp-quant",
+                                      help="fp8-block: DeepSeek block FP8 for the linear weights the family table "
+                                           "marks quantizable (a target whose config declares block FP8)"),
+        link: str = typer.Option("copy", "--link",
+                                 help="Untouched shards: copy | reflink | hardlink | remote (an hf:// target's "
+                                      "shards stay on the Hub)"),
+        arch: str = typer.Option(None, "--arch", help="Family table for both inputs instead of detecting it."),
+        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="For the new MTP shards."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Plan, print the report, write nothing."),
+        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
+        report_file: Path = typer.Option(None, "--report", help="Also write the report here."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
+        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        allow_invalid: list[str] = allow_invalid_option(),
+    ) -> None:
+        """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
+        from ..checkpoint import Checkpoint
+        from ..ops.graft import GraftRequest, plan_graft
+        from ..plan import parse_size
+        from .diff_cmd import render_diffs
+        from .stitch_cmd import Outputs, execute_and_report
+
+        allow = allowed_rules(allow_invalid)
+        req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
+                           max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
+        with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
+            plan, report = plan_graft(s, t, req)
+            execute_and_report(plan, report, Outputs(out, dry_run, plan_json, report_file, overwrite, resume,
+                                                     json_output), allow, "graft-report.json")
+        if json_output:
+            return
+        hint = "graft-report.json lists every key" if not dry_run else "--json lists every key"
+        render_diffs(report.diffs, report.totals(), title=f"graft ({report.family}, MTP {report.storage})",
+                     more_hint=hint)
+        c = out_console()
+        n = report.count
+        c.print(f"MTP count ({n['field']}): {n['before']} -> {n['after']}")
+        if report.quant_config is not None:
+            changes = report.quant_config["changes"]
+            c.print(f"quantization config repaired ({', '.join(report.quant_config['files'])}): "
+                    f"{len(changes) if isinstance(changes, list) else changes} change(s)", soft_wrap=True)
+        if not dry_run:
+            c.print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
+                    f"new shards: {', '.join(report.new_shards) or '-'}")

@@ -1,0 +1,316 @@
+"""Plans for `ckpt graft SOURCE TARGET`: a converted checkpoint gets its MTP layers back from the release.
+
+Quantizers drop MTP (or keep part of it, or keep it in a form the config misdeclares). The
+original release (SOURCE, or any checkpoint of the family that ships MTP) still has it. OUT is
+TARGET with SOURCE's MTP layers:
+
+- the families match (table detection) and SOURCE's MTP tensors have the names and shapes
+  TARGET's config gives them (rule ``source-mismatch``): hidden size, vocabulary, experts, layers;
+- each MTP tensor is written as SOURCE stores it (byte copies), or ``--mtp-dtype`` casts /
+  dequantizes float values, or ``--mtp-quant fp8-block`` writes DeepSeek block FP8 for the linear
+  weights the family table marks quantizable (into a TARGET whose config declares that scheme);
+  experts follow TARGET's trunk layout (a byte-level restack when SOURCE ships another);
+- every MTP tensor TARGET holds (a mangled MTP) is dropped, the shards holding them rewritten
+  without them; every other shard is copied or linked whole (stitch's ``mtp_into``);
+- config.json declares SOURCE's MTP count and the quantization config (config.json and
+  hf_quant_config.json) is repaired so each engine loads each MTP module as stored
+  (stitch's ``repair_config``: quant.repair, exact entries, fused names included).
+
+TARGET's MTP rules (mtp-missing, mtp-quant-config, ...) are what graft repairs, so the gate waives
+them; every other inconsistency of either input is refused as in every verb.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .. import __version__, transforms
+from ..checkpoint import Checkpoint, revision_of, source_name
+from ..compare import TensorDiff
+from ..consistency import MTP_RULES, count_field, note_allowed, require_consistent
+from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..errors import InputError, UsageError
+from ..expert_layouts import scale_key
+from ..fingerprint import record_inputs
+from ..mtp import MtpView, choose_table
+from ..plan import CopyBytes, OutputTensor, Plan
+from ..quant.audit import Stored
+from .extract import _set_count
+from .stitch import StitchReport, check_inputs, config_files, mtp_into, repair_config, require_indexed, virtual_view
+
+MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
+MTP_QUANTS = ("fp8-block",)
+# graft drops every MTP-namespace tensor of the target and writes the source's: what is wrong there is repaired
+GRAFT_REPAIRS = {**{rule: "graft replaces every MTP tensor of the target with the source's" for rule in MTP_RULES},
+                 "mtp-quant-config": "graft writes the quantization config for the MTP it writes"}
+
+
+@dataclass
+class GraftRequest:
+    link: str = "copy"
+    mtp_dtype: str | None = None  # bf16 | fp32 | fp16: float values cast, quantized ones dequantized
+    mtp_quant: str | None = None  # fp8-block: DeepSeek block FP8 for the weights the table marks quantizable
+    arch: str | None = None
+    max_shard_size: int = 5 * 10**9
+    command: str = "ckpt graft"
+    allow_invalid: frozenset[str] = frozenset()
+
+
+@dataclass
+class GraftReport(StitchReport):
+    source: str = ""
+    target: str = ""
+    storage: str = "as the source stores it"
+    count: dict = field(default_factory=dict)  # the config's MTP count: field, before, after
+
+    def to_json(self) -> dict:
+        return {
+            "mode": "graft",
+            "family": self.family,
+            "source": self.source,
+            "target": self.target,
+            "provenance": self.provenance,
+            "mtp_storage": self.storage,
+            "mtp_count": self.count,
+            "totals": self.totals(),
+            "tensors": [d.to_json() for d in self.diffs],
+            "rewritten_shards": self.rewritten_shards,
+            "new_shards": self.new_shards,
+            "linked_files": self.linked_files,
+            **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
+            **({"validation": self.validation} if self.validation is not None else {}),
+        }
+
+
+@dataclass
+class _Piece:
+    """One MTP weight (or other tensor) as the source stores it, and how to read its values."""
+
+    tensors: list[OutputTensor]  # as stored (weight first, then its companions)
+    stored: Stored | None  # None: not a float / quantized weight (copied as it is)
+    values: Callable[[str], OutputTensor] | None  # dtype -> the tensor's values in that dtype
+
+
+def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tuple[Plan, GraftReport]:
+    if req.mtp_dtype is not None and req.mtp_dtype not in MTP_DTYPES:
+        raise UsageError(f"--mtp-dtype {req.mtp_dtype!r}: use one of {', '.join(MTP_DTYPES)}")
+    if req.mtp_quant is not None and req.mtp_quant not in MTP_QUANTS:
+        raise UsageError(f"--mtp-quant {req.mtp_quant!r}: use one of {', '.join(MTP_QUANTS)}")
+    check_inputs(req.link, target, source, ("target", "source"))
+    table = choose_table(target, req.arch)
+    stable = choose_table(source, req.arch)
+    if stable.family != table.family:
+        raise InputError(f"the source {source.root} is a {stable.family} checkpoint, the target {target.root} a "
+                         f"{table.family} one: an MTP layer belongs to the model it was trained with "
+                         "(--arch FAMILY reads both with one table)", rule="wrong-family", path=source.root)
+    provenance = f"asserted with --arch {req.arch}" if req.arch else f"both detected as {table.family}"
+    tgate = require_consistent(target, table, allow=req.allow_invalid, waive=GRAFT_REPAIRS, scope="model",
+                               role="target")
+    require_indexed(tgate, target, "graft")
+    sgate = require_consistent(source, table, allow=req.allow_invalid, role="source")
+    sview, tview = sgate.view, tgate.view
+    if sview.count == 0 or not sview.present:
+        raise InputError(f"the source {source.root} has no MTP layers ({count_field(sview)} is {sview.count}, "
+                         f"{len(sview.present)} MTP tensor(s)): graft takes them from a checkpoint that ships them, "
+                         "such as the original release", rule="no-mtp", path=source.root)
+    sview.require_complete()
+    _same_dimensions(sview, target, table)
+    if req.mtp_quant is not None:
+        _require_fp8_config(target)
+    out_view = virtual_view(target, table, sview.count)
+    pieces = _Grafter(sview, out_view, req).build()
+    out_view.present = [s for s in out_view.present if s.key in pieces or s.role == "scale"]
+
+    report = GraftReport("graft", "native", table.family, provenance=provenance, source=source_name(source),
+                         target=source_name(target), storage=_storage_label(req))
+    report.count = {"field": count_field(tview), "before": tview.count, "after": sview.count}
+    mtp = [t for p in pieces.values() for t in p.tensors]
+    # every MTP-namespace tensor of the target goes (and any it holds under a name written again)
+    drop = frozenset(tview.keys()) | set(tview.beyond) | set(tview.extra) | {t.key for t in mtp
+                                                                               if t.key in target.tensors}
+    _diffs(report, target, mtp, drop)
+
+    config = _set_count(out_view, target.config.raw, sview.count)
+    stored = {k: p.stored for k, p in pieces.items() if p.stored is not None}
+    try:
+        repaired = repair_config(target, out_view, config, {}, stored=stored)
+    except InputError as e:
+        if e.rule != "mtp-quant-config" or req.mtp_dtype:
+            raise
+        raise InputError(f"{e.message}; --mtp-dtype bf16 writes the source's MTP values unquantized, which the "
+                         "config can exclude", rule=e.rule, path=e.path) from None
+    report.quant_config = repaired.to_json() if repaired.changed else None
+    manifest = {
+        "kind": "grafted",
+        "target": {"path": source_name(target), "revision": revision_of(target)},
+        "source": {"path": source_name(source), "revision": revision_of(source)},
+        "family": table.family,
+        "mtp_layers": sview.count,
+        "mtp_storage": report.storage,
+        "tool_version": __version__,
+    }
+    plan = mtp_into(target, sorted(mtp, key=lambda t: t.key), config_files(target, config, repaired), req.link,
+                    req.max_shard_size, req.command, [], manifest, report, drop=drop)
+    manifest["totals"] = report.totals()
+    note_allowed(plan.manifest, tgate, sgate)
+    # --resume proves the same source bytes: every source tensor the MTP is read from
+    taken = sorted({k for t in mtp for k in _sources(t) if k in source.tensors})
+    record_inputs(plan, target=target, source=(source, taken))
+    return plan, report
+
+
+def _storage_label(req: GraftRequest) -> str:
+    parts = []
+    if req.mtp_quant:
+        parts.append(f"{req.mtp_quant} for the quantizable linear weights")
+    if req.mtp_dtype:
+        parts.append(f"{req.mtp_dtype} values" + (" for the rest" if req.mtp_quant else ""))
+    return "; ".join(parts) or "as the source stores it"
+
+
+def _sources(t: OutputTensor) -> list[str]:
+    src = t.meta.get("source")
+    return [s for s in src if isinstance(s, str)] if isinstance(src, list) else [t.key]
+
+
+def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
+    """SOURCE's MTP tensors have the names and shapes TARGET's config gives MTP layers of that count."""
+    from ..tables.resolve import resolve
+
+    sres = sview.resolved
+    tres = resolve(table, target.config, mtp_count=sres.mtp_count)
+    want = {s.key: tuple(s.shape) for s in [*tres.mtp_specs(), *tres.shared.values()]}
+    have = {s.key: tuple(s.shape) for s in [*sres.mtp_specs(), *sres.shared.values()]}
+    problems = [f"{k}: source {list(have[k])}, target {list(want[k])}" for k in sorted(have.keys() & want.keys())
+                if have[k] != want[k]]
+    problems += [f"{k} only in the source's MTP layers" for k in sorted(have.keys() - want.keys())]
+    problems += [f"{k} only in the target's" for k in sorted(want.keys() - have.keys())]
+    if problems:
+        raise InputError(f"the source's MTP layers do not fit the target's trunk ({len(problems)} difference(s): "
+                         + "; ".join(problems[:8]) + (" ..." if len(problems) > 8 else "")
+                         + "): another size of the model (hidden size, vocabulary, experts or layers differ)",
+                         rule="source-mismatch", path=sview.ckpt.root)
+
+
+def _require_fp8_config(target: Checkpoint) -> None:
+    """--mtp-quant fp8-block writes weight_scale_inv block FP8: the target's config must declare that scheme."""
+    from ..quant import detect_scheme
+
+    scheme = detect_scheme(target)
+    if scheme is None or "fp8-block" not in {t.scheme for t in scheme.tables}:
+        what = "declares no quantization" if scheme is None else \
+            "declares " + ", ".join(sorted(t.title for t in scheme.tables))
+        raise InputError(f"--mtp-quant fp8-block writes DeepSeek-style block FP8 (weight_scale_inv), but the "
+                         f"target's quantization config {what}, which cannot declare it; --mtp-dtype bf16 or the "
+                         "source's own storage (no option) fit it", rule="mtp-quant-config", path=target.root)
+
+
+class _Grafter:
+    """The source's MTP tensors under the target's names and expert layout, stored as the request says."""
+
+    def __init__(self, sview: MtpView, out_view: MtpView, req: GraftRequest) -> None:
+        self.sview, self.out_view, self.req = sview, out_view, req
+        self.src = sview.ckpt
+        self.pieces: dict[str, _Piece] = {}  # logical key (a weight's .weight) -> its tensors
+
+    def build(self) -> dict[str, _Piece]:
+        restacked: set[str] = set()
+        for sg, tg in zip(self.sview.groups(), self.out_view.groups(), strict=True):
+            if sg.layout != tg.layout:  # the target's trunk stores experts in another layout: engines expect it
+                restacked |= {t.key for t in sg.tensors()}
+                self._restack(sg, tg)
+        for s in self.sview.present:
+            if s.role == "scale" or s.key in restacked:
+                continue  # a block scale travels with its weight
+            # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
+            pinned = s.dtype != self.sview.resolved.dtype
+            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned)
+        return self.pieces
+
+    def _as_stored(self, key: str) -> _Piece:
+        from ..quant.dequant import dequant_module, module_outputs
+
+        st = self.sview.quantized.get(key)
+        if st is not None:  # a scheme table's storage (packed, scales, global scales): its tensors as they are
+            parts = module_outputs(self.src, st, key, None, {"source": [key]})
+            return _Piece(parts, Stored("quantized", st.label, st.scheme, st, st.dtype),
+                          lambda dtype: dequant_module(self.src, st, key, dtype))
+        ref = self.src.tensors[key]
+        t = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), meta={"source": [key]})
+        sref = self.src.tensors.get(scale_key(key, self.sview.resolved.scale_suffix))
+        scale = None if sref is None else OutputTensor(sref.key, sref.dtype, tuple(sref.shape),
+                                                       CopyBytes([sref.segment()]), meta={"source": [sref.key]})
+        return self._piece(t, scale)
+
+    def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
+        if t.dtype in FP8_DTYPES and scale is not None:  # the family's block FP8
+            block = self.sview.resolved.block_size
+            return _Piece([t, scale], self._fp8_stored(t.dtype, block),
+                          lambda dtype: transforms.dequantize(t, scale, dtype, block))
+        if t.dtype in FLOAT_DTYPES:
+            return _Piece([t], Stored("unquantized", t.dtype, dtype=t.dtype), lambda dtype: transforms.cast(t, dtype))
+        return _Piece([t], None, None)
+
+    def _fp8_stored(self, dtype: str, block) -> Stored:
+        q = self.sview.table.quantization
+        return Stored("quantized", f"{dtype} block {list(block)}", q.method if q else "fp8-block", dtype=dtype)
+
+    def _restack(self, sg, tg) -> None:
+        """Experts restacked byte for byte into the target's layout (FP8 scales with them)."""
+        from ..experts import convert_group
+
+        if any(t.key in self.sview.quantized for t in sg.tensors()):
+            st = self.sview.quantized[next(t.key for t in sg.tensors() if t.key in self.sview.quantized)]
+            raise UsageError(f"{sg.prefix}: the source stores its MTP experts {sg.layout.label()} as {st.label}; the "
+                             f"target's trunk stores experts {tg.layout.label()}, and restacking quantized experts "
+                             "is supported for float and block-FP8 experts only (--mtp-dtype bf16 first: extract "
+                             "--dequant bf16, then graft that)")
+        res = self.sview.resolved
+        outs = convert_group(sg, self.src.tensors, tg, scale_suffix=res.scale_suffix, block=res.block_size)
+        by_key = {t.key: t for t in outs}
+        scales = {scale_key(t.key, res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
+        for t in outs:
+            if t.key not in scales:
+                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant)
+
+    def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False) -> None:
+        """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""
+        req = self.req
+        if req.mtp_quant and quantizable and piece.values is not None and len(piece.tensors[0].shape) >= 2:
+            piece = self._fp8(key, piece)
+        elif req.mtp_dtype and piece.values is not None and not (pinned and piece.stored.state == "unquantized"):
+            dtype = MTP_DTYPES[req.mtp_dtype]
+            t = piece.values(dtype)
+            piece = _Piece([t], Stored("unquantized", dtype, dtype=dtype), piece.values)
+        self.pieces[key] = piece
+
+    def _fp8(self, key: str, piece: _Piece) -> _Piece:
+        from ..fp8 import QUANT_DTYPE, SCALE_DTYPE
+
+        res = self.out_view.resolved
+        block, skey = res.block_size, scale_key(key, res.scale_suffix)
+        w, *rest = piece.tensors
+        if w.dtype == QUANT_DTYPE and len(rest) == 1 and rest[0].dtype == SCALE_DTYPE and \
+                tuple(self.sview.resolved.block_size) == tuple(block) and rest[0].key == skey:
+            return piece  # already the target's block FP8: the source's bytes
+        values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values("F32")
+        qw, qs = transforms.requantize(values, block, skey)
+        qw.meta.setdefault("source", _sources(w))
+        return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, block), piece.values)
+
+
+def _diffs(report: GraftReport, target: Checkpoint, mtp: list[OutputTensor], drop: frozenset[str]) -> None:
+    """Per key: added (the target lacked it), replaced (the target's own MTP tensor), removed (dropped)."""
+    written = {t.key for t in mtp}
+    for t in mtp:
+        ref = target.tensors.get(t.key)
+        if ref is None:
+            report.diffs.append(TensorDiff(t.key, "added", None, t.dtype, None, list(t.shape)))
+        else:
+            report.diffs.append(TensorDiff(t.key, "replaced", ref.dtype, t.dtype, list(ref.shape), list(t.shape),
+                                           unjudged="the source's MTP tensor replaces the target's"))
+    for k in sorted(drop - written):
+        ref = target.tensors[k]
+        report.diffs.append(TensorDiff(k, "removed", ref.dtype, None, list(ref.shape), None))
+    report.diffs.sort(key=lambda d: d.key)
