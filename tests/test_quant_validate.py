@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tools.testing import FixtureOptions
 from ckpt_tools.testing.quantized import ENGINE_FUSED, QuantOptions, make_quantized_checkpoint
 
 from conftest import run_ckpt
@@ -72,10 +73,11 @@ def build(tmp_path_factory):
     """``build(family, **QuantOptions)`` -> a read-only quantized fixture, made once per module."""
     cache: dict = {}
 
-    def make(family: str, **kw) -> Path:
-        key = (family, tuple(sorted(kw.items())))
+    def make(family: str, num_shards: int = 4, **kw) -> Path:
+        key = (family, num_shards, tuple(sorted(kw.items())))
         if key not in cache:
-            out = make_quantized_checkpoint(family, tmp_path_factory.mktemp("q"), QuantOptions(**kw))
+            out = make_quantized_checkpoint(family, tmp_path_factory.mktemp("q"), QuantOptions(**kw),
+                                            FixtureOptions(num_shards=num_shards))
             for p in out.iterdir():
                 p.chmod(0o444)
             cache[key] = out
@@ -287,6 +289,16 @@ def test_copy_overwrite_and_output_inside_the_input(build, tmp_path):
     run_ckpt("validate", "--fix-quant-config", src, code=2)  # needs -o (or --dry-run)
     run_ckpt("validate", src, "-o", out, code=2)  # -o goes with --fix-quant-config
     run_ckpt("validate", "--fix-quant-config", src, "-o", tmp_path / "o2", "--link", "symlink", code=2)
+
+
+def test_a_lone_model_safetensors_is_linked_and_gets_an_index(build, tmp_path):
+    src = build("qwen3_5_moe", num_shards=1, scheme="modelopt-nvfp4", mtp="bf16", mtp_exclude="blocks")
+    out = tmp_path / "out"
+    run_ckpt("validate", "--fix-quant-config", src, "-o", out, "--link", "hardlink")
+    assert os.stat(src / "model.safetensors").st_ino == os.stat(out / "model.safetensors").st_ino
+    assert set(_read(out, "model.safetensors.index.json")["weight_map"].values()) == {"model.safetensors"}
+    assert all(_excluded(out, "mtp.fc").values())
+    run_ckpt("validate", out)
 
 
 # ---------------------------------------------------------------------------

@@ -155,13 +155,15 @@ def render_fix(report, dry_run: bool) -> None:
 
 
 def render_diff(diff: list[dict]) -> None:
-    """Per file and field: the entries added (+) and removed (-)."""
+    """Per file and field: the entries added (+) and removed (-), MAX_PER_RULE of each at most."""
     con = out_console()
     for d in diff:
-        con.print(f"  {d['file']}: {d['field']}", markup=False)
-        for x in d["removed"]:
-            con.print(f"    - {x}", markup=False, style="red")
-        for x in d["added"]:
-            con.print(f"    + {x}", markup=False, style="green")
+        con.print(f"  {d['file']}: {d['field']} (+{len(d['added'])} -{len(d['removed'])})", markup=False)
+        for sign, entries, style in (("-", d["removed"], "red"), ("+", d["added"], "green")):
+            for x in entries[:MAX_PER_RULE]:
+                con.print(f"    {sign} {x}", markup=False, style=style)
+            if len(entries) > MAX_PER_RULE:
+                con.print(f"    {sign} ... and {len(entries) - MAX_PER_RULE} more (all of them with --json)",
+                          markup=False, style=style)
         if "before" in d:
             con.print(f"    {d['before']!r} -> {d['after']!r}", markup=False)
