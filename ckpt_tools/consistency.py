@@ -492,12 +492,28 @@ def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> lis
 
     cfg = config_path(view.ckpt)
     fix = f"; `ckpt validate --fix-quant-config {view.ckpt.root} -o OUT` repairs the config"
+    # no config change can fix it (missing scales, fused shards stored differently): the weights must change
+    weights = (f"; a config change cannot fix this: re-quantize the MTP layers, or `ckpt graft SOURCE "
+               f"{view.ckpt.root} -o OUT` writes them anew from the original release")
+    # a finding a config change could fix that the repair still cannot (a per-module list would have to
+    # name the module with its own scheme, e.g. ModelOpt quantized_layers)
+    stuck = (f"; --fix-quant-config cannot repair it (the config would have to declare the module's own scheme in "
+             f"a per-module list): declare it by hand, or `ckpt graft SOURCE {view.ckpt.root} -o OUT`")
+    findings = audit(view).findings
+    left = _left_by_repair(view) if any(f.fix for f in findings) else set()
     out = []
-    for f in audit(view).findings:
+    for f in findings:
         if any(k.startswith(f.key + ".") for k in unknown):
             continue
-        out.append(Problem(RULE, cfg, f.key, f.message + (fix if f.fix else "")))
+        out.append(Problem(RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left else fix)))
     return out
+
+
+def _left_by_repair(view: MtpView) -> set[str]:
+    """The modules ``quant.repair`` leaves unfixed (only asked when a finding has a config fix)."""
+    from .quant.repair import repair_view
+
+    return {f.key for f in repair_view(view).unfixable}
 
 
 def model_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:

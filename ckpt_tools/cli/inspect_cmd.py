@@ -32,9 +32,7 @@ def render(report) -> None:
     if report.reader != "safetensors":
         notes = "; ".join(report.reader_notes)
         con.print(f"read with the {report.reader} reader" + (f": {notes}" if notes else ""), markup=False)
-    q = report.quantization
-    if q:
-        con.print(f"quantization: {q['quant_method']}, block {q['weight_block_size']}, scales *{q['scale_suffix']}")
+    _render_quantization(con, report.quantization)
 
     whole, mtp = report.totals["checkpoint"], report.totals["mtp"]
     t = Table(title="Size", title_justify="left")
@@ -99,7 +97,57 @@ def render(report) -> None:
         con.print(f"FP8: {f['weights']} MTP weight(s) with {f['scales']} *{f['scale_suffix']} companion(s), "
                   f"block {f['block'][0]}x{f['block'][1]}")
 
+    if report.mtp_quant and report.mtp_quant["modules"]:
+        _render_mtp_quant(con, report.mtp_quant)
     _render_status(con, report.status, report.mtp_layers)
+
+
+def _render_quantization(con, q: dict | None) -> None:
+    """The scheme the tables detect (not config.json's fields, which mean nothing for most schemes)."""
+    from rich.markup import escape
+
+    if not q:
+        return
+    if q.get("unknown"):
+        con.print(f"quantization: [yellow]not described by any scheme table[/]: {escape(q['unknown'])}")
+    elif q.get("scheme"):
+        titles = "; ".join(s["title"] for s in q["schemes"])
+        con.print(f"quantization: [bold]{escape(q['scheme'])}[/] ({escape(titles)}), declared in "
+                  f"{escape(', '.join(q['declared_in']))}", soft_wrap=True)
+    else:
+        con.print(f"quantization: {escape(str(q['quant_method']))} (no scheme table matches)")
+
+
+def _render_mtp_quant(con, quant: dict) -> None:
+    """Per MTP module: stored as what versus what the config declares; routed experts that agree share a row."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..quant.report import collapsed, declared_text
+
+    t = Table(title="MTP modules: stored vs declared (quantization config)", title_justify="left")
+    for col in ("module", "stored", "declared", ""):
+        t.add_column(col, justify="left", overflow="fold")
+    problems = []
+    for name, m, n in collapsed(quant["modules"]):
+        label = f"{name} (x{n})" if n > 1 else name
+        if m["ok"]:
+            mark = "[green]ok[/]" + (" (release convention)" if m["exempt"] else "")
+        else:
+            mark = "[bold red]problem[/]"
+            problems.append((label, m["problem"]))
+        t.add_row(escape(label), escape(m["stored"]["label"]), escape(declared_text(m["declared"])), mark)
+    con.print(t)
+    others = [f for f in quant["findings"] if f["key"] not in {m["module"] for m in quant["modules"]}]
+    problems += [(f["key"], f["message"]) for f in others]  # fused engine layers
+    if not problems:
+        return
+    con.print(f"[bold red]mtp-quant-config[/]: {len(quant['findings'])} finding(s) "
+              "(`ckpt validate --fix-quant-config PATH -o OUT` repairs what a config change can):")
+    for key, msg in problems[:MAX_ROWS]:
+        con.print(f"  {key}: {msg}", markup=False, soft_wrap=True)
+    if len(problems) > MAX_ROWS:
+        con.print(f"  ... and {len(problems) - MAX_ROWS} more (all of them with --json)")
 
 
 def _render_status(con, status: dict, count: int) -> None:

@@ -1,8 +1,13 @@
-"""`ckpt validate PATH`: every problem, with rule, file and key; exit 0 valid, 1 problems, 3 not a checkpoint."""
+"""`ckpt validate PATH`: every problem, with rule, file and key; exit 0 valid, 1 problems, 3 not a checkpoint.
+
+`ckpt validate --fix-quant-config PATH -o OUT` writes PATH with only its quantization config repaired
+(ops/fix_quant.py); exit 0 when written or when nothing needs fixing, 3 when a config change cannot fix it.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import typer
 
@@ -59,6 +64,9 @@ def _how_read(report) -> str:
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
 ARCH_HELP = "Check against this family's table instead of detecting it."
+FIX_HELP = ("Write PATH to -o OUT with only its quantization config repaired (rule mtp-quant-config: MTP modules "
+            "stored otherwise than declared); shards are copied or linked, never rewritten.")
+LINK_HELP = "With --fix-quant-config: how shards reach OUT: copy | reflink (copy where unsupported) | hardlink | remote"
 
 
 def register(app: typer.Typer) -> None:
@@ -68,6 +76,12 @@ def register(app: typer.Typer) -> None:
         path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP),
         arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
         json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+        fix_quant_config: bool = typer.Option(False, "--fix-quant-config", help=FIX_HELP),
+        out: Path | None = typer.Option(None, "-o", "--out", help="With --fix-quant-config: the output directory."),
+        link: str = typer.Option("copy", "--link", metavar="MODE", help=LINK_HELP),
+        dry_run: bool = typer.Option(False, "--dry-run", help="With --fix-quant-config: print the config diff, "
+                                                              "write nothing."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="With --fix-quant-config: replace OUT."),
     ) -> None:
         """Check format, index and config-vs-tensor rules; report every problem (exit 1 if any)."""
         from ..ops.validate import validate
@@ -75,6 +89,13 @@ def register(app: typer.Typer) -> None:
 
         if arch is not None and arch not in all_tables():
             raise UsageError(f"--arch {arch!r}: unknown family; known: {', '.join(sorted(all_tables()))}")
+        if fix_quant_config:
+            fix_config(path, arch, out, link, dry_run, overwrite, json_output)
+            return
+        for flag, given in (("-o", out is not None), ("--dry-run", dry_run), ("--overwrite", overwrite),
+                            ("--link", link != "copy")):
+            if given:
+                raise UsageError(f"{flag} goes with --fix-quant-config")
         report = validate(path, arch)
         if json_output:
             emit_json(report.to_json())
@@ -82,3 +103,67 @@ def register(app: typer.Typer) -> None:
             render(report)
         if not report.ok:
             raise typer.Exit(EXIT_FOUND)
+
+
+def fix_config(path: str, arch: str | None, out: Path | None, link: str, dry_run: bool, overwrite: bool,
+               json_output: bool) -> None:
+    """--fix-quant-config: plan, show the config diff, write (unless --dry-run) and validate OUT."""
+    from ..checkpoint import Checkpoint
+    from ..ops.fix_quant import plan_fix
+    from ..ops.validate import validate_output
+    from ..options import outside_inputs
+    from ..writer import execute
+    from .common import command_line, progress_for
+
+    if out is None and not dry_run:
+        raise UsageError("--fix-quant-config needs -o OUT (or --dry-run)")
+    with Checkpoint.open(path) as ckpt:
+        if out is not None and ckpt.local_dir is not None:
+            outside_inputs("-o", out, [ckpt.local_dir])  # also when nothing is written: the same answer either way
+        plan, report = plan_fix(ckpt, arch=arch, link=link, command=command_line())
+        if plan is not None and not dry_run:
+            assert out is not None
+
+            def check(where: Path, pending) -> None:  # OUT must pass validate, mtp-quant-config included
+                report.validation = validate_output(where, arch=arch, pending=pending)
+
+            execute(plan, out, overwrite=overwrite, progress=progress_for(json_output), check=check)
+            report.out, report.written = str(out), True
+    if json_output:
+        emit_json(report.to_json())
+    else:
+        render_fix(report, dry_run)
+
+
+def render_fix(report, dry_run: bool) -> None:
+    from rich.markup import escape
+
+    con = out_console()
+    if report.status == "nothing-to-fix":
+        con.print(f"[green]nothing to fix[/]: {escape(report.path)} declares every MTP module as it is stored "
+                  f"({escape(report.scheme or 'no quantization')}); nothing was written")
+        return
+    con.print(f"quantization config of {escape(report.path)} ({escape(report.scheme or '-')}): "
+              f"{len(report.repair.fixed)} finding(s) repaired")
+    render_diff(report.diff)
+    if dry_run:
+        con.print("[yellow]dry run[/]: nothing was written")
+    else:
+        con.print(f"[green]wrote[/] {escape(report.out)}: changed {', '.join(report.changed_files)}; "
+                  f"{len(report.linked_files)} shard(s) and {len(report.carried_files)} other file(s) by "
+                  f"{report.link}, unchanged; validated")
+
+
+def render_diff(diff: list[dict]) -> None:
+    """Per file and field: the entries added (+) and removed (-), MAX_PER_RULE of each at most."""
+    con = out_console()
+    for d in diff:
+        con.print(f"  {d['file']}: {d['field']} (+{len(d['added'])} -{len(d['removed'])})", markup=False)
+        for sign, entries, style in (("-", d["removed"], "red"), ("+", d["added"], "green")):
+            for x in entries[:MAX_PER_RULE]:
+                con.print(f"    {sign} {x}", markup=False, style=style)
+            if len(entries) > MAX_PER_RULE:
+                con.print(f"    {sign} ... and {len(entries) - MAX_PER_RULE} more (all of them with --json)",
+                          markup=False, style=style)
+        if "before" in d:
+            con.print(f"    {d['before']!r} -> {d['after']!r}", markup=False)

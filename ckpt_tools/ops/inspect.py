@@ -10,7 +10,14 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
   ``norm`` (``plain`` | ``zero_centred``), ``concat_order`` (``embed_first`` | ``hidden_first``),
   ``dtype`` (the model dtype the table resolved), ``mtp_layers`` (declared count) and
   ``count_field`` (the config key declaring it, or null);
-- ``quantization``: null, or ``{quant_method, weight_block_size, scale_suffix}`` from the config;
+- ``quantization``: null (nothing declared), or ``{quant_method, weight_block_size, scale_suffix}`` from
+  config.json plus ``scheme`` (the detected scheme, ``quant.detect_scheme``: table names joined by ``+``),
+  ``schemes`` (``[{scheme, title}]``) and ``declared_in`` (``file:section`` of each place declaring it);
+- ``mtp_quant``: null for an unquantized checkpoint, else the per-MTP-module audit (``quant.audit``,
+  rule ``mtp-quant-config``) as ``quant.report.audit_json`` gives it: ``{scheme, schemes, declared_in,
+  ok, unknown, modules, findings}``; each module ``{module, stored{state, label, scheme, dtype},
+  declared{state, reason, group?, scheme?, entry?}, expert, exempt, fused, ok, problem}`` (``entry``: the
+  exclusion entry that excludes it, ``{where: "file:field", pattern, exact}``, or null);
 - ``totals``: ``{"checkpoint": T, "mtp": T}`` with ``T = {tensors, params, bytes, shards}``;
   params count every element of every tensor (FP8 scales included), bytes are tensor data
   bytes (numel x itemsize, headers excluded), shards the number of files involved;
@@ -47,6 +54,8 @@ from ..dtypes import FP8_DTYPES
 from ..errors import InputError
 from ..expert_layouts import scale_key
 from ..mtp import MtpView
+from ..quant.audit import Audit, audit
+from ..quant.report import audit_json
 from ..tables.schema import GLUE_ROLES
 
 ROLE_ORDER = (*GLUE_ROLES, "block", "experts", "fp8_scales")
@@ -75,6 +84,7 @@ class InspectReport:
     mtp_layers: int
     count_field: str | None
     quantization: dict | None
+    mtp_quant: dict | None
     totals: dict
     roles: dict
     layers: list[dict]
@@ -105,6 +115,7 @@ class InspectReport:
             "mtp_layers": self.mtp_layers,
             "count_field": self.count_field,
             "quantization": self.quantization,
+            "mtp_quant": self.mtp_quant,
             "totals": self.totals,
             "roles": self.roles,
             "layers": self.layers,
@@ -131,14 +142,21 @@ def _count_field(view: MtpView) -> str | None:
     return None
 
 
-def _quantization(ckpt: Checkpoint, view: MtpView) -> dict | None:
+def _quantization(ckpt: Checkpoint, view: MtpView, result: Audit) -> dict | None:
+    """What config.json says, and the scheme the tables detect (``quant.detect_scheme``)."""
     qc = ckpt.config.get("quantization_config")
-    if not isinstance(qc, dict):
+    found = audit_json(result) if result.scheme is not None or result.unknown else None
+    if not isinstance(qc, dict) and found is None:
         return None
+    qc = qc if isinstance(qc, dict) else {}
     return {
         "quant_method": qc.get("quant_method"),
         "weight_block_size": qc.get("weight_block_size"),
         "scale_suffix": view.resolved.scale_suffix,
+        "scheme": found["scheme"] if found else None,
+        "schemes": found["schemes"] if found else [],
+        "declared_in": found["declared_in"] if found else [],
+        **({"unknown": result.unknown} if result.unknown else {}),
     }
 
 
@@ -230,13 +248,15 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         "beyond": list(view.beyond),
         "optional_absent": [s.key for s in view.optional_absent],
     }
+    quant = audit(view)  # per MTP module: stored as what, declared as what
     ordered_roles = {r: roles[r] for r in ROLE_ORDER if r in roles}
     ordered_roles.update({r: v for r, v in roles.items() if r not in ordered_roles})
     table = view.table
     return InspectReport(
         path=ckpt.root, family=table.family, title=table.title, table_source=table_source, norm=table.norm,
         concat_order=table.mtp.concat_order, dtype=res.dtype, mtp_layers=view.count,
-        count_field=_count_field(view), quantization=_quantization(ckpt, view),
+        count_field=_count_field(view), quantization=_quantization(ckpt, view, quant),
+        mtp_quant=audit_json(quant) if quant.modules or quant.scheme is not None or quant.unknown else None,
         totals={"checkpoint": whole, "mtp": mtp}, roles=ordered_roles, layers=layers, experts=experts,
         shards=shards, dtypes={"mtp": _sorted(mtp_dtypes), "checkpoint": _sorted(whole_dtypes)}, fp8=fp8,
         tensors=tensors, status=status, view=view, reader=ckpt.reader, reader_notes=list(ckpt.reader_notes),

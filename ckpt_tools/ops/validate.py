@@ -81,6 +81,7 @@ class ValidationReport:
     reader: str = "safetensors"  # what the weights were read from (a draft reader: torch, dcp)
     reader_notes: list[str] = field(default_factory=list)
     draft_format: str | None = None  # a renamed draft (speculators, angelspec, ...): checked as such
+    mtp_quant: dict | None = None  # per MTP module: stored vs declared (quant.report.audit_json); quantized only
 
     @property
     def ok(self) -> bool:
@@ -96,7 +97,8 @@ class ValidationReport:
         self.problems += problems
 
     def to_json(self) -> dict:
-        """Stable keys: path, ok, family, mtp_layers, checked{files,tensors}, counts{rule: n}, problems[], notes[]."""
+        """Stable keys: path, ok, family, mtp_layers, checked{files,tensors}, counts{rule: n}, problems[], notes[],
+        mtp_quant (null, or the per-MTP-module quantization audit: see ops/inspect.py ``mtp_quant``)."""
         return {
             "path": self.root,
             "ok": self.ok,
@@ -109,6 +111,7 @@ class ValidationReport:
             "counts": dict(sorted(Counter(p.rule for p in self.problems).items())),
             "problems": [p.to_json() for p in self.problems],
             "notes": [n.to_json() for n in self.notes],
+            "mtp_quant": self.mtp_quant,
         }
 
 
@@ -256,10 +259,21 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
         try:
             report.extend(consistency.model_problems(view, unknown))
             report.notes += consistency.absent_notes(view)
+            report.mtp_quant = _mtp_quant(view)
         except CkptError as e:  # the trunk's expressions meet a config value they cannot use
             report.add(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
     report.extend(consistency.fp8_problems(ckpt, table, view, unknown,
                                            None if config_broken or not ckpt.config_present else cfg))
+
+
+def _mtp_quant(view) -> dict | None:
+    """The audit behind rule mtp-quant-config, per module (headers only: cheap); None when unquantized."""
+    from ..quant.audit import audit
+    from ..quant.report import audit_json
+
+    result = audit(view)
+    return audit_json(result) if result.modules and (result.scheme is not None or result.unknown) or \
+        result.findings else None
 
 
 def validate_output(path: str | os.PathLike, *, arch: str | None = None, allow: Iterable[str] = (),
