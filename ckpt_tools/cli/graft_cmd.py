@@ -41,6 +41,7 @@ def register(app: typer.Typer) -> None:
         from ..ops.graft import GraftRequest, plan_graft
         from ..plan import parse_size
         from .diff_cmd import render_diffs
+        from .quant_render import say_config_changes
         from .stitch_cmd import Outputs, execute_and_report
 
         allow = allowed_rules(allow_invalid)
@@ -58,10 +59,7 @@ def register(app: typer.Typer) -> None:
         c = out_console()
         n = report.count
         c.print(f"MTP count ({n['field']}): {n['before']} -> {n['after']}")
-        if report.quant_config is not None:
-            changes = report.quant_config["changes"]
-            c.print(f"quantization config repaired ({', '.join(report.quant_config['files'])}): "
-                    f"{len(changes) if isinstance(changes, list) else changes} change(s)", soft_wrap=True)
+        say_config_changes(report.quant_config)
         if not dry_run:
             c.print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
                     f"new shards: {', '.join(report.new_shards) or '-'}")

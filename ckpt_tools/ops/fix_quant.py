@@ -33,7 +33,7 @@ from ..quant.config import quant_files
 from ..quant.repair import Repair, repair_view
 from ..quant.report import audit_json, config_diff
 from .extract import carried_files
-from .stitch import LINK_MODES, _untouched, config_files
+from .stitch import LINK_MODES, config_files, untouched_file
 
 GRAFT = "`ckpt graft SOURCE {root} -o OUT` (SOURCE: the original release) writes the MTP layers anew"
 HINTS = {"mtp-missing": "a config repair cannot restore missing weights: " + GRAFT}
@@ -96,7 +96,7 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
     wm = ckpt.index["weight_map"] if ckpt.index else None
     for shard, keys in ckpt.shard_keys.items():
         listed = {k: ckpt.tensors[k].nbytes for k in keys if wm is None or wm.get(k) == shard}
-        files.append(_untouched(ckpt, shard, link, listed))
+        files.append(untouched_file(ckpt, shard, link, listed))
         report.linked_files.append(shard)
     carried = [f for f in carried_files(ckpt) if f.name not in replaced]
     report.carried_files = [f.name for f in carried]

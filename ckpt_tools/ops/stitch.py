@@ -792,7 +792,7 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
         listed = [k for k in keys if wm is None or wm.get(k) == shard]
         # a whole-file copy would carry keys the index does not list (--allow-invalid unindexed-key): rewrite
         if not any(k in changed for k in listed) and len(listed) == len(keys):
-            files.append(_untouched(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}))
+            files.append(untouched_file(verifier, shard, req.link, {k: verifier.tensors[k].nbytes for k in listed}))
             report.linked_files.append(shard)
             report.copied_tensors += sum(1 for k in listed if k not in builder.candidates)
             continue
@@ -858,7 +858,7 @@ def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[O
         if len(kept) == len(listed):
             if single and link == "remote":
                 raise UsageError("--link remote cannot rename the verifier's lone model.safetensors; use --link copy")
-            files.append(_untouched(verifier, shard, link, {k: verifier.tensors[k].nbytes for k in listed}, name))
+            files.append(untouched_file(verifier, shard, link, {k: verifier.tensors[k].nbytes for k in listed}, name))
             report.linked_files.append(name)
         elif kept:  # rewritten without the dropped tensors, the others byte for byte in their order
             for k in kept:
@@ -887,7 +887,7 @@ def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[O
                 shard_layouts=layouts)
 
 
-def _untouched(verifier: Checkpoint, shard: str, link: str, tensors: dict[str, int], name: str | None = None
+def untouched_file(verifier: Checkpoint, shard: str, link: str, tensors: dict[str, int], name: str | None = None
                ) -> OutputFile:
     """A verifier shard the stitch leaves alone: copied, linked, or (remote) left on the Hub."""
     if link == "remote":
