@@ -104,6 +104,13 @@ def block_size(config: Any) -> tuple[int, int]:
     return _check_block(qc["weight_block_size"], "quantization_config.weight_block_size")
 
 
+def power_of_two_scales(config: Any) -> bool:
+    """``quantization_config.scale_fmt: ue8m0`` (DeepSeek-V3.1 / V3.2): every block scale is a power of
+    two, which engines may take as UE8M0 (DeepGEMM's scale format); a requantized weight must keep that."""
+    qc = _quant_config(config)
+    return qc is not None and str(qc.get("scale_fmt", "")).lower() == "ue8m0"
+
+
 def _check_block(block: Any, what: str = "block") -> tuple[int, int]:
     ok = (
         isinstance(block, (list, tuple))
@@ -394,13 +401,17 @@ def _block_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return reduce(reduce(a, -1, bc), -2, br)
 
 
-def _scales_from_amax(amax: torch.Tensor, where: str, path: str | None = None) -> torch.Tensor:
+def _scales_from_amax(amax: torch.Tensor, where: str, path: str | None = None, pow2: bool = False) -> torch.Tensor:
     if not bool(torch.isfinite(amax).all()):
         bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
         raise InputError(f"{where} holds NaN or Inf (block {bad}); FP8 quantization needs finite values",
                          rule="fp8-nonfinite", path=path)
     s = amax / FP8_MAX  # float32 division, correctly rounded: the fixed-point property needs exactly this
-    return s.clamp_(min=FLT_MIN)
+    s.clamp_(min=FLT_MIN)
+    if pow2:  # rounded up to a power of two, as DeepSeek's ue8m0 quantizer does: 2 ** ceil(log2(s))
+        mant, exp = torch.frexp(s)
+        s = torch.where(mant == 0.5, s, torch.ldexp(torch.ones_like(s), exp))
+    return s
 
 
 def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
@@ -408,10 +419,14 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
     return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
+             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a float tensor (2-D or stacked) to (float8_e4m3fn weight, float32 scale_inv).
 
-    Values are taken as float32 first (exact for BF16 / F16; F64 rounds once).
+    Values are taken as float32 first (exact for BF16 / F16; F64 rounds once). ``pow2``: scales rounded
+    up to powers of two (``scale_fmt: ue8m0``, DeepSeek's rule); then the round trip is a fixed point in
+    values, not always in bytes (a block whose largest code rounds down to 224 comes back with half the
+    scale and doubled codes: the same values).
     """
     br, bc = _check_block(block)
     if not w.dtype.is_floating_point or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -419,7 +434,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     grid_shape(tuple(w.shape), (br, bc))
     with _torch_threads(COMPUTE_THREADS):
         x = w.to(torch.float32, copy=True).contiguous()
-        scale = _scales_from_amax(_block_amax(x, br, bc), "input")
+        scale = _scales_from_amax(_block_amax(x, br, bc), "input", pow2=pow2)
         _apply_row_blocks(x, _expand_cols(scale, bc, x.shape[-1]), br, lambda t, f: t.div_(f))
         return _to_e4m3(x), scale.contiguous()
 

@@ -232,7 +232,8 @@ def _inputs(t: OutputTensor) -> list[str]:
     return list(t.meta.get("source", [])) or [t.key]
 
 
-def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str) -> tuple[OutputTensor, OutputTensor]:
+def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str,
+               pow2: bool = False) -> tuple[OutputTensor, OutputTensor]:
     """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its F32 ``weight_scale_inv`` grid.
 
     Both recipes walk ``t`` in bands of one block row (of one matrix of a stack), so
@@ -255,7 +256,7 @@ def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str) -> tuple
                 for r in range(0, rows, block[0]):
                     n = min(block[0], rows - r)
                     values = bytes_to_torch(reader.read(n * cols * item), src.dtype, (n, cols)).float()
-                    yield fp8.quantize(values, block)
+                    yield fp8.quantize(values, block, pow2=pow2)
 
     def weights():
         for q, _s in bands():
@@ -265,7 +266,7 @@ def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str) -> tuple
         for _q, s in bands():
             yield s
 
-    meta = dict(t.meta, quantized={"block": list(block)})
+    meta = dict(t.meta, quantized={"block": list(block), **({"scale_fmt": "ue8m0"} if pow2 else {})})
     w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", _inputs(t)), t.shard, meta)
     s = OutputTensor(scale_key, "F32", grid, Compute(scales, "quantize-scale", _inputs(t)), t.shard,
                      {"role": "scale", "source": _inputs(t)})

@@ -626,3 +626,26 @@ def test_config_helpers():
     for bad in (None, [128], [0, 128], [128.0, 128], "128"):
         with pytest.raises(InputError, match="fp8-block-size"):
             fp8.block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": bad}})
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (3, 130, 257)])
+def test_power_of_two_scales_for_ue8m0(shape):
+    """scale_fmt ue8m0: every scale is 2 ** ceil(log2(amax / 448)) (DeepSeek's rule), the codes are the
+    values divided by it (exact: a power of two), and quantizing the dequantized values gives them back."""
+    rng = np.random.default_rng(7)
+    w = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.02)
+    w[..., :128, :128] = 0.0
+    q, s = fp8.quantize(w, pow2=True)
+    mant, _ = torch.frexp(s)
+    assert (mant == 0.5).all()  # powers of two only
+    plain_q, plain_s = fp8.quantize(w)
+    expect = torch.exp2(torch.ceil(torch.log2(plain_s.double()))).float()  # plain_s = fl(amax / 448)
+    assert torch.equal(s, expect)
+    # values are a fixed point (bytes may not be: a block whose largest code rounded down to 224 comes back
+    # with half the scale and doubled codes, the same values; stitch keeps unchanged FP8 bytes by value)
+    d = fp8.dequantize(q, s)
+    q2, s2 = fp8.quantize(d, pow2=True)
+    assert torch.equal(fp8.dequantize(q2, s2), d)
+    err = (fp8.dequantize(q, s) - w).abs().max()
+    assert err <= w.abs().max() * 2.0**-3  # e4m3 keeps 3 mantissa bits; a larger scale costs at most one
+    assert not torch.equal(s, plain_s)  # the option does something

@@ -403,3 +403,27 @@ def test_hardlink_links_the_untouched_target_shards(build, tmp_path):
     assert shards and all((out / n).stat().st_ino == (target / n).stat().st_ino for n in shards)
     assert json.loads((tmp_path / "plan.json").read_text())
     ckpt("validate", out)
+
+
+def _scales(out: Path, prefix: str) -> dict:
+    from safetensors.torch import load_file
+
+    found = {}
+    for p in out.glob("*.safetensors"):
+        found.update({k: v for k, v in load_file(p).items() if k.startswith(prefix) and k.endswith("_scale_inv")})
+    return found
+
+
+def test_mtp_quant_into_a_ue8m0_target_writes_power_of_two_scales(build, tmp_path):
+    """scale_fmt ue8m0 (DeepSeek-V3.1 / V3.2): engines may read the scales as UE8M0, so re-quantized MTP
+    weights get power-of-two scales too (2 ** ceil(log2(amax / 448))), not arbitrary float32 ones."""
+    import torch
+
+    target = build("deepseek_v3", "fp8-block-ue8m0", mtp="dropped")
+    out = tmp_path / "out"
+    ckpt("graft", build("deepseek_v3"), target, "-o", out, "--mtp-quant", "fp8-block")
+    scales = _scales(out, "model.layers.3.")
+    assert scales and all(bool((torch.frexp(s)[0] == 0.5).all()) for s in scales.values())
+    trunk = _scales(target, "model.layers.0.")
+    assert trunk and all(bool((torch.frexp(s)[0] == 0.5).all()) for s in trunk.values())  # as the trunk's
+    ckpt("validate", out)

@@ -123,3 +123,21 @@ def test_a_quantized_draft_is_refused_with_the_way_out(built, tmp_path):
     res = run_ckpt("stitch", native, verifier, "-o", tmp_path / "out", code=3)
     assert "draft-mismatch" in res.output and "extract --dequant bf16" in res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_stitch_into_a_ue8m0_verifier_keeps_power_of_two_scales(tmp_path):
+    """A finetuned draft re-quantized into a DeepSeek-V3.1-style verifier (scale_fmt ue8m0): its new block
+    scales are powers of two like the verifier's; unchanged weights keep the verifier's bytes."""
+    verifier = make_quantized_checkpoint("deepseek_v3", tmp_path / "v", QuantOptions(scheme="fp8-block-ue8m0"))
+    draft = tmp_path / "draft"
+    run_ckpt("extract", verifier, "-o", draft, "--dequant", "bf16")
+    _finetune(draft)
+    out = tmp_path / "out"
+    run_ckpt("stitch", draft, verifier, "-o", out)
+    c, v = Checkpoint.open(out), Checkpoint.open(verifier)
+    scales = [k for k in c.tensors if k.startswith("model.layers.3.") and k.endswith("_scale_inv")]
+    weights = [k.removesuffix("_scale_inv") for k in scales]
+    assert weights and all(c.tensors[k].read() != v.tensors[k].read() for k in weights)  # re-quantized
+    for k in scales:
+        assert bool((torch.frexp(c.tensors[k].torch())[0] == 0.5).all()), k
+    assert run_ckpt("validate", out).exit_code == 0

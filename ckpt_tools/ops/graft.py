@@ -292,10 +292,11 @@ class _Grafter:
         block, skey = res.block_size, scale_key(key, res.scale_suffix)
         w, *rest = piece.tensors
         if w.dtype == QUANT_DTYPE and len(rest) == 1 and rest[0].dtype == SCALE_DTYPE and \
-                tuple(self.sview.resolved.block_size) == tuple(block) and rest[0].key == skey:
-            return piece  # already the target's block FP8: the source's bytes
+                tuple(self.sview.resolved.block_size) == tuple(block) and rest[0].key == skey and \
+                self.sview.resolved.power_of_two_scales >= res.power_of_two_scales:
+            return piece  # already the target's block FP8 (and scale format): the source's bytes
         values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values("F32")
-        qw, qs = transforms.requantize(values, block, skey)
+        qw, qs = transforms.requantize(values, block, skey, pow2=res.power_of_two_scales)
         qw.meta.setdefault("source", _sources(w))
         return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, block), piece.values)
 

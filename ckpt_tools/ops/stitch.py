@@ -390,7 +390,8 @@ class _Builder:
                                         f"{QUANT_DTYPE} with {SCALE_DTYPE} scales (--keep-bf16 writes the draft's "
                                         "values unquantized)")
             return
-        w, s = transforms.requantize(t, self.res.block_size, scale_key(t.key, self.res.scale_suffix))
+        w, s = transforms.requantize(t, self.res.block_size, scale_key(t.key, self.res.scale_suffix),
+                                     pow2=self.res.power_of_two_scales)
         self.candidates[w.key], self.candidates[s.key] = w, s
         self.values[w.key] = t
         self.scale_of[w.key] = s.key

@@ -64,6 +64,13 @@ class Resolved:
         return (q.block[0], q.block[1]) if q else (128, 128)
 
     @property
+    def power_of_two_scales(self) -> bool:
+        """Block scales are powers of two (``scale_fmt: ue8m0``): requantization keeps them so."""
+        from ..fp8 import power_of_two_scales
+
+        return power_of_two_scales(self.config)
+
+    @property
     def scale_suffix(self) -> str:
         q = self.table.quantization
         return q.scale_suffix if q else "weight_scale_inv"
