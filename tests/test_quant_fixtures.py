@@ -380,3 +380,42 @@ def test_cli_and_the_missing_extra(tmp_path, monkeypatch, capsys):
         require_compressed_tensors()
     assert main(["deepseek_v3", str(tmp_path / "p"), "--quant", "ct-w8a8"]) == 3
     assert EXTRA_HINT in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", sorted(CT_CASES))
+def test_extract_dequant_equals_the_librarys_load_path_for_every_ct_scheme(build, scheme, tmp_path):
+    """`ckpt extract --dequant bf16` of each compressed-tensors fixture: every MTP module bit for bit equal to
+    what transformers' compressed-tensors load path decompresses (``_ct_load``), cast to bf16."""
+    from conftest import run_ckpt
+
+    _, _, config = CT_CASES[scheme]
+    out, src_dir = build("deepseek_v3", scheme, config)
+    tensors, src = _tensors(out), _tensors(src_dir)
+    qc = QuantizationConfig.model_validate(_config(out)["quantization_config"])
+    weights = _ct_load(tensors, qc, src)
+    run_ckpt("extract", out, "-o", tmp_path / "bf16", "--dequant", "bf16")
+    ours = _tensors(tmp_path / "bf16")
+    quantized = {k.rpartition(".")[0] for k in tensors if k.startswith(MTP3) and k.endswith("weight_scale")}
+    assert quantized
+    for name in quantized:
+        assert ours[name + ".weight"].dtype == torch.bfloat16
+        assert torch.equal(ours[name + ".weight"], weights[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("scheme", sorted(s for s in SCHEMES if s not in CT_CASES))
+def test_extract_dequant_from_every_other_scheme_is_within_its_format_error(build, scheme, tmp_path):
+    """ModelOpt FP8 / NVFP4 / MIXED_PRECISION, DeepSeek block FP8 (UE8M0) and the DeepSeek-V4 release layout:
+    `extract --dequant bf16` gives every MTP weight in bf16, close to the bf16 source it was quantized from
+    (bit-exact decoding against each reference is tested in test_quant_decode.py)."""
+    from conftest import run_ckpt
+
+    family, prefix = ("deepseek_v4", "mtp.") if scheme == "fp8-ue8m0-fp4-experts" else ("deepseek_v3", MTP3)
+    out, src_dir = build(family, scheme)
+    src = _tensors(src_dir)
+    run_ckpt("extract", out, "-o", tmp_path / "bf16", "--dequant", "bf16", "--allow-invalid", "mtp-quant-config")
+    ours = _tensors(tmp_path / "bf16")
+    mtp = [k for k in src if k.startswith(prefix) and k.endswith(".weight") and k in ours]
+    assert len(mtp) > 20
+    for k in mtp:
+        assert ours[k].dtype == src[k].dtype, k
+        assert _rel(ours[k], src[k]) < BOUND["fp4"], k  # the coarsest element format among these schemes
