@@ -94,7 +94,7 @@ class Progress:
 
 @dataclass
 class WriteResult:
-    out_dir: Path
+    out_dir: Path | str  # a directory, or an object store's URL
     files: list[str] = field(default_factory=list)
     tensor_files: dict[str, str] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # tensor key -> digest.MANIFEST_ALGO of its bytes
@@ -323,14 +323,7 @@ class Writer:
         t0 = time.monotonic()
         self._check_not_an_input()
         self._check_output_dir()
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
-        try:
-            lock = _Lock(self.out)
-        except OSError as e:
-            raise self._output_error(e, str(self.out / LOCK_NAME)) from e
+        lock = self._lock()
         try:
             plan_digest = self.plan.digest()
             self._check_output_dir()
@@ -346,9 +339,8 @@ class Writer:
                 # An index or manifest from the interrupted run would claim completeness early, and its
                 # temporary files (we hold the lock: nobody is writing them) only take disk space.
                 for name in (self.plan.index_name, MANIFEST_NAME):
-                    (self.out / name).unlink(missing_ok=True)
-                for p in self.out.glob(".*.partial"):
-                    p.unlink(missing_ok=True)
+                    self._remove(name)
+                self._remove_partials()
             elif self.overwrite:
                 self._clear_previous_output()
             record = {"plan": plan_digest, "inputs": self.plan.fingerprints, "command": self.plan.command}
@@ -359,7 +351,7 @@ class Writer:
             )
             self.progress.start(self.plan.total_bytes, self.plan.command)
             deferred: tuple[Path, Path] | None = None
-            with _Hasher(HASH_THREADS if self.hash_tensors else 0) as hasher:
+            with self._hasher() as hasher:
                 # shards copied or linked whole first: their hashing then overlaps the shards being written
                 whole = [f for f in self.plan.files if f.tensors]
                 for f in whole:
@@ -377,23 +369,49 @@ class Writer:
             result.bytes_read = IO_STATS.total
             self._run_check(result, deferred)
             if deferred is not None:
-                os.replace(*deferred)
+                self._commit_deferred(deferred)
             else:
                 self._write_index(result)
             complete = True
             self._fsync_dir()
-            (self.out / RESUME_NAME).unlink(missing_ok=True)  # done: nothing left to resume
+            self._remove(RESUME_NAME)  # done: nothing left to resume
         except OSError as e:
             raise self._output_error(e) from e
         finally:
             self.progress.stop()
-            for p in self.out.glob(".*.partial"):
-                p.unlink(missing_ok=True)
+            self._remove_partials()
             if not complete:  # a manifest without its completion marker would read as a finished run
-                (self.out / MANIFEST_NAME).unlink(missing_ok=True)
+                self._remove(MANIFEST_NAME)
             lock.release()
         result.seconds = time.monotonic() - t0
         return result
+
+    # -- what a target other than a local directory replaces (targets/) ----------------
+
+    def _lock(self) -> _Lock:
+        """Create the output directory and take its lock."""
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
+        try:
+            return _Lock(self.out)
+        except OSError as e:
+            raise self._output_error(e, str(self.out / LOCK_NAME)) from e
+
+    def _remove(self, name: str) -> None:
+        (self.out / name).unlink(missing_ok=True)
+
+    def _remove_partials(self) -> None:
+        """Temporary files of unfinished writes (ours, or a killed run's: we hold the lock)."""
+        for p in self.out.glob(".*.partial"):
+            p.unlink(missing_ok=True)
+
+    def _hasher(self) -> _Hasher:
+        return _Hasher(HASH_THREADS if self.hash_tensors else 0)
+
+    def _commit_deferred(self, deferred: tuple[Path, Path]) -> None:
+        os.replace(*deferred)
 
     def _run_check(self, result: WriteResult, deferred: tuple[Path, Path] | None) -> None:
         """The caller's check of the output as it will be; a failure leaves it without its marker."""
@@ -405,8 +423,12 @@ class Writer:
         else:
             pending = PendingOutput(self._index(result), {})
             marker = self.plan.index_name
+        self._checked(self.out, pending, marker)
+
+    def _checked(self, root: Path, pending: PendingOutput, marker: str) -> None:
+        assert self.check is not None
         try:
-            self.check(self.out, pending)
+            self.check(root, pending)
         except CkptError as e:
             raise OutputError(f"{e.message}; the output was left incomplete (no {marker}, no {MANIFEST_NAME})",
                               rule=e.rule or "output-invalid", path=e.path or str(self.out)) from None
@@ -481,12 +503,17 @@ class Writer:
         return tmp, final
 
     def _write_tensor(self, fd: int, t: OutputTensor) -> None:
+        self._stream_tensor(t, lambda seg: copy_segment(seg, fd, self._buf), lambda mv: _write_all(fd, mv))
+
+    def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
+                       write: Callable[[memoryview], None]) -> None:
+        """A tensor's bytes in order: its byte ranges through ``copy``, computed chunks through ``write``."""
         recipe = t.recipe
         if isinstance(recipe, CopyBytes):
             if recipe.nbytes != t.nbytes:
                 raise RuntimeError(f"plan error: {t.key} copies {recipe.nbytes} bytes, needs {t.nbytes}")
             for seg in recipe.segments:
-                copy_segment(seg, fd, self._buf)
+                copy(seg)
                 self.progress.advance(seg.length)
             return
         assert isinstance(recipe, Compute)
@@ -497,7 +524,7 @@ class Writer:
             mv = as_bytes(chunk)
             if n + len(mv) > t.nbytes:
                 raise RuntimeError(f"plan error: {t.key} produced more than {t.nbytes} bytes")
-            _write_all(fd, mv)
+            write(mv)
             n += len(mv)
             self.progress.advance(len(mv))
         if n != t.nbytes:
@@ -608,7 +635,9 @@ class Writer:
                 about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}  # the Hub's LFS oid
             elif f.name in result.landed:
                 value, size, header = result.landed[f.name]
-                about = {digest.MANIFEST_ALGO: value, "size": size, "copied_from": str(f.source), "link": f.link}
+                # no digest: copied server-side in an object store, never downloaded to be hashed
+                about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
+                         "copied_from": str(f.source), "link": f.link}
             else:
                 continue  # hashing off (benchmark fixtures)
             manifest["files"][f.name] = about
@@ -758,24 +787,43 @@ def _hash_fd_range(fd: int, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
+class FileDigest:
+    """(digest, size, header) of a safetensors file from its bytes in order, in one pass.
+
+    Fed by the local writer reading a landed file back, and by an object-store target with the
+    bytes it uploads.
+    """
+
+    def __init__(self) -> None:
+        self.h = digest.new()
+        self.head = bytearray()  # the file's first bytes, up to the end of its header
+        self.need = 8
+        self.size = 0
+
+    def update(self, mv: memoryview) -> None:
+        n = len(mv)
+        self.h.update(mv)
+        if len(self.head) < self.need:  # the header rides along with the first chunk(s)
+            self.head += mv[len(self.head) - self.size : min(n, self.need - self.size)]
+            if self.need == 8 and len(self.head) == 8:
+                self.need = 8 + min(struct.unpack("<Q", self.head)[0], MAX_HEADER_BYTES)
+                self.head += mv[8 - self.size : min(n, self.need - self.size)]  # size < 8: this chunk holds byte 8
+        self.size += n
+
+    def result(self, name: str) -> tuple[str, int, Header | None]:
+        complete = len(self.head) == self.need > 8
+        header = parse_header_bytes(bytes(self.head[8:]), self.size, name) if complete else None
+        return self.h.hexdigest(), self.size, header
+
+
 def _hash_shard_file(path: Path) -> tuple[str, int, Header | None]:
     """(digest, size, header) of a safetensors file as it landed in the output, in one pass."""
-    h = digest.new()
+    d = FileDigest()
     mv = memoryview(bytearray(HASH_CHUNK))
-    head = bytearray()  # the file's first bytes, up to the end of its header
-    need = 8
-    size = 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(mv):
-            h.update(mv[:n])
-            if len(head) < need:  # the header rides along with the first chunk(s)
-                head += mv[len(head) - size : min(n, need - size)]
-                if need == 8 and len(head) == 8:
-                    need = 8 + min(struct.unpack("<Q", head)[0], MAX_HEADER_BYTES)
-                    head += mv[8 - size : min(n, need - size)]  # size < 8 here: this chunk holds byte 8
-            size += n
-    header = parse_header_bytes(bytes(head[8:]), size, str(path)) if len(head) == need > 8 else None
-    return h.hexdigest(), size, header
+            d.update(mv[:n])
+    return d.result(str(path))
 
 
 _FICLONE = 0x40049409
@@ -814,7 +862,10 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
 
 
 def execute(plan: Plan, out_dir, **kwargs) -> WriteResult:
-    return Writer(plan, out_dir, **kwargs).run()
+    """Run ``plan`` into ``out_dir``: a local directory, or an object store's URL (see ``targets``)."""
+    from .targets import writer_for
+
+    return writer_for(plan, out_dir, **kwargs).run()
 
 
 ProgressFactory = Callable[[], Progress]

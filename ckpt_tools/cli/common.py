@@ -221,6 +221,16 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input)."
+
+
+def output_arg(text: str | None):
+    """-o as a local directory (Path) or an object store's URL (str); see ``targets.output_location``."""
+    from ..targets import output_location
+
+    return None if text is None else output_location(text)
+
+
 def command_line() -> str:
     import shlex
 

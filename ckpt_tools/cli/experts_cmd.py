@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, human_bytes, out_console, progress_for
+from .common import OUT_HELP, command, command_line, emit_json, human_bytes, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 LAYOUT_HELP = (
@@ -51,7 +51,7 @@ def _render(xplan, console) -> None:
                   f"{len(s['shards'])} shard(s); files: {', '.join(s['files']) or '-'}")
 
 
-def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: str, only_mtp: bool, arch: str | None,
+def _run(verb: str, allowed: tuple[str, ...], src: str, out: str | None, to: str, only_mtp: bool, arch: str | None,
          max_shard_size: str, dry_run: bool, plan_json: Path | None, json_output: bool, overwrite: bool,
          dequant: str | None = None, allow_invalid: list[str] | None = None) -> None:
     from ..checkpoint import Checkpoint
@@ -80,7 +80,7 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: Path | None, to: st
         from ..writer import execute
 
         report: dict = {}
-        result = execute(xplan.plan, out, overwrite=overwrite, progress=progress_for(json_output),
+        result = execute(xplan.plan, output_arg(out), overwrite=overwrite, progress=progress_for(json_output),
                          check=lambda path, pending: report.update(validate_output(path, arch=arch, allow=allow,
                                                                                    pending=pending)))
     summary = {
@@ -112,7 +112,7 @@ def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
 
     def run(
         src: str = typer.Argument(..., help="Checkpoint or draft directory."),
-        out: Path = typer.Option(None, "-o", "--out", help="Output directory (new or empty)."),
+        out: str = typer.Option(None, "-o", "--out", help=OUT_HELP),
         to: str = typer.Option(default_to, "--to", help=LAYOUT_HELP),
         only_mtp: bool = typer.Option(False, "--only-mtp", help="Convert the MTP layers' experts only."),
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, out_console, progress_for
+from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 
@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     @command
     def extract(
         src: str = typer.Argument(..., help="Checkpoint directory or hf://org/repo[@rev]."),
-        out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty)."),
+        out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
         layers: str = typer.Option(None, "--layers", help="MTP depths to extract, e.g. 0 or 0,1 (default: all)."),
         fmt: str = typer.Option("native", "--format", help="native | speculators | angelspec | sglang-nextn"),
@@ -55,6 +55,7 @@ def register(app: typer.Typer) -> None:
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
+        target = output_arg(out)
         req = ExtractRequest(
             arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
             dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
@@ -74,7 +75,7 @@ def register(app: typer.Typer) -> None:
             from ..writer import execute
 
             validation: dict = {}
-            result = execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output),
+            result = execute(plan, target, overwrite=overwrite, resume=resume, progress=progress_for(json_output),
                              check=lambda path, pending: validation.update(validate_output(path, allow=allow,
                                                                                            pending=pending)))
             bytes_read = result.bytes_read

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, out_console
+from .common import OUT_HELP, command, command_line, out_console, output_arg
 from .gate_options import allow_invalid_option, allowed_rules
 
 
@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     def graft(
         source: str = typer.Argument(..., help="Checkpoint with MTP (the original release) or hf://org/repo[@rev]."),
         target: str = typer.Argument(..., help="Quantized / converted checkpoint whose MTP is missing or mangled."),
-        out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty; never an input)."),
+        out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         mtp_dtype: str = typer.Option(None, "--mtp-dtype",
                                       help="bf16 | fp32 | fp16: MTP values in this dtype (quantized ones dequantized); "
                                            "default: as the source stores them"),
@@ -49,8 +49,8 @@ def register(app: typer.Typer) -> None:
                            max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
         with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
             plan, report = plan_graft(s, t, req)
-            execute_and_report(plan, report, Outputs(out, dry_run, plan_json, report_file, overwrite, resume,
-                                                     json_output), allow, "graft-report.json")
+            outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume, json_output)
+            execute_and_report(plan, report, outputs, allow, "graft-report.json")
         if json_output:
             return
         hint = "graft-report.json lists every key" if not dry_run else "--json lists every key"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, out_console, progress_for
+from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 
 
@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
     @command
     def init_draft(
         target: str = typer.Argument(..., help="Target checkpoint directory, its config.json, or hf://org/repo[@rev]."),
-        out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty)."),
+        out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         arch: str = typer.Option(None, "--arch", help="Table (family or template) instead of detecting it."),
         num_layers: int = typer.Option(None, "--num-layers", help="MTP layers (default: the config's count, else 1)."),
         seed: int = typer.Option(0, "--seed", help="Values are a function of (seed, tensor name) only."),
@@ -41,6 +41,7 @@ def register(app: typer.Typer) -> None:
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
+        target = output_arg(out)
         req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=fmt,
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
                           command=command_line(), allow_invalid=allow)
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
             from ..writer import execute
 
             validation: dict = {}  # an invalid output is an output error (exit 4), left without its marker
-            result = execute(plan, out, overwrite=overwrite, progress=progress_for(json_output),
+            result = execute(plan, target, overwrite=overwrite, progress=progress_for(json_output),
                              check=lambda path, pending: validation.update(validate_output(path, allow=allow,
                                                                                            pending=pending)))
         bytes_read = result.bytes_read

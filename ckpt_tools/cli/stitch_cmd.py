@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, out_console, progress_for
+from ..targets import Output
+from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 from .quant_render import say_config_changes
 
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
     def stitch(
         draft: str = typer.Argument(..., help="Draft directory (native, speculators, angelspec or sglang-nextn)."),
         verifier: str = typer.Argument(..., help="Verifier checkpoint directory or hf://org/repo[@rev]."),
-        out: Path = typer.Option(..., "-o", "--out", help="Output directory (new or empty; never the verifier)."),
+        out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         fmt: str = typer.Option("auto", "--format", help="auto | native | speculators | angelspec | sglang-nextn"),
         mode: str = typer.Option("auto", "--mode",
                                  help="replace (verifier has MTP) | add (it has none; sets the count) | auto"),
@@ -66,8 +67,8 @@ def register(app: typer.Typer) -> None:
                             strip_prefix=strip_prefix, command=command_line(), allow_invalid=allow)
         with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
             plan, report = plan_stitch(d, v, req)
-            execute_and_report(plan, report, Outputs(out, dry_run, plan_json, report_file, overwrite, resume,
-                                                     json_output), allow)
+            outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume, json_output)
+            execute_and_report(plan, report, outputs, allow)
         if not json_output:
             hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
             say_how_read(report.draft)
@@ -104,7 +105,7 @@ def say_how_read(draft: dict) -> None:
 class Outputs:
     """Where a writing verb's results go (its -o, --dry-run, --plan-json, --report, ... options)."""
 
-    out: Path
+    out: Output
     dry_run: bool
     plan_json: Path | None
     report_file: Path | None
@@ -133,7 +134,7 @@ def execute_and_report(plan, report, o: Outputs, allow: frozenset[str], name: st
         emit_json(data)
 
 
-def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str],
+def _write(plan, report, out: Output, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str],
            name: str = "stitch-report.json") -> None:
     """Execute the stitch (or graft); the output is validated before its index appears (a failure is exit 4),
     then the report is written as ``name``.
@@ -143,7 +144,8 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
     from ..jsonutil import dumps_strict
     from ..ops.validate import validate_output
     from ..plan import OutputFile
-    from ..writer import execute, write_file_atomically
+    from ..targets import write_output_file
+    from ..writer import execute
 
     def check(path: Path, pending) -> None:
         result = validate_output(path, allow=allow, pending=pending)
@@ -153,4 +155,4 @@ def _write(plan, report, out: Path, overwrite: bool, resume: bool, json_output: 
     plan.files.append(OutputFile(name, content=b"{}"))  # placeholder, rewritten below
     execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    write_file_atomically(out / name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())
+    write_output_file(out, name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())

@@ -77,7 +77,8 @@ def register(app: typer.Typer) -> None:
         arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
         json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
         fix_quant_config: bool = typer.Option(False, "--fix-quant-config", help=FIX_HELP),
-        out: Path | None = typer.Option(None, "-o", "--out", help="With --fix-quant-config: the output directory."),
+        out: str | None = typer.Option(None, "-o", "--out", help="With --fix-quant-config: the output directory, or "
+                                        "s3://bucket/prefix."),
         link: str = typer.Option("copy", "--link", metavar="MODE", help=LINK_HELP),
         dry_run: bool = typer.Option(False, "--dry-run", help="With --fix-quant-config: print the config diff, "
                                                               "write nothing."),
@@ -105,7 +106,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_FOUND)
 
 
-def fix_config(path: str, arch: str | None, out: Path | None, link: str, dry_run: bool, overwrite: bool,
+def fix_config(path: str, arch: str | None, out_arg: str | None, link: str, dry_run: bool, overwrite: bool,
                json_output: bool) -> None:
     """--fix-quant-config: plan, show the config diff, write (unless --dry-run) and validate OUT."""
     from ..checkpoint import Checkpoint
@@ -113,12 +114,13 @@ def fix_config(path: str, arch: str | None, out: Path | None, link: str, dry_run
     from ..ops.validate import validate_output
     from ..options import outside_inputs
     from ..writer import execute
-    from .common import command_line, progress_for
+    from .common import command_line, output_arg, progress_for
 
-    if out is None and not dry_run:
+    if out_arg is None and not dry_run:
         raise UsageError("--fix-quant-config needs -o OUT (or --dry-run)")
+    out = output_arg(out_arg) if out_arg is not None else None
     with Checkpoint.open(path) as ckpt:
-        if out is not None and ckpt.local_dir is not None:
+        if isinstance(out, Path) and ckpt.local_dir is not None:  # a URL: the object-store writer checks
             outside_inputs("-o", out, [ckpt.local_dir])  # also when nothing is written: the same answer either way
         plan, report = plan_fix(ckpt, arch=arch, link=link, command=command_line())
         if plan is not None and not dry_run:
