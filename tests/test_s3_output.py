@@ -419,3 +419,42 @@ def test_resume_takes_over_the_lock_of_a_killed_run_on_this_host(s3, bucket, ver
     s3.client().put_object(Bucket=bucket, Key=f"out2/{LOCK_NAME}", Body=json.dumps(lock).encode())
     r = ckpt("extract", verifier, "-o", f"s3://{bucket}/out2", "--resume", code=4)
     assert "[output-locked]" in r.output and f"s3://{bucket}/out2/{LOCK_NAME}" in r.output
+
+
+# -- every writing verb ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(make_fixture, tmp_path_factory):
+    """Inputs of the writing verbs, built once: a checkpoint, its trunk, a fused copy, a fixable quantized one."""
+    from ckpt_tools.testing import FixtureOptions
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    fused = tmp_path_factory.mktemp("fused") / "fused"
+    full = make_fixture("deepseek_v3")
+    ckpt("fuse-experts", full, "-o", fused)
+    quant = make_quantized_checkpoint("deepseek_v3", tmp_path_factory.mktemp("q"),
+                                      QuantOptions(scheme="ct-fp8-block", mtp="bf16", mtp_exclude="no-fusion"),
+                                      FixtureOptions())
+    return {"full": full, "trunk": make_fixture("deepseek_v3", drop_mtp=True), "fused": fused, "quant": quant}
+
+
+VERBS = {
+    "graft": lambda i: ("graft", i["full"], i["trunk"]),
+    "fuse-experts": lambda i: ("fuse-experts", i["full"]),
+    "unfuse-experts": lambda i: ("unfuse-experts", i["fused"]),
+    "init-draft": lambda i: ("init-draft", i["trunk"]),
+    "fix-quant-config": lambda i: ("validate", "--fix-quant-config", i["quant"]),
+}
+
+
+@pytest.mark.parametrize("verb", sorted(VERBS))
+def test_every_writing_verb_writes_to_s3_what_it_writes_locally(s3, bucket, inputs, verb, tmp_path):
+    args = VERBS[verb](inputs)
+    ckpt(*args, "-o", tmp_path / "local")
+    s3.stats.reset()
+    ckpt(*args, "-o", f"s3://{bucket}/out")
+    got = objects(s3, bucket, "out")
+    same_output(got, local_files(tmp_path / "local"), reports=("graft-report.json",))
+    assert INDEX in got or "model.safetensors" in got
+    assert LOCK_NAME not in got and RESUME_NAME not in got

@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
-        target = output_arg(out)
+        dest = output_arg(out)
         req = ExtractRequest(
             arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
             dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
             from ..writer import execute
 
             validation: dict = {}
-            result = execute(plan, target, overwrite=overwrite, resume=resume, progress=progress_for(json_output),
+            result = execute(plan, dest, overwrite=overwrite, resume=resume, progress=progress_for(json_output),
                              check=lambda path, pending: validation.update(validate_output(path, allow=allow,
                                                                                            pending=pending)))
             bytes_read = result.bytes_read

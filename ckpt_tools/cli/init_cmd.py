@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
-        target = output_arg(out)
+        dest = output_arg(out)
         req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=fmt,
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
                           command=command_line(), allow_invalid=allow)
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
             from ..writer import execute
 
             validation: dict = {}  # an invalid output is an output error (exit 4), left without its marker
-            result = execute(plan, target, overwrite=overwrite, progress=progress_for(json_output),
+            result = execute(plan, dest, overwrite=overwrite, progress=progress_for(json_output),
                              check=lambda path, pending: validation.update(validate_output(path, allow=allow,
                                                                                            pending=pending)))
         bytes_read = result.bytes_read
