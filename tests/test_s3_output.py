@@ -324,6 +324,26 @@ def test_dropped_connection_during_upload_is_a_clean_error(s3, bucket, verifier,
     assert_clean_failure(s3, bucket, "out")
 
 
+def test_ctrl_c_during_upload_aborts_it_and_releases_the_lock(s3, bucket, verifier, monkeypatch):
+    import ckpt_tools.targets.object_store as o
+
+    orig, calls = o.ObjectStoreWriter._write_shard, [0]
+
+    def interrupted(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 2:  # the first shard is in, the second's upload begun
+            self._open_upload("model-00002-of-00003.safetensors").write(b"x" * (6 << 20))  # one part sent
+            assert uploads_left(s3, bucket)
+            raise KeyboardInterrupt
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(o.ObjectStoreWriter, "_write_shard", interrupted)
+    monkeypatch.setattr(o, "PART_SIZE", 5 << 20)
+    r = ckpt("extract", verifier, "-o", f"s3://{bucket}/out", "--max-shard-size", "60KB", code=130)
+    assert "no output was marked complete" in r.output and "--resume" in r.output
+    assert_clean_failure(s3, bucket, "out")
+
+
 # -- two writers ----------------------------------------------------------------------------------
 
 

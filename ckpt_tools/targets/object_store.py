@@ -172,6 +172,7 @@ class ObjectStoreWriter(Writer):
         for up in self._uploads:
             with contextlib.suppress(Exception):
                 up.discard()  # aborts its multipart upload: no part stays billed
+            up.closed = True  # discarded: closing it (when collected) must not try to send the rest
         self._uploads.clear()
         if self.resume:
             self._abort_stale_uploads()

@@ -32,8 +32,9 @@ class Store:
 
         protocol = url.split("://", 1)[0].lower()
         try:
-            # no listing cache: the writer lists to decide what exists, and must see the store as it is now
-            options: dict = {"use_listings_cache": False}
+            # no listing cache: the writer lists to decide what exists, and must see the store as it is now;
+            # a filesystem of its own: the endpoint and credentials are the environment's at this moment
+            options: dict = {"use_listings_cache": False, "skip_instance_cache": True}
             if protocol in ("s3", "s3a"):
                 options["fixed_upload_size"] = True  # every part but the last exactly the part size: memory bounded
             fs, root = fsspec.core.url_to_fs(url, **options)
