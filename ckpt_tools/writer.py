@@ -16,6 +16,9 @@ tensor written, and the whole-file digest of each shard copied or linked as it i
 bytes that landed in the output, on hasher threads beside the copies.
 
 Memory stays bounded by one computed chunk; copied bytes never enter Python.
+
+An object-store output (``-o s3://bucket/prefix``) runs this same writer with its storage steps
+(lock, uploads, copies, removals, the check's view of the output) replaced: ``targets.object_store``.
 """
 
 from __future__ import annotations

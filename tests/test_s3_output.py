@@ -324,6 +324,30 @@ def test_dropped_connection_during_upload_is_a_clean_error(s3, bucket, verifier,
     assert_clean_failure(s3, bucket, "out")
 
 
+def test_a_failed_check_leaves_no_index_and_names_the_object(s3, bucket, verifier, tmp_path):
+    from ckpt_tools.ops.extract import ExtractRequest, plan_extract
+
+    seen = {}
+
+    def check(root: Path, pending) -> None:
+        seen["headers"] = dict(Checkpoint.open(root).headers) if pending.index is None else None
+        seen["files"] = sorted(p.name for p in root.iterdir())
+        raise OutputError("planted failure", rule="planted", path=str(root / "model.safetensors"))
+
+    with Checkpoint.open(verifier) as v:
+        plan = plan_extract(v, ExtractRequest(command="ckpt extract (test)"))
+        with pytest.raises(OutputError) as e:
+            execute(plan, f"s3://{bucket}/out", check=check)
+    assert e.value.rule == "planted" and e.value.path == f"s3://{bucket}/out/model.safetensors"
+    assert "left incomplete" in e.value.message
+    # the check saw the lone shard's header as streamed (its upload held back until the check passes)
+    assert MANIFEST_NAME in seen["files"] and "model.safetensors" in seen["files"]
+    assert sorted(seen["headers"]["model.safetensors"].tensors) == sorted(t.key for t in plan.tensors)
+    left = objects(s3, bucket, "out")
+    assert "model.safetensors" not in left  # the lone file is its own marker: never completed
+    assert_clean_failure(s3, bucket, "out")
+
+
 def test_ctrl_c_during_upload_aborts_it_and_releases_the_lock(s3, bucket, verifier, monkeypatch):
     import ckpt_tools.targets.object_store as o
 
