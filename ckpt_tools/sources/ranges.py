@@ -1,0 +1,128 @@
+"""Ranged reads through any fsspec filesystem: split into parts, read in parallel, memory bounded.
+
+A ByteSource (see ``safetensors_io``) for one remote file. ``readinto`` fills the caller's
+buffer with parts read in parallel; ``stream`` yields a long range in order while a bounded
+window of parts is in flight (at most ``WINDOW`` x ``PART`` bytes held), so a multi-GB tensor
+copies at the store's parallel bandwidth in O(window) memory. Every byte fetched is counted in
+``DOWNLOADS``; a failure is an InputError naming the URL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ..errors import InputError
+from ..safetensors_io import IO_STATS
+from .backends import read_error
+from .stats import DOWNLOADS
+
+PART = 8 << 20  # bytes per request: large enough to amortise a request, small enough to parallelise
+WINDOW = 8  # parts in flight per stream: caps memory at WINDOW * PART (64 MiB)
+WORKERS = 16
+MAX_GAP = 1 << 20  # coalesce: merge ranges separated by at most this many bytes ...
+GAP_FRACTION = 32  # ... and by at most 1/32 of the bytes they hold (over-read stays under ~3%)
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """One shared pool for every remote read of the process (threads are started lazily)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="ckpt-fetch")
+        return _pool
+
+
+def coalesce_ranges(ranges: list[tuple[int, int]], max_gap: int = MAX_GAP) -> list[tuple[int, int]]:
+    """Sorted ``(start, end)`` ranges with small gaps merged: fewer requests, a bounded over-read."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out:
+            a, b = out[-1]
+            gap = start - b
+            if gap <= 0 or gap <= min(max_gap, (b - a + end - start) // GAP_FRACTION):
+                out[-1] = (a, max(b, end))
+                continue
+        out.append((start, end))
+    return out
+
+
+def split(start: int, end: int, part: int | None = None) -> list[tuple[int, int]]:
+    part = part or PART
+    return [(s, min(s + part, end)) for s in range(start, end, part)]
+
+
+class FsFile:
+    """One file of an fsspec filesystem, read by byte ranges (``fs.cat_file(path, start, end)``)."""
+
+    def __init__(self, fs, path: str, url: str, size: int, origin: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.name = url
+        self._size = size
+        self._origin = origin
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def local_fd(self) -> int | None:
+        return None
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``: exactly those, or an InputError naming the URL."""
+        try:
+            data = self.fs.cat_file(self.path, start=start, end=end)
+        except Exception as e:
+            raise read_error(e, self.name, f"reading bytes {start}-{end - 1}") from e
+        DOWNLOADS.add(len(data), origin=self._origin)
+        if len(data) != end - start:
+            raise InputError(f"asked for bytes {start}-{end - 1}, got {len(data)} bytes", rule="short-read",
+                             path=self.name)
+        return data
+
+    def _check(self, offset: int, n: int) -> None:
+        if offset < 0 or offset + n > self._size:
+            raise InputError(f"read of bytes {offset}-{offset + n - 1} past the end ({self._size} bytes)",
+                             rule="short-read", path=self.name)
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        n = len(buf)
+        if n == 0:
+            return
+        self._check(offset, n)
+        pos = 0
+        for chunk in self.stream(offset, n):
+            buf[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        IO_STATS.add_read(n)
+
+    def stream(self, offset: int, length: int) -> Iterator[bytes]:
+        """``length`` bytes from ``offset``, in order, with up to WINDOW parts fetched ahead."""
+        self._check(offset, length)
+        parts = split(offset, offset + length)
+        if len(parts) == 1:
+            yield self.fetch(*parts[0])
+            return
+        ex = pool()
+        todo = iter(parts)
+        inflight: deque[Future] = deque()
+        try:
+            for rng in todo:
+                inflight.append(ex.submit(self.fetch, *rng))
+                if len(inflight) >= WINDOW:
+                    break
+            while inflight:
+                data = inflight.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    inflight.append(ex.submit(self.fetch, *nxt))
+                yield data
+        finally:
+            for f in inflight:  # an error or an early stop: nothing more is fetched
+                f.cancel()
