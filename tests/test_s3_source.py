@@ -124,6 +124,30 @@ def test_a_long_read_is_split_in_parallel_parts_exactly(s3, ds, monkeypatch):
     assert s3.stats.downloaded == n and s3.stats.requests["GetObjectRange"] == -(-n // 1000)
 
 
+def test_scheduled_ranges_are_coalesced_and_fetched_ahead_within_a_bound(s3, ds, monkeypatch):
+    from ckpt_tools.sources import ranges
+
+    url = upload(s3, ds, "ds")
+    remote, local = Checkpoint.open(url), Checkpoint.open(ds)
+    shard = max(local.headers, key=lambda n: len(local.shard_keys[n]))
+    keys = local.shard_keys[shard]
+    src = remote.sources[shard]
+    monkeypatch.setattr(ranges, "PART", 4096)
+    monkeypatch.setattr(ranges, "AHEAD_BYTES", 8192)
+    refs = [remote.tensors[k] for k in keys]
+    src.schedule([(r.offset, r.offset + r.nbytes) for r in refs])
+    s3.stats.reset()
+    held = 0
+    for r in refs:  # what the writer does: each tensor's bytes, in order
+        got = b"".join(bytes(c) for c in src.stream(r.offset, r.nbytes))
+        assert got == bytes(local.tensors[r.key].read())
+        held = max(held, len(src._ahead.fetched))
+    span = refs[-1].offset + refs[-1].nbytes - refs[0].offset  # the tensors are contiguous: one range
+    assert s3.stats.downloaded == span
+    assert s3.stats.requests["GetObjectRange"] == -(-span // 4096) < len(refs)
+    assert held <= 8192 // 4096 + 1  # bounded: the parts ahead, plus the one being read
+
+
 @pytest.mark.parametrize("cmd", ["inspect", "validate"])
 def test_inspect_and_validate_read_headers_only(s3, ds, cmd):
     url = upload(s3, ds, "ds")
@@ -148,8 +172,14 @@ def test_extract_downloads_the_mtp_and_equals_local(s3, ds, tmp_path):
     carried = sum((ds / f).stat().st_size for f in Checkpoint.open(ds).files if (b / f).exists())
     mtp, meta = mtp_bytes(ds), meta_bytes(ds)
     got = s3.stats.downloaded
-    print(f"\nserver-side: extract downloaded {got} bytes; MTP {mtp}, headers+config+index {meta}, carried {carried}")
+    print(f"\nserver-side: extract downloaded {got} bytes; MTP {mtp}, headers+config+index {meta}, carried {carried}; "
+          f"requests {dict(s3.stats.requests)}")
     assert mtp <= got <= mtp + meta + carried + 0.05 * mtp
+    # coalesced: opening costs 2 ranged GETs per shard + config + index, each carried file one, and the MTP
+    # tensors at most one request per shard holding them (they sit together), not one per tensor
+    local = Checkpoint.open(ds)
+    n_carried = sum(1 for f in local.files if (b / f).exists())
+    assert s3.stats.requests["GetObjectRange"] <= 2 * len(local.headers) + 2 + n_carried + len(local.headers)
     assert s3.stats.requests["GetObject"] == 0
     assert "downloaded" in r.output and f"s3://{BUCKET}" in r.output
 

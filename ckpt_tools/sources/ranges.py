@@ -3,12 +3,16 @@
 A ByteSource (see ``safetensors_io``) for one remote file. ``readinto`` fills the caller's
 buffer with parts read in parallel; ``stream`` yields a long range in order while a bounded
 window of parts is in flight (at most ``WINDOW`` x ``PART`` bytes held), so a multi-GB tensor
-copies at the store's parallel bandwidth in O(window) memory. Every byte fetched is counted in
-``DOWNLOADS``; a failure is an InputError naming the URL.
+copies at the store's parallel bandwidth in O(window) memory. A plan announces the ranges it
+will copy (``schedule``): they are coalesced (small gaps merged) into parts that are fetched
+ahead of the writer, ``AHEAD_BYTES`` at most, so hundreds of small tensors cost a few large
+requests instead of one round trip each. Every byte fetched is counted in ``DOWNLOADS``; a
+failure is an InputError naming the URL.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -22,6 +26,7 @@ from .stats import DOWNLOADS
 PART = 8 << 20  # bytes per request: large enough to amortise a request, small enough to parallelise
 WINDOW = 8  # parts in flight per stream: caps memory at WINDOW * PART (64 MiB)
 WORKERS = 16
+AHEAD_BYTES = 64 << 20  # scheduled parts fetched ahead of the writer, at most (bounded memory)
 MAX_GAP = 1 << 20  # coalesce: merge ranges separated by at most this many bytes ...
 GAP_FRACTION = 32  # ... and by at most 1/32 of the bytes they hold (over-read stays under ~3%)
 
@@ -57,6 +62,58 @@ def split(start: int, end: int, part: int | None = None) -> list[tuple[int, int]
     return [(s, min(s + part, end)) for s in range(start, end, part)]
 
 
+class ReadAhead:
+    """The ranges a plan copies from one file, as coalesced parts fetched ahead of the consumer.
+
+    A read inside the scheduled parts is served from them; the parts after it are fetched while
+    it is consumed (``AHEAD_BYTES`` in flight), parts before it are dropped. A read outside the
+    schedule returns None (the caller reads it directly).
+    """
+
+    def __init__(self, src: FsFile, ranges: list[tuple[int, int]]) -> None:
+        self.src = src
+        self.parts = [p for a, b in coalesce_ranges(ranges) for p in split(a, b)]
+        self.starts = [p[0] for p in self.parts]
+        self.fetched: dict[int, Future] = {}
+        self.lock = threading.Lock()
+
+    def _covering(self, offset: int, length: int) -> list[int] | None:
+        i = bisect.bisect_right(self.starts, offset) - 1
+        out, pos, end = [], offset, offset + length
+        while pos < end:
+            if i < 0 or i >= len(self.parts) or not self.parts[i][0] <= pos < self.parts[i][1]:
+                return None
+            out.append(i)
+            pos = self.parts[i][1]
+            i += 1
+        return out
+
+    def _window(self, first: int) -> None:
+        with self.lock:
+            for j in [j for j in self.fetched if j < first]:  # the consumer moved past them
+                self.fetched.pop(j).cancel()
+            held = sum(self.parts[j][1] - self.parts[j][0] for j in self.fetched)
+            j = first
+            while j < len(self.parts) and (j == first or held < AHEAD_BYTES):
+                if j not in self.fetched:
+                    self.fetched[j] = pool().submit(self.src.fetch, *self.parts[j])
+                    held += self.parts[j][1] - self.parts[j][0]
+                j += 1
+
+    def read(self, offset: int, length: int) -> Iterator[bytes] | None:
+        idx = self._covering(offset, length)
+        return None if idx is None else self._serve(idx, offset, offset + length)
+
+    def _serve(self, idx: list[int], offset: int, end: int) -> Iterator[bytes]:
+        for i in idx:
+            self._window(i)
+            with self.lock:
+                fut = self.fetched[i]
+            a, b = self.parts[i]
+            data = fut.result()
+            yield memoryview(data)[max(offset, a) - a:min(end, b) - a]
+
+
 class FsFile:
     """One file of an fsspec filesystem, read by byte ranges (``fs.cat_file(path, start, end)``)."""
 
@@ -66,6 +123,11 @@ class FsFile:
         self.name = url
         self._size = size
         self._origin = origin
+        self._ahead: ReadAhead | None = None
+
+    def schedule(self, ranges: list[tuple[int, int]]) -> None:
+        """The ``(start, end)`` ranges a plan will copy from this file (replacing any earlier schedule)."""
+        self._ahead = ReadAhead(self, ranges) if ranges else None
 
     @property
     def size(self) -> int:
@@ -97,12 +159,18 @@ class FsFile:
             return
         self._check(offset, n)
         pos = 0
-        for chunk in self.stream(offset, n):
+        for chunk in self._parts(offset, n):  # not the schedule: a read to compare must not start the copy's
             buf[pos:pos + len(chunk)] = chunk
             pos += len(chunk)
         IO_STATS.add_read(n)
 
     def stream(self, offset: int, length: int) -> Iterator[bytes]:
+        """``length`` bytes from ``offset``, in order: from the schedule when it holds them, else directly."""
+        self._check(offset, length)
+        ahead = self._ahead.read(offset, length) if self._ahead is not None else None
+        return ahead if ahead is not None else self._parts(offset, length)
+
+    def _parts(self, offset: int, length: int) -> Iterator[bytes]:
         """``length`` bytes from ``offset``, in order, with up to WINDOW parts fetched ahead."""
         self._check(offset, length)
         parts = split(offset, offset + length)
