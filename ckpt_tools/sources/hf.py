@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from ..errors import CkptError, InputError
+from ..errors import CkptError
 from ..hub import HubReadError, HubRef, call, endpoint, get_api, hub_error, is_transient, parse_hf_url, retry_settings
-from ..safetensors_io import IO_STATS
+from .ranges import RangedFile
 from .stats import DOWNLOADS
 
 
@@ -37,7 +37,7 @@ def _download_timeout() -> float:
     return float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
 
 
-class RemoteFile:
+class RemoteFile(RangedFile):
     """A file of a Hub repository, read with HTTP ``Range`` requests (a ByteSource).
 
     Requests go through huggingface_hub's shared session and ``http_stream_backoff`` (retries on
@@ -53,20 +53,13 @@ class RemoteFile:
         # hf_hub_url's template is fixed when huggingface_hub is imported; build it from the endpoint now.
         self.url = f"{endpoint()}/{ref.repo_id}/resolve/{quote(commit, safe='')}/{quote(path)}"
 
-    @property
-    def size(self) -> int:
-        return self._size
+    def fetch(self, start: int, end: int) -> bytearray:
+        buf = bytearray(end - start)
+        self._read_range(start, memoryview(buf))
+        return buf  # a bytearray is bytes enough for every reader, and saves a copy
 
-    def local_fd(self) -> int | None:
-        return None
-
-    def readinto(self, offset: int, buf: memoryview) -> None:
+    def _read_range(self, offset: int, buf: memoryview) -> None:
         n = len(buf)
-        if n == 0:
-            return
-        if offset < 0 or offset + n > self._size:
-            raise InputError(f"read of bytes {offset}-{offset + n - 1} past the end ({self._size} bytes)",
-                             rule="short-read", path=self.name)
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
         retries, wait = retry_settings()
@@ -112,7 +105,6 @@ class RemoteFile:
                                        rule="hub-network", path=self.name)
                 time.sleep(min(wait * 2**failures, 8.0))
                 failures += 1
-        IO_STATS.add_read(n)
 
     def _check_range(self, r, start: int, end: int) -> None:
         if r.status_code == 206:
@@ -132,11 +124,6 @@ class RemoteFile:
             return  # a whole-file answer to a whole-file request
         raise HubReadError(f"the server answered {r.status_code} to a Range request for bytes {start}-{end}; "
                            "refusing to download the whole file", rule="hub-range", path=self.name)
-
-    def read_all(self) -> bytes:
-        buf = bytearray(self._size)
-        self.readinto(0, memoryview(buf))
-        return bytes(buf)
 
 
 class LazyPath(type(Path())):

@@ -70,7 +70,7 @@ class ReadAhead:
     schedule returns None (the caller reads it directly).
     """
 
-    def __init__(self, src: FsFile, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, src: RangedFile, ranges: list[tuple[int, int]]) -> None:
         self.src = src
         self.parts = [p for a, b in coalesce_ranges(ranges) for p in split(a, b)]
         self.starts = [p[0] for p in self.parts]
@@ -114,20 +114,12 @@ class ReadAhead:
             yield memoryview(data)[max(offset, a) - a:min(end, b) - a]
 
 
-class FsFile:
-    """One file of an fsspec filesystem, read by byte ranges (``fs.cat_file(path, start, end)``)."""
+class RangedFile:
+    """A remote file read by byte ranges (a ByteSource): subclasses give ``fetch(start, end) -> bytes``."""
 
-    def __init__(self, fs, path: str, url: str, size: int, origin: str) -> None:
-        self.fs = fs
-        self.path = path
-        self.name = url
-        self._size = size
-        self._origin = origin
-        self._ahead: ReadAhead | None = None
-
-    def schedule(self, ranges: list[tuple[int, int]]) -> None:
-        """The ``(start, end)`` ranges a plan will copy from this file (replacing any earlier schedule)."""
-        self._ahead = ReadAhead(self, ranges) if ranges else None
+    name: str
+    _size: int
+    _ahead: ReadAhead | None = None
 
     @property
     def size(self) -> int:
@@ -137,16 +129,11 @@ class FsFile:
         return None
 
     def fetch(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)``: exactly those, or an InputError naming the URL."""
-        try:
-            data = self.fs.cat_file(self.path, start=start, end=end)
-        except Exception as e:
-            raise read_error(e, self.name, f"reading bytes {start}-{end - 1}") from e
-        DOWNLOADS.add(len(data), origin=self._origin)
-        if len(data) != end - start:
-            raise InputError(f"asked for bytes {start}-{end - 1}, got {len(data)} bytes", rule="short-read",
-                             path=self.name)
-        return data
+        raise NotImplementedError
+
+    def schedule(self, ranges: list[tuple[int, int]]) -> None:
+        """The ``(start, end)`` ranges a plan will copy from this file (replacing any earlier schedule)."""
+        self._ahead = ReadAhead(self, ranges) if ranges else None
 
     def _check(self, offset: int, n: int) -> None:
         if offset < 0 or offset + n > self._size:
@@ -163,6 +150,11 @@ class FsFile:
             buf[pos:pos + len(chunk)] = chunk
             pos += len(chunk)
         IO_STATS.add_read(n)
+
+    def read_all(self) -> bytes:
+        buf = bytearray(self._size)
+        self.readinto(0, memoryview(buf))
+        return bytes(buf)
 
     def stream(self, offset: int, length: int) -> Iterator[bytes]:
         """``length`` bytes from ``offset``, in order: from the schedule when it holds them, else directly."""
@@ -194,3 +186,26 @@ class FsFile:
         finally:
             for f in inflight:  # an error or an early stop: nothing more is fetched
                 f.cancel()
+
+
+class FsFile(RangedFile):
+    """One file of an fsspec filesystem, read by byte ranges (``fs.cat_file(path, start, end)``)."""
+
+    def __init__(self, fs, path: str, url: str, size: int, origin: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.name = url
+        self._size = size
+        self._origin = origin
+
+    def fetch(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``: exactly those, or an InputError naming the URL."""
+        try:
+            data = self.fs.cat_file(self.path, start=start, end=end)
+        except Exception as e:
+            raise read_error(e, self.name, f"reading bytes {start}-{end - 1}") from e
+        DOWNLOADS.add(len(data), origin=self._origin)
+        if len(data) != end - start:
+            raise InputError(f"asked for bytes {start}-{end - 1}, got {len(data)} bytes", rule="short-read",
+                             path=self.name)
+        return data
