@@ -262,9 +262,10 @@ def test_benchmark_verb_extract_s3_runs(tmp_path):
     """`python -m benchmarks run --verbs extract-s3` on a tiny checkpoint: both contenders move the MTP bytes."""
     root = Path(__file__).parent.parent
     out = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--size", "2MB", "--verbs", "extract-s3", "--runs",
-                        "1", "--contenders", "naive", "--no-peers", "--json", str(out), "--workdir", str(tmp_path / "wd")],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+    argv = ["run", "--size", "2MB", "--verbs", "extract-s3", "--runs", "1", "--contenders", "naive", "--no-peers",
+            "--json", str(out), "--workdir", str(tmp_path / "wd")]
+    r = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=root, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     v = json.loads(out.read_text())["sizes"]["2MB"]["verbs"]["extract-s3"]
     runs = {c: v["contenders"][c]["runs"][0] for c in ("ckpt", "naive")}
