@@ -26,6 +26,11 @@ class DownloadStats:
             if origin:
                 self.origins.add(origin)
 
+    def count_file(self) -> None:
+        """A whole file was fetched (its bytes and requests were counted as they came)."""
+        with self._lock:
+            self.files_downloaded += 1
+
     def reset(self) -> None:
         with self._lock:
             self.bytes_downloaded = self.requests = self.files_downloaded = 0

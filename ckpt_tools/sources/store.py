@@ -76,9 +76,7 @@ class FsStore:
         return LazyPath(where, fetch=lambda: self._download(name, where))
 
     def _download(self, name: str, where: Path) -> str:
-        size = self.sizes[name]
-        if where.is_file() and where.stat().st_size == size:
-            return str(where)
+        size = self.sizes[name]  # fetched every time: an object may change under the same name and size
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = where.with_name(f".{where.name}.{os.getpid()}.{threading.get_ident()}.partial")
         src = self.open_file(name)
@@ -89,7 +87,7 @@ class FsStore:
             os.replace(tmp, where)
         finally:
             tmp.unlink(missing_ok=True)
-        DOWNLOADS.files_downloaded += 1
+        DOWNLOADS.count_file()
         return str(where)
 
 
