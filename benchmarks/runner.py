@@ -45,8 +45,11 @@ def _argvs(verb: Verb, ctx: Ctx, vdir: Path, peer_ok: bool, want: set[str]) -> d
         argvs["floor"] = [py, "-S", str(HERE / "floor.py"), str(job), "--fsync"]
         argvs["floor-raw"] = [py, "-S", str(HERE / "floor.py"), str(raw)]
     if verb.naive and "naive" in want:
-        job = write_job(verb.naive(ctx, vdir / "out-naive"), vdir / "naive.json")
-        argvs["naive"] = [py, str(HERE / "naive.py"), str(job)]
+        spec = verb.naive(ctx, vdir / "out-naive")
+        job = write_job(spec, vdir / "naive.json")
+        # extract-s3's baseline is plain s3fs in a lean process (naive.py would import torch first)
+        script = "s3bench.py" if spec.get("op") == "s3-cat-ranges" else "naive.py"
+        argvs["naive"] = [py, str(HERE / script), str(job)]
     if verb.peer and peer_ok and "peer" in want:
         cmd = verb.peer(ctx, vdir / "out-peer")
         if cmd:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import layout
+from . import layout, s3bench
 from .peers import Peer, peer_env
 from .synth import Sizing, Synthetic, generate
 
@@ -270,6 +270,10 @@ VERBS: dict[str, Verb] = {
              lambda ctx, out: ["graft", str(ctx.variant("bf16").path), str(ctx.variant("nvfp4-nomtp").path), "-o",
                                str(out)],
              floor=_graft_floor, max_floor_ratio=1.3),
+        Verb("extract-s3", "extract the MTP layers from the checkpoint on a local S3 server (moto, started by the "
+             "benchmark); naive: the same byte ranges through one plain s3fs cat_ranges (target <= 1.5x)", "extract",
+             (), lambda ctx, out: ["extract", s3bench.serve(ctx, "bf16"), "-o", str(out)],
+             naive=s3bench.cat_ranges_job("bf16"), default=False),
         Verb("extract-lib", "extract's job through the library (Checkpoint, open_mtp, writer), no CLI", "", (),
              lambda ctx, out: [sys.executable, str(HERE / "lib_extract.py"), str(ctx.variant("bf16").path), str(out)],
              floor=_mtp_floor("bf16"), naive=_naive_extract("bf16"), library=True, default=False),

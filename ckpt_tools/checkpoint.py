@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -20,6 +21,7 @@ from .errors import InputError
 from .readers import TORCH_SUFFIXES, read_weights
 from .readers import detect as detect_reader
 from .safetensors_io import Header, LocalFile, TensorRef, read_header, refs_from_header
+from .sources import is_url, open_store
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -32,7 +34,7 @@ _SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", "graft-report.js
 
 @dataclass
 class Checkpoint:
-    root: str  # display name: a directory, or hf://org/repo@rev
+    root: str  # display name: a directory, hf://org/repo@rev, or an fsspec URL (s3://bucket/prefix)
     config: ConfigView
     tensors: dict[str, TensorRef]  # key -> reference (through the index when there is one)
     headers: dict[str, Header]  # shard name -> header
@@ -53,9 +55,7 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
         text = str(path)
-        if text.startswith("hf://"):
-            from .hub import open_remote  # imported lazily: huggingface_hub is only needed here
-
+        if is_url(text):
             return open_remote(text)
         p = Path(path)
         if p.is_file() and p.name == "config.json":
@@ -157,6 +157,123 @@ class Checkpoint:
     def file_path(self, name: str) -> Path:
         assert self.local_dir is not None
         return self.local_dir / name
+
+
+@dataclass
+class RemoteCheckpoint(Checkpoint):
+    """A Checkpoint whose files live behind a URL (``local_dir`` is None): the Hub or any fsspec store."""
+
+    store: object = None  # sources.FsStore / sources.hf.HfStore
+
+    @property
+    def fs(self):
+        """The fsspec filesystem of the source."""
+        return self.store.fs
+
+    @property
+    def file_sizes(self) -> dict[str, int]:
+        return self.store.sizes
+
+    @property
+    def lfs_sha256(self) -> dict[str, str]:
+        return self.store.lfs_sha256  # the Hub's sha256 of each LFS file; empty for object stores
+
+    @property
+    def ref(self):
+        return getattr(self.store, "ref", None)
+
+    @property
+    def commit(self) -> str:
+        return getattr(self.store, "commit", "")
+
+    @property
+    def repo_id(self) -> str:
+        return self.store.ref.repo_id
+
+    def url_of(self, name: str) -> str:
+        return self.store.url_of(name)
+
+    def open_file(self, name: str):
+        """A ByteSource for one file of the source."""
+        self._size_of(name)
+        return self.store.open_file(name)
+
+    def read_file(self, name: str) -> bytes:
+        """The bytes of a small file of the source (counted in the download stats)."""
+        size = self._size_of(name)
+        if size > SMALL_FILE_LIMIT:
+            raise InputError(f"{name} is {size} bytes; refusing to read it into memory", path=self.root)
+        src = self.store.open_file(name)
+        buf = bytearray(size)
+        src.readinto(0, memoryview(buf))
+        return bytes(buf)
+
+    def file_path(self, name: str) -> Path:
+        """A local path for one file, returned at once and downloaded the first time it is used."""
+        self._size_of(name)
+        return self.store.fetch(name)
+
+    fetch_file = file_path  # the name ops use to carry a remote file into an output
+
+    def _size_of(self, name: str) -> int:
+        if name not in self.store.sizes:
+            raise InputError(f"{name} is not a file of this repository or prefix", rule="missing-file", path=self.root)
+        return self.store.sizes[name]
+
+
+HEADER_WORKERS = 16  # shard headers are read in parallel: hundreds of shards, two small ranged reads each
+
+
+def open_remote(url: str) -> RemoteCheckpoint:
+    """Open a URL from its headers: config, index, tensor references, the other files' names."""
+    store = open_store(url)
+    root, sizes = store.root, store.sizes
+    digests: dict[str, str] = {}
+    ckpt = RemoteCheckpoint(root, ConfigView({}), {}, {}, None, [], store=store)
+
+    def small(name: str) -> bytes:
+        data = ckpt.read_file(name)
+        digests[name] = sha256_of(data)  # the fingerprint of the input as read
+        return data
+
+    config_present = "config.json" in sizes
+    config = ConfigView.from_bytes(small("config.json"), f"{root}/config.json") if config_present else ConfigView({})
+    index = None
+    if INDEX_NAME in sizes:
+        index = parse_index(small(INDEX_NAME), f"{root}/{INDEX_NAME}")
+        shard_names = sorted(set(index["weight_map"].values()))
+    elif SINGLE_NAME in sizes:
+        shard_names = [SINGLE_NAME]
+    else:
+        raise InputError(f"neither {INDEX_NAME} nor {SINGLE_NAME} found; is this a safetensors checkpoint?",
+                         rule="no-weights", path=root)
+    sources = {}
+    for name in shard_names:
+        pure = PurePosixPath(name)
+        if pure.is_absolute() or ".." in pure.parts or "\\" in name or not name:
+            raise InputError(f"shard name {name!r} escapes the checkpoint", rule="shard-path", path=root)
+        if name not in sizes:
+            raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard", path=root)
+        sources[name] = store.open_file(name)
+    with ThreadPoolExecutor(max_workers=min(HEADER_WORKERS, max(len(sources), 1))) as pool:
+        headers: dict[str, Header] = dict(zip(sources, pool.map(read_header, sources.values()), strict=True))
+    tensors, shard_keys = references(headers, sources, index, f"{root}/{INDEX_NAME}")
+    manifest = parse_manifest(small(MANIFEST_NAME), f"{root}/{MANIFEST_NAME}") if MANIFEST_NAME in sizes else None
+    return RemoteCheckpoint(root, config, tensors, headers, index, _remote_other_files(sizes), sources, None,
+                            shard_keys, manifest, config_present, digests=digests, store=store)
+
+
+def _remote_other_files(sizes: dict[str, int]) -> list[str]:
+    """Non-weight files of a remote source, by the same rules as a local directory."""
+    out = []
+    for name in sorted(sizes):
+        parts = PurePosixPath(name).parts
+        if any(p.startswith(".") for p in parts) or ".." in parts:
+            continue
+        if parts[-1] in _SKIP_NAMES or parts[-1].endswith(_WEIGHT_SUFFIXES) or name == "config.json":
+            continue
+        out.append(name)
+    return out
 
 
 def _read_config(d: Path, digests: dict[str, str]) -> tuple[ConfigView, bool]:
@@ -512,9 +629,11 @@ def raw_header(ckpt: Checkpoint, shard: str) -> bytes:
 
 
 def source_name(ckpt: Checkpoint) -> str:
-    """How outputs name their source: ``org/repo`` for hub sources, an absolute path otherwise."""
+    """How outputs name their source: ``org/repo`` for hub sources, the URL or an absolute path otherwise."""
     if ckpt.root.startswith("hf://"):
         return ckpt.root[len("hf://"):].split("@", 1)[0]
+    if is_url(ckpt.root):
+        return ckpt.root
     return str(Path(ckpt.root).resolve())
 
 

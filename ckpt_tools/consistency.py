@@ -220,13 +220,11 @@ def _weight_files(ckpt: Checkpoint) -> Iterator[tuple[str, str, object]]:
             if not p.name.startswith("."):
                 yield p.name, str(p), lambda p=p: LocalFile(p)
         return
-    sizes = getattr(ckpt, "file_sizes", None)  # hub_source.RemoteCheckpoint
+    sizes = getattr(ckpt, "file_sizes", None)  # checkpoint.RemoteCheckpoint
     if not sizes:
         return
-    from .hub_source import RemoteFile
-
     for name in sorted(n for n in sizes if n.endswith(".safetensors") and "/" not in n and not n.startswith(".")):
-        yield name, f"{ckpt.root}/{name}", lambda n=name: RemoteFile(ckpt.ref, ckpt.commit, n, sizes[n])
+        yield name, f"{ckpt.root}/{name}", lambda n=name: ckpt.open_file(n)
 
 
 def stray_problems(ckpt: Checkpoint, holders: Holders | None = None) -> list[Problem]:

@@ -1,6 +1,6 @@
 """The Hugging Face Hub: ``hf://`` URLs, the endpoint, transfer accounting and clear errors.
 
-Reading lives in ``hub_source`` (``open_remote``: headers and byte ranges only), publishing in
+Reading lives in ``sources.hf`` (a commit-pinned store read by byte ranges), publishing in
 ``hub_push`` and the model card in ``model_card``. Everything goes through huggingface_hub (its
 HTTP session, backoff, token sources); ``HF_ENDPOINT`` is read at call time so it always wins.
 Tokens are never printed: error messages name the repository, the revision and what to do.
@@ -9,14 +9,14 @@ Tokens are never printed: error messages name the repository, the revision and w
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import unquote
 
 from .errors import CkptError, InputError, OutputError, UsageError
+from .sources.stats import DOWNLOADS
 
 HF_PREFIX = "hf://"
 DEFAULT_REVISION = "main"
@@ -90,40 +90,8 @@ def retry_settings() -> tuple[int, float]:
 # Transfer accounting
 
 
-@dataclass
-class HubStats:
-    """Bytes moved to and from the Hub by this process (reported by commands, asserted by tests)."""
-
-    bytes_downloaded: int = 0
-    requests: int = 0
-    files_downloaded: int = 0  # whole small files fetched (config, tokenizer, ...)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, nbytes: int, *, whole_file: bool = False) -> None:
-        with self._lock:
-            self.bytes_downloaded += nbytes
-            self.requests += 1
-            self.files_downloaded += int(whole_file)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bytes_downloaded = self.requests = self.files_downloaded = 0
-
-    def to_json(self) -> dict:
-        return {"bytes_downloaded": self.bytes_downloaded, "requests": self.requests,
-                "files_downloaded": self.files_downloaded}
-
-
-HUB_STATS = HubStats()
-
-
-def transfer_summary() -> str | None:
-    """One line for a command's report, or None when nothing came from the Hub."""
-    if not HUB_STATS.requests:
-        return None
-    n = HUB_STATS.bytes_downloaded
-    return f"downloaded {n:,} bytes from {endpoint()} in {HUB_STATS.requests} requests"
-
+# every remote source's downloads are counted in one place (the Hub is one origin among others)
+HUB_STATS = DOWNLOADS
 
 
 # ---------------------------------------------------------------------------
@@ -237,10 +205,3 @@ def call(fn: Callable[[], T], *, ref: HubRef | str, what: str, push: bool = Fals
                 attempt += 1
                 continue
             raise hub_error(e, ref=ref, what=what, push=push) from e
-
-
-def open_remote(url: str):
-    """``Checkpoint.open("hf://...")``: see ``hub_source.open_remote``."""
-    from .hub_source import open_remote as _open
-
-    return _open(url)

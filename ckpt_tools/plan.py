@@ -119,6 +119,9 @@ class Plan:
     # role ("source", "verifier", "draft", "target") -> what the input was when planned (see fingerprint.py)
     fingerprints: dict[str, dict] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        schedule_reads(self.tensors)
+
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
@@ -272,3 +275,18 @@ def parse_size(text: str | int) -> int:
     if size > 50 * 10**9:
         raise UsageError(f"--max-shard-size {text!r} exceeds the Hub's 50GB per-file limit")
     return size
+
+
+def schedule_reads(tensors: list[OutputTensor]) -> None:
+    """Tell remote sources which byte ranges this plan copies, so they can fetch them coalesced and ahead.
+
+    Nothing is downloaded here: a source starts fetching when the writer first copies a scheduled range.
+    """
+    ranges: dict[int, tuple[object, list[tuple[int, int]]]] = {}
+    for t in tensors:
+        if isinstance(t.recipe, CopyBytes):
+            for seg in t.recipe.segments:
+                if hasattr(seg.source, "schedule"):
+                    ranges.setdefault(id(seg.source), (seg.source, []))[1].append((seg.offset, seg.offset + seg.length))
+    for src, rs in ranges.values():
+        src.schedule(rs)

@@ -62,7 +62,7 @@ IO_STATS = IOStats()
 
 
 # ---------------------------------------------------------------------------
-# Byte sources: a local file, or (see hub.py) a remote file read by ranges.
+# Byte sources: a local file, or (see ``sources``) a remote file read by ranges.
 
 
 class ByteSource(Protocol):
@@ -449,6 +449,12 @@ def copy_segment(seg: Segment, dst_fd: int, buf: memoryview) -> None:
     stays an ``OSError`` for the writer. A copy that ends early is ``short-read``.
     """
     global _CFR_OK
+    stream = getattr(seg.source, "stream", None)
+    if stream is not None:  # a remote source: parts fetched in parallel, a bounded window ahead
+        for chunk in stream(seg.offset, seg.length):
+            _write_all(dst_fd, memoryview(chunk))
+        IO_STATS.add_copied(seg.length)
+        return
     src_fd = seg.source.local_fd()
     done = 0
     if _CFR_OK and src_fd is not None:

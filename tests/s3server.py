@@ -80,6 +80,8 @@ class _Counting:
         query = {k: v[0] for k, v in parse_qs(environ.get("QUERY_STRING", ""), keep_blank_values=True).items()}
         headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
         op = operation(method, query, headers)
+        if method == "GET" and "/" not in path.strip("/"):
+            op = "ListObjects"  # a GET of the bucket itself is a listing, not an object's bytes
         n_in = int(environ.get("CONTENT_LENGTH") or 0)
         with self.stats.lock:
             self.stats.requests[op] += 1

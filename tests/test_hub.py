@@ -286,3 +286,14 @@ def test_hf_endpoint_in_a_fresh_process(hub, ds):
                        capture_output=True, text=True, timeout=60, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert hub.state.stats.served == _meta_bytes(Checkpoint.open(ds))
+
+
+def test_hub_source_exposes_its_fsspec_filesystem(hub, ds):
+    """The source contract: ``fs`` (HfFileSystem on the same endpoint) and ``url_of`` name the pinned files."""
+    sha = hub.state.add_repo("org/verifier", ds)
+    remote = Checkpoint.open("hf://org/verifier")
+    name = remote.shard_names[0]
+    assert remote.url_of(name) == f"hf://org/verifier@{sha}/{name}"
+    fs_path = remote.url_of(name)[len("hf://"):]
+    assert remote.fs.size(fs_path) == (ds / name).stat().st_size
+    assert remote.fs.cat_file(fs_path, start=0, end=8) == (ds / name).read_bytes()[:8]

@@ -105,9 +105,9 @@ def command(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        hub = sys.modules.get("ckpt_tools.hub")
-        if hub is not None:  # count this command's downloads only (several commands may share a process)
-            hub.HUB_STATS.reset()
+        stats = sys.modules.get("ckpt_tools.sources.stats")
+        if stats is not None:  # count this command's downloads only (several commands may share a process)
+            stats.DOWNLOADS.reset()
         try:
             with stop_signals_raise():
                 try:
@@ -169,9 +169,9 @@ def _no_message(e: BaseException) -> str:
 
 
 def _report_downloads() -> None:
-    """Commands that read from the Hub say how much they downloaded (on stderr)."""
-    hub = sys.modules.get("ckpt_tools.hub")
-    summary = hub.transfer_summary() if hub is not None else None
+    """Commands that read from a remote source say how much they downloaded (on stderr)."""
+    stats = sys.modules.get("ckpt_tools.sources.stats")
+    summary = stats.transfer_summary() if stats is not None else None
     if summary:
         err_console().print(summary)
 

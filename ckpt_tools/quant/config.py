@@ -48,9 +48,7 @@ def _side_bytes(ckpt: Any, name: str) -> bytes | None:
     sizes = getattr(ckpt, "file_sizes", None) or {}
     if name not in sizes:
         return None
-    from ..hub_source import RemoteFile
-
-    return RemoteFile(ckpt.ref, ckpt.commit, name, sizes[name]).read_all()
+    return ckpt.read_file(name)
 
 
 def dig(obj: Any, dotted: str) -> Any:
