@@ -502,3 +502,33 @@ def test_every_writing_verb_writes_to_s3_what_it_writes_locally(s3, bucket, inpu
     same_output(got, local_files(tmp_path / "local"), reports=("graft-report.json",))
     assert INDEX in got or "model.safetensors" in got
     assert LOCK_NAME not in got and RESUME_NAME not in got
+
+
+def test_stitch_from_an_s3_verifier_to_s3_copies_untouched_shards_server_side(s3, bucket, verifier, tmp_path):
+    """End to end through the CLI: verifier opened from s3://, output to s3:// in the same store. Untouched
+    shards are never downloaded nor uploaded: each is one CopyObject on the server."""
+    finetuned_draft(verifier, tmp_path / "draft")
+    ckpt("stitch", tmp_path / "draft", verifier, "-o", tmp_path / "local")
+    upload_dir(s3, verifier, bucket, "verifier")
+    s3.stats.reset()
+    ckpt("stitch", tmp_path / "draft", f"s3://{bucket}/verifier", "-o", f"s3://{bucket}/out")
+    copies = s3.stats.requests["CopyObject"] + s3.stats.requests["UploadPartCopy"]
+    parts_in, downloaded = s3.stats.bytes_in["UploadPart"], s3.stats.downloaded  # before objects() downloads
+    got = objects(s3, bucket, "out")
+    local = local_files(tmp_path / "local")
+    shards = {n for n in got if n.endswith(".safetensors")}
+    for name in shards:
+        assert got[name] == local[name], name
+    copied = {n for n in shards if got[n] == (verifier / n).read_bytes()}
+    assert copied and copied != shards  # some shards untouched, one rewritten
+    assert copies >= len(copied)
+    assert parts_in == sum(len(got[n]) for n in shards - copied)  # only the rewritten shards went up
+    untouched = sum(len(got[n]) for n in copied)
+    # downloads: headers and what stitch reads (the MTP tensors it compares, the shard it rewrites), never the
+    # untouched shards' bytes
+    v = Checkpoint.open(verifier)
+    mtp = sum(r.nbytes for k, r in v.tensors.items() if k.startswith("model.layers.3."))  # compared, then copied
+    rewritten = sum(len(got[n]) for n in shards - copied)
+    assert downloaded < rewritten + mtp + 64_000, (downloaded, rewritten, mtp, untouched)
+    print(f"\nstitch s3 -> s3: {len(copied)} untouched shards ({untouched} B) by {copies} server-side copies; "
+          f"uploaded parts {parts_in} B; downloaded {downloaded} B")

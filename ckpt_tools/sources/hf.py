@@ -133,14 +133,15 @@ class LazyPath(type(Path())):
     the download once; ``str`` and path arithmetic do not.
     """
 
-    def __init__(self, *args, fetch=None) -> None:
+    def __init__(self, *args, fetch=None, url: str | None = None) -> None:
         if sys.version_info >= (3, 12):
             super().__init__(*args)
         self._fetch = fetch
         self._fetched: str | None = None
         self._lock = threading.Lock()
+        self.source_url = url  # where the file lives: an output in the same store copies it server-side
 
-    def __new__(cls, *args, fetch=None):
+    def __new__(cls, *args, fetch=None, url: str | None = None):
         return super().__new__(cls, *args) if sys.version_info < (3, 12) else object.__new__(cls)
 
     def __fspath__(self) -> str:

@@ -78,12 +78,15 @@ class _Digests:
 def _server_copies(plan: Plan, store: Store) -> Plan:
     """The plan with every whole file that already lives in this store turned into a server-side copy.
 
-    A file a source leaves in place (``link="remote"``) or names by URL (``source="s3://..."``) is
-    copied inside the store; one in another store keeps its link (``remote``: listed, not written).
+    A file a source leaves in place (``link="remote"``), names by URL (``source="s3://..."``) or by a
+    lazy path of a remote source (``LazyPath.source_url``) is copied inside the store; one in another
+    store keeps its link (``remote``: listed, not written).
     """
     files = []
     for f in plan.files:
-        url = f.remote if f.link == "remote" else f.source if isinstance(f.source, str) else None
+        # a remote source's file is named by URL, or by a lazy local path that knows its URL (never fetched here)
+        url = f.remote if f.link == "remote" else f.source if isinstance(f.source, str) else \
+            getattr(f.source, "source_url", None)
         if url is not None and store.in_store(url) is not None:
             f = replace(f, source=url, link=SERVER_COPY, remote=None)
         files.append(f)
@@ -341,7 +344,8 @@ class ObjectStoreWriter(Writer):
         """A file from a local source (or another store), streamed into an upload and hashed on the way."""
         import fsspec
 
-        src = str(f.source)
+        # a path: os.fspath fetches a remote source's lazy path (an hf:// file into the Hub cache) first
+        src = f.source if isinstance(f.source, str) else os.fspath(f.source)
         size = os.path.getsize(src) if "://" not in src else fsspec.core.url_to_fs(src)[0].size(src)
         done = self._kept(f.name, size, {"from": src})
         if done is not None and isinstance(done.get("landed"), list):
