@@ -6,6 +6,7 @@ import typer
 
 from .common import command, emit_json, out_console
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .write_options import json_option
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
         stats: bool = typer.Option(False, "--stats", help="max |delta|, relative L2 and cosine per changed key."),
         dequant: bool = typer.Option(False, "--dequant", help="Compare FP8 block weights by dequantized value."),
         show_all: bool = typer.Option(False, "--all", help="List every key, unchanged ones too (no row limit)."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded)."""

@@ -8,6 +8,7 @@ import typer
 
 from .common import OUT_HELP, command, command_line, emit_json, human_bytes, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .write_options import json_option, overwrite_option, plan_json_option
 
 LAYOUT_HELP = (
     "per-expert | fused | stacked | stacked-transposed | fused-transposed, with options after ':' "
@@ -118,9 +119,9 @@ def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+        plan_json: Path = plan_json_option(),
+        json_output: bool = json_option(),
+        overwrite: bool = overwrite_option(),
         dequant: str = typer.Option(None, "--dequant",
                                     help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
         allow_invalid: list[str] = allow_invalid_option(),

@@ -8,6 +8,7 @@ import typer
 
 from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .write_options import json_option, overwrite_option, plan_json_option, resume_option
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -41,10 +42,10 @@ def register(app: typer.Typer) -> None:
                                                "of an hf:// or Hub-cache source, else SRC as given)."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        plan_json: Path = plan_json_option(),
+        overwrite: bool = overwrite_option(),
+        resume: bool = resume_option(),
+        json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""

@@ -8,6 +8,7 @@ import typer
 
 from .common import OUT_HELP, command, command_line, out_console, output_arg
 from .gate_options import allow_invalid_option, allowed_rules
+from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
 
 
 def register(app: typer.Typer) -> None:
@@ -29,11 +30,11 @@ def register(app: typer.Typer) -> None:
         arch: str = typer.Option(None, "--arch", help="Family table for both inputs instead of detecting it."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="For the new MTP shards."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Plan, print the report, write nothing."),
-        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
-        report_file: Path = typer.Option(None, "--report", help="Also write the report here."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        plan_json: Path = plan_json_option(),
+        report_file: Path = report_option(),
+        overwrite: bool = overwrite_option(),
+        resume: bool = resume_option(),
+        json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""

@@ -8,6 +8,7 @@ import typer
 
 from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .write_options import json_option, overwrite_option, plan_json_option
 
 
 def register(app: typer.Typer) -> None:
@@ -28,9 +29,9 @@ def register(app: typer.Typer) -> None:
         dequant: str = typer.Option(None, "--dequant", help="FP8 --from-layer: dequantize to bf16 / fp32."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        plan_json: Path = plan_json_option(),
+        overwrite: bool = overwrite_option(),
+        json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""

@@ -11,6 +11,7 @@ from ..targets import Output
 from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 from .quant_render import say_config_changes
+from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
 
 
 def register(app: typer.Typer) -> None:
@@ -43,11 +44,11 @@ def register(app: typer.Typer) -> None:
             help="Stitch even when replaced tensors diverge from the verifier's beyond what finetuning does "
                  "(cosine < 0.2 or a norm ratio beyond 4x; the report lists them)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Plan and compare, print the report, write nothing."),
-        plan_json: Path = typer.Option(None, "--plan-json", help="Write the plan as JSON to this file."),
-        report_file: Path = typer.Option(None, "--report", help="Also write the report here."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-        resume: bool = typer.Option(False, "--resume", help="Finish an interrupted run into the same -o."),
-        json_output: bool = typer.Option(False, "--json", help="Print a JSON report."),
+        plan_json: Path = plan_json_option(),
+        report_file: Path = report_option(),
+        overwrite: bool = overwrite_option(),
+        resume: bool = resume_option(),
+        json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
