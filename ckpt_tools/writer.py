@@ -608,6 +608,10 @@ class Writer:
             tmp.unlink(missing_ok=True)
             raise
 
+    def _landed_facts(self, name: str) -> dict:
+        """What the storage itself vouches for about a landed file (an object store's ETag); none locally."""
+        return {}
+
     def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
         """Every tensor of the output: written ones with their digest, those in copied shards by their file's."""
         manifest = {
@@ -640,7 +644,7 @@ class Writer:
                 value, size, header = result.landed[f.name]
                 # no digest: copied server-side in an object store, never downloaded to be hashed
                 about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
-                         "copied_from": str(f.source), "link": f.link}
+                         "copied_from": str(f.source), "link": f.link, **self._landed_facts(f.name)}
             else:
                 continue  # hashing off (benchmark fixtures)
             manifest["files"][f.name] = about

@@ -532,3 +532,25 @@ def test_stitch_from_an_s3_verifier_to_s3_copies_untouched_shards_server_side(s3
     assert downloaded < rewritten + mtp + 64_000, (downloaded, rewritten, mtp, untouched)
     print(f"\nstitch s3 -> s3: {len(copied)} untouched shards ({untouched} B) by {copies} server-side copies; "
           f"uploaded parts {parts_in} B; downloaded {downloaded} B")
+
+
+def test_verify_manifest_of_an_s3_output_vouches_for_server_side_copies_by_etag(s3, bucket, verifier, tmp_path):
+    """Issue 14's guarantee holds for object-store outputs: every tensor is accounted for. Uploaded shards
+    are re-hashed from the store; server-side copies (never downloaded) are held to the ETag the store gave
+    the copy, so rewriting one of them is caught."""
+    finetuned_draft(verifier, tmp_path / "draft")
+    upload_dir(s3, verifier, bucket, "verifier")
+    ckpt("stitch", tmp_path / "draft", f"s3://{bucket}/verifier", "-o", f"s3://{bucket}/out")
+    manifest = json.loads(objects(s3, bucket, "out")[MANIFEST_NAME])
+    copies = [n for n, f in manifest["files"].items() if f.get("link") == "server-copy"]
+    assert copies and all(manifest["files"][n]["etag"] for n in copies)
+    ok = json.loads(ckpt("verify-manifest", f"s3://{bucket}/out", "--json").stdout)  # stderr: downloads
+    assert ok["ok"] and ok["verified"] == ok["listed"] and ok["files_verified"] >= len(copies)
+    assert ok["bytes_hashed"] > 0  # the rewritten shard's tensors, hashed from the store
+    c = s3.client()
+    key = f"out/{copies[0]}"
+    data = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-1] ^= 1  # same size, one bit of the last tensor changed
+    c.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    bad = json.loads(ckpt("verify-manifest", f"s3://{bucket}/out", "--json", code=1).stdout)
+    assert not bad["ok"] and [m for m in bad["mismatches"] if m["file"] == copies[0] and m["problem"] == "file-digest"]

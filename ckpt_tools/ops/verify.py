@@ -152,13 +152,16 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
         for what, want, got in bad:
             report.mismatches.append(Mismatch(key, what, fname, str(want), str(got)))
         own = digest.recorded(entry)
-        if own is None and digest.recorded(files.get(fname, {})) is not None:
+        if own is None and (digest.recorded(files.get(fname, {})) is not None or _store_copy(files.get(fname))):
             by_file[fname] = by_file.get(fname, 0) + (not bad)
         elif own is None or not digest.well_formed(own[1]):
             report.mismatches.append(Mismatch(key, "no-hash", fname, None if own is None else str(own[1])[:80], None))
         elif not bad:
             todo.append((own, key, ref.segment(), fname))
     wholes = list(_whole_files(ckpt, files, remote, report))
+    for name in _etag_files(ckpt, files, report):  # server-side copies: vouched for by the store's ETag
+        report.files_verified += 1
+        report.verified += by_file.get(name, 0)
     report.remote_files = sorted(n for n in remote if n in files or n in (manifest.get("remote_files") or {}))
 
     todo.sort(key=lambda t: (t[3], t[2].offset))  # file by file, in offset order: sequential reads
@@ -185,11 +188,37 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
     return report
 
 
+def _store_copy(about: dict | None) -> bool:
+    """A file an object-store output copied server-side: listed with the store's ETag, no digest of ours."""
+    return bool(about) and about.get("link") == "server-copy" and bool(about.get("etag"))
+
+
+def _etag_files(ckpt: Checkpoint, files: dict[str, dict], report: VerifyReport) -> list[str]:
+    """Names of the server-side copies whose object still carries the ETag the manifest recorded."""
+    ok = []
+    for name, about in sorted(files.items()):
+        if not _store_copy(about):
+            continue
+        fs, url_of = getattr(ckpt, "fs", None), getattr(ckpt, "url_of", None)
+        if fs is None or url_of is None:
+            report.mismatches.append(Mismatch(name, "no-hash", name, f"etag {about['etag']}",
+                                              "not in an object store: its ETag cannot be checked"))
+            continue
+        info = fs.info(url_of(name))
+        got = info.get("ETag") or info.get("etag")
+        if got == about["etag"] and info.get("size") == about.get("size"):
+            ok.append(name)
+        else:
+            report.mismatches.append(Mismatch(name, "file-digest", name, f"etag {about['etag']}, {about.get('size')} B",
+                                              f"etag {got}, {info.get('size')} B"))
+    return ok
+
+
 def _whole_files(ckpt: Checkpoint, files: dict[str, dict], remote: set[str], report: VerifyReport
                  ) -> Iterator[tuple[str, Segment, tuple[str, str]]]:
     """(name, the whole file, (algorithm, expected digest)) of each shard the manifest vouches for as a whole."""
     for name, about in sorted(files.items()):
-        if name in remote:
+        if name in remote or _store_copy(about):
             continue
         found, size = digest.recorded(about), about.get("size")
         src = ckpt.sources.get(name)

@@ -324,6 +324,12 @@ class ObjectStoreWriter(Writer):
         if f.tensors and hasher is not None:
             hasher.files[f.name] = landed
 
+    def _landed_facts(self, name: str) -> dict:
+        """A server-side copy is never downloaded to be hashed: the manifest keeps the store's ETag of the
+        copy, which verify-manifest checks against the object (any rewrite changes it)."""
+        etag = (self._done.get(name) or {}).get("etag")
+        return {"etag": etag} if etag else {}
+
     def _server_copy(self, f: OutputFile) -> tuple:
         src = self.store.in_store(str(f.source))
         where = self.store.url_of(f.name)
