@@ -101,6 +101,7 @@ class ObjectStoreWriter(Writer):
         self.store = store
         self._uploads: list = []  # uploads begun and not completed: aborted on failure
         self._done: dict[str, dict] = {}  # finished objects (the resume record's "objects")
+        self._copied: set[str] = set()  # files copied server-side (their manifest entry carries the ETag)
         self._record: dict | None = None
         self._written: dict[str, bytes] = {}  # small files PUT by this run: the check's mirror takes them as sent
         self._deferred: tuple[bytes, int] | None = None  # the lone file held back: its header bytes and size
@@ -327,10 +328,13 @@ class ObjectStoreWriter(Writer):
     def _landed_facts(self, name: str) -> dict:
         """A server-side copy is never downloaded to be hashed: the manifest keeps the store's ETag of the
         copy, which verify-manifest checks against the object (any rewrite changes it)."""
+        if name not in self._copied:
+            return {}
         etag = (self._done.get(name) or {}).get("etag")
         return {"etag": etag} if etag else {}
 
     def _server_copy(self, f: OutputFile) -> tuple:
+        self._copied.add(f.name)
         src = self.store.in_store(str(f.source))
         where = self.store.url_of(f.name)
         with self.store.errors(where, f"server-side copy from {f.source}"):
