@@ -151,3 +151,20 @@ def test_prompt_files_are_read_or_refused(tmp_path):
     j.write_text('{"input_ids": [3, -1]}\n')
     with pytest.raises(InputError, match="line 1"):
         probe_ops.read_prompts(str(j))
+
+
+def test_a_greedy_mismatch_exits_1_naming_the_prompt_and_position(monkeypatch, tmp_path):
+    bad = probe_ops.DraftResult("./draft", [0.5], [0.1], 16, False, {"prompt": 2, "position": 5})
+    good = probe_ops.DraftResult("verifier", [0.9], [0.01], 16, True)
+    monkeypatch.setattr(probe_ops, "probe", lambda req, progress=None: probe_ops.ProbeResult([good, bad], 3, 10))
+    r = ckpt("probe", tmp_path, "--json", code=1)
+    assert json.loads(r.stdout)["drafts"][1]["mismatch"] == {"prompt": 2, "position": 5}
+    assert "./draft: generate(use_mtp=True) differs from greedy at prompt 2, generated position 5" in r.output
+    assert probe_ops.first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert probe_ops.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_bf16_probe_runs_and_agrees(trained, prompts):
+    out = json.loads(ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 8, "--dtype", "bf16",
+                          "--json").stdout)
+    assert out["drafts"][0]["agreement"][0] >= 0.8 and out["drafts"][0]["greedy_equal"] is True
