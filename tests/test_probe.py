@@ -87,36 +87,49 @@ def test_extract_then_stitch_round_trip_gives_identical_numbers(trained, prompts
     assert _numbers(again["drafts"][0]) == _numbers(base["drafts"][0])  # the stitched checkpoint's own MTP
 
 
-def _swapped_eh_proj(extracted: Path, out: Path) -> Path:
-    """The extracted draft with the two concat halves of eh_proj exchanged (a trainer's [h, e] order)."""
+def _edited(extracted: Path, out: Path, edit) -> Path:
+    """A copy of the extracted draft with ``edit(tensors)`` applied (its manifest dropped: the bytes changed)."""
     import shutil
 
     shutil.copytree(extracted, out)
     f = out / "model.safetensors"
     tensors = load_file(str(f))
-    [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
-    w = tensors[key]
-    h = w.shape[1] // 2
-    tensors[key] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
+    edit(tensors)
     save_file(tensors, str(f), metadata={"format": "pt"})
     (out / "ckpt_manifest.json").unlink(missing_ok=True)
     return out
 
 
-def test_swapped_eh_proj_halves_lower_agreement_and_the_verifier_runs_once_per_prompt(
+def _swap_eh_proj_halves(tensors: dict) -> None:
+    """The two concat halves of eh_proj exchanged (a trainer's [h, e] order)."""
+    [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
+    w = tensors[key]
+    h = w.shape[1] // 2
+    tensors[key] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
+
+
+def _swap_norms(tensors: dict) -> None:
+    [e] = [k for k in tensors if k.endswith("enorm.weight")]
+    [h] = [k for k in tensors if k.endswith("hnorm.weight")]
+    tensors[e], tensors[h] = tensors[h], tensors[e]
+
+
+def test_damaged_drafts_measure_worse_and_the_verifier_runs_once_per_prompt(
         trained, prompts, extracted, tmp_path, monkeypatch):
-    swapped = _swapped_eh_proj(extracted, tmp_path / "swapped")
+    swapped = _edited(extracted, tmp_path / "swapped", _swap_eh_proj_halves)
+    norms = _edited(extracted, tmp_path / "norms", _swap_norms)
     calls = []
     real = probe_ops.teacher_forward
     monkeypatch.setattr(probe_ops, "teacher_forward", lambda main, seq: calls.append(seq.shape) or real(main, seq))
-    out = probe_json(trained, prompts, swapped, extracted)
-    assert len(calls) == 4  # one forward per prompt, shared by the verifier's MTP and both drafts
+    out = probe_json(trained, prompts, swapped, extracted, norms)
+    assert len(calls) == 4  # one forward per prompt, shared by the verifier's MTP and all three drafts
     names = [d["name"] for d in out["drafts"]]
-    assert names == ["verifier", str(swapped), str(extracted)]
-    v, s, e = out["drafts"]
+    assert names == ["verifier", str(swapped), str(extracted), str(norms)]
+    v, s, e, n = out["drafts"]
     assert v["agreement"][0] - s["agreement"][0] >= 0.3, (v, s)
     assert s["kl"][0] > v["kl"][0]
-    assert s["greedy_equal"] is True  # verification keeps the output whatever the draft proposes
+    assert n["kl"][0] > v["kl"][0], (v, n)  # enorm / hnorm exchanged: KL sees it
+    assert s["greedy_equal"] is True and n["greedy_equal"] is True  # verification keeps greedy output
     assert _numbers(e) == _numbers(v)
 
 
