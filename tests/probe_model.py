@@ -141,7 +141,8 @@ def mtp_checkpoint_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:
 
 
 def _digest() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes() + transformers.__version__.encode()).hexdigest()[:16]
+    versions = f"{transformers.__version__} {torch.__version__}".encode()
+    return hashlib.sha256(Path(__file__).read_bytes() + versions).hexdigest()[:16]
 
 
 def build(cache_root: Path) -> tuple[Path, float]:
