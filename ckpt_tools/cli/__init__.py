@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "stitch_cmd",
     "graft_cmd",
     "diff_cmd",
+    "probe_cmd",
     "init_cmd",
     "push_cmd",
     "tables_cmd",

@@ -1,0 +1,178 @@
+"""A tiny trained DeepSeek-V3-layout verifier with one MTP layer, for `ckpt probe` tests.
+
+Training a 61-layer model is slow, so a 2-layer trunk and its MTP layer are trained together on a
+synthetic language (a Markov chain: each token is followed by ``PERM[token]`` with probability
+0.9). The checkpoint then holds 61 layers: the two trained ones, and 59 whose output projections
+are zero, so each is exactly the identity on the residual stream. The MTP layer sits at
+``model.layers.61.*`` in the released per-expert layout, where ``MtpModel.from_pretrained``
+finds it. Deterministic for the seed; cached on disk keyed by a hash of this file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers.modeling_layers import MtpModel
+
+SEED = 0
+VOCAB = 128
+FIRST = 3  # tokens 0..2 are pad / bos / eos
+STEPS = 100
+TRAINED_LAYERS = 2
+MTP_PREFIX = "model.layers.61."
+
+
+def tiny_config(layers: int = 61):
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=3, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=128, num_nextn_predict_layers=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def permutation() -> torch.Tensor:
+    g = torch.Generator().manual_seed(SEED + 1)
+    return FIRST + torch.randperm(VOCAB - FIRST, generator=g)
+
+
+def sample(n: int, length: int, g: torch.Generator) -> torch.Tensor:
+    perm = permutation()
+    x = torch.empty(n, length, dtype=torch.long)
+    x[:, 0] = torch.randint(FIRST, VOCAB, (n,), generator=g)
+    for t in range(1, length):
+        follow = perm[x[:, t - 1] - FIRST]
+        noise = torch.randint(FIRST, VOCAB, (n,), generator=g)
+        x[:, t] = torch.where(torch.rand(n, generator=g) < 0.9, follow, noise)
+    return x
+
+
+def mtp_logits(mtp: MtpModel, hidden: torch.Tensor, ids: torch.Tensor, layer: int = 0, depth: int = 1):
+    """Teacher-forced depth-``depth`` pass: hidden[:, t] with the token at t + depth -> logits for t + depth + 1."""
+    n = ids.shape[1] - depth
+    pos = torch.arange(depth, depth + n).unsqueeze(0).expand(ids.shape[0], -1)
+    h = mtp.forward_layer(layer, hidden[:, :n], pos, None, input_ids=ids[:, depth:])
+    return h, mtp._project_to_logits(h)
+
+
+def _init_mtp(mtp: MtpModel, g: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in mtp.layers.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        for name, b in mtp.layers.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.zero_()
+
+
+def train() -> tuple[transformers.PreTrainedModel, MtpModel, float]:
+    t0 = time.perf_counter()
+    torch.manual_seed(SEED)
+    g = torch.Generator().manual_seed(SEED)
+    main = transformers.DeepseekV3ForCausalLM(tiny_config(TRAINED_LAYERS))
+    mtp = MtpModel(main, 1)
+    _init_mtp(mtp, g)
+    params = {id(p): p for p in [*main.parameters(), *mtp.layers.parameters()]}
+    opt = torch.optim.AdamW(params.values(), lr=2e-2)
+    ce = torch.nn.functional.cross_entropy
+    for _ in range(STEPS):
+        x = sample(16, 16, g)
+        out = main(x, output_hidden_states=True)
+        loss = ce(out.logits[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        _, logits = mtp_logits(mtp, out.hidden_states[-1], x)
+        loss = loss + ce(logits[:, :-1].reshape(-1, VOCAB), x[:, 2:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    main.eval()
+    mtp.eval()
+    return main, mtp, time.perf_counter() - t0
+
+
+def _trunk_61(trained: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    torch.manual_seed(SEED)
+    big = transformers.DeepseekV3ForCausalLM(tiny_config())
+    state = big.state_dict()
+    small = trained.state_dict()
+    for k, v in small.items():
+        state[k] = v.clone()  # same names: layers 0 and 1, embedding, norm, head
+    for k in state:
+        parts = k.split(".")
+        if k.startswith("model.layers.") and int(parts[2]) >= TRAINED_LAYERS and (
+                k.endswith("o_proj.weight") or k.endswith("down_proj.weight") or k.endswith("experts.down_proj")):
+            state[k] = torch.zeros_like(state[k])  # identity layer: nothing added to the residual stream
+    big.load_state_dict(state)
+    return big
+
+
+def mtp_checkpoint_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:
+    """The MTP layer in DeepSeek-V3's released names and per-expert layout."""
+    out: dict[str, torch.Tensor] = {}
+    sd = mtp.layers[0].state_dict()
+    for k, v in sd.items():
+        if k.startswith("mtp_block."):
+            name = k[len("mtp_block."):]
+        elif k.startswith("post_norm."):
+            name = "shared_head.norm." + k[len("post_norm."):]
+        else:
+            name = k
+        if name == "mlp.experts.gate_up_proj":
+            half = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"{MTP_PREFIX}mlp.experts.{e}.gate_proj.weight"] = v[e, :half].clone()
+                out[f"{MTP_PREFIX}mlp.experts.{e}.up_proj.weight"] = v[e, half:].clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                out[f"{MTP_PREFIX}mlp.experts.{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[MTP_PREFIX + name] = v.clone().contiguous()
+    return out
+
+
+def _digest() -> str:
+    versions = f"{transformers.__version__} {torch.__version__}".encode()
+    return hashlib.sha256(Path(__file__).read_bytes() + versions).hexdigest()[:16]
+
+
+def build(cache_root: Path) -> tuple[Path, float]:
+    """The trained checkpoint directory (built once per digest) and the seconds training took (0 if cached)."""
+    import fcntl
+
+    cache_root.mkdir(parents=True, exist_ok=True)
+    d = cache_root / f"probe-dsv3-{_digest()}"
+    with open(cache_root / f"{d.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers build it once
+        if (d / "DONE").exists():
+            return d, 0.0
+        return _build(d)
+
+
+def _build(d: Path) -> tuple[Path, float]:
+    main, mtp, seconds = train()
+    big = _trunk_61(main)
+    tmp = d.with_name(d.name + ".tmp")
+    big.save_pretrained(tmp, max_shard_size="400KB")
+    mtp_t = mtp_checkpoint_tensors(mtp)
+    save_file(mtp_t, str(tmp / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = json.loads((tmp / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in mtp_t})
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in mtp_t.values())
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "DONE").write_text(f"{seconds:.1f}\n")
+    if d.exists():
+        import shutil
+
+        shutil.rmtree(d)
+    tmp.rename(d)
+    return d, seconds

@@ -1,0 +1,183 @@
+"""`ckpt probe` on a tiny TRAINED DeepSeek-V3-layout verifier (tests/probe_model.py).
+
+The model learns a Markov-chain language, so its MTP layer's agreement with the verifier means
+something: high for the trained layer, lower for a draft whose eh_proj halves are exchanged, and
+identical for a draft that went through extract -> stitch unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_ckpt as ckpt
+
+transformers = pytest.importorskip("transformers")
+
+import probe_model  # noqa: E402
+
+from ckpt_tools.errors import InputError  # noqa: E402
+from ckpt_tools.ops import probe as probe_ops  # noqa: E402
+
+CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
+
+
+@pytest.fixture(scope="session")
+def trained() -> Path:
+    t0 = time.perf_counter()
+    d, seconds = probe_model.build(CACHE)
+    print(f"trained tiny verifier: {d} (training {seconds:.1f} s, fixture {time.perf_counter() - t0:.1f} s)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def prompts(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(7)
+    x = probe_model.sample(4, 6, g)
+    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in x))
+    return p
+
+
+def probe_json(verifier, prompts, *drafts, depth: int = 1, code: int = 0) -> dict:
+    args = ["probe", verifier, "--prompts", prompts, "--max-new-tokens", 16, "--depth", depth, "--json"]
+    for d in drafts:
+        args += ["--draft", d]
+    r = ckpt(*args, code=code)
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="session")
+def extracted(trained, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("extracted") / "draft"
+    ckpt("extract", trained, "-o", out)
+    return out
+
+
+def _numbers(entry: dict) -> tuple:
+    return entry["agreement"], entry["kl"], entry["positions"], entry["greedy_equal"]
+
+
+def test_trained_verifier_agrees_and_the_greedy_loop_holds(trained, prompts):
+    out = probe_json(trained, prompts, depth=2)
+    [v] = out["drafts"]
+    assert v["name"] == "verifier"
+    assert v["agreement"][0] >= 0.8, v
+    assert len(v["agreement"]) == len(v["kl"]) == 2
+    assert v["positions"] == 4 * 16  # every generated token of every prompt, prompts longer than depth + 1
+    assert v["greedy_equal"] is True
+    assert 0 <= v["kl"][0] < 0.5
+    a1, a2 = v["agreement"]
+    assert v["expected_accepted"] == pytest.approx(a1 + a1 * a2)
+
+
+def test_extract_then_stitch_round_trip_gives_identical_numbers(trained, prompts, extracted, tmp_path):
+    stitched = tmp_path / "stitched"
+    ckpt("stitch", extracted, trained, "-o", stitched)
+    base = probe_json(trained, prompts, extracted)
+    again = probe_json(stitched, prompts)
+    assert [d["name"] for d in base["drafts"]] == ["verifier", str(extracted)]
+    assert _numbers(base["drafts"][1]) == _numbers(base["drafts"][0])  # the extracted draft, mapped in memory
+    assert _numbers(again["drafts"][0]) == _numbers(base["drafts"][0])  # the stitched checkpoint's own MTP
+
+
+def _edited(extracted: Path, out: Path, edit) -> Path:
+    """A copy of the extracted draft with ``edit(tensors)`` applied (its manifest dropped: the bytes changed)."""
+    import shutil
+
+    shutil.copytree(extracted, out)
+    f = out / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (out / "ckpt_manifest.json").unlink(missing_ok=True)
+    return out
+
+
+def _swap_eh_proj_halves(tensors: dict) -> None:
+    """The two concat halves of eh_proj exchanged (a trainer's [h, e] order)."""
+    [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
+    w = tensors[key]
+    h = w.shape[1] // 2
+    tensors[key] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
+
+
+def _swap_norms(tensors: dict) -> None:
+    [e] = [k for k in tensors if k.endswith("enorm.weight")]
+    [h] = [k for k in tensors if k.endswith("hnorm.weight")]
+    tensors[e], tensors[h] = tensors[h], tensors[e]
+
+
+def test_damaged_drafts_measure_worse_and_the_verifier_runs_once_per_prompt(
+        trained, prompts, extracted, tmp_path, monkeypatch):
+    swapped = _edited(extracted, tmp_path / "swapped", _swap_eh_proj_halves)
+    norms = _edited(extracted, tmp_path / "norms", _swap_norms)
+    calls = []
+    real = probe_ops.teacher_forward
+    monkeypatch.setattr(probe_ops, "teacher_forward", lambda main, seq: calls.append(seq.shape) or real(main, seq))
+    out = probe_json(trained, prompts, swapped, extracted, norms)
+    assert len(calls) == 4  # one forward per prompt, shared by the verifier's MTP and all three drafts
+    names = [d["name"] for d in out["drafts"]]
+    assert names == ["verifier", str(swapped), str(extracted), str(norms)]
+    v, s, e, n = out["drafts"]
+    assert v["agreement"][0] - s["agreement"][0] >= 0.3, (v, s)
+    assert s["kl"][0] > v["kl"][0]
+    assert n["kl"][0] > v["kl"][0], (v, n)  # enorm / hnorm exchanged: KL sees it
+    assert s["greedy_equal"] is True and n["greedy_equal"] is True  # verification keeps greedy output
+    assert _numbers(e) == _numbers(v)
+
+
+def test_a_family_without_mtp_is_refused(tmp_path, prompts):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    r = ckpt("probe", tmp_path / "llama", "--prompts", prompts, code=3)
+    assert "probe-family" in r.output and "llama" in r.output
+
+
+def test_a_verifier_larger_than_available_memory_is_refused_with_the_number(trained, prompts, monkeypatch):
+    monkeypatch.setattr(probe_ops, "available_memory", lambda: 1000)
+    with pytest.raises(InputError) as e:
+        probe_ops.probe(probe_ops.ProbeRequest(str(trained), prompts=str(prompts), dtype="fp32"))
+    assert e.value.rule == "memory"
+    from ckpt_tools.checkpoint import Checkpoint
+
+    with Checkpoint.open(trained) as c:
+        need = probe_ops.needed_bytes(c, "fp32")
+    assert str(need) in str(e.value) and "1000 bytes" in str(e.value)
+    assert need == 2 * probe_ops.needed_bytes(c, "bf16")
+
+
+def test_prompt_files_are_read_or_refused(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("hello\n\nworld\n")
+    assert probe_ops.read_prompts(str(text)) == ["hello", "world"]
+    j = tmp_path / "p.jsonl"
+    j.write_text('{"prompt": "a"}\n{"input_ids": [3, 4]}\n')
+    assert probe_ops.read_prompts(str(j)) == ["a", [3, 4]]
+    j.write_text('{"input_ids": [3, -1]}\n')
+    with pytest.raises(InputError, match="line 1"):
+        probe_ops.read_prompts(str(j))
+
+
+def test_a_greedy_mismatch_exits_1_naming_the_prompt_and_position(monkeypatch, tmp_path):
+    bad = probe_ops.DraftResult("./draft", [0.5], [0.1], 16, False, {"prompt": 2, "position": 5})
+    good = probe_ops.DraftResult("verifier", [0.9], [0.01], 16, True)
+    monkeypatch.setattr(probe_ops, "probe", lambda req, progress=None: probe_ops.ProbeResult([good, bad], 3, 10))
+    r = ckpt("probe", tmp_path, "--json", code=1)
+    assert json.loads(r.stdout)["drafts"][1]["mismatch"] == {"prompt": 2, "position": 5}
+    assert "./draft: generate(use_mtp=True) differs from greedy at prompt 2, generated position 5" in r.output
+    assert probe_ops.first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert probe_ops.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_bf16_probe_runs_and_agrees(trained, prompts):
+    out = json.loads(ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 8, "--dtype", "bf16",
+                          "--json").stdout)
+    assert out["drafts"][0]["agreement"][0] >= 0.8 and out["drafts"][0]["greedy_equal"] is True
