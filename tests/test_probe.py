@@ -181,3 +181,118 @@ def test_bf16_probe_runs_and_agrees(trained, prompts):
     out = json.loads(ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 8, "--dtype", "bf16",
                           "--json").stdout)
     assert out["drafts"][0]["agreement"][0] >= 0.8 and out["drafts"][0]["greedy_equal"] is True
+
+
+def _fake_results(monkeypatch, *drafts, seen: list | None = None):
+    """``probe`` replaced by one returning ``drafts`` (and recording the progress callable it got)."""
+    def fake(req, progress=None):
+        if seen is not None:
+            seen.append((req, progress))
+        return probe_ops.ProbeResult(list(drafts), 3, 10)
+
+    monkeypatch.setattr(probe_ops, "probe", fake)
+
+
+def test_min_acceptance_checks_the_drafts_or_else_the_verifier(monkeypatch, tmp_path):
+    v = probe_ops.DraftResult("verifier", [0.5], [0.01], 16, True)
+    good = probe_ops.DraftResult("./good", [0.9], [0.01], 16, True)
+    low = probe_ops.DraftResult("./low", [0.6], [0.2], 16, True)
+    _fake_results(monkeypatch, v, good, low)
+    r = ckpt("probe", tmp_path, "--json", "--min-acceptance", 0.8, code=1)
+    assert "./low: depth-1 agreement 0.6000 is below --min-acceptance 0.8" in r.output
+    assert "verifier:" not in r.output and "./good:" not in r.output  # with drafts, the baseline is not checked
+    ckpt("probe", tmp_path, "--json", "--min-acceptance", 0.6)
+    _fake_results(monkeypatch, v)  # no draft: the verifier's own MTP is checked
+    r = ckpt("probe", tmp_path, "--json", "--min-acceptance", 0.7, code=1)
+    assert "verifier: depth-1 agreement 0.5000 is below --min-acceptance 0.7" in r.output
+    ckpt("probe", tmp_path, "--json", "--min-acceptance", 0.5)
+    for bad in ("1.5", "-0.1", "nan"):
+        assert "--min-acceptance" in ckpt("probe", tmp_path, "--min-acceptance", bad, code=2).output
+
+
+def test_min_acceptance_on_the_trained_model(trained, prompts, extracted, tmp_path):
+    swapped = _edited(extracted, tmp_path / "swapped", _swap_eh_proj_halves)
+    base = ["probe", trained, "--prompts", prompts, "--max-new-tokens", 8, "--json"]
+    ckpt(*base, "--min-acceptance", 0.8)
+    r = ckpt(*base, "--draft", swapped, "--min-acceptance", 0.8, code=1)
+    assert f"{swapped}: depth-1 agreement" in r.output
+
+
+def test_report_file_holds_the_json_and_per_prompt_results(trained, prompts, extracted, tmp_path):
+    report = tmp_path / "probe.json"
+    r = ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 16, "--depth", 2, "--draft", extracted,
+             "--json", "--report", report)
+    out = json.loads(r.stdout)
+    assert json.loads(report.read_text()) == out
+    v, e = out["drafts"]
+    for d in (v, e):
+        assert {"name", "agreement", "kl", "positions", "greedy_equal"} <= set(d)
+        assert len(d["prompts"]) == 4
+        for p in d["prompts"]:
+            assert len(p["agreement"]) == len(p["kl"]) == 2 and len(p["tokens_sha256"]) == 64
+        # the per-prompt numbers add up to the totals
+        agree = sum(p["agreement"][0] * p["positions"] for p in d["prompts"]) / d["positions"]
+        assert agree == pytest.approx(d["agreement"][0])
+        kl = sum(p["kl"][0] * p["positions"] for p in d["prompts"]) / d["positions"]
+        assert kl == pytest.approx(d["kl"][0])
+    assert [p["tokens_sha256"] for p in v["prompts"]] == [p["tokens_sha256"] for p in e["prompts"]]
+    assert len({p["tokens_sha256"] for p in v["prompts"]}) == 4  # different prompts, different tokens
+    assert e["prompts"] == v["prompts"]  # the extracted draft is the verifier's own MTP
+    assert probe_ops.tokens_sha256([5, 17]) == __import__("hashlib").sha256(b"5,17").hexdigest()
+    # without --json the report is still written, and the table printed
+    report.unlink()
+    r = ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4, "--report", report)
+    assert "agree@1" in r.stdout and json.loads(report.read_text())["drafts"][0]["name"] == "verifier"
+
+
+def test_a_report_inside_an_input_is_refused_before_loading(trained, extracted, monkeypatch, tmp_path):
+    monkeypatch.setattr(probe_ops, "probe", lambda *a, **k: pytest.fail("probe ran"))
+    for inside in (trained / "probe.json", extracted / "probe.json"):
+        r = ckpt("probe", trained, "--draft", extracted, "--report", inside, code=2)
+        assert "--report" in r.output and "inside the input" in r.output
+        assert not inside.exists()
+
+
+def test_device_auto_cpu_and_cuda_without_a_gpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert probe_ops.resolve_device("auto") == "cpu"
+    assert probe_ops.resolve_device("cpu") == "cpu"
+    seen: list = []
+    _fake_results(monkeypatch, probe_ops.DraftResult("verifier", [0.9], [0.01], 16, True), seen=seen)
+    r = ckpt("probe", tmp_path, "--device", "cuda", code=2)
+    assert "--device cuda" in r.output and "no CUDA GPU" in r.output and not seen
+    assert "--device" in ckpt("probe", tmp_path, "--device", "tpu", code=2).output
+    ckpt("probe", tmp_path, "--device", "auto", "--json")
+    assert seen[-1][0].device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert probe_ops.resolve_device("auto") == "cuda"
+    assert probe_ops.resolve_device("cuda") == "cuda"
+
+
+def test_progress_is_a_bar_over_prompts_and_silent_with_json(trained, prompts, monkeypatch):
+    from ckpt_tools.cli import probe_cmd
+
+    calls = []
+    real = probe_cmd.PromptBar.__call__
+    monkeypatch.setattr(probe_cmd.PromptBar, "__call__", lambda self, d, t: calls.append((self.enabled, d, t))
+                        or real(self, d, t))
+    r = ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4, "--json")
+    assert r.stderr == "" and json.loads(r.stdout)["drafts"][0]["name"] == "verifier"
+    assert calls == [(False, i, 4) for i in range(5)]
+    r = ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4)
+    assert "prompt 1/4" not in r.output
+    # enabled (a terminal on stderr), the bar starts at (0, n), follows the prompts and is gone after
+    bar = probe_cmd.PromptBar(enabled=True)
+    with bar:
+        for i in range(3):
+            bar(i, 2)
+        assert bar._p.tasks[0].completed == 2 and bar._p.tasks[0].total == 2
+    assert bar._p is None
+
+
+def test_tables_list_the_families_probe_supports():
+    rows = {r["family"]: r for r in json.loads(ckpt("tables", "--json").stdout)}
+    assert rows["deepseek_v3"]["probe"] is True and rows["glm4_moe"]["probe"] is True
+    assert rows["qwen3_next"]["probe"] is False and rows["llama"]["probe"] is False
+    human = ckpt("tables").stdout
+    assert "probe" in human

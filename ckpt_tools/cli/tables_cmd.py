@@ -11,7 +11,8 @@ def register(app: typer.Typer) -> None:
     @app.command("tables")
     @command
     def tables(json_output: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-        """List the architecture tables (shipped and from $CKPT_TABLES) and their extract formats."""
+        """List the architecture tables (shipped and from $CKPT_TABLES), their extract formats, and whether
+        `ckpt probe` supports the family (transformers' MtpModel builds its MTP layers)."""
         from rich.table import Table
 
         from ..ops.tables_info import tables_info
@@ -21,10 +22,10 @@ def register(app: typer.Typer) -> None:
             emit_json(rows)
             return
         t = Table(title="architecture tables")
-        for col in ("family", "kind", "architectures / model_type", "MTP prefix", "formats"):
+        for col in ("family", "kind", "architectures / model_type", "MTP prefix", "formats", "probe"):
             t.add_column(col, overflow="fold")
         for r in rows:
             ok = [f for f, why in r["formats"].items() if why == "ok"]
             t.add_row(r["family"], r["kind"], ", ".join(r["architectures"] + r["model_types"]), r["mtp_prefix"],
-                      ", ".join(ok) or "-")
+                      ", ".join(ok) or "-", "yes" if r["probe"] else "-")
         out_console().print(t)

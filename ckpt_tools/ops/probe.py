@@ -19,6 +19,7 @@ A draft is mapped onto the verifier's MTP names in memory with stitch's correspo
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -56,6 +57,7 @@ class DraftResult:
     positions: int
     greedy_equal: bool
     mismatch: dict | None = None  # the first prompt whose speculative output differs, and where
+    prompts: list[dict] = field(default_factory=list)  # per prompt: kl, agreement (per depth), tokens_sha256
 
     def expected_accepted(self) -> float:
         """Tokens accepted per verification step for chain drafting: sum over k of prod_{j<=k} a_j."""
@@ -70,6 +72,7 @@ class DraftResult:
                "greedy_equal": self.greedy_equal, "expected_accepted": self.expected_accepted()}
         if self.mismatch is not None:
             out["mismatch"] = self.mismatch
+        out["prompts"] = self.prompts
         return out
 
 
@@ -148,9 +151,43 @@ def check_memory(verifier: Checkpoint, dtype: str, drafts: int) -> int:
 
 # --- model engine -------------------------------------------------------------------------------
 
+def mtp_supported(config: Any) -> bool:
+    """Whether transformers' MtpModel builds MTP layers for this (transformers) config."""
+    return bool(getattr(config.get_text_config(), "num_mtp_layers", None))
+
+
+def family_supported(fixture: dict) -> bool:
+    """``mtp_supported`` for a family table's fixture config.json (what ``ckpt tables`` reports)."""
+    import transformers
+
+    fixture = dict(fixture)
+    model_type = fixture.pop("model_type", None)
+    try:
+        return mtp_supported(transformers.AutoConfig.for_model(model_type, **fixture))
+    except (ValueError, KeyError, TypeError):  # a model_type transformers does not know
+        return False
+
+
+def resolve_device(device: str) -> str:
+    """cpu, cuda or auto (cuda when torch sees a GPU, else cpu); cuda without a GPU is a usage error."""
+    import torch
+
+    if device not in ("cpu", "cuda", "auto"):
+        raise UsageError(f"--device {device!r}: use cpu, cuda or auto")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA GPU here (use --device cpu or auto)")
+    return device
+
+
+def tokens_sha256(ids: list[int]) -> str:
+    """sha256 of token ids as comma-separated decimals (ASCII), e.g. ids [5, 17] hash the bytes b"5,17"."""
+    return hashlib.sha256(",".join(map(str, ids)).encode("ascii")).hexdigest()
+
+
 def _supported(config: Any) -> None:
-    text = config.get_text_config()
-    if not getattr(text, "num_mtp_layers", None):
+    if not mtp_supported(config):
         raise InputError(f"family {config.model_type!r} has no MTP layers transformers' MtpModel can load "
                          "(supported: DeepSeek-V3 / GLM-4-MoE style num_nextn_predict_layers configs)",
                          rule="probe-family")
@@ -291,25 +328,34 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None)
         raise UsageError("--max-new-tokens must be at least 1")
     if req.dtype not in DTYPES:
         raise UsageError(f"--dtype {req.dtype!r}: use bf16 or fp32")
+    device = resolve_device(req.device)
     prompts = read_prompts(req.prompts)
     with Checkpoint.open(req.verifier) as verifier:
         need = check_memory(verifier, req.dtype, len(req.drafts))
-        main, own = load_verifier(req.verifier, req.device, req.dtype)
+        main, own = load_verifier(req.verifier, device, req.dtype)
         models = [("verifier", own)] + [(p, draft_mtp(main, own, verifier, p)) for p in req.drafts]
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
     sums = [[[0, 0, 0.0] for _ in range(req.depth)] for _ in models]
     mismatch: list[dict | None] = [None for _ in models]
+    per_prompt: list[list[dict]] = [[] for _ in models]
+    if progress is not None:
+        progress(0, len(prompts))
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
             ids = (torch.tensor([prompt]) if isinstance(prompt, list)
-                   else tokenizer(prompt, return_tensors="pt").input_ids).to(req.device)
+                   else tokenizer(prompt, return_tensors="pt").input_ids).to(device)
             greedy = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False)
             logits, hidden = teacher_forward(main, greedy)
+            digest = tokens_sha256(greedy[0].tolist())
             for m, (_, mtp) in enumerate(models):
-                for k, (agree, n, kl) in enumerate(score(mtp, greedy, ids.shape[1], logits, hidden, req.depth)):
+                scores = score(mtp, greedy, ids.shape[1], logits, hidden, req.depth)
+                for k, (agree, n, kl) in enumerate(scores):
                     sums[m][k][0] += agree
                     sums[m][k][1] += n
                     sums[m][k][2] += kl
+                per_prompt[m].append({"kl": [kl / n if n else 0.0 for _, n, kl in scores],
+                                      "agreement": [a / n if n else 0.0 for a, n, _ in scores],
+                                      "positions": scores[0][1], "tokens_sha256": digest})
                 if mismatch[m] is None:
                     with mtp_for_generate(mtp):
                         spec = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, use_mtp=True)
@@ -319,10 +365,10 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None)
             if progress is not None:
                 progress(i + 1, len(prompts))
     results = []
-    for (name, _), per_depth, miss in zip(models, sums, mismatch, strict=True):
+    for (name, _), per_depth, miss, rows in zip(models, sums, mismatch, per_prompt, strict=True):
         results.append(DraftResult(
             name, [a / n if n else 0.0 for a, n, _ in per_depth], [kl / n if n else 0.0 for _, n, kl in per_depth],
-            per_depth[0][1], miss is None, miss))
+            per_depth[0][1], miss is None, miss, rows))
     return ProbeResult(results, len(prompts), need)
 
 

@@ -9,6 +9,7 @@ from ..formats import all_formats, check_expressible
 from ..mtp import MtpView
 from ..tables.loader import all_tables
 from ..tables.resolve import resolve
+from .probe import family_supported
 
 
 def _virtual(table) -> MtpView | None:
@@ -54,5 +55,7 @@ def tables_info() -> list[dict]:
             "norm": table.norm,
             "concat_order": table.mtp.concat_order,
             "formats": formats,
+            # `ckpt probe`: transformers' MtpModel builds MTP layers for the table's fixture config
+            "probe": bool(table.fixture) and family_supported(table.fixture),
         })
     return rows
