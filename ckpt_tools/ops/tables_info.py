@@ -9,7 +9,6 @@ from ..formats import all_formats, check_expressible
 from ..mtp import MtpView
 from ..tables.loader import all_tables
 from ..tables.resolve import resolve
-from .probe import family_supported
 
 
 def _virtual(table) -> MtpView | None:
@@ -31,7 +30,14 @@ def _count(table, cfg: ConfigView) -> int:
         return 1
 
 
-def tables_info() -> list[dict]:
+def _probe_supported(fixture) -> bool:
+    from .probe import family_supported  # imports transformers (and torch): only for --probe
+
+    return family_supported(fixture)
+
+
+def tables_info(probe: bool = False) -> list[dict]:
+    """``probe``: also say whether `ckpt probe` supports each family (asks transformers: ~2.5 s, ~280 MB)."""
     rows = []
     for name, table in sorted(all_tables().items()):
         view = _virtual(table)
@@ -56,6 +62,6 @@ def tables_info() -> list[dict]:
             "concat_order": table.mtp.concat_order,
             "formats": formats,
             # `ckpt probe`: transformers' MtpModel builds MTP layers for the table's fixture config
-            "probe": bool(table.fixture) and family_supported(table.fixture),
+            **({"probe": bool(table.fixture) and _probe_supported(table.fixture)} if probe else {}),
         })
     return rows
