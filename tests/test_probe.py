@@ -296,3 +296,16 @@ def test_tables_list_the_families_probe_supports():
     assert rows["qwen3_next"]["probe"] is False and rows["llama"]["probe"] is False
     assert "probe" in ckpt("tables", "--probe").stdout
     assert "probe" not in json.loads(ckpt("tables", "--json").stdout)[0]  # by default: no transformers import
+
+
+def test_asking_transformers_about_a_family_leaves_the_cached_table_alone():
+    """transformers normalises nested config values in place (inkling's rope settings): the check works on
+    a copy, or later users of the cached table would see a changed fixture."""
+    import copy
+
+    from ckpt_tools.ops.tables_info import tables_info
+    from ckpt_tools.tables.loader import all_tables
+
+    before = {k: copy.deepcopy(t.fixture) for k, t in all_tables().items()}
+    tables_info(probe=True)
+    assert {k: t.fixture for k, t in all_tables().items()} == before

@@ -158,9 +158,11 @@ def mtp_supported(config: Any) -> bool:
 
 def family_supported(fixture: dict) -> bool:
     """``mtp_supported`` for a family table's fixture config.json (what ``ckpt tables`` reports)."""
+    import copy
+
     import transformers
 
-    fixture = dict(fixture)
+    fixture = copy.deepcopy(fixture)  # transformers normalises nested values in place; the table is cached
     model_type = fixture.pop("model_type", None)
     try:
         return mtp_supported(transformers.AutoConfig.for_model(model_type, **fixture))
