@@ -62,6 +62,16 @@ def mtp_logits(mtp: MtpModel, hidden: torch.Tensor, ids: torch.Tensor, layer: in
     return h, mtp._project_to_logits(h)
 
 
+def _init_std(name: str) -> float:
+    """0.3 for the MTP layer's expert and shared-expert projections, else 0.05.
+
+    From a 0.05 start the MLP learns nothing in 100 steps (zeroing it even lowers the KL), so a
+    draft with gate/up exchanged measures like the original. Started at 0.3 the MLP carries the
+    prediction: zeroing it drops depth-1 agreement to about 0.1, exchanging gate/up raises the KL.
+    """
+    return 0.3 if ".mlp." in name and not name.endswith("mlp.gate.weight") else 0.05
+
+
 def _init_mtp(mtp: MtpModel, g: torch.Generator) -> None:
     with torch.no_grad():
         for name, p in mtp.layers.named_parameters():
@@ -70,7 +80,7 @@ def _init_mtp(mtp: MtpModel, g: torch.Generator) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=g) * _init_std(name))
         for name, b in mtp.layers.named_buffers():
             if "e_score_correction_bias" in name:
                 b.zero_()

@@ -7,11 +7,13 @@ verifier's own MTP; a draft whose gate/up halves a trainer swapped must show a l
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import run_ckpt as ckpt
 
@@ -58,7 +60,7 @@ def drafts(trained, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def test_deepseek_v3_is_listed_without_speculators_and_extract_refuses_it(trained, tmp_path):
+def test_extract_refuses_speculators_for_deepseek_v3(trained, tmp_path):
     r = ckpt("extract", trained, "-o", tmp_path / "spec", "--format", "speculators", code=3)
     assert "format-unsupported" in r.output and "deepseek_v3" in r.output
     assert not (tmp_path / "spec" / "model.safetensors").exists()
@@ -80,3 +82,29 @@ def test_sglang_nextn_draft_stitched_back_measures_identically(trained, prompts,
     [base] = probe_json(trained, prompts)["drafts"]
     [again] = probe_json(stitched, prompts)["drafts"]
     assert _numbers(again) == _numbers(base)
+
+
+def swap_gate_up(tensors: dict) -> int:
+    """Exchange gate_proj and up_proj of every routed expert and of the shared expert; the count swapped."""
+    n = 0
+    for g in [k for k in tensors if k.endswith("gate_proj.weight") and (".experts." in k or "shared_experts" in k)]:
+        u = g.replace("gate_proj", "up_proj")
+        tensors[g], tensors[u] = tensors[u], tensors[g]
+        n += 1
+    return n
+
+
+def test_swapped_gate_up_halves_show_a_larger_kl(trained, prompts, drafts, tmp_path):
+    swapped = tmp_path / "gate-up"
+    shutil.copytree(drafts["native"], swapped)
+    [f] = swapped.glob("*.safetensors")
+    tensors = load_file(str(f))
+    before = {k: v.clone() for k, v in tensors.items()}
+    assert swap_gate_up(tensors) == probe_model.tiny_config().n_routed_experts + 1
+    assert any(not torch.equal(tensors[k], before[k]) for k in tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (swapped / "ckpt_manifest.json").unlink(missing_ok=True)
+    v, s = probe_json(trained, prompts, swapped)["drafts"]
+    print(f"gate/up swapped: {s}; baseline: {v}")
+    assert s["kl"][0] > v["kl"][0] + 0.3, (v, s)
+    assert s["greedy_equal"] is True  # verification keeps greedy output whatever the draft
