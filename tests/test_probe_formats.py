@@ -108,3 +108,16 @@ def test_swapped_gate_up_halves_show_a_larger_kl(trained, prompts, drafts, tmp_p
     print(f"gate/up swapped: {s}; baseline: {v}")
     assert s["kl"][0] > v["kl"][0] + 0.3, (v, s)
     assert s["greedy_equal"] is True  # verification keeps greedy output whatever the draft
+
+
+def test_a_trained_glm4_moe_verifier_agrees_and_its_nextn_draft_measures_identically(prompts, tmp_path):
+    glm, _ = probe_model.build(CACHE, "glm4_moe")
+    assert json.loads((glm / "config.json").read_text())["model_type"] == "glm4_moe"
+    nextn = tmp_path / "nextn"
+    ckpt("extract", glm, "-o", nextn, "--format", "sglang-nextn")
+    out = probe_json(glm, prompts, nextn)
+    print(f"glm4_moe: {out['drafts']}")
+    v, d = out["drafts"]
+    assert v["agreement"][0] >= 0.8, v
+    assert v["greedy_equal"] is True and v["positions"] == 3 * 12
+    assert _numbers(d) == _numbers(v)
