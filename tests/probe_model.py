@@ -1,11 +1,12 @@
-"""A tiny trained DeepSeek-V3-layout verifier with one MTP layer, for `ckpt probe` tests.
+"""Tiny trained DeepSeek-V3- and GLM-4-MoE-layout verifiers with one MTP layer, for `ckpt probe` tests.
 
 Training a 61-layer model is slow, so a 2-layer trunk and its MTP layer are trained together on a
 synthetic language (a Markov chain: each token is followed by ``PERM[token]`` with probability
 0.9). The checkpoint then holds 61 layers: the two trained ones, and 59 whose output projections
 are zero, so each is exactly the identity on the residual stream. The MTP layer sits at
 ``model.layers.61.*`` in the released per-expert layout, where ``MtpModel.from_pretrained``
-finds it. Deterministic for the seed; cached on disk keyed by a hash of this file.
+finds it. The GLM-4-MoE model is built the same way with 46 layers (MTP at ``model.layers.46.*``).
+Deterministic for the seed; cached on disk keyed by a hash of this file.
 """
 
 from __future__ import annotations
@@ -25,17 +26,32 @@ VOCAB = 128
 FIRST = 3  # tokens 0..2 are pad / bos / eos
 STEPS = 100
 TRAINED_LAYERS = 2
-MTP_PREFIX = "model.layers.61."
+# family -> (layers where MtpModel.from_pretrained finds the MTP layer, config class, model class, attention options)
+FAMILIES = {
+    "deepseek_v3": (61, "DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
+    "glm4_moe": (46, "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(head_dim=16)),
+}
+MTP_PREFIX = "model.layers.61."  # DeepSeek-V3's
 
 
-def tiny_config(layers: int = 61):
-    return transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
+def mtp_prefix(family: str = "deepseek_v3") -> str:
+    return f"model.layers.{FAMILIES[family][0]}."
+
+
+def tiny_config(layers: int | None = None, family: str = "deepseek_v3"):
+    full, config_cls, _, attention = FAMILIES[family]
+    return getattr(transformers, config_cls)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=full if layers is None else layers,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=3, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=128, num_nextn_predict_layers=1,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        n_group=1, topk_group=1, first_k_dense_replace=3, max_position_embeddings=128, num_nextn_predict_layers=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **attention,
     )
+
+
+def model_class(family: str):
+    return getattr(transformers, FAMILIES[family][2])
 
 
 def permutation() -> torch.Tensor:
@@ -62,6 +78,16 @@ def mtp_logits(mtp: MtpModel, hidden: torch.Tensor, ids: torch.Tensor, layer: in
     return h, mtp._project_to_logits(h)
 
 
+def _init_std(name: str) -> float:
+    """0.3 for the MTP layer's expert and shared-expert projections, else 0.05.
+
+    From a 0.05 start the MLP learns nothing in 100 steps (zeroing it even lowers the KL), so a
+    draft with gate/up exchanged measures like the original. Started at 0.3 the MLP carries the
+    prediction: zeroing it drops depth-1 agreement to about 0.1, exchanging gate/up raises the KL.
+    """
+    return 0.3 if ".mlp." in name and not name.endswith("mlp.gate.weight") else 0.05
+
+
 def _init_mtp(mtp: MtpModel, g: torch.Generator) -> None:
     with torch.no_grad():
         for name, p in mtp.layers.named_parameters():
@@ -70,17 +96,17 @@ def _init_mtp(mtp: MtpModel, g: torch.Generator) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=g) * _init_std(name))
         for name, b in mtp.layers.named_buffers():
             if "e_score_correction_bias" in name:
                 b.zero_()
 
 
-def train() -> tuple[transformers.PreTrainedModel, MtpModel, float]:
+def train(family: str = "deepseek_v3") -> tuple[transformers.PreTrainedModel, MtpModel, float]:
     t0 = time.perf_counter()
     torch.manual_seed(SEED)
     g = torch.Generator().manual_seed(SEED)
-    main = transformers.DeepseekV3ForCausalLM(tiny_config(TRAINED_LAYERS))
+    main = model_class(family)(tiny_config(TRAINED_LAYERS, family))
     mtp = MtpModel(main, 1)
     _init_mtp(mtp, g)
     params = {id(p): p for p in [*main.parameters(), *mtp.layers.parameters()]}
@@ -100,9 +126,10 @@ def train() -> tuple[transformers.PreTrainedModel, MtpModel, float]:
     return main, mtp, time.perf_counter() - t0
 
 
-def _trunk_61(trained: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+def _trunk(trained: transformers.PreTrainedModel, family: str) -> transformers.PreTrainedModel:
+    """The full-depth trunk: the trained layers, then identity layers up to where MtpModel looks."""
     torch.manual_seed(SEED)
-    big = transformers.DeepseekV3ForCausalLM(tiny_config())
+    big = model_class(family)(tiny_config(family=family))
     state = big.state_dict()
     small = trained.state_dict()
     for k, v in small.items():
@@ -116,8 +143,8 @@ def _trunk_61(trained: transformers.PreTrainedModel) -> transformers.PreTrainedM
     return big
 
 
-def mtp_checkpoint_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:
-    """The MTP layer in DeepSeek-V3's released names and per-expert layout."""
+def mtp_checkpoint_tensors(mtp: MtpModel, prefix: str = MTP_PREFIX) -> dict[str, torch.Tensor]:
+    """The MTP layer in the released names (DeepSeek-V3's, also GLM-4-MoE's) and per-expert layout."""
     out: dict[str, torch.Tensor] = {}
     sd = mtp.layers[0].state_dict()
     for k, v in sd.items():
@@ -130,13 +157,13 @@ def mtp_checkpoint_tensors(mtp: MtpModel) -> dict[str, torch.Tensor]:
         if name == "mlp.experts.gate_up_proj":
             half = v.shape[1] // 2
             for e in range(v.shape[0]):
-                out[f"{MTP_PREFIX}mlp.experts.{e}.gate_proj.weight"] = v[e, :half].clone()
-                out[f"{MTP_PREFIX}mlp.experts.{e}.up_proj.weight"] = v[e, half:].clone()
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = v[e, :half].clone()
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = v[e, half:].clone()
         elif name == "mlp.experts.down_proj":
             for e in range(v.shape[0]):
-                out[f"{MTP_PREFIX}mlp.experts.{e}.down_proj.weight"] = v[e].clone()
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = v[e].clone()
         else:
-            out[MTP_PREFIX + name] = v.clone().contiguous()
+            out[prefix + name] = v.clone().contiguous()
     return out
 
 
@@ -145,25 +172,25 @@ def _digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes() + versions).hexdigest()[:16]
 
 
-def build(cache_root: Path) -> tuple[Path, float]:
+def build(cache_root: Path, family: str = "deepseek_v3") -> tuple[Path, float]:
     """The trained checkpoint directory (built once per digest) and the seconds training took (0 if cached)."""
     import fcntl
 
     cache_root.mkdir(parents=True, exist_ok=True)
-    d = cache_root / f"probe-dsv3-{_digest()}"
+    d = cache_root / f"probe-{family}-{_digest()}"
     with open(cache_root / f"{d.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers build it once
         if (d / "DONE").exists():
             return d, 0.0
-        return _build(d)
+        return _build(d, family)
 
 
-def _build(d: Path) -> tuple[Path, float]:
-    main, mtp, seconds = train()
-    big = _trunk_61(main)
+def _build(d: Path, family: str) -> tuple[Path, float]:
+    main, mtp, seconds = train(family)
+    big = _trunk(main, family)
     tmp = d.with_name(d.name + ".tmp")
     big.save_pretrained(tmp, max_shard_size="400KB")
-    mtp_t = mtp_checkpoint_tensors(mtp)
+    mtp_t = mtp_checkpoint_tensors(mtp, mtp_prefix(family))
     save_file(mtp_t, str(tmp / "model-mtp.safetensors"), metadata={"format": "pt"})
     index = json.loads((tmp / "model.safetensors.index.json").read_text())
     index["weight_map"].update({k: "model-mtp.safetensors" for k in mtp_t})

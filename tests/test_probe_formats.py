@@ -1,0 +1,123 @@
+"""`ckpt probe` across draft formats, on the tiny trained DeepSeek-V3-layout verifier (tests/probe_model.py).
+
+A draft that went through another format (and back through stitch) must measure exactly like the
+verifier's own MTP; a draft whose gate/up halves a trainer swapped must show a larger KL.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_ckpt as ckpt
+
+transformers = pytest.importorskip("transformers")
+
+import probe_model  # noqa: E402
+
+CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
+
+
+@pytest.fixture(scope="module")
+def trained() -> Path:
+    d, _ = probe_model.build(CACHE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    g = torch.Generator().manual_seed(11)
+    x = probe_model.sample(3, 6, g)
+    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in x))
+    return p
+
+
+def probe_json(verifier, prompts, *drafts) -> dict:
+    args = ["probe", verifier, "--prompts", prompts, "--max-new-tokens", 12, "--depth", 1, "--json"]
+    for d in drafts:
+        args += ["--draft", d]
+    return json.loads(ckpt(*args).stdout)
+
+
+def _numbers(entry: dict) -> tuple:
+    return entry["agreement"], entry["kl"], entry["positions"], entry["greedy_equal"]
+
+
+@pytest.fixture(scope="module")
+def drafts(trained, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafts")
+    out = {}
+    for fmt in ("native", "sglang-nextn"):
+        out[fmt] = root / fmt
+        ckpt("extract", trained, "-o", out[fmt], "--format", fmt)
+    return out
+
+
+def test_extract_refuses_speculators_for_deepseek_v3(trained, tmp_path):
+    r = ckpt("extract", trained, "-o", tmp_path / "spec", "--format", "speculators", code=3)
+    assert "format-unsupported" in r.output and "deepseek_v3" in r.output
+    assert not (tmp_path / "spec" / "model.safetensors").exists()
+
+
+def test_one_draft_in_two_formats_measures_identically_to_the_verifier(trained, prompts, drafts):
+    out = probe_json(trained, prompts, drafts["native"], drafts["sglang-nextn"])
+    v, native, nextn = out["drafts"]
+    assert [d["name"] for d in out["drafts"]] == ["verifier", str(drafts["native"]), str(drafts["sglang-nextn"])]
+    assert v["agreement"][0] >= 0.8 and v["greedy_equal"] is True
+    assert v["positions"] == 3 * 12
+    assert _numbers(native) == _numbers(v)
+    assert _numbers(nextn) == _numbers(v)
+
+
+def test_sglang_nextn_draft_stitched_back_measures_identically(trained, prompts, drafts, tmp_path):
+    stitched = tmp_path / "stitched"
+    ckpt("stitch", drafts["sglang-nextn"], trained, "-o", stitched)
+    [base] = probe_json(trained, prompts)["drafts"]
+    [again] = probe_json(stitched, prompts)["drafts"]
+    assert _numbers(again) == _numbers(base)
+
+
+def swap_gate_up(tensors: dict) -> int:
+    """Exchange gate_proj and up_proj of every routed expert and of the shared expert; the count swapped."""
+    n = 0
+    for g in [k for k in tensors if k.endswith("gate_proj.weight") and (".experts." in k or "shared_experts" in k)]:
+        u = g.replace("gate_proj", "up_proj")
+        tensors[g], tensors[u] = tensors[u], tensors[g]
+        n += 1
+    return n
+
+
+def test_swapped_gate_up_halves_show_a_larger_kl(trained, prompts, drafts, tmp_path):
+    swapped = tmp_path / "gate-up"
+    shutil.copytree(drafts["native"], swapped)
+    [f] = swapped.glob("*.safetensors")
+    tensors = load_file(str(f))
+    before = {k: v.clone() for k, v in tensors.items()}
+    assert swap_gate_up(tensors) == probe_model.tiny_config().n_routed_experts + 1
+    assert any(not torch.equal(tensors[k], before[k]) for k in tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (swapped / "ckpt_manifest.json").unlink(missing_ok=True)
+    v, s = probe_json(trained, prompts, swapped)["drafts"]
+    print(f"gate/up swapped: {s}; baseline: {v}")
+    assert s["kl"][0] > v["kl"][0] + 0.3, (v, s)
+    assert s["greedy_equal"] is True  # verification keeps greedy output whatever the draft
+
+
+def test_a_trained_glm4_moe_verifier_agrees_and_its_nextn_draft_measures_identically(prompts, tmp_path):
+    glm, _ = probe_model.build(CACHE, "glm4_moe")
+    assert json.loads((glm / "config.json").read_text())["model_type"] == "glm4_moe"
+    nextn = tmp_path / "nextn"
+    ckpt("extract", glm, "-o", nextn, "--format", "sglang-nextn")
+    out = probe_json(glm, prompts, nextn)
+    print(f"glm4_moe: {out['drafts']}")
+    v, d = out["drafts"]
+    assert v["agreement"][0] >= 0.8, v
+    assert v["greedy_equal"] is True and v["positions"] == 3 * 12
+    assert _numbers(d) == _numbers(v)
