@@ -143,8 +143,9 @@ def check_memory(verifier: Checkpoint, dtype: str, drafts: int) -> int:
     need = needed_bytes(verifier, dtype)
     avail = available_memory()
     if avail and need > avail:
-        raise InputError(f"the verifier needs about {need / 2**30:.2f} GiB in {dtype} ({need} bytes, plus one MTP "
-                         f"copy per draft: {drafts}); {avail / 2**30:.2f} GiB ({avail} bytes) is available",
+        raise InputError(f"the verifier's weights need about {need / 2**30:.2f} GiB in {dtype} ({need} bytes; each "
+                         f"of the {drafts} draft(s) adds a copy of the MTP layers); {avail / 2**30:.2f} GiB "
+                         f"({avail} bytes) is available",
                          rule="memory", path=verifier.root)
     return need
 
