@@ -70,6 +70,14 @@ def sample(n: int, length: int, g: torch.Generator) -> torch.Tensor:
     return x
 
 
+def write_prompts(directory, n: int, length: int, seed: int):
+    """``n`` prompts of ``length`` tokens from the training language, as a prompts.jsonl in ``directory``."""
+    x = sample(n, length, torch.Generator().manual_seed(seed))
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in x))
+    return path
+
+
 def mtp_logits(mtp: MtpModel, hidden: torch.Tensor, ids: torch.Tensor, layer: int = 0, depth: int = 1):
     """Teacher-forced depth-``depth`` pass: hidden[:, t] with the token at t + depth -> logits for t + depth + 1."""
     n = ids.shape[1] - depth

@@ -38,11 +38,7 @@ def trained() -> Path:
 
 @pytest.fixture(scope="session")
 def prompts(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(7)
-    x = probe_model.sample(4, 6, g)
-    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in x))
-    return p
+    return probe_model.write_prompts(tmp_path_factory.mktemp("prompts"), 4, 6, seed=7)
 
 
 def probe_json(verifier, prompts, *drafts, depth: int = 1, code: int = 0) -> dict:

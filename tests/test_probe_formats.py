@@ -32,11 +32,7 @@ def trained() -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    g = torch.Generator().manual_seed(11)
-    x = probe_model.sample(3, 6, g)
-    p = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    p.write_text("".join(json.dumps({"input_ids": r.tolist()}) + "\n" for r in x))
-    return p
+    return probe_model.write_prompts(tmp_path_factory.mktemp("prompts"), 3, 6, seed=11)
 
 
 def probe_json(verifier, prompts, *drafts) -> dict:
