@@ -554,3 +554,19 @@ def test_verify_manifest_of_an_s3_output_vouches_for_server_side_copies_by_etag(
     c.put_object(Bucket=bucket, Key=key, Body=bytes(data))
     bad = json.loads(ckpt("verify-manifest", f"s3://{bucket}/out", "--json", code=1).stdout)
     assert not bad["ok"] and [m for m in bad["mismatches"] if m["file"] == copies[0] and m["problem"] == "file-digest"]
+
+
+def test_an_output_store_without_its_backend_names_the_extra(verifier, tmp_path, monkeypatch):
+    """The same missing-extra error as for sources (one table of extras): exit 2, nothing written."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_gcsfs(name, *a, **kw):
+        if name == "gcsfs":
+            raise ImportError("no module named gcsfs", name="gcsfs")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_gcsfs)
+    r = ckpt("extract", verifier, "-o", "gs://bucket/draft", code=2)
+    assert "missing-extra" in r.output and "pip install 'ckpt-tools[gcs]'" in r.output

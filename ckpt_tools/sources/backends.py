@@ -24,8 +24,9 @@ def protocol_of(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
-def filesystem(url: str):
-    """(fsspec filesystem, path inside it) for ``url``; MissingExtra names the extra to install."""
+def filesystem(url: str, **options):
+    """(fsspec filesystem, path inside it) for ``url`` (``options`` go to the backend); MissingExtra names
+    the extra to install."""
     proto = protocol_of(url)
     need = EXTRAS.get(proto)
     try:
@@ -33,11 +34,12 @@ def filesystem(url: str):
             __import__(need[0])
         from fsspec.core import url_to_fs
 
-        return url_to_fs(url, skip_instance_cache=True)  # the environment (endpoint, credentials) as it is now
+        # a filesystem of its own: the environment (endpoint, credentials) as it is now
+        return url_to_fs(url, **{"skip_instance_cache": True, **options})
     except ImportError as e:
         extra = need[1] if need else None
         hint = f"pip install 'ckpt-tools[{extra}]'" if extra else f"install the fsspec backend for {proto}://"
-        raise MissingExtra(f"{proto}:// sources need {need[0] if need else 'a backend'} ({e.name or e}): {hint}",
+        raise MissingExtra(f"{proto}:// needs {need[0] if need else 'a backend'} ({e.name or e}): {hint}",
                            rule="missing-extra", path=url) from None
     except ValueError as e:  # fsspec: "Protocol not known"
         raise UsageError(f"{e}", rule="unknown-protocol", path=url) from None

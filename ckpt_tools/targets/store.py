@@ -12,10 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CkptError, OutputError, UsageError
-
-# the optional extra that brings each protocol's fsspec backend
-EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+from ..errors import CkptError, OutputError
 
 
 @dataclass
@@ -28,22 +25,13 @@ class Store:
 
     @classmethod
     def open(cls, url: str) -> Store:
-        import fsspec
+        from ..sources.backends import filesystem, protocol_of
 
-        protocol = url.split("://", 1)[0].lower()
-        try:
-            # no listing cache: the writer lists to decide what exists, and must see the store as it is now;
-            # a filesystem of its own: the endpoint and credentials are the environment's at this moment
-            options: dict = {"use_listings_cache": False, "skip_instance_cache": True}
-            if protocol in ("s3", "s3a"):
-                options["fixed_upload_size"] = True  # every part but the last exactly the part size: memory bounded
-            fs, root = fsspec.core.url_to_fs(url, **options)
-        except ImportError as e:
-            extra = EXTRAS.get(protocol)
-            hint = f"pip install 'ckpt-tools[{extra}]'" if extra else "install the fsspec backend for it"
-            raise UsageError(f"-o {protocol}:// needs an optional extra ({hint}): {e}", rule="missing-extra") from None
-        except ValueError as e:
-            raise UsageError(f"-o {url}: {e}") from None
+        # no listing cache: the writer lists to decide what exists, and must see the store as it is now
+        options: dict = {"use_listings_cache": False}
+        if protocol_of(url) in ("s3", "s3a"):
+            options["fixed_upload_size"] = True  # every part but the last exactly the part size: memory bounded
+        fs, root = filesystem(url, **options)  # a missing backend: one error naming its extra (exit 2)
         return cls(url, fs, root.rstrip("/"))
 
     @property
