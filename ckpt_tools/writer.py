@@ -9,11 +9,13 @@ failed check leaves no marker, so an incomplete output is obviously incomplete.
 
 Before the first shard a resume record (``.ckpt-resume.json``: the plan's digest and
 its input fingerprints) is written; ``--resume`` continues only a run whose record
-equals the new plan's, so a finished shard of another job is never reused.
+equals the new plan's, so a finished shard of another job is never reused. The lock, the
+checks on ``-o``, the record and the resume rule are ``output_dir``'s.
 
 The manifest accounts for every tensor of the output: a digest (BLAKE3, see ``digest``) per
 tensor written, and the whole-file digest of each shard copied or linked as it is - all hashed from the
-bytes that landed in the output, on hasher threads beside the copies.
+bytes that landed in the output, on hasher threads beside the copies. ``manifest`` builds it
+and the index from what landed; this module writes them.
 
 Memory stays bounded by one computed chunk; copied bytes never enter Python.
 
@@ -28,7 +30,6 @@ import errno
 import fcntl
 import json
 import os
-import stat
 import struct
 import time
 from collections.abc import Callable
@@ -36,11 +37,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, digest
+from . import digest, manifest, output_dir
 from .dtypes import DTYPES
-from .errors import CkptError, OutputError, UsageError
-from .jsonutil import dumps_strict
-from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, fingerprint_change
+from .errors import CkptError, OutputError
+from .manifest import MANIFEST_NAME
+from .output_dir import LOCK_NAME, RESUME_NAME, DirLock
+from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .safetensors_io import (
     COPY_CHUNK,
     IO_STATS,
@@ -53,15 +55,11 @@ from .safetensors_io import (
     parse_header_bytes,
 )
 
-MANIFEST_NAME = "ckpt_manifest.json"
+_Lock = DirLock  # its name here before output_dir held it
+
 # digests of what landed in the output run on two threads beside the copies (BLAKE3 releases the GIL:
 # two copied shards hash at once while the main thread keeps the kernel copying)
 HASH_THREADS = 2
-LOCK_NAME = ".ckpt.lock"
-RESUME_NAME = ".ckpt-resume.json"
-# Files a previous run of ours may have left; --overwrite clears them before writing.
-_OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json", "graft-report.json",
-                  RESUME_NAME)
 
 
 def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict | None) -> bytes:
@@ -124,89 +122,6 @@ class PendingOutput:
 Check = Callable[[Path, PendingOutput], None]
 
 
-def _real(path: Path) -> Path:
-    """The real path of ``path``, which may not exist yet: its nearest existing ancestor, resolved."""
-    p = Path(os.path.abspath(path))
-    rest: list[str] = []
-    while not p.exists() and p != p.parent:
-        rest.append(p.name)
-        p = p.parent
-    return p.resolve().joinpath(*reversed(rest))
-
-
-def _plain_file(st: os.stat_result) -> bool:
-    """A regular file with one name: writing it changes nothing outside the output."""
-    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
-
-
-def _open_lock(path: Path) -> int:
-    """Open (creating) the lock file without following a link; only a plain file of ours is used.
-
-    O_NOFOLLOW refuses a symlink, O_NONBLOCK keeps a FIFO from blocking the open, and the
-    fstat refuses devices, FIFOs and hard links to other files before a byte is written.
-    (Not O_EXCL: a killed run's lock file must not block ``--resume``; flock decides.)
-    """
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as e:
-        what = "a symbolic link" if e.errno == errno.ELOOP else f"not usable ({e.strerror})"
-        raise OutputError(f"{LOCK_NAME} is {what}; the lock is never written through a link or into another "
-                          "file: remove it", rule="lock-file", path=str(path)) from None
-    st = os.fstat(fd)
-    if not _plain_file(st):
-        os.close(fd)
-        what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a regular file"
-        raise OutputError(f"{LOCK_NAME} is {what}; the lock is never written into another file: remove it",
-                          rule="lock-file", path=str(path))
-    return fd
-
-
-class _Lock:
-    """An advisory lock on the output directory: a second writer refuses instead of interleaving.
-
-    An flock: the kernel releases it when its holder dies, so a lock file left by a killed
-    run never blocks ``--resume``.
-    """
-
-    def __init__(self, out_dir: Path) -> None:
-        self.path = out_dir / LOCK_NAME
-        while True:
-            self.fd = _open_lock(self.path)
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip()
-                os.close(self.fd)
-                raise OutputError(
-                    f"another ckpt command{f' (pid {holder})' if holder else ''} is writing this directory "
-                    f"(lock {LOCK_NAME} held); wait for it or pick another -o",
-                    path=str(out_dir),
-                ) from None
-            # The holder we waited on may have unlinked the file between our open and flock: then we
-            # locked an orphan inode while a third writer may lock a new file. Retry on the live path.
-            try:
-                same = os.path.samestat(os.fstat(self.fd), os.stat(self.path, follow_symlinks=False))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(self.fd)
-        try:
-            os.ftruncate(self.fd, 0)
-            os.write(self.fd, f"{os.getpid()}\n".encode())
-        except OSError:
-            self.release()
-            raise
-
-    def release(self) -> None:
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self.fd)
-
-
 class Writer:
     def __init__(
         self,
@@ -228,97 +143,26 @@ class Writer:
         self.check = check
         self._buf = memoryview(bytearray(COPY_CHUNK))
 
-    # -- checks -----------------------------------------------------------------
+    # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
 
     def _check_not_an_input(self) -> None:
-        """Refuse an -o that is, is inside, or contains an input: an input must never change.
-
-        Real paths (links resolved; a missing -o by its nearest existing parent). An input
-        directory is the whole directory; an input file is that file.
-        """
-        out = _real(self.out)
-        for src in self.plan.inputs:
-            real = Path(src).resolve()
-            if out == real:
-                where = "is an input of this command"
-            elif real.is_dir() and out.is_relative_to(real):
-                where = f"is inside the input {real}"
-            elif real.is_relative_to(out):
-                where = f"contains the input {real}"
-            else:
-                continue
-            raise UsageError(f"output directory {self.out} {where}; choose an -o outside every input",
-                             rule="output-overlaps-input")
+        output_dir.check_not_an_input(self.out, self.plan.inputs)
 
     def _check_output_dir(self) -> None:
-        """Refuse a non-empty directory unless --overwrite / --resume.
-
-        Called before creating the directory and again under the lock: a concurrent writer may
-        have filled it in between. Only a plain lock file is not counted (a link or anything
-        else named like the lock is someone else's).
-        """
-        if self.out.exists() and not self.out.is_dir():
-            raise OutputError("output path exists and is not a directory", path=str(self.out))
-        if self.out.exists():
-            leftovers = [p.name for p in self.out.iterdir()
-                         if p.name != LOCK_NAME or not _plain_file(p.lstat())]
-            if leftovers and not (self.overwrite or self.resume):
-                raise OutputError(
-                    f"output directory is not empty ({len(leftovers)} entries, e.g. {sorted(leftovers)[0]}); "
-                    "pass --overwrite to replace it or --resume to finish an interrupted run",
-                    path=str(self.out),
-                )
+        output_dir.check_output_dir(self.out, overwrite=self.overwrite, resume=self.resume)
 
     def _clear_previous_output(self) -> None:
-        # The completion markers go first, so the directory reads as incomplete from here on.
-        for name in (self.plan.index_name, MANIFEST_NAME, self.plan.single_file_name):
-            p = self.out / name
-            if p.exists() or p.is_symlink():
-                p.unlink()
-        for pattern in _OUR_ARTEFACTS:
-            for p in self.out.glob(pattern):
-                p.unlink()
+        output_dir.clear_previous_output(self.out, (self.plan.index_name, MANIFEST_NAME, self.plan.single_file_name))
 
     def _previous_record(self) -> dict | None:
-        """What the interrupted run was doing: its resume record, else the manifest of a finished run."""
-        for name in (RESUME_NAME, MANIFEST_NAME):
-            p = self.out / name
-            if not p.is_file() or p.is_symlink():
-                continue
-            try:
-                record = json.loads(p.read_bytes())
-            except (OSError, ValueError, RecursionError):
-                continue
-            if isinstance(record, dict) and isinstance(record.get("plan"), dict):
-                return record
-        return None
+        return output_dir.previous_record(self.out)
 
     def _check_resume(self, plan_digest: dict[str, str]) -> None:
-        """--resume continues only the same job: same plan, same inputs (names what differs)."""
-        def refuse(msg: str, path: str) -> OutputError:
-            return OutputError(f"--resume refused: {msg}; finished shards would not be this job's. Pass --overwrite "
-                               "to start again", rule="resume-mismatch", path=path)
-
-        record = self._previous_record()
-        if record is None and not self._finished_files():
-            return  # nothing written yet (killed before the first file): nothing to reuse, nothing to prove
-        if record is None:
-            raise refuse(f"{self.out} holds no resume record ({RESUME_NAME}) or manifest of a run of this plan",
-                         str(self.out))
-        old = record["plan"]
-        if old.get("plan") == plan_digest["plan"]:
-            return
-        inputs = record.get("inputs")
-        change = fingerprint_change(inputs, self.plan.fingerprints) if isinstance(inputs, dict) else None
-        if change is not None:
-            raise refuse(f"{change[1]} since the interrupted run", change[0])
-        parts = [k for k in sorted(plan_digest) if k != "plan" and old.get(k) != plan_digest[k]]
-        raise refuse(f"the plan differs from the interrupted run's ({', '.join(parts) or 'plan'}: other options, "
-                     "tables or tool version)", str(self.out))
+        output_dir.check_resume(self._previous_record(), self._finished_files, plan_digest, self.plan.fingerprints,
+                                str(self.out))
 
     def _finished_files(self) -> list[str]:
-        """What a run left in place (hidden lock, record and temporary files aside)."""
-        return [p.name for p in self.out.iterdir() if not p.name.startswith(".")]
+        return output_dir.finished_files(self.out)
 
     # -- execution ----------------------------------------------------------------
 
@@ -346,8 +190,8 @@ class Writer:
                 self._remove_partials()
             elif self.overwrite:
                 self._clear_previous_output()
-            record = {"plan": plan_digest, "inputs": self.plan.fingerprints, "command": self.plan.command}
-            self._write_file(OutputFile(RESUME_NAME, content=(json.dumps(record, indent=1) + "\n").encode()))
+            record = output_dir.resume_record(plan_digest, self.plan.fingerprints, self.plan.command)
+            self._write_file(OutputFile(RESUME_NAME, content=record))
             shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
@@ -391,14 +235,14 @@ class Writer:
 
     # -- what a target other than a local directory replaces (targets/) ----------------
 
-    def _lock(self) -> _Lock:
+    def _lock(self) -> DirLock:
         """Create the output directory and take its lock."""
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
         try:
-            return _Lock(self.out)
+            return DirLock(self.out)
         except OSError as e:
             raise self._output_error(e, str(self.out / LOCK_NAME)) from e
 
@@ -406,9 +250,7 @@ class Writer:
         (self.out / name).unlink(missing_ok=True)
 
     def _remove_partials(self) -> None:
-        """Temporary files of unfinished writes (ours, or a killed run's: we hold the lock)."""
-        for p in self.out.glob(".*.partial"):
-            p.unlink(missing_ok=True)
+        output_dir.remove_partials(self.out)
 
     def _hasher(self) -> _Hasher:
         return _Hasher(HASH_THREADS if self.hash_tensors else 0)
@@ -424,7 +266,7 @@ class Writer:
             pending = PendingOutput(None, {deferred[1].name: deferred[0]})
             marker = deferred[1].name
         else:
-            pending = PendingOutput(self._index(result), {})
+            pending = PendingOutput(manifest.index(self.plan, result.tensor_files), {})
             marker = self.plan.index_name
         self._checked(self.out, pending, marker)
 
@@ -613,66 +455,12 @@ class Writer:
         return {}
 
     def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
-        """Every tensor of the output: written ones with their digest, those in copied shards by their file's."""
-        manifest = {
-            "tool": "ckpt-tools",
-            "version": __version__,
-            "command": self.plan.command,
-            **self.plan.manifest,
-            "inputs": self.plan.fingerprints,
-            "plan": plan_digest,
-            "files": {},
-            "tensors": {},
-        }
-        for t in self.plan.tensors:
-            entry = {
-                "file": result.tensor_files[t.key],
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-            }
-            if t.key in result.digests:
-                entry[digest.MANIFEST_ALGO] = result.digests[t.key]
-            entry.update(t.meta)
-            manifest["tensors"][t.key] = entry
-        for f in self.plan.files:
-            if not f.tensors:
-                continue
-            header = f.header
-            if f.link == "remote":
-                about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}  # the Hub's LFS oid
-            elif f.name in result.landed:
-                value, size, header = result.landed[f.name]
-                # no digest: copied server-side in an object store, never downloaded to be hashed
-                about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
-                         "copied_from": str(f.source), "link": f.link, **self._landed_facts(f.name)}
-            else:
-                continue  # hashing off (benchmark fixtures)
-            manifest["files"][f.name] = about
-            keys = header.tensors if header is not None else dict.fromkeys(f.tensors)
-            for key, info in keys.items():
-                entry = {"file": f.name}
-                if info is not None:
-                    entry.update(dtype=info.dtype, shape=list(info.shape))
-                manifest["tensors"][key] = entry
-        remote = {f.name: f.remote for f in self.plan.files if f.link == "remote"}
-        if remote:
-            # shards deliberately not downloaded: the output is complete once pushed over its base
-            manifest["remote_files"] = remote
-        content = (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity
+        content = manifest.manifest_bytes(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
+                                          self._landed_facts)
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 
-    def _index(self, result: WriteResult) -> dict:
-        weight_map = dict(result.tensor_files)
-        total = sum(t.nbytes for t in self.plan.tensors)
-        for f in self.plan.files:
-            for key, nbytes in f.tensors.items():
-                weight_map[key] = f.name
-                total += nbytes
-        return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-
     def _write_index(self, result: WriteResult) -> None:
-        content = (json.dumps(self._index(result), indent=2) + "\n").encode()
-        self._write_file(OutputFile(self.plan.index_name, content=content))
+        self._write_file(OutputFile(self.plan.index_name, content=manifest.index_bytes(self.plan, result.tensor_files)))
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.out, os.O_RDONLY)

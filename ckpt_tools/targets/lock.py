@@ -15,7 +15,7 @@ import socket
 import time
 
 from ..errors import OutputError
-from ..writer import LOCK_NAME
+from ..output_dir import LOCK_NAME
 from .store import Store
 
 

@@ -36,20 +36,13 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from .. import digest
+from .. import digest, manifest
 from ..errors import OutputError, UsageError
+from ..manifest import MANIFEST_NAME
+from ..output_dir import LOCK_NAME, OUR_ARTEFACTS, RESUME_NAME
 from ..plan import OutputFile, OutputTensor, Plan
 from ..safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
-from ..writer import (
-    _OUR_ARTEFACTS,
-    LOCK_NAME,
-    MANIFEST_NAME,
-    RESUME_NAME,
-    FileDigest,
-    PendingOutput,
-    Writer,
-    WriteResult,
-)
+from ..writer import FileDigest, PendingOutput, Writer, WriteResult
 from .lock import ObjectLock
 from .store import Store
 
@@ -143,7 +136,7 @@ class ObjectStoreWriter(Writer):
         markers = [n for n in (self.plan.index_name, MANIFEST_NAME, self.plan.single_file_name) if n in listing]
         self.store.remove(markers)  # the completion markers first: the prefix reads as incomplete from here on
         self.store.remove([n for n in listing if n not in markers and "/" not in n
-                           and any(fnmatch(n, p) for p in _OUR_ARTEFACTS)])
+                           and any(fnmatch(n, p) for p in OUR_ARTEFACTS)])
         self._abort_stale_uploads()
 
     def _previous_record(self) -> dict | None:
@@ -411,7 +404,7 @@ class ObjectStoreWriter(Writer):
             root = Path(tmp)
             self._mirror(root, deferred)
             marker = deferred[1] if deferred is not None else self.plan.index_name
-            pending = PendingOutput(self._index(result) if deferred is None else None, {})
+            pending = PendingOutput(manifest.index(self.plan, result.tensor_files) if deferred is None else None, {})
             try:
                 self._checked(root, pending, marker)
             except OutputError as e:  # name the store's objects, not the mirror
