@@ -18,6 +18,8 @@ from pathlib import Path, PurePosixPath
 
 from .config import ConfigView
 from .errors import InputError
+from .manifest import MANIFEST_NAME
+from .output_dir import LOCK_NAME, RESUME_NAME
 from .readers import TORCH_SUFFIXES, read_weights
 from .readers import detect as detect_reader
 from .safetensors_io import Header, LocalFile, TensorRef, read_header, refs_from_header
@@ -25,11 +27,9 @@ from .sources import is_url, open_store
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-MANIFEST_NAME = "ckpt_manifest.json"
-RESUME_NAME = ".ckpt-resume.json"  # what an unfinished write is doing (see writer); removed on completion
 # Weight files in other formats are never carried into outputs.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
-_SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", "graft-report.json", ".ckpt.lock"}
+_SKIP_NAMES = {INDEX_NAME, MANIFEST_NAME, "stitch-report.json", "graft-report.json", LOCK_NAME}
 
 
 @dataclass
@@ -76,47 +76,29 @@ class Checkpoint:
                    digests={"config.json": sha256_of(data)})
 
     @classmethod
-    def _open_dir(cls, d: Path, single: str | None = None) -> Checkpoint:
+    def _open_dir(cls, d: Path, single: str | None = None, *, problems: _Problems | None = None,
+                  index: dict | None = None, renamed: dict[str, Path] | None = None) -> Checkpoint:
+        """Directory ``d`` (only its file ``single`` when given): config, index, shard headers, manifest.
+
+        ``problems`` decides what a problem does: raise it (the default), or note it and open
+        what can be opened (``open_lenient``). ``index`` and ``renamed`` describe an output the
+        writer has not marked complete yet (see ``open_lenient``).
+        """
+        problems = problems or _Problems(strict=True)
         root = confinement_root(d)
-        for err in _escaping_links(d, root).values():
-            raise err
+        blocked = _escaping_links(d, root)
+        for err in blocked.values():
+            problems.add(err)
         digests: dict[str, str] = {}
-        config, config_present = _read_config(d, digests)
-        index = None
-        if single is None and (d / INDEX_NAME).is_file():
-            data = read_small(d / INDEX_NAME, "index-json")
-            digests[INDEX_NAME] = sha256_of(data)
-            index = parse_index(data, str(d / INDEX_NAME))
-            shard_names = sorted(set(index["weight_map"].values()))
-        elif single is not None or (d / SINGLE_NAME).is_file():
-            shard_names = [single or SINGLE_NAME]
-        elif not any(d.glob("*.safetensors")) and detect_reader(d) is not None:
+        config, config_present = _read_config(d, digests, problems, skip="config.json" in blocked)
+        found = _shard_names(d, single, index, INDEX_NAME in blocked, renamed or {}, digests, problems)
+        if found is None:
             return open_draft_source(d)
-        else:
-            raise InputError(
-                f"neither {INDEX_NAME} nor {SINGLE_NAME} found; " + (_unfinished_write(d) or
-                                                                    "is this a safetensors checkpoint?"),
-                rule="no-weights",
-                path=str(d),
-            )
-        sources: dict[str, LocalFile] = {}
-        headers: dict[str, Header] = {}
+        index, shard_names = found
+        sources, headers = _open_shards(d, root, shard_names, renamed or {}, problems)
         try:
-            for name in shard_names:
-                fpath = _confined(d, root, name)
-                if not fpath.is_file():
-                    raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
-                                     path=str(d))
-                src = LocalFile(fpath)
-                src.name = str(d / name)
-                sources[name] = src
-                headers[name] = read_header(src)
-            tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME))
-            manifest = None
-            if (d / MANIFEST_NAME).is_file():
-                data = _read_side_file(d / MANIFEST_NAME)
-                digests[MANIFEST_NAME] = sha256_of(data)
-                manifest = parse_manifest(data, str(d / MANIFEST_NAME))
+            tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME), strict=problems.strict)
+            manifest = _read_manifest_in(d, digests, problems, skip=MANIFEST_NAME in blocked)
         except BaseException:
             _close_all(sources)  # a refused checkpoint leaves no open file behind
             raise
@@ -276,14 +258,123 @@ def _remote_other_files(sizes: dict[str, int]) -> list[str]:
     return out
 
 
-def _read_config(d: Path, digests: dict[str, str]) -> tuple[ConfigView, bool]:
-    """config.json of ``d`` (an empty view when there is none) and whether it exists; its sha256 goes to ``digests``."""
+class _Problems:
+    """What opening a directory finds wrong. Strict (``Checkpoint.open``) raises the first problem;
+    lenient (``open_lenient``, for validate) collects them all and opens what it can."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.errors: list[InputError] = []
+        self.unreadable: list[str] = []  # shards that could not be opened
+
+    def add(self, err: InputError) -> None:
+        if self.strict:
+            raise err
+        self.errors.append(err)
+
+
+def _with_rule(e: InputError, rule: str, path: str) -> InputError:
+    """``e``, given ``rule`` when it has none: every problem is reported by its rule."""
+    return e if e.rule else InputError(str(e).removeprefix(f"{path}: "), rule=rule, path=path)
+
+
+def _read_config(d: Path, digests: dict[str, str], problems: _Problems,
+                 skip: bool = False) -> tuple[ConfigView, bool]:
+    """config.json of ``d`` (an empty view when there is none, or it is ``skip``ped or unreadable) and
+    whether it was read; its sha256 goes to ``digests``."""
     cfg_path = d / "config.json"
-    if not cfg_path.is_file():
+    if not cfg_path.is_file() or skip:
         return ConfigView({}), False
-    data = read_small(cfg_path, "config-json")
-    digests["config.json"] = sha256_of(data)
-    return ConfigView.from_bytes(data, str(cfg_path)), True
+    try:
+        data = read_small(cfg_path, "config-json")
+        digests["config.json"] = sha256_of(data)
+        return ConfigView.from_bytes(data, str(cfg_path)), True
+    except InputError as e:
+        problems.add(_with_rule(e, "config-json", str(cfg_path)))
+        return ConfigView({}), False
+
+
+def _shard_names(d: Path, single: str | None, index: dict | None, index_blocked: bool, renamed: dict[str, Path],
+                 digests: dict[str, str], problems: _Problems) -> tuple[dict | None, list[str]] | None:
+    """The index (None without one) and the shards to open; None when ``d`` holds a draft saved by
+    torch instead (``open_draft_source``). ``index``: one given by the caller, not read from ``d``."""
+    if single is not None:
+        return None, [single]
+    if index is not None:
+        return index, sorted(set(index["weight_map"].values()))
+    if (d / INDEX_NAME).is_file() and not index_blocked:
+        try:
+            data = read_small(d / INDEX_NAME, "index-json")
+            digests[INDEX_NAME] = sha256_of(data)
+            index = parse_index(data, str(d / INDEX_NAME))
+            return index, sorted(set(index["weight_map"].values()))
+        except InputError as e:
+            problems.add(e)
+            return None, sorted(q.name for q in d.glob("*.safetensors"))  # still check what is there
+    if (d / SINGLE_NAME).is_file() or SINGLE_NAME in renamed:
+        return None, [SINGLE_NAME]
+    if not any(d.glob("*.safetensors")) and detect_reader(d) is not None:
+        return None
+    return None, _unindexed_shards(d, problems)
+
+
+def _unindexed_shards(d: Path, problems: _Problems) -> list[str]:
+    """.safetensors files no index names: no checkpoint to loaders (strict refuses), what there is to check
+    for validate (the missing index a problem of its own)."""
+    unfinished = _unfinished_write(d)
+    names = sorted(q.name for q in d.glob("*.safetensors"))
+    if problems.strict or not names:
+        wanted = SINGLE_NAME if problems.strict else "any .safetensors file"
+        raise InputError(f"neither {INDEX_NAME} nor {wanted} found; " + (unfinished or
+                                                                          "is this a safetensors checkpoint?"),
+                         rule="no-weights", path=str(d))
+    if unfinished:
+        problems.add(InputError(f"no {INDEX_NAME} or {SINGLE_NAME} yet: {unfinished}", rule="unfinished-write",
+                                path=str(d)))
+    elif len(names) > 1:
+        problems.add(InputError(f"{len(names)} .safetensors files but no {INDEX_NAME}; loaders will not find them",
+                                rule="no-index", path=str(d)))
+    return names
+
+
+def _open_shards(d: Path, root: Path, names: list[str], renamed: dict[str, Path],
+                 problems: _Problems) -> tuple[dict[str, LocalFile], dict[str, Header]]:
+    """Each shard's file and header; one that cannot be read is a problem (and ``problems.unreadable``)."""
+    sources: dict[str, LocalFile] = {}
+    headers: dict[str, Header] = {}
+    try:
+        for name in names:
+            try:
+                fpath = renamed.get(name) or _confined(d, root, name)
+                if not fpath.is_file():
+                    raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
+                                     path=str(d / name))
+                src = sources[name] = LocalFile(fpath)
+                src.name = str(d / name)
+                headers[name] = read_header(src)
+            except InputError as e:
+                if name in sources:
+                    sources.pop(name).close()
+                problems.unreadable.append(name)
+                problems.add(_with_rule(e, "unreadable-shard", str(d / name)))
+    except BaseException:
+        _close_all(sources)  # a refused checkpoint leaves no open file behind
+        raise
+    return sources, headers
+
+
+def _read_manifest_in(d: Path, digests: dict[str, str], problems: _Problems, skip: bool = False) -> dict | None:
+    """``d``'s ckpt_manifest.json, checked (None when there is none); its sha256 goes to ``digests``."""
+    path = d / MANIFEST_NAME
+    if not path.is_file() or skip:
+        return None
+    try:
+        data = _read_side_file(path)
+        digests[MANIFEST_NAME] = sha256_of(data)
+        return parse_manifest(data, str(path))
+    except InputError as e:
+        problems.add(e)
+        return None
 
 
 def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Checkpoint:
@@ -299,13 +390,10 @@ def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Check
         raise err
     ws = read_weights(d, lambda name: _confined(d, root, name), _read_index, only=only, kind=kind)
     digests: dict[str, str] = {}
-    config, config_present = _read_config(d, digests)
+    strict = _Problems(strict=True)
+    config, config_present = _read_config(d, digests, strict)
     files = [f for f in _other_files(d, root) if f not in ws.consumed] if ws.carries_files else []
-    manifest = None
-    if (d / MANIFEST_NAME).is_file():
-        data = _read_side_file(d / MANIFEST_NAME)
-        digests[MANIFEST_NAME] = sha256_of(data)
-        manifest = parse_manifest(data, str(d / MANIFEST_NAME))
+    manifest = _read_manifest_in(d, digests, strict)
     return Checkpoint(str(d), config, ws.tensors, {}, None, files, dict(ws.files), d, ws.keys, manifest,
                       config_present, reader=ws.reader, reader_notes=ws.notes, digests=digests)
 
@@ -466,7 +554,7 @@ def parse_manifest(data: bytes, where: str) -> dict:
 def _unfinished_write(d: Path) -> str | None:
     """A hint when ``d`` holds what an interrupted (or running) ckpt command leaves: its lock, temporary files."""
     leftovers = sorted(p.name for p in d.glob(".*")
-                       if p.name in (".ckpt.lock", RESUME_NAME) or p.name.endswith(".partial"))
+                       if p.name in (LOCK_NAME, RESUME_NAME) or p.name.endswith(".partial"))
     if not leftovers:
         return None
     return (f"a ckpt command stopped (or is still running) before finishing this directory ({', '.join(leftovers[:3])}"
@@ -531,8 +619,6 @@ def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
     is the index about to be written, ``renamed`` maps final file names to the temporary
     files that hold them (the lone ``model.safetensors`` before its rename).
     """
-    renamed = renamed or {}
-    given_index = index
     p = Path(path)
     single: str | None = None
     if p.is_file() and p.name == "config.json":
@@ -543,81 +629,9 @@ def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
         return LenientOpen(open_draft_source(p), [], [])
     if not p.is_dir():
         raise InputError("no such checkpoint directory or .safetensors file", rule="no-weights", path=str(path))
-    d = p
-    root = confinement_root(d)
-    blocked = _escaping_links(d, root)
-    errors: list[InputError] = list(blocked.values())
-
-    config, config_present = ConfigView({}), False
-    cfg_path = d / "config.json"
-    if cfg_path.is_file() and "config.json" not in blocked:
-        try:
-            config, config_present = ConfigView.from_bytes(read_small(cfg_path, "config-json"), str(cfg_path)), True
-        except InputError as e:
-            errors.append(e if e.rule else InputError(str(e).removeprefix(f"{cfg_path}: "), rule="config-json",
-                                                      path=str(cfg_path)))
-
-    index = None
-    if single is not None:
-        shard_names = [single]
-    elif given_index is not None:
-        index = given_index
-        shard_names = sorted(set(index["weight_map"].values()))
-    elif (d / INDEX_NAME).is_file() and INDEX_NAME not in blocked:
-        try:
-            index = _read_index(d / INDEX_NAME)
-            shard_names = sorted(set(index["weight_map"].values()))
-        except InputError as e:
-            errors.append(e)
-            shard_names = sorted(q.name for q in d.glob("*.safetensors"))  # still check what is there
-    elif (d / SINGLE_NAME).is_file() or SINGLE_NAME in renamed:
-        shard_names = [SINGLE_NAME]
-    else:
-        shard_names = sorted(q.name for q in d.glob("*.safetensors"))
-        if not shard_names and detect_reader(d) is not None:
-            return LenientOpen(open_draft_source(d), [], [])
-        unfinished = _unfinished_write(d)
-        if not shard_names:
-            raise InputError(
-                f"neither {INDEX_NAME} nor any .safetensors file found; "
-                + (unfinished or "is this a safetensors checkpoint?"), rule="no-weights", path=str(d),
-            )
-        if unfinished:
-            errors.append(InputError(f"no {INDEX_NAME} or {SINGLE_NAME} yet: {unfinished}", rule="unfinished-write",
-                                     path=str(d)))
-        elif len(shard_names) > 1:
-            errors.append(InputError(f"{len(shard_names)} .safetensors files but no {INDEX_NAME}; loaders "
-                                     "will not find them", rule="no-index", path=str(d)))
-
-    sources: dict[str, LocalFile] = {}
-    headers: dict[str, Header] = {}
-    unreadable: list[str] = []
-    for name in shard_names:
-        try:
-            fpath = renamed.get(name) or _confined(d, root, name)
-            if not fpath.is_file():
-                raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
-                                 path=str(d / name))
-            src = LocalFile(fpath)
-            src.name = str(d / name)
-            headers[name] = read_header(src)
-            sources[name] = src
-        except InputError as e:
-            if e.rule is None:
-                e = InputError(str(e).removeprefix(f"{d / name}: "), rule="unreadable-shard", path=str(d / name))
-            errors.append(e)
-            unreadable.append(name)
-
-    tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME), strict=False)
-    manifest = None
-    if (d / MANIFEST_NAME).is_file() and MANIFEST_NAME not in blocked:
-        try:
-            manifest = read_manifest(d / MANIFEST_NAME)
-        except InputError as e:
-            errors.append(e)
-    ckpt = Checkpoint(str(d), config, tensors, headers, index, _other_files(d, root), sources, d, shard_keys,
-                      manifest, config_present)
-    return LenientOpen(ckpt, errors, unreadable)
+    problems = _Problems(strict=False)
+    ckpt = Checkpoint._open_dir(p, single, problems=problems, index=index, renamed=renamed)
+    return LenientOpen(ckpt, problems.errors, problems.unreadable)
 
 
 def raw_header(ckpt: Checkpoint, shard: str) -> bytes:
