@@ -111,6 +111,47 @@ class Discovery:
                 "sub_blocks": self.sub_blocks, "notes": self.notes, "yaml": self.yaml()}
 
 
+def discover(ckpt: Checkpoint, family: str | None = None) -> Discovery:
+    """Find the MTP tensors of ``ckpt`` and draft an architecture table for them."""
+    config = ckpt.config
+    n, n_key = _first(config, LAYER_COUNT_KEYS)
+    count, count_key = _first(config, MTP_COUNT_KEYS)
+    containers = _trunk_containers(ckpt.tensors, n)
+    found, scales = _find(ckpt, containers, n)
+    notes: list[str] = []
+    geo = _depths(found, n, count, count_key, notes)
+    depth_of = {f.key: geo.depth(f) for f in found}
+    dims = _Dims(_int_or_none(config.get("hidden_size")), _int_or_none(config.get("vocab_size")))
+    entries = _Entries(dims, _main_dtype(ckpt))
+    glue, glue_src = _glue(found, depth_of, geo, entries)
+    parts, blocks = _body(found, depth_of, geo, glue_src, entries, notes)
+    norm, why = _guess_norm(ckpt, found)
+    notes.append(f"norm guessed {norm}: {why}")
+    name = family or _sanitize((config.model_types() or ["checkpoint"])[0]) + "_discovered"
+    order = "hidden_first" if any(config.get(f) is True for f in HIDDEN_FIRST_FLAGS) else "embed_first"
+    table: dict = {
+        "family": name,
+        "title": f"{name} (discovered; VERIFY)",
+        "detect": {"architectures": config.architectures()[:1], "model_types": config.model_types()[:1]},
+        "config": _config_vars(n_key, count_key, dims),
+        "norm": norm,
+        "dtype": entries.dtype,
+    }
+    if any(f.dtype in FP8_DTYPES for f in found):
+        table["quantization"] = _quantization(config, scales)
+    table["shared"] = _shared(ckpt, found, containers, dims)
+    table["parts"] = parts
+    trunk_container = sorted(containers)[0] if containers else "model.layers"
+    table["trunk"] = {"prefix": trunk_container + ".{l}.", "count": "num_layers", "parts": []}
+    table["mtp"] = _mtp_section(geo, count_key, order, glue, blocks, notes)
+    return Discovery(name, n, n_key, count, count_key, sorted([f.key for f in found] + scales),
+                     depth_of, geo.k, table, notes)
+
+
+def _int_or_none(v: object) -> int | None:
+    return v if isinstance(v, int) else None
+
+
 # ---------------------------------------------------------------------------
 # 1. candidates
 
@@ -170,6 +211,27 @@ def _is_scale(key: str, keys) -> bool:
     return False
 
 
+def _find(ckpt: Checkpoint, containers: set[str], n: int | None) -> tuple[list[Found], list[str]]:
+    """Step 1: the MTP tensors, and apart from them their FP8 scales; InputError (no-mtp) when there are none."""
+    keys = ckpt.tensors
+    found: list[Found] = []
+    scales: list[str] = []
+    for key, ref in keys.items():
+        loc = _locate(key, containers, n)
+        if loc is None:
+            continue
+        if _is_scale(key, keys):
+            scales.append(key)
+            continue
+        index, prefix, container = loc
+        rest = key[len(prefix):] if prefix else key[len(container) + 1:]
+        found.append(Found(key, tuple(ref.shape), ref.dtype, index, prefix, container, rest))
+    if not found:
+        raise InputError(f"{ckpt.root}: no MTP-looking tensors (no 'mtp' / 'nextn' name part, no decoder layer at "
+                         f"index >= {n if n is not None else '?'}); nothing to discover", rule="no-mtp")
+    return found, scales
+
+
 # ---------------------------------------------------------------------------
 # 2. grouping
 
@@ -187,6 +249,45 @@ def _index_template(offset: int, n: int | None, k: int, j: int) -> str:
     return "{" + " + ".join(terms) + "}"
 
 
+@dataclass
+class _Depths:
+    """How MTP layer indices map onto depths: ``k`` physical sub-layers per depth, counted from ``offset``."""
+
+    offset: int
+    k: int
+    count: int  # depths found
+    n: int | None  # the config's layer count: an index template starts at num_layers when offset equals it
+    container: str  # the layer prefix: the most common container among indexed keys
+
+    def depth(self, f: Found) -> int | None:
+        return None if f.index is None else (f.index - self.offset) // self.k
+
+    def sub(self, f: Found) -> int:
+        """Which sub-layer of its depth an indexed tensor is in."""
+        return (f.index - self.offset) % self.k
+
+    def prefix_template(self, j: int, cont: str | None = None) -> str:
+        """The key prefix of sub-layer ``j`` of depth ``i`` under ``cont`` (the layer prefix by default)."""
+        cont = self.container if cont is None else cont
+        return f"{cont}.{_index_template(self.offset, self.n, self.k, j)}." if cont else ""
+
+
+def _depths(found: list[Found], n: int | None, count: int | None, count_key: str | None,
+            notes: list[str]) -> _Depths:
+    """Step 2: depths and sub-layers, from the indices found and the config's MTP count."""
+    indices = sorted({f.index for f in found if f.index is not None})
+    offset = indices[0] if indices else 0
+    k = 1
+    if count and indices and len(indices) % count == 0 and len(indices) > count:
+        k = len(indices) // count
+        notes.append(f"{len(indices)} MTP layer indices for {count_key} = {count}: {k} sub-layers per depth")
+    depths = max(1, (len(indices) + k - 1) // k) if indices else 1
+    if count is not None and depths != count:
+        notes.append(f"found {depths} depth(s) but {count_key} says {count}")
+    main_container = Counter(f.container for f in found if f.index is not None).most_common(1)
+    return _Depths(offset, k, depths, n, main_container[0][0] if main_container else "")
+
+
 def _strip_weight(rest: str) -> str:
     return rest[: -len(".weight")] if rest.endswith(".weight") else rest
 
@@ -200,6 +301,47 @@ def _glue_role(f: Found) -> str | None:
         stem = "_".join(p for p in last.split("_") if p.lower() not in MTP_TOKENS)
         return GLUE_NAMES.get(stem)
     return None
+
+
+def _glue(found: list[Found], depth_of: dict[str, int | None], geo: _Depths,
+          entries: _Entries) -> tuple[dict[str, dict], dict[str, Found]]:
+    """Step 3a: glue roles found at depth 0 (their key templates generalise over i): entries and tensors."""
+    hidden = entries.dims.hidden
+    glue: dict[str, dict] = {}
+    glue_src: dict[str, Found] = {}
+    depth0 = [f for f in found if depth_of[f.key] in (0, None)]
+    candidates: list[tuple[str, Found]] = [(r, f) for f in depth0 if (r := _glue_role(f)) is not None]
+    if not any(r == "final_norm" for r, _ in candidates):  # a bare `norm` right under the prefix
+        bare = [f for f in depth0 if _strip_weight(f.rest) == FALLBACK_FINAL_NORM]
+        candidates += [("final_norm", f) for f in sorted(bare, key=lambda f: f.index is not None)]
+    for role, f in candidates:
+        if role in glue or (role == "fusion" and hidden and f.shape != (hidden, 2 * hidden)):
+            continue
+        if role in ("fusion_embed", "fusion_hidden") and hidden and f.shape != (hidden, hidden):
+            continue
+        if f.index is None:
+            template = "/" + f.key
+        else:
+            j = geo.sub(f)
+            template = (f.rest if f.container == geo.container and j == 0
+                        else "/" + geo.prefix_template(j, f.container) + f.rest)
+        t = entries.tensor(template, f, role)
+        if role in ("embed", "head"):
+            t["copy_of"] = role
+        glue[role] = t
+        glue_src[role] = f
+    return glue, glue_src
+
+
+def _is_glue(f: Found, glue_src: dict[str, Found], geo: _Depths) -> bool:
+    """``f`` is a glue tensor, or the same glue tensor at another depth."""
+    for g in glue_src.values():
+        if f.key == g.key:
+            return True
+        if g.index is not None and f.index is not None and (g.container, g.rest) == (f.container, f.rest) \
+                and geo.sub(g) == geo.sub(f):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------
@@ -299,6 +441,106 @@ class _Dims:
         return [self.dim(d) for d in shape]
 
 
+@dataclass
+class _Entries:
+    """Table entries for found tensors: shape in config variables, kind, dtype unless the table's, quant."""
+
+    dims: _Dims
+    dtype: str  # the table's dtype
+
+    def tensor(self, key_template: str, f: Found, role: str | None = None) -> dict:
+        t: dict = {"key": key_template, "shape": self.dims.shape(f.shape)}
+        kind = "embedding" if role == "embed" else "norm" if role in ("embed_norm", "hidden_norm", "final_norm") \
+            else _kind(f.rest, f.shape)
+        if kind != "linear":
+            t["kind"] = kind
+        if f.dtype != self.dtype and f.dtype not in FP8_DTYPES:
+            t["dtype"] = f.dtype
+        if f.dtype in FP8_DTYPES:
+            t["quant"] = True
+        return t
+
+
+def _body(found: list[Found], depth_of: dict[str, int | None], geo: _Depths, glue_src: dict[str, Found],
+          entries: _Entries, notes: list[str]) -> tuple[dict[str, list], list[dict]]:
+    """Step 3b: everything but the glue, as parts and the blocks that place them."""
+    body = [f for f in found if f.index is not None and not _is_glue(f, glue_src, geo)]
+    parts, blocks = _blocks(body, depth_of, geo, entries)
+    # tensors shared by every depth that are not glue: one extra block, instantiated at depth 0 only
+    extras = [f for f in found if f.index is None and not _is_glue(f, glue_src, geo)]
+    if extras:
+        common = _common_prefix([f.key for f in extras])
+        if common:
+            parts["shared_extras"] = [entries.tensor(f.key[len(common):], f) for f in extras]
+            blocks.append({"prefix": "/" + common, "parts": [{"part": "shared_extras", "when": "i == 0"}]})
+            notes.append(f"{len(extras)} tensor(s) shared by every depth are not glue; they sit in one extra "
+                         "block of depth 0 (`shared_extras`)")
+        else:
+            notes.append(f"left out {len(extras)} tensor(s) shared by every depth with no common prefix: "
+                         + ", ".join(f.key for f in extras[:5]))
+    if not blocks:
+        parts["block"] = []
+        blocks.append({"parts": ["block"]})
+    return parts, blocks
+
+
+def _blocks(body: list[Found], depth_of: dict[str, int | None], geo: _Depths,
+            entries: _Entries) -> tuple[dict[str, list], list[dict]]:
+    """One block per (indexed container, sub-layer), the main container first; one part per distinct content."""
+    parts: dict[str, list] = {}
+    blocks: list[dict] = []
+    sig_to_part: dict[tuple, str] = {}
+    conts = sorted({f.container for f in body}, key=lambda c: (c != geo.container, c))
+    for cont in conts:
+        for j in range(geo.k):
+            per_depth: dict[int, dict[str, tuple[tuple[int, ...], str]]] = defaultdict(dict)
+            refs: dict[tuple[int, str], Found] = {}
+            for f in body:
+                if f.container == cont and geo.sub(f) == j:
+                    d = depth_of[f.key]
+                    per_depth[d][f.rest] = (f.shape, f.dtype)
+                    refs[(d, f.rest)] = f
+            if not per_depth:
+                continue
+            refs_list = []
+            for d in sorted(per_depth):
+                rel = per_depth[d]
+                sig = (cont, j, tuple(sorted((r, s, t) for r, (s, t) in rel.items())))
+                if sig not in sig_to_part:
+                    name = "block" if not sig_to_part and geo.k == 1 else f"block_{len(sig_to_part)}"
+                    sig_to_part[sig] = name
+                    parts[name] = _part_items(rel, refs, d, entries)
+                refs_list.append((d, sig_to_part[sig]))
+            blocks.append(_block_entry(cont, j, geo, refs_list))
+    return parts, blocks
+
+
+def _block_entry(cont: str, j: int, geo: _Depths, refs_list: list[tuple[int, str]]) -> dict:
+    """A block: its prefix unless it is the layer's own, and its part (per depth when they differ)."""
+    block: dict = {}
+    if cont != geo.container or j or geo.k > 1:
+        block["prefix"] = "/" + geo.prefix_template(j, cont)
+    names_used = {p for _, p in refs_list}
+    if len(names_used) == 1:
+        block["parts"] = [next(iter(names_used))]
+    else:
+        block["parts"] = [{"part": p, "when": f"i == {d}"} for d, p in refs_list]
+    return block
+
+
+def _part_items(rel, refs, depth, entries: _Entries) -> list:
+    groups, used = _experts(rel, entries.dims.hidden)
+    items: list = []
+    for r in sorted(rel, key=_natural):
+        if r not in used:
+            items.append(entries.tensor(r, refs[(depth, r)]))
+    for g in groups:
+        e = dict(g)
+        e["hidden"] = entries.dims.dim(e["hidden"])
+        items.append({"experts": e})
+    return items
+
+
 # ---------------------------------------------------------------------------
 # 4. the table
 
@@ -322,208 +564,35 @@ def _guess_norm(ckpt: Checkpoint, found: list[Found]) -> tuple[str, str]:
     return "plain", "no norm tensor to look at"
 
 
-def discover(ckpt: Checkpoint, family: str | None = None) -> Discovery:
-    """Find the MTP tensors of ``ckpt`` and draft an architecture table for them."""
-    config = ckpt.config
-    keys = ckpt.tensors
-    n, n_key = _first(config, LAYER_COUNT_KEYS)
-    count, count_key = _first(config, MTP_COUNT_KEYS)
-    containers = _trunk_containers(keys, n)
-    found: list[Found] = []
-    scales: list[str] = []
-    for key, ref in keys.items():
-        loc = _locate(key, containers, n)
-        if loc is None:
-            continue
-        if _is_scale(key, keys):
-            scales.append(key)
-            continue
-        index, prefix, container = loc
-        rest = key[len(prefix):] if prefix else key[len(container) + 1:]
-        found.append(Found(key, tuple(ref.shape), ref.dtype, index, prefix, container, rest))
-    if not found:
-        raise InputError(f"{ckpt.root}: no MTP-looking tensors (no 'mtp' / 'nextn' name part, no decoder layer at "
-                         f"index >= {n if n is not None else '?'}); nothing to discover", rule="no-mtp")
-
-    hidden = config.get("hidden_size") if isinstance(config.get("hidden_size"), int) else None
-    vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
-    dims = _Dims(hidden, vocab)
-    notes: list[str] = []
-
-    # depths and sub-layers
-    indices = sorted({f.index for f in found if f.index is not None})
-    offset = indices[0] if indices else 0
-    k = 1
-    if count and indices and len(indices) % count == 0 and len(indices) > count:
-        k = len(indices) // count
-        notes.append(f"{len(indices)} MTP layer indices for {count_key} = {count}: {k} sub-layers per depth")
-    depths = max(1, (len(indices) + k - 1) // k) if indices else 1
-    if count is not None and depths != count:
-        notes.append(f"found {depths} depth(s) but {count_key} says {count}")
-    depth_of: dict[str, int | None] = {}
-    for f in found:
-        depth_of[f.key] = None if f.index is None else (f.index - offset) // k
-
-    # the layer prefix: the most common container among indexed keys of sub-layer 0
-    main_container = Counter(f.container for f in found if f.index is not None).most_common(1)
-    container = main_container[0][0] if main_container else ""
-
-    def prefix_template(j: int, cont: str = container) -> str:
-        return f"{cont}.{_index_template(offset, n, k, j)}." if cont else ""
-
-    dtype = _main_dtype(ckpt)
-    fp8 = any(f.dtype in FP8_DTYPES for f in found)
-
-    def tensor(key_template: str, f: Found, role: str | None = None) -> dict:
-        t: dict = {"key": key_template, "shape": dims.shape(f.shape)}
-        kind = "embedding" if role == "embed" else "norm" if role in ("embed_norm", "hidden_norm", "final_norm") \
-            else _kind(f.rest, f.shape)
-        if kind != "linear":
-            t["kind"] = kind
-        if f.dtype != dtype and f.dtype not in FP8_DTYPES:
-            t["dtype"] = f.dtype
-        if f.dtype in FP8_DTYPES:
-            t["quant"] = True
-        return t
-
-    # glue: roles found at depth 0 (their key templates generalise over i)
-    glue: dict[str, dict] = {}
-    glue_src: dict[str, Found] = {}
-    depth0 = [f for f in found if depth_of[f.key] in (0, None)]
-    candidates: list[tuple[str, Found]] = [(r, f) for f in depth0 if (r := _glue_role(f)) is not None]
-    if not any(r == "final_norm" for r, _ in candidates):  # a bare `norm` right under the prefix
-        bare = [f for f in depth0 if _strip_weight(f.rest) == FALLBACK_FINAL_NORM]
-        candidates += [("final_norm", f) for f in sorted(bare, key=lambda f: f.index is not None)]
-    for role, f in candidates:
-        if role in glue or (role == "fusion" and hidden and f.shape != (hidden, 2 * hidden)):
-            continue
-        if role in ("fusion_embed", "fusion_hidden") and hidden and f.shape != (hidden, hidden):
-            continue
-        if f.index is None:
-            template = "/" + f.key
-        else:
-            j = (f.index - offset) % k
-            template = (f.rest if f.container == container and j == 0
-                        else "/" + prefix_template(j, f.container) + f.rest)
-        t = tensor(template, f, role)
-        if role in ("embed", "head"):
-            t["copy_of"] = role
-        glue[role] = t
-        glue_src[role] = f
-
-    def is_glue(f: Found) -> bool:
-        for g in glue_src.values():
-            if f.key == g.key:
-                return True
-            if g.index is not None and f.index is not None and (g.container, g.rest) == (f.container, f.rest) \
-                    and (g.index - offset) % k == (f.index - offset) % k:
-                return True
-        return False
-
-    # blocks: one per (indexed container, sub-layer), the main container first; parts per distinct content
-    parts: dict[str, list] = {}
-    blocks: list[dict] = []
-    sig_to_part: dict[tuple, str] = {}
-    body = [f for f in found if f.index is not None and not is_glue(f)]
-    conts = sorted({f.container for f in body}, key=lambda c: (c != container, c))
-    for cont in conts:
-        for j in range(k):
-            per_depth: dict[int, dict[str, tuple[tuple[int, ...], str]]] = defaultdict(dict)
-            refs: dict[tuple[int, str], Found] = {}
-            for f in body:
-                if f.container == cont and (f.index - offset) % k == j:
-                    d = depth_of[f.key]
-                    per_depth[d][f.rest] = (f.shape, f.dtype)
-                    refs[(d, f.rest)] = f
-            if not per_depth:
-                continue
-            refs_list = []
-            for d in sorted(per_depth):
-                rel = per_depth[d]
-                sig = (cont, j, tuple(sorted((r, s, t) for r, (s, t) in rel.items())))
-                if sig not in sig_to_part:
-                    name = "block" if not sig_to_part and k == 1 else f"block_{len(sig_to_part)}"
-                    sig_to_part[sig] = name
-                    parts[name] = _part_items(rel, refs, d, dims, hidden, tensor)
-                refs_list.append((d, sig_to_part[sig]))
-            block: dict = {}
-            if cont != container or j or k > 1:
-                block["prefix"] = "/" + prefix_template(j, cont)
-            names_used = {p for _, p in refs_list}
-            if len(names_used) == 1:
-                block["parts"] = [next(iter(names_used))]
-            else:
-                block["parts"] = [{"part": p, "when": f"i == {d}"} for d, p in refs_list]
-            blocks.append(block)
-    # tensors shared by every depth that are not glue: one extra block, instantiated at depth 0 only
-    extras = [f for f in found if f.index is None and not is_glue(f)]
-    if extras:
-        common = _common_prefix([f.key for f in extras])
-        if common:
-            parts["shared_extras"] = [tensor(f.key[len(common):], f) for f in extras]
-            blocks.append({"prefix": "/" + common, "parts": [{"part": "shared_extras", "when": "i == 0"}]})
-            notes.append(f"{len(extras)} tensor(s) shared by every depth are not glue; they sit in one extra "
-                         "block of depth 0 (`shared_extras`)")
-        else:
-            notes.append(f"left out {len(extras)} tensor(s) shared by every depth with no common prefix: "
-                         + ", ".join(f.key for f in extras[:5]))
-    if not blocks:
-        parts["block"] = []
-        blocks.append({"parts": ["block"]})
-
-    # config variables
+def _config_vars(n_key: str | None, count_key: str | None, dims: _Dims) -> dict:
+    """Step 4a: the table's config variables."""
     cfg_vars: dict = {"num_layers": n_key or "num_hidden_layers",
                       "num_mtp": {"keys": [count_key] if count_key else list(MTP_COUNT_KEYS[:1]), "default": 0}}
-    if hidden is not None:
+    if dims.hidden is not None:
         cfg_vars["hidden"] = "hidden_size"
-    if vocab is not None:
+    if dims.vocab is not None:
         cfg_vars["vocab"] = "vocab_size"
     cfg_vars["tied"] = {"keys": ["tie_word_embeddings"], "default": False}
+    return cfg_vars
 
-    order = "hidden_first" if any(config.get(f) is True for f in HIDDEN_FIRST_FLAGS) else "embed_first"
-    norm, why = _guess_norm(ckpt, found)
-    notes.append(f"norm guessed {norm}: {why}")
-    name = family or _sanitize((config.model_types() or ["checkpoint"])[0]) + "_discovered"
-    mtp_prefix = prefix_template(0) if container else ""
+
+def _quantization(config: ConfigView, scales: list[str]) -> dict:
+    q = config.get("quantization_config") or {}
+    block_size = q.get("weight_block_size") if isinstance(q, dict) else None
+    return {"method": "fp8-block", "block": list(block_size or [128, 128]), "scale_suffix": _scale_suffix(scales)}
+
+
+def _mtp_section(geo: _Depths, count_key: str | None, order: str, glue: dict, blocks: list[dict],
+                 notes: list[str]) -> dict:
+    """Step 4b: the table's ``mtp`` section."""
+    mtp_prefix = geo.prefix_template(0)
     if not mtp_prefix:
         notes.append("no indexed MTP layer prefix: every MTP tensor is shared by the depths")
-    table: dict = {
-        "family": name,
-        "title": f"{name} (discovered; VERIFY)",
-        "detect": {"architectures": config.architectures()[:1], "model_types": config.model_types()[:1]},
-        "config": cfg_vars,
-        "norm": norm,
-        "dtype": dtype,
-    }
-    if fp8:
-        q = config.get("quantization_config") or {}
-        block_size = q.get("weight_block_size") if isinstance(q, dict) else None
-        table["quantization"] = {"method": "fp8-block", "block": list(block_size or [128, 128]),
-                                 "scale_suffix": _scale_suffix(scales)}
-    table["shared"] = _shared(ckpt, found, containers, dims)
-    table["parts"] = parts
-    trunk_container = sorted(containers)[0] if containers else "model.layers"
-    table["trunk"] = {"prefix": trunk_container + ".{l}.", "count": "num_layers", "parts": []}
-    mtp: dict = {"count": "num_mtp" if count_key else str(depths)}
+    mtp: dict = {"count": "num_mtp" if count_key else str(geo.count)}
     if count_key:
         mtp["count_field"] = "num_mtp"
     mtp.update(prefix=mtp_prefix or "mtp.{i}.", concat_order=order, glue=glue, blocks=blocks)
-    table["mtp"] = mtp
-    return Discovery(name, n, n_key, count, count_key, sorted([f.key for f in found] + scales),
-                     depth_of, k, table, notes)
-
-
-def _part_items(rel, refs, depth, dims, hidden, tensor) -> list:
-    groups, used = _experts(rel, hidden)
-    items: list = []
-    for r in sorted(rel, key=_natural):
-        if r not in used:
-            items.append(tensor(r, refs[(depth, r)]))
-    for g in groups:
-        e = dict(g)
-        e["hidden"] = dims.dim(e["hidden"])
-        items.append({"experts": e})
-    return items
+    return mtp
 
 
 def _natural(key: str) -> list:
