@@ -28,7 +28,7 @@ from .expr import ExprError, evaluate, names_in, render
 from .mtp import MtpView
 from .prefixes import WRAPPERS, peel
 from .tables.loader import SAFE_LOADER, mappings_dir
-from .tables.resolve import Spec
+from .tables.resolve import MtpLayer, Spec
 
 
 class FieldRequirement(BaseModel):
@@ -409,83 +409,165 @@ def correspond(
     check_expressible(fmt, view, layers)
     present = {s.key for s in view.present}
     corr = Correspondence(fmt, view, layers)
-    family_order = res.table.mtp.concat_order
-    drop = set(fmt.drop_roles)
-    seen: set[str] = set()
+    seen: set[str] = set()  # glue tensors shared by several layers are linked once
     for out_i, i in enumerate(layers):
-        layer = res.layers[i]
-        env = {"i": out_i if fmt.rename != "native" else i}
-        new_prefix = render(fmt.layer_prefix, env) if fmt.rename != "native" else layer.prefix
-        halves: dict[str, Spec] = {}
-        for role, spec in layer.glue.items():
-            if spec.key in seen or spec.key not in present:
-                continue
-            seen.add(spec.key)
-            keep = _keep_copy(role, fmt.rename == "native", with_embed, with_head, drop)
-            if not keep:
-                continue
-            if fmt.rename == "native":
-                dkey = spec.key
-            elif fmt.rename == "reprefix":
-                dkey = new_prefix + spec.key[len(layer.prefix):]
-            else:
-                template = fmt.glue.get(role) or (fmt.embed if role == "embed" else fmt.head if role == "head"
-                                                  else None)
-                if template is None and role in FUSION_HALVES["embed_first"] and "fusion" in fmt.glue:
-                    halves[role] = spec  # joined into the format's single fusion slot below
-                    continue
-                if template is None:
-                    raise InputError(f"format {fmt.name} has no place for the {role} tensor {spec.key}",
-                                     rule="format-unsupported")
-                dkey = _key(template, new_prefix, env)
-            swap = (role == "fusion" and fmt.concat_order is not None and fmt.concat_order != family_order)
-            corr.tensors.append(TensorLink(dkey, spec.key, spec, swap, spec.shape))
-        if halves:
-            corr.tensors.append(_joined_fusion(fmt, halves, fmt.concat_order or family_order, new_prefix, env))
-        block_out = new_prefix + fmt.block_prefix if fmt.rename == "roles" else None
-        for spec in layer.block:
-            if spec.key not in present:
-                continue
-            if fmt.rename == "native":
-                dkey = spec.key
-            elif fmt.rename == "reprefix":
-                dkey = new_prefix + spec.key[len(layer.prefix):]
-            else:
-                sub = fmt.tag_renames.get(spec.tag or "", spec.sub or "")
-                dkey = block_out + sub
-            corr.tensors.append(TensorLink(dkey, spec.key, spec, False, spec.shape))
-        for g in layer.experts:
-            on_disk = g.with_layout(view.layouts[g.prefix]) if view.layouts[g.prefix] != g.layout else g
-            if fmt.rename == "native":
-                draft = on_disk
-            else:
-                layout = ExpertLayout.parse(fmt.expert_layout) if fmt.expert_layout else on_disk.layout
-                if fmt.rename == "reprefix":
-                    dprefix = new_prefix + g.prefix[len(layer.prefix):]
-                else:
-                    dprefix = block_out + (fmt.expert_prefix or g.sub_prefix)
-                draft = on_disk.with_layout(layout, prefix=dprefix)
-            corr.experts.append(ExpertLink(draft, on_disk))
-    # With --with-embed / --with-head and no per-layer copy, carry the shared tensor.
-    shared_extra = [("embed", with_embed, fmt.embed), ("head", with_head, fmt.head)]
-    for role, wanted, template in shared_extra:
-        if not wanted or any(t.spec.role == role for t in corr.tensors):
-            continue
-        spec = _shared_for(role, view)
-        if fmt.rename == "native":
-            dkey = spec.key
-            if any(t.draft_key == dkey for t in corr.tensors):
-                continue  # a tied head is the embedding, already carried under the same name
-        elif template is None or role in drop:
-            raise UsageError(f"format {fmt.name} cannot carry the {role}; drop --with-{role}")
-        else:
-            dkey = _key(template, "", {"i": 0})
-        corr.tensors.append(TensorLink(dkey, spec.key, spec, False, spec.shape))
+        names = _NAMINGS[fmt.rename](fmt, res.layers[i], out_i, i)
+        corr.tensors += _glue_links(names, present, seen, with_embed, with_head, res.table.mtp.concat_order)
+        corr.tensors += [TensorLink(names.block(spec), spec.key, spec, False, spec.shape)
+                         for spec in names.layer.block if spec.key in present]
+        corr.experts += [_expert_link(names, view, g) for g in names.layer.experts]
+    _shared_links(corr, with_embed, with_head)
     dupes = _duplicates(corr.draft_keys())
     if dupes:
         raise InputError(f"format {fmt.name} maps several tensors of {view.table.family} to {dupes[:5]}",
                          rule="format-collision")
     return corr
+
+
+class _Naming:
+    """How a format names one MTP layer of the draft; ``Format.rename`` picks the kind (``_NAMINGS``).
+
+    Unless a kind says otherwise, the layer is renumbered from 0 under the format's ``layer_prefix``
+    and its experts take the format's layout.
+    """
+
+    native = False  # keeps the family's own names: per-layer embed / head copies are kept by default
+
+    def __init__(self, fmt: Format, layer: MtpLayer, out_i: int, i: int) -> None:
+        self.fmt, self.layer = fmt, layer
+        self.env = {"i": out_i}
+        self.prefix = render(fmt.layer_prefix, self.env)
+
+    def glue(self, role: str, spec: Spec) -> str | None:
+        """The draft key of a glue tensor; None when the format's single fusion slot takes it (a half)."""
+        raise NotImplementedError
+
+    def block(self, spec: Spec) -> str:
+        raise NotImplementedError
+
+    def expert_prefix(self, g: ExpertGroup) -> str:
+        raise NotImplementedError
+
+    def experts(self, on_disk: ExpertGroup, g: ExpertGroup) -> ExpertGroup:
+        """The draft's expert group for ``g``, stored on the verifier's disk as ``on_disk``."""
+        layout = ExpertLayout.parse(self.fmt.expert_layout) if self.fmt.expert_layout else on_disk.layout
+        return on_disk.with_layout(layout, prefix=self.expert_prefix(g))
+
+    @staticmethod
+    def shared_key(fmt: Format, role: str, spec: Spec, template: str | None, taken: list[str]) -> str | None:
+        """Where --with-embed / --with-head put the shared tensor (None: already carried)."""
+        if template is None or role in fmt.drop_roles:
+            raise UsageError(f"format {fmt.name} cannot carry the {role}; drop --with-{role}")
+        return _key(template, "", {"i": 0})
+
+
+class _Reprefix(_Naming):
+    """The family's names below its layer prefix, under the format's."""
+
+    def _moved(self, key: str) -> str:
+        return self.prefix + key[len(self.layer.prefix):]
+
+    def glue(self, role: str, spec: Spec) -> str | None:
+        return self._moved(spec.key)
+
+    def block(self, spec: Spec) -> str:
+        return self._moved(spec.key)
+
+    def expert_prefix(self, g: ExpertGroup) -> str:
+        return self._moved(g.prefix)
+
+
+class _Native(_Naming):
+    """The family's own names and layer indices (lossless)."""
+
+    native = True
+
+    def __init__(self, fmt: Format, layer: MtpLayer, out_i: int, i: int) -> None:
+        self.fmt, self.layer = fmt, layer
+        self.env = {"i": i}
+        self.prefix = layer.prefix
+
+    def glue(self, role: str, spec: Spec) -> str | None:
+        return spec.key
+
+    def block(self, spec: Spec) -> str:
+        return spec.key
+
+    def experts(self, on_disk: ExpertGroup, g: ExpertGroup) -> ExpertGroup:
+        return on_disk
+
+    @staticmethod
+    def shared_key(fmt: Format, role: str, spec: Spec, template: str | None, taken: list[str]) -> str | None:
+        return None if spec.key in taken else spec.key  # a tied head is the embedding, carried under its name
+
+
+class _Roles(_Naming):
+    """Names by canonical role: the format's glue templates, its block prefix and tag renames."""
+
+    def __init__(self, fmt: Format, layer: MtpLayer, out_i: int, i: int) -> None:
+        super().__init__(fmt, layer, out_i, i)
+        self.block_out = self.prefix + fmt.block_prefix
+
+    def glue(self, role: str, spec: Spec) -> str | None:
+        fmt = self.fmt
+        template = fmt.glue.get(role) or (fmt.embed if role == "embed" else fmt.head if role == "head" else None)
+        if template is None and role in FUSION_HALVES["embed_first"] and "fusion" in fmt.glue:
+            return None  # joined into the format's single fusion slot
+        if template is None:
+            raise InputError(f"format {fmt.name} has no place for the {role} tensor {spec.key}",
+                             rule="format-unsupported")
+        return _key(template, self.prefix, self.env)
+
+    def block(self, spec: Spec) -> str:
+        return self.block_out + self.fmt.tag_renames.get(spec.tag or "", spec.sub or "")
+
+    def expert_prefix(self, g: ExpertGroup) -> str:
+        return self.block_out + (self.fmt.expert_prefix or g.sub_prefix)
+
+
+_NAMINGS: dict[str, type[_Naming]] = {"native": _Native, "reprefix": _Reprefix, "roles": _Roles}
+
+
+def _glue_links(names: _Naming, present: set[str], seen: set[str], with_embed: bool | None,
+                with_head: bool | None, family_order: str) -> list[TensorLink]:
+    """The glue tensors of one layer, each once; two fusion halves joined when the format has one slot."""
+    fmt = names.fmt
+    links: list[TensorLink] = []
+    halves: dict[str, Spec] = {}
+    for role, spec in names.layer.glue.items():
+        if spec.key in seen or spec.key not in present:
+            continue
+        seen.add(spec.key)
+        if not _keep_copy(role, names.native, with_embed, with_head, set(fmt.drop_roles)):
+            continue
+        dkey = names.glue(role, spec)
+        if dkey is None:
+            halves[role] = spec
+            continue
+        swap = (role == "fusion" and fmt.concat_order is not None and fmt.concat_order != family_order)
+        links.append(TensorLink(dkey, spec.key, spec, swap, spec.shape))
+    if halves:
+        links.append(_joined_fusion(fmt, halves, fmt.concat_order or family_order, names.prefix, names.env))
+    return links
+
+
+def _shared_links(corr: Correspondence, with_embed: bool | None, with_head: bool | None) -> None:
+    """With --with-embed / --with-head and no per-layer copy, carry the shared tensor."""
+    fmt, view = corr.fmt, corr.view
+    naming = _NAMINGS[fmt.rename]
+    for role, wanted, template in [("embed", with_embed, fmt.embed), ("head", with_head, fmt.head)]:
+        if not wanted or any(t.spec.role == role for t in corr.tensors):
+            continue
+        spec = _shared_for(role, view)
+        dkey = naming.shared_key(fmt, role, spec, template, [t.draft_key for t in corr.tensors])
+        if dkey is not None:
+            corr.tensors.append(TensorLink(dkey, spec.key, spec, False, spec.shape))
+
+
+def _expert_link(names: _Naming, view: MtpView, g: ExpertGroup) -> ExpertLink:
+    """An expert group of the layer: as stored on the verifier's disk, and as the draft holds it."""
+    on_disk = g.with_layout(view.layouts[g.prefix]) if view.layouts[g.prefix] != g.layout else g
+    return ExpertLink(names.experts(on_disk, g), on_disk)
 
 
 def _joined_fusion(fmt: Format, halves: dict[str, Spec], order: str, prefix: str, env: dict) -> TensorLink:
