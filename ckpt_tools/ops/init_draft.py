@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import __version__
 from ..checkpoint import Checkpoint, revision_of, source_name
@@ -31,7 +31,7 @@ from ..errors import InputError, UsageError
 from ..expert_layouts import ExpertLayout, scale_key
 from ..expr import evaluate, render
 from ..fingerprint import record_inputs
-from ..formats import correspond, get_format
+from ..formats import Correspondence, Format, correspond, get_format
 from ..init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ..mtp import MtpView, detect_group_layout
 from ..options import MAX_SEED, int_in_range, positive_finite
@@ -294,82 +294,118 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
     match = _from_layer(res, target, req.from_layer) if req.from_layer is not None else None
     trunk_layout = _trunk_layout(res, target)
     layouts = {g.prefix: (match.layouts[g.prefix] if match else trunk_layout or g.layout) for g in res.experts()}
+    native = _native_draft(res, target, match, layouts, gen_dtype, std, req.seed)
+    _check_std_fits(std, std_from, {r.dtype for r in native.recipes if r.method == "normal"}, target)
+    if native.missing_copies:
+        raise InputError(
+            f"{table.family} MTP layers carry per-layer copies of the target's embedding / head "
+            f"({', '.join(native.missing_copies[:4])}), which the table requires and {target.root} has no weights "
+            "to copy from: pass the checkpoint directory (with its weights) instead of its config.json",
+            rule="copy-needs-weights")
+    view, source = _virtual_view(target, res, layouts, native, count, req.seed)
 
-    refs: dict[str, TensorRef] = {}
-    copied: dict[str, str] = {}
-    left_out: list[str] = []
-    missing_copies: list[str] = []
-    recipes: list[InitRecipe] = []
-    present: list[Spec] = []
+    corr = correspond(fmt, view, list(range(count)))
+    tensors, config, omitted = _draft(fmt, view, corr, native, source, req, gen_dtype, dequant_to)
+    files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
+    if fmt.carry_files:  # tokenizer, generation config...; the target's model card describes the target
+        files += [f for f in carried_files(target) if f.name.lower() != "readme.md"]
+    summary = InitSummary(table.family, table.kind, count, std, std_from, [r.name for r in native.recipes],
+                          native.copied, native.left_out)
+    manifest = _manifest(target, req, table, corr, omitted, summary, gen_dtype)
+    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
+                              manifest=note_allowed(manifest, gate)), target=target)
+    return plan, summary
+
+
+@dataclass
+class _NativeDraft:
+    """The draft's tensors in the family's native names: copied from the target, or initialised."""
+
+    refs: dict[str, TensorRef] = field(default_factory=dict)  # native key -> the target tensor it copies
+    copied: dict[str, str] = field(default_factory=dict)  # native key -> target key
+    recipes: list[InitRecipe] = field(default_factory=list)  # the initialised tensors
+    present: list[Spec] = field(default_factory=list)  # every tensor the draft holds
+    left_out: list[str] = field(default_factory=list)  # per-layer copies the target has no tensor for
+    missing_copies: list[str] = field(default_factory=list)  # those of them the table requires
+
+
+def _native_draft(res: Resolved, target: Checkpoint, match: _LayerMatch | None, layouts: dict[str, ExpertLayout],
+                  gen_dtype: str | None, std: float, seed: int) -> _NativeDraft:
+    """Every MTP tensor the table declares: a per-layer copy, a tensor of --from-layer, or initialised."""
+    d = _NativeDraft()
     for spec in res.mtp_specs(layouts):
-        method = init_method(spec, table)
+        method = init_method(spec, res.table)
         if method == "copy":
             ref = _shared_source(spec, res, target)
             if ref is None:
                 if not spec.optional:
-                    missing_copies.append(spec.key)
-                left_out.append(spec.key)  # optional: engines take the shared tensor
+                    d.missing_copies.append(spec.key)
+                d.left_out.append(spec.key)  # optional: engines take the shared tensor
                 continue
             if tuple(ref.shape) != tuple(spec.shape):
                 raise InputError(f"{ref.key} has shape {list(ref.shape)}; the per-layer copy {spec.key} needs "
                                  f"{list(spec.shape)}", rule="shape", path=target.root)
-            refs[spec.key] = _renamed(ref, spec.key)
-            copied[spec.key] = ref.key
+            d.refs[spec.key] = _renamed(ref, spec.key)
+            d.copied[spec.key] = ref.key
         elif match is not None and spec.key in match.refs:
-            refs[spec.key] = match.refs[spec.key]
-            copied[spec.key] = match.refs[spec.key].key
+            d.refs[spec.key] = match.refs[spec.key]
+            d.copied[spec.key] = match.refs[spec.key].key
             skey = scale_key(spec.key, res.scale_suffix)
             if skey in match.refs:
-                refs[skey] = match.refs[skey]
-                copied[skey] = match.refs[skey].key
+                d.refs[skey] = match.refs[skey]
+                d.copied[skey] = match.refs[skey].key
         else:
-            recipes.append(InitRecipe(spec.key, gen_dtype or spec.dtype, tuple(spec.shape), method, std, req.seed))
-        present.append(spec)
-    _check_std_fits(std, std_from, {r.dtype for r in recipes if r.method == "normal"}, target)
-    if missing_copies:
-        raise InputError(
-            f"{table.family} MTP layers carry per-layer copies of the target's embedding / head "
-            f"({', '.join(missing_copies[:4])}), which the table requires and {target.root} has no weights to copy "
-            "from: pass the checkpoint directory (with its weights) instead of its config.json",
-            rule="copy-needs-weights")
-    source = InitSource(recipes, name=f"<init-draft seed={req.seed}>")
-    for i, r in enumerate(recipes):
-        refs[r.name] = TensorRef(source, r.name, r.dtype, r.shape, source.offset_of(i), r.nbytes)
+            d.recipes.append(InitRecipe(spec.key, gen_dtype or spec.dtype, tuple(spec.shape), method, std, seed))
+        d.present.append(spec)
+    return d
 
+
+def _virtual_view(target: Checkpoint, res: Resolved, layouts: dict[str, ExpertLayout], native: _NativeDraft,
+                  count: int, seed: int) -> tuple[MtpView, InitSource]:
+    """The native draft as a checkpoint of its own (initialised tensors read from an InitSource) and its view."""
+    source = InitSource(native.recipes, name=f"<init-draft seed={seed}>")
+    refs = dict(native.refs)
+    for i, r in enumerate(native.recipes):
+        refs[r.name] = TensorRef(source, r.name, r.dtype, r.shape, source.offset_of(i), r.nbytes)
     virtual = Checkpoint(target.root, target.config, refs, {}, None, list(target.files), local_dir=target.local_dir)
     view = MtpView(virtual, res, layouts)
-    view.present = present
-    declared = resolve(table, target.config).mtp_count
+    view.present = native.present
+    declared = resolve(res.table, target.config).mtp_count
     if count != declared:
         virtual.config = ConfigView(_set_count(view, target.config.raw, count))
+    return view, source
 
-    layers = list(range(count))
-    corr = correspond(fmt, view, layers)
+
+def _draft(fmt: Format, view: MtpView, corr: Correspondence, native: _NativeDraft, source: InitSource,
+           req: InitRequest, gen_dtype: str | None,
+           dequant_to: str | None) -> tuple[list[OutputTensor], dict, list[str]]:
+    """The draft's tensors in the format (as ``extract`` names them) and its config (with the fields omitted)."""
     tensors = draft_tensors(view, corr, gen_dtype, dequant_to)
-    fp8 = any(refs[s.key].dtype in FP8_DTYPES for s in present)
+    fp8 = any(view.ckpt.tensors[s.key].dtype in FP8_DTYPES for s in native.present)
     if fp8 and dequant_to is None and fmt.rename == "roles":
         raise UsageError(f"layer {req.from_layer} of the target is FP8; format {fmt.name} has no place for block "
                          "scales: pass --dequant bf16")
-    tensors = [_direct(t, source, copied) for t in tensors]
-    if not any(t.dtype in FP8_DTYPES for t in tensors) and virtual.config.get("quantization_config") is not None:
+    tensors = [_direct(t, source, native.copied) for t in tensors]
+    if not any(t.dtype in FP8_DTYPES for t in tensors) and view.ckpt.config.get("quantization_config") is not None:
         # an FP8 target, a draft without FP8 tensors: its config must not declare FP8 weights
-        config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to or gen_dtype or res.dtype, True)
+        config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to or gen_dtype or view.resolved.dtype, True)
     else:
         config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8)
+    return tensors, config, omitted
 
-    files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
-    if fmt.carry_files:  # tokenizer, generation config...; the target's model card describes the target
-        files += [f for f in carried_files(target) if f.name.lower() != "readme.md"]
+
+def _manifest(target: Checkpoint, req: InitRequest, table: Table, corr: Correspondence, omitted: list[str],
+              summary: InitSummary, gen_dtype: str | None) -> dict:
+    """The draft's manifest: where it comes from, how it names things, and how it was initialised."""
     sha, sha_of = _config_sha256(target)
-    summary = InitSummary(table.family, table.kind, count, std, std_from, [r.name for r in recipes], copied, left_out)
-    manifest = {
+    return {
         "kind": "mtp-draft",
         "source": {"path": source_name(target), "revision": revision_of(target)},
         "family": table.family,
-        "format": fmt.name,
+        "format": corr.fmt.name,
         "layers": corr.layers,
-        "mtp_count_in_source": count,
-        "concat_order": fmt.concat_order or table.mtp.concat_order,
+        "mtp_count_in_source": summary.count,
+        "concat_order": corr.fmt.concat_order or table.mtp.concat_order,
         "expert_groups": {
             e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
                              "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
@@ -379,9 +415,6 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
         "init": _recipe_record(req, table, summary, sha, sha_of, gen_dtype),
         "tool_version": __version__,
     }
-    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
-                              manifest=note_allowed(manifest, gate)), target=target)
-    return plan, summary
 
 
 def _recipe_record(req: InitRequest, table: Table, summary: InitSummary, sha: str, sha_of: str, dtype) -> dict:
