@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import __version__, digest
 from .jsonutil import dumps_strict
-from .plan import Plan
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 MANIFEST_NAME = "ckpt_manifest.json"
 

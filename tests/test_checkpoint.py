@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.checkpoint import Checkpoint, open_lenient
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, InputError
 from ckpt_tools.safetensors_io import IO_STATS
@@ -151,3 +152,68 @@ def test_hf_cache_link_into_another_repo_is_refused(make_fixture, tmp_path):
     (snap / shard).unlink()
     os.symlink("../../../models--other--repo/blobs/x", snap / shard)
     refused(snap, "shard-path")
+
+
+# -- Checkpoint.open and open_lenient: one code path ------------------------------------------------
+
+
+def _shard(d: Path, i: int) -> str:
+    return sorted(set(json.loads((d / INDEX).read_text())["weight_map"].values()))[i]
+
+
+def _break_header(d: Path, i: int) -> None:
+    with open(d / _shard(d, i), "r+b") as f:
+        f.write(struct.pack("<Q", 1 << 40))  # a header length past every limit
+
+
+BREAKS = {
+    "config": lambda d: (d / "config.json").write_text("{"),
+    "index": lambda d: (d / INDEX).write_text("["),
+    "missing-shard": lambda d: (d / _shard(d, 1)).unlink(),
+    "header": lambda d: _break_header(d, 0),
+    "last-header": lambda d: _break_header(d, -1),
+    "manifest": lambda d: (d / "ckpt_manifest.json").write_text('{"tensors": []}'),
+}
+
+
+@pytest.mark.parametrize("breaks", [["config"], ["index"], ["missing-shard"], ["header"], ["manifest"],
+                                    ["missing-shard", "header"], ["config", "last-header", "manifest"]],
+                         ids="+".join)
+def test_open_refuses_with_the_first_problem_open_lenient_collects(breaks, make_fixture, tmp_path):
+    """The strict open refuses with exactly the first problem the lenient one lists (rule, path, message),
+    and the lenient one lists one problem per break, opening every shard it can read."""
+    d = copy_fixture(make_fixture, tmp_path)
+    shards = sorted(p.name for p in d.glob("*.safetensors"))
+    for name in breaks:
+        BREAKS[name](d)
+    with pytest.raises(InputError) as info:
+        Checkpoint.open(d)
+    opened = open_lenient(d)
+    try:
+        strict, first = info.value, opened.errors[0]
+        assert (strict.rule, strict.path, str(strict)) == (first.rule, first.path, str(first))
+        assert len(opened.errors) == len(breaks), [str(e) for e in opened.errors]
+        assert sorted(opened.ckpt.headers) == [s for s in shards if s not in opened.unreadable]
+    finally:
+        opened.ckpt.close()
+
+
+def test_a_missing_shard_is_named_by_its_path(make_fixture, tmp_path):
+    d = copy_fixture(make_fixture, tmp_path)
+    shard = _shard(d, 1)
+    (d / shard).unlink()
+    err = refused(d, "missing-shard")
+    assert err.path == str(d / shard)
+
+
+def test_open_lenient_closes_the_file_of_a_shard_it_cannot_read(make_fixture, tmp_path):
+    d = copy_fixture(make_fixture, tmp_path)
+    _break_header(d, -1)
+    opened = open_lenient(d)
+    try:
+        held = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+        assert opened.unreadable == [_shard(d, -1)]
+        assert str((d / _shard(d, 0)).resolve()) in held  # the readable shards stay open for reading
+        assert str((d / _shard(d, -1)).resolve()) not in held
+    finally:
+        opened.ckpt.close()
