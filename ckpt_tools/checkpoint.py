@@ -85,17 +85,18 @@ class Checkpoint:
         writer has not marked complete yet (see ``open_lenient``).
         """
         problems = problems or _Problems(strict=True)
+        renamed = renamed or {}
         root = confinement_root(d)
         blocked = _escaping_links(d, root)
         for err in blocked.values():
             problems.add(err)
         digests: dict[str, str] = {}
         config, config_present = _read_config(d, digests, problems, skip="config.json" in blocked)
-        found = _shard_names(d, single, index, INDEX_NAME in blocked, renamed or {}, digests, problems)
+        found = _shard_names(d, single, index, INDEX_NAME in blocked, renamed, digests, problems)
         if found is None:
             return open_draft_source(d)
         index, shard_names = found
-        sources, headers = _open_shards(d, root, shard_names, renamed or {}, problems)
+        sources, headers = _open_shards(d, root, shard_names, renamed, problems)
         try:
             tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME), strict=problems.strict)
             manifest = _read_manifest_in(d, digests, problems, skip=MANIFEST_NAME in blocked)
