@@ -16,7 +16,7 @@ import typer
 
 from ..errors import EXIT_INPUT, CkptError
 from ..jsonutil import dumps_strict
-from ..writer import Progress
+from .progress import end_progress, progress_for
 
 INTERNAL_ERROR = 5
 EXIT_BROKEN_PIPE = 128 + 13  # like a process killed by SIGPIPE, which Python ignores in favour of an exception
@@ -92,8 +92,10 @@ def err_console():
 
 
 def out_console():
+    """stdout's console. A progress display ends first: its redraws would overwrite what stdout prints."""
     from rich.console import Console
 
+    end_progress()
     return Console(highlight=False)
 
 
@@ -113,6 +115,7 @@ def command(fn: Callable) -> Callable:
                 try:
                     return fn(*args, **kwargs)
                 finally:
+                    end_progress()
                     _report_downloads()
         except typer.Exit:
             raise
@@ -179,38 +182,6 @@ def _report_downloads() -> None:
 def emit_json(obj: Any) -> None:
     """Strict JSON on stdout: no bare NaN / Infinity (NaN -> null, +-inf -> "inf" / "-inf"; see jsonutil)."""
     sys.stdout.write(dumps_strict(obj, indent=2) + "\n")
-
-
-class RichProgress(Progress):
-    """One bar for the whole plan, in bytes and bytes/s."""
-
-    def __init__(self) -> None:
-        self._p = None
-        self._task = None
-
-    def start(self, total: int, description: str) -> None:
-        from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
-        from rich.progress import Progress as RP
-
-        self._p = RP("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                     TransferSpeedColumn(), TimeRemainingColumn(), console=err_console(), transient=True)
-        self._p.start()
-        self._task = self._p.add_task(description.split(" ")[0] if description else "writing", total=total)
-
-    def advance(self, n: int) -> None:
-        if self._p is not None:
-            self._p.advance(self._task, n)
-
-    def stop(self) -> None:
-        if self._p is not None:
-            self._p.stop()
-            self._p = None
-
-
-def progress_for(json_output: bool, quiet: bool = False) -> Progress:
-    if json_output or quiet or not sys.stderr.isatty():
-        return Progress()
-    return RichProgress()
 
 
 def human_bytes(n: int) -> str:
