@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_stitch import _perturb
 
 from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.ops.extract import ExtractRequest, plan_extract
@@ -16,7 +17,6 @@ from ckpt_tools.ops.stitch import StitchRequest, plan_stitch
 from ckpt_tools.writer import Progress, execute
 
 from conftest import run_ckpt as ckpt
-from test_stitch import _perturb
 
 
 class Recorder(Progress):

@@ -85,18 +85,28 @@ def stopped_message(e: KeyboardInterrupt, kwargs: dict) -> tuple[str, int]:
     return text, 128 + signum
 
 
-def err_console():
+@functools.cache
+def _console_class():
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    class WordWrapped(Console):
+        """``print(..., soft_wrap=True)`` keeps a record on one line for a pipe (grep, a log); a terminal still
+        wraps it between words, where its own wrapping would split a key or a path anywhere."""
+
+        def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+            super().print(*objects, soft_wrap=soft_wrap and not self.is_terminal, **kwargs)
+
+    return WordWrapped
+
+
+def err_console():
+    return _console_class()(stderr=True, highlight=False)
 
 
 def out_console():
     """stdout's console. A progress display ends first: its redraws would overwrite what stdout prints."""
-    from rich.console import Console
-
     end_progress()
-    return Console(highlight=False)
+    return _console_class()(highlight=False)
 
 
 def command(fn: Callable) -> Callable:
