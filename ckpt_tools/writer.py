@@ -84,9 +84,14 @@ def safetensors_order(tensors: list[OutputTensor]) -> list[OutputTensor]:
 
 
 class Progress:
-    """Sink for bytes written; the CLI plugs a rich progress bar in."""
+    """Sink for a command's progress; the CLI plugs a rich display in.
 
-    def start(self, total: int, description: str) -> None: ...
+    A command walks through phases ("reading headers", "planning", "writing", "hashing", "validating");
+    ``total`` is the bytes the phase will move (0: no byte count, a phase to wait for). ``advance`` adds
+    bytes done to the current phase: over a phase they sum to its total.
+    """
+
+    def phase(self, name: str, total: int = 0) -> None: ...
 
     def advance(self, n: int) -> None: ...
 
@@ -196,7 +201,7 @@ class Writer:
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
             )
-            self.progress.start(self.plan.total_bytes, self.plan.command)
+            self.progress.phase("writing", self.plan.total_bytes + sum(map(self._moved_bytes, self.plan.files)))
             deferred: tuple[Path, Path] | None = None
             with self._hasher() as hasher:
                 # shards copied or linked whole first: their hashing then overlaps the shards being written
@@ -211,9 +216,11 @@ class Writer:
                     if not f.tensors:
                         self._write_file(f, hasher)
                     result.files.append(f.name)
+                self.progress.phase("hashing")  # what the hasher threads have left
                 result.digests, result.landed = hasher.results()
             self._write_manifest(result, plan_digest)
             result.bytes_read = IO_STATS.total
+            self.progress.phase("validating")
             self._run_check(result, deferred)
             if deferred is not None:
                 self._commit_deferred(deferred)
@@ -408,6 +415,7 @@ class Writer:
             if f.link == "hardlink" or not self.resume or final.is_symlink():
                 final.unlink()
             else:
+                self.progress.advance(self._moved_bytes(f))
                 self._hash_landed(f, final, hasher)
                 return  # resumed: a finished copy (renamed into place) is complete
         if f.link == "hardlink":
@@ -424,6 +432,14 @@ class Writer:
                 copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
             os.replace(tmp, final)
         self._hash_landed(f, final, hasher)
+
+    @staticmethod
+    def _moved_bytes(f: OutputFile) -> int:
+        """The bytes writing ``f`` moves (its share of the progress total): a whole-file copy's size; nothing for
+        inline content, a hardlink or a file left remote."""
+        if f.source is None or f.link in ("hardlink", "remote"):
+            return 0
+        return source_size(f.source)
 
     @staticmethod
     def _hash_landed(f: OutputFile, final: Path, hasher: _Hasher | None) -> None:
@@ -632,6 +648,12 @@ def _reflink(source: LocalFile, dst_fd: int) -> bool:
         return True
     except OSError:
         return False  # copy_file_range may still share extents
+
+
+def source_size(path) -> int:
+    """A source file's size; a remote source's lazy path knows it without being downloaded."""
+    known = getattr(path, "size", None)
+    return known if isinstance(known, int) else os.stat(path).st_size
 
 
 def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview) -> None:

@@ -293,7 +293,7 @@ def test_diff_keys_filter_and_exit_codes(make_fixture, tmp_path):
 
 
 def test_diff_table_is_capped_but_json_and_all_list_every_key(make_fixture):
-    from ckpt_tools.cli.diff_cmd import MAX_ROWS
+    from ckpt_tools.cli.summary import MAX_ROWS
 
     a = make_fixture("deepseek_v3")
     b = make_fixture("deepseek_v3", seed=1)

@@ -121,7 +121,8 @@ class Recorder(Progress):
     def __init__(self) -> None:
         self.total = self.done = self.calls = 0
 
-    def start(self, total: int, description: str) -> None:
+    def phase(self, name: str, total: int = 0) -> None:
+        assert name == "hashing"
         self.total = total
 
     def advance(self, n: int) -> None:

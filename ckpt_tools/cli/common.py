@@ -16,7 +16,7 @@ import typer
 
 from ..errors import EXIT_INPUT, CkptError
 from ..jsonutil import dumps_strict
-from ..writer import Progress
+from .progress import end_progress, progress_for
 
 INTERNAL_ERROR = 5
 EXIT_BROKEN_PIPE = 128 + 13  # like a process killed by SIGPIPE, which Python ignores in favour of an exception
@@ -85,16 +85,28 @@ def stopped_message(e: KeyboardInterrupt, kwargs: dict) -> tuple[str, int]:
     return text, 128 + signum
 
 
-def err_console():
+@functools.cache
+def _console_class():
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    class WordWrapped(Console):
+        """``print(..., soft_wrap=True)`` keeps a record on one line for a pipe (grep, a log); a terminal still
+        wraps it between words, where its own wrapping would split a key or a path anywhere."""
+
+        def print(self, *objects: Any, soft_wrap: bool | None = None, **kwargs: Any) -> None:
+            super().print(*objects, soft_wrap=soft_wrap and not self.is_terminal, **kwargs)
+
+    return WordWrapped
+
+
+def err_console():
+    return _console_class()(stderr=True, highlight=False)
 
 
 def out_console():
-    from rich.console import Console
-
-    return Console(highlight=False)
+    """stdout's console. A progress display ends first: its redraws would overwrite what stdout prints."""
+    end_progress()
+    return _console_class()(highlight=False)
 
 
 def command(fn: Callable) -> Callable:
@@ -113,6 +125,7 @@ def command(fn: Callable) -> Callable:
                 try:
                     return fn(*args, **kwargs)
                 finally:
+                    end_progress()
                     _report_downloads()
         except typer.Exit:
             raise
@@ -179,38 +192,6 @@ def _report_downloads() -> None:
 def emit_json(obj: Any) -> None:
     """Strict JSON on stdout: no bare NaN / Infinity (NaN -> null, +-inf -> "inf" / "-inf"; see jsonutil)."""
     sys.stdout.write(dumps_strict(obj, indent=2) + "\n")
-
-
-class RichProgress(Progress):
-    """One bar for the whole plan, in bytes and bytes/s."""
-
-    def __init__(self) -> None:
-        self._p = None
-        self._task = None
-
-    def start(self, total: int, description: str) -> None:
-        from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
-        from rich.progress import Progress as RP
-
-        self._p = RP("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                     TransferSpeedColumn(), TimeRemainingColumn(), console=err_console(), transient=True)
-        self._p.start()
-        self._task = self._p.add_task(description.split(" ")[0] if description else "writing", total=total)
-
-    def advance(self, n: int) -> None:
-        if self._p is not None:
-            self._p.advance(self._task, n)
-
-    def stop(self) -> None:
-        if self._p is not None:
-            self._p.stop()
-            self._p = None
-
-
-def progress_for(json_output: bool, quiet: bool = False) -> Progress:
-    if json_output or quiet or not sys.stderr.isatty():
-        return Progress()
-    return RichProgress()
 
 
 def human_bytes(n: int) -> str:

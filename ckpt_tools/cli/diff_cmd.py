@@ -37,6 +37,8 @@ def register(app: typer.Typer) -> None:
             emit_json(report.to_json(all_keys=show_all))
         else:
             _say_how_read(report)
+            from .summary import render_diffs
+
             render_diffs(report.diffs, report.totals(), show_all, more_hint="--all or --json lists every key")
         raise typer.Exit(0 if report.identical else 1)
 
@@ -53,46 +55,3 @@ def _say_how_read(report) -> None:
         if parts:
             out_console().print(f"{side} ({getattr(report, side)}): " + "; ".join(parts), markup=False,
                                 soft_wrap=True)
-
-
-MAX_ROWS = 50  # a terminal table of thousands of experts helps nobody; JSON has them all
-
-
-def render_diffs(diffs, totals: dict, show_all: bool = False, title: str = "diff", more_hint: str = "") -> None:
-    from rich.table import Table
-
-    c = out_console()
-    rows = [d for d in diffs if show_all or d.status != "unchanged"]
-    hidden = 0 if show_all else max(0, len(rows) - MAX_ROWS)
-    if hidden:
-        rows = rows[:MAX_ROWS]
-    if rows:
-        t = Table(title=title)
-        for col in ("tensor", "status", "dtype", "shape", "max |Δ|", "rel L2", "cosine"):
-            t.add_column(col, overflow="fold")
-        for d in rows:
-            dtype, shape = _before_after(d.dtype_a, d.dtype_b), _before_after(d.shape_a, d.shape_b)
-            t.add_row(d.key, d.status, str(dtype), str(shape), _max_cell(d), _num(d.rel_l2), _num(d.cosine))
-        c.print(t)
-    if any(d.nan_count or d.inf_count for d in diffs):
-        c.print("NaN / Inf positions are counted beside max |Δ|; rel L2 and cosine are over the positions where "
-                "both sides are finite")
-    if hidden:
-        c.print(f"... and {hidden} more changed tensors" + (f" ({more_hint})" if more_hint else ""))
-    c.print("totals: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
-
-
-def _before_after(a, b) -> str:
-    """One value when both sides agree or only one side exists (added / removed), else "a -> b"."""
-    if a is None or b is None or a == b:
-        return str(b if a is None else a)
-    return f"{a} -> {b}"
-
-
-def _num(v: float | None) -> str:
-    return "" if v is None else f"{v:.3g}"  # inf and nan print as such
-
-
-def _max_cell(d) -> str:
-    counts = [f"{n} {what}" for n, what in ((d.nan_count, "NaN"), (d.inf_count, "Inf")) if n]
-    return _num(d.max_abs) + (f" ({', '.join(counts)})" if counts else "")

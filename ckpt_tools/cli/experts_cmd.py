@@ -67,7 +67,9 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: str | None, to: str
         raise UsageError(f"{verb} needs -o OUT (or --dry-run)")
     req = ExpertsRequest(layout, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
                          command=command_line(), dequant=dequant, allow_invalid=allow)
+    progress_for(json_output).phase("reading headers")
     with Checkpoint.open(src) as ckpt:
+        progress_for(json_output).phase("planning")
         xplan = plan_experts(ckpt, req)
         say_allowed(xplan.plan.manifest.get("allowed_invalid"))
         if plan_json is not None:

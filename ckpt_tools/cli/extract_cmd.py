@@ -62,7 +62,9 @@ def register(app: typer.Typer) -> None:
             dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
             command=command_line(), source=src, verifier_name=verifier_name, allow_invalid=allow,
         )
+        progress_for(json_output).phase("reading headers")
         with Checkpoint.open(src) as ckpt:
+            progress_for(json_output).phase("planning")
             plan = plan_extract(ckpt, req)
             say_allowed(plan.manifest.get("allowed_invalid"))
             if plan_json is not None:

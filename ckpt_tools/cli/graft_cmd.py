@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, out_console, output_arg
+from .common import OUT_HELP, command, command_line, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules
 from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
 
@@ -34,6 +34,8 @@ def register(app: typer.Typer) -> None:
         report_file: Path = report_option(),
         overwrite: bool = overwrite_option(),
         resume: bool = resume_option(),
+        show_all: bool = typer.Option(False, "--all", help="List every MTP tensor, unchanged and added ones "
+                                                            "too (no row limit)."),
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
@@ -41,21 +43,23 @@ def register(app: typer.Typer) -> None:
         from ..checkpoint import Checkpoint
         from ..ops.graft import GraftRequest, plan_graft
         from ..plan import parse_size
-        from .diff_cmd import render_diffs
         from .quant_render import say_config_changes
         from .stitch_cmd import Outputs, execute_and_report
+        from .summary import render_diffs
 
         allow = allowed_rules(allow_invalid)
         req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
                            max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
+        progress_for(json_output).phase("reading headers")
         with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
+            progress_for(json_output).phase("planning")
             plan, report = plan_graft(s, t, req)
             outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume, json_output)
             execute_and_report(plan, report, outputs, allow, "graft-report.json")
         if json_output:
             return
-        hint = "graft-report.json lists every key" if not dry_run else "--json lists every key"
-        render_diffs(report.diffs, report.totals(), title=f"graft ({report.family}, MTP {report.storage})",
+        hint = "--all or graft-report.json lists every key" if not dry_run else "--all or --json lists every key"
+        render_diffs(report.diffs, report.totals(), show_all, title=f"graft ({report.family}, MTP {report.storage})",
                      more_hint=hint)
         c = out_console()
         n = report.count

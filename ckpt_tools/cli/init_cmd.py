@@ -47,7 +47,9 @@ def register(app: typer.Typer) -> None:
                           dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
                           command=command_line(), allow_invalid=allow)
         check_request(req)  # before the target is opened
+        progress_for(json_output).phase("reading headers")
         with Checkpoint.open(target) as ckpt:
+            progress_for(json_output).phase("planning")
             plan, summary = plan_init(ckpt, req)
             say_allowed(plan.manifest.get("allowed_invalid"))
             if plan_json is not None:

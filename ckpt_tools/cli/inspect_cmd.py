@@ -6,6 +6,7 @@ import typer
 
 from .common import command, emit_json, human_bytes, out_console
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .layout import Col, print_table
 
 MAX_ROWS = 20  # problem keys listed before "..."
 
@@ -57,33 +58,15 @@ def render(report) -> None:
         con.print(t)
 
     if len(report.layers) > 1:
-        t = Table(title="MTP layers", title_justify="left")
-        for col in ("depth", "prefix", "tensors", "parameters", "bytes"):
-            t.add_column(col, justify="right" if col != "prefix" else "left")
-        for layer in report.layers:
-            depth = "shared" if layer["depth"] is None else str(layer["depth"])
-            t.add_row(depth, layer["prefix"] or "-", str(layer["tensors"]), f"{layer['params']:,}",
-                      f"{layer['bytes']:,}")
-        con.print(t)
-
+        print_table(con, LAYER_COLUMNS, [[layer["prefix"] or "-", "shared" if layer["depth"] is None else
+                                          str(layer["depth"]), str(layer["tensors"]), f"{layer['params']:,}",
+                                          f"{layer['bytes']:,}"] for layer in report.layers], title="MTP layers")
     if report.experts:
-        t = Table(title="Routed experts", title_justify="left")
-        for col in ("group", "E", "H", "I", "layout", "quant", "tensors", "bytes"):
-            t.add_column(col, justify="left" if col in ("group", "layout") else "right",
-                         min_width=24 if col == "group" else None)
-        for g in report.experts:
-            layout = g["layout"] + (f" (shipped {g['layout_shipped']})" if g["layout"] != g["layout_shipped"] else "")
-            t.add_row(g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), layout,
-                      "fp8" if g["quant"] else "-", str(g["tensors"]), f"{g['bytes']:,}")
-        con.print(t)
-
+        print_table(con, EXPERT_COLUMNS, [_expert_row(g) for g in report.experts], title="Routed experts")
     if report.shards:
-        t = Table(title="Shards holding MTP tensors", title_justify="left")
-        for col in ("shard", "MTP tensors", "MTP bytes", "tensors", "bytes"):
-            t.add_column(col, justify="left" if col == "shard" else "right")
-        for s in report.shards:
-            t.add_row(s["name"], str(s["mtp_tensors"]), f"{s['mtp_bytes']:,}", str(s["tensors"]), f"{s['bytes']:,}")
-        con.print(t)
+        print_table(con, SHARD_COLUMNS, [[s["name"], str(s["mtp_tensors"]), f"{s['mtp_bytes']:,}", str(s["tensors"]),
+                                          f"{s['bytes']:,}"] for s in report.shards],
+                    title="Shards holding MTP tensors")
 
     t = Table(title="Dtypes", title_justify="left")
     for col in ("dtype", "MTP tensors", "MTP bytes", "tensors", "bytes"):
@@ -100,6 +83,22 @@ def render(report) -> None:
     if report.mtp_quant and report.mtp_quant["modules"]:
         _render_mtp_quant(con, report.mtp_quant)
     _render_status(con, report.status, report.mtp_layers)
+
+
+# prefixes, expert groups and shard names are identifiers: the key of their row, never cut
+LAYER_COLUMNS = (Col("prefix", "id"), Col("depth", "id", "right"), Col("tensors", "id", "right"),
+                 Col("parameters", "id", "right"), Col("bytes", "id", "right"))
+EXPERT_COLUMNS = (Col("group", "id"), Col("E", "id", "right"), Col("H", "id", "right"), Col("I", "id", "right"),
+                  Col("layout"), Col("quant", "id", "right"), Col("tensors", "id", "right"),
+                  Col("bytes", "id", "right"))
+SHARD_COLUMNS = (Col("shard", "id"), Col("MTP tensors", "id", "right"), Col("MTP bytes", "id", "right"),
+                 Col("tensors", "id", "right"), Col("bytes", "id", "right"))
+
+
+def _expert_row(g: dict) -> list[str]:
+    layout = g["layout"] + (f" (shipped {g['layout_shipped']})" if g["layout"] != g["layout_shipped"] else "")
+    return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), layout, "fp8" if g["quant"] else "-",
+            str(g["tensors"]), f"{g['bytes']:,}"]
 
 
 def _render_quantization(con, q: dict | None) -> None:

@@ -13,13 +13,19 @@ from .gate_options import allow_invalid_option, allowed_rules
 def render(plan, result) -> None:
     from rich.markup import escape
 
+    from .layout import print_fields
+
     con = out_console()
     req = plan.request
     styles = {"add": "yellow", "copy": "cyan", "delete": "red", "unchanged": "dim"}
-    for o in plan.ops:
+    for o in plan.ops:  # a path and its source are never broken: the source goes below when both do not fit
         src = o.to_json(req.base).get("from")
-        line = f"[{styles[o.kind]}]{o.kind:<9}[/] {human_bytes(o.size):>10}  {escape(o.path)}"
-        con.print(line + (f"  [dim]<- {escape(src)}[/]" if src else ""), soft_wrap=True)
+        if src and src.endswith(f":{o.path}"):
+            src = src[: -len(o.path) - 1]  # the same path in the base repository: its name is said once
+        elif o.local is not None and o.local == req.folder / o.path:
+            src = None  # the upload of DIR's own file: nothing to add
+        print_fields(con, [f"{o.kind:<9}", f"{human_bytes(o.size):>10} ", o.path, *([f"<- {src}"] if src else [])],
+                     styles=(styles[o.kind], "", "", "dim"))
     where = f"{req.repo_id}@{req.revision or 'main'}" + (" (new pull request)" if req.create_pr else "")
     if not plan.repo_exists:
         where += " (repository will be created" + (", private)" if req.private else ")")

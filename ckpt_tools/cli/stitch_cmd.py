@@ -48,6 +48,8 @@ def register(app: typer.Typer) -> None:
         report_file: Path = report_option(),
         overwrite: bool = overwrite_option(),
         resume: bool = resume_option(),
+        show_all: bool = typer.Option(False, "--all", help="List every MTP tensor, unchanged and added ones "
+                                                            "too (no row limit)."),
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
@@ -56,8 +58,8 @@ def register(app: typer.Typer) -> None:
         from ..errors import UsageError
         from ..ops.stitch import StitchRequest, plan_stitch
         from ..plan import parse_size
-        from .diff_cmd import render_diffs
         from .extract_cmd import _layers
+        from .summary import render_diffs
 
         allow = allowed_rules(allow_invalid)
         if strip_prefix is not None and not strip_prefix:
@@ -66,14 +68,16 @@ def register(app: typer.Typer) -> None:
                             update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
                             max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
                             strip_prefix=strip_prefix, command=command_line(), allow_invalid=allow)
+        progress_for(json_output).phase("reading headers")
         with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
+            progress_for(json_output).phase("planning")
             plan, report = plan_stitch(d, v, req)
             outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume, json_output)
             execute_and_report(plan, report, outputs, allow)
         if not json_output:
-            hint = "stitch-report.json lists every key" if not dry_run else "--json lists every key"
+            hint = "--all or stitch-report.json lists every key" if not dry_run else "--all or --json lists every key"
             say_how_read(report.draft)
-            render_diffs(report.diffs, report.totals(), title=f"stitch ({report.mode}, {report.format})",
+            render_diffs(report.diffs, report.totals(), show_all, title=f"stitch ({report.mode}, {report.format})",
                          more_hint=hint)
             if report.divergent():
                 out_console().print("divergent, stitched with --accept-divergent: "

@@ -31,6 +31,8 @@ def _short(path: str | None, root: str) -> str:
 def render(report) -> None:
     from rich.markup import escape
 
+    from .layout import print_fields
+
     con = out_console()
     what = f"{report.family}, {report.mtp_layers} MTP layer(s); " if report.family else ""
     fmt = f"{report.draft_format} draft; " if report.draft_format else ""
@@ -46,8 +48,8 @@ def render(report) -> None:
         shown[p.rule] = shown.get(p.rule, 0) + 1
         if shown[p.rule] > MAX_PER_RULE:
             continue
-        key = f" {p.key}" if p.key else ""
-        con.print(f"[bold red]{p.rule}[/] [dim]{escape(_short(p.path, report.root))}[/]{escape(key)}", soft_wrap=True)
+        print_fields(con, [p.rule, _short(p.path, report.root), *([p.key] if p.key else [])],
+                     styles=("bold red", "dim"))
         con.print(f"    {p.message}", markup=False, soft_wrap=True)
     for rule, n in shown.items():
         if n > MAX_PER_RULE:

@@ -36,10 +36,18 @@ def _probe_supported(fixture) -> bool:
     return family_supported(fixture)
 
 
-def tables_info(probe: bool = False) -> list[dict]:
-    """``probe``: also say whether `ckpt probe` supports each family (asks transformers: ~2.5 s, ~280 MB)."""
+def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
+    """``probe``: also say whether `ckpt probe` supports each family (asks transformers: ~2.5 s, ~280 MB).
+    ``family``: that family only (a UsageError naming the known ones when no table has that name)."""
+    tables = all_tables()
+    if family is not None and family not in tables:
+        from ..errors import UsageError
+
+        raise UsageError(f"unknown family {family!r}; known: {', '.join(sorted(tables))}", rule="unknown-family")
     rows = []
-    for name, table in sorted(all_tables().items()):
+    for name, table in sorted(tables.items()):
+        if family is not None and name != family:
+            continue
         view = _virtual(table)
         formats = {}
         for fname, fmt in sorted(all_formats().items()):

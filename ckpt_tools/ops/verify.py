@@ -165,7 +165,7 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
     report.remote_files = sorted(n for n in remote if n in files or n in (manifest.get("remote_files") or {}))
 
     todo.sort(key=lambda t: (t[3], t[2].offset))  # file by file, in offset order: sequential reads
-    progress.start(sum(seg.length for _, _, seg, _ in todo) + sum(seg.length for _, seg, _ in wholes), "verify")
+    progress.phase("hashing", sum(seg.length for _, _, seg, _ in todo) + sum(seg.length for _, seg, _ in wholes))
     try:
         for (algo, want), key, seg, fname in todo:
             got = _hash(seg, algo, progress)

@@ -133,15 +133,16 @@ class LazyPath(type(Path())):
     the download once; ``str`` and path arithmetic do not.
     """
 
-    def __init__(self, *args, fetch=None, url: str | None = None) -> None:
+    def __init__(self, *args, fetch=None, url: str | None = None, size: int | None = None) -> None:
         if sys.version_info >= (3, 12):
             super().__init__(*args)
         self._fetch = fetch
         self._fetched: str | None = None
         self._lock = threading.Lock()
         self.source_url = url  # where the file lives: an output in the same store copies it server-side
+        self.size = size  # as listed by its store: a progress total counts it without downloading it
 
-    def __new__(cls, *args, fetch=None, url: str | None = None):
+    def __new__(cls, *args, fetch=None, url: str | None = None, size: int | None = None):
         return super().__new__(cls, *args) if sys.version_info < (3, 12) else object.__new__(cls)
 
     def __fspath__(self) -> str:
@@ -194,7 +195,7 @@ class HfStore:
         cache = _cache_dir() or constants.HF_HUB_CACHE
         where = Path(cache) / repo_folder_name(repo_id=self.ref.repo_id, repo_type="model") / "snapshots" / \
             self.commit / name
-        return LazyPath(where, fetch=lambda: self._download(name))
+        return LazyPath(where, fetch=lambda: self._download(name), size=self.sizes.get(name))
 
     def _download(self, name: str) -> str:
         from huggingface_hub import hf_hub_download

@@ -73,7 +73,8 @@ class FsStore:
 
         key = hashlib.sha256(self.url_of(name).encode()).hexdigest()[:24]
         where = cache_root() / key / Path(name).name
-        return LazyPath(where, fetch=lambda: self._download(name, where), url=self.url_of(name))
+        return LazyPath(where, fetch=lambda: self._download(name, where), url=self.url_of(name),
+                        size=self.sizes.get(name))
 
     def _download(self, name: str, where: Path) -> str:
         size = self.sizes[name]  # fetched every time: an object may change under the same name and size

@@ -42,7 +42,7 @@ from ..manifest import MANIFEST_NAME
 from ..output_dir import LOCK_NAME, OUR_ARTEFACTS, RESUME_NAME
 from ..plan import OutputFile, OutputTensor, Plan
 from ..safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
-from ..writer import FileDigest, PendingOutput, Writer, WriteResult
+from ..writer import FileDigest, PendingOutput, Writer, WriteResult, source_size
 from .lock import ObjectLock
 from .store import Store
 
@@ -337,11 +337,20 @@ class ObjectStoreWriter(Writer):
                 # CopyObject (UploadPartCopy above 5 GB): no byte leaves the store
                 self.store.fs.copy(src, self.store.path(f.name))
                 self._landed(f.name, size, self.store.fs.info(self.store.path(f.name)), {"from": str(f.source)})
-        self.progress.advance(size)
         header = f.header
         if header is None and f.tensors:
             header = parse_header_bytes(self._read_head(f.name, size)[8:], size, where)
         return None, size, header
+
+    def _moved_bytes(self, f: OutputFile) -> int:
+        """An upload's size (the progress total counts it); a server-side copy moves no byte through us."""
+        if f.source is None or f.link in ("remote", SERVER_COPY):
+            return 0
+        if isinstance(f.source, str) and "://" in f.source:  # a file of another store
+            import fsspec
+
+            return fsspec.core.url_to_fs(f.source)[0].size(f.source)
+        return source_size(f.source)
 
     def _upload_file(self, f: OutputFile) -> tuple:
         """A file from a local source (or another store), streamed into an upload and hashed on the way."""
@@ -349,7 +358,7 @@ class ObjectStoreWriter(Writer):
 
         # a path: os.fspath fetches a remote source's lazy path (an hf:// file into the Hub cache) first
         src = f.source if isinstance(f.source, str) else os.fspath(f.source)
-        size = os.path.getsize(src) if "://" not in src else fsspec.core.url_to_fs(src)[0].size(src)
+        size = self._moved_bytes(f)
         done = self._kept(f.name, size, {"from": src})
         if done is not None and isinstance(done.get("landed"), list):
             self.progress.advance(size)

@@ -1,0 +1,49 @@
+"""`ckpt tables` on the terminal: one row per family with the columns the width allows, and one family in full
+(`ckpt tables FAMILY`: its templates and why a format does not apply)."""
+
+from __future__ import annotations
+
+from .layout import Col, print_table
+
+# the MTP prefix templates and the longest architecture names leave first: the family view has them
+COLUMNS = (Col("family", "id"), Col("kind", "id"), Col("title", drop=2), Col("formats", "ids"),
+           Col("architectures / model_type", "ids", drop=3), Col("MTP prefix", "id", drop=4))
+
+
+def render_tables(rows: list[dict], probe: bool) -> None:
+    from .common import out_console
+
+    con = out_console()
+    cols = COLUMNS + ((Col("probe", "id"),) if probe else ())
+    cells = []
+    for r in rows:
+        ok = [f for f, why in r["formats"].items() if why == "ok"]
+        cells.append([r["family"], r["kind"], r["title"] or "", ", ".join(ok) or "-",
+                      ", ".join(r["architectures"] + r["model_types"]), r["mtp_prefix"],
+                      *(("yes" if r["probe"] else "-",) if probe else ())])
+    dropped = print_table(con, cols, cells, title="architecture tables")
+    left_out = f"; left out at this width: {', '.join(dropped)}" if dropped else ""
+    con.print(f"`ckpt tables FAMILY` shows one family in full{left_out}", markup=False)
+
+
+def render_family(r: dict) -> None:
+    """Every field of one family; a value wraps between words, never inside one."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from .common import out_console
+
+    con = out_console()
+    con.print(Text.assemble((r["family"], "bold"), f": {r['title']} ({r['kind']})" if r["title"] else ""))
+    t = Table.grid(padding=(0, 2))
+    t.add_column(no_wrap=True)
+    t.add_column(overflow="fold")
+    fields = [("architectures", ", ".join(r["architectures"]) or "-"),
+              ("model types", ", ".join(r["model_types"]) or "-"), ("MTP prefix", r["mtp_prefix"]),
+              ("norm", r["norm"]), ("fusion input", str(r["concat_order"]).replace("_", "-"))]
+    fields += [("formats" if i == 0 else "", f"{name}: {why}") for i, (name, why) in enumerate(r["formats"].items())]
+    if "probe" in r:
+        fields.append(("probe", "yes" if r["probe"] else "no (transformers builds no MTP layers for it)"))
+    for name, value in fields:
+        t.add_row(name, Text(value))
+    con.print(t)
