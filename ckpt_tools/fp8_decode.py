@@ -1,13 +1,16 @@
-"""FP8 block dequantization in numpy, for the streaming paths (``extract --dequant``).
+"""FP8 block dequantization in numpy: the one dequantizer every command runs.
 
-Same arithmetic as ``fp8.dequantize`` (the torch implementation, which stitch, diff and
-the tests use and which the tests hold this one to, byte for byte)::
+``extract --dequant`` and stitch's comparisons stream it (``dequant_stream``, through
+``transforms.dequantize``), ``unfuse-experts --dequant`` and the scheme decoders in ``quant`` use
+its band kernel (``dequant_array``, ``BandDequantizer``), ``diff --dequant`` decodes runs of
+elements (``value_decoder``). The arithmetic (``fp8`` documents the format)::
 
     W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)
 
-then one round-to-nearest-even cast to the output dtype. Why a second implementation:
-importing torch costs 1.5-2.5 s on a small machine, more than dequantizing a 4 GB
-checkpoint's MTP layer takes, and nothing else on the extract path needs torch.
+then one round-to-nearest-even cast to the output dtype, as DeepSeek's kernel and transformers'
+``Fp8Dequantize`` compute it (tests/test_fp8.py holds it to a float64 oracle and to transformers).
+numpy rather than torch: importing torch costs 1.5-2.5 s on a small machine, more than
+dequantizing a 4 GB checkpoint's MTP layer takes, and nothing else on the extract path needs torch.
 
 Every e4m3 / e5m2 value is exact in float32, and an element's result depends on its code
 and its block's scale alone: each block gets a 256-entry table of finished output values,
@@ -61,6 +64,24 @@ def scale_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     raise PlanError(f"scale dtype {dtype} is not one of F32, BF16, F16, F8_E8M0", rule="fp8-scale-dtype")
 
 
+def _check_format(fmt: str, what: str = "") -> None:
+    if fmt not in TABLES:
+        raise PlanError(f"{what}cannot dequantize {fmt}; expected one of {', '.join(TABLES)}", rule="fp8-dtype")
+
+
+def check_grid(shape, scale_shape, block: tuple[int, int], what: str = "", path: str | None = None
+               ) -> tuple[int, ...]:
+    """The scale grid a ``shape`` weight has in ``block`` tiles; refused (fp8-scale-shape) when ``scale_shape``
+    is another. ``what`` prefixes the message (e.g. the scale's key)."""
+    *lead, rows, cols = shape
+    br, bc = block
+    grid = (*lead, math.ceil(rows / br), math.ceil(cols / bc))
+    if tuple(scale_shape) != grid:
+        raise PlanError(f"{what}scale grid {list(scale_shape)} does not fit a {list(shape)} weight in {br}x{bc} "
+                        f"blocks (needs {list(grid)})", rule="fp8-scale-shape", path=path)
+    return grid
+
+
 def band_rows(cols: int, block_rows: int, band_elems: int | None = None) -> int:
     """Rows per band, about ``band_elems`` (default BAND_ELEMS) elements: part of one block row,
     or whole block rows."""
@@ -95,17 +116,13 @@ class BandDequantizer:
     def __init__(self, fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int],
                  out_dtype: str, scratch: Scratch | None = None) -> None:
         """``scratch``: where the index buffer lives (shared by dequantizers used one after another)."""
-        if fmt not in TABLES:
-            raise PlanError(f"cannot dequantize {fmt}; expected one of {', '.join(TABLES)}", rule="fp8-dtype")
+        _check_format(fmt)
         if out_dtype not in OUT_DTYPES:
             raise PlanError(f"cannot dequantize to {out_dtype}; expected one of {', '.join(OUT_DTYPES)}",
                             rule="dequant-dtype")
         *_, rows, cols = shape
         br, bc = block
-        grid = (*shape[:-2], math.ceil(rows / br), math.ceil(cols / bc))
-        if tuple(scale.shape) != grid:
-            raise PlanError(f"scale grid {list(scale.shape)} does not fit a {list(shape)} weight in {br}x{bc} blocks",
-                            rule="fp8-scale")
+        grid = check_grid(shape, scale.shape, block)
         self.values, self.out_dtype, self.block = TABLES[fmt], out_dtype, block
         self.rows, self.cols = rows, cols
         self.scale = scale.reshape(-1, *grid[-2:]).astype(np.float32, copy=False)
@@ -201,5 +218,29 @@ def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str,
     return prefetched(produce)
 
 
-__all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "dequant_array", "dequant_stream",
-           "scale_to_f32"]
+def value_decoder(fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int], what: str = "",
+                  path: str | None = None) -> Callable[[Any, int, int], np.ndarray]:
+    """``decode(buf, start, n)``: float32 ``value * scale`` of the ``n`` codes in ``buf``, elements
+    ``start``.. of a ``shape`` weight in C order (any run, not only whole rows).
+
+    ``scale`` is the float32 grid; the product is the same float32 rounding ``BandDequantizer`` makes,
+    without the cast to an output dtype (``ckpt diff --dequant`` compares these values)."""
+    _check_format(fmt, what)
+    *_, rows, cols = shape
+    grid = check_grid(shape, scale.shape, block, what, path)
+    gr, gc = grid[-2:]
+    flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+    values = TABLES[fmt]
+
+    def decode(buf, start: int, n: int) -> np.ndarray:
+        idx = np.arange(start, start + n, dtype=np.int64)
+        col, row, lead = idx % cols, (idx // cols) % rows, idx // (rows * cols)
+        block_of = (lead * gr + row // block[0]) * gc + col // block[1]
+        with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as in BandDequantizer
+            return values[np.frombuffer(buf, dtype=np.uint8, count=n)] * flat[block_of]
+
+    return decode
+
+
+__all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "check_grid", "dequant_array",
+           "dequant_stream", "scale_to_f32", "value_decoder"]

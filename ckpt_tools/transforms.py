@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from .dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
+from .dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, SCALE_DTYPES
 from .errors import PlanError
 from .numeric import as_bytes, bytes_to_numpy, bytes_to_torch, torch_threads
 from .plan import Compute, CopyBytes, OutputTensor, Recipe
@@ -202,19 +202,20 @@ def split_columns(t: OutputTensor, pieces: list[tuple[str, int]]) -> list[Output
 
 def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[int, int]) -> OutputTensor:
     """FP8 block-quantized ``w`` times its ``scale`` grid, as ``dtype``; bands of whole tile rows."""
-    if w.dtype not in FP8_DTYPES:
-        raise PlanError(f"{w.key} is {w.dtype}, not FP8", rule="dequant")
-    if len(w.shape) < 2 or tuple(scale.shape[:-2]) != tuple(w.shape[:-2]):
-        raise PlanError(f"{w.key}: scale shape {list(scale.shape)} does not fit {list(w.shape)}", rule="fp8-scale")
-    expect = (*w.shape[:-2], math.ceil(w.shape[-2] / block[0]), math.ceil(w.shape[-1] / block[1]))
-    if tuple(scale.shape) != expect:
-        raise PlanError(f"{scale.key} has shape {list(scale.shape)}, expected {list(expect)} for {w.key}",
-                        rule="fp8-scale")
+    from . import fp8_decode  # numpy: planned only where a dequantization will run
+
+    if w.dtype not in FP8_DTYPES or len(w.shape) < 2:
+        raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
+    if dtype not in fp8_decode.OUT_DTYPES:
+        raise PlanError(f"{w.key}: cannot dequantize to {dtype}; use one of {', '.join(fp8_decode.OUT_DTYPES)}",
+                        rule="dequant-dtype")
+    if scale.dtype not in SCALE_DTYPES:
+        raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
+                        f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
+    fp8_decode.check_grid(w.shape, scale.shape, block, f"{scale.key} of {w.key}: ")
     src, sc = w, scale
 
     def produce():
-        from . import fp8_decode
-
         raw = bytes_to_numpy(bytearray(b"".join(recipe_bytes(sc.recipe, max(sc.nbytes, 1)))), sc.dtype, sc.shape)
         # banded, one worker thread ahead of the writer; numpy only (no torch import)
         yield from fp8_decode.dequant_stream(RecipeReader(src.recipe).read, tuple(src.shape), src.dtype,
@@ -236,38 +237,91 @@ def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str,
                pow2: bool = False) -> tuple[OutputTensor, OutputTensor]:
     """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its F32 ``weight_scale_inv`` grid.
 
-    Both recipes walk ``t`` in bands of one block row (of one matrix of a stack), so
-    memory stays at one band; the cheap per-block amax is simply computed in both.
+    The two recipes share one ``_ScaleGrid``: the grid is computed once, by whichever recipe runs
+    first (the writer puts F32 scales before F8 weights in a shard), and the weights are then divided
+    by it. Both walk ``t`` in bands of one block row (of one matrix of a stack), so memory stays at
+    one band and the grid (one float per block).
     """
     if t.dtype not in FLOAT_DTYPES or len(t.shape) < 2:
         raise PlanError(f"{t.key}: cannot quantize {t.dtype} {list(t.shape)} to FP8", rule="fp8-dtype")
     *lead_dims, rows, cols = t.shape
-    lead = math.prod(lead_dims)
     grid = (*lead_dims, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    src = t
-    item = DTYPES[t.dtype].nbytes(1)
-
-    def bands():
-        from . import fp8
-
-        reader = RecipeReader(src.recipe)
-        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
-            for _ in range(lead):
-                for r in range(0, rows, block[0]):
-                    n = min(block[0], rows - r)
-                    values = bytes_to_torch(reader.read(n * cols * item), src.dtype, (n, cols)).float()
-                    yield fp8.quantize(values, block, pow2=pow2)
+    shared = _ScaleGrid(t, block, pow2)
 
     def weights():
-        for q, _s in bands():
-            yield q
+        from . import fp8
+
+        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
+            for values, scale in shared.bands():
+                yield fp8.quantize_with(values, scale, block)
 
     def scales():
-        for _q, s in bands():
-            yield s
+        yield shared.grid()
 
     meta = dict(t.meta, quantized={"block": list(block), **({"scale_fmt": "ue8m0"} if pow2 else {})})
     w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", _inputs(t)), t.shard, meta)
     s = OutputTensor(scale_key, "F32", grid, Compute(scales, "quantize-scale", _inputs(t)), t.shard,
                      {"role": "scale", "source": _inputs(t)})
     return w, s
+
+
+class _ScaleGrid:
+    """The block scales of one tensor being re-quantized, shared by its weight and scale recipes.
+
+    The first pass over the values (either recipe's) computes each block row's scales and keeps
+    them; the other recipe reuses them, so a block's amax is taken once per run and the weights are
+    divided by exactly the scales written. Held until both recipes have their bytes, then dropped
+    (a recipe run again recomputes it: the same bytes).
+    """
+
+    def __init__(self, src: OutputTensor, block: tuple[int, int], pow2: bool) -> None:
+        self.src, self.block, self.pow2 = src, block, pow2
+        self._grid = None  # float32 [lead, gr, gc] once a pass has completed
+        self._served: set[str] = set()
+
+    def bands(self):
+        """The weight recipe's pass: (float32 values [n, cols], their scale row [1, gc]) per block row,
+        in C order. The values are scratch (the consumer divides them in place)."""
+        yield from self._pass()
+        self._serve("weights")
+
+    def grid(self):
+        """The scale recipe's bytes: the whole grid, float32 ``[*lead, gr, gc]`` (an amax-only pass when
+        the weights have not run yet)."""
+        if self._grid is None:
+            for _ in self._pass():
+                pass
+        grid = self._grid
+        self._serve("scales")
+        return grid.reshape(*self.src.shape[:-2], *grid.shape[-2:])
+
+    def _pass(self):
+        import torch
+
+        from . import fp8
+
+        *lead_dims, rows, cols = self.src.shape
+        (br, bc), lead = self.block, math.prod(lead_dims)
+        known, computed = self._grid, []
+        reader = RecipeReader(self.src.recipe)
+        item = DTYPES[self.src.dtype].nbytes(1)
+        with torch_threads(load=True):  # one thread for the whole pass (not switched per band)
+            for li in range(lead):
+                for r in range(0, rows, br):
+                    n = min(br, rows - r)
+                    values = bytes_to_torch(reader.read(n * cols * item), self.src.dtype, (n, cols)).float()
+                    if known is not None:
+                        scale = known[li, r // br : r // br + 1]
+                    else:
+                        where = f"{self.src.key} ({f'matrix {li}, ' if lead_dims else ''}rows {r}..{r + n})"
+                        scale = fp8.block_scales(values, self.block, pow2=self.pow2, where=where)
+                        computed.append(scale)
+                    yield values, scale
+        if known is None:
+            gc = math.ceil(cols / bc)
+            self._grid = (torch.cat(computed) if computed else torch.empty((0, gc))).reshape(lead, -(-rows // br), gc)
+
+    def _serve(self, recipe: str) -> None:
+        self._served.add(recipe)
+        if len(self._served) == 2:  # both recipes have their bytes: nothing asks again within this run
+            self._grid, self._served = None, set()

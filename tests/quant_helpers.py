@@ -151,6 +151,16 @@ def fp4_e8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), e.view(torch.float8_e8m0fnu)
 
 
+def fp8_dequant(q: torch.Tensor, scale: torch.Tensor, block=(128, 128), dtype=torch.float32) -> torch.Tensor:
+    """Block FP8 by its definition (DeepSeek's ``weight_dequant``): ``float32(q) * scale`` of each element's
+    block, one cast to ``dtype``. Plain torch, independent of ckpt_tools' numpy dequantizer (``fp8_decode``),
+    which the tests hold to it."""
+    br, bc = block
+    rows, cols = q.shape[-2:]
+    full = scale.float().repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
+    return (q.float() * full).to(dtype)
+
+
 def fp8_e8m0(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Block FP8 with UE8M0 scales: (F8_E4M3 [out, in], F8_E8M0 [ceil(out/128), ceil(in/128)])."""
     r, c = w.shape

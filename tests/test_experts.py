@@ -455,9 +455,11 @@ def test_layout_labels_parse_back():
 
 
 def test_block_dequant_adapter_matches_fp8_module(tmp_path):
-    """The shipped Dequantizer (ckpt_tools.fp8) gives each expert exactly fp8.dequantize of its own pieces."""
-    fp8 = pytest.importorskip("ckpt_tools.fp8")
+    """The shipped Dequantizer (BlockDequant: ckpt_tools.fp8_decode) gives each expert exactly the block-FP8
+    definition of its own pieces."""
     from ckpt_tools.experts import BlockDequant
+
+    from quant_helpers import fp8_dequant
 
     src = group("per-expert", 2, 130, 256)
     gen = torch.Generator().manual_seed(4)
@@ -473,7 +475,7 @@ def test_block_dequant_adapter_matches_fp8_module(tmp_path):
     for e in range(2):
         def deq(p, e=e):
             k = f"src.experts.{e}.{p}_proj.weight"
-            return fp8.dequantize(tensors[k], tensors[scale_key(k)]).to(torch.bfloat16)
+            return fp8_dequant(tensors[k], tensors[scale_key(k)], dtype=torch.bfloat16)
 
         assert torch.equal(got["src.experts.gate_up_proj"][e], torch.cat([deq("gate").T, deq("up").T], dim=1))
         assert torch.equal(got["src.experts.down_proj"][e], deq("down").T)

@@ -1,4 +1,6 @@
-"""FP8 block quantization against independent oracles.
+"""FP8 block dequantization (fp8_decode, numpy) and quantization (fp8, torch) against independent oracles,
+through the interfaces the commands run: ``transforms.dequantize`` / ``transforms.requantize`` recipes
+written by the writer, and the band kernels under them.
 
 The oracles here never use torch's float8 casts: e4m3 / e5m2 bytes are decoded with
 tables built from the bit layout, products are exact in float64, roundings are done
@@ -18,10 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools import fp8, fp8_decode
+from ckpt_tools import fp8, fp8_decode, transforms
 from ckpt_tools.config import ConfigView
 from ckpt_tools.errors import InputError, PlanError
-from ckpt_tools.plan import OutputTensor, Plan
+from ckpt_tools.numeric import as_bytes
+from ckpt_tools.plan import CopyBytes, OutputTensor, Plan
 from ckpt_tools.safetensors_io import LocalFile, read_header, refs_from_header
 from ckpt_tools.writer import execute
 
@@ -179,15 +182,24 @@ def run_plan(tmp_path, outputs: list[OutputTensor], name="out") -> dict[str, tor
 
 
 # ---------------------------------------------------------------------------
-# Dequantization
+# Dequantization: fp8_decode (numpy), the one dequantizer the commands run
 
 
-@pytest.mark.parametrize("fmt,table", [(torch.float8_e4m3fn, E4M3), (torch.float8_e5m2, E5M2)])
+def deq(q: torch.Tensor, s: torch.Tensor, block=(128, 128), out: str = "F32") -> torch.Tensor:
+    """``fp8_decode.dequant_array`` on torch tensors (its values, as a torch tensor of ``out``)."""
+    from ckpt_tools.dtypes import torch_dtype
+
+    fmt = "F8_E4M3" if q.dtype == torch.float8_e4m3fn else "F8_E5M2"
+    got = fp8_decode.dequant_array(q.view(torch.uint8).numpy(), s.numpy(), block, fmt, out)
+    return torch.from_numpy(got.copy()).view(torch_dtype(out))
+
+
+@pytest.mark.parametrize("fmt,table", [("F8_E4M3", E4M3), ("F8_E5M2", E5M2)])
 def test_every_byte_decodes_as_the_bit_layout_says(fmt, table):
     qb = np.arange(256, dtype=np.uint8).reshape(2, 128)
-    for s in (1.0, 0.75, 2.0**-100, 2.0**120 * 1.5):  # the last takes the overflow-safe path
+    for s in (1.0, 0.75, 2.0**-100, 2.0**120 * 1.5):  # the last overflows for the largest codes
         scale = np.full((1, 1), s, dtype=np.float32)
-        got = fp8.dequantize(as_fp8(qb, fmt), torch.from_numpy(scale)).numpy()
+        got = fp8_decode.dequant_array(qb, scale, (128, 128), fmt, "F32")
         with np.errstate(over="ignore"):
             want = (table[qb] * np.float64(s)).astype(np.float32)
         np.testing.assert_array_equal(got, want)  # NaN == NaN here; inf and signed zeros must match
@@ -208,21 +220,21 @@ def test_dequantize_matches_float64_reference(shape, block):
     rng = np.random.default_rng(sum(shape))
     qb, scale = random_fp8(rng, shape, block)
     qb.reshape(-1)[:3] = [0x7F, 0xFF, 0x80]  # NaNs and -0
-    got = fp8.dequantize(as_fp8(qb), torch.from_numpy(scale), block).numpy()
+    got = fp8_decode.dequant_array(qb, scale, block, "F8_E4M3", "F32")
     want = ref_dequant(qb, scale, block).astype(np.float32)  # one rounding of the exact product
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.float32 and got.shape == shape
 
 
 def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
-    monkeypatch.setattr(fp8, "BAND_ELEMS", 4000)
+    monkeypatch.setattr(fp8_decode, "BAND_ELEMS", 4000)
     rng = np.random.default_rng(12)
     qb, scale = random_fp8(rng, (3, 130, 257), (128, 128))
-    q, s = as_fp8(qb), torch.from_numpy(scale)
     exact32 = ref_dequant(qb, scale, (128, 128)).astype(np.float32)
-    got = fp8.dequantize(q, s, dtype=torch.bfloat16)
-    np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), f32_to_bf16_bits(exact32))
-    np.testing.assert_array_equal(fp8.dequantize(q, s, dtype=torch.float16).numpy(), exact32.astype(np.float16))
+    got = fp8_decode.dequant_array(qb, scale, (128, 128), "F8_E4M3", "BF16")
+    np.testing.assert_array_equal(got, f32_to_bf16_bits(exact32))
+    np.testing.assert_array_equal(fp8_decode.dequant_array(qb, scale, (128, 128), "F8_E4M3", "F16"),
+                                  exact32.astype(np.float16))
     # a sequential reader (e.g. over another recipe's bytes), consumed in odd-sized pieces
     data = qb.tobytes()
     pos = 0
@@ -233,7 +245,6 @@ def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
         piece = data[pos - n : pos]
         return bytearray(piece) if pos % 2 else piece  # writable (used in place) or read-only (copied)
 
-    monkeypatch.setattr(fp8_decode, "BAND_ELEMS", 4000)
     chunks = list(fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", scale, "BF16"))
     assert len(chunks) > 3 and pos == len(data)
     streamed = np.concatenate([c.reshape(-1) for c in chunks])
@@ -244,9 +255,9 @@ def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
 @pytest.mark.parametrize("out", ["BF16", "F16", "F32"])
-def test_numpy_dequantizer_matches_torch_byte_for_byte(fmt, out, monkeypatch):
-    """fp8_decode (numpy, the extract path) against fp8.dequantize (torch): every code, scales
-    from subnormal products to overflow, NaN and Inf scales, edge tiles, stacked experts."""
+def test_dequantizer_matches_the_exact_product_cast_by_torch(fmt, out, monkeypatch):
+    """Every code, scales from subnormal products to overflow, NaN and Inf scales, edge tiles, stacked
+    experts: the float64 product rounded once to float32, then torch's cast to the output dtype."""
     from ckpt_tools.dtypes import torch_dtype
 
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", 3000)  # several bands per block row and across rows
@@ -261,17 +272,18 @@ def test_numpy_dequantizer_matches_torch_byte_for_byte(fmt, out, monkeypatch):
     scale[1, 2, 2] = np.nan
     scale[1, 0, 1] = np.inf
     tdt = torch_dtype(out)
-    q = torch.from_numpy(codes).view(torch.float8_e4m3fn if fmt == "F8_E4M3" else torch.float8_e5m2)
-    want = fp8.dequantize(q, torch.from_numpy(scale), block, dtype=tdt).contiguous()
+    with np.errstate(over="ignore", invalid="ignore"):
+        exact32 = ref_dequant(codes, scale, block, E4M3 if fmt == "F8_E4M3" else E5M2).astype(np.float32)
+    want = torch.from_numpy(exact32).to(tdt)
     got = fp8_decode.dequant_array(codes, scale, block, fmt, out)
     assert got.shape == shape
     want_bits = want.view(torch.int16 if out != "F32" else torch.int32).numpy()
     got_bits = got.view(want_bits.dtype)
-    nan = torch.isnan(want.float()).numpy()
+    nan = np.isnan(exact32)
     got_values = torch.from_numpy(got_bits.copy()).view(tdt).float().numpy()
     assert nan.any()
     # NaN signs and payloads follow no standard (torch differs between its own paths): NaN where
-    # torch has NaN, every other value byte for byte
+    # the product is NaN, every other value byte for byte
     np.testing.assert_array_equal(np.isnan(got_values), nan)
     np.testing.assert_array_equal(got_bits[~nan], want_bits[~nan])
 
@@ -281,18 +293,20 @@ def test_dequantize_survives_flush_denormal_mode():
     want = ref_dequant(qb, np.ones((1, 1), np.float32), (128, 128)).astype(np.float32)
     assert torch.set_flush_denormal(True)
     try:
-        got = fp8.dequantize(as_fp8(qb), torch.ones(1, 1)).numpy()
+        got = fp8_decode.dequant_array(qb, np.ones((1, 1), np.float32), (128, 128), "F8_E4M3", "F32")
     finally:
         torch.set_flush_denormal(False)
     np.testing.assert_array_equal(got, want)
 
 
-def test_dequantize_rejects_a_wrong_scale_grid():
-    q = torch.zeros(300, 200, dtype=torch.float8_e4m3fn)
+def test_dequantize_rejects_a_wrong_scale_grid_or_format():
+    q = np.zeros((300, 200), dtype=np.uint8)
     with pytest.raises(PlanError, match="fp8-scale-shape"):
-        fp8.dequantize(q, torch.ones(2, 2))
-    with pytest.raises(InputError, match="fp8-dtype"):
-        fp8.dequantize(torch.zeros(4, 4), torch.ones(1, 1))
+        fp8_decode.dequant_array(q, np.ones((2, 2), np.float32), (128, 128), "F8_E4M3", "BF16")
+    with pytest.raises(PlanError, match="fp8-dtype"):
+        fp8_decode.dequant_array(q, np.ones((3, 2), np.float32), (128, 128), "BF16", "BF16")
+    with pytest.raises(PlanError, match="fp8-scale-dtype"):
+        fp8_decode.dequant_array(q, np.ones((3, 2), np.int32), (128, 128), "F8_E4M3", "BF16", "I32")
 
 
 def test_dequantize_agrees_with_transformers_fp8_dequantize():
@@ -302,7 +316,11 @@ def test_dequantize_agrees_with_transformers_fp8_dequantize():
     qb, scale = random_fp8(rng, (2, 256, 384), (128, 128))
     q, s = as_fp8(qb), torch.from_numpy(scale)
     theirs = Fp8Dequantize(None)._dequantize_one(q, s, output_dtype=torch.bfloat16)
-    assert torch.equal(fp8.dequantize(q, s).to(torch.bfloat16).view(torch.int16), theirs.view(torch.int16))
+    assert torch.equal(deq(q, s, out="BF16").view(torch.int16), theirs.view(torch.int16))
+
+
+def tensor_of(ref) -> OutputTensor:
+    return OutputTensor(ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]))
 
 
 @pytest.mark.parametrize(
@@ -315,11 +333,13 @@ def test_dequantize_agrees_with_transformers_fp8_dequantize():
         ("BF16", 1 << 20),  # whole matrices per band
     ],
 )
-def test_dequant_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
-    monkeypatch.setattr(fp8, "BAND_ELEMS", band)
+def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
+    """transforms.dequantize (extract --dequant, stitch's comparisons) written by the writer."""
+    monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
     rng = np.random.default_rng(3)
     qa, sa = random_fp8(rng, (300, 200), (128, 128), scale_exp=(-12, 0))
     qe, se = random_fp8(rng, (3, 130, 257), (128, 128), scale_exp=(-12, 0))
+    e8 = rng.integers(100, 130, (3, 2, 3)).astype(np.uint8)  # UE8M0 scales: 2**(b - 127)
     refs, src = write_refs(
         tmp_path / "in.safetensors",
         {
@@ -328,13 +348,15 @@ def test_dequant_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
             "pad": torch.ones(7, dtype=torch.bfloat16),  # neighbours that must not be read
             "e.weight": as_fp8(qe),
             "e.weight_scale_inv": torch.from_numpy(se),
+            "e8.weight_scale_inv": torch.from_numpy(e8).view(torch.float8_e8m0fnu),
         },
     )
     src.ranges.clear()  # header reads are done; from here on only the recipes read
-    outs = [
-        OutputTensor(k, out_dtype, refs[k].shape, fp8.dequant_recipe(refs[k], refs[k + "_scale_inv"], out_dtype))
-        for k in ("a.weight", "e.weight")
-    ]
+    outs = [transforms.dequantize(tensor_of(refs[w]), tensor_of(refs[s]), out_dtype, (128, 128))
+            for w, s in (("a.weight", "a.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"))]
+    e8_out = transforms.dequantize(tensor_of(refs["e.weight"]), tensor_of(refs["e8.weight_scale_inv"]), "F32",
+                                   (128, 128))
+    outs.append(OutputTensor("e8.weight", "F32", e8_out.shape, e8_out.recipe))
     got = run_plan(tmp_path, outs)
     for k, qb, sc in (("a.weight", qa, sa), ("e.weight", qe, se)):
         exact32 = ref_dequant(qb, sc, (128, 128)).astype(np.float32)
@@ -344,74 +366,60 @@ def test_dequant_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
             np.testing.assert_array_equal(got[k].numpy(), exact32.astype(np.float16))
         else:
             np.testing.assert_array_equal(got[k].numpy(), exact32)
-    # every read stays inside the weights and scales it was given
+    want8 = ref_dequant(qe, (2.0 ** (e8.astype(np.float64) - 127)).astype(np.float32), (128, 128))
+    np.testing.assert_array_equal(got["e8.weight"].numpy(), want8.astype(np.float32))
+    # every read stays inside the weights and scales it was given, each read once per recipe
     allowed = [(refs[k].offset, refs[k].offset + refs[k].nbytes) for k in refs if k != "pad"]
     data_reads = [(o, n) for o, n in src.ranges if n]
     for o, n in data_reads:
         assert any(a <= o and o + n <= b for a, b in allowed), (o, n)
-    assert sum(n for o, n in data_reads) == sum(b - a for a, b in allowed)
+    assert sum(n for o, n in data_reads) == sum(b - a for a, b in allowed) + refs["e.weight"].nbytes
 
 
-def test_dequant_recipe_checks_at_plan_time(tmp_path):
+def test_dequantize_recipe_checks_at_plan_time(tmp_path):
     refs, _ = write_refs(
         tmp_path / "x.safetensors",
         {
             "w": torch.zeros(300, 200, dtype=torch.float8_e4m3fn),
             "s_bad": torch.ones(2, 2),
             "s": torch.ones(3, 2),
+            "s_int": torch.ones(3, 2, dtype=torch.int32),
             "b": torch.zeros(300, 200, dtype=torch.bfloat16),
         },
     )
-    with pytest.raises(PlanError, match="fp8-scale-shape") as e:
-        fp8.dequant_recipe(refs["w"], refs["s_bad"])
-    assert "x.safetensors" in str(e.value) and "s_bad" in str(e.value)
-    with pytest.raises(PlanError, match="fp8-dtype"):
-        fp8.dequant_recipe(refs["b"], refs["s"])
-    with pytest.raises(PlanError, match="fp8-out-dtype"):
-        fp8.dequant_recipe(refs["w"], refs["s"], "F8_E4M3")
-    assert fp8.dequant_recipe(refs["w"], refs["s"], "bf16").describe()["to"] == "BF16"
+    w, s = tensor_of(refs["w"]), tensor_of(refs["s"])
+    with pytest.raises(PlanError, match="fp8-scale") as e:
+        transforms.dequantize(w, tensor_of(refs["s_bad"]), "BF16", (128, 128))
+    assert "s_bad" in str(e.value)
+    with pytest.raises(PlanError, match="dequant"):
+        transforms.dequantize(tensor_of(refs["b"]), s, "BF16", (128, 128))
+    with pytest.raises(PlanError, match="dequant-dtype"):
+        transforms.dequantize(w, s, "F8_E4M3", (128, 128))
+    with pytest.raises(PlanError, match="fp8-scale-dtype"):
+        transforms.dequantize(w, tensor_of(refs["s_int"]), "BF16", (128, 128))
 
 
-def test_dequant_recipe_windows_and_e8m0_scales(tmp_path):
-    rng = np.random.default_rng(4)
-    qb, sc = random_fp8(rng, (3, 256, 200), (128, 128), scale_exp=(-12, 0))
-    e8 = rng.integers(100, 130, (3, 2, 2)).astype(np.uint8)  # UE8M0 scales: 2**(b - 127)
-    refs, _ = write_refs(
-        tmp_path / "w.safetensors",
-        {"w": as_fp8(qb), "s": torch.from_numpy(sc), "s8": torch.from_numpy(e8).view(torch.float8_e8m0fnu)},
-    )
-    outs = [
-        OutputTensor("one", "BF16", (256, 200),
-                     fp8.dequant_recipe(fp8.TensorRows(refs["w"], expert=2), fp8.TensorRows(refs["s"], expert=2))),
-        OutputTensor("up", "F32", (3, 128, 200),  # rows 128..256 of every expert, e.g. the up half of gate_up
-                     fp8.dequant_recipe(fp8.TensorRows(refs["w"], rows=(128, 256)),
-                                        fp8.TensorRows(refs["s"], rows=(1, 2)), "F32")),
-        OutputTensor("e8", "F32", (3, 256, 200), fp8.dequant_recipe(refs["w"], refs["s8"], "F32")),
-    ]
-    got = run_plan(tmp_path, outs)
-    full = ref_dequant(qb, sc, (128, 128)).astype(np.float32)
-    np.testing.assert_array_equal(got["one"].view(torch.int16).numpy().view(np.uint16), f32_to_bf16_bits(full[2]))
-    np.testing.assert_array_equal(got["up"].numpy(), full[:, 128:])
-    want8 = ref_dequant(qb, (2.0 ** (e8.astype(np.float64) - 127)).astype(np.float32), (128, 128))
-    np.testing.assert_array_equal(got["e8"].numpy(), want8.astype(np.float32))
-    with pytest.raises(PlanError, match="fp8-block-misaligned"):
-        fp8.dequant_recipe(fp8.TensorRows(refs["w"], rows=(64, 192)), fp8.TensorRows(refs["s"], rows=(0, 1)))
-
-
-def test_prefetch_worker_stops_and_restores_threads(tmp_path):
+def test_stream_worker_stops_when_the_consumer_does():
     rng = np.random.default_rng(8)
     qb, sc = random_fp8(rng, (4, 128, 300), (128, 128))
-    refs, _ = write_refs(tmp_path / "p.safetensors", {"w": as_fp8(qb), "s": torch.from_numpy(sc)})
-    threads_before, workers_before = torch.get_num_threads(), threading.active_count()
-    gen = fp8.dequant_recipe(refs["w"], refs["s"]).produce()
+    data = memoryview(qb.tobytes())
+    pos = 0
+
+    def read(n):
+        nonlocal pos
+        pos += n
+        return data[pos - n : pos]
+
+    workers_before = threading.active_count()
+    gen = fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16")
     first = next(gen)
-    assert first.dtype == torch.bfloat16
+    assert first.dtype == np.uint16
     gen.close()  # the writer stops early (an error elsewhere): the worker must end
     assert threading.active_count() == workers_before
-    assert torch.get_num_threads() == threads_before
-    chunks = list(fp8.dequant_recipe(refs["w"], refs["s"]).produce())
-    assert sum(c.numel() for c in chunks) == qb.size and torch.get_num_threads() == threads_before
-    assert not any(c.untyped_storage().data_ptr() == chunks[0].untyped_storage().data_ptr() for c in chunks[1:])
+    pos = 0
+    chunks = list(fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16"))
+    assert sum(c.size for c in chunks) == qb.size
+    assert not any(np.shares_memory(c, chunks[0]) for c in chunks[1:])  # fresh arrays: consumers may keep them
 
 
 # ---------------------------------------------------------------------------
@@ -516,7 +524,7 @@ def test_property_random_shapes_and_blocks(rows, cols, lead, br, bc, exp, seed):
     q, s = fp8.quantize(torch.from_numpy(w), (br, bc))
     want_q, want_s = ref_quantize(w, (br, bc))
     assert np.array_equal(q_bytes(q), want_q) and np.array_equal(s.numpy(), want_s)
-    d = fp8.dequantize(q, s, (br, bc))
+    d = deq(q, s, (br, bc))
     np.testing.assert_array_equal(d.numpy(), ref_dequant(want_q, want_s, (br, bc)).astype(np.float32))
     q2, s2 = fp8.quantize(d, (br, bc))
     assert np.array_equal(q_bytes(q2), want_q) and torch.equal(s2, s)
@@ -529,85 +537,76 @@ def test_quantize_dequantize_is_a_fixed_point(shape):
     w.reshape(-1)[:254] = E4M3[FINITE_BYTES]  # every finite code appears
     w[..., :128, :128] = 0.0  # a zero block
     q, s = fp8.quantize(torch.from_numpy(w))
-    q2, s2 = fp8.quantize(fp8.dequantize(q, s))
+    q2, s2 = fp8.quantize(deq(q, s))
     assert np.array_equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2.view(torch.int32), s.view(torch.int32))
     # tiny blocks (floored scale, some rounding to all-zero codes) too
     q, s = fp8.quantize(torch.from_numpy(w * np.float32(1e-36)))
     assert (s >= 2.0**-126).all() and (s == 2.0**-126).any()
-    q2, s2 = fp8.quantize(fp8.dequantize(q, s))
+    q2, s2 = fp8.quantize(deq(q, s))
     assert np.array_equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2, s)
 
 
-def test_requant_recipes_match_quantize(tmp_path):
+# ---------------------------------------------------------------------------
+# Banded re-quantization: transforms.requantize (stitch and graft)
+
+
+def requantized(ref, block=(128, 128), pow2=False):
+    return transforms.requantize(tensor_of(ref), block, ref.key + "_scale_inv", pow2=pow2)
+
+
+def test_requantize_recipes_match_quantize(tmp_path):
     rng = np.random.default_rng(2)
     a = torch.from_numpy(rng.standard_normal((300, 200)).astype(np.float32) * 0.02).to(torch.bfloat16)
     e = torch.from_numpy(rng.standard_normal((3, 260, 257)).astype(np.float32) * 0.02)
     refs, src = write_refs(tmp_path / "d.safetensors", {"a": a, "e": e})
-    outs = fp8.requant_recipes(refs["a"]).outputs("a.weight", "a.weight_scale_inv", meta={"source": "a"})
-    outs += fp8.requant_recipes(refs["e"]).outputs("e.weight", "e.weight_scale_inv")
-    # a window: expert 1, the second half of its rows (like the up half of a fused gate_up)
-    win = fp8.requant_recipes(fp8.TensorRows(refs["e"], expert=1, rows=(130, 260)))
-    outs += win.outputs("up.weight", "up.weight_scale_inv")
-    assert outs[0].dtype == "F8_E4M3" and outs[1].dtype == "F32" and outs[1].shape == (3, 2)
-    assert win.shape == (130, 257) and win.scale_shape == (2, 3)
+    outs = [*requantized(refs["a"]), *requantized(refs["e"]), *requantized(refs["e"], pow2=True)]
+    outs[-2:] = [OutputTensor("p" + t.key, t.dtype, t.shape, t.recipe) for t in outs[-2:]]
+    assert outs[0].dtype == "F8_E4M3" and outs[1].dtype == "F32" and outs[3].shape == (3, 3, 3)
     got = run_plan(tmp_path, outs)
-    for key, values in (("a", a), ("e", e), ("up", e[1, 130:])):
-        q, s = fp8.quantize(values)
-        assert got[f"{key}.weight"].dtype == torch.float8_e4m3fn
-        assert np.array_equal(q_bytes(got[f"{key}.weight"]), q_bytes(q))
-        assert torch.equal(got[f"{key}.weight_scale_inv"], s)
+    for key, values, pow2 in (("a", a, False), ("e", e, False), ("pe", e, True)):
+        q, s = fp8.quantize(values, pow2=pow2)
+        assert got[key].dtype == torch.float8_e4m3fn
+        assert np.array_equal(q_bytes(got[key]), q_bytes(q))
+        assert torch.equal(got[f"{key}_scale_inv"], s)
 
 
-def test_requant_recipe_refuses_nonfinite_when_producing(tmp_path):
+@pytest.mark.parametrize("first", ["scale", "weight"])
+def test_requantize_computes_each_scale_grid_once(tmp_path, monkeypatch, first):
+    """The weight and scale recipes of one tensor share its grid, whichever runs first (the writer runs
+    F32 scales first): one amax per block row, one division; run again, the same bytes."""
+    rng = np.random.default_rng(6)
+    e = torch.from_numpy(rng.standard_normal((2, 300, 200)).astype(np.float32))
+    refs, _ = write_refs(tmp_path / "d.safetensors", {"e": e})
+    q, want_s = fp8.quantize(e)
+    calls = {"scales": 0, "codes": 0}
+    for name, count in (("block_scales", "scales"), ("quantize_with", "codes")):
+        real = getattr(fp8, name)
+        monkeypatch.setattr(fp8, name, lambda *a, real=real, count=count, **k: (
+            calls.__setitem__(count, calls[count] + 1), real(*a, **k))[1])
+    w, s = requantized(refs["e"])
+
+    def run(t):
+        return b"".join(bytes(as_bytes(c)) for c in t.recipe.produce())
+
+    order = (s, w) if first == "scale" else (w, s)
+    got = {t.key: run(t) for t in order}
+    block_rows = 2 * 3
+    assert calls == {"scales": block_rows, "codes": block_rows}
+    assert got[w.key] == bytes(as_bytes(q)) and got[s.key] == bytes(as_bytes(want_s))
+    assert run(w) == got[w.key] and run(s) == got[s.key]  # a second run (the grid was dropped) is the same
+
+
+def test_requantize_refuses_nonfinite_when_producing(tmp_path):
     w = torch.zeros(130, 10)
     w[129, 9] = float("nan")
     refs, _ = write_refs(tmp_path / "n.safetensors", {"w": w, "i": torch.zeros(4, 4, dtype=torch.int32)})
-    r = fp8.requant_recipes(refs["w"])
-    for recipe in (r.scale, r.weight):  # the weight recipe raises from its worker thread
+    weight, scale = requantized(refs["w"])
+    for t in (scale, weight):
         with pytest.raises(InputError, match="fp8-nonfinite") as e:
-            list(recipe.produce())
-        assert "w (rows 128..130)" in str(e.value) and "n.safetensors" in str(e.value)
+            list(t.recipe.produce())
+        assert "w (rows 128..130)" in str(e.value) and "block [0, 0]" in str(e.value)
     with pytest.raises(PlanError, match="fp8-dtype"):
-        fp8.requant_recipes(refs["i"])
-
-
-# ---------------------------------------------------------------------------
-# Round trip: dequantize -> bf16 draft -> unchanged?
-
-
-@pytest.mark.parametrize("band", [5000, 1 << 20])
-def test_unchanged_after_dequant(tmp_path, monkeypatch, band):
-    monkeypatch.setattr(fp8, "BAND_ELEMS", band)
-    rng = np.random.default_rng(9)
-    qb, sc = random_fp8(rng, (3, 130, 257), (128, 128), scale_exp=(-12, 0))
-    vrefs, _ = write_refs(tmp_path / "v.safetensors", {"w": as_fp8(qb), "w_scale_inv": torch.from_numpy(sc)})
-    drafts = {}
-    for dt in ("BF16", "F16", "F32"):
-        drafts[dt] = run_plan(tmp_path, [OutputTensor("w", dt, (3, 130, 257),
-                                                      fp8.dequant_recipe(vrefs["w"], vrefs["w_scale_inv"], dt))],
-                              name=f"d{dt}")["w"]
-    bf = drafts["BF16"]
-    poked = bf.clone()
-    poked[2, 129, 256] = (poked[2, 129, 256].float() * 1.01).to(torch.bfloat16)  # one element, last edge tile
-    assert not torch.equal(poked, bf)
-    lowbit = bf.clone()
-    lowbit.view(torch.int16)[0, 0, 0] ^= 1  # one ulp
-    drefs, _ = write_refs(
-        tmp_path / "drafts.safetensors",
-        {"bf": bf, "f16": drafts["F16"], "f32": drafts["F32"], "poked": poked, "lowbit": lowbit,
-         "short": bf[:, :129]},
-    )
-
-    def same(k):
-        return fp8.unchanged_after_dequant(drefs[k], vrefs["w"], vrefs["w_scale_inv"], (128, 128))
-
-    assert same("bf") and same("f16") and same("f32")
-    assert not same("poked") and not same("lowbit") and not same("short")
-    # per-expert draft against one expert of the stacked verifier
-    one, _ = write_refs(tmp_path / "one.safetensors", {"x": bf[1].clone()})
-    sc1, _ = write_refs(tmp_path / "sc1.safetensors", {"s": torch.from_numpy(sc[1].copy())})
-    assert fp8.unchanged_after_dequant(one["x"], fp8.TensorRows(vrefs["w"], expert=1), sc1["s"])
-    assert not fp8.unchanged_after_dequant(one["x"], fp8.TensorRows(vrefs["w"], expert=0), sc1["s"])
+        requantized(refs["i"])
 
 
 # ---------------------------------------------------------------------------
@@ -616,13 +615,12 @@ def test_unchanged_after_dequant(tmp_path, monkeypatch, band):
 
 def test_config_helpers():
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 128]}
-    assert fp8.is_fp8_config({"quantization_config": qc})
     assert fp8.block_size({"quantization_config": qc}) == (64, 128)
     nested = ConfigView({"text_config": {"hidden_size": 8}, "quantization_config": qc})
-    assert fp8.is_fp8_config(nested) and fp8.block_size(nested) == (64, 128)
+    assert fp8.block_size(nested) == (64, 128) and not fp8.power_of_two_scales(nested)
+    assert fp8.power_of_two_scales({"quantization_config": {**qc, "scale_fmt": "UE8M0"}})
     assert fp8.block_size({"quantization_config": {"quant_method": "fp8"}}) == (128, 128)
-    assert fp8.block_size({}) == (128, 128) and not fp8.is_fp8_config({})
-    assert not fp8.is_fp8_config({"quantization_config": {"quant_method": "compressed-tensors"}})
+    assert fp8.block_size({}) == (128, 128)
     for bad in (None, [128], [0, 128], [128.0, 128], "128"):
         with pytest.raises(InputError, match="fp8-block-size"):
             fp8.block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": bad}})
@@ -643,9 +641,9 @@ def test_power_of_two_scales_for_ue8m0(shape):
     assert torch.equal(s, expect)
     # values are a fixed point (bytes may not be: a block whose largest code rounded down to 224 comes back
     # with half the scale and doubled codes, the same values; stitch keeps unchanged FP8 bytes by value)
-    d = fp8.dequantize(q, s)
+    d = deq(q, s)
     q2, s2 = fp8.quantize(d, pow2=True)
-    assert torch.equal(fp8.dequantize(q2, s2), d)
-    err = (fp8.dequantize(q, s) - w).abs().max()
+    assert torch.equal(deq(q2, s2), d)
+    err = (deq(q, s) - w).abs().max()
     assert err <= w.abs().max() * 2.0**-3  # e4m3 keeps 3 mantissa bits; a larger scale costs at most one
     assert not torch.equal(s, plain_s)  # the option does something

@@ -30,7 +30,9 @@ def test_untouched_dequantized_draft_stitches_back_byte_identical(make_fixture, 
 
 
 def test_perturbed_dequantized_draft_requantizes_exactly_those(make_fixture, tmp_path):
-    from ckpt_tools.fp8 import dequantize, quantize
+    from ckpt_tools.fp8 import quantize
+
+    from quant_helpers import fp8_dequant as dequantize
 
     verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
     draft, out = tmp_path / "draft", tmp_path / "out"
@@ -56,6 +58,71 @@ def test_perturbed_dequantized_draft_requantizes_exactly_those(make_fixture, tmp
         assert torch.equal(c.tensors[k.replace(".weight", ".weight_scale_inv")].torch(), s)
         back = dequantize(c.tensors[k].torch(), s)
         assert (back - tensors[k].float()).abs().max() <= tensors[k].float().abs().max() * 2 ** -4
+
+
+def test_one_ulp_in_one_element_replaces_exactly_that_weight(make_fixture, tmp_path):
+    """Stitch's identity check compares values: one bf16 ulp in the last edge tile of one expert is a
+    change (re-quantized), every other FP8 weight keeps the verifier's bytes."""
+    verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
+    draft, out = tmp_path / "draft", tmp_path / "out"
+    ckpt("extract", verifier, "-o", draft, "--dequant", "bf16")
+    f = draft / "model.safetensors"
+    tensors = load_file(str(f))
+    key = "model.layers.3.mlp.experts.1.up_proj.weight"
+    tensors[key].view(torch.int16)[-1, -1] ^= 1
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    rep = json.loads(ckpt("stitch", draft, verifier, "-o", out, "--json").output)
+    changed = {t["key"]: t["status"] for t in rep["tensors"] if t["status"] != "unchanged"}
+    assert changed == {key: "replaced", key + "_scale_inv": "replaced"}
+    v, c = Checkpoint.open(verifier), Checkpoint.open(out)
+    assert all(c.tensors[k].read() == ref.read() for k, ref in v.tensors.items() if k not in changed)
+
+
+def test_diff_dequant_compares_fp8_weights_by_value(make_fixture, tmp_path):
+    """`ckpt diff --dequant` decodes FP8 weights in runs of elements that cut rows and edge tiles: the same
+    values extract's band dequantizer writes as F32 (max |a - b| 0), and a perturbed weight stands out."""
+    verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
+    draft = tmp_path / "draft"
+    ckpt("extract", verifier, "-o", draft, "--dequant", "f32")
+    v = Checkpoint.open(verifier)
+    fp8 = {k for k in Checkpoint.open(draft).tensors if v.tensors[k].dtype == "F8_E4M3"}
+    rep = json.loads(ckpt("diff", verifier, draft, "--dequant", "--json", code=1).output)
+    by_key = {t["key"]: t for t in rep["tensors"]}
+    assert fp8 and all(by_key[k]["max_abs"] == 0.0 and by_key[k]["cosine"] == 1.0 for k in fp8)
+    f = draft / "model.safetensors"
+    tensors = load_file(str(f))
+    key = "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"  # 160 columns: two edge tiles per row
+    tensors[key][-1, -1] += 0.5
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    rep = json.loads(ckpt("diff", verifier, draft, "--dequant", "--json", code=1).output)
+    moved = {t["key"]: t["max_abs"] for t in rep["tensors"] if t["key"] in fp8 and t["max_abs"] != 0.0}
+    assert set(moved) == {key} and abs(moved[key] - 0.5) < 1e-6
+    plain = json.loads(ckpt("diff", verifier, draft, "--json", code=1).output)  # FP8 bytes have no values
+    assert [t.get("max_abs") for t in plain["tensors"] if t["key"] == key] == [None]
+
+
+def test_decisions_say_what_is_written_and_why(make_fixture, tmp_path):
+    from ckpt_tools.ops.stitch import run
+
+    verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
+    draft = tmp_path / "draft"
+    ckpt("extract", verifier, "-o", draft, "--dequant", "bf16")
+    key = "model.layers.3.self_attn.q_b_proj.weight"
+    f = draft / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors[key] = (tensors[key].float() * 1.01).to(torch.bfloat16)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    by_key = {d.key: d for d in run(draft, verifier, tmp_path / "o", dry_run=True).decisions}
+    assert by_key[key].action == by_key[key + "_scale_inv"].action == "requantize"
+    assert by_key[key].stats.status == "replaced" and key in by_key[key + "_scale_inv"].reason
+    others = {d.action for k, d in by_key.items() if k not in (key, key + "_scale_inv")}
+    assert others == {"identical"}
+    assert "FP8 weight dequantized" in by_key["model.layers.3.mlp.experts.0.up_proj.weight"].reason
+    kept = {d.key: d for d in run(draft, verifier, tmp_path / "o", dry_run=True, keep_bf16=True).decisions}
+    removed = {k for k, d in kept.items() if d.action == "remove"}
+    assert removed and all(k.endswith("_scale_inv") and kept[k[: -len("_scale_inv")]].action == "replace"
+                           for k in removed)
+    assert "written as BF16 where the verifier has F8_E4M3" in kept[key.replace("q_b", "kv_b")].reason
 
 
 def test_keep_bf16_writes_unquantized_mtp_and_says_so_in_the_config(make_fixture, tmp_path):

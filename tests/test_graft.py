@@ -173,7 +173,7 @@ def test_mtp_quant_fp8_block_into_a_deepseek_block_fp8_target(make_fixture, tmp_
     import torch
     from safetensors.torch import load_file
 
-    from ckpt_tools.fp8 import dequantize
+    from quant_helpers import fp8_dequant as dequantize
 
     src = make_fixture("deepseek_v3")
     target = make_fixture("deepseek_v3", fp8=True, drop_mtp=True)

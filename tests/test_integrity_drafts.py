@@ -108,7 +108,9 @@ def _tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def test_e5m2_weight_is_requantized_into_the_verifiers_e4m3(fp8, tmp_path):
-    from ckpt_tools.fp8 import dequantize, quantize
+    from ckpt_tools.fp8 import quantize
+
+    from quant_helpers import fp8_dequant as dequantize
 
     verifier, draft8, _ = fp8
     draft = copy(draft8, tmp_path / "d")
@@ -308,7 +310,7 @@ def test_an_init_draft_is_exempt(make_fixture, tmp_path):
 
 
 def test_the_gate_pool_stops_on_error():
-    from ckpt_tools.ops.stitch import _in_parallel
+    from ckpt_tools.ops.stitch_compare import _in_parallel
 
     started = threading.Event()
 
@@ -379,16 +381,17 @@ def test_float32_overflowing_squares_stay_finite(tmp_path):
 
 
 def test_no_worker_thread_sets_torchs_thread_count(fp8, tmp_path, monkeypatch):
-    from ckpt_tools import fp8 as fp8mod
+    from ckpt_tools import transforms
+    from ckpt_tools.plan import CopyBytes, OutputTensor
 
     calls = []
     real = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads",
                         lambda n: (calls.append(threading.current_thread().name), real(n)))
     verifier, _, draft16 = fp8
-    c = Checkpoint.open(verifier)
-    w = c.tensors[Q_B]
-    recipe = fp8mod.dequant_recipe(w, c.tensors[Q_B + "_scale_inv"])
+    w = Checkpoint.open(draft16).tensors[Q_B]  # torch work: re-quantizing the draft's values
+    recipe = transforms.requantize(OutputTensor(Q_B, w.dtype, w.shape, CopyBytes([w.segment()])), (128, 128),
+                                   Q_B + "_scale_inv")[0].recipe
     real(2)  # a count to switch from
     try:
         done = []

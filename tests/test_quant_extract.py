@@ -101,11 +101,11 @@ def test_deepseek_v4_release_validates_and_dequantizes(make_fixture, tmp_path):
     assert state["mtp.0.ffn.experts.0.w1.weight"].dtype == torch.int8
     run_ckpt("extract", src, "-o", tmp_path / "out", "--dequant", "bf16")
     out = _out(tmp_path / "out")
-    from ckpt_tools import fp8
+    from quant_helpers import fp8_dequant
 
     # FP8 with UE8M0 block scales: the block-FP8 arithmetic
     w, s = state["mtp.0.attn.wq_a.weight"], state["mtp.0.attn.wq_a.scale"]
-    assert same_bits(out["mtp.0.attn.wq_a.weight"], fp8.dequantize(w, s, (128, 128), dtype=torch.bfloat16))
+    assert same_bits(out["mtp.0.attn.wq_a.weight"], fp8_dequant(w, s, (128, 128), dtype=torch.bfloat16))
     # FP4 experts: the format in float64 (codes low nibble first; 2**(e - 127) per 32)
     import numpy as np
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, out_console, output_arg, progress_for
-from .gate_options import allow_invalid_option, allowed_rules
+from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
+from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
 
 
@@ -41,10 +41,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
         from ..checkpoint import Checkpoint
+        from ..ops.execute import Outputs, execute_and_report
         from ..ops.graft import GraftRequest, plan_graft
         from ..plan import parse_size
         from .quant_render import say_config_changes
-        from .stitch_cmd import Outputs, execute_and_report
         from .summary import render_diffs
 
         allow = allowed_rules(allow_invalid)
@@ -54,9 +54,11 @@ def register(app: typer.Typer) -> None:
         with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
             progress_for(json_output).phase("planning")
             plan, report = plan_graft(s, t, req)
-            outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume, json_output)
-            execute_and_report(plan, report, outputs, allow, "graft-report.json")
+            say_allowed(plan.manifest.get("allowed_invalid"))
+            outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume)
+            execute_and_report(plan, report, outputs, allow, "graft-report.json", progress_for(json_output))
         if json_output:
+            emit_json(report.to_json())
             return
         hint = "--all or graft-report.json lists every key" if not dry_run else "--all or --json lists every key"
         render_diffs(report.diffs, report.totals(), show_all, title=f"graft ({report.family}, MTP {report.storage})",

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
-from ..targets import Output
 from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
 from .gate_options import allow_invalid_option, allowed_rules, say_allowed
 from .quant_render import say_config_changes
@@ -54,27 +52,20 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
-        from ..checkpoint import Checkpoint
-        from ..errors import UsageError
-        from ..ops.stitch import StitchRequest, plan_stitch
-        from ..plan import parse_size
+        from ..ops.stitch import run
         from .extract_cmd import _layers
         from .summary import render_diffs
 
-        allow = allowed_rules(allow_invalid)
-        if strip_prefix is not None and not strip_prefix:
-            raise UsageError("--strip-prefix needs a non-empty prefix (e.g. --strip-prefix model.)")
-        req = StitchRequest(format=fmt, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
-                            update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=_layers(layers),
-                            max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
-                            strip_prefix=strip_prefix, command=command_line(), allow_invalid=allow)
-        progress_for(json_output).phase("reading headers")
-        with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
-            progress_for(json_output).phase("planning")
-            plan, report = plan_stitch(d, v, req)
-            outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume, json_output)
-            execute_and_report(plan, report, outputs, allow)
-        if not json_output:
+        report = run(draft, verifier, output_arg(out), format=fmt, mode=mode, link=link, allow_partial=allow_partial,
+                     dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16, arch=arch,
+                     strip_prefix=strip_prefix, layers=_layers(layers), max_shard_size=max_shard_size,
+                     accept_divergent=accept_divergent, dry_run=dry_run, plan_json=plan_json, report_file=report_file,
+                     overwrite=overwrite, resume=resume, allow_invalid=allowed_rules(allow_invalid),
+                     command=command_line(), progress=progress_for(json_output),
+                     on_plan=lambda plan, _report: say_allowed(plan.manifest.get("allowed_invalid")))
+        if json_output:
+            emit_json(report.to_json())
+        else:
             hint = "--all or stitch-report.json lists every key" if not dry_run else "--all or --json lists every key"
             say_how_read(report.draft)
             render_diffs(report.diffs, report.totals(), show_all, title=f"stitch ({report.mode}, {report.format})",
@@ -104,60 +95,3 @@ def say_how_read(draft: dict) -> None:
         parts.append(f"stripped the prefix {stripped['prefix']!r} from every key ({stripped['how']})")
     if parts:
         out_console().print("draft: " + "; ".join(parts), markup=False, soft_wrap=True)
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """Where a writing verb's results go (its -o, --dry-run, --plan-json, --report, ... options)."""
-
-    out: Output
-    dry_run: bool
-    plan_json: Path | None
-    report_file: Path | None
-    overwrite: bool
-    resume: bool
-    json_output: bool
-
-
-def execute_and_report(plan, report, o: Outputs, allow: frozenset[str], name: str = "stitch-report.json") -> None:
-    """Say what --allow-invalid let in, write the plan JSON, execute the plan (unless --dry-run), write the
-    report file and, with --json, print the report. Inputs stay open meanwhile (the writer reads them)."""
-    from ..jsonutil import write_json_file
-    from ..options import outside_inputs
-
-    say_allowed(plan.manifest.get("allowed_invalid"))
-    if o.report_file is not None:
-        outside_inputs("--report", o.report_file, plan.inputs)  # before anything is written
-    if o.plan_json is not None:
-        plan.write_json(o.plan_json)
-    if not o.dry_run:
-        _write(plan, report, o.out, o.overwrite, o.resume, o.json_output, allow, name)
-    data = report.to_json()
-    if o.report_file is not None:
-        write_json_file(o.report_file, data, "--report", plan.inputs)
-    if o.json_output:
-        emit_json(data)
-
-
-def _write(plan, report, out: Output, overwrite: bool, resume: bool, json_output: bool, allow: frozenset[str],
-           name: str = "stitch-report.json") -> None:
-    """Execute the stitch (or graft); the output is validated before its index appears (a failure is exit 4),
-    then the report is written as ``name``.
-
-    What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
-    """
-    from ..jsonutil import dumps_strict
-    from ..ops.validate import validate_output
-    from ..plan import OutputFile
-    from ..targets import write_output_file
-    from ..writer import execute
-
-    def check(path: Path, pending) -> None:
-        result = validate_output(path, allow=allow, pending=pending)
-        report.validation = {"ok": True, "problems": [], **({"allowed": result["allowed"]} if "allowed" in result
-                                                            else {})}
-
-    plan.files.append(OutputFile(name, content=b"{}"))  # placeholder, rewritten below
-    execute(plan, out, overwrite=overwrite, resume=resume, progress=progress_for(json_output), check=check)
-    # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    write_output_file(out, name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())

@@ -89,31 +89,15 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
 
 
 def _fp8_decoder(ckpt: Checkpoint, key: str):
-    """Chunk decoder giving dequantized float32 values of an FP8 block-quantized weight."""
+    """Chunk decoder giving dequantized float32 values of an FP8 block-quantized weight (fp8_decode)."""
     from ..expert_layouts import scale_key
-    from ..fp8 import TensorRows, _check_pair, block_size
-    from ..numeric import bytes_to_torch
+    from ..fp8 import block_size
+    from ..fp8_decode import scale_to_f32, value_decoder
 
     skey = scale_key(key)
     if skey not in ckpt.tensors:
         return None
-    ref = ckpt.tensors[key]
-    block = block_size(ckpt.config)
-    _check_pair(TensorRows(ref), TensorRows(ckpt.tensors[skey]), block)  # dtypes and grid shape, named
-    scales = ckpt.tensors[skey].torch().float()
-    cols = ref.shape[-1]
-    rows = ref.shape[-2]
-
-    def decode(buf, start: int, n: int):
-        # chunks hold whole rows when the caller cuts them so; fall back to per-element scale lookup otherwise
-        import torch
-
-        q = bytes_to_torch(buf, ref.dtype, (len(buf),))
-        idx = torch.arange(start, start + n)
-        col = idx % cols
-        row = (idx // cols) % rows
-        lead = idx // (cols * rows)
-        s = scales.reshape(-1, *scales.shape[-2:])[lead, row // block[0], col // block[1]]
-        return (q.float() * s).numpy()
-
-    return decode
+    ref, sref = ckpt.tensors[key], ckpt.tensors[skey]
+    scale = scale_to_f32(sref.numpy(), sref.dtype)
+    return value_decoder(ref.dtype, scale, tuple(ref.shape), block_size(ckpt.config), f"{skey} of {key}: ",
+                         sref.file)

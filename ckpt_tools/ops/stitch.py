@@ -1,4 +1,4 @@
-"""Plans for `ckpt stitch`: a (finetuned) draft back into its verifier, exactly.
+"""`ckpt stitch`: a (finetuned) draft back into its verifier, exactly: planning, and ``run``.
 
 The draft's format gives the same correspondence extract used, run backwards: each
 verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer index,
@@ -7,11 +7,11 @@ expert layout and dtype. Before anything is written the draft has to pass a gate
 - it proves it belongs to the verifier's family (``provenance.prove_family``);
 - its dtypes follow the policy in ``_Builder`` (floats replace floats, FP8 weights keep the
   verifier's FP8 format and scales, integer / bool / complex tensors are refused);
-- every candidate is compared with the verifier's tensor in one pass (``_measure``):
-  byte- or value-identical ones are copied from the verifier (so an untouched round trip
-  reproduces the verifier's files), NaN / Inf is an error, and a replaced tensor that
-  diverges beyond what finetuning does (``DIVERGENCE``) stops the stitch unless
-  ``--accept-divergent``.
+- every candidate is compared with the verifier's tensor (``stitch_compare.decide``, one
+  ``Decision`` per key): byte- or value-identical ones are copied from the verifier (so an
+  untouched round trip reproduces the verifier's files), NaN / Inf is an error, and a replaced
+  tensor that diverges beyond what finetuning does (``DIVERGENCE``) stops the stitch unless
+  ``--accept-divergent`` (``stitch_compare.judge``).
 
 Replace mode rewrites only the shards that hold changed tensors (keeping their names
 and tensor order); every other file is copied or linked. Add mode puts the MTP tensors
@@ -21,66 +21,42 @@ into new shards next to a verifier that has none, and updates index and config.
 from __future__ import annotations
 
 import json
-import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import __version__, transforms
 from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..compare import TensorDiff, compare, count_nonfinite
-from ..consistency import count_field, note_allowed, require_consistent
+from ..compare import TensorDiff
+from ..consistency import count_field, note_allowed, parse_allow, require_consistent
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..expert_layouts import ExpertGroup, scale_key, scale_shape
 from ..fingerprint import record_inputs
 from ..formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
 from ..mtp import MtpView, choose_table, detect_group_layout
-from ..numeric import torch_threads
-from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout, parse_size
 from ..prefixes import Unwrapped, unwrap
 from ..provenance import prove_family
 from ..quant.repair import Repair
 from ..tables.resolve import Spec, resolve, trunk_specs
 from .extract import _set_count, carried_files
+from .stitch_compare import DIVERGENCE, Candidates, Decision, decide, judge
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from ..quant.audit import Stored
     from ..safetensors_io import TensorRef
+    from ..targets import Output
+    from ..writer import Progress
 
 LINK_MODES = ("copy", "reflink", "hardlink", "remote")
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
 STITCH_HINTS = {"mtp-missing": "if the verifier ships no MTP weights, `--mode add` adds the draft's layers (and sets "
                                "the count to the draft's)"}
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """When a replaced tensor is not a finetune of the verifier's but another tensor.
-
-    Measured with ``python -m benchmarks.divergence`` (AdamW on the MTP layer of a tiny
-    DeepSeek-V3, weights ~0.02-0.06 RMS): finetunes at lr 1e-5..1e-3 for 500-2000 steps keep
-    cosine >= 0.38 and a norm ratio within 0.40-2.54; broken drafts (another model's
-    weights, gate / up halves swapped) give cosines from -0.44 to 0.12 with ordinary norm
-    ratios (0.87-1.09), so the ratio catches scale mistakes rather than these. Norms are not
-    judged: a norm left at its initial ones still has cosine 0.999 with a trained one.
-    """
-
-    measured: str = "measured finetunes keep cosine >= 0.38 and a norm ratio within 0.40-2.54"
-    min_cosine: float = 0.2
-    max_norm_ratio: float = 4.0  # ||draft|| / ||verifier|| beyond 4x either way
-    tiny_rms: float = 1e-3  # a verifier tensor this close to zero has no direction to compare with
-
-    def to_json(self) -> dict:
-        return {"min_cosine": self.min_cosine, "max_norm_ratio": self.max_norm_ratio, "tiny_rms": self.tiny_rms}
-
-
-DIVERGENCE = Divergence()
-GATE_THREADS = 2  # the gate's comparisons: reads and numpy release the GIL
 
 
 @dataclass
@@ -106,7 +82,8 @@ class StitchReport:
     mode: str
     format: str
     family: str
-    diffs: list[TensorDiff] = field(default_factory=list)
+    diffs: list[TensorDiff] = field(default_factory=list)  # one entry per key, sorted (the decisions' stats)
+    decisions: list[Decision] = field(default_factory=list)  # stitch: what is written for each key, and why
     kept_from_verifier: list[str] = field(default_factory=list)  # --allow-partial
     kept_copies: list[str] = field(default_factory=list)  # per-layer embed/head copies left as they were
     absent_copies: list[str] = field(default_factory=list)  # optional copies the output leaves out, as the verifier did
@@ -379,7 +356,7 @@ class _Builder:
     def _requantize(self, t: OutputTensor, vt: str, sref: TensorRef | None) -> None:
         """Block-FP8 quantization of draft values (per-block amax / 448, round-to-nearest-even e4m3).
 
-        ``_measure`` compares the values with the verifier's dequantized ones first: equal
+        ``stitch_compare.decide`` compares the values with the verifier's dequantized ones first: equal
         values keep the verifier's FP8 bytes and scale exactly.
         """
         from ..fp8 import QUANT_DTYPE, SCALE_DTYPE
@@ -512,12 +489,53 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
                              + ", ".join(absent[:15]) + (" ..." if len(absent) > 15 else "")
                              + " (pass --allow-partial to keep the verifier's)", rule="missing-tensor")
         report.kept_from_verifier = absent
-    _measure(builder, view, report)
-    _gate(report, builder, draft, req)
+    _decide(builder, view, report)
+    report.exempt = judge(report.decisions, {k: t.meta.get("kind") for k, t in builder.candidates.items()}, draft,
+                          req.accept_divergent)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
     note_allowed(plan.manifest, draft_gate, vgate)
     record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
     return plan, report
+
+
+def run(draft: str | Path, verifier: str | Path, out: Output, *, format: str = "auto", mode: str = "auto",
+        link: str = "copy", allow_partial: bool = False, dtype: str = "verifier", update_copies: bool = False,
+        keep_bf16: bool = False, arch: str | None = None, strip_prefix: str | None = None,
+        layers: list[int] | None = None, max_shard_size: int | str = "5GB", accept_divergent: bool = False,
+        dry_run: bool = False, plan_json: Path | None = None, report_file: Path | None = None,
+        overwrite: bool = False, resume: bool = False, allow_invalid: Iterable[str] = (),
+        command: str = "ckpt stitch", progress: Progress | None = None,
+        on_plan: Callable[[Plan, StitchReport], None] | None = None) -> StitchReport:
+    """Stitch ``draft`` into ``verifier`` and write the result to ``out`` (a directory or an object-store
+    URL), as ``ckpt stitch`` does: plan and compare, write (unless ``dry_run``) with ``stitch-report.json``
+    in the output, the plan to ``plan_json`` and the report to ``report_file`` when given.
+
+    Keywords mirror the CLI's options. Errors are the tool's exceptions (``InputError``, ``UsageError``,
+    ``OutputError``, ...), raised before anything is written whenever the inputs are at fault.
+    ``on_plan`` is called once the plan is made, before anything is written (the CLI says there what
+    ``--allow-invalid`` let in). Returns the report; ``report.to_json()`` is what ``--json`` prints.
+    """
+    from .execute import Outputs, execute_and_report
+
+    allow = parse_allow(allow_invalid)
+    if strip_prefix is not None and not strip_prefix:
+        raise UsageError("--strip-prefix needs a non-empty prefix (e.g. --strip-prefix model.)")
+    req = StitchRequest(format=format, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
+                        update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=layers,
+                        max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
+                        strip_prefix=strip_prefix, command=command, allow_invalid=allow)
+    from ..writer import Progress as Silent
+
+    progress = progress or Silent()
+    progress.phase("reading headers")
+    with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
+        progress.phase("planning")
+        plan, report = plan_stitch(d, v, req)
+        if on_plan is not None:
+            on_plan(plan, report)
+        outputs = Outputs(out, dry_run, plan_json, report_file, overwrite, resume)
+        execute_and_report(plan, report, outputs, allow, "stitch-report.json", progress)
+    return report
 
 
 def _unwrap(draft: Checkpoint, corr: Correspondence, req: StitchRequest) -> Unwrapped:
@@ -621,161 +639,18 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
     return False
 
 
-def _measure(builder: _Builder, view: MtpView, report: StitchReport) -> None:
-    """Compare every candidate with the verifier's tensor before anything is written, one pass each.
-
-    The pass settles identity (an unchanged tensor is written from the verifier's own bytes),
-    NaN / Inf in what would be written, and the statistics the report and the divergence
-    check need. It compares values: an FP8 verifier weight is dequantized and compared with
-    the draft's values as they were before re-quantization; its block scale follows the
-    weight (unchanged with it, replaced with it). Runs on GATE_THREADS threads owned here.
-    """
-    companions = set(builder.scale_of.values())
-    jobs = [(k, t) for k, t in builder.candidates.items() if k not in companions]
-    with torch_threads(load=any(_uses_torch(t) for _, t in jobs)):  # before the gate's threads start
-        diffs = _in_parallel(lambda item, stop: _probe(builder, view, *item, stop), jobs)
-    by_key = {d.key: d for d in diffs}
-    for wkey, skey in builder.scale_of.items():
-        by_key[skey] = _follow(by_key[wkey], skey, view.ckpt.tensors.get(skey), builder.candidates[skey])
-    bad = []
-    for key, d in by_key.items():
-        vref = view.ckpt.tensors.get(key)
-        if d.status == "unchanged" and vref is not None:
-            # identical: write the verifier's own bytes (cheap, and provably the same)
-            builder.candidates[key] = OutputTensor(key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
-                                                   meta=builder.candidates[key].meta)
-        if d.nonfinite:
-            bad.append(f"{key} ({d.nonfinite} NaN/Inf)")
-        report.diffs.append(d)
-    for key in builder.removed:
-        vref = view.ckpt.tensors[key]
-        report.diffs.append(TensorDiff(key, "removed", vref.dtype, None, list(vref.shape), None))
-    if bad:
-        raise InputError(f"non-finite values in the draft: {', '.join(sorted(bad)[:10])}", rule="nonfinite")
-    report.diffs.sort(key=lambda d: d.key)
-
-
-def _probe(builder: _Builder, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
-    """One candidate against the verifier: values compared, status and dtypes as written."""
-    vref = view.ckpt.tensors.get(key)
-    stored = view.quantized.get(key)
-    if stored is not None:  # a module stored by a scheme table: its dequantized values
-        from ..quant.dequant import dequant_module
-
-        a_dtype = t.dtype if t.dtype in ("BF16", "F16", "F32") else "F32"  # in the draft's precision
-        a = dequant_module(view.ckpt, stored, key, a_dtype)
-        d = compare(key, a_dtype, a.shape, a.recipe, t.dtype, t.shape, t.recipe, stop=stop)
-        if d.status == "unchanged":  # the draft holds exactly the verifier's values, now unquantized
-            d.max_abs, d.rel_l2, d.cosine = 0.0, 0.0, 1.0
-            d.unjudged = "the verifier's values, unquantized"
-        if d.status != "shape-changed":
-            d.status = "dtype-changed"
-        d.dtype_a, d.dtype_b = stored.label, t.dtype
-        return d
-    if vref is None:
-        return TensorDiff(key, "added", None, t.dtype, None, list(t.shape),
-                          nonfinite=count_nonfinite(t.recipe, t.dtype, t.shape))
-    block = builder.res.block_size
-    b = builder.values.get(key, t)
-    if b.dtype in FP8_DTYPES:
-        b = transforms.dequantize(b, builder.candidates[builder.scale_of[key]], "F32", block)
-    a_dtype, a = vref.dtype, CopyBytes([vref.segment()])
-    if vref.dtype in FP8_DTYPES:  # the verifier's value, in the precision of the draft's
-        a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"
-        sref = view.ckpt.tensors[scale_key(key, builder.res.scale_suffix)]
-        a = transforms.dequantize(_as_tensor(vref), _as_tensor(sref), a_dtype, block).recipe
-    d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop)
-    d.dtype_a, d.dtype_b = vref.dtype, t.dtype
-    if d.status != "shape-changed":
-        same = d.status == "unchanged"
-        d.status = ("unchanged" if same else "replaced") if vref.dtype == t.dtype else "dtype-changed"
-        if same and d.status == "dtype-changed":  # same values, stored in another dtype
-            d.max_abs, d.rel_l2, d.cosine = 0.0, 0.0, 1.0
-            d.unjudged = "the verifier's values, in another dtype"
-    return d
-
-
-def _follow(weight: TensorDiff, key: str, vref: TensorRef | None, t: OutputTensor) -> TensorDiff:
-    """A block scale's entry: it is written (or kept) with its weight and judged through it."""
-    return TensorDiff(key, weight.status if vref is not None else "added", vref.dtype if vref else None, t.dtype,
-                      list(vref.shape) if vref else None, list(t.shape),
-                      unjudged="block scale (judged with its weight)")
-
-
-def _as_tensor(ref: TensorRef) -> OutputTensor:
-    return OutputTensor(ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]))
-
-
-def _uses_torch(t: OutputTensor) -> bool:
-    return isinstance(t.recipe, Compute) and t.recipe.op in transforms.TORCH_OPS
-
-
-def _in_parallel(fn, items: list, workers: int = GATE_THREADS) -> list:
-    """``fn(item, stop)`` for every item on ``workers`` threads, results in order.
-
-    The pool belongs to this call: on any error (or Ctrl-C) ``stop`` is set, so running
-    comparisons end at their next chunk, queued ones are cancelled, and every thread has
-    ended when the error propagates.
-    """
-    stop = threading.Event()
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-gate")
-    try:
-        futures = [pool.submit(fn, item, stop) for item in items]
-        return [f.result() for f in futures]
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _gate(report: StitchReport, builder: _Builder, draft: Checkpoint, req: StitchRequest) -> None:
-    """Refuse, before anything is written, a draft whose replaced tensors are not finetunes of the verifier's."""
-    report.exempt = _exempt(draft)
-    for d in report.diffs:
-        if d.status in ("replaced", "dtype-changed") and d.unjudged is None:
-            t = builder.candidates.get(d.key)
-            _judge(d, t.meta.get("kind") if t is not None else None, report.exempt)
-    bad = report.divergent()
-    if bad and not req.accept_divergent:
-        listed = "; ".join(f"{d.key} ({d.divergent})" for d in bad[:10]) + (" ..." if len(bad) > 10 else "")
-        raise InputError(
-            f"{len(bad)} tensor(s) of the draft {draft.root} diverge from the verifier's beyond what finetuning does "
-            f"({DIVERGENCE.measured}): {listed}. Another model's "
-            "weights, swapped halves or a wrong layer? Nothing was written; --accept-divergent stitches it anyway",
-            rule="divergent")
-
-
-def _exempt(draft: Checkpoint) -> str | None:
-    """Drafts init-draft made are not finetunes of the verifier's MTP: nothing to diverge from."""
-    init = (draft.manifest or {}).get("init")
-    if not isinstance(init, dict):
-        return None
-    layer = init.get("from_layer")
-    how = "from scratch" if layer is None else f"from target layer {layer}"
-    return f"the draft was initialised {how} (ckpt_manifest.json init): not a finetune of the verifier's MTP"
-
-
-def _judge(d: TensorDiff, kind: str | None, exempt: str | None) -> None:
-    """Set ``d.divergent`` (why it is another tensor) or ``d.unjudged`` (why it cannot be told)."""
-    lim = DIVERGENCE
-    numel = math.prod(d.shape_a or [])
-    if exempt:
-        d.unjudged = "exempt: initialised draft"
-    elif kind == "norm":
-        d.unjudged = "norm (cosine and norm ratio cannot tell a norm left at its init from a trained one)"
-    elif d.cosine is None or d.norm_a is None or d.norm_b is None:
-        d.unjudged = "no statistics (not a float tensor, or no finite values)"
-    elif d.norm_a <= lim.tiny_rms * math.sqrt(max(numel, 1)):
-        d.unjudged = f"the verifier's tensor is (nearly) zero (RMS <= {lim.tiny_rms:g}): no direction to compare"
-    else:
-        ratio = d.norm_b / d.norm_a
-        why = []
-        if d.cosine < lim.min_cosine:
-            why.append(f"cosine {d.cosine:.3f} < {lim.min_cosine}")
-        if not 1 / lim.max_norm_ratio <= ratio <= lim.max_norm_ratio:
-            why.append(f"norm ratio {ratio:.3g} beyond {lim.max_norm_ratio:g}x")
-        d.divergent = ", ".join(why) or None
+def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
+    """Every candidate compared with the verifier's tensor; an identical one is written from the
+    verifier's own bytes (cheap, and provably the same)."""
+    cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
+                      builder.res.block_size, builder.res.scale_suffix)
+    report.decisions = decide(view, cand)
+    report.diffs = [d.stats for d in report.decisions]
+    for d in report.decisions:
+        vref = view.ckpt.tensors.get(d.key)
+        if d.action == "identical" and vref is not None:
+            builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
+                                                     meta=builder.candidates[d.key].meta)
 
 
 def _changed(report: StitchReport) -> set[str]:

@@ -37,13 +37,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
+from ..fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode
 from ..fp8_decode import TABLES as FP8_TABLES
-from ..fp8_decode import BandDequantizer, band_rows, bands, encode
 from ..numeric import Scratch, decode_floats, numpy_storage_dtype
 from ..prefetch import prefetched
 from .schema import DecoderDef
 
-OUT_DTYPES = ("BF16", "F16", "F32")
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                 dtype=np.float32)
 FP8_TABLE_LIMIT = 1 << 22  # per-block output tables up to this many entries per matrix (16 MB of float32)
