@@ -261,8 +261,8 @@ def projection(results: dict) -> list[str]:
         return []
     label, size = max(sized, key=lambda x: _size_bytes(results, x[0]))
     family = (size.get("checkpoint") or {}).get("family")
-    small = [s for lb, s in results["sizes"].items() if lb != label and (s.get("checkpoint") or {}).get("family")
-             == family and _size_bytes(results, lb) < _size_bytes(results, label)]
+    small = [(lb, s) for lb, s in results["sizes"].items() if lb != label and (s.get("checkpoint") or {}).get(
+        "family") == family and _size_bytes(results, lb) < _size_bytes(results, label)]
     rates = size["rates"]["bytes_per_s"]
     copy = rates["buffered_copy"]
     rows, lines = [], []
@@ -277,7 +277,7 @@ def projection(results: dict) -> list[str]:
             continue
         gb = nbytes / 1e9
         c_s, h_s = nbytes / copy, nbytes / rates[algo]
-        fixed = marginal(small[-1]["verbs"].get(name, {}), v)[1] if small else None
+        fixed = marginal(small[-1][1]["verbs"].get(name, {}), v)[1] if small else None
         note = ""
         if fixed is None:  # one size only: the fixed cost is what the 2-core model leaves of the measured wall
             fixed, note = wall - per_byte(c_s, h_s, threads, 2), " (calibrated)"
@@ -304,8 +304,9 @@ def projection(results: dict) -> list[str]:
            f"**Projection to {PROJECT_CORES} cores (a model, not a measurement):** copying B bytes takes B/C on the "
            "writing thread, hashing them B/H on a hash thread; with T hash threads on N cores the per-byte part is "
            "max(B/C, B/H / min(T, N), (B/C + B/H) / N), and B/C + B/H when hashing is inline (T = 0); wall = fixed "
-           "cost + that. The fixed cost is the intercept of the 1 GB -> 3 GB line; the floor stays one sendfile "
-           "thread (more cores do not speed it up). Assumes memory bandwidth keeps up with three streams.",
+           f"cost + that. The fixed cost is the intercept of the {small[-1][0] if small else '?'} -> {label} line "
+           "(\"calibrated\": without a second size, the measured wall minus the 2-core model); the floor stays one "
+           "sendfile thread (more cores do not speed it up). Assumes memory bandwidth keeps up with three streams.",
            "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
