@@ -253,6 +253,35 @@ def per_byte(copy_s: float, hash_s: float, threads: int, cores: int) -> float:
     return max(copy_s, hash_s / min(threads, cores), (copy_s + hash_s) / cores)
 
 
+def _hashing_verbs(size: dict) -> dict[str, dict]:
+    """The verbs of a round that measure hashing (they record it), with their medians."""
+    out = {}
+    for name, v in size["verbs"].items():
+        if "hashing" not in v or v.get("skipped"):
+            continue
+        wall, floor = _median_wall(v, "ckpt"), _median_wall(v, "floor")
+        nbytes = _median_of(v["contenders"].get("floor"), "output_bytes")
+        if None not in (wall, floor, nbytes):
+            out[name] = {**v["hashing"], "wall": wall, "floor": floor, "bytes": nbytes}
+    return out
+
+
+def _shared_fixed(results: dict, label: str, size: dict, names: list[str]) -> tuple[float | None, str]:
+    """The job's fixed cost, which hashing does not change: the median of the variants' intercepts between the
+    round's smaller size of the same family and this one (not below 0), and where it comes from."""
+    family = (size.get("checkpoint") or {}).get("family")
+    small = [(lb, s) for lb, s in results["sizes"].items() if lb != label and (s.get("checkpoint") or {}).get(
+        "family") == family and _size_bytes(results, lb) < _size_bytes(results, label)]
+    if not small:
+        return None, ""
+    lb, other = small[-1]
+    fixed = [f for n in names if (f := marginal(other["verbs"].get(n, {}), size["verbs"][n])[1]) is not None]
+    if not fixed:
+        return None, ""
+    return max(0.0, statistics.median(fixed)), (f"the median of the {len(fixed)} variants' intercepts of the "
+                                                 f"{lb} -> {label} line ({', '.join(f'{f:.2f}' for f in fixed)} s)")
+
+
 def projection(results: dict) -> list[str]:
     """Markdown: the tmpfs verbs before/after the hashing change, and their wall time projected to 16 cores
     from the per-core rates (a model, with its arithmetic shown)."""
@@ -260,61 +289,49 @@ def projection(results: dict) -> list[str]:
     if not sized:
         return []
     label, size = max(sized, key=lambda x: _size_bytes(results, x[0]))
-    family = (size.get("checkpoint") or {}).get("family")
-    small = [(lb, s) for lb, s in results["sizes"].items() if lb != label and (s.get("checkpoint") or {}).get(
-        "family") == family and _size_bytes(results, lb) < _size_bytes(results, label)]
     rates = size["rates"]["bytes_per_s"]
-    copy = rates["buffered_copy"]
-    rows, lines = [], []
-    for name, v in size["verbs"].items():
-        if "hashing" not in v or v.get("skipped"):
-            continue
-        cs = v["contenders"]
-        wall, floor, nbytes = _median_wall(v, "ckpt"), _median_wall(v, "floor"), _median_of(cs.get("floor"),
-                                                                                                 "output_bytes")
-        algo, threads = v["hashing"]["algo"], v["hashing"]["threads"]
-        if None in (wall, floor, nbytes) or algo not in rates:
-            continue
-        gb = nbytes / 1e9
-        c_s, h_s = nbytes / copy, nbytes / rates[algo]
-        fixed = marginal(small[-1][1]["verbs"].get(name, {}), v)[1] if small else None
-        note = ""
-        if fixed is None:  # one size only: the fixed cost is what the 2-core model leaves of the measured wall
-            fixed, note = wall - per_byte(c_s, h_s, threads, 2), " (calibrated)"
-        model2 = fixed + per_byte(c_s, h_s, threads, 2)
-        proj = fixed + per_byte(c_s, h_s, threads, PROJECT_CORES)
-        how = (f"{c_s:.2f} + {h_s:.2f}" if threads == 0 else
-               f"max({c_s:.2f}, {h_s:.2f}/{min(threads, PROJECT_CORES)}, ({c_s:.2f} + {h_s:.2f})/{PROJECT_CORES})")
-        rows.append((f"`{name}`", f"{algo}, " + ("inline" if threads == 0 else f"{threads} threads"),
-                     f"{wall:.2f} ({wall / floor:.2f}x)", f"{fixed:.2f}{note}", f"{model2:.2f}",
-                     f"{fixed:.2f} + {how} = {proj:.2f}", f"{proj / floor:.2f}x"))
-        lines.append((name, wall, floor, gb))
-    if not rows:
+    verbs = {n: v for n, v in _hashing_verbs(size).items() if v["algo"] in rates}
+    if not verbs:
         return []
+    shared, source = _shared_fixed(results, label, size, list(verbs))
+    rows = []
+    for name, v in verbs.items():
+        c_s, h_s, t = v["bytes"] / rates["buffered_copy"], v["bytes"] / rates[v["algo"]], v["threads"]
+        # one size only: the fixed cost is what the 2-core model leaves of the measured wall
+        fixed = shared if shared is not None else v["wall"] - per_byte(c_s, h_s, t, 2)
+        proj = fixed + per_byte(c_s, h_s, t, PROJECT_CORES)
+        how = (f"{c_s:.2f} + {h_s:.2f}" if t == 0 else
+               f"max({c_s:.2f}, {h_s:.2f}/{min(t, PROJECT_CORES)}, ({c_s:.2f} + {h_s:.2f})/{PROJECT_CORES})")
+        rows.append((f"`{name}`", f"{v['algo']}, " + ("inline" if t == 0 else f"{t} threads"),
+                     f"{v['wall']:.2f} ({v['wall'] / v['floor']:.2f}x)",
+                     f"{fixed + per_byte(c_s, h_s, t, 2):.2f}", f"{fixed:.2f} + {how} = {proj:.2f}",
+                     f"{proj / v['floor']:.2f}x"))
+    first = next(iter(verbs.values()))
     head = ("verb", "hashing", f"measured s, {results.get('machine', {}).get('cores', '?')} cores (ratio)",
-            "fixed s", "model s, 2 cores", f"projected s, {PROJECT_CORES} cores", "projected ratio")
+            "model s, 2 cores", f"projected s, {PROJECT_CORES} cores", "projected ratio")
     sp = size["rates"]
-    out = [f"Hashing at {label}: {lines[0][3]:.2f} GB written into tmpfs; floor (sendfile) "
-           f"{lines[0][2]:.2f} s. Per-core rates (one thread, median of {sp.get('passes')} passes over "
-           f"{sp.get('bytes', 0) / 1e9:.2f} GB, GB/s): copy into tmpfs as ckpt does it (preadv + write) "
-           f"{copy / 1e9:.2f}, sendfile {rates['sendfile'] / 1e9:.2f}, BLAKE3 read + hash {rates['blake3'] / 1e9:.2f} "
-           f"(two threads together {rates['blake3_x2'] / 1e9:.2f}), sha256 {rates['sha256'] / 1e9:.2f} "
-           f"(two threads {rates['sha256_x2'] / 1e9:.2f}).",
+    gbs = {k: f"{v / 1e9:.2f}" for k, v in rates.items()}
+    out = [f"Hashing at {label}: {first['bytes'] / 1e9:.2f} GB written into tmpfs; floor (sendfile) "
+           f"{first['floor']:.2f} s. Per-core rates (one thread, median of {sp.get('passes')} passes over "
+           f"{sp.get('bytes', 0) / 1e9:.2f} GB, GB/s): C, copy into tmpfs as ckpt does it (preadv + write) "
+           f"{gbs['buffered_copy']}; sendfile {gbs['sendfile']}; H, read + hash: BLAKE3 {gbs['blake3']} (two "
+           f"threads together {gbs['blake3_x2']}), sha256 {gbs['sha256']} (two threads {gbs['sha256_x2']}).",
            "",
            f"**Projection to {PROJECT_CORES} cores (a model, not a measurement):** copying B bytes takes B/C on the "
            "writing thread, hashing them B/H on a hash thread; with T hash threads on N cores the per-byte part is "
            "max(B/C, B/H / min(T, N), (B/C + B/H) / N), and B/C + B/H when hashing is inline (T = 0); wall = fixed "
-           f"cost + that. The fixed cost is the intercept of the {small[-1][0] if small else '?'} -> {label} line "
-           "(\"calibrated\": without a second size, the measured wall minus the 2-core model); the floor stays one "
-           "sendfile thread (more cores do not speed it up). Assumes memory bandwidth keeps up with three streams.",
+           "cost + that. Fixed cost: " + (f"{shared:.2f} s, {source}" if shared is not None else
+                                          "per variant, the measured wall minus the 2-core model (one size only)") +
+           "; the floor stays one sendfile thread (more cores do not speed it up). Assumes memory bandwidth keeps up "
+           "with three streams; the 2-core column checks the model against the measured wall.",
            "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
-    byname = {n: w for n, w, _, _ in lines}
-    before, after = byname.get("extract-drop-mtp-tmpfs-sha256-inline"), byname.get("extract-drop-mtp-tmpfs")
+    before, after = verbs.get("extract-drop-mtp-tmpfs-sha256-inline"), verbs.get("extract-drop-mtp-tmpfs")
     if before and after:
-        out += ["", f"Before -> after the hashing change, same run: {before:.2f} s -> {after:.2f} s "
-                    f"({before / after:.2f}x faster)."]
+        out += ["", f"Before -> after the hashing change, same run: {before['wall']:.2f} s -> {after['wall']:.2f} s "
+                    f"({before['wall'] / after['wall']:.2f}x faster; {before['wall'] / before['floor']:.2f}x -> "
+                    f"{after['wall'] / after['floor']:.2f}x the floor)."]
     return out + [""]
 
 
