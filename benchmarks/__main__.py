@@ -1,4 +1,4 @@
-"""``python -m benchmarks run [--size 1GB,4GB] [--verbs ...] [--runs 3] [--json FILE] [--workdir DIR]``.
+"""``python -m benchmarks run [--size 1GB,4GB] [--own-sizes 1GB,3GB] [--verbs ...] [--runs 3] [--json FILE]``.
 
 ``python -m benchmarks table FILE.json [--markdown]`` prints a saved result again.
 """
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ckpt-bench",
                    help="where checkpoints, outputs and the peer venv go (default: $TMPDIR/ckpt-bench)")
     r.add_argument("--family", default="qwen3_next", help="table of the synthetic checkpoints (default qwen3_next)")
+    r.add_argument("--own-sizes", default="1GB,3GB",
+                   help="sizes for verbs with a family of their own (the extract-drop-mtp-tmpfs* verbs: DeepSeek-V3 "
+                        "layout); default 1GB,3GB")
     r.add_argument("--shards", type=int, default=8, help="shards per synthetic checkpoint (default 8)")
     r.add_argument("--no-peers", action="store_true", help="do not install or run peer tools")
     r.add_argument("--contenders", default="floor,naive,peer",
@@ -68,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in verbs if v not in VERBS]
     if unknown or args.runs < 1:
         ap.error(f"unknown verb(s) {unknown}; known: {', '.join(VERBS)}" if unknown else "--runs must be >= 1")
+    own_sizes = _csv(args.own_sizes)
     try:
-        for s in sizes:
+        for s in sizes + own_sizes:
             parse_size(s)
     except ValueError as e:
         ap.error(str(e))
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = run(sizes, verbs, runs=args.runs, workdir=args.workdir, family=args.family, shards=args.shards,
                   peers=not args.no_peers, retry_peers=args.retry_peers, keep=args.keep, timeout=args.timeout,
-                  contenders=set(_csv(args.contenders)), log=log, save=save)
+                  contenders=set(_csv(args.contenders)), log=log, save=save, own_sizes=own_sizes)
     save(results)
     report.print_rich(results)
     return 0

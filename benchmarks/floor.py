@@ -1,10 +1,15 @@
-"""The floor: copy exactly the bytes a verb must move, the way ``cp`` does, and nothing else.
+"""The floor: move exactly the bytes a verb must move, the way ``cp`` does, and nothing else.
 
 ``python -m benchmarks.floor JOB.json [--fsync]``. JOB lists output files, each made
 of byte ranges of input files (``pieces``: [source, offset, length]) laid end to end,
 or a hard link to a source (``link``). Ranges are copied in the kernel with
-``copy_file_range`` (what GNU cp uses), so no byte enters user space. With ``--fsync``
-every file and directory written is fsynced, as our writer does.
+``copy_file_range`` (what GNU cp uses), so no byte enters user space; with
+``"copy": "sendfile"`` in the job, with ``sendfile`` (which, unlike copy_file_range,
+crosses filesystems in the kernel: a disk into tmpfs). ``reads`` ([source, offset,
+length]) are byte ranges the verb must bring into memory to look at (stitch compares the
+draft's tensors with the verifier's): they are read with ``preadv`` into one buffer
+before anything is written. With ``--fsync`` every file and directory written is
+fsynced, as our writer does.
 
 Standard library only, so that it starts as fast as ``cp``.
 """
@@ -14,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+READ_BUFFER = 8 << 20
 
 
 def copy_range(fd_in: int, fd_out: int, offset: int, length: int) -> None:
@@ -25,7 +32,44 @@ def copy_range(fd_in: int, fd_out: int, offset: int, length: int) -> None:
         done += n
 
 
+def send_range(fd_in: int, fd_out: int, offset: int, length: int) -> None:
+    done = 0
+    while done < length:
+        n = os.sendfile(fd_out, fd_in, offset + done, length - done)
+        if n == 0:
+            raise OSError(f"short sendfile: {done} of {length} bytes")
+        done += n
+
+
+COPIERS = {"copy_file_range": copy_range, "sendfile": send_range}
+
+
+def read_ranges(ranges: list[list], buf: memoryview) -> int:
+    """Bring every range into ``buf`` (overwritten chunk by chunk): the floor of looking at bytes."""
+    total = 0
+    opened: dict[str, int] = {}
+    try:
+        for src, offset, length in ranges:
+            if src not in opened:
+                opened[src] = os.open(src, os.O_RDONLY)
+            done = 0
+            while done < length:
+                n = os.preadv(opened[src], [buf[: min(len(buf), length - done)]], offset + done)
+                if n <= 0:
+                    raise OSError(f"short read: {src} at {offset + done}")
+                done += n
+            total += length
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+    return total
+
+
 def run_job(job: dict, fsync: bool) -> int:
+    """Bytes copied (reads not included)."""
+    copy = COPIERS[job.get("copy", "copy_file_range")]
+    if job.get("reads"):
+        read_ranges(job["reads"], memoryview(bytearray(READ_BUFFER)))
     total = 0
     dirs: set[str] = set()
     for f in job["files"]:
@@ -42,7 +86,7 @@ def run_job(job: dict, fsync: bool) -> int:
                 for src, offset, length in f["pieces"]:
                     if src not in opened:
                         opened[src] = os.open(src, os.O_RDONLY)
-                    copy_range(opened[src], fd_out, offset, length)
+                    copy(opened[src], fd_out, offset, length)
                     total += length
             finally:
                 for fd in opened.values():
@@ -68,7 +112,7 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as fh:
         job = json.load(fh)
     n = run_job(job, "--fsync" in argv[1:])
-    print(f"copied {n} bytes")
+    print(f"copied {n} bytes, read {sum(r[2] for r in job.get('reads', []))} bytes")
     return 0
 
 

@@ -4,17 +4,26 @@ A verb names the input it needs (a synthetic checkpoint variant or a draft), the
 command line, the floor job (the bytes it must move, for ``floor.py``), the naive job
 (for ``naive.py``) and optionally a peer command. The verb is benchmarked only when
 ``ckpt <sub> --help`` works and mentions every option it uses.
+
+A floor is fair when it moves the same bytes with the same durability as the verb: the
+tensors and the side files (config, tokenizer files, index) the verb writes, fsynced
+when the verb fsyncs (the ``--fsync`` run), and, for stitch, the draft's tensors and the
+verifier's MTP tensors read into memory, which stitch must compare before it writes.
+Only what ckpt adds for integrity (manifest, resume record, lock) is left out.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ckpt_tools import digest
 
 from . import layout, s3bench
 from .peers import Peer, peer_env
@@ -41,6 +50,7 @@ class Ctx:
     synth: dict[str, Synthetic] = field(default_factory=dict)
     drafts: dict[str, Path] = field(default_factory=dict)
     setup_seconds: dict[str, float] = field(default_factory=dict)
+    tmpfs: Path | None = None  # where verbs that write into tmpfs put their outputs (made by the runner)
 
     def variant(self, name: str) -> Synthetic:
         if name not in self.synth:
@@ -116,13 +126,24 @@ class Verb:
     peer: Callable[[Ctx, Path], list[str] | None] | None = None
     peer_label: str = ""
     max_floor_ratio: float | None = None  # target: ckpt wall <= this x fsync'd floor
+    judge: str = "marginal"  # the target applies to: "marginal" ratio (two sizes), or "ratio" at the largest size
     library: bool = False  # runs our library directly, not the CLI
     default: bool = True
+    env: dict[str, str] = field(default_factory=dict)  # set for the ckpt contender only
+    tmpfs: bool = False  # outputs go to tmpfs (TMPFS), not the work directory
+    family: str | None = None  # runs on its own checkpoints of this family, at the run's --own-sizes
 
     def argv(self, ctx: Ctx, out: Path) -> list[str]:
         if self.library:
             return self.command(ctx, out)
         return ckpt_argv() + self.command(ctx, out)
+
+    def out(self, ctx: Ctx, contender: str) -> Path:
+        """The output directory of one contender (the same for every run: removed before and after each)."""
+        base = ctx.tmpfs if self.tmpfs else ctx.root
+        if base is None:
+            raise LookupError(f"{self.name} writes into tmpfs, and the run has no tmpfs directory")
+        return base / self.name / f"out-{contender}"
 
 
 def _one_file(out: Path, pieces: list[list], name: str = "model.safetensors") -> Job:
@@ -139,8 +160,34 @@ def _whole_files(src: Path, out: Path, link: set[str] = frozenset()) -> Job:
     return {"files": jobs}
 
 
+def _side_files(src: Path, out: Path, index: bool = False) -> list[dict]:
+    """Copies of the files beside the shards (config, tokenizer files; the index when the output has one):
+    the verb writes them too, each fsynced."""
+    return [{"path": str(out / p.name), "pieces": [[str(p), 0, p.stat().st_size]]} for p in layout.files(src)
+            if not p.name.endswith(".safetensors") and (index or p.name != layout.INDEX)]
+
+
+def _with_side_files(job: Job, src: Path, out: Path, index: bool = False) -> Job:
+    job["files"] += _side_files(src, out, index)
+    return job
+
+
 def _mtp_floor(variant: str):
-    return lambda ctx, out: _one_file(out, layout.pieces(ctx.mtp_extents(variant)))
+    return lambda ctx, out: _with_side_files(_one_file(out, layout.pieces(ctx.mtp_extents(variant))),
+                                             ctx.variant(variant).path, out)
+
+
+def _trunk_floor(ctx: Ctx, out: Path) -> Job:
+    """extract --drop-mtp: each shard's tensors but the MTP ones, into a shard of its own, with sendfile (the
+    output is in tmpfs: copy_file_range does not cross filesystems), and the side files with the index."""
+    syn = ctx.variant("bf16")
+    mtp = set(syn.mtp_keys)
+    by_shard: dict[str, list[layout.Extent]] = {}
+    for key, e in layout.extents(syn.path).items():
+        if key not in mtp:
+            by_shard.setdefault(e.file, []).append(e)
+    files = [{"path": str(out / Path(f).name), "pieces": layout.pieces(ext)} for f, ext in sorted(by_shard.items())]
+    return {"copy": "sendfile", "files": files + _side_files(syn.path, out, index=True)}
 
 
 def _dequant_floor(ctx: Ctx, out: Path) -> Job:
@@ -150,7 +197,7 @@ def _dequant_floor(ctx: Ctx, out: Path) -> Job:
     ext = layout.extents(syn.path)
     n = sum(0 if k.endswith("scale_inv") else 2 * ext[k].length if ext[k].dtype == "F8_E4M3" else ext[k].length
             for k in syn.mtp_keys)
-    return _one_file(out, layout.first_bytes(syn.path, n))
+    return _with_side_files(_one_file(out, layout.first_bytes(syn.path, n)), syn.path, out)
 
 
 def _nvfp4_dequant_floor(ctx: Ctx, out: Path) -> Job:
@@ -159,18 +206,24 @@ def _nvfp4_dequant_floor(ctx: Ctx, out: Path) -> Job:
     ext = layout.extents(syn.path)
     n = sum(4 * ext[k].length if k.endswith(".weight_packed") else
             0 if k.endswith((".weight_scale", ".weight_global_scale")) else ext[k].length for k in syn.mtp_keys)
-    return _one_file(out, layout.first_bytes(syn.path, n))
+    return _with_side_files(_one_file(out, layout.first_bytes(syn.path, n)), syn.path, out)
 
 
 def _affected_shards(ctx: Ctx) -> set[str]:
     return {Path(e.file).name for e in ctx.mtp_extents("bf16")}
 
 
-def _stitch_floor(link: bool):
+def _stitch_floor(draft: str, link: bool):
+    """The verifier's files (copied, or hard-linked but for the shards holding MTP tensors), after reading
+    what stitch must compare: every tensor of the draft and the verifier's MTP tensors."""
     def job(ctx: Ctx, out: Path) -> Job:
         src = ctx.variant("bf16").path
         keep = {p.name for p in layout.files(src) if p.name.endswith(".safetensors")} - _affected_shards(ctx)
-        return _whole_files(src, out, keep if link else set())
+        d = ctx.native_draft() if draft == "native" else ctx.speculators_draft()
+        if d is None:
+            raise LookupError("no speculators draft (needs the speculators peer)")
+        reads = layout.pieces(list(layout.extents(d).values())) + layout.pieces(ctx.mtp_extents("bf16"))
+        return {**_whole_files(src, out, keep if link else set()), "reads": reads}
 
     return job
 
@@ -216,6 +269,40 @@ def _stitch_cmd(draft: str, *extra: str):
     return cmd
 
 
+# extract --drop-mtp into tmpfs, where the disk hides nothing: what hashing every output byte costs. Each entry
+# runs the same job with the manifest's digest set through ckpt_tools.digest's environment knobs.
+TMPFS_FAMILY = "deepseek_v3"
+HASHING = {  # verb name suffix -> (ckpt's environment, what it stands for, default verb)
+    "": ({}, "BLAKE3 on 2 hash threads beside the copies (now)", True),
+    "-sha256-inline": ({"CKPT_MANIFEST_DIGEST": "sha256", "CKPT_HASH_THREADS": "0"},
+                       "sha256 per tensor, inline on the writing thread (before the hashing change)", True),
+    "-sha256": ({"CKPT_MANIFEST_DIGEST": "sha256"}, "sha256 on 2 hash threads", False),
+    "-blake3-inline": ({"CKPT_HASH_THREADS": "0"}, "BLAKE3, inline on the writing thread", False),
+}
+
+
+def hashing_of(env: dict[str, str]) -> dict:
+    """The manifest's digest and hash threads a ckpt run with ``env`` uses (digest's knobs, else its defaults)."""
+    return {"algo": env.get(digest.ALGO_ENV) or digest.DEFAULT_ALGO,
+            "threads": int(env.get(digest.THREADS_ENV) or digest.DEFAULT_HASH_THREADS)}
+
+
+def ckpt_env(verb: Verb) -> dict[str, str]:
+    """The environment of the ckpt contender: the harness's, without digest knobs it may carry, plus the verb's."""
+    env = {k: v for k, v in os.environ.items() if k not in (digest.ALGO_ENV, digest.THREADS_ENV)}
+    return {**env, "NO_COLOR": "1", **verb.env}
+
+
+def _tmpfs_verbs() -> list[Verb]:
+    return [Verb(f"extract-drop-mtp-tmpfs{sfx}", f"extract --drop-mtp of a DeepSeek-V3-layout checkpoint into tmpfs; "
+                 f"hashing: {what}; floor: sendfile of the same bytes into tmpfs (target <= 1.5x)", "extract",
+                 ("--drop-mtp",),
+                 lambda ctx, out: ["extract", str(ctx.variant("bf16").path), "-o", str(out), "--drop-mtp"],
+                 floor=_trunk_floor, max_floor_ratio=1.5, judge="ratio", default=default, env=env, tmpfs=True,
+                 family=TMPFS_FAMILY)
+            for sfx, (env, what, default) in HASHING.items()]
+
+
 VERBS: dict[str, Verb] = {
     v.name: v
     for v in [
@@ -252,16 +339,17 @@ VERBS: dict[str, Verb] = {
              naive=lambda ctx, out: {"op": "unfuse", "src": str(ctx.variant("fused").path), "out": str(out)},
              max_floor_ratio=1.3, default=False),
         Verb("stitch", "stitch a native finetuned draft into the verifier, --link copy", "stitch", ("--link",),
-             _stitch_cmd("native"), floor=_stitch_floor(link=False),
+             _stitch_cmd("native"), floor=_stitch_floor("native", link=False),
              naive=lambda ctx, out: {"op": "stitch", "draft": str(ctx.native_draft()),
                                      "verifier": str(ctx.variant("bf16").path), "out": str(out)},
              max_floor_ratio=1.3),
         Verb("stitch-speculators", "stitch a speculators-format draft (the peer's own input), --link copy",
-             "stitch", ("--format", "speculators"), _stitch_cmd("speculators"), floor=_stitch_floor(link=False),
+             "stitch", ("--format", "speculators"), _stitch_cmd("speculators"),
+             floor=_stitch_floor("speculators", link=False),
              peer=_speculators_stitch, peer_label="speculators stitch-mtp", max_floor_ratio=1.3),
         Verb("stitch-hardlink", "stitch, untouched shards hard-linked (floor: copying the affected shards)",
              "stitch", ("--link", "hardlink"), _stitch_cmd("native", "--link", "hardlink"),
-             floor=_stitch_floor(link=True),
+             floor=_stitch_floor("native", link=True),
              naive=lambda ctx, out: {"op": "stitch", "draft": str(ctx.native_draft()), "link": "hardlink",
                                      "verifier": str(ctx.variant("bf16").path), "out": str(out)},
              max_floor_ratio=1.3),
@@ -277,6 +365,7 @@ VERBS: dict[str, Verb] = {
         Verb("extract-lib", "extract's job through the library (Checkpoint, open_mtp, writer), no CLI", "", (),
              lambda ctx, out: [sys.executable, str(HERE / "lib_extract.py"), str(ctx.variant("bf16").path), str(out)],
              floor=_mtp_floor("bf16"), naive=_naive_extract("bf16"), library=True, default=False),
+        *_tmpfs_verbs(),
     ]
 }
 

@@ -33,7 +33,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,10 +56,6 @@ from .safetensors_io import (
 )
 
 _Lock = DirLock  # its name here before output_dir held it
-
-# digests of what landed in the output run on two threads beside the copies (BLAKE3 releases the GIL:
-# two copied shards hash at once while the main thread keeps the kernel copying)
-HASH_THREADS = 2
 
 
 def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict | None) -> bytes:
@@ -260,7 +256,7 @@ class Writer:
         output_dir.remove_partials(self.out)
 
     def _hasher(self) -> _Hasher:
-        return _Hasher(HASH_THREADS if self.hash_tensors else 0)
+        return _Hasher(digest.hash_threads() if self.hash_tensors else None)  # threads beside the copies (digest)
 
     def _commit_deferred(self, deferred: tuple[Path, Path]) -> None:
         os.replace(*deferred)
@@ -541,11 +537,11 @@ class _Hasher:
 
     Tensor ranges are read through a descriptor opened on the shard's temporary file: it
     survives the rename, so a shard goes into place without waiting for its hashes. With
-    0 threads nothing is hashed (synthetic benchmark inputs).
+    0 threads each hash runs inline; with None nothing is hashed (synthetic benchmark inputs).
     """
 
-    def __init__(self, threads: int) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-hash") if threads else None
+    def __init__(self, threads: int | None) -> None:
+        self.pool = digest.executor(threads) if threads is not None else None
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
         self._readers: dict[int, list[Future]] = {}  # open descriptor -> its pending hashes

@@ -136,12 +136,16 @@ def test_harness_runs_end_to_end(tmp_path):
     """`python -m benchmarks run` on a tiny checkpoint: library path and CLI startup, floors, JSON, tables."""
     out = tmp_path / "r.json"
     md = tmp_path / "r.md"
+    shm = Path("/dev/shm")
+    before = set(shm.glob("ckpt-bench-*")) if shm.is_dir() else set()
     r = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "run", "--size", "2MB", "--verbs", "startup,extract-lib", "--runs", "1",
+        [sys.executable, "-m", "benchmarks", "run", "--size", "2MB", "--own-sizes", "2MB", "--verbs",
+         "startup,extract-lib,extract-drop-mtp-tmpfs,extract-drop-mtp-tmpfs-sha256-inline", "--runs", "1",
          "--contenders", "floor", "--json", str(out), "--markdown", str(md), "--workdir", str(tmp_path / "wd")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert (set(shm.glob("ckpt-bench-*")) if shm.is_dir() else set()) == before  # tmpfs outputs never left behind
     res = json.loads(out.read_text())
     v = res["sizes"]["2MB"]["verbs"]["extract-lib"]
     runs = {c: v["contenders"][c]["runs"][0] for c in ("ckpt", "floor", "floor-raw")}
@@ -155,6 +159,20 @@ def test_harness_runs_end_to_end(tmp_path):
     assert "extract-lib" in r.stdout, r.stdout
     assert "ckpt/floor" in md.read_text()
     assert not (tmp_path / "wd" / "size-2MB").exists()  # inputs and outputs cleaned up
+    own = res["sizes"]["2MB deepseek_v3"]  # the tmpfs verbs: their own family, their own round
+    assert set(own["verbs"]) == {"extract-drop-mtp-tmpfs", "extract-drop-mtp-tmpfs-sha256-inline"}
+    after, before_ = own["verbs"]["extract-drop-mtp-tmpfs"], own["verbs"]["extract-drop-mtp-tmpfs-sha256-inline"]
+    if after.get("skipped"):  # no tmpfs with room here: the reason is recorded
+        assert "/dev/shm" in after["skipped"]
+        return
+    assert after["hashing"] == {"algo": "blake3", "threads": 2}
+    assert before_["hashing"] == {"algo": "sha256", "threads": 0}
+    for v in (after, before_):
+        runs = {c: v["contenders"][c]["runs"][0] for c in ("ckpt", "floor")}
+        assert all(run["returncode"] == 0 for run in runs.values()), runs
+        assert runs["ckpt"]["output_bytes"] > runs["floor"]["output_bytes"] > 0  # ckpt adds its manifest
+    assert set(own["rates"]["bytes_per_s"]) >= {"sendfile", "buffered_copy", "blake3", "sha256"}
+    assert "Projection to 16 cores" in md.read_text() and "Before -> after" in md.read_text()
 
 
 def _job(tmp_path: Path, **job) -> Path:
@@ -248,3 +266,172 @@ def test_graft_verb_inputs_are_a_release_and_its_nvfp4_trunk_without_mtp(tmp_pat
     ours = ("ckpt_manifest.json", "graft-report.json")
     written = sum(p.stat().st_size for p in out.iterdir() if p.name not in ours)
     assert abs(floor_bytes / written - 1) < 0.05  # the same bytes (ckpt adds a header, rewrites config and index)
+
+
+# -- fair floors (issue 19) -------------------------------------------------------------
+
+
+def test_stitch_floor_reads_what_stitch_compares_and_links_the_rest(tmp_path):
+    """stitch-hardlink's floor: the draft's tensors and the verifier's MTP tensors read into memory, the shards
+    holding MTP copied (fsynced), the others hard-linked, the side files copied."""
+    from benchmarks.verbs import VERBS, Ctx
+
+    ctx = Ctx(tmp_path, "qwen3_next", solve("qwen3_next", TINY), 4, None, log=lambda _: None)
+    verifier = ctx.variant("bf16")
+    job = VERBS["stitch-hardlink"].floor(ctx, tmp_path / "floor")
+    draft = layout.extents(ctx.native_draft())
+    mtp = [layout.extents(verifier.path)[k] for k in verifier.mtp_keys]
+    assert sum(r[2] for r in job["reads"]) == sum(e.length for e in draft.values()) + sum(e.length for e in mtp)
+    assert {r[0] for r in job["reads"]} == {e.file for e in mtp} | {e.file for e in draft.values()}
+    assert floor.run_job(job, fsync=True) > 0
+    affected = {Path(e.file).name for e in mtp}
+    for p in layout.files(verifier.path):
+        out = tmp_path / "floor" / p.name
+        assert out.read_bytes() == p.read_bytes()
+        linked = out.stat().st_ino == p.stat().st_ino
+        assert linked == (p.name.endswith(".safetensors") and p.name not in affected), p.name
+
+
+def test_extract_floor_writes_the_side_files_too(tmp_path):
+    from benchmarks.verbs import VERBS, Ctx
+
+    ctx = Ctx(tmp_path, "qwen3_next", solve("qwen3_next", TINY), 4, None, log=lambda _: None)
+    job = VERBS["extract"].floor(ctx, tmp_path / "floor")
+    names = {Path(f["path"]).name for f in job["files"]}
+    assert names == {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json"}
+
+
+def test_tmpfs_floor_sends_the_bytes_extract_drop_mtp_writes(tmp_path):
+    """The floor of extract --drop-mtp: every tensor but the MTP ones (sendfile), the side files and the index;
+    the same tensor bytes as ckpt's output, in as many shards."""
+    from benchmarks.verbs import VERBS, Ctx
+
+    from conftest import run_ckpt
+
+    verb = VERBS["extract-drop-mtp-tmpfs"]
+    ctx = Ctx(tmp_path, verb.family, solve(verb.family, TINY), 4, None, log=lambda _: None)
+    syn = ctx.variant("bf16")
+    job = verb.floor(ctx, tmp_path / "floor")
+    assert job["copy"] == "sendfile"
+    floor.run_job(job, fsync=False)
+    run_ckpt(*verb.command(ctx, tmp_path / "ckpt"))
+    ours = layout.extents(tmp_path / "ckpt")
+    assert ours and not set(ours) & set(syn.mtp_keys)
+    tensor_bytes = sum(p[2] for f in job["files"] if f["path"].endswith(".safetensors") for p in f["pieces"])
+    assert tensor_bytes == sum(e.length for e in ours.values())
+    floor_names = {p.name for p in (tmp_path / "floor").iterdir()}
+    assert {p.name for p in (tmp_path / "ckpt").glob("*.safetensors")} <= floor_names
+    assert {layout.INDEX, "config.json"} <= floor_names
+
+
+def test_tmpfs_room_says_why_a_directory_cannot_take_the_outputs(tmp_path):
+    from benchmarks.report import mount_of
+    from benchmarks.runner import tmpfs_room
+
+    if mount_of(tmp_path)[2] != "tmpfs":
+        assert "not tmpfs" in tmpfs_room(1, tmp_path)
+    assert "does not exist" in tmpfs_room(1, tmp_path / "nope")
+    shm = Path("/dev/shm")
+    if mount_of(shm)[2] == "tmpfs":
+        assert tmpfs_room(1, shm) is None
+        assert "GB free" in tmpfs_room(10**15, shm)
+
+
+def _verb_at(ckpt: float, floor_s: float, limit: float | None = 1.3, judge: str = "marginal", rss: int = 80e6) -> dict:
+    return {"max_floor_ratio": limit, "judge": judge, "ratios": {"floor": ckpt / floor_s},
+            "contenders": {"ckpt": {"stats": {"wall": {"median": ckpt}, "maxrss": {"median": rss}}},
+                           "floor": {"stats": {"wall": {"median": floor_s}}}}}
+
+
+def test_targets_judge_copying_verbs_on_the_marginal_ratio_and_tmpfs_on_the_ratio():
+    """A copying verb passes on its marginal ratio although its 4 GB ratio misses (fixed cost); a verb that runs
+    in its own rounds only (tmpfs) is judged on its ratio at its largest size, the other verbs' sizes ignored."""
+    from benchmarks.report import targets
+
+    def size(total: int, verbs: dict) -> dict:
+        return {"checkpoint": {"total_bytes": total}, "verbs": verbs}
+
+    res = {"verbs": ["extract", "slow", "tmpfs"], "sizes": {
+        "1GB": size(10**9, {"extract": _verb_at(0.5 + 1.2 * 0.1, 0.1), "slow": _verb_at(0.5 + 2 * 0.1, 0.1)}),
+        "4GB": size(4 * 10**9, {"extract": _verb_at(0.5 + 1.2 * 0.4, 0.4), "slow": _verb_at(0.5 + 2 * 0.4, 0.4)}),
+        "1GB deepseek_v3": size(10**9, {"tmpfs": _verb_at(0.6, 0.3, 1.5, "ratio")}),
+        "3GB deepseek_v3": size(3 * 10**9, {"tmpfs": _verb_at(1.4, 1.0, 1.5, "ratio")}),
+    }}
+    rows = {r[0]: r for r in targets(res)}
+    verb, by_size, slope, fixed, target, _, rss_ok, verdict = rows["extract"]
+    assert by_size == "6.20x / 2.45x" and slope == "1.20x" and fixed == "0.50" and target == "marginal <= 1.3x"
+    assert verdict == "pass" and rss_ok == "yes"
+    assert rows["slow"][2] == "2.00x" and rows["slow"][-1] == "MISS"
+    assert rows["tmpfs"][1] == "2.00x / 1.40x" and rows["tmpfs"][4] == "<= 1.5x" and rows["tmpfs"][-1] == "pass"
+
+
+def test_projection_per_byte_model():
+    from benchmarks.report import per_byte
+
+    assert per_byte(1.0, 3.0, 0, 16) == 4.0  # inline: copy, then hash, on one thread
+    assert per_byte(1.0, 3.0, 2, 16) == 1.5  # two hash threads are the slower stage
+    assert per_byte(1.0, 0.5, 2, 16) == 1.0  # the copy is
+    assert per_byte(1.0, 3.0, 2, 2) == 2.0  # two cores: all the CPU work shared by two
+
+
+# -- the digest knobs the tmpfs benchmark uses (ckpt_tools.digest) --------------------------------------
+
+
+def test_digest_knobs_write_the_old_manifest_and_verify_manifest_reads_both(tmp_path, monkeypatch):
+    """CKPT_MANIFEST_DIGEST=sha256 with CKPT_HASH_THREADS=0 (the writer before the hashing change) records the
+    sha256 of each tensor's bytes; the default records BLAKE3; verify-manifest checks either."""
+    import hashlib
+
+    from blake3 import blake3
+
+    from conftest import run_ckpt
+
+    syn = generate("qwen3_next", solve("qwen3_next", TINY), "bf16", tmp_path / "in", shards=4)
+    for env, algo, new in (({"CKPT_MANIFEST_DIGEST": "sha256", "CKPT_HASH_THREADS": "0"}, "sha256", hashlib.sha256),
+                           ({}, "blake3", blake3)):
+        for k in ("CKPT_MANIFEST_DIGEST", "CKPT_HASH_THREADS"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        out = tmp_path / f"out-{algo}"
+        run_ckpt("extract", syn.path, "-o", out)
+        manifest = json.loads((out / "ckpt_manifest.json").read_text())
+        ext = layout.extents(out)
+        for key, entry in manifest["tensors"].items():
+            other = "blake3" if algo == "sha256" else "sha256"
+            assert other not in entry
+            e = ext[key]
+            with open(e.file, "rb") as f:
+                f.seek(e.offset)
+                assert entry[algo] == new(f.read(e.length)).hexdigest(), key
+        monkeypatch.delenv("CKPT_MANIFEST_DIGEST", raising=False)
+        monkeypatch.delenv("CKPT_HASH_THREADS", raising=False)
+        assert "match" in run_ckpt("verify-manifest", out).output
+
+
+@pytest.mark.parametrize("env", [{"CKPT_MANIFEST_DIGEST": "md5"}, {"CKPT_HASH_THREADS": "two"}])
+def test_a_bad_digest_knob_is_a_usage_error_before_any_shard(tmp_path, monkeypatch, env):
+    from conftest import run_ckpt
+
+    syn = generate("qwen3_next", solve("qwen3_next", TINY), "bf16", tmp_path / "in", shards=4)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    r = run_ckpt("extract", syn.path, "-o", tmp_path / "out", code=2)
+    assert next(iter(env)) in r.output
+    assert not list((tmp_path / "out").glob("*.safetensors")) and not (tmp_path / "out" / "ckpt_manifest.json").exists()
+
+
+def test_inline_executor_runs_on_the_callers_thread_and_keeps_errors_for_result():
+    import threading
+
+    from ckpt_tools import digest
+
+    ex = digest.executor(0)
+    fut = ex.submit(threading.get_ident)
+    assert fut.done() and fut.result() == threading.get_ident()
+    bad = ex.submit(int, "x")
+    with pytest.raises(ValueError):
+        bad.result()
+    pool = digest.executor(2)
+    assert pool.submit(threading.get_ident).result() != threading.get_ident()
+    pool.shutdown()
