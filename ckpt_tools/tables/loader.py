@@ -29,12 +29,6 @@ def safe_loader():
     return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def __getattr__(name: str):
-    if name == "SAFE_LOADER":  # the name other modules import
-        return safe_loader()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def mappings_dir() -> Path:
     """The shipped tables: ``mappings/`` of a source checkout, or the copy inside the wheel."""
     here = Path(__file__).resolve().parent.parent
@@ -130,6 +124,7 @@ def _check_names(table: Table, path: Path) -> None:
 
 
 def _parse(path: Path) -> Any:
+    """The YAML data of a table file (any kind: architectures, formats, quantization schemes)."""
     import yaml
 
     try:
