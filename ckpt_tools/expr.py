@@ -9,6 +9,7 @@ from the table's declared config variables plus loop indices.
 from __future__ import annotations
 
 import ast
+import keyword
 import math
 import re
 from collections.abc import Mapping
@@ -47,10 +48,17 @@ class ExprError(ValueError):
 
 
 @lru_cache(maxsize=4096)
-def compile_expr(text: str) -> tuple[object, frozenset[str]]:
-    """Parse and vet an expression; return its code and the variable names it uses."""
+def vet(text: str) -> tuple[ast.Expression | None, frozenset[str]]:
+    """Parse and vet an expression: its syntax tree (None for a bare variable) and the variable names it uses.
+
+    Loading the tables vets every expression of every table; compiling waits for ``evaluate`` (see
+    ``_code``), so a run compiles only the expressions of the table it uses.
+    """
+    text = text.strip()
+    if text.isascii() and text.isidentifier() and not keyword.iskeyword(text) and text not in _FUNCS:
+        return None, frozenset({text})  # a bare variable, the commonest field: no parsing needed
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
         raise ExprError(f"cannot parse expression {text!r}: {e.msg}") from None
     names: set[str] = set()
@@ -66,23 +74,32 @@ def compile_expr(text: str) -> tuple[object, frozenset[str]]:
             raise ExprError(f"expression {text!r} has an unsupported constant")
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
             raise ExprError(f"expression {text!r}: '**' is not allowed")
-    return compile(tree, "<table>", "eval"), frozenset(names)
+    return tree, frozenset(names)
+
+
+@lru_cache(maxsize=4096)
+def _code(text: str):
+    """The compiled code of a vetted expression that is more than a bare variable (first evaluation only)."""
+    tree, _ = vet(text)
+    return compile(tree, "<table>", "eval")
 
 
 def names_in(text: str) -> frozenset[str]:
-    return compile_expr(text)[1]
+    return vet(text)[1]
 
 
 def evaluate(text: str | int | float | bool, env: Mapping[str, object]):
     """Evaluate a table expression; plain numbers pass through."""
     if isinstance(text, (int, float, bool)):
         return text
-    code, names = compile_expr(text)
+    tree, names = vet(text)
     missing = [n for n in names if n not in env]
     if missing:
         raise ExprError(f"expression {text!r} needs {', '.join(sorted(missing))}, which is not set")
+    if tree is None:
+        return env[next(iter(names))]
     try:
-        return eval(code, {"__builtins__": {}, **_FUNCS}, dict(env))  # noqa: S307 - vetted AST above
+        return eval(_code(text), {"__builtins__": {}, **_FUNCS}, dict(env))  # noqa: S307 - vetted AST above
     except Exception as e:  # ZeroDivisionError, TypeError on None, ...
         raise ExprError(f"expression {text!r} failed: {e}") from None
 

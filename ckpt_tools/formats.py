@@ -19,7 +19,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import InputError, TableError, UsageError
@@ -27,7 +26,8 @@ from .expert_layouts import ExpertGroup, ExpertLayout
 from .expr import ExprError, evaluate, names_in, render
 from .mtp import MtpView
 from .prefixes import WRAPPERS, peel
-from .tables.loader import SAFE_LOADER, mappings_dir
+from .tables import cache as table_cache
+from .tables.loader import _parse, mappings_dir
 from .tables.resolve import MtpLayer, Spec
 
 
@@ -119,16 +119,16 @@ class Format(BaseModel):
     tables: dict[str, dict] = Field(default_factory=dict)
 
 
+CACHE_PREFIX = "formats-"
+
+
 def formats_dir() -> Path:
     return mappings_dir() / "formats"
 
 
-def _load(path: Path) -> Format:
+def _build(path: Path, data: object) -> Format:
     try:
-        data = yaml.load(path.read_text(), Loader=SAFE_LOADER)  # noqa: S506 - (C)SafeLoader
         fmt = Format.model_validate(data)
-    except yaml.YAMLError as e:
-        raise TableError(f"not valid YAML: {e}", path=str(path)) from None
     except ValidationError as e:
         msgs = "; ".join(f"field {'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:6])
         raise TableError(msgs, path=str(path)) from None
@@ -139,7 +139,9 @@ def _load(path: Path) -> Format:
 
 @lru_cache(maxsize=1)
 def all_formats() -> dict[str, Format]:
-    return {f.name: f for f in (_load(p) for p in sorted(formats_dir().glob("*.yaml")))}
+    # parsed once into the tables' cache (checked on every load, like the architecture tables): most runs
+    # then never import yaml
+    return table_cache.load_tables((formats_dir(),), _parse, _build, lambda f: f.name, CACHE_PREFIX)
 
 
 def get_format(name: str) -> Format:

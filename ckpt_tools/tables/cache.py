@@ -4,7 +4,8 @@ Parsing the YAML of every table costs 0.1-0.3 s, paid by every command; reading 
 data back from one JSON file takes milliseconds. Only the parsing is cached: every table
 is still checked (schema and names) on every run, so a damaged or edited cache cannot
 smuggle in a table that would be refused. An entry is keyed by the path and content hash
-of every table file and the tool version, so editing a table simply misses. Location:
+of every table file and the tool version, so editing a table simply misses; each set of table
+directories keeps one entry. Location:
 ``CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpt-tools``, else ``~/.cache/ckpt-tools``;
 ``CKPT_CACHE_DIR=off`` disables it. Files owned by another user, or writable by others,
 are not read.
@@ -43,7 +44,14 @@ def _entry(files: list[Path], prefix: str = PREFIX) -> Path | None:
     for f in files:  # contents, not modification times: those tick coarser than a quick edit
         key.append([str(f.resolve()), hashlib.sha256(f.read_bytes()).hexdigest()])
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
-    return root / f"{prefix}{digest}.json"
+    return root / f"{_place_prefix(files, prefix)}{digest}.json"
+
+
+def _place_prefix(files: list[Path], prefix: str) -> str:
+    """The name prefix of the entries for these table directories: a new entry replaces older ones of the
+    same directories only, so two installs (or runs with and without CKPT_TABLES) do not evict each other."""
+    dirs = sorted({str(f.resolve().parent) for f in files})
+    return f"{prefix}{hashlib.sha256(json.dumps(dirs).encode()).hexdigest()[:8]}-"
 
 
 def load(files: list[Path], prefix: str = PREFIX) -> dict[str, Any] | None:
@@ -84,7 +92,7 @@ def store(files: list[Path], parsed: dict[str, Any], prefix: str = PREFIX) -> No
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        for old in path.parent.glob(f"{prefix}*.json"):
+        for old in path.parent.glob(f"{_place_prefix(files, prefix)}*.json"):
             if old != path:
                 old.unlink(missing_ok=True)
     except Exception:

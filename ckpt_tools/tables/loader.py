@@ -7,7 +7,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from ..config import ConfigView
@@ -20,8 +19,14 @@ from .schema import Table
 _UNPARSED = object()
 # i: MTP depth, l: trunk layer, j / item: position and element of a repeated MTP sub-block
 LOOP_VARS = frozenset({"i", "l", "j", "item"})
-# libyaml's safe loader when available: same safety, ~10x faster than the pure-Python one
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def safe_loader():
+    """libyaml's safe loader when available: same safety, ~10x faster than the pure-Python one. yaml is
+    imported on first use: with the parsed tables cached, most runs never need it (7 ms of start-up)."""
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def mappings_dir() -> Path:
@@ -119,8 +124,11 @@ def _check_names(table: Table, path: Path) -> None:
 
 
 def _parse(path: Path) -> Any:
+    """The YAML data of a table file (any kind: architectures, formats, quantization schemes)."""
+    import yaml
+
     try:
-        return yaml.load(path.read_text(), Loader=SAFE_LOADER)  # noqa: S506 - (C)SafeLoader
+        return yaml.load(path.read_text(), Loader=safe_loader())  # noqa: S506 - (C)SafeLoader
     except yaml.YAMLError as e:
         raise TableError(f"not valid YAML: {e}", path=str(path)) from None
     except OSError as e:
