@@ -26,8 +26,8 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from ckpt_tools.safetensors_io import COPY_CHUNK
-from ckpt_tools.writer import HASH_CHUNK
+from ckpt_tools.io.safetensors_io import COPY_CHUNK
+from ckpt_tools.stream.writer import HASH_CHUNK
 
 LIMIT = 1 << 30
 PASSES = 3

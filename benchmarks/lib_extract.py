@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import sys
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.mtp import open_mtp
-from ckpt_tools.plan import CopyBytes, OutputFile, OutputTensor, Plan
-from ckpt_tools.writer import execute
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
 
 
 def main(src: str, out: str) -> int:

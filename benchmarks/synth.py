@@ -23,15 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ckpt_tools.config import ConfigView
 from ckpt_tools.dtypes import DTYPES
-from ckpt_tools.expert_layouts import scale_key, scale_shape
-from ckpt_tools.expr import render
-from ckpt_tools.plan import Compute, OutputFile, OutputTensor, Plan
-from ckpt_tools.tables.loader import get_table
-from ckpt_tools.tables.resolve import Spec, resolve
+from ckpt_tools.io.artefacts import MANIFEST_NAME
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.model.expert_layouts import scale_key, scale_shape
+from ckpt_tools.model.expr import render
+from ckpt_tools.model.tables.loader import get_table
+from ckpt_tools.model.tables.resolve import Spec, resolve
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.plan import Compute, OutputFile, OutputTensor, Plan
 from ckpt_tools.testing.fixtures import FixtureOptions, checkpoint_specs, fixture_config, natural_key
-from ckpt_tools.writer import MANIFEST_NAME, execute
 
 # Table config variables that are widths (scaled with the hidden size); the layer and
 # expert counts are solved; the vocabulary follows the hidden size at a real ratio.

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_tools import digest
+from ckpt_tools.io import digest
 
 from . import layout, s3bench
 from .peers import Peer, peer_env
@@ -270,7 +270,7 @@ def _stitch_cmd(draft: str, *extra: str):
 
 
 # extract --drop-mtp into tmpfs, where the disk hides nothing: what hashing every output byte costs. Each entry
-# runs the same job with the manifest's digest set through ckpt_tools.digest's environment knobs.
+# runs the same job with the manifest's digest set through ckpt_tools.io.digest's environment knobs.
 TMPFS_FAMILY = "deepseek_v3"
 HASHING = {  # verb name suffix -> (ckpt's environment, what it stands for, default verb)
     "": ({}, "BLAKE3 on 2 hash threads beside the copies (now)", True),

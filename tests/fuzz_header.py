@@ -21,7 +21,7 @@ import atheris
 
 with atheris.instrument_imports():
     from ckpt_tools.errors import HeaderError
-    from ckpt_tools.safetensors_io import read_header
+    from ckpt_tools.io.safetensors_io import read_header
 
 import safetensors  # noqa: E402 - the reference implementation, not instrumented
 

@@ -646,7 +646,7 @@ def serve_hub(monkeypatch, tmp_path):
     from huggingface_hub import constants
     from huggingface_hub.utils._http import default_client_factory, set_client_factory
 
-    from ckpt_tools.hub import HUB_STATS
+    from ckpt_tools.io.hub import HUB_STATS
 
     srv = HubServer().start()
     srv.state.tokens.update({WRITE_TOKEN: "write", READ_TOKEN: "read"})

@@ -179,9 +179,9 @@ def deepseek_v4_release(src: Path, dst: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from ckpt_tools.config import ConfigView
-    from ckpt_tools.tables.loader import get_table
-    from ckpt_tools.tables.resolve import resolve, trunk_specs
+    from ckpt_tools.io.config import ConfigView
+    from ckpt_tools.model.tables.loader import get_table
+    from ckpt_tools.model.tables.resolve import resolve, trunk_specs
 
     dst.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())

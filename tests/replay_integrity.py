@@ -110,7 +110,7 @@ def interrupted_stitch(draft, out):
         [
             PY,
             "-c",
-            "import os,ckpt_tools.writer as w, ckpt_tools.safetensors_io as s\n"
+            "import os,ckpt_tools.stream.writer as w, ckpt_tools.io.safetensors_io as s\n"
             "orig=w.Writer._write_shard\n"
             "def slow(self,*a,**k):\n"
             "  r=orig(self,*a,**k)\n"
@@ -430,7 +430,7 @@ p = subprocess.Popen(
     [
         PY,
         "-c",
-        "import os,time,ckpt_tools.writer as w\norig=w.Writer._write_shard\n"
+        "import os,time,ckpt_tools.stream.writer as w\norig=w.Writer._write_shard\n"
         "def slow(self,*a,**k):\n  time.sleep(30); return orig(self,*a,**k)\nw.Writer._write_shard=slow\n"
         f"from ckpt_tools.cli import main\nimport sys\nsys.argv=['ckpt','extract',{str(V)!r},'-o','O12']\nmain()",
     ],

@@ -374,7 +374,7 @@ def test_projection_per_byte_model():
     assert per_byte(1.0, 3.0, 2, 2) == 2.0  # two cores: all the CPU work shared by two
 
 
-# -- the digest knobs the tmpfs benchmark uses (ckpt_tools.digest) --------------------------------------
+# -- the digest knobs the tmpfs benchmark uses (ckpt_tools.io.digest) --------------------------------------
 
 
 def test_digest_knobs_write_the_old_manifest_and_verify_manifest_reads_both(tmp_path, monkeypatch):
@@ -424,7 +424,7 @@ def test_a_bad_digest_knob_is_a_usage_error_before_any_shard(tmp_path, monkeypat
 def test_inline_executor_runs_on_the_callers_thread_and_keeps_errors_for_result():
     import threading
 
-    from ckpt_tools import digest
+    from ckpt_tools.io import digest
 
     ex = digest.executor(0)
     fut = ex.submit(threading.get_ident)

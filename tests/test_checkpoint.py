@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint, open_lenient
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, InputError
-from ckpt_tools.safetensors_io import IO_STATS
+from ckpt_tools.io.checkpoint import Checkpoint, open_lenient
+from ckpt_tools.io.safetensors_io import IO_STATS
 
 INDEX = "model.safetensors.index.json"
 

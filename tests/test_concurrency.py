@@ -11,7 +11,7 @@ from test_crash import assert_same_output, is_complete, shared_zygote
 from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
-from ckpt_tools.writer import LOCK_NAME, _Lock
+from ckpt_tools.stream.writer import LOCK_NAME, _Lock
 
 runner = CliRunner()
 

@@ -23,8 +23,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.mtp import open_mtp
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.mtp import open_mtp
 
 from conftest import run_ckpt as ckpt
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.config import ConfigView
-from ckpt_tools.tables.loader import get_table
-from ckpt_tools.tables.resolve import resolve
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.model.tables.loader import get_table
+from ckpt_tools.model.tables.resolve import resolve
 from ckpt_tools.testing.fixtures import spec_values
 
 from conftest import run_ckpt as ckpt

@@ -50,8 +50,8 @@ ZYGOTE = r'''
 import json, os, resource, signal, sys
 sys.argv = ["ckpt"]
 from ckpt_tools.cli import app
-from ckpt_tools.tables.loader import all_tables
-import ckpt_tools.ops.extract, ckpt_tools.ops.validate, ckpt_tools.writer
+from ckpt_tools.model.tables.loader import all_tables
+import ckpt_tools.ops.extract, ckpt_tools.ops.validate, ckpt_tools.stream.writer
 all_tables()
 if os.environ.get("ZYGOTE_TORCH") == "1":
     import torch, ckpt_tools.ops.stitch
@@ -59,7 +59,7 @@ if os.environ.get("ZYGOTE_TORCH") == "1":
 
 
 def arm(kill):
-    import ckpt_tools.writer as w
+    import ckpt_tools.stream.writer as w
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)

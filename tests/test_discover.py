@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.errors import InputError
-from ckpt_tools.mtp import open_mtp
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.model.tables.loader import all_tables, load_table
+from ckpt_tools.model.tables.resolve import resolve
 from ckpt_tools.ops import discover as discover_mod
 from ckpt_tools.ops.discover import discover, write_draft
-from ckpt_tools.tables.loader import all_tables, load_table
-from ckpt_tools.tables.resolve import resolve
 
 from conftest import run_ckpt as ckpt
 
@@ -35,7 +35,7 @@ def no_tables(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("discovery consulted an architecture table")
 
-    import ckpt_tools.tables.loader as loader
+    import ckpt_tools.model.tables.loader as loader
 
     for name in ("all_tables", "get_table", "detect_table"):
         monkeypatch.setattr(loader, name, refuse)

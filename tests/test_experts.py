@@ -1,4 +1,4 @@
-"""Expert layout conversions (ckpt_tools.experts): exact round trips, semantics, errors.
+"""Expert layout conversions (ckpt_tools.model.experts): exact round trips, semantics, errors.
 
 Sources are written with safetensors.torch.save_file, every plan runs through the real
 writer, and results are read back with safetensors.
@@ -19,11 +19,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tools.errors import PlanError
-from ckpt_tools.expert_layouts import ExpertGroup, ExpertLayout, scale_key, scale_shape
-from ckpt_tools.experts import check_group, convert_group, layout_from_label
-from ckpt_tools.plan import Compute, CopyBytes, Plan
-from ckpt_tools.safetensors_io import IO_STATS, LocalFile, read_header, refs_from_header
-from ckpt_tools.writer import execute
+from ckpt_tools.io.safetensors_io import IO_STATS, LocalFile, read_header, refs_from_header
+from ckpt_tools.model.expert_layouts import ExpertGroup, ExpertLayout, scale_key, scale_shape
+from ckpt_tools.model.experts import check_group, convert_group, layout_from_label
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.plan import Compute, CopyBytes, Plan
 
 GATED = [
     "per-expert", "fused", "fused:up-first", "stacked", "stacked-transposed", "fused-transposed",
@@ -314,7 +314,7 @@ def test_dequant_hook_pairs_each_piece_with_its_scales(tmp_path):
     """A dequantizer sees canonical pieces with their own scale grids, whatever the layouts."""
     E, H, inter = 2, 136, 128
 
-    class Ref:  # a float64 reference dequantizer, test-local (the real one is ckpt_tools.fp8)
+    class Ref:  # a float64 reference dequantizer, test-local (the real one is ckpt_tools.numeric.fp8)
         dtype = "F32"
 
         def __call__(self, w, s, block, weight_dtype, scale_dtype):
@@ -455,9 +455,9 @@ def test_layout_labels_parse_back():
 
 
 def test_block_dequant_adapter_matches_fp8_module(tmp_path):
-    """The shipped Dequantizer (BlockDequant: ckpt_tools.fp8_decode) gives each expert exactly the block-FP8
+    """The shipped Dequantizer (BlockDequant: ckpt_tools.numeric.fp8_decode) gives each expert exactly the block-FP8
     definition of its own pieces."""
-    from ckpt_tools.experts import BlockDequant
+    from ckpt_tools.model.experts import BlockDequant
 
     from quant_helpers import fp8_dequant
 
@@ -483,7 +483,7 @@ def test_block_dequant_adapter_matches_fp8_module(tmp_path):
 
 def test_detect_tells_fused_from_fused_transposed_by_shape(tmp_path):
     """Both store P.gate_up_proj / P.down_proj: only the shapes differ (mtp.detect_group_layout)."""
-    from ckpt_tools.mtp import detect_group_layout
+    from ckpt_tools.model.mtp import detect_group_layout
 
     shipped = group("per-expert", 3, 8, 6)
     for layout in ("fused", "fused-transposed", "stacked-transposed", "per-expert"):

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.tables.loader import all_tables
+from ckpt_tools.model.tables.loader import all_tables
 
 from conftest import run_ckpt as ckpt
 from conftest import tree_hash

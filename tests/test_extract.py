@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.mtp import open_mtp
-from ckpt_tools.tables.loader import all_tables
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.model.tables.loader import all_tables
 
 from conftest import run_ckpt as ckpt
 from conftest import tree_hash
@@ -184,7 +184,7 @@ def test_speculators_verifier_name(make_fixture, tmp_path, monkeypatch):
     monkeypatch.chdir(snapshot.parent)
     assert name("./0123abcd/") == "./0123abcd/"  # a local path exactly as given, never made absolute
     assert name("0123abcd", "--verifier-name", "me/my-verifier") == "me/my-verifier"
-    from ckpt_tools.formats import verifier_name_of
+    from ckpt_tools.model.formats import verifier_name_of
 
     assert verifier_name_of("hf://Qwen/Qwen3.5-35B-A3B@3f1c2e0") == "Qwen/Qwen3.5-35B-A3B"  # hf:// sources
 
@@ -207,9 +207,9 @@ def test_speculators_qwen3_5_moe_nested_config_and_fused_experts(make_fixture, t
 
 
 def test_reads_only_mtp_bytes(make_fixture, tmp_path):
+    from ckpt_tools.io.safetensors_io import IO_STATS
     from ckpt_tools.ops.extract import ExtractRequest, plan_extract
-    from ckpt_tools.safetensors_io import IO_STATS
-    from ckpt_tools.writer import execute
+    from ckpt_tools.stream.execute import execute
 
     for family in ("deepseek_v3", "qwen3_next"):
         src = make_fixture(family)

@@ -20,13 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools import fp8, fp8_decode, transforms
-from ckpt_tools.config import ConfigView
+from ckpt_tools.arrays import as_bytes
 from ckpt_tools.errors import InputError, PlanError
-from ckpt_tools.numeric import as_bytes
-from ckpt_tools.plan import CopyBytes, OutputTensor, Plan
-from ckpt_tools.safetensors_io import LocalFile, read_header, refs_from_header
-from ckpt_tools.writer import execute
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
+from ckpt_tools.numeric import fp8, fp8_decode, transforms
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
 
 # ---------------------------------------------------------------------------
 # Independent oracles (numpy, float64)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.io.checkpoint import Checkpoint
 
 from conftest import run_ckpt as ckpt
 from conftest import tree_hash
@@ -30,7 +30,7 @@ def test_untouched_dequantized_draft_stitches_back_byte_identical(make_fixture, 
 
 
 def test_perturbed_dequantized_draft_requantizes_exactly_those(make_fixture, tmp_path):
-    from ckpt_tools.fp8 import quantize
+    from ckpt_tools.numeric.fp8 import quantize
 
     from quant_helpers import fp8_dequant as dequantize
 

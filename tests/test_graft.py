@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_integrity_output import interrupt_after, visible
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.tables.loader import get_table
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.tables.loader import get_table
 from ckpt_tools.testing import FixtureOptions, make_checkpoint
 from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
 
@@ -68,7 +68,7 @@ def _index(out: Path) -> dict[str, str]:
 def _mtp_linears(src: Checkpoint, family: str) -> list[str]:
     """Every MTP Linear module of the source (the table's linear weights) and the engines' fused names of its
     shards (the family table's fused_modules; routed experts are loaded per expert, never fused)."""
-    from ckpt_tools.mtp import open_mtp
+    from ckpt_tools.model.mtp import open_mtp
 
     fused = get_table(family).fused_modules
     mods = {s.key.removesuffix(".weight") for s in open_mtp(src).present
@@ -350,8 +350,8 @@ def test_transformers_loads_the_grafted_mtp_after_dequantizing_the_trunk(tmp_pat
     from safetensors.torch import save_file
     from test_consumer_transformers import tiny_config
 
-    from ckpt_tools.config import ConfigView
-    from ckpt_tools.tables.resolve import resolve
+    from ckpt_tools.io.config import ConfigView
+    from ckpt_tools.model.tables.resolve import resolve
     from ckpt_tools.testing.fixtures import spec_values
 
     import quant_helpers as qh

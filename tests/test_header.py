@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save
 
 from ckpt_tools.errors import HeaderError
-from ckpt_tools.safetensors_io import LocalFile, read_header
+from ckpt_tools.io.safetensors_io import LocalFile, read_header
 
 
 class Mem:
@@ -138,7 +138,7 @@ def test_metadata_without_format_is_a_valid_file():
 
 
 def test_local_file_reads_header_without_touching_data(tmp_path):
-    from ckpt_tools.safetensors_io import IO_STATS
+    from ckpt_tools.io.safetensors_io import IO_STATS
 
     p = tmp_path / "big.safetensors"
     raw = json.dumps({"a": entry("U8", [50_000_000], [0, 50_000_000])}).encode()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ckpt_tools.dtypes import DTYPES
 from ckpt_tools.errors import HeaderError
-from ckpt_tools.safetensors_io import parse_header_bytes, read_header
+from ckpt_tools.io.safetensors_io import parse_header_bytes, read_header
 
 FAST = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 

@@ -17,10 +17,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
-from ckpt_tools.hub import HUB_STATS, HubReadError, parse_hf_url
-from ckpt_tools.safetensors_io import IO_STATS
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.hub import HUB_STATS, HubReadError, parse_hf_url
+from ckpt_tools.io.safetensors_io import IO_STATS
 
 from hubserver import serve_hub
 
@@ -134,7 +134,7 @@ def test_inspect_and_validate_download_only_headers(hub, ds, cmd):
 
 
 def _mtp_bytes(ckpt: Checkpoint) -> int:
-    from ckpt_tools.mtp import open_mtp
+    from ckpt_tools.model.mtp import open_mtp
 
     view = open_mtp(ckpt)
     return sum(ckpt.tensors[s.key].nbytes for s in view.present)

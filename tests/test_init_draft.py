@@ -23,11 +23,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.config import ConfigView
-from ckpt_tools.expert_layouts import ExpertLayout
-from ckpt_tools.tables.loader import all_tables, get_table
-from ckpt_tools.tables.resolve import expert_specs, resolve, trunk_specs
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.model.expert_layouts import ExpertLayout
+from ckpt_tools.model.tables.loader import all_tables, get_table
+from ckpt_tools.model.tables.resolve import expert_specs, resolve, trunk_specs
 from ckpt_tools.testing import fixture_config
 
 from conftest import run_ckpt as ckpt
@@ -206,7 +206,7 @@ def test_same_seed_same_bytes_whatever_the_sharding(make_fixture, tmp_path):
 
 
 def test_band_size_does_not_change_values():
-    from ckpt_tools import init_values as iv
+    from ckpt_tools.numeric import init_values as iv
 
     r = iv.InitRecipe("model.layers.3.eh_proj.weight", "BF16", (37, 129), "normal", 0.02, 5)
     whole = b"".join(bytes(memoryview(c).cast("B")) for c in iv.produce(r, band=10**6))
@@ -369,7 +369,7 @@ import json, re, sys, time
 def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 import numpy, safetensors, huggingface_hub, rich  # the libraries a run may load (torch is not one)
-import ckpt_tools.ops.init_draft, ckpt_tools.ops.validate, ckpt_tools.writer
+import ckpt_tools.ops.init_draft, ckpt_tools.ops.validate, ckpt_tools.stream.writer
 from ckpt_tools.cli import app
 base = hwm()
 t = time.monotonic()

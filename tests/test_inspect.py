@@ -1,7 +1,7 @@
 """`ckpt inspect` on every family's fixture, its numbers recomputed independently in the test.
 
 The oracle reads the shard headers with ``safetensors.safe_open`` and picks the MTP
-tensors with prefix rules written here (not through ckpt_tools.mtp or the tables), and,
+tensors with prefix rules written here (not through ckpt_tools.model.mtp or the tables), and,
 for every family, as the keys a fixture has beyond the same fixture built without MTP.
 """
 
@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
-from ckpt_tools.expert_layouts import scale_key
+from ckpt_tools.model.expert_layouts import scale_key
+from ckpt_tools.model.tables.loader import all_tables, get_table
 from ckpt_tools.ops.inspect import inspect_checkpoint
-from ckpt_tools.tables.loader import all_tables, get_table
 
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
             "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,

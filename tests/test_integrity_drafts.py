@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.io.checkpoint import Checkpoint
 
 from conftest import run_ckpt as ckpt
 
@@ -108,7 +108,7 @@ def _tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def test_e5m2_weight_is_requantized_into_the_verifiers_e4m3(fp8, tmp_path):
-    from ckpt_tools.fp8 import quantize
+    from ckpt_tools.numeric.fp8 import quantize
 
     from quant_helpers import fp8_dequant as dequantize
 
@@ -381,8 +381,8 @@ def test_float32_overflowing_squares_stay_finite(tmp_path):
 
 
 def test_no_worker_thread_sets_torchs_thread_count(fp8, tmp_path, monkeypatch):
-    from ckpt_tools import transforms
-    from ckpt_tools.plan import CopyBytes, OutputTensor
+    from ckpt_tools.numeric import transforms
+    from ckpt_tools.stream.plan import CopyBytes, OutputTensor
 
     calls = []
     real = torch.set_num_threads

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.consistency import RULES, check, require_consistent
 from ckpt_tools.errors import InputError, TableError
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.consistency import RULES, check, require_consistent
 from ckpt_tools.ops.validate import validate
 
 from conftest import run_ckpt, tree_hash
@@ -230,7 +230,7 @@ def test_config_that_is_not_an_object(make_fixture, tmp_path):
 
 
 def test_table_defaults_are_checked_against_their_type(tmp_path, monkeypatch):
-    from ckpt_tools.tables.loader import load_table, mappings_dir
+    from ckpt_tools.model.tables.loader import load_table, mappings_dir
 
     text = (mappings_dir() / "architectures" / "deepseek_v3.yaml").read_text()
     bad = tmp_path / "deepseek_v3.yaml"

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.errors import InputError, OutputError
+from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.ops.validate import validate_output
-from ckpt_tools.writer import execute
+from ckpt_tools.stream.execute import execute
 
 from conftest import run_ckpt as ckpt
 from conftest import tree_hash
@@ -93,7 +93,7 @@ def perturb(shard: Path, factor: float, keep_mtime: bool = False) -> None:
 
 def interrupt_after(monkeypatch, copies: int, what: str = "copy_segment") -> None:
     """Ctrl-C in the writer after ``copies`` calls of ``what`` (what SIGINT does: cleanup, exit 130)."""
-    import ckpt_tools.writer as w
+    import ckpt_tools.stream.writer as w
 
     orig, left = getattr(w, what), [copies]
 
@@ -425,7 +425,7 @@ def test_a_copy_that_ends_early_is_an_error(verb, verifier, tmp_path, monkeypatc
 
 
 def test_a_source_that_shrank_is_a_short_read(local_verifier, tmp_path, monkeypatch):
-    import ckpt_tools.writer as w
+    import ckpt_tools.stream.writer as w
 
     src = sorted(local_verifier.glob("*.safetensors"))[0]
 

@@ -18,17 +18,17 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools import transforms
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.config import ConfigView
 from ckpt_tools.errors import InputError, PlanError, TableError
-from ckpt_tools.expert_layouts import ExpertLayout
-from ckpt_tools.formats import check_expressible, correspond, get_format
-from ckpt_tools.mtp import open_mtp
-from ckpt_tools.plan import CopyBytes, OutputTensor
-from ckpt_tools.safetensors_io import LocalFile, read_header, refs_from_header
-from ckpt_tools.tables.loader import get_table, load_table, mappings_dir
-from ckpt_tools.tables.resolve import resolve
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
+from ckpt_tools.model.expert_layouts import ExpertLayout
+from ckpt_tools.model.formats import check_expressible, correspond, get_format
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.model.tables.loader import get_table, load_table, mappings_dir
+from ckpt_tools.model.tables.resolve import resolve
+from ckpt_tools.numeric import transforms
+from ckpt_tools.stream.plan import CopyBytes, OutputTensor
 from ckpt_tools.testing import fixture_config
 
 from conftest import run_ckpt as ckpt
@@ -180,7 +180,7 @@ def _fusion_link(view, fmt):
 
 def any_block(name: str):
     """A registered format without its consumer's block restrictions (to exercise name mapping)."""
-    from ckpt_tools.formats import Supports
+    from ckpt_tools.model.formats import Supports
 
     return get_format(name).model_copy(update={"supports": Supports()})
 
@@ -200,7 +200,7 @@ def test_fusion_halves_join_in_the_format_order(make_fixture):
 
 
 def test_fusion_halves_extract_joined_and_stitch_back_split(make_fixture, tmp_path, monkeypatch):
-    from ckpt_tools import formats
+    from ckpt_tools.model import formats
 
     registered = dict(formats.all_formats(), angelspec=any_block("angelspec"))
     monkeypatch.setattr(formats, "all_formats", lambda: registered)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ckpt_tools.tables.loader import mappings_dir
+from ckpt_tools.model.tables.loader import mappings_dir
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckpt_tools"
 

@@ -142,7 +142,7 @@ def test_a_verifier_larger_than_available_memory_is_refused_with_the_number(trai
     with pytest.raises(InputError) as e:
         probe_ops.probe(probe_ops.ProbeRequest(str(trained), prompts=str(prompts), dtype="fp32"))
     assert e.value.rule == "memory"
-    from ckpt_tools.checkpoint import Checkpoint
+    from ckpt_tools.io.checkpoint import Checkpoint
 
     with Checkpoint.open(trained) as c:
         need = probe_ops.needed_bytes(c, "fp32")
@@ -299,8 +299,8 @@ def test_asking_transformers_about_a_family_leaves_the_cached_table_alone():
     a copy, or later users of the cached table would see a changed fixture."""
     import copy
 
+    from ckpt_tools.model.tables.loader import all_tables
     from ckpt_tools.ops.tables_info import tables_info
-    from ckpt_tools.tables.loader import all_tables
 
     before = {k: copy.deepcopy(t.fixture) for k, t in all_tables().items()}
     tables_info(probe=True)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from test_stitch import _perturb
 
-from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.ops.extract import ExtractRequest, plan_extract
 from ckpt_tools.ops.stitch import StitchRequest, plan_stitch
-from ckpt_tools.writer import Progress, execute
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.progress import Progress
 
 from conftest import run_ckpt as ckpt
 

@@ -16,9 +16,9 @@ import yaml
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
-from ckpt_tools.hub_push import sha256_file
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.ops.push import sha256_file
 
 from hubserver import READ_TOKEN, WRITE_TOKEN, serve_hub
 
@@ -369,7 +369,7 @@ def test_remote_stitch_downloads_only_affected_shards_and_push_copies_the_rest(h
     assert not any((out / s).exists() for s in untouched)  # left on the Hub
     by_file = dict(hub.state.stats.served_by_file)
     local = Checkpoint.open(ds)
-    from ckpt_tools.mtp import open_mtp
+    from ckpt_tools.model.mtp import open_mtp
 
     mtp = open_mtp(local)
     for s in untouched:  # its header, and the verifier MTP tensors stitch compares with the draft

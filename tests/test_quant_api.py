@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.errors import InputError, TableError
-from ckpt_tools.quant import (
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.quant import (
     all_schemes,
     declaration,
     declared,
@@ -23,7 +23,7 @@ from ckpt_tools.quant import (
     module_storage,
     quant_files,
 )
-from ckpt_tools.quant.match import excluded, match_one
+from ckpt_tools.model.quant.match import excluded, match_one
 
 pytest.importorskip("compressed_tensors")
 from quant_helpers import ct, scheme_for, write_quantized  # noqa: E402
@@ -68,7 +68,7 @@ def test_every_shipped_table_loads_and_names_its_formats():
 def test_a_broken_table_names_its_file_and_field(tmp_path, monkeypatch, patch, field):
     import yaml
 
-    from ckpt_tools.quant import tables
+    from ckpt_tools.model.quant import tables
 
     base = yaml.safe_load((tables.quant_dirs()[0] / "ct-fp8.yaml").read_text())
     base.update(patch)
@@ -299,7 +299,7 @@ def test_a_missing_extra_is_one_error_naming_it(monkeypatch):
     import builtins
 
     from ckpt_tools.errors import UsageError
-    from ckpt_tools.quant.extra import compressed_tensors
+    from ckpt_tools.model.quant.extra import compressed_tensors
 
     real = builtins.__import__
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.numeric import as_bytes
-from ckpt_tools.quant import detect_scheme, module_storage
-from ckpt_tools.quant.decode import code_table, scale_values, zero_point_values
-from ckpt_tools.quant.dequant import dequant_module, dequant_parts
-from ckpt_tools.quant.storage import Storage
+from ckpt_tools.arrays import as_bytes
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.quant import detect_scheme, module_storage
+from ckpt_tools.model.quant.decode import code_table, scale_values, zero_point_values
+from ckpt_tools.model.quant.dequant import dequant_module, dequant_parts
+from ckpt_tools.model.quant.storage import Storage
 
 pytest.importorskip("compressed_tensors")
 from quant_helpers import ct, scheme_for, write_quantized  # noqa: E402
@@ -181,7 +181,7 @@ def test_deepseek_v4_fp4_experts_equal_a_float64_reference():
 
 
 def test_block_fp8_with_ue8m0_scales_equals_the_fp8_module():
-    from ckpt_tools import fp8
+    from ckpt_tools.numeric import fp8
 
     from quant_helpers import fp8_dequant
 
@@ -197,7 +197,7 @@ def test_block_fp8_with_ue8m0_scales_equals_the_fp8_module():
 
 def _decode_parts(scheme: str, fmt: str, tensors: dict, shape, params, out="BF16") -> torch.Tensor:
     from ckpt_tools.dtypes import from_torch
-    from ckpt_tools.plan import Compute, OutputTensor
+    from ckpt_tools.stream.plan import Compute, OutputTensor
 
     parts = {}
     for suffix, t in tensors.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.checkpoint import Checkpoint
+from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
 
 from conftest import run_ckpt

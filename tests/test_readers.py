@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckpt_tools.checkpoint import Checkpoint, open_draft_source
 from ckpt_tools.dtypes import from_torch
 from ckpt_tools.errors import InputError
-from ckpt_tools.readers import FileSpans, LoadedTensor
+from ckpt_tools.io.checkpoint import Checkpoint, open_draft_source
+from ckpt_tools.io.readers import FileSpans, LoadedTensor
 
 from conftest import run_ckpt
 
@@ -133,7 +133,7 @@ def refused(path, rule: str, **kw) -> InputError:
 @pytest.fixture(params=[16 << 20, 8], ids=["pieces-16MB", "pieces-8B"])
 def piece_bytes(request, monkeypatch):
     """Strided tensors are copied out in pieces; tiny pieces drive the row-by-row path on small tensors."""
-    monkeypatch.setattr("ckpt_tools.readers.PIECE_BYTES", request.param)
+    monkeypatch.setattr("ckpt_tools.io.readers.PIECE_BYTES", request.param)
 
 
 def test_state_dict_bytes(tmp_path, piece_bytes):
@@ -292,7 +292,7 @@ def test_dcp_chunks_from_several_ranks(tmp_path, piece_bytes):
 
 def test_dcp_transformed_chunks_go_through_dcp_load(tmp_path, monkeypatch):
     """Chunks stored through a DCP transform are read by DCP's own loader (here: every chunk, to test that path)."""
-    from ckpt_tools.readers.dcp import _Folder
+    from ckpt_tools.io.readers.dcp import _Folder
 
     monkeypatch.setattr(_Folder, "_assemble", _Folder._load)
     state = {"cols": torch.randn(5, 9).to(torch.bfloat16), "t": torch.randn(4, 3).T}
@@ -397,8 +397,8 @@ BIG = 64 << 20  # elements: a 256 MB fp32 tensor, larger than everything else co
 # (getrusage's ru_maxrss cannot be reset, and Linux carries it over from the forking parent across exec.)
 _MEASURE = """
 import gc, json, sys
-from ckpt_tools.checkpoint import Checkpoint
-from ckpt_tools.safetensors_io import iter_chunks
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.safetensors_io import iter_chunks
 
 def status(field):
     return int(next(x for x in open("/proc/self/status") if x.startswith(field + ":")).split()[1]) * 1024

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 from s3server import Fault, S3Server
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.errors import OutputError, UsageError
-from ckpt_tools.plan import CopyBytes, OutputFile, OutputTensor, Plan
-from ckpt_tools.safetensors_io import LocalFile, Segment
-from ckpt_tools.writer import LOCK_NAME, MANIFEST_NAME, RESUME_NAME, execute
+from ckpt_tools.io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.safetensors_io import LocalFile, Segment
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
 
 from conftest import run_ckpt as ckpt
 
@@ -227,7 +228,7 @@ def test_output_inside_an_input_in_the_same_store_is_refused(s3, bucket, verifie
 
 def test_parts_are_bounded_and_streamed(s3, bucket, tmp_path, monkeypatch):
     """A 13 MB shard goes up in 5 MiB parts (memory: a part or two), byte for byte."""
-    import ckpt_tools.targets.object_store as o
+    import ckpt_tools.stream.targets.object_store as o
 
     monkeypatch.setattr(o, "PART_SIZE", 5 << 20)
     src = tmp_path / "blob"
@@ -349,7 +350,7 @@ def test_a_failed_check_leaves_no_index_and_names_the_object(s3, bucket, verifie
 
 
 def test_ctrl_c_during_upload_aborts_it_and_releases_the_lock(s3, bucket, verifier, monkeypatch):
-    import ckpt_tools.targets.object_store as o
+    import ckpt_tools.stream.targets.object_store as o
 
     orig, calls = o.ObjectStoreWriter._write_shard, [0]
 
@@ -372,7 +373,7 @@ def test_ctrl_c_during_upload_aborts_it_and_releases_the_lock(s3, bucket, verifi
 
 
 def test_two_writers_on_one_prefix_one_refuses(s3, bucket, verifier, monkeypatch):
-    import ckpt_tools.targets.object_store as o
+    import ckpt_tools.stream.targets.object_store as o
 
     inside, go = threading.Event(), threading.Event()
     orig = o.ObjectStoreWriter._write_shard
@@ -408,8 +409,8 @@ def test_two_writers_on_one_prefix_one_refuses(s3, bucket, verifier, monkeypatch
 
 
 def test_lock_object_is_created_once(s3, bucket):
-    from ckpt_tools.targets.lock import ObjectLock
-    from ckpt_tools.targets.store import Store
+    from ckpt_tools.stream.targets.lock import ObjectLock
+    from ckpt_tools.stream.targets.store import Store
 
     store = Store.open(f"s3://{bucket}/x")
     a = ObjectLock(store)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.errors import InputError
-from ckpt_tools.sources import DOWNLOADS, MissingExtra, coalesce_ranges
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.sources import DOWNLOADS, MissingExtra, coalesce_ranges
 
 from conftest import run_ckpt
 
@@ -73,16 +73,16 @@ def meta_bytes(d: Path) -> int:
 
 
 def mtp_bytes(d: Path) -> int:
-    from ckpt_tools.mtp import open_mtp
+    from ckpt_tools.model.mtp import open_mtp
 
     ckpt = Checkpoint.open(d)
     return sum(ckpt.tensors[s.key].nbytes for s in open_mtp(ckpt).present)
 
 
 def test_source_layer_imports_nothing_above_it():
-    code = ("import sys, ckpt_tools.sources, ckpt_tools.sources.hf, ckpt_tools.hub; "
+    code = ("import sys, ckpt_tools.io.sources, ckpt_tools.io.sources.hf, ckpt_tools.io.hub; "
             "bad = [m for m in sys.modules if m.startswith('ckpt_tools.') and m.split('.')[1] not in "
-            "('sources', 'hub', 'errors', 'safetensors_io', 'dtypes')]; assert not bad, bad")
+            "('io', 'errors', 'dtypes')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
@@ -111,7 +111,7 @@ def test_open_s3_reads_headers_only_and_matches_local(s3, ds):
 
 
 def test_a_long_read_is_split_in_parallel_parts_exactly(s3, ds, monkeypatch):
-    from ckpt_tools.sources import ranges
+    from ckpt_tools.io.sources import ranges
 
     url = upload(s3, ds, "ds")
     remote, local = Checkpoint.open(url), Checkpoint.open(ds)
@@ -125,7 +125,7 @@ def test_a_long_read_is_split_in_parallel_parts_exactly(s3, ds, monkeypatch):
 
 
 def test_scheduled_ranges_are_coalesced_and_fetched_ahead_within_a_bound(s3, ds, monkeypatch):
-    from ckpt_tools.sources import ranges
+    from ckpt_tools.io.sources import ranges
 
     url = upload(s3, ds, "ds")
     remote, local = Checkpoint.open(url), Checkpoint.open(ds)

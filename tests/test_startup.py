@@ -18,11 +18,11 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from ckpt_tools import expr
 from ckpt_tools.cli import app, app_for
-from ckpt_tools.config import ConfigView
-from ckpt_tools.tables import cache, loader
-from ckpt_tools.tables.resolve import resolve
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.model import expr
+from ckpt_tools.model.tables import cache, loader
+from ckpt_tools.model.tables.resolve import resolve
 
 HEAVY = ("numpy", "torch", "huggingface_hub")
 # Run the CLI (or just an import) in a fresh interpreter; on exit, write which watched packages it imported.

@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.errors import InputError
-from ckpt_tools.formats import all_formats, check_expressible, get_format
-from ckpt_tools.mtp import open_mtp
-from ckpt_tools.tables.loader import all_tables
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.formats import all_formats, check_expressible, get_format
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.model.tables.loader import all_tables
 
 from conftest import run_ckpt as ckpt
 from conftest import tree_hash

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from ckpt_tools.errors import TableError
-from ckpt_tools.tables import cache, loader
+from ckpt_tools.model.tables import cache, loader
 
 
 @pytest.fixture

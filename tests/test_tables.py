@@ -14,14 +14,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
-from ckpt_tools.config import ConfigView
 from ckpt_tools.errors import InputError, TableError, UsageError
-from ckpt_tools.expert_layouts import ExpertLayout
-from ckpt_tools.mtp import open_mtp
-from ckpt_tools.tables.loader import all_tables, detect_table, get_table, load_table, mappings_dir
-from ckpt_tools.tables.resolve import expert_specs, resolve, trunk_specs
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.model.expert_layouts import ExpertLayout
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.model.tables.loader import all_tables, detect_table, get_table, load_table, mappings_dir
+from ckpt_tools.model.tables.resolve import expert_specs, resolve, trunk_specs
 from ckpt_tools.testing import fixture_config
 
 ROOT = Path(__file__).resolve().parent.parent

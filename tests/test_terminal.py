@@ -15,10 +15,10 @@ from rich.cells import cell_len
 from test_stitch import _perturb
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
 from ckpt_tools.cli.summary import MAX_ROWS
 from ckpt_tools.cli.validate_cmd import MAX_PER_RULE
+from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.ops.tables_info import tables_info
 
 from conftest import run_ckpt as ckpt

@@ -266,8 +266,9 @@ BIG_BYTES = 4096 * 8192 * 4
 # allocator's history rather than what the stitch holds).
 _MEASURE = """
 import gc, importlib, json, sys
-for m in ("ckpt_tools.cli", "ckpt_tools.ops.stitch", "ckpt_tools.ops.validate", "ckpt_tools.readers.dcp",
-          "ckpt_tools.readers.torch_state", "ckpt_tools.writer", "ckpt_tools.experts", "torch.distributed.checkpoint"):
+for m in ("ckpt_tools.cli", "ckpt_tools.ops.stitch", "ckpt_tools.ops.validate", "ckpt_tools.io.readers.dcp",
+          "ckpt_tools.io.readers.torch_state", "ckpt_tools.stream.writer", "ckpt_tools.model.experts",
+          "torch.distributed.checkpoint"):
     importlib.import_module(m)
 from ckpt_tools.cli import app
 

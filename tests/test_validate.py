@@ -16,11 +16,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from ckpt_tools.checkpoint import Checkpoint
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, EXIT_USAGE, InputError
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.tables.loader import all_tables, mappings_dir
 from ckpt_tools.ops.validate import validate
-from ckpt_tools.tables.loader import all_tables, mappings_dir
 
 from conftest import tree_hash
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ckpt_tools.ops.verify import verify_manifest
-from ckpt_tools.writer import Progress
+from ckpt_tools.stream.progress import Progress
 
 from conftest import run_ckpt as ckpt
 

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ckpt_tools.errors import UsageError
-from ckpt_tools.plan import Compute, CopyBytes, OutputTensor, Plan, parse_size
-from ckpt_tools.safetensors_io import LocalFile, read_header, refs_from_header
-from ckpt_tools.writer import execute
+from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
+from ckpt_tools.stream.execute import execute
+from ckpt_tools.stream.plan import Compute, CopyBytes, OutputTensor, Plan, parse_size
 
 # Every dtype that both safetensors.torch and torch know.
 SHARED_DTYPES = {
@@ -144,9 +144,9 @@ def test_max_shard_size_refusals(text):
 
 CHILD = textwrap.dedent("""
     import sys
-    from ckpt_tools.safetensors_io import LocalFile, read_header, refs_from_header
-    from ckpt_tools.plan import CopyBytes, OutputTensor, Plan
-    from ckpt_tools.writer import execute
+    from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
+    from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
+    from ckpt_tools.stream.execute import execute
 
     src, out = sys.argv[1:3]
     f = LocalFile(src)

@@ -16,7 +16,7 @@ import typer
 
 from ..errors import EXIT_INPUT, CkptError
 from ..jsonutil import dumps_strict
-from .progress import end_progress, progress_for
+from ..stream.progress import end_progress, progress_for
 
 INTERNAL_ERROR = 5
 EXIT_BROKEN_PIPE = 128 + 13  # like a process killed by SIGPIPE, which Python ignores in favour of an exception
@@ -65,7 +65,7 @@ def stop_signals_raise() -> Iterator[None]:
 def _in_writer(tb) -> bool:
     """Whether an exception was raised while the writer ran (its frames are on the traceback)."""
     while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") == "ckpt_tools.writer":
+        if tb.tb_frame.f_globals.get("__name__") == "ckpt_tools.stream.writer":
             return True
         tb = tb.tb_next
     return False
@@ -117,7 +117,7 @@ def command(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        stats = sys.modules.get("ckpt_tools.sources.stats")
+        stats = sys.modules.get("ckpt_tools.io.sources.stats")
         if stats is not None:  # count this command's downloads only (several commands may share a process)
             stats.DOWNLOADS.reset()
         try:
@@ -183,7 +183,7 @@ def _no_message(e: BaseException) -> str:
 
 def _report_downloads() -> None:
     """Commands that read from a remote source say how much they downloaded (on stderr)."""
-    stats = sys.modules.get("ckpt_tools.sources.stats")
+    stats = sys.modules.get("ckpt_tools.io.sources.stats")
     summary = stats.transfer_summary() if stats is not None else None
     if summary:
         err_console().print(summary)
@@ -207,7 +207,7 @@ OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or em
 
 def output_arg(text: str | None):
     """-o as a local directory (Path) or an object store's URL (str); see ``targets.output_location``."""
-    from ..targets import output_location
+    from ..stream.targets import output_location
 
     return None if text is None else output_location(text)
 

@@ -13,7 +13,7 @@ from .common import command, err_console, out_console
 
 def _demo_family() -> str:
     """The table marked ``demo: true`` (family knowledge lives in the tables), else the first with MTP."""
-    from ..tables.loader import all_tables
+    from ..model.tables.loader import all_tables
 
     tables = sorted(all_tables().values(), key=lambda t: t.family)
     marked = [t.family for t in tables if t.demo]

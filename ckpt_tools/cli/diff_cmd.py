@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded)."""
-        from ..checkpoint import Checkpoint
+        from ..io.checkpoint import Checkpoint
         from ..ops.diff import diff
         from ..options import regex
 

@@ -21,7 +21,7 @@ UNFUSE_TARGETS = ("per-expert", "stacked", "stacked-transposed")
 
 def _layout(text: str, verb: str, allowed: tuple[str, ...]):
     from ..errors import UsageError
-    from ..expert_layouts import ExpertLayout
+    from ..model.expert_layouts import ExpertLayout
 
     try:
         layout = ExpertLayout.parse(text)
@@ -55,11 +55,11 @@ def _render(xplan, console) -> None:
 def _run(verb: str, allowed: tuple[str, ...], src: str, out: str | None, to: str, only_mtp: bool, arch: str | None,
          max_shard_size: str, dry_run: bool, plan_json: Path | None, json_output: bool, overwrite: bool,
          dequant: str | None = None, allow_invalid: list[str] | None = None) -> None:
-    from ..checkpoint import Checkpoint
     from ..errors import UsageError
+    from ..io.checkpoint import Checkpoint
     from ..ops.experts import ExpertsRequest, plan_experts, stats
     from ..ops.validate import validate_output
-    from ..plan import parse_size
+    from ..stream.plan import parse_size
 
     layout = _layout(to, verb, allowed)
     allow = allowed_rules(allow_invalid)
@@ -80,7 +80,7 @@ def _run(verb: str, allowed: tuple[str, ...], src: str, out: str | None, to: str
             else:
                 _render(xplan, out_console())
             return
-        from ..writer import execute
+        from ..stream.execute import execute
 
         report: dict = {}
         result = execute(xplan.plan, output_arg(out), overwrite=overwrite, progress=progress_for(json_output),

@@ -15,8 +15,8 @@ def _layers(text: str | None) -> list[int] | None:
     """--layers: MTP depths, each below the MTP bound, none twice (extract and stitch)."""
     if text is None:
         return None
+    from ..model.tables.resolve import MAX_MTP_LAYERS
     from ..options import index_list
-    from ..tables.resolve import MAX_MTP_LAYERS
 
     return index_list("--layers", text, MAX_MTP_LAYERS - 1)
 
@@ -49,10 +49,10 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
-        from ..checkpoint import Checkpoint
+        from ..io.checkpoint import Checkpoint
         from ..ops.extract import ExtractRequest, plan_extract
         from ..ops.validate import validate_output
-        from ..plan import parse_size
+        from ..stream.plan import parse_size
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
                 else:
                     render_plan(plan, out_console())
                 return
-            from ..writer import execute
+            from ..stream.execute import execute
 
             validation: dict = {}
             result = execute(plan, dest, overwrite=overwrite, resume=resume, progress=progress_for(json_output),

@@ -16,7 +16,7 @@ def allow_invalid_option():
 
 def allowed_rules(values: list[str] | None) -> frozenset[str]:
     """The checked rule names (a usage error, exit 2, for an unknown one), before anything is opened."""
-    from ..consistency import parse_allow
+    from ..model.consistency import parse_allow
 
     return parse_allow(values)
 

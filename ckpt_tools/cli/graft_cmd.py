@@ -40,10 +40,10 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
-        from ..checkpoint import Checkpoint
+        from ..io.checkpoint import Checkpoint
         from ..ops.execute import Outputs, execute_and_report
         from ..ops.graft import GraftRequest, plan_graft
-        from ..plan import parse_size
+        from ..stream.plan import parse_size
         from .quant_render import say_config_changes
         from .summary import render_diffs
 

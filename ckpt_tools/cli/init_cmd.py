@@ -35,10 +35,10 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""
-        from ..checkpoint import Checkpoint
+        from ..io.checkpoint import Checkpoint
         from ..ops.init_draft import InitRequest, check_request, plan_init
         from ..ops.validate import validate_output
-        from ..plan import parse_size
+        from ..stream.plan import parse_size
         from .render import render_plan, report_write
 
         allow = allowed_rules(allow_invalid)
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
                     render_plan(plan, out_console())
                     _say(summary)
                 return
-            from ..writer import execute
+            from ..stream.execute import execute
 
             validation: dict = {}  # an invalid output is an output error (exit 4), left without its marker
             result = execute(plan, dest, overwrite=overwrite, progress=progress_for(json_output),

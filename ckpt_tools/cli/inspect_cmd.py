@@ -122,7 +122,7 @@ def _render_mtp_quant(con, quant: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..quant.report import collapsed, declared_text
+    from ..model.quant.report import collapsed, declared_text
 
     t = Table(title="MTP modules: stored vs declared (quantization config)", title_justify="left")
     for col in ("module", "stored", "declared", ""):
@@ -170,15 +170,15 @@ def _discover(path: str, write: str | None, json_output: bool, allow: frozenset[
     """`--discover`: the draft table on stdout (or in FILE), a summary on stderr."""
     from pathlib import Path
 
-    from ..checkpoint import Checkpoint
     from ..errors import UsageError
+    from ..io.checkpoint import Checkpoint
     from ..ops.discover import discover, write_draft
     from ..options import outside_inputs
     from .common import err_console
 
     if write is not None and not write.endswith((".yaml", ".yml")):
         raise UsageError(f"--write {write}: a table file ends in .yaml")
-    from ..consistency import require_consistent
+    from ..model.consistency import require_consistent
 
     with Checkpoint.open(path) as ckpt:
         if write is not None:

@@ -55,7 +55,7 @@ def _repo(text: str, option: str):
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     from ..errors import UsageError
-    from ..hub import parse_repo_rev
+    from ..io.hub import parse_repo_rev
 
     ref = parse_repo_rev(text, option)
     try:
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
-        from ..hub_push import PushRequest, push
+        from ..ops.push import PushRequest, push
 
         allow = allowed_rules(allow_invalid)
         target = _repo(repo_id, "REPO_ID")

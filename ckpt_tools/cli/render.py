@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..plan import Plan
-from ..writer import WriteResult
+from ..stream.plan import Plan
+from ..stream.writer import WriteResult
 from .common import emit_json, human_bytes, out_console
 
 

@@ -87,8 +87,8 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="With --fix-quant-config: replace OUT."),
     ) -> None:
         """Check format, index and config-vs-tensor rules; report every problem (exit 1 if any)."""
+        from ..model.tables.loader import all_tables
         from ..ops.validate import validate
-        from ..tables.loader import all_tables
 
         if arch is not None and arch not in all_tables():
             raise UsageError(f"--arch {arch!r}: unknown family; known: {', '.join(sorted(all_tables()))}")
@@ -111,11 +111,11 @@ def register(app: typer.Typer) -> None:
 def fix_config(path: str, arch: str | None, out_arg: str | None, link: str, dry_run: bool, overwrite: bool,
                json_output: bool) -> None:
     """--fix-quant-config: plan, show the config diff, write (unless --dry-run) and validate OUT."""
-    from ..checkpoint import Checkpoint
+    from ..io.checkpoint import Checkpoint
     from ..ops.fix_quant import plan_fix
     from ..ops.validate import validate_output
     from ..options import outside_inputs
-    from ..writer import execute
+    from ..stream.execute import execute
     from .common import command_line, output_arg, progress_for
 
     if out_arg is None and not dry_run:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checkpoint import Checkpoint
-from ..compare import TensorDiff, compare
-from ..consistency import require_consistent
 from ..dtypes import FP8_DTYPES
-from ..formats import all_wrappers
+from ..io.checkpoint import Checkpoint
+from ..model.consistency import require_consistent
+from ..model.formats import all_wrappers
+from ..model.prefixes import choose, rename
 from ..options import regex
-from ..plan import CopyBytes
-from ..prefixes import choose, rename
+from ..stream.plan import CopyBytes
+from .compare import TensorDiff, compare
 
 
 @dataclass
@@ -90,9 +90,9 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
 
 def _fp8_decoder(ckpt: Checkpoint, key: str):
     """Chunk decoder giving dequantized float32 values of an FP8 block-quantized weight (fp8_decode)."""
-    from ..expert_layouts import scale_key
-    from ..fp8 import block_size
-    from ..fp8_decode import scale_to_f32, value_decoder
+    from ..model.expert_layouts import scale_key
+    from ..numeric.fp8 import block_size
+    from ..numeric.fp8_decode import scale_to_f32, value_decoder
 
     skey = scale_key(key)
     if skey not in ckpt.tensors:

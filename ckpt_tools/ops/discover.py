@@ -27,10 +27,10 @@ from pathlib import Path
 
 import yaml
 
-from ..checkpoint import Checkpoint
-from ..config import ConfigView
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, OutputError, UsageError
+from ..io.checkpoint import Checkpoint
+from ..io.config import ConfigView
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 MTP_COUNT_KEYS = (

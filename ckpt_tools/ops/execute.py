@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..targets import Output
-    from ..writer import Progress
+    from ..stream.plan import Plan
+    from ..stream.progress import Progress
+    from ..stream.targets import Output
 
 
 class Report(Protocol):
@@ -62,9 +62,9 @@ def _write(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: 
     What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
     """
     from ..jsonutil import dumps_strict
-    from ..plan import OutputFile
-    from ..targets import write_output_file
-    from ..writer import execute
+    from ..stream.execute import execute
+    from ..stream.plan import OutputFile
+    from ..stream.targets import write_output_file
     from .validate import validate_output
 
     def check(path: Path, pending) -> None:

@@ -2,7 +2,7 @@
 
 Every expert group of the checkpoint (trunk MoE layers and MTP layers, or the MTP
 layers only) is read in the layout found on disk and written in the requested one by
-``ckpt_tools.experts``; every other tensor is a byte copy. The output config records
+``ckpt_tools.model.experts``; every other tensor is a byte copy. The output config records
 the layout (``ckpt_expert_layout``) and the manifest each group's source and target
 layouts, so that the next run knows options (up-first, interleaved) that key names
 cannot show.
@@ -16,16 +16,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..checkpoint import Checkpoint, source_name
-from ..consistency import note_allowed, require_consistent
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, PlanError
-from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key
-from ..experts import BlockDequant, convert_group, layout_from_label
-from ..fingerprint import record_inputs
-from ..mtp import detect_group_layout
-from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
-from ..tables.resolve import trunk_specs
+from ..io.checkpoint import Checkpoint, source_name
+from ..model.consistency import note_allowed, require_consistent
+from ..model.expert_layouts import ExpertGroup, ExpertLayout, scale_key
+from ..model.experts import BlockDequant, convert_group, layout_from_label
+from ..model.mtp import detect_group_layout
+from ..model.tables.resolve import trunk_specs
+from ..stream.fingerprint import record_inputs
+from ..stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .extract import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"

@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .. import __version__, transforms
-from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..consistency import MTP_RULES, note_allowed, require_consistent
+from .. import __version__
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
-from ..expert_layouts import scale_key
-from ..fingerprint import record_inputs
-from ..formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
-from ..mtp import MtpView
-from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
-from ..quant.config import SIDE_FILES
+from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
+from ..model.consistency import MTP_RULES, note_allowed, require_consistent
+from ..model.expert_layouts import scale_key
+from ..model.formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
+from ..model.mtp import MtpView
+from ..model.quant.config import SIDE_FILES
+from ..numeric import transforms
+from ..stream.fingerprint import record_inputs
+from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 
 DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
@@ -150,7 +151,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             t.meta["swapped_halves"] = True
         out += finish_tensor(t, scale, cast_to, dequant_to, block)
     for link in corr.experts:
-        from ..experts import BlockDequant, convert_group
+        from ..model.experts import BlockDequant, convert_group
 
         if any(t.key in view.quantized for t in link.verifier.tensors()):
             out += _quantized_experts(view, link, cast_to, dequant_to)
@@ -174,7 +175,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
 def _quantized(view: MtpView, st, draft_key: str, swap: bool, cast_to, dequant_to, meta: dict) -> list[OutputTensor]:
     """A module a quantization scheme table describes: dequantized (then swapped / laid out like any
     float tensor), or its stored tensors renamed."""
-    from ..quant.dequant import module_outputs
+    from ..model.quant.dequant import module_outputs
 
     if dequant_to is None and (swap or cast_to is not None):
         why = "swapping its concat order" if swap else "--dtype"
@@ -284,7 +285,7 @@ def _checkpoint_dir(root: str) -> str:
 
 
 def _set_count(view: MtpView, config: dict, n: int) -> dict:
-    from ..config import ConfigView
+    from ..io.config import ConfigView
 
     table = view.table
     field_var = table.mtp.count_field

@@ -22,16 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..checkpoint import Checkpoint, revision_of, source_name
-from ..consistency import config_path
 from ..errors import InputError, UsageError
-from ..fingerprint import record_inputs
-from ..mtp import choose_table, open_mtp
-from ..plan import Plan
-from ..quant.audit import RULE, Finding, audit
-from ..quant.config import quant_files
-from ..quant.repair import Repair, repair_view
-from ..quant.report import audit_json, config_diff
+from ..io.checkpoint import Checkpoint, revision_of, source_name
+from ..model.consistency import config_path
+from ..model.mtp import choose_table, open_mtp
+from ..model.quant.audit import RULE, Finding, audit
+from ..model.quant.config import quant_files
+from ..model.quant.repair import Repair, repair_view
+from ..model.quant.report import audit_json, config_diff
+from ..stream.fingerprint import record_inputs
+from ..stream.plan import Plan
 from .extract import carried_files
 from .stitch import LINK_MODES, config_files, untouched_file
 

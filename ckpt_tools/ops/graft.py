@@ -25,17 +25,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import __version__, transforms
-from ..checkpoint import Checkpoint, revision_of, source_name
-from ..compare import TensorDiff
-from ..consistency import MTP_RULES, count_field, note_allowed, require_consistent
+from .. import __version__
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import InputError, UsageError
-from ..expert_layouts import scale_key
-from ..fingerprint import record_inputs
-from ..mtp import MtpView, choose_table
-from ..plan import CopyBytes, OutputTensor, Plan
-from ..quant.audit import Stored
+from ..io.checkpoint import Checkpoint, revision_of, source_name
+from ..model.consistency import MTP_RULES, count_field, note_allowed, require_consistent
+from ..model.expert_layouts import scale_key
+from ..model.mtp import MtpView, choose_table
+from ..model.quant.audit import Stored
+from ..numeric import transforms
+from ..stream.fingerprint import record_inputs
+from ..stream.plan import CopyBytes, OutputTensor, Plan
+from .compare import TensorDiff
 from .extract import _set_count
 from .stitch import StitchReport, check_inputs, config_files, mtp_into, repair_config, require_indexed, virtual_view
 
@@ -176,7 +177,7 @@ def _sources(t: OutputTensor) -> list[str]:
 
 def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
     """SOURCE's MTP tensors have the names and shapes TARGET's config gives MTP layers of that count."""
-    from ..tables.resolve import resolve
+    from ..model.tables.resolve import resolve
 
     sres = sview.resolved
     tres = resolve(table, target.config, mtp_count=sres.mtp_count)
@@ -195,7 +196,7 @@ def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
 
 def _require_fp8_config(target: Checkpoint) -> None:
     """--mtp-quant fp8-block writes weight_scale_inv block FP8: the target's config must declare that scheme."""
-    from ..quant import detect_scheme
+    from ..model.quant import detect_scheme
 
     scheme = detect_scheme(target)
     if scheme is None or "fp8-block" not in {t.scheme for t in scheme.tables}:
@@ -229,7 +230,7 @@ class _Grafter:
         return self.pieces
 
     def _as_stored(self, key: str) -> _Piece:
-        from ..quant.dequant import dequant_module, module_outputs
+        from ..model.quant.dequant import dequant_module, module_outputs
 
         st = self.sview.quantized.get(key)
         if st is not None:  # a scheme table's storage (packed, scales, global scales): its tensors as they are
@@ -258,7 +259,7 @@ class _Grafter:
 
     def _restack(self, sg, tg) -> None:
         """Experts restacked byte for byte into the target's layout (FP8 scales with them)."""
-        from ..experts import convert_group
+        from ..model.experts import convert_group
 
         if any(t.key in self.sview.quantized for t in sg.tensors()):
             st = self.sview.quantized[next(t.key for t in sg.tensors() if t.key in self.sview.quantized)]
@@ -286,7 +287,7 @@ class _Grafter:
         self.pieces[key] = piece
 
     def _fp8(self, key: str, piece: _Piece) -> _Piece:
-        from ..fp8 import QUANT_DTYPE, SCALE_DTYPE
+        from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
 
         res = self.out_view.resolved
         block, skey = res.block_size, scale_key(key, res.scale_suffix)

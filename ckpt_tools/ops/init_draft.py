@@ -23,22 +23,22 @@ import math
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..checkpoint import Checkpoint, revision_of, source_name
-from ..config import ConfigView
-from ..consistency import MTP_RULES, note_allowed, require_consistent
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
-from ..expert_layouts import ExpertLayout, scale_key
-from ..expr import evaluate, render
-from ..fingerprint import record_inputs
-from ..formats import Correspondence, Format, correspond, get_format
-from ..init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
-from ..mtp import MtpView, detect_group_layout
+from ..io.checkpoint import Checkpoint, revision_of, source_name
+from ..io.config import ConfigView
+from ..io.safetensors_io import TensorRef
+from ..model.consistency import MTP_RULES, note_allowed, require_consistent
+from ..model.expert_layouts import ExpertLayout, scale_key
+from ..model.expr import evaluate, render
+from ..model.formats import Correspondence, Format, correspond, get_format
+from ..model.mtp import MtpView, detect_group_layout
+from ..model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
+from ..model.tables.schema import Table
+from ..numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ..options import MAX_SEED, int_in_range, positive_finite
-from ..plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
-from ..safetensors_io import TensorRef
-from ..tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
-from ..tables.schema import Table
+from ..stream.fingerprint import record_inputs
+from ..stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .extract import _draft_config, _set_count, carried_files, draft_tensors, dtype_arg
 
 DEFAULT_STD = 0.02

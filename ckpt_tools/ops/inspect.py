@@ -48,15 +48,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..checkpoint import Checkpoint
-from ..consistency import renamed_format, require_consistent
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError
-from ..expert_layouts import scale_key
-from ..mtp import MtpView
-from ..quant.audit import Audit, audit
-from ..quant.report import audit_json
-from ..tables.schema import GLUE_ROLES
+from ..io.checkpoint import Checkpoint
+from ..model.consistency import renamed_format, require_consistent
+from ..model.expert_layouts import scale_key
+from ..model.mtp import MtpView
+from ..model.quant.audit import Audit, audit
+from ..model.quant.report import audit_json
+from ..model.tables.schema import GLUE_ROLES
 
 ROLE_ORDER = (*GLUE_ROLES, "block", "experts", "fp8_scales")
 _ROLE_NAME = {"expert": "experts", "scale": "fp8_scales"}

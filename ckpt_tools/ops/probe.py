@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint import Checkpoint
 from ..errors import InputError, UsageError
+from ..io.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -222,8 +222,8 @@ def load_verifier(path: str, device: str, dtype: str):
 
 
 def _materialize(t) -> torch.Tensor:
-    from ..numeric import bytes_to_torch
-    from ..transforms import RecipeReader
+    from ..arrays import bytes_to_torch
+    from ..numeric.transforms import RecipeReader
 
     buf = RecipeReader(t.recipe).read(t.nbytes)
     return bytes_to_torch(bytearray(buf), t.dtype, t.shape).clone()
@@ -235,8 +235,8 @@ def draft_mtp(main, base_mtp, verifier: Checkpoint, draft_path: str):
     from transformers.modeling_layers import MtpModel
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from ..compare import recipe_of
-    from ..plan import OutputTensor
+    from ..stream.plan import OutputTensor
+    from .compare import recipe_of
     from .stitch import StitchRequest, plan_stitch
 
     regex = MtpModel.get_mtp_weights_regex(main)

@@ -26,31 +26,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import __version__, transforms
-from ..checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..compare import TensorDiff
-from ..consistency import count_field, note_allowed, parse_allow, require_consistent
+from .. import __version__
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
-from ..expert_layouts import ExpertGroup, scale_key, scale_shape
-from ..fingerprint import record_inputs
-from ..formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
-from ..mtp import MtpView, choose_table, detect_group_layout
-from ..plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout, parse_size
-from ..prefixes import Unwrapped, unwrap
-from ..provenance import prove_family
-from ..quant.repair import Repair
-from ..tables.resolve import Spec, resolve, trunk_specs
+from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
+from ..model.consistency import count_field, note_allowed, parse_allow, require_consistent
+from ..model.expert_layouts import ExpertGroup, scale_key, scale_shape
+from ..model.formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
+from ..model.mtp import MtpView, choose_table, detect_group_layout
+from ..model.prefixes import Unwrapped, unwrap
+from ..model.provenance import prove_family
+from ..model.quant.repair import Repair
+from ..model.tables.resolve import Spec, resolve, trunk_specs
+from ..numeric import transforms
+from ..stream.fingerprint import record_inputs
+from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout, parse_size
+from .compare import TensorDiff
 from .extract import _set_count, carried_files
 from .stitch_compare import DIVERGENCE, Candidates, Decision, decide, judge
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..quant.audit import Stored
-    from ..safetensors_io import TensorRef
-    from ..targets import Output
-    from ..writer import Progress
+    from ..io.safetensors_io import TensorRef
+    from ..model.quant.audit import Stored
+    from ..stream.progress import Progress
+    from ..stream.targets import Output
 
 LINK_MODES = ("copy", "reflink", "hardlink", "remote")
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
@@ -248,7 +249,7 @@ class _Builder:
             skey = scale_key(et.key, self.res.scale_suffix)
             if skey in self.draft.tensors:
                 self.used.add(skey)
-        from ..experts import convert_group
+        from ..model.experts import convert_group
 
         outs = convert_group(on_disk, self.draft.tensors, verifier_group, scale_suffix=self.res.scale_suffix,
                              block=self.res.block_size)
@@ -359,7 +360,7 @@ class _Builder:
         ``stitch_compare.decide`` compares the values with the verifier's dequantized ones first: equal
         values keep the verifier's FP8 bytes and scale exactly.
         """
-        from ..fp8 import QUANT_DTYPE, SCALE_DTYPE
+        from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
 
         if vt != QUANT_DTYPE or (sref is not None and sref.dtype != SCALE_DTYPE):
             self._refuse("draft-dtype", f"{t.key}: the verifier stores {vt} weights with "
@@ -524,7 +525,7 @@ def run(draft: str | Path, verifier: str | Path, out: Output, *, format: str = "
                         update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=layers,
                         max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
                         strip_prefix=strip_prefix, command=command, allow_invalid=allow)
-    from ..writer import Progress as Silent
+    from ..stream.progress import Progress as Silent
 
     progress = progress or Silent()
     progress.phase("reading headers")
@@ -614,7 +615,7 @@ def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: Stit
 def _quantized_draft_hint(draft: Checkpoint, missing: list[str]) -> str:
     """Drafts are float tensors: say so when the missing weights are stored quantized in the draft
     (a native extract of a quantized checkpoint keeps its packed tensors)."""
-    from ..quant import module_storage
+    from ..model.quant import module_storage
 
     for key in missing[:3]:
         module = key.split(" ", 1)[0].removesuffix(".weight")
@@ -791,9 +792,9 @@ def repair_config(ckpt: Checkpoint, view: MtpView, config: dict, dtypes: dict[st
     weights ``stored`` (key -> how it is written; graft) as said there (see
     ``quant.repair.repair_written``). Refused (rule mtp-quant-config) when no change of the config can
     make it declare what is written."""
-    from ..quant import quant_files
-    from ..quant.audit import Stored
-    from ..quant.repair import linear_modules, repair_written
+    from ..model.quant import quant_files
+    from ..model.quant.audit import Stored
+    from ..model.quant.repair import linear_modules, repair_written
 
     files = {**quant_files(ckpt), "config.json": config}
     stored = stored or {}

@@ -26,18 +26,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import transforms
-from ..compare import TensorDiff, compare, count_nonfinite
+from ..arrays import torch_threads
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError
-from ..expert_layouts import scale_key
-from ..numeric import torch_threads
-from ..plan import Compute, CopyBytes, OutputTensor
+from ..model.expert_layouts import scale_key
+from ..numeric import transforms
+from ..stream.plan import Compute, CopyBytes, OutputTensor
+from .compare import TensorDiff, compare, count_nonfinite
 
 if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
-    from ..mtp import MtpView
-    from ..safetensors_io import TensorRef
+    from ..io.checkpoint import Checkpoint
+    from ..io.safetensors_io import TensorRef
+    from ..model.mtp import MtpView
 
 ACTIONS = ("identical", "replace", "requantize", "add", "remove")
 GATE_THREADS = 2  # the gate's comparisons: reads and numpy release the GIL
@@ -116,7 +116,7 @@ def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> 
     vref = view.ckpt.tensors.get(key)
     stored = view.quantized.get(key)
     if stored is not None:  # a module stored by a scheme table: its dequantized values
-        from ..quant.dequant import dequant_module
+        from ..model.quant.dequant import dequant_module
 
         a_dtype = t.dtype if t.dtype in ("BF16", "F16", "F32") else "F32"  # in the draft's precision
         a = dequant_module(view.ckpt, stored, key, a_dtype)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ..checkpoint import Checkpoint
-from ..config import ConfigView
 from ..errors import CkptError
-from ..formats import all_formats, check_expressible
-from ..mtp import MtpView
-from ..tables.loader import all_tables
-from ..tables.resolve import resolve
+from ..io.checkpoint import Checkpoint
+from ..io.config import ConfigView
+from ..model.formats import all_formats, check_expressible
+from ..model.mtp import MtpView
+from ..model.tables.loader import all_tables
+from ..model.tables.resolve import resolve
 
 
 def _virtual(table) -> MtpView | None:

@@ -50,12 +50,12 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .. import consistency
-from ..checkpoint import Checkpoint, open_lenient
-from ..consistency import Problem, config_path
 from ..errors import CkptError, InputError
-from ..mtp import choose_table, open_mtp
-from ..writer import PendingOutput
+from ..io.checkpoint import Checkpoint, open_lenient
+from ..model import consistency
+from ..model.consistency import Problem, config_path
+from ..model.mtp import choose_table, open_mtp
+from ..stream.writer import PendingOutput
 
 VALID_FORMATS = ("pt", "tf", "flax", "mlx")  # transformers load_state_dict's accepted __metadata__ formats
 # Rules that come from opening files (used to recognise them on a strict, remote open).
@@ -268,8 +268,8 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
 
 def _mtp_quant(view) -> dict | None:
     """The audit behind rule mtp-quant-config, per module (headers only: cheap); None when unquantized."""
-    from ..quant.audit import audit
-    from ..quant.report import audit_json
+    from ..model.quant.audit import audit
+    from ..model.quant.report import audit_json
 
     result = audit(view)
     return audit_json(result) if result.modules and (result.scheme is not None or result.unknown) or \

@@ -19,11 +19,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .. import digest
-from ..checkpoint import MANIFEST_NAME, Checkpoint, open_lenient
 from ..errors import InputError
-from ..safetensors_io import COPY_CHUNK, Segment, iter_chunks
-from ..writer import Progress
+from ..io import digest
+from ..io.checkpoint import MANIFEST_NAME, Checkpoint, open_lenient
+from ..io.safetensors_io import COPY_CHUNK, Segment, iter_chunks
+from ..stream.progress import Progress
 
 HASH_CHUNK = min(COPY_CHUNK, 8 << 20)
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigView
-from ..expert_layouts import ExpertLayout, scale_key, scale_shape
-from ..tables.loader import get_table
-from ..tables.resolve import Resolved, Spec, expert_specs, resolve, trunk_specs
+from ..io.config import ConfigView
+from ..model.expert_layouts import ExpertLayout, scale_key, scale_shape
+from ..model.tables.loader import get_table
+from ..model.tables.resolve import Resolved, Spec, expert_specs, resolve, trunk_specs
 
 FP8_QUANT_CONFIG = {
     "quant_method": "fp8",
@@ -87,10 +87,10 @@ def _to_torch(values: np.ndarray, dtype: str):
 
 
 def quantize_fp8_block(values: np.ndarray, block=(128, 128)):
-    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``, as ckpt_tools.fp8 quantizes."""
+    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``, as ckpt_tools.numeric.fp8 quantizes."""
     import torch
 
-    from ..fp8 import quantize
+    from ..numeric.fp8 import quantize
 
     return quantize(torch.from_numpy(values).to(torch.float32), tuple(block))
 

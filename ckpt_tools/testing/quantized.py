@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigView
-from ..tables.loader import get_table
-from ..tables.resolve import Resolved, resolve
+from ..io.config import ConfigView
+from ..model.tables.loader import get_table
+from ..model.tables.resolve import Resolved, resolve
 from . import quantizers as q
 from .fixtures import FixtureOptions, checkpoint_specs, make_checkpoint, zero_mtp_count
 

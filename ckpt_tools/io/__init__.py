@@ -1,0 +1,1 @@
+"""What reads bytes: safetensors headers and ranges, checkpoints, trainer formats, remote stores."""

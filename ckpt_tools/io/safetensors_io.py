@@ -1,0 +1,486 @@
+"""Strict safetensors headers, tensor references and byte-range I/O.
+
+Nothing here loads a whole file: a header costs two small reads, a tensor's bytes
+are read (or kernel-copied) from its exact range. Every format rule is checked
+with an error that names the file and the rule, in the spirit of safetensors'
+own ``Metadata::validate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..dtypes import DTYPES, DType
+from ..errors import HeaderError, InputError
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' MAX_HEADER_SIZE
+COPY_CHUNK = 16 << 20  # buffered fallback chunk: 16 MiB
+
+
+# ---------------------------------------------------------------------------
+# I/O accounting: every byte we read or copy from a source is counted, so tests
+# and `--json` reports can prove that only the planned ranges were touched.
+
+
+@dataclass
+class IOStats:
+    bytes_read: int = 0  # read into user space (headers, computed tensors)
+    bytes_copied: int = 0  # moved by byte-range copies (kernel or buffered)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_read(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def add_copied(self, n: int) -> None:
+        with self._lock:
+            self.bytes_copied += n
+
+    @property
+    def total(self) -> int:
+        return self.bytes_read + self.bytes_copied
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = 0
+            self.bytes_copied = 0
+
+
+IO_STATS = IOStats()
+
+
+# ---------------------------------------------------------------------------
+# Byte sources: a local file, or (see ``sources``) a remote file read by ranges.
+
+
+class ByteSource(Protocol):
+    name: str  # shown in error messages
+
+    @property
+    def size(self) -> int: ...
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` completely from ``offset``; raise InputError on a short read."""
+
+    def local_fd(self) -> int | None:
+        """An OS file descriptor usable with copy_file_range, or None for remote sources."""
+
+
+class LocalFile:
+    """A read-only local file, opened once and read with pread."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.name = str(path)
+        try:
+            # ``path`` itself, not a copy: a path object may fetch its file when opened (hub cache)
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise InputError(f"cannot open: {e.strerror}", path=self.name) from e
+        self._size = os.fstat(self._fd).st_size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        done = 0
+        while done < len(buf):
+            try:
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise read_error(e, self.name, offset + done) from e
+            if n <= 0:
+                raise short_read(self.name, offset + done)
+            done += n
+        IO_STATS.add_read(done)
+
+    def local_fd(self) -> int | None:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def read_error(e: OSError, name: str, at: int) -> InputError:
+    """An input that cannot be read is an input error (exit 3) naming it, never an output error."""
+    return InputError(f"cannot read at byte {at}: {e.strerror or e}", rule="read-error", path=name)
+
+
+def short_read(name: str, at: int) -> InputError:
+    return InputError(f"short read at byte {at} (file changed or shrank while reading?)", rule="short-read",
+                      path=name)
+
+
+def read_bytes(src: ByteSource, offset: int, length: int) -> bytearray:
+    buf = bytearray(length)
+    if length:
+        src.readinto(offset, memoryview(buf))
+    return buf
+
+
+# ---------------------------------------------------------------------------
+# Headers
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry. ``begin``/``end`` are relative to the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    source_name: str
+    header_len: int
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] | None
+    sha256: str = ""  # of the header JSON bytes as read: part of an input's fingerprint
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+# A \ud800-\udfff escape: Python's json decodes a lone one into a string that is not UTF-8 (the library
+# refuses it, and no output header could hold it). Valid UTF-8 text cannot contain one otherwise.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _lone_surrogate(obj: object) -> str | None:
+    """The first key (or string value) holding a lone surrogate, walking without recursion."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
+        for k, v in items:
+            for s in (k, v):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return s
+            if isinstance(v, (dict, list)):
+                stack.append(v)
+    return None
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+# Far beyond any real tensor (numpy stops at 64 dims); refusing early keeps a 100 MB list of dims cheap.
+MAX_RANK = 1024
+MAX_NUMEL = 2**64 - 1  # the library multiplies dims in u64 (checked_mul) and refuses an overflow
+
+
+def _numel(shape: list[int]) -> int | None:
+    """Element count, or None when it overflows 64 bits (checked dim by dim, like the library)."""
+    n = 1
+    for d in shape:
+        n *= d
+        if n > MAX_NUMEL:
+            return None
+    return n
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """repr of a hostile value, cut short for error messages."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _parse_int(s: str) -> int | float:
+    """Negative integer literals (including -0) become floats: no shape or offset may be negative."""
+    return float(s) if s.startswith("-") else int(s)
+
+
+def _is_int(v: object) -> bool:
+    """A JSON integer the library can hold: it parses dims and offsets as u64."""
+    return isinstance(v, int) and not isinstance(v, bool) and v <= MAX_NUMEL
+
+
+def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Header:
+    """Validate header JSON ``raw`` (without the 8-byte length) of a file of ``file_size`` bytes."""
+
+    def fail(rule: str, msg: str) -> HeaderError:
+        return HeaderError(msg, rule=rule, path=name)
+
+    header_len = len(raw)
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail("header-json", f"header is not valid UTF-8 (byte {e.start})") from None
+    if not text.lstrip().startswith("{"):
+        raise fail("header-not-object", "header JSON must be an object starting with '{'")
+    try:
+        # "-0" is an integer to Python but a float to the library (serde_json), which refuses it as a size
+        obj = json.loads(text, object_pairs_hook=_reject_duplicates, parse_int=_parse_int if "-0" in text else None)
+    except _Duplicate as d:
+        raise fail("duplicate-key", f"key {_short(d.key)} appears twice in the header") from None
+    except RecursionError:
+        raise fail("header-json", "header JSON is nested too deeply") from None
+    except ValueError as e:
+        raise fail("header-json", f"header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise fail("header-not-object", "header JSON must be an object")
+    if _SURROGATE_ESCAPE.search(text) and (bad := _lone_surrogate(obj)) is not None:
+        raise fail("header-json", f"{_short(bad)} holds a lone UTF-16 surrogate escape (not valid UTF-8)")
+
+    metadata = obj.pop("__metadata__", None)
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise fail("metadata-not-string", "__metadata__ must be an object of strings")
+        for k, v in metadata.items():
+            if not isinstance(v, str):
+                raise fail("metadata-not-string", f"__metadata__[{k!r}] is {type(v).__name__}, not a string")
+
+    tensors: dict[str, TensorInfo] = {}
+    for key, entry in obj.items():
+        key_s = _short(key)
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise fail("tensor-entry", f"tensor {key_s} must have exactly dtype, shape and data_offsets")
+        dtype_name = entry["dtype"]
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            raise fail("unknown-dtype", f"tensor {key_s} has unknown dtype {_short(dtype_name)}")
+        shape = entry["shape"]
+        if isinstance(shape, list) and len(shape) > MAX_RANK:
+            raise fail("bad-shape", f"tensor {key_s} has {len(shape)} dimensions (at most {MAX_RANK})")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise fail("bad-shape", f"tensor {key_s} shape {_short(shape)} is not a list of integers in [0, 2**64)")
+        offs = entry["data_offsets"]
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(_is_int(o) and o >= 0 for o in offs)
+            or offs[0] > offs[1]
+        ):
+            raise fail("bad-offsets", f"tensor {key_s} data_offsets {_short(offs)} is not [begin, end] with "
+                       "0 <= begin <= end < 2**64")
+        numel = _numel(shape)
+        if numel is None:
+            # no span in a real file can match (the library's checked_mul overflows here too)
+            raise fail("size-mismatch", f"tensor {key_s}: data_offsets span {offs[1] - offs[0]} bytes but shape "
+                       f"{_short(shape)} has more than 2**64 elements")
+        dt: DType = DTYPES[dtype_name]
+        bits = numel * dt.bits
+        if bits % 8:
+            raise fail("misaligned",
+                       f"tensor {key_s}: {dtype_name} x {_short(shape)} does not end on a byte boundary")
+        if offs[1] - offs[0] != bits // 8:
+            raise fail(
+                "size-mismatch",
+                f"tensor {key_s}: data_offsets span {offs[1] - offs[0]} bytes but {dtype_name} x {_short(shape)} "
+                f"needs {bits // 8}",
+            )
+        tensors[key] = TensorInfo(dtype_name, tuple(shape), offs[0], offs[1])
+
+    # The data section must be covered exactly: sorted by offsets, from 0, no holes or overlaps.
+    expected = 0
+    for key, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin < expected:
+            raise fail("overlap", f"tensor {_short(key)} starts at {info.begin}, inside the previous tensor "
+                       f"(which ends at {expected})")
+        if info.begin > expected:
+            raise fail("offsets-not-contiguous",
+                       f"tensor {_short(key)} starts at {info.begin}, leaving a hole after {expected}")
+        expected = info.end
+    data_len = file_size - 8 - header_len
+    if expected > data_len:
+        raise fail("past-end", f"tensors need {expected} data bytes but the file holds {data_len}")
+    if expected < data_len:
+        raise fail("trailing-bytes", f"{data_len - expected} bytes after the last tensor")
+    return Header(name, header_len, tensors, metadata, hashlib.sha256(raw).hexdigest())
+
+
+def read_header(src: ByteSource) -> Header:
+    """Read and validate the header of ``src`` without touching tensor data."""
+    size = src.size
+    if size < 8:
+        raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length",
+                          rule="header-length", path=src.name)
+    (n,) = struct.unpack("<Q", read_bytes(src, 0, 8))
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit", rule="header-too-large",
+                          path=src.name)
+    if 8 + n > size:
+        raise HeaderError(f"header length {n} runs past the end of the {size}-byte file", rule="header-length",
+                          path=src.name)
+    return parse_header_bytes(read_bytes(src, 8, n), size, src.name)
+
+
+# ---------------------------------------------------------------------------
+# Tensor references
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor inside a source file: where its bytes are, and what they mean."""
+
+    source: ByteSource
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def file(self) -> str:
+        return self.source.name
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def segment(self, start: int = 0, length: int | None = None) -> Segment:
+        """A byte range of this tensor (relative ``start``), for byte-level recipes."""
+        length = self.nbytes - start if length is None else length
+        if start < 0 or start + length > self.nbytes:
+            raise ValueError(f"range {start}+{length} outside {self.key} ({self.nbytes} bytes)")
+        return Segment(self.source, self.offset + start, length)
+
+    def read(self) -> bytearray:
+        return read_bytes(self.source, self.offset, self.nbytes)
+
+    def numpy(self):
+        """The tensor as a numpy array (bf16 and fp8 come back as their raw uint views)."""
+        from ..arrays import bytes_to_numpy
+
+        return bytes_to_numpy(self.read(), self.dtype, self.shape)
+
+    def torch(self):
+        from ..arrays import bytes_to_torch
+
+        return bytes_to_torch(self.read(), self.dtype, self.shape)
+
+
+def refs_from_header(src: ByteSource, header: Header) -> dict[str, TensorRef]:
+    base = header.data_start
+    return {
+        key: TensorRef(src, key, info.dtype, info.shape, base + info.begin, info.nbytes)
+        for key, info in header.tensors.items()
+    }
+
+
+# ---------------------------------------------------------------------------
+# Byte-range copies
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` bytes of ``source`` starting at absolute ``offset``."""
+
+    source: ByteSource
+    offset: int
+    length: int
+
+
+def coalesce(segments: list[Segment]) -> list[Segment]:
+    """Merge segments that continue each other in the same source (fewer, larger copies)."""
+    out: list[Segment] = []
+    for s in segments:
+        if s.length == 0:
+            continue
+        if out and out[-1].source is s.source and out[-1].offset + out[-1].length == s.offset:
+            out[-1] = Segment(s.source, out[-1].offset, out[-1].length + s.length)
+        else:
+            out.append(s)
+    return out
+
+
+_CFR_OK = hasattr(os, "copy_file_range")
+# copy_file_range refusals that mean "not here" (old kernel, cross-device, special file, filesystem)
+_CFR_UNSUPPORTED = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM,
+                    errno.ETXTBSY, errno.EOVERFLOW}
+# copy_file_range errors that can only be the output's: reported as they are
+_CFR_WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def copy_segment(seg: Segment, dst_fd: int, buf: memoryview) -> None:
+    """Append ``seg`` to ``dst_fd`` at its current position, all of it or an error.
+
+    Uses ``os.copy_file_range`` (in-kernel, no user-space buffer) when both ends are
+    local files, and a buffered copy through ``buf`` otherwise or when the kernel
+    refuses (cross-device, unsupported filesystem). A kernel copy error that could be
+    either side's (EIO) is retried through the buffered path, whose separate read and
+    write say which side fails: a read is an ``InputError`` (``read-error``), a write
+    stays an ``OSError`` for the writer. A copy that ends early is ``short-read``.
+    """
+    global _CFR_OK
+    stream = getattr(seg.source, "stream", None)
+    if stream is not None:  # a remote source: parts fetched in parallel, a bounded window ahead
+        for chunk in stream(seg.offset, seg.length):
+            _write_all(dst_fd, memoryview(chunk))
+        IO_STATS.add_copied(seg.length)
+        return
+    src_fd = seg.source.local_fd()
+    done = 0
+    if _CFR_OK and src_fd is not None:
+        try:
+            while done < seg.length:
+                n = os.copy_file_range(src_fd, dst_fd, seg.length - done, seg.offset + done)
+                if n == 0:
+                    raise short_read(seg.source.name, seg.offset + done)
+                done += n
+        except OSError as e:
+            if e.errno in _CFR_WRITE_ERRORS:
+                raise
+            if e.errno in _CFR_UNSUPPORTED and not done:
+                _CFR_OK = False  # not on this system: do not ask again
+    IO_STATS.add_copied(done)
+    while done < seg.length:
+        n = min(len(buf), seg.length - done)
+        seg.source.readinto(seg.offset + done, buf[:n])
+        _write_all(dst_fd, buf[:n])
+        done += n
+
+
+def iter_chunks(seg: Segment, chunk: int = COPY_CHUNK) -> Iterator[bytearray]:
+    """Read a segment in chunks (for hashing or computing on it)."""
+    pos = 0
+    while pos < seg.length:
+        n = min(chunk, seg.length - pos)
+        yield read_bytes(seg.source, seg.offset + pos, n)
+        pos += n

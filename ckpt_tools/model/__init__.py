@@ -1,0 +1,1 @@
+"""What a checkpoint means: tables, MTP layouts, draft formats, experts, quantization schemes."""

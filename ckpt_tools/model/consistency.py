@@ -1,0 +1,614 @@
+"""The consistency gate: whether a checkpoint can be used safely, decided before anything is planned.
+
+Every verb that reads a checkpoint calls ``require_consistent`` (``validate`` and
+``verify-manifest`` are the checkers and only report). It refuses, with exit code 3, a
+checkpoint that breaks one of the rules below, naming the first problem's file, key and rule,
+how many others there are, and the two ways on: ``ckpt validate PATH`` lists them all,
+``--allow-invalid RULE`` proceeds anyway. ``validate`` reports exactly these rules (plus
+its report-only ones), through ``check`` and the functions it is made of.
+
+Rules that refuse a checkpoint (``RULES``):
+
+- index and files: ``index-empty`` (an index whose ``weight_map`` is empty), ``unindexed-shard``
+  (a ``.safetensors`` file beside the index, or beside a lone ``model.safetensors``, that no index
+  entry names and that holds tensors no indexed shard holds: its tensors are invisible to
+  loaders, and every output would silently lack them), ``unindexed-key`` (a shard holds a key the
+  index does not map to it; outputs never carry such keys), ``duplicate-tensor`` (a key held by
+  two files), ``single-file-shadows-index``. A shard the index names that is missing, a key the
+  index maps to a shard that lacks it, a shard name leaving the directory and every header rule
+  are refused when the checkpoint is opened (``Checkpoint.open``), before the gate runs.
+- config vs tensors (needs the family's table): ``mtp-missing``, ``mtp-misshaped``,
+  ``mtp-beyond``, ``mtp-extra``, ``fp8-scale-missing``, ``fp8-scale-shape``, ``quant-config``,
+  ``mtp-quant-config`` (each MTP module stored as the quantization config declares it, see
+  ``quant.audit``), ``tied-head``; config values of the wrong type are refused while the table is resolved
+  (``config-field``, see ``tables.resolve``).
+- a complete trunk: ``trunk-missing`` / ``trunk-misshaped``: the shared embedding, final norm and
+  head (unless tied), and every decoder layer's required tensors per the table (``trunk_specs``),
+  routed experts in whatever layout is on disk. Optional tensors may be absent; FP8 scales are
+  checked by the fp8 rules for every weight. A checkpoint without any trunk layer tensor is a
+  draft (MTP layers only) and is exempt, except where a verb needs a whole model (stitch's
+  verifier).
+
+Report-only rules (``validate`` lists them, no verb refuses): ``total-size``, ``index-metadata``
+and ``metadata-format`` (every output writes its own index, metadata and headers), and the
+``manifest-*`` rules (a manifest records what a run wrote; a finetuned draft differs from it
+by design).
+
+Notes (``absent_notes``; ``validate`` lists them, ``ok`` stays true): ``copy-absent``, an optional
+per-layer embed / head copy the MTP layer leaves out (its engines take the trunk's tensor), and
+``optional-absent`` for any other optional tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..dtypes import FP8_DTYPES
+from ..errors import InputError, UsageError
+from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
+from ..io.safetensors_io import LocalFile, read_header
+from .expert_layouts import scale_key, scale_shape
+from .expr import ExprError, render
+from .mtp import MtpView, QuantLookup, choose_table, detect_group_layout, open_mtp
+from .tables.resolve import trunk_specs
+
+if TYPE_CHECKING:
+    from .tables.schema import Table
+
+MAX_LISTED = 20  # keys named in one message before "..."
+
+INDEX_RULES = ("index-empty", "unindexed-shard", "unindexed-key", "duplicate-tensor", "single-file-shadows-index")
+MTP_RULES = ("mtp-missing", "mtp-misshaped", "mtp-beyond", "mtp-extra")
+CONFIG_RULES = (*MTP_RULES, "fp8-scale-missing", "fp8-scale-shape", "quant-config", "mtp-quant-config", "tied-head")
+TRUNK_RULES = ("trunk-missing", "trunk-misshaped")
+# Every rule the gate refuses on, and what proceeding with --allow-invalid RULE means.
+RULES: dict[str, str] = {
+    "index-empty": "the index maps no tensor at all",
+    "unindexed-shard": "a .safetensors file no index entry names; its tensors are not read",
+    "unindexed-key": "a shard holds a key the index does not map to it; such keys are never carried",
+    "duplicate-tensor": "a key held by two files; the indexed copy is used",
+    "single-file-shadows-index": "model.safetensors beside an index naming other files; the index is used",
+    "mtp-missing": "the config declares MTP tensors that are absent",
+    "mtp-misshaped": "an MTP tensor has another shape than the table says",
+    "mtp-beyond": "MTP tensors past the count the config declares",
+    "mtp-extra": "tensors in the MTP namespace the table does not know",
+    "fp8-scale-missing": "an FP8 weight without its block scale",
+    "fp8-scale-shape": "a block scale of the wrong shape",
+    "quant-config": "FP8 tensors and quantization_config disagree",
+    "mtp-quant-config": "an MTP module is stored otherwise than the quantization config declares it (not excluded, "
+                        "excluded, fused names missed, scales missing)",
+    "tied-head": "the config ties the head while the checkpoint ships one",
+    "trunk-missing": "a tensor of the embedding, head, final norm or a decoder layer is absent",
+    "trunk-misshaped": "a trunk tensor has another shape than the table says",
+}
+REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
+                         "manifest-extra"})
+
+
+@dataclass(frozen=True)
+class Problem:
+    rule: str
+    path: str | None  # the file the problem is in
+    key: str | None  # the tensor key, when the problem concerns one
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.path}: " if self.path else ""
+        key = f"{self.key}: " if self.key else ""
+        return f"{where}[{self.rule}] {key}{self.message}"
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "path": self.path, "key": self.key, "message": self.message}
+
+
+@dataclass
+class Gate:
+    """What the gate found out on the way: the table and MTP view (verbs plan with them)."""
+
+    table: Table | None
+    view: MtpView | None
+    allowed: list[Problem] = field(default_factory=list)  # let through by --allow-invalid
+    waived: list[Problem] = field(default_factory=list)  # repaired by the verb itself
+
+
+def parse_allow(rules: Iterable[str] | None) -> frozenset[str]:
+    """The rules of ``--allow-invalid RULE`` options; an unknown name is a usage error listing the valid ones."""
+    out = frozenset(r.strip() for r in rules or ())
+    unknown = sorted(out - set(RULES))
+    if unknown:
+        raise UsageError(f"--allow-invalid {', '.join(map(repr, unknown))}: not a rule the consistency check "
+                         f"refuses on; use one of {', '.join(RULES)}")
+    return out
+
+
+# -- index and files ------------------------------------------------------------------
+
+
+def index_path(ckpt: Checkpoint) -> str:
+    return str(ckpt.local_dir / INDEX_NAME) if ckpt.local_dir else f"{ckpt.root}/{INDEX_NAME}"
+
+
+def shard_path(ckpt: Checkpoint, name: str) -> str:
+    src = ckpt.sources.get(name)
+    if src is not None:
+        return src.name
+    return str(ckpt.local_dir / name) if ckpt.local_dir else f"{ckpt.root}/{name}"
+
+
+class Holders:
+    """Which opened shards hold each key. Built with set operations: only keys held twice get a list."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.keys: set[str] = set()
+        total = 0
+        for keys in ckpt.shard_keys.values():
+            self.keys.update(keys)
+            total += len(keys)
+        self.twice: dict[str, list[str]] = {}
+        if total != len(self.keys):  # rare: find the keys held by several files
+            seen: dict[str, list[str]] = {}
+            for name, keys in ckpt.shard_keys.items():
+                for k in keys:
+                    seen.setdefault(k, []).append(name)
+            self.twice = {k: names for k, names in seen.items() if len(names) > 1}
+        self._shards = ckpt.shard_keys
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def first(self, key: str) -> str:
+        """A shard holding ``key`` (for messages; a scan, so call it for problems only)."""
+        return next(name for name, keys in self._shards.items() if key in keys)
+
+
+def unknown_keys(ckpt: Checkpoint, unreadable: Iterable[str]) -> set[str]:
+    """Keys whose presence cannot be known: the index maps them to a shard that could not be read."""
+    bad = set(unreadable)
+    return {k for k, s in ckpt.index["weight_map"].items() if s in bad} if ckpt.index is not None and bad else set()
+
+
+def index_problems(ckpt: Checkpoint, holders: Holders | None = None) -> list[Problem]:
+    """Index vs the shards it names: empty map, keys held twice, keys the index does not map where they are."""
+    out: list[Problem] = []
+    holders = Holders(ckpt) if holders is None else holders
+    for key, names in holders.twice.items():
+        out.append(Problem("duplicate-tensor", shard_path(ckpt, names[1]), key,
+                           f"held by {len(names)} files: {', '.join(names)}; loaders that read every indexed "
+                           "file (vLLM) load both copies"))
+    index = ckpt.index
+    if index is None:
+        return out
+    wmap: dict[str, str] = index["weight_map"]
+    if not wmap:
+        out.append(Problem("index-empty", index_path(ckpt), None,
+                           "weight_map is empty: the index names no tensor, so loaders load nothing"))
+    if len(ckpt.tensors) != len(wmap):  # every entry found its tensor otherwise (a strict open ensures it)
+        for key, shard in wmap.items():
+            if shard in ckpt.headers and key not in ckpt.headers[shard].tensors:
+                out.append(Problem("index-key-missing", index_path(ckpt), key,
+                                   f"index maps it to {shard}, which does not hold it"))
+    for name, keys in ckpt.shard_keys.items():
+        if set(map(wmap.get, keys)) <= {name}:
+            continue  # the common case: every key mapped to this shard (checked at C speed)
+        for k in keys:
+            mapped = wmap.get(k)
+            if mapped is None:
+                out.append(Problem("unindexed-key", shard_path(ckpt, name), k,
+                                   f"{name} holds it but the index does not list it; index-driven loaders never "
+                                   "see it"))
+            elif mapped != name and mapped in ckpt.headers and k not in ckpt.headers[mapped].tensors:
+                out.append(Problem("unindexed-key", shard_path(ckpt, name), k,
+                                   f"{name} holds it but the index maps it to {mapped}"))
+            # mapped elsewhere and held there too: a duplicate, reported above; mapped to a missing or
+            # unreadable shard: reported with that shard
+    return out
+
+
+def _weight_files(ckpt: Checkpoint) -> Iterator[tuple[str, str, object]]:
+    """(name, display path, opener) of every top-level ``.safetensors`` file beside the checkpoint's own.
+
+    Local directories are listed; a Hub source uses the repository's file list.
+    """
+    d = ckpt.local_dir
+    if d is not None:
+        if not Path(d).is_dir():
+            return
+        for p in sorted(Path(d).glob("*.safetensors")):
+            if not p.name.startswith("."):
+                yield p.name, str(p), lambda p=p: LocalFile(p)
+        return
+    sizes = getattr(ckpt, "file_sizes", None)  # checkpoint.RemoteCheckpoint
+    if not sizes:
+        return
+    for name in sorted(n for n in sizes if n.endswith(".safetensors") and "/" not in n and not n.startswith(".")):
+        yield name, f"{ckpt.root}/{name}", lambda n=name: ckpt.open_file(n)
+
+
+def stray_problems(ckpt: Checkpoint, holders: Holders | None = None) -> list[Problem]:
+    """``.safetensors`` files the index does not name: stale copies (duplicate-tensor) or left-out shards."""
+    out: list[Problem] = []
+    holders = Holders(ckpt) if holders is None else holders
+    referenced = set(ckpt.headers) | (set(ckpt.index["weight_map"].values()) if ckpt.index else set())
+    where = f"{INDEX_NAME} does not name it" if ckpt.index is not None else f"there is no {INDEX_NAME} naming it"
+    for name, path, opener in _weight_files(ckpt):
+        if name == SINGLE_NAME and ckpt.index is not None and referenced != {SINGLE_NAME}:
+            out.append(Problem("single-file-shadows-index", path, None,
+                               f"{SINGLE_NAME} sits next to {INDEX_NAME}, which references other files; "
+                               f"transformers loads {SINGLE_NAME} alone and ignores the index"))
+            continue
+        if name in referenced:
+            continue
+        try:
+            src = opener()
+            try:
+                keys = list(read_header(src).tensors)
+            finally:
+                getattr(src, "close", lambda: None)()
+        except InputError as e:
+            out.append(Problem("unindexed-shard", path, None, f"{where}, and it cannot be read ({e.rule or 'error'}); "
+                                                              "remove it or repair and index it"))
+            continue
+        dups = sorted(k for k in keys if k in holders)
+        for k in dups[:MAX_LISTED]:
+            out.append(Problem("duplicate-tensor", path, k,
+                               f"stale copy: also held by {holders.first(k)}; {name} is not in the index, but tools "
+                               "that glob *.safetensors load both"))
+        own = sorted(k for k in keys if k not in holders)
+        if own:
+            shown = ", ".join(own[:5]) + (" ..." if len(own) > 5 else "")
+            out.append(Problem("unindexed-shard", path, own[0],
+                               f"{where}, so loaders and every ckpt command ignore its {len(own)} tensor(s) "
+                               f"({shown}); add it to the index (or remove it)"))
+    return out
+
+
+# -- config vs tensors -------------------------------------------------------------------
+
+
+def config_path(ckpt: Checkpoint) -> str:
+    return str(ckpt.local_dir / "config.json") if ckpt.local_dir else f"{ckpt.root}/config.json"
+
+
+def file_of(ckpt: Checkpoint, key: str) -> str | None:
+    ref = ckpt.tensors.get(key)
+    return ref.file if ref is not None else None
+
+
+def renamed_format(ckpt: Checkpoint) -> str | None:
+    """The draft format of ``ckpt`` when it is a renamed draft (speculators, angelspec, ...), else None."""
+    from .formats import detect_format
+
+    fmt = detect_format(ckpt.config.raw, ckpt.manifest, ckpt.tensors)
+    return None if fmt.rename == "native" else fmt.name
+
+
+def count_field(view: MtpView) -> str:
+    """The config key that declares the MTP count (for messages)."""
+    table = view.table
+    var = table.config.get(table.mtp.count_field or "")
+    if var is None:
+        return "the MTP count"
+    for k in var.keys:
+        if view.ckpt.config.has(k):
+            return k
+    return var.keys[0]
+
+
+def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:
+    ckpt = view.ckpt
+    cfg = config_path(ckpt)
+    field_name = count_field(view)
+    declared = f"config declares {view.count} MTP layer(s) ({field_name}, {view.table.family})"
+    # no MTP weight at all: what quantizers that drop MTP leave behind
+    fix = (f"; quantizer dropped MTP? `ckpt graft SOURCE {ckpt.root} -o OUT` restores it from the original release"
+           if not view.present else "")
+    out: list[Problem] = []
+    for s in view.missing:
+        if s.key in unknown or s.role == "scale":  # a quantized weight's companion: rule mtp-quant-config
+            continue
+        where = f"depth {s.depth}" if s.depth is not None else "shared by every depth"
+        out.append(Problem("mtp-missing", cfg, s.key, f"{declared} but this {s.role} tensor {list(s.shape)} "
+                                                      f"({where}) is missing (a release without MTP weights sets "
+                                                      f"{field_name} to 0){fix}"))
+    for s, actual in view.misshaped:
+        if s.role == "scale":
+            continue  # FP8 scales are checked for every weight, with the config's block size
+        out.append(Problem("mtp-misshaped", file_of(ckpt, s.key), s.key,
+                           f"shape {list(actual)}, but the {view.table.family} table expects {list(s.shape)}"))
+    for k, msg in view.quant_problems:
+        out.append(Problem("mtp-misshaped", file_of(ckpt, view.quantized[k].all_keys()[0]), k, msg))
+    for k in view.beyond:
+        out.append(Problem("mtp-beyond", file_of(ckpt, k), k,
+                           f"{declared} but this tensor belongs to an MTP layer past that count; set {field_name} to "
+                           "match the weights, or drop the tensors (`ckpt extract --drop-mtp`)"))
+    for k in view.extra:
+        out.append(Problem("mtp-extra", file_of(ckpt, k), k,
+                           f"inside the MTP namespace but not a tensor of the {view.table.family} table"))
+    return out
+
+
+def absent_notes(view: MtpView) -> list[Problem]:
+    """Notes, not problems: optional MTP tensors the checkpoint leaves out (``optional: true`` in the table).
+
+    In every table these are per-layer embed / head copies whose engines take the trunk's tensor
+    when the copy is absent (GLM-4.6 and later ship without them, SGLang's NextN export drops them
+    from DeepSeek-V3); no rule of the gate refuses their absence.
+    """
+    cfg = config_path(view.ckpt)
+    out: list[Problem] = []
+    ckpt = view.ckpt
+    if view.count == 0 and not view.beyond and (ckpt.config.get("quantization_config") is not None
+                                                 or "hf_quant_config.json" in ckpt.files):
+        out.append(Problem("mtp-none", cfg, None,
+                           f"a quantized {view.table.family} checkpoint without MTP layers ({count_field(view)} is 0); "
+                           f"if its release ships them, the quantizer dropped them: `ckpt graft SOURCE {ckpt.root} "
+                           "-o OUT` restores them"))
+    for s in view.optional_absent:
+        where = f"MTP depth {s.depth}" if s.depth is not None else "the MTP layers"
+        source = view.resolved.shared_source(s.copy_of) if s.copy_of else None
+        if source is not None:
+            what = "embedding" if s.role == "embed" else "LM head"
+            out.append(Problem("copy-absent", cfg, s.key,
+                               f"{where} has no per-layer copy of the {what}; optional in the {view.table.family} "
+                               f"table: its engines take the trunk's {source.key}"))
+        else:
+            out.append(Problem("optional-absent", cfg, s.key,
+                               f"absent from {where}; optional in the {view.table.family} table"))
+    return out
+
+
+def tied_head_problems(view: MtpView) -> list[Problem]:
+    res = view.resolved
+    head = res.table.shared.get("head")
+    if head is None or head.when is None or "head" in res.shared:
+        return []
+    try:
+        key = render(head.key, res.env)
+    except ExprError:
+        return []
+    if key not in view.ckpt.tensors:
+        return []
+    return [Problem("tied-head", file_of(view.ckpt, key), key,
+                    f"the config ties the head to the embedding (tie_word_embeddings), so loaders ignore this "
+                    f"tensor; set tie_word_embeddings: false or drop {key}")]
+
+
+def is_draft(view: MtpView, trunk_keys: Iterable[str]) -> bool:
+    """An MTP-only checkpoint: our draft manifest says so, or no trunk layer tensor is present."""
+    if (view.ckpt.manifest or {}).get("kind") == "mtp-draft":
+        return True
+    return not any(k in view.ckpt.tensors for k in trunk_keys)
+
+
+def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
+    """The shared tensors and every decoder layer the table requires, each present with its shape.
+
+    ``whole_model``: check even a checkpoint that holds no trunk layer at all (a draft otherwise).
+    """
+    ckpt, res = view.ckpt, view.resolved
+    specs, groups = trunk_specs(res)
+    if not whole_model and is_draft(view, (s.key for s in specs)):
+        return []
+    expected = [s for s in res.shared.values() if not s.optional] + [s for s in specs if not s.optional]
+    tensors = ckpt.tensors
+    for g in groups:  # routed experts in the layout found on disk (the shipped one, checked first, is usual)
+        ts = g.tensors()
+        if all((ref := tensors.get(t.key)) is not None and ref.shape == t.shape for t in ts):
+            continue  # complete as shipped
+        lay = detect_group_layout(g, tensors)
+        expected += ts if lay == g.layout else g.with_layout(lay).tensors()
+    out: list[Problem] = []
+    cfg = config_path(ckpt)
+    quant = QuantLookup(ckpt, res.scale_suffix)
+    for s in expected:
+        ref = ckpt.tensors.get(s.key)
+        if ref is None or tuple(ref.shape) != tuple(s.shape):
+            st = quant.storage(s, ref)  # a quantized weight stored under other names or packed
+            if st is not None:
+                out += [Problem("trunk-missing", cfg, k, f"{st.label} weight {s.key} without this tensor")
+                        for k in st.missing if k not in unknown]
+                out += [Problem("trunk-misshaped", file_of(ckpt, st.all_keys()[0]), s.key, p) for p in st.problems]
+                continue
+        if ref is None:
+            if s.key not in unknown:
+                out.append(Problem("trunk-missing", cfg, s.key,
+                                   f"the {res.family} table requires this tensor {list(s.shape)} of the main model, "
+                                   "and no shard holds it"))
+        elif tuple(ref.shape) != tuple(s.shape):
+            out.append(Problem("trunk-misshaped", ref.file, s.key,
+                               f"shape {list(ref.shape)}, but the {res.family} table expects {list(s.shape)} "
+                               "for this config"))
+    return out
+
+
+def block_size(qc: object, view: MtpView | None) -> tuple[int, int] | None:
+    """Scale block (rows, cols); None means one per-tensor scale."""
+    if isinstance(qc, dict) and "weight_block_size" in qc:
+        b = qc["weight_block_size"]
+        if b is None:
+            return None
+        if isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b):
+            return (b[0], b[1])
+    if view is not None:
+        return view.resolved.block_size
+    return (128, 128)
+
+
+def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, unknown: set[str],
+                 cfg: str | None) -> list[Problem]:
+    """Every F8 weight has its scale, of the block shape; FP8 tensors present <=> quant_method fp8."""
+    out: list[Problem] = []
+    fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in FP8_DTYPES]
+    qc = ckpt.config.get("quantization_config") if cfg else None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if cfg is not None:
+        if method is None and ckpt.local_dir is not None and (ckpt.local_dir / "hf_quant_config.json").is_file():
+            return out  # declared in ModelOpt's side file, with its own scale names (quant scheme tables)
+        if fp8 and method is None:
+            out.append(Problem("quant-config", cfg, min(fp8),
+                               f"{len(fp8)} FP8 tensor(s) (e.g. this one) but config.json has no quantization_config "
+                               "with quant_method 'fp8'; loaders would read the FP8 bytes as the model dtype"))
+        elif method == "fp8" and not fp8 and not unknown:
+            out.append(Problem("quant-config", cfg, None,
+                               "quantization_config says quant_method 'fp8' but no tensor is FP8; remove "
+                               "quantization_config"))
+        if method not in (None, "fp8"):
+            return out  # another method (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
+    suffix = table.quantization.scale_suffix if table is not None and table.quantization else "weight_scale_inv"
+    block = block_size(qc, view)
+    grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> scale shape (few distinct shapes)
+    tensors = ckpt.tensors
+    found: list[tuple[str, Problem]] = []
+    for k in fp8:
+        # scale_key's common case inlined: tens of thousands of weights in a large FP8 release
+        skey = k[:-6] + suffix if k.endswith(".weight") else scale_key(k, suffix)
+        ref = tensors[k]
+        sref = tensors.get(skey)
+        if sref is None:
+            if skey not in unknown:
+                found.append((k, Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")))
+            continue
+        if block is None:
+            want = None if sref.shape in ((), (1,)) else "[] (one per-tensor scale)"
+        elif len(ref.shape) < 2:
+            continue  # block scales are defined for matrices (and stacks of them) only
+        else:
+            want_shape = grids.get(ref.shape) or grids.setdefault(ref.shape, scale_shape(ref.shape, block))
+            want = None if sref.shape == want_shape else (f"{list(want_shape)} (block {block[0]}x{block[1]} over "
+                                                          f"{list(ref.shape)})")
+        if want is not None:
+            found.append((k, Problem("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")))
+    return out + [p for _, p in sorted(found, key=lambda kp: kp[0])]
+
+
+def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:
+    """``mtp-quant-config``: every MTP module stored as the quantization config declares it (quant.audit)."""
+    from .quant.audit import RULE, audit
+
+    cfg = config_path(view.ckpt)
+    fix = f"; `ckpt validate --fix-quant-config {view.ckpt.root} -o OUT` repairs the config"
+    # no config change can fix it (missing scales, fused shards stored differently): the weights must change
+    weights = (f"; a config change cannot fix this: re-quantize the MTP layers, or `ckpt graft SOURCE "
+               f"{view.ckpt.root} -o OUT` writes them anew from the original release")
+    # a finding a config change could fix that the repair still cannot (a per-module list would have to
+    # name the module with its own scheme, e.g. ModelOpt quantized_layers)
+    stuck = (f"; --fix-quant-config cannot repair it (the config would have to declare the module's own scheme in "
+             f"a per-module list): declare it by hand, or `ckpt graft SOURCE {view.ckpt.root} -o OUT`")
+    findings = audit(view).findings
+    left = _left_by_repair(view) if any(f.fix for f in findings) else set()
+    out = []
+    for f in findings:
+        if any(k.startswith(f.key + ".") for k in unknown):
+            continue
+        out.append(Problem(RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left else fix)))
+    return out
+
+
+def _left_by_repair(view: MtpView) -> set[str]:
+    """The modules ``quant.repair`` leaves unfixed (only asked when a finding has a config fix)."""
+    from .quant.repair import repair_view
+
+    return {f.key for f in repair_view(view).unfixable}
+
+
+def model_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
+    """Config vs tensors and the trunk, for a checkpoint whose table is known."""
+    return (mtp_problems(view, unknown) + quant_config_problems(view, unknown) + tied_head_problems(view)
+            + trunk_problems(view, unknown, whole_model=whole_model))
+
+
+# -- the gate ---------------------------------------------------------------------------
+
+
+def check(ckpt: Checkpoint, table: Table | None = None, *, arch: str | None = None, scope: str = "auto",
+          view: MtpView | None = None) -> tuple[list[Problem], MtpView | None]:
+    """Every problem of an opened checkpoint under the gate's rules, and the MTP view it was judged with.
+
+    ``scope``: ``files`` (index and files only, no table needed), ``auto`` (all rules; the trunk
+    unless the checkpoint is a draft) or ``model`` (all rules; a whole model is required). A
+    config-only checkpoint (no index, no shard) has no tensors to check, only its config. Raises
+    InputError when the table cannot be chosen or resolved (``unknown-family``, ``config-field``, ...).
+    """
+    if scope not in ("files", "auto", "model"):
+        raise ValueError(f"scope {scope!r}")
+    weightless = not ckpt.headers and ckpt.index is None
+    holders = Holders(ckpt)
+    problems = [] if weightless else index_problems(ckpt, holders) + stray_problems(ckpt, holders)
+    if scope == "files":
+        return problems, view
+    if view is None:
+        view = open_mtp(ckpt, table or choose_table(ckpt, arch))
+    if weightless:
+        return problems, view
+    problems += model_problems(view, whole_model=scope == "model")
+    problems += fp8_problems(ckpt, view.table, view, set(), config_path(ckpt) if ckpt.config_present else None)
+    return problems, view
+
+
+def require_consistent(ckpt: Checkpoint, table: Table | None = None, *, arch: str | None = None,
+                       allow: Iterable[str] = (), waive: Mapping[str, str] | None = None, scope: str = "auto",
+                       view: MtpView | None = None, role: str | None = None,
+                       hints: Mapping[str, str] | None = None) -> Gate:
+    """Refuse (InputError, exit 3) a checkpoint that breaks a rule neither allowed nor waived.
+
+    ``allow``: rules the user let through (``--allow-invalid``). ``waive``: rules the verb repairs by
+    construction, each with the reason (e.g. ``--drop-mtp`` drops every MTP tensor). ``role``
+    names the input in the message (``verifier``, ``draft``, ...); ``hints``: rule -> the verb's own
+    way out, added to the message when that rule is the one shown.
+    """
+    problems, view = check(ckpt, table, arch=arch, scope=scope, view=view)
+    waive = waive or {}
+    allow = frozenset(allow)
+    gate = Gate(view.table if view is not None else table, view)
+    refused: list[Problem] = []
+    for p in problems:
+        if p.rule in REPORT_ONLY:
+            continue
+        if p.rule in waive:
+            gate.waived.append(p)
+        elif p.rule in allow:
+            gate.allowed.append(p)
+        else:
+            refused.append(p)
+    if refused:
+        raise refusal(ckpt, refused, role, (hints or {}).get(refused[0].rule))
+    return gate
+
+
+def refusal(ckpt: Checkpoint, refused: list[Problem], role: str | None = None, hint: str | None = None
+            ) -> InputError:
+    """One message: the first problem in full, how many others (by rule), and the two ways on."""
+    first = refused[0]
+    counts: dict[str, int] = {}
+    for p in refused[1:]:
+        counts[p.rule] = counts.get(p.rule, 0) + 1
+    others = ""
+    if counts:
+        listed = ", ".join(f"{r} x{n}" if n > 1 else r for r, n in counts.items())
+        others = f" (and {len(refused) - 1} more problem(s): {listed})"
+    rules = list(dict.fromkeys(p.rule for p in refused))
+    what = f"the {role} " if role else ""
+    flags = " ".join(f"--allow-invalid {r}" for r in rules[:4]) + (" ..." if len(rules) > 4 else "")
+    key = f"{first.key}: " if first.key else ""
+    msg = (f"{key}{first.message}{others}. {what.capitalize() or 'The '}checkpoint {ckpt.root} is inconsistent; "
+           + (f"{hint}; " if hint else "")
+           + f"`ckpt validate {ckpt.root}` lists every problem, `{flags}` proceeds anyway")
+    return InputError(msg, rule=first.rule, path=first.path or ckpt.root)
+
+
+def problems_text(problems: list[Problem], limit: int = 5) -> str:
+    shown = "; ".join(str(p) for p in problems[:limit])
+    return shown + (f" ... and {len(problems) - limit} more" if len(problems) > limit else "")
+
+
+
+
+def note_allowed(manifest: dict, *gates: Gate) -> dict:
+    """Record in an output's manifest what --allow-invalid let through on its inputs (provenance)."""
+    allowed = [p.to_json() for g in gates for p in g.allowed]
+    if allowed:
+        manifest["allowed_invalid"] = allowed
+    return manifest

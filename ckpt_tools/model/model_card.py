@@ -1,0 +1,241 @@
+"""A model card for a pushed checkpoint, written from what the tool knows about it.
+
+Sources: ``ckpt_manifest.json`` (written by every ckpt output: command, tool version, sources
+with revisions, family, format), ``stitch-report.json`` when present, ``config.json`` (family
+and MTP depth through the tables) and the ``ckpt validate`` report. The metadata block uses
+huggingface_hub's ``ModelCardData`` (``base_model``, ``base_model_relation``, tags), so the Hub
+links the card into the base model's tree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import __version__
+from ..io.config import ConfigView
+
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DRAFT_KINDS = ("mtp-draft", "draft")
+
+
+@dataclass
+class CardFacts:
+    """Everything the card says, gathered before rendering (tests and --json read it too)."""
+
+    repo_id: str
+    kind: str  # mtp-draft | stitched | trunk | experts | checkpoint
+    family: str | None
+    mtp_count: int
+    base_model: list[str] = field(default_factory=list)
+    base_model_relation: str | None = None
+    tags: list[str] = field(default_factory=list)
+    command: str | None = None
+    tool_version: str | None = None
+    sources: list[dict] = field(default_factory=list)  # {"role", "path", "revision"}
+    draft_format: str | None = None
+    validation_ok: bool | None = None
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # validate's notes (e.g. per-layer copies left out)
+    stitch_summary: dict | None = None
+
+
+def _sources(manifest: dict) -> list[dict]:
+    """Every ``{"path", "revision"}`` the manifest names: ``source``, ``sources``, ``verifier``, ``draft``..."""
+    out: list[dict] = []
+
+    def add(role: str, v) -> None:
+        if isinstance(v, dict) and isinstance(v.get("path"), str):
+            out.append({"role": role, "path": v["path"], "revision": v.get("revision")})
+        elif isinstance(v, str) and v:
+            out.append({"role": role, "path": v, "revision": None})
+
+    for key, value in manifest.items():
+        if key in ("tensors", "expert_groups"):
+            continue
+        if key == "sources" and isinstance(value, list):
+            for v in value:
+                add(v.get("role", "source") if isinstance(v, dict) else "source", v)
+        elif key == "sources" and isinstance(value, dict):
+            for role, v in value.items():
+                add(role, v)
+        elif isinstance(value, dict) and "path" in value:
+            add(key, value)
+    return out
+
+
+def _mtp_facts(config: ConfigView | None) -> tuple[str | None, int]:
+    """(family, MTP depth) from the tables; (model_type, 1) when no table matches."""
+    if config is None or not config.raw:
+        return None, 1
+    try:
+        from .tables.loader import detect_table
+        from .tables.resolve import resolve
+
+        table = detect_table(config)
+        return table.family, max(resolve(table, config).mtp_count, 1)
+    except Exception:  # an unknown family still gets a card
+        types = config.model_types() if hasattr(config, "model_types") else []
+        return (types[0] if types else None), 1
+
+
+def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: dict | None,
+           validation=None, base: str | None = None) -> CardFacts:
+    manifest = manifest or {}
+    config = None
+    if (folder / "config.json").is_file():
+        try:
+            config = ConfigView.from_bytes((folder / "config.json").read_bytes(), str(folder / "config.json"))
+        except Exception:
+            config = None
+    family, depth = _mtp_facts(config)
+    family = manifest.get("family") or family
+    kind = str(manifest.get("kind") or ("stitched" if stitch_report is not None else "checkpoint"))
+    if stitch_report is not None and kind == "checkpoint":
+        kind = "stitched"
+    sources = _sources(manifest)
+    if base:
+        bases = [base]
+    else:
+        hub = [s["path"] for s in sources if REPO_ID_RE.match(s["path"])]
+        roles = [s for s in sources if REPO_ID_RE.match(s["path"]) and s["role"] in ("verifier", "base")]
+        bases = [roles[0]["path"]] if roles else list(dict.fromkeys(hub))
+    relation = None
+    if bases:
+        if "stitch" in kind:
+            relation = "finetune"  # a verifier whose MTP layers were retrained
+        elif manifest.get("quantized_to"):
+            relation = "quantized"
+    tags = ["mtp", "speculative-decoding", "ckpt-tools"]
+    if family:
+        tags.append(family.replace("_", "-"))
+    if kind in DRAFT_KINDS:
+        tags.append("mtp-draft")
+    elif "stitch" in kind:
+        tags.append("stitched")
+    fmt = manifest.get("format")
+    if isinstance(fmt, str) and kind in DRAFT_KINDS:
+        tags.append(fmt)
+    facts = CardFacts(repo_id, kind, family, depth, bases, relation, list(dict.fromkeys(tags)),
+                      manifest.get("command"), manifest.get("version") or manifest.get("tool_version"),
+                      sources, fmt if kind in DRAFT_KINDS else None)
+    if validation is not None:
+        facts.validation_ok = bool(validation.ok)
+        facts.problems = [str(p) for p in validation.problems]
+        facts.notes = [f"`{n.key}`: {n.message}" for n in getattr(validation, "notes", [])]
+    if stitch_report is not None:
+        facts.stitch_summary = _stitch_summary(stitch_report)
+    return facts
+
+
+def _stitch_summary(report: dict) -> dict:
+    """Counts per change kind (unchanged / replaced / added / removed ...) from a stitch report."""
+    for key in ("totals", "summary"):
+        if isinstance(report.get(key), dict):
+            return {k: v for k, v in report[key].items() if isinstance(v, (int, float, str))}
+    counts: dict[str, int] = {}
+    entries = report.get("tensors") or report.get("keys") or {}
+    items = entries.values() if isinstance(entries, dict) else entries
+    for e in items:
+        if isinstance(e, dict):
+            status = str(e.get("status") or e.get("change") or "other")
+            counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+def serving_snippets(f: CardFacts) -> list[tuple[str, str]]:
+    """(title, shell command) pairs to serve the pushed checkpoint with MTP speculative decoding."""
+    k = f.mtp_count
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+    if f.kind in DRAFT_KINDS:
+        verifier = f.base_model[0] if f.base_model else "<verifier-repo>"
+        draft_spec = json.dumps({"method": "mtp", "model": f.repo_id, "num_speculative_tokens": k})
+        return [
+            ("vLLM (this draft next to its verifier)",
+             f"vllm serve {verifier} \\\n  --speculative-config '{draft_spec}'"),
+            ("SGLang (this draft as the NextN draft model)",
+             f"python -m sglang.launch_server --model-path {verifier} \\\n"
+             f"  --speculative-algorithm EAGLE --speculative-draft-model-path {f.repo_id} \\\n"
+             f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
+            ("vLLM, after stitching the draft back into the verifier (`ckpt stitch`)",
+             f"vllm serve ./stitched --speculative-config '{spec}'"),
+        ]
+    return [
+        ("vLLM", f"vllm serve {f.repo_id} \\\n  --speculative-config '{spec}'"),
+        ("SGLang", f"python -m sglang.launch_server --model-path {f.repo_id} \\\n"
+                   f"  --speculative-algorithm EAGLE --speculative-num-steps {k} \\\n"
+                   f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
+    ]
+
+
+_DESCRIPTIONS = {
+    "mtp-draft": "The multi-token-prediction (MTP) layers of {base}, extracted as a standalone draft model for "
+                 "speculative decoding.",
+    "stitched": "{base} with its multi-token-prediction (MTP) layers replaced by a finetuned draft, for "
+                "speculative decoding.",
+    "trunk": "{base} without its multi-token-prediction (MTP) layers.",
+    "experts": "{base} with its expert weights re-laid out (same values, another tensor layout).",
+}
+
+
+def render(f: CardFacts) -> str:
+    """The README.md text: YAML metadata (ModelCardData), description, provenance, validation, serving."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    extra = {"base_model_relation": f.base_model_relation} if f.base_model_relation else {}
+    data = ModelCardData(
+        base_model=(f.base_model[0] if len(f.base_model) == 1 else f.base_model) or None,
+        library_name=None if f.kind in DRAFT_KINDS else "transformers",
+        pipeline_tag=None if f.kind in DRAFT_KINDS else "text-generation",
+        tags=f.tags,
+        **extra,
+    )
+    base = ", ".join(f"[{b}](https://huggingface.co/{b})" for b in f.base_model) or "a checkpoint"
+    desc = _DESCRIPTIONS.get(f.kind, "A checkpoint with multi-token-prediction (MTP) layers for speculative "
+                                     "decoding ({base}).").format(base=base)
+    lines = [f"# {f.repo_id.split('/')[-1]}", "", desc, ""]
+    lines += ["## How it was made", ""]
+    lines.append(f"- Tool: ckpt-tools {f.tool_version or __version__}")
+    if f.family:
+        lines.append(f"- Model family: `{f.family}`; MTP layers: {f.mtp_count}")
+    if f.draft_format:
+        lines.append(f"- Draft format: `{f.draft_format}`")
+    if f.command:
+        lines += ["- Command:", "", "```bash", f.command, "```"]
+    if f.sources:
+        lines += ["", "| role | source | revision |", "| --- | --- | --- |"]
+        for s in f.sources:
+            lines.append(f"| {s['role']} | `{s['path']}` | `{s.get('revision') or '-'}` |")
+    if f.stitch_summary:
+        lines += ["", "Stitch report (tensors per change):", ""]
+        lines += [f"- {k}: {v}" for k, v in f.stitch_summary.items()]
+    lines += ["", "## Validation", ""]
+    if f.validation_ok is None:
+        lines.append("Not validated.")
+    elif f.validation_ok:
+        lines.append("`ckpt validate` found no problems (safetensors format, index, MTP tensors against the "
+                     "config, FP8 scales).")
+    else:
+        lines.append(f"`ckpt validate` reported {len(f.problems)} problem(s); this checkpoint was pushed with "
+                     "`--force`:")
+        lines.append("")
+        lines += [f"- {p}" for p in f.problems[:20]]
+        if len(f.problems) > 20:
+            lines.append(f"- ... and {len(f.problems) - 20} more")
+    if f.notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in f.notes]
+    lines += ["", "## Serving with MTP speculative decoding", ""]
+    for title, cmd in serving_snippets(f):
+        lines += [f"{title}:", "", "```bash", cmd, "```", ""]
+    content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n"
+    return str(ModelCard(content))
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,240 @@
+"""The MTP view of a checkpoint: which tensors its table expects, which are present.
+
+Shared by inspect, validate, extract and stitch. Expert layouts are detected from the
+header (a checkpoint may have been fused or unfused since release); FP8 weights bring
+their block-scale companions into the MTP set. A linear weight stored another way (a
+quantization scheme table's format: ``weight_packed`` + scales, FP4 in U8 ...) stays in
+``present`` under its logical key and is described in ``quantized`` (ckpt_tools.model.quant);
+``keys()`` / ``stored()`` give the tensors actually stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..errors import InputError
+from ..io.checkpoint import Checkpoint
+from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, scale_shape
+from .tables.loader import detect_table, get_table
+from .tables.resolve import Resolved, Spec, resolve
+from .tables.schema import Table
+
+if TYPE_CHECKING:
+    from .quant import QuantScheme, Storage
+
+
+@dataclass
+class MtpView:
+    ckpt: Checkpoint
+    resolved: Resolved
+    layouts: dict[str, ExpertLayout]  # expert group prefix -> layout found on disk
+    present: list[Spec] = field(default_factory=list)  # expected and found (scales included)
+    missing: list[Spec] = field(default_factory=list)  # required but absent
+    optional_absent: list[Spec] = field(default_factory=list)
+    misshaped: list[tuple[Spec, tuple[int, ...]]] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)  # inside the MTP namespace, not expected
+    beyond: list[str] = field(default_factory=list)  # MTP-looking tensors past the declared count
+    missing_scales: list[str] = field(default_factory=list)  # FP8 weights without their scale
+    # logical weight key -> how it is stored, for weights a quantization scheme table describes
+    quantized: dict[str, Storage] = field(default_factory=dict)
+    quant_problems: list[tuple[str, str]] = field(default_factory=list)  # (key, message): wrong companions
+    scheme: QuantScheme | None = None  # what the configuration declares (None: nothing, or not needed)
+
+    @property
+    def table(self) -> Table:
+        return self.resolved.table
+
+    @property
+    def count(self) -> int:
+        return self.resolved.mtp_count
+
+    def stored(self) -> list[tuple[Spec, str]]:
+        """(spec, key) of every tensor stored for the present specs (a quantized weight's tensors)."""
+        out = []
+        for s in self.present:
+            st = self.quantized.get(s.key)
+            out += [(s, k) for k in st.all_keys()] if st is not None else [(s, s.key)]
+        return out
+
+    def keys(self) -> list[str]:
+        return [k for _, k in self.stored()]
+
+    def nbytes(self) -> int:
+        return sum(self.ckpt.tensors[k].nbytes for k in self.keys())
+
+    def numel(self) -> int:
+        return sum(self.ckpt.tensors[k].numel for k in self.keys())
+
+    def shards(self) -> list[str]:
+        return sorted({self.ckpt.shard_of(k) for k in self.keys()})
+
+    def groups(self) -> list[ExpertGroup]:
+        return [g.with_layout(self.layouts[g.prefix]) if self.layouts[g.prefix] != g.layout else g
+                for g in self.resolved.experts()]
+
+    def complete(self) -> bool:
+        return not (self.missing or self.misshaped or self.missing_scales or self.quant_problems)
+
+    def require_complete(self) -> None:
+        """Raise with every missing / mis-shaped tensor named (the rule: config declares MTP)."""
+        problems = [f"missing {s.key} {list(s.shape)}" for s in self.missing]
+        problems += [f"{s.key} has shape {list(a)}, table expects {list(s.shape)}" for s, a in self.misshaped]
+        problems += [f"FP8 weight {k} has no {self.resolved.scale_suffix}" for k in self.missing_scales]
+        problems += [msg for _, msg in self.quant_problems]
+        if problems:
+            head = f"{self.ckpt.root}: config declares {self.count} MTP layer(s) ({self.table.family}) but "
+            raise InputError(head + f"{len(problems)} tensor problem(s): " + "; ".join(problems[:20])
+                             + (" ..." if len(problems) > 20 else ""), rule="mtp-incomplete")
+
+
+def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
+    """The layout whose tensors are on disk; the shipped layout when nothing matches."""
+    candidates = [group.layout] + [ExpertLayout(n) for n in LAYOUT_NAMES if n != group.layout.name]
+    # fused and fused-transposed share key names: only shapes (refs in a mapping) tell them apart
+    if hasattr(keys, "get"):
+        for lay in candidates:
+            g = group if lay == group.layout else group.with_layout(lay)
+            if all(tuple(getattr(keys.get(t.key), "shape", ())) == t.shape for t in g.tensors()):
+                return lay
+    best, best_hits = group.layout, -1
+    stored = _stored_weight_suffixes()
+    for lay in candidates:
+        g = group if lay == group.layout else group.with_layout(lay)
+        ts = g.tensors()
+        # a weight a quantization scheme stores under another name (weight_packed) is on disk too
+        hits = sum(1 for t in ts if t.key in keys or (t.key.endswith(".weight") and any(
+            t.key[:-6] + s in keys for s in stored)))
+        if hits == len(ts):
+            return lay
+        if hits > best_hits:
+            best, best_hits = lay, hits
+    return best if best_hits > 0 else group.layout
+
+
+def _stored_weight_suffixes() -> tuple[str, ...]:
+    """The names the quantization scheme tables store a weight under, besides ``weight``."""
+    from .quant import all_schemes
+
+    return tuple(sorted({f.weight.suffix for t in all_schemes().values() for f in t.storage} - {"weight"}))
+
+
+def choose_table(ckpt: Checkpoint, arch: str | None = None) -> Table:
+    if arch:
+        return get_table(arch)
+    if not ckpt.config_present:
+        raise InputError("config.json is missing; pass --arch NAME", rule="no-config", path=ckpt.root)
+    return detect_table(ckpt.config)
+
+
+def _namespace(res: Resolved) -> tuple[list[str], set[str]]:
+    prefixes = [layer.prefix for layer in res.layers]
+    for layer in res.layers:
+        prefixes += [p for p in layer.block_prefixes if p not in prefixes]
+    glue = {s.key for s in res.glue_specs()}
+    return prefixes, glue
+
+
+def _beyond(ckpt: Checkpoint, table: Table, count: int) -> list[str]:
+    """Tensors that would belong to MTP depths >= count (or to shared glue when count is 0)."""
+    probe = resolve(table, ckpt.config, mtp_count=count + 4)
+    found: list[str] = []
+    declared = resolve(table, ckpt.config, mtp_count=count)
+    declared_glue = {s.key for s in declared.glue_specs()}
+    glue = {s.key for s in probe.glue_specs()} - declared_glue
+    prefixes = [p for layer in probe.layers[count:] for p in [layer.prefix, *layer.block_prefixes]]
+    for key in ckpt.tensors:
+        if key in glue or any(key.startswith(p) for p in prefixes):
+            found.append(key)
+    return sorted(found)
+
+
+def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = None) -> MtpView:
+    """Classify the checkpoint's MTP tensors against ``table`` (detected when None)."""
+    table = table or choose_table(ckpt)
+    res = resolve(table, ckpt.config, mtp_count=count)
+    keys = ckpt.tensors
+    layouts = {g.prefix: detect_group_layout(g, keys) for g in res.experts()}
+    view = MtpView(ckpt, res, layouts)
+    expected = res.mtp_specs(layouts)
+    expected_keys = set()
+    quant = QuantLookup(ckpt, res.scale_suffix)
+    for s in expected:
+        expected_keys.add(s.key)
+        ref = keys.get(s.key)
+        st = quant.storage(s, ref)
+        if st is not None:
+            _add_quantized(view, s, st, expected_keys)
+            continue
+        if ref is None:
+            (view.optional_absent if s.optional else view.missing).append(s)
+            continue
+        if tuple(ref.shape) != tuple(s.shape):
+            view.misshaped.append((s, tuple(ref.shape)))
+        view.present.append(s)
+        if ref.dtype in FP8_DTYPES:
+            skey = scale_key(s.key, res.scale_suffix)
+            expected_keys.add(skey)
+            sref = keys.get(skey)
+            sshape = scale_shape(s.shape, res.block_size)
+            scale = Spec(skey, sshape, "scale", depth=s.depth, kind="other", dtype="F32")
+            if sref is None:
+                view.missing_scales.append(s.key)
+            else:
+                if tuple(sref.shape) != sshape:
+                    view.misshaped.append((scale, tuple(sref.shape)))
+                view.present.append(scale)
+    prefixes, glue = _namespace(res)
+    for key in keys:
+        if key in expected_keys:
+            continue
+        if key in glue or any(key.startswith(p) for p in prefixes):
+            view.extra.append(key)
+    view.extra.sort()
+    view.beyond = _beyond(ckpt, table, res.mtp_count)
+    view.scheme = quant.scheme_if_read
+    return view
+
+
+class QuantLookup:
+    """Storage of linear weights the block-FP8 path does not describe, with the scheme read lazily
+    (a checkpoint whose MTP weights are all float or block FP8 never reads it)."""
+
+    def __init__(self, ckpt: Checkpoint, scale_suffix: str) -> None:
+        self.ckpt = ckpt
+        self.scale_suffix = scale_suffix
+        self._scheme: object = _UNREAD
+
+    @property
+    def scheme_if_read(self) -> QuantScheme | None:
+        return None if self._scheme is _UNREAD else self._scheme  # type: ignore[return-value]
+
+    def storage(self, s, ref) -> Storage | None:
+        """How ``s`` (a Spec or ExpertTensor) is stored, when a quantization scheme table describes it;
+        None for float weights, block FP8 with the family's scale, and anything no table describes
+        (reported as missing or mis-shaped, as before)."""
+        if getattr(s, "kind", "linear") != "linear" or not s.key.endswith(".weight"):
+            return None
+        if ref is not None and (ref.dtype in FLOAT_DTYPES or (
+                ref.dtype in FP8_DTYPES and scale_key(s.key, self.scale_suffix) in self.ckpt.tensors)):
+            return None
+        from .quant import detect_scheme, module_storage
+
+        if self._scheme is _UNREAD:
+            self._scheme = detect_scheme(self.ckpt)
+        st = module_storage(self.ckpt, self._scheme, s.key[: -len(".weight")], tuple(s.shape))
+        return st if st.quantized else None
+
+
+_UNREAD = object()
+
+
+def _add_quantized(view: MtpView, s: Spec, st: Storage, expected_keys: set[str]) -> None:
+    view.present.append(s)
+    view.quantized[s.key] = st
+    expected_keys.update(st.all_keys())
+    for key in st.missing:
+        view.missing.append(Spec(key, (), "scale", depth=s.depth, kind="other", dtype="",
+                                 optional=False))
+    view.quant_problems += [(s.key, f"{st.label}: {p}") for p in st.problems]

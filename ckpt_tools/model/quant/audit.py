@@ -1,0 +1,274 @@
+"""Per MTP module: how it is stored versus what the quantization configuration declares.
+
+``audit(view, files=None)`` judges every MTP linear module of an ``MtpView`` (glue, block, per-layer
+head copy, each routed expert under the per-expert name engines probe, whatever the layout on
+disk) the way its consumers read the configuration (``declared``):
+
+- stored unquantized (a float ``weight``) must be excluded, by its checkpoint name (transformers,
+  compressed-tensors) and, for a shard of a layer the engines fuse (the family table's
+  ``fused_modules``, e.g. ``qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``), under the fused name
+  as well: vLLM expands the fused name into its shards only when the model class declares the
+  mapping, SGLang matches the layer name; otherwise the engine builds a quantized layer for BF16
+  weights and fails to load, or silently reads them as quantized;
+- stored quantized must be declared quantized, by the table the tensors are stored in, with every
+  companion present (scales, global scales);
+- the family's own release convention: under the family table's ``quantization.method``, or a
+  scheme storing its scales under the table's ``scale_suffix`` (DeepSeek's ``weight_scale_inv``,
+  V4's ``scale``), a tensor whose ``quant`` flag the table leaves off stays unquantized in those
+  releases without any exclusion (DeepSeek's BF16 ``eh_proj``: engines build it as a plain
+  Linear), so it needs none.
+
+Each disagreement is a ``Finding`` with the change that repairs it (``exclude`` these names,
+``include`` these names) or none when only the weights can fix it. The rule is
+``mtp-quant-config`` (consistency gate); ``repair`` turns findings into a configuration patch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ...dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ...errors import InputError
+from ..expert_layouts import ExpertLayout, scale_key
+from .config import QuantFiles
+from .declared import Declared, declaration
+from .detect import QuantScheme, detect_scheme
+from .storage import Storage, module_storage
+
+if TYPE_CHECKING:
+    from ..mtp import MtpView
+    from ..tables.schema import Table
+
+RULE = "mtp-quant-config"
+PER_EXPERT = ExpertLayout("per-expert")
+Fix = Literal["exclude", "include"]
+
+
+@dataclass(frozen=True)
+class Stored:
+    """How one module is stored."""
+
+    state: Literal["unquantized", "quantized"]
+    label: str  # "BF16", "NVFP4 (...)", "F8_E4M3 (fused experts)"
+    scheme: str | None = None  # the scheme table the tensors are stored in (quantized)
+    storage: Storage | None = None
+    dtype: str | None = None  # the weight's stored dtype
+
+
+StoredOf = Callable[[str], "Stored | None"]
+Row = tuple[str, Stored, bool, bool]  # (module, how it is stored, the table's quant flag, routed expert)
+
+
+@dataclass
+class ModuleAudit:
+    module: str  # checkpoint module name (no ``.weight``)
+    stored: Stored
+    declared: Declared
+    quant_flag: bool  # the family table's ``quant`` flag for this tensor
+    expert: bool  # a routed expert (probed per expert, never fused into a linear)
+    exempt: bool = False  # unquantized by the family's release convention: no exclusion needed
+    fused: tuple[str, ...] = ()  # engine fused layers this module is a shard of
+    problem: str | None = None  # what disagrees (None: stored as declared)
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+@dataclass(frozen=True)
+class Finding:
+    key: str  # the module (or fused layer) concerned
+    message: str
+    fix: Fix | None = None  # what a configuration repair does; None: the weights must change
+    names: tuple[str, ...] = ()  # the names to exclude / include
+
+
+@dataclass
+class Audit:
+    scheme: QuantScheme | None
+    modules: list[ModuleAudit] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    unknown: str | None = None  # the configuration declares a scheme no table describes (not judged)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def fixable(self) -> bool:
+        return all(f.fix is not None for f in self.findings)
+
+
+def scheme_of(view: MtpView) -> QuantScheme | None:
+    """What ``view``'s checkpoint declares (InputError ``quant-unknown`` propagates)."""
+    return view.scheme if view.scheme is not None else detect_scheme(view.ckpt)
+
+
+def fused_names(module: str, fused: dict[str, list[str]], present: set[str]) -> tuple[str, ...]:
+    """The engine layers ``module`` is a shard of: ``fused`` entries whose every shard is a present sibling."""
+    parent, dot, leaf = module.rpartition(".")
+    out = []
+    for name, shards in fused.items():
+        if leaf in shards and all(f"{parent}{dot}{s}" in present for s in shards):
+            out.append(f"{parent}{dot}{name}")
+    return tuple(out)
+
+
+def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Stored:
+    ref = view.ckpt.tensors.get(key)
+    st = view.quantized.get(key)
+    if st is None and ref is not None and ref.dtype in FLOAT_DTYPES:
+        return Stored("unquantized", ref.dtype, dtype=ref.dtype)
+    if st is None and ref is not None and ref.dtype in FP8_DTYPES and \
+            scale_key(key, view.resolved.scale_suffix) in view.ckpt.tensors:
+        # the family's own block FP8 (its scale name): the fp8-* rules check its scales
+        return Stored("quantized", f"{ref.dtype} block {list(view.resolved.block_size)}", dtype=ref.dtype)
+    if st is None:  # something only the scheme tables know
+        st = module_storage(view.ckpt, scheme, key.removesuffix(".weight"), tuple(shape))
+    if st.state == "quantized":
+        return Stored("quantized", st.label, st.scheme, st, st.dtype)
+    return Stored("unquantized", st.label, None, st, st.dtype)
+
+
+def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf | None = None) -> list[Row]:
+    """(module, stored, quant flag, expert) of every MTP linear module present.
+
+    ``stored_of(key)``: how a verb is about to store the tensor ``key`` (None: as the checkpoint does).
+    """
+    def look(key: str, shape) -> Stored:
+        got = stored_of(key) if stored_of is not None else None
+        return got if got is not None else _stored(view, scheme, key, shape)
+
+    out: list[Row] = []
+    for s in view.present:
+        if s.role in ("scale", "expert") or s.kind != "linear" or not s.key.endswith(".weight"):
+            continue
+        out.append((s.key.removesuffix(".weight"), look(s.key, s.shape), s.quant, False))
+    present = {s.key for s in view.present}
+    for g in view.groups():
+        if g.layout.per_expert:
+            for t in g.tensors():
+                if t.key in present:
+                    out.append((t.key.removesuffix(".weight"), look(t.key, t.shape), g.quant, True))
+            continue
+        # fused / stacked experts: engines still probe (and exclude) them per expert
+        parts = [look(t.key, t.shape) for t in g.tensors() if t.key in present]
+        if not parts:
+            continue
+        labels = "/".join(sorted({p.label for p in parts}))
+        state = "unquantized" if all(p.state == "unquantized" for p in parts) else "quantized"
+        stored = Stored(state, f"{labels} ({g.layout.label()} experts)", dtype=parts[0].dtype)
+        for t in g.with_layout(PER_EXPERT).tensors():
+            out.append((t.key.removesuffix(".weight"), stored, g.quant, True))
+    return out
+
+
+def audit(view: MtpView, files: QuantFiles | None = None) -> Audit:
+    """Every MTP linear module of ``view``: stored as what, declared as what, and what disagrees.
+
+    ``files``: configuration files to judge instead of the checkpoint's (file name -> JSON object),
+    e.g. a repaired copy.
+    """
+    try:
+        scheme = scheme_of(view)
+    except InputError as e:
+        if e.rule != "quant-unknown":
+            raise
+        return Audit(None, unknown=str(e))
+    if scheme is None and not view.quantized and not any(
+            view.ckpt.tensors[k].dtype not in FLOAT_DTYPES for _, k in view.stored() if k in view.ckpt.tensors):
+        return Audit(None)  # nothing declared, nothing quantized: the common unquantized checkpoint
+    return judge(module_rows(view, scheme), scheme, view.table, files)
+
+
+def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: QuantFiles | None = None) -> Audit:
+    """``audit`` over modules described directly (``rows``), e.g. the MTP a verb is about to write."""
+    result = Audit(scheme)
+    fused_map = {k: list(v) for k, v in table.fused_modules.items()}
+    names = {m for m, *_ in rows}
+    none = Declared("excluded", None, "the configuration declares no quantization")
+    q = table.quantization
+    # the family's release scheme (the table's quantization method, or scales under the family's scale
+    # name): the table's quant flags say which modules those releases keep unquantized
+    convention = q is not None and scheme is not None and (
+        q.method in {t.scheme for t in scheme.tables}
+        or any(t.suffix == q.scale_suffix for _, f in scheme.formats() for t in f.tensors))
+    for module, stored, flag, expert in rows:
+        d = declaration(scheme, files, module) if scheme is not None else none
+        fused = () if expert else fused_names(module, fused_map, names)
+        result.modules.append(ModuleAudit(module, stored, d, flag, expert, convention and not flag, fused))
+    for m in result.modules:
+        _judge(m, scheme, result)
+    _judge_fused(result, scheme, files, fused_map)
+    return result
+
+
+def _judge(m: ModuleAudit, scheme: QuantScheme | None, result: Audit) -> None:
+    st, d = m.stored, m.declared
+    problem: Finding | None = None
+    if st.storage is not None and st.storage.problems and st.state == "unquantized":
+        problem = Finding(m.module, "; ".join(st.storage.problems))
+    elif st.state == "unquantized":
+        if d.state != "excluded" and not m.exempt:
+            problem = Finding(m.module, f"stored unquantized ({st.label}) but not excluded ({d.reason}): engines build "
+                                        f"a quantized layer for it and cannot load its {st.label} weight",
+                              "exclude", (m.module, *m.fused))
+    elif st.storage is not None and not st.storage.complete:
+        what = [f"missing {k}" for k in st.storage.missing] + list(st.storage.problems)
+        problem = Finding(m.module, f"stored {st.label} but incomplete: {'; '.join(what)}; engines cannot load it")
+    elif scheme is None:
+        if st.dtype not in FP8_DTYPES:  # FP8 without a quantization_config is rule quant-config
+            problem = Finding(m.module, f"stored {st.label}, but the configuration declares no quantization: "
+                                        "loaders read its packed bytes as weights")
+    elif d.state == "excluded":
+        problem = Finding(m.module, f"stored {st.label} but excluded ({d.reason}): engines build an unquantized "
+                                    f"layer for it and cannot load its {st.label} tensors",
+                          "include", (m.module, *m.fused))
+    elif d.state == "conflict":
+        problem = Finding(m.module, f"stored {st.label}; {d.reason}")
+    elif d.group is not None and st.scheme is not None and d.group.table.scheme != st.scheme:
+        problem = Finding(m.module, f"stored {st.label} ({st.scheme}), but {d.reason} as {d.group.table.title}")
+    if problem is not None:
+        m.problem = problem.message
+        result.findings.append(problem)
+
+
+def _judge_fused(result: Audit, scheme: QuantScheme | None, files: QuantFiles | None,
+                 fused_map: dict[str, list[str]]) -> None:
+    """Each fused engine layer: shards stored alike, and declared as stored under the fused name too."""
+    if scheme is None:
+        return
+    by_name = {m.module: m for m in result.modules}
+    seen: set[str] = set()
+    for m in result.modules:
+        for f in m.fused:
+            if f in seen:
+                continue
+            seen.add(f)
+            parent = f.rpartition(".")[0]
+            shards = [by_name[f"{parent}.{s}"] for s in fused_map[f.rpartition(".")[2]]]
+            states = {s.stored.state for s in shards}
+            if len(states) > 1:
+                how = ", ".join(f"{s.module.rpartition('.')[2]} {s.stored.label}" for s in shards)
+                result.findings.append(Finding(f, f"engines load {f} as one layer, but its shards are stored "
+                                                  f"differently ({how})"))
+                continue
+            if any(not s.ok for s in shards):
+                continue  # the shards' own findings carry the fused name in their repair
+            if states == {"unquantized"}:
+                if all(s.exempt for s in shards):
+                    continue
+                bad = [d for d in (declaration(scheme, files, f), declaration(scheme, files, f, fused_map))
+                       if d.state != "excluded"]
+                if bad:
+                    result.findings.append(Finding(
+                        f, f"its shards ({', '.join(s.module for s in shards)}) are stored unquantized and excluded "
+                           f"by their checkpoint names, but engines build the fused layer {f} and match that name, "
+                           f"which is not excluded ({bad[0].reason})", "exclude", (f,)))
+            else:
+                d = declaration(scheme, files, f, fused_map)
+                if d.state != "quantized":
+                    result.findings.append(Finding(
+                        f, f"its shards are stored {shards[0].stored.label}, but engines build the fused layer {f}, "
+                           f"which is {d.state} ({d.reason})", "include", (f,)))

@@ -1,0 +1,269 @@
+"""Numeric decoders for quantized linear weights, in numpy, one band of rows at a time.
+
+Every shipped scheme decodes the same way (schema.DecoderDef)::
+
+    W[r, c] = fl32( (value(code[r, c]) - zero_point[tile]) * s[tile] )       one float32 rounding
+    s       = scale[tile]              (exact widening of F32 / BF16 / F16 / F8_E4M3 / E8M0)
+            | fl32(scale[tile] / g)    (compressed-tensors NVFP4: one more rounding)
+            | fl32(scale[tile] * g)    (ModelOpt NVFP4)
+
+then one round-to-nearest-even cast to the output dtype (bf16 / f16 / f32). That is what the
+reference implementations compute: compressed-tensors' ``_dequantize`` multiplies in the scale's
+dtype, which is exact in float32 for every code (an e4m3, e2m1 or int code has at most 9
+significant bits, a BF16 scale 8) and so equals one float32 product rounded once to BF16;
+with a float32 scale (NVFP4's ``scale / global_scale``, ModelOpt, DeepSeek) it computes in
+float32 and casts. ``value(code)`` is exact in float32 for every code kind.
+
+Codes: ``e4m3`` / ``e5m2`` (one per byte), ``e2m1`` (two per byte, low nibble first), ``int``
+(4 bits: two per byte, low nibble first; 8 bits: one per byte; stored unsigned with ``offset``,
+or signed when the offset is 0). Packed containers (I32 words of compressed-tensors' pack
+format) are read as their little-endian bytes: element i sits at bit ``i * bits``, so the byte
+stream is the code stream. Each byte becomes its codes' float32 values with one table lookup.
+
+Scale tiles: ``[tr, tc]`` elements share one scale (group: [1, g]; channel: [1, cols]; tensor:
+[rows, cols]; block: [br, bc]); edge tiles are partial. Large FP8 tiles use fp8_decode's
+per-block tables (one lookup per element, fastest); everything else expands the scale along
+the band.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...arrays import Scratch, decode_floats, numpy_storage_dtype
+from ...errors import PlanError
+from ...io.prefetch import prefetched
+from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode
+from ...numeric.fp8_decode import TABLES as FP8_TABLES
+from .schema import DecoderDef
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                dtype=np.float32)
+FP8_TABLE_LIMIT = 1 << 22  # per-block output tables up to this many entries per matrix (16 MB of float32)
+
+
+def code_table(codes: str, bits: int = 8, offset: int = 0, weight_dtype: str | None = None) -> np.ndarray:
+    """[256, k] float32: the values of the k codes each byte holds (k = 8 // bits), in order."""
+    b = np.arange(256)
+    if codes == "fp8":
+        codes = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}.get(weight_dtype or "", "")
+        if not codes:
+            raise PlanError(f"an fp8 decoder cannot read {weight_dtype} weights", rule="dequant")
+    if codes in ("e4m3", "e5m2"):
+        return FP8_TABLES["F8_E4M3" if codes == "e4m3" else "F8_E5M2"].reshape(256, 1)
+    if codes == "e2m1":
+        return np.stack([E2M1[b & 15], E2M1[b >> 4]], axis=1)
+    if codes == "int" and bits == 8:
+        return ((b - 256 * (b >= 128)) if offset == 0 else (b - offset)).astype(np.float32).reshape(256, 1)
+    if codes == "int" and bits == 4:
+        lo, hi = b & 15, b >> 4
+        if offset == 0:  # signed nibbles
+            lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+        else:
+            lo, hi = lo - offset, hi - offset
+        return np.stack([lo, hi], axis=1).astype(np.float32)
+    raise PlanError(f"no decoder for {codes} codes of {bits} bits", rule="dequant")
+
+
+def _e8m0_table(top: float) -> np.ndarray:
+    """float32 value of every E8M0 byte: 2**(e - 127); e = 255 is ``top`` (2**128 is no float32)."""
+    out = np.ldexp(np.float32(1.0), np.arange(255, dtype=np.int32) - 127).astype(np.float32)
+    return np.append(out, np.float32(top))
+
+
+_E8M0_NAN, _E8M0_INF = _e8m0_table(np.nan), _e8m0_table(np.inf)
+
+
+def scale_values(raw: np.ndarray, dtype: str, encoding: str = "float", top: str = "nan") -> np.ndarray:
+    """float32 values of a scale tensor's storage array (exact)."""
+    if encoding == "e8m0" or dtype == "F8_E8M0":
+        nan_top = dtype == "F8_E8M0" or top == "nan"
+        return (_E8M0_NAN if nan_top else _E8M0_INF)[raw.view(np.uint8)]
+    if dtype == "F8_E4M3":
+        return FP8_TABLES["F8_E4M3"][raw.view(np.uint8)]
+    if dtype in ("F32", "BF16", "F16"):
+        return decode_floats(np.ascontiguousarray(raw).tobytes(), dtype).astype(np.float32).reshape(raw.shape)
+    raise PlanError(f"scale dtype {dtype} is not one this decoder reads", rule="dequant")
+
+
+def zero_point_values(raw: np.ndarray, dtype: str, bits: int, offset: int, packed: str, rows: int) -> np.ndarray:
+    """[..., rows, groups] float32 zero points: plain ints, or compressed-tensors' row-packed I32 words."""
+    if packed == "none" or dtype != "I32":
+        return raw.astype(np.float32)
+    per = 32 // bits
+    *lead, words, groups = raw.shape
+    table = code_table("int", bits, offset)  # [256, 8 // bits]
+    vals = table[np.ascontiguousarray(raw).view(np.uint8)]  # [..., words, groups, 4, 8 // bits]
+    vals = vals.reshape(*lead, words, groups, per)
+    vals = np.moveaxis(vals, -1, -2).reshape(*lead, words * per, groups)
+    return np.ascontiguousarray(vals[..., :rows, :])
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """One stored weight's decoding: what every band needs, resolved at plan time."""
+
+    spec: DecoderDef
+    weight_dtype: str
+    shape: tuple[int, ...]  # logical [..., rows, cols]
+    stored_cols: int  # bytes per stored row = stored_cols * itemsize
+    row_bytes: int
+    tile: tuple[int, int]
+    out_dtype: str
+
+    @property
+    def lead(self) -> int:
+        return math.prod(self.shape[:-2])
+
+    @property
+    def rows(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return -(-self.rows // self.tile[0]), -(-self.cols // self.tile[1])
+
+
+class BandDecoder:
+    """Decodes row bands of one weight (``decode``); the scale, global scale and zero point are
+    given whole (they are small) as float32 arrays of shape [lead, gr, gc], [lead] and [lead, gr, gc]."""
+
+    def __init__(self, d: Decoding, scale: np.ndarray, global_scale: np.ndarray | None = None,
+                 zero_point: np.ndarray | None = None, scratch: Scratch | None = None) -> None:
+        if d.out_dtype not in OUT_DTYPES:
+            raise PlanError(f"cannot dequantize to {d.out_dtype}; use one of {', '.join(OUT_DTYPES)}",
+                            rule="dequant-dtype")
+        if sys.byteorder != "little":
+            raise PlanError("packed quantized weights are decoded on little-endian hosts only", rule="dequant")
+        self.d = d
+        s = scale.reshape(d.lead, *d.grid).astype(np.float32, copy=False)
+        if global_scale is not None:
+            g = np.asarray(global_scale, dtype=np.float32).reshape(-1)
+            g = np.broadcast_to(g, (d.lead,)).reshape(d.lead, 1, 1)
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                s = s / g if d.spec.global_scale.op == "divide" else s * g  # float32: one rounding
+        self.scale = np.ascontiguousarray(s, dtype=np.float32)
+        self.zero = None if zero_point is None else zero_point.reshape(d.lead, *d.grid).astype(np.float32)
+        self.table = code_table(d.spec.codes, d.spec.bits, d.spec.offset, d.weight_dtype)
+        self.per_byte = self.table.shape[1]
+        self.items = np.ascontiguousarray(self.table).view({1: np.float32, 2: np.float64}[self.per_byte]).reshape(256)
+        self.step = band_rows(d.cols, d.tile[0])
+        self.scratch = scratch or Scratch()
+        self._fast = None
+        tr, tc = d.tile
+        gr, gc = d.grid
+        if self.per_byte == 1 and self.zero is None and d.spec.codes in ("fp8", "e4m3", "e5m2") \
+                and gr * gc * 256 <= FP8_TABLE_LIMIT and d.stored_cols == d.cols:
+            fmt = "F8_E5M2" if d.weight_dtype == "F8_E5M2" or d.spec.codes == "e5m2" else "F8_E4M3"
+            self._fast = BandDequantizer(fmt, self.scale.reshape(*d.shape[:-2], gr, gc), d.shape, (tr, tc),
+                                         d.out_dtype, scratch=self.scratch)
+            self.step = self._fast.step
+
+    def bands(self) -> Iterator[tuple[int, int, int]]:
+        """(lead, r0, r1) in C order: inside one tile row, or starting on a tile-row boundary."""
+        return bands(self.d.lead, self.d.rows, self.d.tile[0], self.step)
+
+    def decode(self, raw: np.ndarray, lead: int, r0: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Values of stored rows ``r0..r0+n`` of matrix ``lead`` (``raw``: their bytes as uint8 [n, row_bytes])
+        in the output dtype's storage array [n, cols]."""
+        d = self.d
+        n = raw.shape[0]
+        out = np.empty((n, d.cols), dtype=numpy_storage_dtype(d.out_dtype)) if out is None else out
+        if self._fast is not None:
+            return self._fast.dequant(raw, lead, r0, out)
+        per_row = d.row_bytes * self.per_byte
+        # one lookup per byte gives every code it holds: the table's rows read as one item each
+        # (float32, or a float32 pair as 8 bytes), indices widened first (numpy's fast take path)
+        index = self.scratch.take("index", raw.size, np.intp).reshape(raw.shape)
+        np.copyto(index, raw, casting="unsafe")
+        codes = self.scratch.take("codes", n * per_row, np.float32)
+        np.take(self.items, index, out=codes.view(self.items.dtype).reshape(raw.shape), mode="clip")
+        vals = codes.reshape(n, per_row)
+        if per_row != d.cols:  # padding of the last packed word (compressed-tensors pack format)
+            vals = np.ascontiguousarray(vals[:, : d.cols])
+        tr, tc = d.tile
+        if tr == 1:  # a scale row per weight row (group, channel): the whole band at once
+            if self.zero is not None:
+                _tiles(vals, self.zero[lead, r0:r0 + n], tc, np.subtract)
+            _tiles(vals, self.scale[lead, r0:r0 + n], tc, np.multiply)
+        else:
+            a = 0
+            while a < n:  # rows of one tile row share their scales (bands hold whole tile rows or part of one)
+                trow = (r0 + a) // tr
+                b = min(n, (trow + 1) * tr - r0)
+                if self.zero is not None:
+                    _tiles(vals[a:b], self.zero[lead, trow:trow + 1], tc, np.subtract)
+                _tiles(vals[a:b], self.scale[lead, trow:trow + 1], tc, np.multiply)
+                a = b
+        _encode_into(vals, out, d.out_dtype, self.scratch)
+        return out
+
+
+def _tiles(block: np.ndarray, per_tile: np.ndarray, tc: int, op) -> None:
+    """``block[r, c] = op(block[r, c], per_tile[r or 0, c // tc])`` in place (float32)."""
+    rows, cols = block.shape
+    full = cols // tc
+    if full:
+        # a strided 3-D view of the whole tiles (a reshape would copy when a partial tile follows)
+        item = block.itemsize
+        view = np.lib.stride_tricks.as_strided(block, (rows, full, tc), (block.strides[0], tc * item, item))
+        op(view, per_tile[:, :full, None], out=view)
+    if cols % tc:
+        tail = block[:, full * tc:]
+        op(tail, per_tile[:, full:full + 1], out=tail)
+
+
+def _encode_into(vals: np.ndarray, out: np.ndarray, out_dtype: str, scratch: Scratch) -> None:
+    """Round float32 ``vals`` to nearest even into ``out`` (the output dtype's storage), as torch's casts do."""
+    if out_dtype != "BF16":
+        out[...] = encode(vals, out_dtype)
+        return
+    u = vals.view(np.uint32)
+    t = scratch.take("bf16", u.size, np.uint32).reshape(u.shape)
+    np.right_shift(u, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    t += 0x7FFF
+    t += u  # wraps only for negative NaN payloads, fixed below
+    t >>= 16
+    np.copyto(out, t, casting="unsafe")
+    nan = np.isnan(vals)
+    if nan.any():
+        out[nan] = 0xFFFF  # the NaN torch's float32 -> bfloat16 cast writes (fp8_decode.encode)
+
+
+def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
+    """Decode a weight whose stored bytes come from a sequential reader (``read(n)``: the next n bytes),
+    band by band, one worker thread ahead of the consumer. Yields fresh storage arrays."""
+    d = dec.d
+
+    def produce() -> Iterator[np.ndarray]:
+        for li, r0, r1 in dec.bands():
+            n = (r1 - r0) * d.row_bytes
+            data = read(n) if n else b""
+            if len(data) != n:
+                raise PlanError(f"short read: {len(data)} of {n} bytes", rule="dequant")
+            raw = np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, d.row_bytes)
+            yield dec.decode(raw, li, r0)
+
+    return prefetched(produce)
+
+
+def decode_array(d: Decoding, weight: np.ndarray, scale: np.ndarray, global_scale: np.ndarray | None = None,
+                 zero_point: np.ndarray | None = None) -> np.ndarray:
+    """A whole stored weight (any storage dtype, [..., rows, stored_cols]) decoded at once (tests, small tensors)."""
+    dec = BandDecoder(d, scale, global_scale, zero_point)
+    raw = np.ascontiguousarray(weight).view(np.uint8).reshape(d.lead, d.rows, d.row_bytes)
+    out = np.empty((d.lead, d.rows, d.cols), dtype=numpy_storage_dtype(d.out_dtype))
+    for li, r0, r1 in dec.bands():
+        dec.decode(raw[li, r0:r1], li, r0, out[li, r0:r1])
+    return out.reshape(d.shape)

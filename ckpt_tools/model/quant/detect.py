@@ -1,0 +1,228 @@
+"""Which quantization scheme a checkpoint's configuration declares (``detect_scheme``).
+
+Every table's ``declared_in`` places are read; a place matches when its section's fields hold,
+and (for per-group configs) each group is claimed by the table whose ``group_match`` it meets,
+so one compressed-tensors config can mix schemes (an NVFP4 group and an FP8 group). Tables
+whose configuration looks alike are told apart by ``evidence`` tensors (DeepSeek-V4's UE8M0
+``.scale`` next to DeepSeek-V3's ``weight_scale_inv``). A configuration that declares
+quantization that no table describes is an InputError (rule ``quant-unknown``): guessing would
+mis-read every quantized tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import InputError
+from .config import CONFIG, HF_QUANT, QuantFiles, dig, quant_files, section
+from .schema import ConfigDef, FormatDef, SchemeTable
+from .tables import all_schemes
+
+
+@dataclass(frozen=True)
+class Group:
+    """One declared scheme: a config group, a per-module entry, or the whole section ("*")."""
+
+    name: str
+    table: SchemeTable
+    entry: Mapping[str, Any]  # the group / module entry (the section itself for "*")
+    params: Mapping[str, Any]
+    targets: tuple[str, ...] | None = None  # None: every linear module
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """One place (file and section) that declares quantization, with what it declares."""
+
+    where: ConfigDef  # of the table that claimed the section (the first when several share it)
+    file: str
+    path: str
+    section: Mapping[str, Any]
+    groups: tuple[Group, ...] = ()  # per-group schemes, or one "*" group
+    modules: Mapping[str, Group] = field(default_factory=dict)  # per-module entries (ModelOpt MIXED_PRECISION)
+
+    @property
+    def label(self) -> str:
+        return f"{self.file}:{self.path}" if self.path else self.file
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What a checkpoint's configuration declares: the scheme tables involved and where they are declared."""
+
+    declarations: tuple[Declaration, ...]
+    files: Mapping[str, dict]  # the configuration files as read (file name -> object)
+
+    @property
+    def tables(self) -> list[SchemeTable]:
+        seen: dict[str, SchemeTable] = {}
+        for d in self.declarations:
+            for g in (*d.groups, *d.modules.values()):
+                seen.setdefault(g.table.scheme, g.table)
+        return list(seen.values())
+
+    @property
+    def table(self) -> SchemeTable:
+        """The primary scheme (the first declared)."""
+        return self.tables[0]
+
+    @property
+    def name(self) -> str:
+        return "+".join(t.scheme for t in self.tables)
+
+    def formats(self) -> list[tuple[SchemeTable, FormatDef]]:
+        return [(t, f) for t in self.tables for f in t.storage]
+
+    def default_params(self, table: SchemeTable) -> dict[str, Any]:
+        """Params of the first group that uses ``table`` (for modules whose group is not known)."""
+        for d in self.declarations:
+            for g in (*d.groups, *d.modules.values()):
+                if g.table.scheme == table.scheme:
+                    return dict(g.params)
+        return {}
+
+
+def _norm(v: Any) -> Any:
+    return v.lower() if isinstance(v, str) else v
+
+
+def _holds(rules: Mapping[str, list], lookup) -> bool:
+    for key, accepted in rules.items():
+        v = lookup(key)
+        if _norm(v) not in {_norm(a) for a in accepted}:
+            return False
+    return True
+
+
+def _params(where: ConfigDef, *scopes: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, p in where.params.items():
+        value = p.default
+        for key in p.keys:
+            found = next((v for s in scopes if (v := dig(s, key)) is not None), None)
+            if found is not None:
+                value = found
+                break
+        out[name] = value
+    return out
+
+
+def _claim(table: SchemeTable, where: ConfigDef, sec: Mapping[str, Any]) -> tuple[list[Group], dict[str, Group]]:
+    """The groups / module entries of ``sec`` this table describes."""
+    if where.groups:
+        groups = []
+        for gname, g in (dig(sec, where.groups) or {}).items():
+            if not isinstance(g, dict):
+                continue
+
+            def lookup(key, g=g):
+                v = dig(g, key)
+                return dig(sec, key) if v is None else v
+
+            if _holds(where.group_match, lookup):
+                targets = dig(g, where.targets) if where.targets else None
+                groups.append(Group(str(gname), table, g, _params(where, g, sec),
+                                    tuple(targets) if isinstance(targets, list) else None))
+        return groups, {}
+    if where.per_module:
+        modules = {}
+        for mname, m in (dig(sec, where.per_module) or {}).items():
+            if isinstance(m, dict) and _holds(where.module_match, lambda k, m=m: dig(m, k)):
+                modules[str(mname)] = Group(str(mname), table, m, _params(where, m, sec))
+        return [], modules
+    return [Group("*", table, sec, _params(where, sec))], {}
+
+
+def _evidence_holds(table: SchemeTable, tensors: Mapping[str, Any]) -> bool:
+    want = [(e.suffix, set(e.dtypes)) for e in table.evidence]
+    return any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want)
+
+
+def _declared_sections(files: QuantFiles) -> list[str]:
+    """Where the configuration declares some quantization at all (for the unknown-scheme error)."""
+    out = []
+    if section(files, CONFIG, "quantization_config") is not None:
+        out.append(f"{CONFIG}:quantization_config")
+    if HF_QUANT in files:
+        out.append(HF_QUANT)
+    return out
+
+
+def _describe(files: QuantFiles) -> str:
+    sec = section(files, CONFIG, "quantization_config") or {}
+    hq = dig(files.get(HF_QUANT) or {}, "quantization") or {}
+    bits = [f"{k} {v!r}" for k, v in (("quant_method", sec.get("quant_method")), ("format", sec.get("format")),
+                                      ("quant_algo", sec.get("quant_algo") or hq.get("quant_algo")))
+            if v is not None]
+    return ", ".join(bits) or "an unrecognised quantization section"
+
+
+def detect_in(files: QuantFiles, tensors: Mapping[str, Any] | None = None) -> QuantScheme | None:
+    """``detect_scheme`` over configuration files already read (``tensors``: for evidence)."""
+    tables = all_schemes()
+    places: dict[tuple[str, str], list[tuple[SchemeTable, ConfigDef, Mapping]]] = {}
+    for table in tables.values():
+        for where in table.declared_in:
+            sec = section(files, where.file, where.section)
+            if sec is not None and _holds(where.match, lambda k, sec=sec: dig(sec, k)):
+                places.setdefault((where.file, where.section), []).append((table, where, sec))
+    declarations = []
+    for (file, path), claims in places.items():
+        with_evidence = [c for c in claims if c[0].evidence]
+        if with_evidence and tensors is not None:
+            proven = [c for c in with_evidence if _evidence_holds(c[0], tensors)]
+            claims = proven or [c for c in claims if not c[0].evidence]
+        elif with_evidence:
+            claims = [c for c in claims if not c[0].evidence] or claims
+        groups: list[Group] = []
+        modules: dict[str, Group] = {}
+        for table, where, sec in claims:
+            g, m = _claim(table, where, sec)
+            groups += [x for x in g if x.name not in {y.name for y in groups}]
+            for k, v in m.items():
+                modules.setdefault(k, v)
+        sec = claims[0][2]
+        where = claims[0][1]
+        if where.groups:
+            unclaimed = [k for k, v in (dig(sec, where.groups) or {}).items()
+                         if isinstance(v, dict) and k not in {g.name for g in groups}]
+            if unclaimed:
+                g = dig(sec, where.groups)[unclaimed[0]]
+                fmt = g.get("format") or sec.get("format")
+                raise InputError(f"{file}:{path} group {unclaimed[0]!r} (format {fmt!r}, weights "
+                                 f"{_short(g.get('weights'))}) is a quantization scheme no table in "
+                                 "mappings/quantization describes", rule="quant-unknown")
+        if where.per_module:
+            unclaimed = [k for k, v in (dig(sec, where.per_module) or {}).items() if k not in modules]
+            if unclaimed:
+                entry = dig(sec, where.per_module)[unclaimed[0]]
+                raise InputError(f"{file}:{path} {where.per_module}[{unclaimed[0]!r}] declares {_short(entry)}, "
+                                 "a quantization scheme no table in mappings/quantization describes",
+                                 rule="quant-unknown")
+        if groups or modules or where.per_module:
+            declarations.append(Declaration(where, file, path, sec, tuple(groups), modules))
+    if not declarations:
+        declared = _declared_sections(files)
+        if declared:
+            known = ", ".join(sorted(tables))
+            raise InputError(f"{' and '.join(declared)} declare {_describe(files)}, which no quantization scheme "
+                             f"table describes (known: {known}); add one under mappings/quantization",
+                             rule="quant-unknown")
+        return None
+    return QuantScheme(tuple(declarations), dict(files))
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def detect_scheme(ckpt: Any) -> QuantScheme | None:
+    """The quantization scheme ``ckpt``'s configuration declares, or None when it declares none.
+
+    Reads config.json ``quantization_config`` (``text_config`` first) and ``hf_quant_config.json``.
+    InputError (rule ``quant-unknown``) when quantization is declared but no table describes it.
+    """
+    return detect_in(quant_files(ckpt), ckpt.tensors)

@@ -1,0 +1,180 @@
+"""How one linear module is stored in a checkpoint (``module_storage``).
+
+Unquantized (a float ``weight``), quantized in one of the scheme tables' storage formats (the
+weight tensor, its companions, which are missing or wrong), or absent. The checkpoint's own
+scheme is tried first, then every other table, so a module stored in a scheme its configuration
+does not declare is still recognised (and reported as such).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ...dtypes import FLOAT_DTYPES
+from ..expr import ExprError, evaluate
+from .detect import QuantScheme
+from .schema import FormatDef, SchemeTable
+from .tables import all_schemes
+
+StorageState = Literal["unquantized", "quantized", "absent"]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """What module ``module`` is stored as."""
+
+    module: str
+    state: StorageState
+    dtype: str | None = None  # the weight's stored dtype
+    scheme: str | None = None  # the table whose format matched (quantized)
+    format: str | None = None  # that format's name
+    label: str = ""  # e.g. "BF16", "NVFP4 (e2m1, F8_E4M3 scales per 16, global scale)"
+    tensors: Mapping[str, str] = field(default_factory=dict)  # suffix -> key, of the tensors present
+    missing: tuple[str, ...] = ()  # keys of required companions that are absent
+    problems: tuple[str, ...] = ()  # present companions with the wrong dtype or shape
+    shape: tuple[int, ...] | None = None  # the logical weight [..., out, in]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        return self.state == "quantized"
+
+    @property
+    def complete(self) -> bool:
+        return not (self.missing or self.problems)
+
+    def all_keys(self) -> list[str]:
+        """Every tensor the module is stored as (weight first)."""
+        return list(self.tensors.values())
+
+
+def _params(scheme: QuantScheme | None, table: SchemeTable, module: str, fused) -> dict[str, Any]:
+    defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
+    if scheme is None or table.scheme not in {t.scheme for t in scheme.tables}:
+        return defaults
+    groups = [g for d in scheme.declarations for g in (*d.groups, *d.modules.values()) if g.table is table]
+    if len({repr(sorted(g.params.items())) for g in groups}) == 1:
+        return {**defaults, **groups[0].params}  # one parameter set: no need to match the module's names
+    from .declared import declaration
+
+    group = declaration(scheme, None, module, fused).group
+    if group is not None and group.table.scheme == table.scheme:
+        return {**defaults, **group.params}
+    return {**defaults, **scheme.default_params(table)}
+
+
+def _applies(fmt: FormatDef, params: Mapping[str, Any]) -> bool:
+    if fmt.when is None:
+        return True
+    try:
+        return bool(evaluate(fmt.when, dict(params)))
+    except ExprError:
+        return False
+
+
+def _logical_shape(tensors: Mapping[str, Any], module: str, fmt: FormatDef, wref: Any,
+                   shape: tuple[int, ...] | None) -> tuple[int, ...]:
+    """[..., out, in]: given, else from a ``shape`` companion (compressed-tensors weight_shape), else
+    the stored shape with its packed last axis unpacked."""
+    if shape is not None:
+        return tuple(shape)
+    for t in fmt.tensors:
+        ref = tensors.get(f"{module}.{t.suffix}")
+        if t.role == "shape" and ref is not None and ref.dtype in ("I64", "I32") and ref.numel == len(wref.shape):
+            values = [int(v) for v in ref.numpy().reshape(-1)]
+            if all(v >= 0 for v in values):
+                return tuple(values)
+    *lead, cols = wref.shape or (0,)
+    return (*lead, cols * fmt.weight.pack)
+
+
+def scale_grid(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, ...]:
+    """The scale tensor's shape for a logical weight ``shape`` [..., out, in] (lead dims kept)."""
+    *lead, out, cols = shape
+    tile = evaluate(fmt.decoder.scale.granularity, {**params, "rows": out, "cols": cols})
+    if not (isinstance(tile, (list, tuple)) and len(tile) == 2 and all(isinstance(x, int) and x > 0 for x in tile)):
+        raise ExprError(f"granularity {fmt.decoder.scale.granularity!r} gave {tile!r}, not two positive integers")
+    return (*lead, -(-out // tile[0]), -(-cols // tile[1]))
+
+
+def _same_grid(actual: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Equal up to axes of size one: a per-tensor scale is stored as [], [1] or [1, 1], a per-channel
+    one as [out, 1] (compressed-tensors) or [out] (ModelOpt)."""
+    return tuple(d for d in actual if d != 1) == tuple(d for d in want if d != 1)
+
+
+def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: FormatDef, wref: Any,
+           params: Mapping[str, Any], shape: tuple[int, ...] | None) -> Storage:
+    present = {fmt.weight.suffix: wref.key}
+    missing, problems = [], []
+    logical = _logical_shape(tensors, module, fmt, wref, shape)
+    want_cols = -(-logical[-1] // fmt.weight.pack) if logical else None
+    if logical and (tuple(wref.shape[:-1]) != tuple(logical[:-1]) or wref.shape[-1] != want_cols):
+        problems.append(f"{wref.key} has shape {list(wref.shape)}; a {list(logical)} weight packed "
+                        f"{fmt.weight.pack} per element is {[*logical[:-1], want_cols]}")
+    try:
+        grid = scale_grid(fmt, logical, params)
+    except ExprError as e:
+        grid = None
+        problems.append(f"{module}: {e}")
+    lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
+    for t in fmt.tensors:
+        key = f"{module}.{t.suffix}"
+        ref = tensors.get(key)
+        if ref is None:
+            if not t.optional:
+                missing.append(key)
+            continue
+        present[t.suffix] = key
+        if ref.dtype not in t.dtypes:
+            problems.append(f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}")
+        elif t.suffix == fmt.decoder.scale.tensor and grid is not None and not _same_grid(ref.shape, grid):
+            problems.append(f"{key} has shape {list(ref.shape)}, expected {list(grid)} for a {list(logical)} "
+                            f"weight ({fmt.decoder.scale.granularity} tiles)")
+        elif t.role in ("global_scale", "input_scale") and ref.numel not in (1, lead):
+            problems.append(f"{key} has shape {list(ref.shape)}, expected one value")
+    try:
+        label = fmt.label.format_map(dict(params))
+    except (KeyError, ValueError, IndexError):
+        label = fmt.label
+    return Storage(module, "quantized", wref.dtype, table.scheme, fmt.name, label, present, tuple(missing),
+                   tuple(problems), logical, dict(params))
+
+
+def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tuple[int, ...] | None = None,
+                   fused: Any = None) -> Storage:
+    """How ``module`` (a prefix such as ``model.layers.61.eh_proj``, no ``.weight``) is stored.
+
+    ``scheme``: what the checkpoint declares (``detect_scheme``), tried first; ``shape``: the logical
+    weight shape when the caller knows it (the family table does), for the companion checks.
+    ``ckpt`` needs only ``tensors`` (key -> TensorRef).
+    """
+    tensors = ckpt.tensors
+    own = scheme.formats() if scheme is not None else []
+    own_names = {t.scheme for t, _ in own}
+    others = [(t, f) for t in all_schemes().values() if t.scheme not in own_names for f in t.storage]
+    best = None
+    for rank, (table, fmt) in enumerate(own + others):
+        wref = tensors.get(f"{module}.{fmt.weight.suffix}")
+        if wref is None or wref.dtype not in fmt.weight.dtypes:
+            continue
+        params = _params(scheme, table, module, fused)
+        companions = sum(f"{module}.{t.suffix}" in tensors for t in fmt.tensors)
+        key = (table.scheme in own_names, _applies(fmt, params), companions, -rank)
+        if best is None or key > best[0]:
+            best = (key, table, fmt, wref, params)
+    if best is not None:
+        _, table, fmt, wref, params = best
+        return _check(tensors, module, table, fmt, wref, params, shape)
+    wref = tensors.get(f"{module}.weight")
+    if wref is not None and wref.dtype in FLOAT_DTYPES:
+        return Storage(module, "unquantized", wref.dtype, label=wref.dtype, tensors={"weight": wref.key},
+                       shape=tuple(wref.shape))
+    if wref is not None:
+        return Storage(module, "unquantized", wref.dtype, label=wref.dtype, tensors={"weight": wref.key},
+                       problems=(f"{wref.key} is {wref.dtype}, which no quantization scheme table stores",),
+                       shape=tuple(wref.shape))
+    return Storage(module, "absent", label="absent")

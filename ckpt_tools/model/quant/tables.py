@@ -1,0 +1,114 @@
+"""Loading and checking the quantization-scheme tables (``mappings/quantization/*.yaml``).
+
+Tables are checked against ``schema.SchemeTable`` and their expressions against the names they
+may use; an error names the file and the field. Parsed YAML is cached like the architecture
+tables (``tables.cache``, its own entry); the checks run on every load.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ...dtypes import DTYPES
+from ...errors import TableError, UsageError
+from ..expr import ExprError, names_in
+from ..tables import cache
+from ..tables.loader import _parse, mappings_dir
+from .schema import SchemeTable
+
+CACHE_PREFIX = "quant-"
+SHAPE_VARS = frozenset({"rows", "cols"})  # the logical weight matrix, for granularity expressions
+
+
+def quant_dirs() -> list[Path]:
+    """Shipped scheme tables, plus ``CKPT_QUANT_TABLES`` directories (os.pathsep-separated)."""
+    dirs = [mappings_dir() / "quantization"]
+    for extra in os.environ.get("CKPT_QUANT_TABLES", "").split(os.pathsep):
+        if extra.strip():
+            dirs.append(Path(extra))
+    return dirs
+
+
+def _errors(err: ValidationError) -> str:
+    lines = [f"field {'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()[:8]]
+    more = len(err.errors()) - 8
+    return "; ".join(lines + ([f"... and {more} more"] if more > 0 else []))
+
+
+def _check(table: SchemeTable, path: Path) -> None:
+    """Dtypes are safetensors dtypes; expressions use only ``out``, ``in`` and declared params."""
+    known = SHAPE_VARS | table.params
+
+    def expr(text: str | None, where: str) -> None:
+        if text is None:
+            return
+        try:
+            unknown = sorted(names_in(text) - known)
+        except ExprError as e:
+            raise TableError(f"field {where}: {e}", path=str(path)) from None
+        if unknown:
+            raise TableError(f"field {where}: uses {', '.join(unknown)}, not a config param or rows / cols",
+                             path=str(path))
+
+    def dtypes(values: list[str], where: str) -> None:
+        bad = [d for d in values if d not in DTYPES]
+        if bad:
+            raise TableError(f"field {where}: {bad} are not safetensors dtypes", path=str(path))
+
+    for i, d in enumerate(table.declared_in):
+        for j, e in enumerate(d.exclude):
+            if e.field in (d.groups, d.per_module):
+                raise TableError(f"field declared_in[{i}].exclude[{j}].field: {e.field!r} is not a list field",
+                                 path=str(path))
+    for e_i, ev in enumerate(table.evidence):
+        dtypes(ev.dtypes, f"evidence[{e_i}].dtypes")
+    for i, f in enumerate(table.storage):
+        where = f"storage[{i}]"
+        expr(f.when, f"{where}.when")
+        expr(f.decoder.scale.granularity, f"{where}.decoder.scale.granularity")
+        dtypes(f.weight.dtypes, f"{where}.weight.dtypes")
+        for j, t in enumerate(f.tensors):
+            dtypes(t.dtypes, f"{where}.tensors[{j}].dtypes")
+        try:
+            f.label.format_map({k: "" for k in table.params})
+        except (KeyError, ValueError, IndexError) as e:
+            raise TableError(f"field {where}.label: {e!r} is not a config param", path=str(path)) from None
+
+
+def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
+    """Check and build the scheme table in ``path`` (``data``: its parsed YAML, if at hand)."""
+    path = Path(path)
+    data = _parse(path) if data is None else data
+    if not isinstance(data, dict):
+        raise TableError("a scheme table must be a YAML mapping", path=str(path))
+    try:
+        table = SchemeTable.model_validate(data)
+    except ValidationError as e:
+        raise TableError(_errors(e), path=str(path)) from None
+    if table.scheme != path.stem:
+        raise TableError(f"field scheme: {table.scheme!r} must match the file name {path.stem!r}", path=str(path))
+    _check(table, path)
+    return table
+
+
+@lru_cache(maxsize=4)
+def _load(dirs: tuple[Path, ...]) -> dict[str, SchemeTable]:
+    return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
+
+
+def all_schemes() -> dict[str, SchemeTable]:
+    """Every scheme table by name, in file order."""
+    return dict(_load(tuple(quant_dirs())))
+
+
+def get_scheme(name: str) -> SchemeTable:
+    schemes = all_schemes()
+    if name not in schemes:
+        raise UsageError(f"unknown quantization scheme {name!r}; known: {', '.join(sorted(schemes))}",
+                         rule="unknown-scheme")
+    return schemes[name]

@@ -1,0 +1,207 @@
+"""Loading, checking and selecting architecture tables."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ...errors import InputError, TableError, UsageError
+from ...io.config import ConfigView
+from ..expr import ExprError, names_in, template_names
+from . import cache
+from .resolve import typed_value
+from .schema import Table
+
+_UNPARSED = object()
+# i: MTP depth, l: trunk layer, j / item: position and element of a repeated MTP sub-block
+LOOP_VARS = frozenset({"i", "l", "j", "item"})
+
+
+def safe_loader():
+    """libyaml's safe loader when available: same safety, ~10x faster than the pure-Python one. yaml is
+    imported on first use: with the parsed tables cached, most runs never need it (7 ms of start-up)."""
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def mappings_dir() -> Path:
+    """The shipped tables: ``mappings/`` of a source checkout, or the copy inside the wheel."""
+    here = Path(__file__).resolve().parents[2]  # the ckpt_tools package
+    for candidate in (here.parent / "mappings", here / "mappings"):
+        if (candidate / "architectures").is_dir():
+            return candidate
+    raise TableError("cannot find the mappings/ directory shipped with ckpt-tools")
+
+
+def table_dirs() -> list[Path]:
+    """Shipped tables (families with MTP, then ``kind: template`` tables for families without it, used
+    by ``init-draft``), plus user directories from ``CKPT_TABLES`` (os.pathsep-separated)."""
+    dirs = [mappings_dir() / "architectures", mappings_dir() / "templates"]
+    for extra in os.environ.get("CKPT_TABLES", "").split(os.pathsep):
+        if extra.strip():
+            dirs.append(Path(extra))
+    return dirs
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors()[:8]:
+        loc = ".".join(str(x) for x in e["loc"] if not isinstance(x, int) or True)
+        lines.append(f"field {loc}: {e['msg']}")
+    more = len(err.errors()) - 8
+    if more > 0:
+        lines.append(f"... and {more} more")
+    return "; ".join(lines)
+
+
+def _check_names(table: Table, path: Path) -> None:
+    """Every expression may only use declared config variables and the loop indices."""
+    known = set(table.config) | LOOP_VARS | set(table.mtp.layer_vars)
+    for name, var in table.config.items():
+        if var.default is not None:
+            try:
+                typed_value(var.kind, var.default)
+            except ValueError as e:
+                raise TableError(f"field config.{name}.default: {var.default!r} is not of type {var.kind} ({e})",
+                                 path=str(path)) from None
+
+    def check(text, where: str, template: bool = False) -> None:
+        if not isinstance(text, str):
+            return
+        try:
+            used = template_names(text) if template else names_in(text)
+        except ExprError as e:
+            raise TableError(f"field {where}: {e}", path=str(path)) from None
+        unknown = sorted(used - known)
+        if unknown:
+            raise TableError(
+                f"field {where}: uses {', '.join(unknown)}, not declared under 'config'", path=str(path)
+            )
+
+    def check_tensor(t, where):
+        check(t.key, f"{where}.key", template=True)
+        for j, d in enumerate(t.shape):
+            check(d, f"{where}.shape[{j}]")
+        check(t.when, f"{where}.when")
+
+    for name, t in table.shared.items():
+        check_tensor(t, f"shared.{name}")
+    for pname, items in table.parts.items():
+        for j, it in enumerate(items):
+            if it.tensor is not None:
+                check_tensor(it.tensor, f"parts.{pname}[{j}]")
+            else:
+                ex = it.experts
+                for fld in ("count", "hidden", "inter", "when"):
+                    check(getattr(ex, fld), f"parts.{pname}[{j}].experts.{fld}")
+    check(table.trunk.prefix, "trunk.prefix", template=True)
+    check(table.trunk.count, "trunk.count")
+    for ref in table.trunk.parts:
+        if ref.part not in table.parts:
+            raise TableError(f"field trunk.parts: unknown part {ref.part!r}", path=str(path))
+        check(ref.when, "trunk.parts.when")
+    m = table.mtp
+    check(m.count, "mtp.count")
+    check(m.prefix, "mtp.prefix", template=True)
+    for name, expr in m.layer_vars.items():
+        check(expr, f"mtp.layer_vars.{name}")
+    for role, t in m.glue.items():
+        check_tensor(t, f"mtp.glue.{role}")
+    for j, b in enumerate(m.blocks):
+        check(b.prefix, f"mtp.blocks[{j}].prefix", template=True)
+        check(b.repeat, f"mtp.blocks[{j}].repeat")
+        for ref in b.parts:
+            if ref.part not in table.parts:
+                raise TableError(f"field mtp.blocks[{j}].parts: unknown part {ref.part!r}", path=str(path))
+            check(ref.when, f"mtp.blocks[{j}].parts.when")
+    if m.count_field is not None and m.count_field not in table.config:
+        raise TableError(f"field mtp.count_field: {m.count_field!r} is not a config variable", path=str(path))
+
+
+def _parse(path: Path) -> Any:
+    """The YAML data of a table file (any kind: architectures, formats, quantization schemes)."""
+    import yaml
+
+    try:
+        return yaml.load(path.read_text(), Loader=safe_loader())  # noqa: S506 - (C)SafeLoader
+    except yaml.YAMLError as e:
+        raise TableError(f"not valid YAML: {e}", path=str(path)) from None
+    except OSError as e:
+        raise TableError(f"cannot read: {e.strerror}", path=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise TableError(f"not UTF-8 text: {e}", path=str(path)) from None
+
+
+def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
+    """Check and build the table in ``path`` (``data``: its already parsed YAML, if at hand)."""
+    path = Path(path)
+    if data is _UNPARSED:
+        data = _parse(path)
+    if not isinstance(data, dict):
+        raise TableError("a table must be a YAML mapping", path=str(path))
+    try:
+        table = Table.model_validate(data)
+    except ValidationError as e:
+        raise TableError(_format_validation_error(path, e), path=str(path)) from None
+    if table.family != path.stem:
+        raise TableError(f"field family: {table.family!r} must match the file name {path.stem!r}", path=str(path))
+    _check_names(table, path)
+    return table
+
+
+@lru_cache(maxsize=8)
+def _load_dirs(dirs: tuple[Path, ...]) -> dict[str, Table]:
+    return cache.load_tables(dirs, _parse, load_table, lambda t: t.family)
+
+
+def all_tables() -> dict[str, Table]:
+    return dict(_load_dirs(tuple(table_dirs())))
+
+
+def get_table(name: str) -> Table:
+    """The table a user named (``--arch``, ``--family``): an unknown name is a usage error (exit 2)."""
+    tables = all_tables()
+    if name not in tables:
+        raise UsageError(f"unknown family {name!r}; known: {', '.join(sorted(tables))}", rule="unknown-family")
+    return tables[name]
+
+
+def detect_table(config: ConfigView, tables: dict[str, Table] | None = None) -> Table:
+    """Pick the table whose architectures (else model_type) match the config.
+
+    Among tables matching the same architecture, the first whose required config
+    variables are all present wins (e.g. a dense and a MoE variant that share a model
+    type family but differ in config fields).
+    """
+    tables = all_tables() if tables is None else tables
+    archs = config.architectures()
+    types = config.model_types()
+    candidates = [t for t in tables.values() if set(t.detect.architectures) & set(archs)]
+    if not candidates:
+        candidates = [t for t in tables.values() if set(t.detect.model_types) & set(types)]
+    if len(candidates) > 1:
+        fitting = [t for t in candidates if _fits(t, config)]
+        candidates = fitting or candidates
+    if not candidates:
+        known = ", ".join(sorted(tables))
+        raise InputError(
+            f"no table matches architectures {archs or '-'} / model_type {types or '-'}. Known families: {known}. "
+            "Pass --arch NAME, or add a table (see README 'Adding a family'); `ckpt inspect --discover` drafts one.",
+            rule="unknown-family",
+        )
+    if len(candidates) > 1:
+        names = ", ".join(t.family for t in candidates)
+        raise InputError(f"several tables match this config ({names}); pass --arch NAME", rule="ambiguous-family")
+    return candidates[0]
+
+
+def _fits(table: Table, config: ConfigView) -> bool:
+    for v in table.config.values():
+        if v.required and v.default is None and not any(config.has(k) for k in v.keys):
+            return False
+    return True

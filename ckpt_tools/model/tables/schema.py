@@ -1,0 +1,229 @@
+"""The schema every architecture table must satisfy (validated on load).
+
+A table is data: where a family keeps its MTP layers, what each tensor is, how
+experts are laid out, which norm convention and quantization apply. Key and shape
+fields are expressions over the table's declared config variables (see expr.py).
+"""
+
+# No `from __future__ import annotations` here: with it pydantic compiles and evaluates every field's
+# annotation from its text when the module loads, a tenth of this module's start-up cost.
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GLUE_ROLES = (
+    "embed_norm",  # norm on the token embedding
+    "hidden_norm",  # norm on the previous hidden state
+    "fusion",  # [H, 2H] projection of the concatenated pair
+    "fusion_embed",  # [H, H] embedding half, for families with two projections
+    "fusion_hidden",  # [H, H] hidden half
+    "final_norm",  # norm before the (shared or own) head
+    "embed",  # per-layer copy of the token embedding
+    "head",  # per-layer copy (or own) LM head
+)
+
+TENSOR_KINDS = ("linear", "norm", "bias", "embedding", "router", "other")
+EXPERT_LAYOUTS = ("per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+VAR_TYPES = ("count", "int", "number", "bool", "str", "list", "seq", "any")
+_DEFAULT_TYPES = ((bool, "bool"), (int, "count"), (float, "number"), (str, "str"), (list, "list"))
+
+
+class VarDef(_Strict):
+    """Where a config variable comes from: the first of ``keys`` present wins.
+
+    Dotted keys reach into nested objects (``mtp_config.num_nextn_predict_layers``);
+    every key is looked up in ``text_config`` first, then at the top level.
+
+    ``type`` is what the config value must be before any expression sees it: ``count`` (a
+    non-negative integer: every dimension and count), ``int``, ``number`` (finite), ``bool``, ``str``,
+    ``list`` (of scalars), ``seq`` (a string or such a list) or ``any``. When a table leaves it
+    out, the default's type decides (``false`` -> bool, ``0`` -> count, ``[]`` -> list, ...), and
+    a variable without a default is a count.
+    """
+
+    keys: list[str]
+    default: int | float | bool | str | list | None = None
+    required: bool = True
+    type: Literal["count", "int", "number", "bool", "str", "list", "seq", "any"] | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.type is not None:
+            return self.type
+        for py, name in _DEFAULT_TYPES:
+            if isinstance(self.default, py):
+                return name
+        return "count"
+
+
+class TensorDef(_Strict):
+    key: str
+    shape: list[int | str]
+    kind: Literal["linear", "norm", "bias", "embedding", "router", "other"] = "linear"
+    dtype: str | None = None  # stored dtype when it differs from the model's (e.g. F32 router bias)
+    quant: bool = False  # block-quantized (FP8) in quantized releases
+    optional: bool = False  # some releases ship it, some do not
+    when: str | None = None  # condition over config variables
+    tag: str | None = None  # canonical sub-role used by draft formats (router, shared_up_proj, ...)
+    copy_of: str | None = None  # per-layer copy of a shared tensor (embed / head)
+    init: Literal["normal", "zeros", "ones", "copy"] | None = None
+
+
+class ExpertsDef(_Strict):
+    prefix: str  # key prefix of the expert group, e.g. ``mlp.experts``
+    count: str | int
+    hidden: str | int
+    inter: str | int
+    layout: Literal["per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed"] = "per-expert"
+    gated: bool = True
+    interleaved: bool = False  # fused-transposed only: gate/up columns alternate (gpt-oss)
+    up_first: bool = False  # fused layouts: up block before gate block
+    names: dict[str, str] | None = None  # layout-specific key templates overriding the defaults
+    quant: bool = False
+    when: str | None = None
+
+
+class PartItem(_Strict):
+    """One entry of a block part: a tensor, or a group of routed experts."""
+
+    tensor: TensorDef | None = None
+    experts: ExpertsDef | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.tensor is None) == (self.experts is None):
+            raise ValueError("a part item is either a tensor or an experts group")
+        return self
+
+
+class PartRef(_Strict):
+    part: str
+    when: str | None = None
+
+
+class BlockDef(_Strict):
+    """A decoder block (or one sub-block of an MTP step) built from named parts.
+
+    ``repeat`` (an expression giving a string or a list, e.g. a hybrid pattern such as
+    ``"*E"``) instantiates the block once per element, in order: the prefix, the parts'
+    ``when`` conditions and the tensors may then use ``j`` (the element's position) and
+    ``item`` (the element itself), e.g. ``when: "item == 'E'"``.
+    """
+
+    prefix: str = ""  # relative to the MTP layer prefix; a leading '/' makes it absolute
+    parts: list[PartRef]
+    repeat: str | None = None
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _strings(cls, v):
+        return [{"part": p} if isinstance(p, str) else p for p in v]
+
+
+class TrunkDef(_Strict):
+    prefix: str  # template with {l}
+    count: str
+    parts: list[PartRef]
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _strings(cls, v):
+        return [{"part": p} if isinstance(p, str) else p for p in v]
+
+
+class MtpDef(_Strict):
+    count: str  # expression giving the number of MTP layers (depths)
+    prefix: str  # template with {i}: where MTP layer i lives
+    concat_order: Literal["embed_first", "hidden_first"] = "embed_first"
+    glue: dict[str, TensorDef]  # role -> tensor; keys relative to prefix, '/' = from the root
+    blocks: list[BlockDef]
+    layer_vars: dict[str, str] = Field(default_factory=dict)  # extra per-depth variables (exprs over i)
+    count_field: str | None = None  # config variable to patch when MTP is dropped or added
+
+    @field_validator("glue")
+    @classmethod
+    def _roles(cls, v):
+        bad = sorted(set(v) - set(GLUE_ROLES))
+        if bad:
+            raise ValueError(f"unknown glue role(s) {bad}; known: {list(GLUE_ROLES)}")
+        return v
+
+
+class DetectDef(_Strict):
+    architectures: list[str] = Field(default_factory=list)
+    model_types: list[str] = Field(default_factory=list)
+
+
+class QuantDef(_Strict):
+    method: Literal["fp8-block"] = "fp8-block"
+    block: list[int] = Field(default_factory=lambda: [128, 128])
+    scale_suffix: str = "weight_scale_inv"
+
+
+class Table(_Strict):
+    family: str
+    title: str
+    kind: Literal["mtp", "template"] = "mtp"  # template: a family without native MTP (init-draft only)
+    notes: str | None = None
+    detect: DetectDef
+    config: dict[str, VarDef]
+    norm: Literal["plain", "zero_centred"] = "plain"
+    dtype: str = "BF16"  # default stored dtype when the config names none
+    quantization: QuantDef | None = None
+    # Draft architectures the serving engines use for this family, e.g.
+    # {sglang_nextn: <Arch>ForCausalLMNextN, vllm_mtp: <Arch>MTPModel}
+    engines: dict[str, str] = Field(default_factory=dict)
+    # Layers the serving engines build from several checkpoint modules (vLLM packed_modules_mapping /
+    # SGLang stacked_params_mapping): fused name -> the module names it packs, e.g. {qkv_proj: [q_proj,
+    # k_proj, v_proj]}. Quantization exclusions must name both spellings (ckpt_tools.model.quant.audit).
+    fused_modules: dict[str, list[str]] = Field(default_factory=dict)
+    demo: bool = False  # the family `ckpt demo` builds when --family is not given
+    shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
+    parts: dict[str, list[PartItem]]
+    trunk: TrunkDef
+    mtp: MtpDef
+    # A tiny but structurally faithful config.json for this family, used by the fixture
+    # generator (ckpt_tools.testing) and the demo. Real key names, tiny dimensions.
+    fixture: dict = Field(default_factory=dict)
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _vars(cls, v):
+        out = {}
+        for name, d in (v or {}).items():
+            if isinstance(d, str):
+                d = {"keys": [d]}
+            elif isinstance(d, list):
+                d = {"keys": d}
+            out[name] = d
+        return out
+
+    @field_validator("fused_modules")
+    @classmethod
+    def _fused(cls, v):
+        for name, shards in v.items():
+            if len(shards) < 2 or len(set(shards)) != len(shards) or name in shards:
+                raise ValueError(f"fused module {name!r} needs two or more distinct shard names, not itself")
+        return v
+
+    @field_validator("parts", mode="before")
+    @classmethod
+    def _items(cls, v):
+        out = {}
+        for name, items in (v or {}).items():
+            conv = []
+            for it in items:
+                if isinstance(it, dict) and "experts" in it:
+                    conv.append({"experts": it["experts"]})
+                elif isinstance(it, dict) and "tensor" not in it:
+                    conv.append({"tensor": it})
+                else:
+                    conv.append(it)
+            out[name] = conv
+        return out

@@ -1,0 +1,1 @@
+"""Numeric formats: FP8 block quantization, transforms of tensor values, initial values."""

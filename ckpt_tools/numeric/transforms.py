@@ -1,0 +1,327 @@
+"""Arithmetic on planned tensors, streamed in bands: casts, FP8 dequantization, half swaps,
+column-wise joins and splits.
+
+Each function takes an ``OutputTensor`` (whatever its recipe: byte copies or a
+computation) and returns a new one whose recipe reads the input recipe's bytes band by
+band along the first axis, so memory stays bounded by one band, never a whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from ..arrays import as_bytes, bytes_to_numpy, bytes_to_torch, torch_threads
+from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, SCALE_DTYPES
+from ..errors import PlanError
+from ..io.safetensors_io import read_bytes
+from ..stream.plan import Compute, CopyBytes, OutputTensor, Recipe
+
+BAND_BYTES = 16 << 20  # target size of one band of input
+TORCH_OPS = frozenset({"cast", "quantize", "quantize-scale"})  # the recipes below that compute with torch
+
+
+class RecipeReader:
+    """Reads the bytes a recipe produces, in whatever sizes the caller asks for."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self._segments = list(recipe.segments) if isinstance(recipe, CopyBytes) else None
+        self._seg_i = 0
+        self._seg_pos = 0
+        self._pieces = None if self._segments is not None else iter(recipe.produce())
+        self._pending = memoryview(b"")
+
+    def read(self, n: int) -> bytearray:
+        out = bytearray()
+        while len(out) < n:
+            if self._segments is not None:
+                if self._seg_i >= len(self._segments):
+                    break
+                seg = self._segments[self._seg_i]
+                k = min(n - len(out), seg.length - self._seg_pos)
+                out += read_bytes(seg.source, seg.offset + self._seg_pos, k)
+                self._seg_pos += k
+                if self._seg_pos == seg.length:
+                    self._seg_i += 1
+                    self._seg_pos = 0
+            else:
+                if not len(self._pending):
+                    piece = next(self._pieces, None)
+                    if piece is None:
+                        break
+                    self._pending = as_bytes(piece)
+                    continue
+                k = min(n - len(out), len(self._pending))
+                out += self._pending[:k]
+                self._pending = self._pending[k:]
+        return out
+
+
+def recipe_bytes(recipe: Recipe, chunk: int) -> Iterator[bytearray]:
+    """The bytes a recipe produces, cut into chunks of ``chunk`` bytes (the last may be short)."""
+    reader = RecipeReader(recipe)
+    while True:
+        buf = reader.read(chunk)
+        if not buf:
+            return
+        yield buf
+
+
+def _rows_per_band(t: OutputTensor, multiple: int = 1) -> int:
+    rows = t.shape[0] if t.shape else 1
+    row_bytes = max(1, t.nbytes // max(rows, 1))
+    n = max(1, BAND_BYTES // row_bytes)
+    n = max(multiple, n // multiple * multiple)
+    return min(rows, n) if rows else 1
+
+
+def _row_bytes(t: OutputTensor) -> int:
+    return t.nbytes // t.shape[0] if t.shape and t.shape[0] else t.nbytes
+
+
+def cast(t: OutputTensor, dtype: str) -> OutputTensor:
+    """``t`` converted to another float dtype (round to nearest even, as torch does)."""
+    if t.dtype == dtype:
+        return t
+    if t.dtype in FP8_DTYPES or dtype in FP8_DTYPES:
+        raise PlanError(f"{t.key}: casting {t.dtype} to {dtype} needs block scales; use --dequant", rule="fp8-cast")
+    if t.dtype not in ("F16", "BF16", "F32", "F64") or dtype not in ("F16", "BF16", "F32", "F64"):
+        raise PlanError(f"{t.key}: cannot cast {t.dtype} to {dtype}", rule="cast")
+    src = t
+
+    def produce():
+        from ..dtypes import torch_dtype
+
+        band = _rows_per_band(src)
+        rb = _row_bytes(src)
+        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
+            for buf in recipe_bytes(src.recipe, band * rb if src.shape else src.nbytes):
+                n = len(buf) // DTYPES[src.dtype].nbytes(1)
+                yield bytes_to_torch(buf, src.dtype, (n,)).to(torch_dtype(dtype))
+
+    return OutputTensor(t.key, dtype, t.shape, Compute(produce, "cast", _inputs(t), {"from": t.dtype, "to": dtype}),
+                        t.shard, dict(t.meta))
+
+
+def swap_halves(t: OutputTensor) -> OutputTensor:
+    """Exchange the two halves of the last axis: ``[A | B] -> [B | A]`` (fusion input order)."""
+    if not t.shape or t.shape[-1] % 2:
+        raise PlanError(f"{t.key}: cannot swap halves of shape {list(t.shape)}", rule="concat-order")
+    src = t
+
+    def produce():
+        band = _rows_per_band(src)
+        rb = _row_bytes(src)
+        width = src.shape[-1]
+        for buf in recipe_bytes(src.recipe, band * rb):
+            a = bytes_to_numpy(buf, src.dtype, (-1, width))
+            half = width // 2
+            out = a.copy()
+            out[:, :half] = a[:, half:]
+            out[:, half:] = a[:, :half]
+            yield out
+
+    return OutputTensor(t.key, t.dtype, t.shape, Compute(produce, "swap-halves", _inputs(t)), t.shard, dict(t.meta))
+
+
+def _column_layout(shapes: list[tuple[int, ...]], dtype: str, what: str) -> tuple[tuple[int, ...], list[int]]:
+    """Leading dims shared by every piece, and each piece's row width in bytes."""
+    if not shapes or any(len(s) < 1 for s in shapes) or len({s[:-1] for s in shapes}) != 1:
+        raise PlanError(f"{what}: pieces {[list(s) for s in shapes]} do not share their leading dimensions",
+                        rule="concat-columns")
+    widths = [DTYPES[dtype].nbytes(s[-1]) for s in shapes]
+    if any(w <= 0 or s[-1] * DTYPES[dtype].bits % 8 for s, w in zip(shapes, widths, strict=True)):
+        raise PlanError(f"{what}: columns must be whole bytes, got {[list(s) for s in shapes]} of {dtype}",
+                        rule="concat-columns")
+    return shapes[0][:-1], widths
+
+
+def _bands_of_rows(lead: tuple[int, ...], row_bytes: int) -> Iterator[int]:
+    """Row counts of successive bands covering every row (rows = product of the leading dims)."""
+    rows = math.prod(lead)
+    per = max(1, BAND_BYTES // max(row_bytes, 1))
+    done = 0
+    while done < rows:
+        n = min(per, rows - done)
+        yield n
+        done += n
+
+
+def concat_columns(parts: list[OutputTensor], key: str) -> OutputTensor:
+    """``[A | B | ...]`` along the last axis: every part's row r, side by side (pure byte moves).
+
+    The inverse of ``split_columns``; used where a format holds one ``[H, 2H]`` projection and
+    the family stores its two ``[H, H]`` halves separately.
+    """
+    dtypes = {t.dtype for t in parts}
+    if len(dtypes) != 1:
+        raise PlanError(f"{key}: cannot join columns of different dtypes {sorted(dtypes)}", rule="concat-columns")
+    dtype = dtypes.pop()
+    lead, widths = _column_layout([tuple(t.shape) for t in parts], dtype, key)
+    shape = (*lead, sum(t.shape[-1] for t in parts))
+    srcs = list(parts)
+
+    def produce():
+        import numpy as np
+
+        readers = [RecipeReader(t.recipe) for t in srcs]
+        for n in _bands_of_rows(lead, sum(widths)):
+            pieces = [np.frombuffer(r.read(n * w), dtype=np.uint8).reshape(n, w)
+                      for r, w in zip(readers, widths, strict=True)]
+            yield np.ascontiguousarray(np.concatenate(pieces, axis=1))
+
+    inputs = [k for t in parts for k in _inputs(t)]
+    meta = {"source": inputs, "joined_columns": [t.key for t in parts]}
+    return OutputTensor(key, dtype, shape, Compute(produce, "concat-columns", inputs), parts[0].shard, meta)
+
+
+def split_columns(t: OutputTensor, pieces: list[tuple[str, int]]) -> list[OutputTensor]:
+    """``t`` cut along its last axis into ``(key, width)`` pieces, in order (inverse of ``concat_columns``)."""
+    if not t.shape or sum(w for _, w in pieces) != t.shape[-1]:
+        raise PlanError(f"{t.key}: shape {list(t.shape)} does not split into widths {[w for _, w in pieces]}",
+                        rule="concat-columns")
+    lead, widths = _column_layout([(*t.shape[:-1], w) for _, w in pieces], t.dtype, t.key)
+    total = sum(widths)
+    offsets = [sum(widths[:k]) for k in range(len(widths))]
+    src = t
+    out = []
+    for (key, width), off, wb in zip(pieces, offsets, widths, strict=True):
+        def produce(off=off, wb=wb):
+            import numpy as np
+
+            reader = RecipeReader(src.recipe)
+            for n in _bands_of_rows(lead, total):
+                band = np.frombuffer(reader.read(n * total), dtype=np.uint8).reshape(n, total)
+                yield np.ascontiguousarray(band[:, off:off + wb])
+
+        out.append(OutputTensor(key, t.dtype, (*lead, width), Compute(produce, "split-columns", _inputs(t),
+                                                                     {"columns": [off, off + wb]}),
+                                t.shard, dict(t.meta)))
+    return out
+
+
+def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[int, int]) -> OutputTensor:
+    """FP8 block-quantized ``w`` times its ``scale`` grid, as ``dtype``; bands of whole tile rows."""
+    from . import fp8_decode
+
+    if w.dtype not in FP8_DTYPES or len(w.shape) < 2:
+        raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
+    if dtype not in fp8_decode.OUT_DTYPES:
+        raise PlanError(f"{w.key}: cannot dequantize to {dtype}; use one of {', '.join(fp8_decode.OUT_DTYPES)}",
+                        rule="dequant-dtype")
+    if scale.dtype not in SCALE_DTYPES:
+        raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
+                        f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
+    fp8_decode.check_grid(w.shape, scale.shape, block, f"{scale.key} of {w.key}: ")
+    src, sc = w, scale
+
+    def produce():
+        raw = bytes_to_numpy(bytearray(b"".join(recipe_bytes(sc.recipe, max(sc.nbytes, 1)))), sc.dtype, sc.shape)
+        # banded, one worker thread ahead of the writer; numpy only (no torch import)
+        yield from fp8_decode.dequant_stream(RecipeReader(src.recipe).read, tuple(src.shape), src.dtype,
+                                             fp8_decode.scale_to_f32(raw, sc.dtype), dtype, block)
+
+    meta = dict(w.meta)
+    meta["dequantized_from"] = {"dtype": w.dtype, "scale": scale.key, "block": list(block)}
+    return OutputTensor(w.key, dtype, w.shape, Compute(produce, "dequant", _inputs(w) + _inputs(scale)), w.shard, meta)
+
+
+def _inputs(t: OutputTensor) -> list[str]:
+    r = t.recipe
+    if isinstance(r, Compute):
+        return list(r.inputs)
+    return list(t.meta.get("source", [])) or [t.key]
+
+
+def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str,
+               pow2: bool = False) -> tuple[OutputTensor, OutputTensor]:
+    """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its F32 ``weight_scale_inv`` grid.
+
+    The two recipes share one ``_ScaleGrid``: the grid is computed once, by whichever recipe runs
+    first (the writer puts F32 scales before F8 weights in a shard), and the weights are then divided
+    by it. Both walk ``t`` in bands of one block row (of one matrix of a stack), so memory stays at
+    one band and the grid (one float per block).
+    """
+    if t.dtype not in FLOAT_DTYPES or len(t.shape) < 2:
+        raise PlanError(f"{t.key}: cannot quantize {t.dtype} {list(t.shape)} to FP8", rule="fp8-dtype")
+    *lead_dims, rows, cols = t.shape
+    grid = (*lead_dims, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    shared = _ScaleGrid(t, block, pow2)
+
+    def weights():
+        from . import fp8
+
+        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
+            for values, scale in shared.bands():
+                yield fp8.quantize_with(values, scale, block)
+
+    def scales():
+        yield shared.grid()
+
+    meta = dict(t.meta, quantized={"block": list(block), **({"scale_fmt": "ue8m0"} if pow2 else {})})
+    w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", _inputs(t)), t.shard, meta)
+    s = OutputTensor(scale_key, "F32", grid, Compute(scales, "quantize-scale", _inputs(t)), t.shard,
+                     {"role": "scale", "source": _inputs(t)})
+    return w, s
+
+
+class _ScaleGrid:
+    """The block scales of one tensor being re-quantized, shared by its weight and scale recipes.
+
+    The first pass over the values (either recipe's) computes each block row's scales and keeps
+    them; the other recipe reuses them, so a block's amax is taken once per run and the weights are
+    divided by exactly the scales written. Held until both recipes have their bytes, then dropped
+    (a recipe run again recomputes it: the same bytes).
+    """
+
+    def __init__(self, src: OutputTensor, block: tuple[int, int], pow2: bool) -> None:
+        self.src, self.block, self.pow2 = src, block, pow2
+        self._grid = None  # float32 [lead, gr, gc] once a pass has completed
+        self._served: set[str] = set()
+
+    def bands(self):
+        """The weight recipe's pass: (float32 values [n, cols], their scale row [1, gc]) per block row,
+        in C order. The values are scratch (the consumer divides them in place)."""
+        yield from self._pass()
+        self._serve("weights")
+
+    def grid(self):
+        """The scale recipe's bytes: the whole grid, float32 ``[*lead, gr, gc]`` (an amax-only pass when
+        the weights have not run yet)."""
+        if self._grid is None:
+            for _ in self._pass():
+                pass
+        grid = self._grid
+        self._serve("scales")
+        return grid.reshape(*self.src.shape[:-2], *grid.shape[-2:])
+
+    def _pass(self):
+        import torch
+
+        from . import fp8
+
+        *lead_dims, rows, cols = self.src.shape
+        (br, bc), lead = self.block, math.prod(lead_dims)
+        known, computed = self._grid, []
+        reader = RecipeReader(self.src.recipe)
+        item = DTYPES[self.src.dtype].nbytes(1)
+        with torch_threads(load=True):  # one thread for the whole pass (not switched per band)
+            for li in range(lead):
+                for r in range(0, rows, br):
+                    n = min(br, rows - r)
+                    values = bytes_to_torch(reader.read(n * cols * item), self.src.dtype, (n, cols)).float()
+                    if known is not None:
+                        scale = known[li, r // br : r // br + 1]
+                    else:
+                        where = f"{self.src.key} ({f'matrix {li}, ' if lead_dims else ''}rows {r}..{r + n})"
+                        scale = fp8.block_scales(values, self.block, pow2=self.pow2, where=where)
+                        computed.append(scale)
+                    yield values, scale
+        if known is None:
+            gc = math.ceil(cols / bc)
+            self._grid = (torch.cat(computed) if computed else torch.empty((0, gc))).reshape(lead, -(-rows // br), gc)
+
+    def _serve(self, recipe: str) -> None:
+        self._served.add(recipe)
+        if len(self._served) == 2:  # both recipes have their bytes: nothing asks again within this run
+            self._grid, self._served = None, set()

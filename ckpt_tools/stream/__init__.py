@@ -1,0 +1,1 @@
+"""Plan -> bytes: the output plan, the writer that executes it, and its output targets."""

