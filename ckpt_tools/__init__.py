@@ -1,3 +1,36 @@
-"""ckpt-tools: exact, streaming surgery on Hugging Face checkpoints around MTP layers."""
+"""ckpt-tools: exact, streaming surgery on Hugging Face checkpoints around MTP layers.
+
+The verbs are functions (``from ckpt_tools import extract, stitch, ...``; see ``ckpt_tools.api``) and
+the exceptions they raise are importable from here. Nothing heavy is imported until a verb runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import CheckFailed, CkptError, InputError, OutputError, UsageError
 
 __version__ = "0.1.0"
+
+_VERBS = (
+    "diff",
+    "extract",
+    "fuse_experts",
+    "graft",
+    "init_draft",
+    "inspect",
+    "probe",
+    "push",
+    "stitch",
+    "unfuse_experts",
+    "validate",
+)
+__all__ = [*_VERBS, "CheckFailed", "CkptError", "InputError", "OutputError", "UsageError", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VERBS:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

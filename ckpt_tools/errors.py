@@ -24,9 +24,11 @@ class CkptError(Exception):
 
     exit_code = EXIT_INPUT
 
-    def __init__(self, message: str, *, rule: str | None = None, path: str | None = None) -> None:
+    def __init__(self, message: str, *, rule: str | None = None, path: str | None = None,
+                 key: str | None = None) -> None:
         self.rule = rule
         self.path = path
+        self.key = key  # the tensor key the failure is about, when there is one
         self.message = message  # without the "path: [rule]" prefix
         parts = []
         if path:
@@ -35,6 +37,17 @@ class CkptError(Exception):
             parts.append(f"[{rule}]")
         parts.append(message)
         super().__init__(": ".join(parts) if path else " ".join(parts))
+
+
+class CheckFailed(CkptError):
+    """The command ran and measured, and what it measured fails its check (validate's problems, diff's
+    differences, probe's greedy mismatch or acceptance below --min-acceptance). ``report`` holds the result."""
+
+    exit_code = EXIT_FOUND
+
+    def __init__(self, message: str, *, report: object = None, **where: str | None) -> None:
+        super().__init__(message, **where)
+        self.report = report
 
 
 class UsageError(CkptError):

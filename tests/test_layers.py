@@ -1,4 +1,4 @@
-"""The package layers import one way: cli -> ops -> model -> numeric -> stream -> io -> foundation.
+"""The package layers import one way: cli -> api -> ops -> model -> numeric -> stream -> io -> foundation.
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency),
 and the module graph has no circle.
@@ -14,7 +14,7 @@ import ckpt_tools
 ROOT = Path(ckpt_tools.__file__).parent
 # lower rank = lower layer; top-level modules are the shared foundation
 ENTRY_POINTS = {"ckpt_tools.__main__"}  # python -m ckpt_tools runs the CLI: the top of the stack
-RANK = {"": 0, "io": 1, "stream": 2, "numeric": 3, "model": 4, "ops": 5, "testing": 6, "cli": 7}
+RANK = {"": 0, "io": 1, "stream": 2, "numeric": 3, "model": 4, "ops": 5, "api": 6, "testing": 6, "cli": 7}
 
 
 def _module(path: Path) -> tuple[str, bool]:

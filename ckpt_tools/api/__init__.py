@@ -1,0 +1,41 @@
+"""The public Python API: every verb as a function, the same code path the CLI runs.
+
+Keyword arguments mirror the CLI options; each function returns a typed report whose ``to_json()``
+is exactly what the command prints with ``--json``; failures are exceptions, one class per exit
+code (``ckpt_tools.errors``). Progress is off unless ``progress=True``. Importing this package costs
+nothing: each verb's module (and torch / numpy where it needs them) loads on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module (under ckpt_tools.api) that defines it
+_WHERE = {
+    "inspect": "reading",
+    "validate": "reading",
+    "diff": "reading",
+    "extract": "writing",
+    "stitch": "writing",
+    "graft": "writing",
+    "fuse_experts": "writing",
+    "unfuse_experts": "writing",
+    "init_draft": "writing",
+    "push": "publish",
+    "probe": "measure",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+        globals()[name] = value  # later lookups (and a test's monkeypatch) see a plain attribute
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,21 @@
+"""The base of every verb's report: a dataclass whose ``to_json()`` is the command's ``--json`` output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Report:
+    """A verb's result. Subclasses add typed fields and build ``to_json()`` from them."""
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def progress_sink(progress: bool):
+    """The library's progress: a silent sink unless asked for (then the stderr display, when stderr is a terminal)."""
+    from ..stream.progress import progress_for
+
+    return progress_for(json_output=not progress)
