@@ -211,3 +211,26 @@ def _build(d: Path, family: str) -> tuple[Path, float]:
         shutil.rmtree(d)
     tmp.rename(d)
     return d, seconds
+
+
+def edited(draft: Path, out: Path, edit) -> Path:
+    """A copy of an extracted draft with ``edit(tensors)`` applied (its manifest dropped: the bytes changed)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(draft, out)
+    [f] = out.glob("*.safetensors")
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (out / "ckpt_manifest.json").unlink(missing_ok=True)
+    return out
+
+
+def swap_eh_proj_halves(tensors: dict) -> None:
+    """The two concat halves of eh_proj exchanged (a trainer's [h, e] order)."""
+    [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
+    w = tensors[key]
+    h = w.shape[1] // 2
+    tensors[key] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
