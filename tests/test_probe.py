@@ -27,6 +27,12 @@ from ckpt_tools.ops import probe as probe_ops  # noqa: E402
 CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with probe_model.one_thread():  # see there: tiny models, 2 cores shared by 2 workers
+        yield
+
+
 @pytest.fixture(scope="session")
 def trained() -> Path:
     t0 = time.perf_counter()

@@ -9,11 +9,14 @@ norm; vLLM: before it) and reusing the first MTP layer however many the model ha
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import run_ckpt as ckpt
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +25,14 @@ import probe_model  # noqa: E402
 from ckpt_tools.ops import probe as probe_ops  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with probe_model.one_thread():  # see there: tiny models, 2 cores shared by 2 workers
+        yield
+
+
 DEPTH = 3
 
 
@@ -109,3 +120,15 @@ def test_a_model_with_two_mtp_layers_still_drafts_every_depth_with_the_first(loa
             for a, b in zip(probe_ops.chain_logits(two, x, hidden, DEPTH, chain),
                             probe_ops.chain_logits(mtp, x, hidden, DEPTH, chain), strict=True):
                 torch.testing.assert_close(a, b)
+
+
+def test_chain_is_an_option_of_the_command(tmp_path):
+    d, _ = probe_model.build(CACHE)
+    prompts = probe_model.write_prompts(tmp_path, 2, 6, seed=3)
+    base = ["probe", d, "--prompts", prompts, "--max-new-tokens", 8, "--depth", 2, "--json"]
+    sglang, vllm = (json.loads(ckpt(*base, "--chain", c).stdout) for c in ("sglang", "vllm"))
+    assert (sglang["chain"], vllm["chain"]) == ("sglang", "vllm")
+    [s], [v] = sglang["drafts"], vllm["drafts"]
+    assert s["agreement"][0] == v["agreement"][0] and s["kl"][0] == v["kl"][0]  # depth 1: no chaining yet
+    assert s["kl"][1] != v["kl"][1]
+    assert "--chain" in ckpt("probe", d, "--chain", "trtllm", code=2).output

@@ -22,6 +22,12 @@ import probe_model  # noqa: E402
 CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with probe_model.one_thread():  # see there: tiny models, 2 cores shared by 2 workers
+        yield
+
+
 @pytest.fixture(scope="module")
 def trained() -> Path:
     d, _ = probe_model.build(CACHE)
