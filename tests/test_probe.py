@@ -128,8 +128,8 @@ def test_a_family_without_mtp_is_refused(tmp_path, prompts):
 
 def test_the_memory_needed_is_said_up_front_and_a_verifier_that_does_not_fit_is_refused(
         trained, prompts, extracted, monkeypatch):
-    from ckpt_tools.io.checkpoint import Checkpoint
     from ckpt_tools.cli.common import human_bytes
+    from ckpt_tools.io.checkpoint import Checkpoint
 
     with Checkpoint.open(trained) as c:
         weights = sum(r.nbytes for r in c.tensors.values())  # the test model is stored in fp32

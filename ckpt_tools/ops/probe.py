@@ -143,7 +143,7 @@ def needed_bytes(verifier: Checkpoint, dtype: str, drafts: int = 0) -> int:
     of its MTP layers for each draft (a draft is loaded into a copy of the MTP module)."""
     elements = sum(math.prod(ref.shape) for ref in verifier.tensors.values())
     if drafts:
-        from ..mtp import open_mtp
+        from ..model.mtp import open_mtp
 
         mtp = {key for _, key in open_mtp(verifier).stored()}
         elements += drafts * sum(math.prod(verifier.tensors[k].shape) for k in mtp)
