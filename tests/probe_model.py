@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
@@ -194,7 +196,17 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(was)
 
 
-def build(cache_root: Path, family: str = "deepseek_v3") -> tuple[Path, float]:
+CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"  # trained models, kept between test runs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_per_module() -> Iterator[None]:
+    """Import it into a test module to run that module's torch on one thread (see ``one_thread``)."""
+    with one_thread():
+        yield
+
+
+def build(cache_root: Path = CACHE, family: str = "deepseek_v3") -> tuple[Path, float]:
     """The trained checkpoint directory (built once per digest) and the seconds training took (0 if cached)."""
     import fcntl
 

@@ -10,8 +10,6 @@ norm; vLLM: before it) and reusing the first MTP layer however many the model ha
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,17 +19,9 @@ from conftest import run_ckpt as ckpt
 transformers = pytest.importorskip("transformers")
 
 import probe_model  # noqa: E402
+from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
 from ckpt_tools.ops import probe as probe_ops  # noqa: E402
-
-CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with probe_model.one_thread():  # see there: tiny models, 2 cores shared by 2 workers
-        yield
-
 
 DEPTH = 3
 

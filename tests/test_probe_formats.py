@@ -8,7 +8,6 @@ larger KL.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,7 @@ from conftest import run_ckpt as ckpt
 transformers = pytest.importorskip("transformers")
 
 import probe_model  # noqa: E402
-
-CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with probe_model.one_thread():  # see there: tiny models, 2 cores shared by 2 workers
-        yield
+from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckpt_tools.dtypes import from_torch
 from ckpt_tools.errors import InputError
 from ckpt_tools.io.checkpoint import Checkpoint, open_draft_source
-from ckpt_tools.io.readers import FileSpans, LoadedTensor
+from ckpt_tools.io.readers.base import FileSpans, LoadedTensor
 
 from conftest import run_ckpt
 
@@ -133,7 +133,7 @@ def refused(path, rule: str, **kw) -> InputError:
 @pytest.fixture(params=[16 << 20, 8], ids=["pieces-16MB", "pieces-8B"])
 def piece_bytes(request, monkeypatch):
     """Strided tensors are copied out in pieces; tiny pieces drive the row-by-row path on small tensors."""
-    monkeypatch.setattr("ckpt_tools.io.readers.PIECE_BYTES", request.param)
+    monkeypatch.setattr("ckpt_tools.io.readers.base.PIECE_BYTES", request.param)
 
 
 def test_state_dict_bytes(tmp_path, piece_bytes):

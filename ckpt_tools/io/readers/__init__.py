@@ -22,29 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import InputError
-from .base import (
-    CACHE_BYTES,
-    PIECE_BYTES,
-    READERS,
-    TORCH_SUFFIXES,
-    Confine,
-    Deferred,
-    FileSpans,
-    LoadedTensor,
-    Part,
-    RangeReader,
-    ReadIndex,
-    Tensor,
-    TensorCache,
-    TensorFile,
-    WeightSet,
-    build_weight_set,
-    check_dims,
-    numel,
-    read_c_order,
-    tensor_nbytes,
-    torch_dtype_name,
-)
+from .base import READERS, TORCH_SUFFIXES, Confine, ReadIndex, WeightSet
 
 
 def detect(d: Path) -> str | None:
@@ -86,28 +64,4 @@ def read_weights(d: Path, confine: Confine, read_index: ReadIndex, *, only: str 
     raise InputError(f"unknown reader {kind!r} (known: {', '.join(READERS)})", rule="no-weights", path=str(d))
 
 
-__all__ = [
-    "CACHE_BYTES",
-    "Confine",
-    "Deferred",
-    "FileSpans",
-    "LoadedTensor",
-    "PIECE_BYTES",
-    "Part",
-    "READERS",
-    "RangeReader",
-    "ReadIndex",
-    "TORCH_SUFFIXES",
-    "Tensor",
-    "TensorCache",
-    "TensorFile",
-    "WeightSet",
-    "build_weight_set",
-    "check_dims",
-    "detect",
-    "numel",
-    "read_c_order",
-    "read_weights",
-    "tensor_nbytes",
-    "torch_dtype_name",
-]
+__all__ = ["READERS", "TORCH_SUFFIXES", "Confine", "ReadIndex", "WeightSet", "detect", "read_weights"]
