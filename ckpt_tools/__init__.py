@@ -6,9 +6,14 @@ the exceptions they raise are importable from here. Nothing heavy is imported un
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckFailed, CkptError, InputError, OutputError, UsageError
+
+if TYPE_CHECKING:  # the verbs' types for a type checker; at run time __getattr__ imports them on first use
+    from .api import diff as diff
+    from .api import inspect as inspect
+    from .api import validate as validate
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,12 @@ nothing: each verb's module (and torch / numpy where it needs them) loads on fir
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports each verb on first use
+    from .reading import diff as diff
+    from .reading import inspect as inspect
+    from .reading import validate as validate
 
 # public name -> module (under ckpt_tools.api) that defines it
 _WHERE = {

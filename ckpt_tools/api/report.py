@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..stream.progress import Progress
 
 
 @dataclass
@@ -14,7 +17,7 @@ class Report:
         raise NotImplementedError
 
 
-def progress_sink(progress: bool):
+def progress_sink(progress: bool) -> Progress:
     """The library's progress: a silent sink unless asked for (then the stderr display, when stderr is a terminal)."""
     from ..stream.progress import progress_for
 

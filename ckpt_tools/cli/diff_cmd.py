@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .common import command, emit_json, out_console
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .gate_options import allow_invalid_option, say_allowed
 from .write_options import json_option
 
 
@@ -23,24 +23,27 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded)."""
-        from ..io.checkpoint import Checkpoint
-        from ..ops.diff import diff
-        from ..options import regex
+        from .. import api
+        from ..errors import CheckFailed
 
-        if keys is not None:
-            regex("--keys", keys)  # before any checkpoint is opened
-        allow = allowed_rules(allow_invalid)
-        with Checkpoint.open(a) as ca, Checkpoint.open(b) as cb:
-            report = diff(ca, cb, keys=keys, stats=stats or dequant, dequant=dequant, allow=allow)
-        say_allowed(report.allowed_invalid)
-        if json_output:
-            emit_json(report.to_json(all_keys=show_all))
-        else:
-            _say_how_read(report)
-            from .summary import render_diffs
+        try:
+            report = api.diff(a, b, keys=keys, stats=stats, dequant=dequant, all=show_all,
+                              allow_invalid=allow_invalid or (), progress=not json_output)
+        except CheckFailed as e:  # they differ: shown like identical ones, exit 1
+            _show(e.report, json_output)
+            raise typer.Exit(e.exit_code) from None
+        _show(report, json_output)
 
-            render_diffs(report.diffs, report.totals(), show_all, more_hint="--all or --json lists every key")
-        raise typer.Exit(0 if report.identical else 1)
+
+def _show(report, json_output: bool) -> None:
+    say_allowed(report.allowed_invalid)
+    if json_output:
+        emit_json(report.to_json())
+        return
+    _say_how_read(report)
+    from .summary import render_diffs
+
+    render_diffs(report.diffs, report.totals(), report.all_keys, more_hint="--all or --json lists every key")
 
 
 def _say_how_read(report) -> None:

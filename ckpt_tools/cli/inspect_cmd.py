@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from .common import command, emit_json, human_bytes, out_console
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .gate_options import allow_invalid_option, say_allowed
 from .layout import Col, print_table
 
 MAX_ROWS = 20  # problem keys listed before "..."
@@ -166,39 +166,21 @@ def _render_status(con, status: dict, count: int) -> None:
         con.print(f"  ... and {len(lines) - MAX_ROWS} more")
 
 
-def _discover(path: str, write: str | None, json_output: bool, allow: frozenset[str] = frozenset()) -> None:
-    """`--discover`: the draft table on stdout (or in FILE), a summary on stderr."""
-    from pathlib import Path
-
-    from ..errors import UsageError
-    from ..io.checkpoint import Checkpoint
-    from ..ops.discover import discover, write_draft
-    from ..options import outside_inputs
+def _render_discovery(report) -> None:
+    """`--discover`: the draft table on stdout (unless written to a file), a summary on stderr."""
     from .common import err_console
 
-    if write is not None and not write.endswith((".yaml", ".yml")):
-        raise UsageError(f"--write {write}: a table file ends in .yaml")
-    from ..model.consistency import require_consistent
-
-    with Checkpoint.open(path) as ckpt:
-        if write is not None:
-            outside_inputs("--write", write, [ckpt.local_dir] if ckpt.local_dir else [])
-        say_allowed([p.to_json() for p in require_consistent(ckpt, scope="files", allow=allow).allowed])
-        found = discover(ckpt, family=Path(write).stem if write else None)
-    if write:
-        write_draft(found, write)
-    if json_output:
-        emit_json(found.to_json() | ({"written": write} if write else {}))
-        return
+    found = report.discovery
     con = err_console()
     depths = sorted({d for d in found.depth_of.values() if d is not None})
     con.print(f"discovered {len(found.keys)} MTP tensor(s) in {len(depths) or 1} depth(s)"
               + (f", {found.sub_blocks} sub-layers each" if found.sub_blocks > 1 else "")
               + (f" ({found.count_key} = {found.count})" if found.count_key else ""))
-    if write:
-        con.print(f"wrote {write}; refine it, then put it in mappings/architectures/ or a CKPT_TABLES directory")
+    if report.written:
+        con.print(f"wrote {report.written}; refine it, then put it in mappings/architectures/ or a CKPT_TABLES "
+                  "directory")
     else:
-        out_console().print(found.yaml(), markup=False, highlight=False, soft_wrap=True, end="")
+        out_console().print(report.yaml, markup=False, highlight=False, soft_wrap=True, end="")
 
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
@@ -220,15 +202,14 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes."""
-        from ..ops.inspect import inspect_checkpoint
+        from .. import api
 
-        allow = allowed_rules(allow_invalid)
-        if discover or write:
-            _discover(path, write, json_output, allow)
-            return
-        report = inspect_checkpoint(path, arch, allow)
+        report = api.inspect(path, arch=arch, discover=discover or write is not None, write=write,
+                             allow_invalid=allow_invalid or (), progress=not json_output)
         say_allowed(report.allowed_invalid)
         if json_output:
             emit_json(report.to_json())
+        elif discover or write is not None:
+            _render_discovery(report)
         else:
             render(report)

@@ -7,11 +7,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import typer
 
-from ..errors import EXIT_FOUND, UsageError
 from .common import command, emit_json, out_console
 
 MAX_PER_RULE = 20  # problems of one rule shown before "... and N more"
@@ -87,56 +85,25 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="With --fix-quant-config: replace OUT."),
     ) -> None:
         """Check format, index and config-vs-tensor rules; report every problem (exit 1 if any)."""
-        from ..model.tables.loader import all_tables
-        from ..ops.validate import validate
+        from .. import api
+        from ..errors import CheckFailed
 
-        if arch is not None and arch not in all_tables():
-            raise UsageError(f"--arch {arch!r}: unknown family; known: {', '.join(sorted(all_tables()))}")
-        if fix_quant_config:
-            fix_config(path, arch, out, link, dry_run, overwrite, json_output)
-            return
-        for flag, given in (("-o", out is not None), ("--dry-run", dry_run), ("--overwrite", overwrite),
-                            ("--link", link != "copy")):
-            if given:
-                raise UsageError(f"{flag} goes with --fix-quant-config")
-        report = validate(path, arch)
-        if json_output:
-            emit_json(report.to_json())
-        else:
-            render(report)
-        if not report.ok:
-            raise typer.Exit(EXIT_FOUND)
+        try:
+            report = api.validate(path, arch=arch, fix_quant_config=fix_quant_config, out=out, link=link,
+                                  dry_run=dry_run, overwrite=overwrite, progress=not json_output)
+        except CheckFailed as e:  # problems: the report as for a valid checkpoint, then exit 1
+            _show(e.report, json_output, fix_quant_config, dry_run)
+            raise typer.Exit(e.exit_code) from None
+        _show(report, json_output, fix_quant_config, dry_run)
 
 
-def fix_config(path: str, arch: str | None, out_arg: str | None, link: str, dry_run: bool, overwrite: bool,
-               json_output: bool) -> None:
-    """--fix-quant-config: plan, show the config diff, write (unless --dry-run) and validate OUT."""
-    from ..io.checkpoint import Checkpoint
-    from ..ops.fix_quant import plan_fix
-    from ..ops.validate import validate_output
-    from ..options import outside_inputs
-    from ..stream.execute import execute
-    from .common import command_line, output_arg, progress_for
-
-    if out_arg is None and not dry_run:
-        raise UsageError("--fix-quant-config needs -o OUT (or --dry-run)")
-    out = output_arg(out_arg) if out_arg is not None else None
-    with Checkpoint.open(path) as ckpt:
-        if isinstance(out, Path) and ckpt.local_dir is not None:  # a URL: the object-store writer checks
-            outside_inputs("-o", out, [ckpt.local_dir])  # also when nothing is written: the same answer either way
-        plan, report = plan_fix(ckpt, arch=arch, link=link, command=command_line())
-        if plan is not None and not dry_run:
-            assert out is not None
-
-            def check(where: Path, pending) -> None:  # OUT must pass validate, mtp-quant-config included
-                report.validation = validate_output(where, arch=arch, pending=pending)
-
-            execute(plan, out, overwrite=overwrite, progress=progress_for(json_output), check=check)
-            report.out, report.written = str(out), True
+def _show(report, json_output: bool, fix_quant_config: bool, dry_run: bool) -> None:
     if json_output:
         emit_json(report.to_json())
-    else:
+    elif fix_quant_config:
         render_fix(report, dry_run)
+    else:
+        render(report)
 
 
 def render_fix(report, dry_run: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..dtypes import FP8_DTYPES
 from ..io.checkpoint import Checkpoint
@@ -11,7 +12,10 @@ from ..model.formats import all_wrappers
 from ..model.prefixes import choose, rename
 from ..options import regex
 from ..stream.plan import CopyBytes
-from .compare import TensorDiff, compare
+from ..stream.progress import Progress
+
+if TYPE_CHECKING:  # compare loads numpy: imported when a comparison runs, not with the report class
+    from .compare import TensorDiff
 
 
 @dataclass
@@ -45,20 +49,24 @@ class DiffReport:
 
 
 def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool = False,
-         dequant: bool = False, allow: frozenset[str] = frozenset()) -> DiffReport:
+         dequant: bool = False, allow: frozenset[str] = frozenset(), progress: Progress | None = None) -> DiffReport:
     """Compare every tensor of ``a`` and ``b`` (optionally only keys matching ``keys``).
 
     Both sides pass the index rules of the consistency gate first: a shard left out of an
     index would otherwise make its tensors "removed", or two broken sides "identical".
+    ``progress``: the "comparing" phase, advanced by the bytes of each pair of tensors read.
     """
+    from .compare import TensorDiff, compare
+
     gates = [require_consistent(c, scope="files", allow=allow, role=side) for side, c in (("first", a), ("second", b))]
     pattern = regex("--keys", keys) if keys else None
     report = DiffReport(a.root, b.root, allowed_invalid=[p.to_json() for g in gates for p in g.allowed])
     a, b = _aligned(a, b, report)
-    names = sorted(set(a.tensors) | set(b.tensors))
+    names = [k for k in sorted(set(a.tensors) | set(b.tensors)) if pattern is None or pattern.search(k)]
+    both = [k for k in names if k in a.tensors and k in b.tensors]
+    progress = progress or Progress()
+    progress.phase("comparing", sum(a.tensors[k].nbytes + b.tensors[k].nbytes for k in both))
     for key in names:
-        if pattern is not None and not pattern.search(key):
-            continue
         ra, rb = a.tensors.get(key), b.tensors.get(key)
         if ra is None:
             report.diffs.append(TensorDiff(key, "added", None, rb.dtype, None, list(rb.shape)))
@@ -72,6 +80,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
             compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape, CopyBytes([rb.segment()]),
                     stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
         )
+        progress.advance(ra.nbytes + rb.nbytes)
     return report
 
 
