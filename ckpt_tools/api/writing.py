@@ -227,9 +227,11 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
     """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
     angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them."""
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import write_plan
+    from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.extract import ExtractRequest, plan_extract
     from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
 
     command = _command(extract, (source, out), locals())
     allow = _allow(allow_invalid)
@@ -244,7 +246,8 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             sink.phase("planning")
             plan = plan_extract(ckpt, req)
             _planned(plan)
-            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink)
+            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink,
+                              read_before=read_before)
     written, validation = done if done is not None else (None, None)
     return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"))
 
@@ -257,9 +260,11 @@ def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_la
     """A draft whose dimensions match ``target`` (a checkpoint or its config.json): initialised from
     ``seed``, or warm-started from its decoder layer ``from_layer``."""
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import write_plan
+    from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.init_draft import InitRequest, check_request, plan_init
     from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
 
     command = _command(init_draft, (target, out), locals())
     allow = _allow(allow_invalid)
@@ -274,7 +279,8 @@ def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_la
             sink.phase("planning")
             plan, summary = plan_init(ckpt, req)
             _planned(plan)
-            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite), allow, sink)
+            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite), allow, sink,
+                              read_before=read_before)
     written, validation = done if done is not None else (None, None)
     return InitDraftReport(format, plan, summary, written, validation)
 
@@ -284,9 +290,11 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     """fuse_experts / unfuse_experts: the same run, each with its own target layouts."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import write_plan
+    from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.experts import ExpertsRequest, plan_experts, stats, target_layout
     from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
 
     o = options
     command = _command(verb, (source, out), o)
@@ -304,7 +312,7 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
             xplan = plan_experts(ckpt, req)
             _planned(xplan.plan)
             outputs = _outputs(dest, o["dry_run"], o["plan_json"], None, o["overwrite"])
-            done = write_plan(xplan.plan, outputs, allow, sink, arch=o["arch"])
+            done = write_plan(xplan.plan, outputs, allow, sink, arch=o["arch"], read_before=read_before)
     written, validation = done if done is not None else (None, None)
     moved = stats(xplan)
     return ExpertsReport(layout.label(), xplan, written, validation, moved["bytes_copied"], moved["bytes_computed"])

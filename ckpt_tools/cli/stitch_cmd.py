@@ -63,10 +63,10 @@ def register(app: typer.Typer) -> None:
                                 accept_divergent=accept_divergent, dry_run=dry_run, plan_json=plan_json,
                                 report=report_file, overwrite=overwrite, resume=resume,
                                 allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
-        report = result.details
         if json_output:
             emit_json(result.to_json())
         else:
+            report = result.details
             hint = "--all or stitch-report.json lists every key" if not dry_run else "--all or --json lists every key"
             say_how_read(report.draft)
             render_diffs(report.diffs, report.totals(), show_all, title=f"stitch ({report.mode}, {report.format})",

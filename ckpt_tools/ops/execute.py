@@ -54,19 +54,28 @@ class Written:
     seconds: float
 
     @classmethod
-    def of(cls, plan: Plan, result: WriteResult) -> Written:
-        return cls(str(result.out_dir), len(plan.tensors), plan.total_bytes, result.bytes_written, result.bytes_read,
-                   list(result.files), round(result.seconds, 3))
+    def of(cls, plan: Plan, result: WriteResult, read_before: int = 0) -> Written:
+        return cls(str(result.out_dir), len(plan.tensors), plan.total_bytes, result.bytes_written,
+                   result.bytes_read - read_before, list(result.files), round(result.seconds, 3))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def bytes_read_so_far() -> int:
+    """The process's input byte count. The writer reports the running total; a verb subtracts what was read
+    before it started, so that each of several verbs in one process (a training script, tests) counts its own."""
+    from ..io.safetensors_io import IO_STATS
+
+    return IO_STATS.total
+
+
 def write_plan(plan: Plan, o: Outputs, allow: frozenset[str], progress: Progress | None = None, *,
-               arch: str | None = None) -> tuple[Written, dict[str, Any]] | None:
+               arch: str | None = None, read_before: int = 0) -> tuple[Written, dict[str, Any]] | None:
     """Write the plan JSON, then (unless dry run, which returns None) execute the plan. The output is
     validated (as ``arch`` when given) before its index appears: an invalid one is an OutputError
-    (exit 4) and is never marked complete. Returns what was written and the validation result."""
+    (exit 4) and is never marked complete. Returns what was written (``read_before``: the
+    ``bytes_read_so_far()`` when the verb started) and the validation result."""
     from ..stream.execute import execute
     from .validate import validate_output
 
@@ -78,7 +87,7 @@ def write_plan(plan: Plan, o: Outputs, allow: frozenset[str], progress: Progress
     result = execute(plan, o.out, overwrite=o.overwrite, resume=o.resume, progress=progress,
                      check=lambda path, pending: validation.update(validate_output(path, arch=arch, allow=allow,
                                                                                    pending=pending)))
-    return Written.of(plan, result), validation
+    return Written.of(plan, result, read_before), validation
 
 
 def execute_and_report(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: str,
