@@ -6,32 +6,14 @@ from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, emit_json, human_bytes, out_console, output_arg, progress_for
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .common import OUT_HELP, command, emit_json, human_bytes, out_console
+from .gate_options import allow_invalid_option
 from .write_options import json_option, overwrite_option, plan_json_option
 
 LAYOUT_HELP = (
     "per-expert | fused | stacked | stacked-transposed | fused-transposed, with options after ':' "
     "(fused:up-first, fused-transposed:interleaved)"
 )
-# fuse: one tensor per projection (or gate+up); unfuse: gate and up apart again
-FUSE_TARGETS = ("fused", "stacked", "stacked-transposed", "fused-transposed")
-UNFUSE_TARGETS = ("per-expert", "stacked", "stacked-transposed")
-
-
-def _layout(text: str, verb: str, allowed: tuple[str, ...]):
-    from ..errors import UsageError
-    from ..model.expert_layouts import ExpertLayout
-
-    try:
-        layout = ExpertLayout.parse(text)
-    except ValueError as e:
-        raise UsageError(f"--to {text!r}: {e}") from None
-    if layout.name not in allowed:
-        other = "unfuse-experts" if verb == "fuse-experts" else "fuse-experts"
-        raise UsageError(f"{verb} --to {text!r}: {verb} writes {' | '.join(allowed)}; use `ckpt {other}` for "
-                         f"{layout.name}")
-    return layout
 
 
 def _render(xplan, console) -> None:
@@ -52,65 +34,18 @@ def _render(xplan, console) -> None:
                   f"{len(s['shards'])} shard(s); files: {', '.join(s['files']) or '-'}")
 
 
-def _run(verb: str, allowed: tuple[str, ...], src: str, out: str | None, to: str, only_mtp: bool, arch: str | None,
-         max_shard_size: str, dry_run: bool, plan_json: Path | None, json_output: bool, overwrite: bool,
-         dequant: str | None = None, allow_invalid: list[str] | None = None) -> None:
-    from ..errors import UsageError
-    from ..io.checkpoint import Checkpoint
-    from ..ops.experts import ExpertsRequest, plan_experts, stats
-    from ..ops.validate import validate_output
-    from ..stream.plan import parse_size
-
-    layout = _layout(to, verb, allowed)
-    allow = allowed_rules(allow_invalid)
-    if out is None and not dry_run:
-        raise UsageError(f"{verb} needs -o OUT (or --dry-run)")
-    req = ExpertsRequest(layout, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
-                         command=command_line(), dequant=dequant, allow_invalid=allow)
-    progress_for(json_output).phase("reading headers")
-    with Checkpoint.open(src) as ckpt:
-        progress_for(json_output).phase("planning")
-        xplan = plan_experts(ckpt, req)
-        say_allowed(xplan.plan.manifest.get("allowed_invalid"))
-        if plan_json is not None:
-            xplan.plan.write_json(plan_json)
-        if dry_run:
-            if json_output:
-                emit_json({**xplan.summary(), "plan": xplan.plan.to_json()})
-            else:
-                _render(xplan, out_console())
-            return
-        from ..stream.execute import execute
-
-        report: dict = {}
-        result = execute(xplan.plan, output_arg(out), overwrite=overwrite, progress=progress_for(json_output),
-                         check=lambda path, pending: report.update(validate_output(path, arch=arch, allow=allow,
-                                                                                   pending=pending)))
-    summary = {
-        "output": str(result.out_dir),
-        "layout": layout.label(),
-        "groups": [g.to_json() for g in xplan.groups],
-        "tensors": len(xplan.plan.tensors),
-        "bytes_written": result.bytes_written,
-        "bytes_read": result.bytes_read,
-        **stats(xplan),
-        "files": result.files,
-        "seconds": round(result.seconds, 3),
-        "validated": bool(report),
-    }
-    if json_output:
-        emit_json(summary)
-        return
-    changed = sum(1 for g in xplan.groups if g.source != g.target)
-    out_console().print(
-        f"wrote {summary['tensors']} tensors ({human_bytes(xplan.plan.total_bytes)}) to {result.out_dir} in "
-        f"{summary['seconds']} s: {changed} of {len(xplan.groups)} expert group(s) now {layout.label()}; "
-        f"{human_bytes(summary['bytes_copied'])} copied by range, {human_bytes(summary['bytes_computed'])} computed"
-        + ("; validated" if report else "")
+def _say(report, console) -> None:
+    """What a run wrote: the groups now in the target layout, and how the bytes were made."""
+    w = report.written
+    changed = sum(1 for g in report.experts.groups if g.source != g.target)
+    console.print(
+        f"wrote {w.tensors} tensors ({human_bytes(w.tensor_bytes)}) to {w.output} in {w.seconds} s: {changed} of "
+        f"{len(report.experts.groups)} expert group(s) now {report.layout}; {human_bytes(report.bytes_copied)} "
+        f"copied by range, {human_bytes(report.bytes_computed)} computed" + ("; validated" if report.validation else "")
     )
 
 
-def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
+def _verb(verb: str, default_to: str, doc: str):
     """The CLI function of one direction; both share every option but the default target."""
 
     def run(
@@ -128,8 +63,20 @@ def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
                                     help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
-        _run(verb, allowed, src, out, to, only_mtp, arch, max_shard_size, dry_run, plan_json, json_output,
-             overwrite, dequant, allow_invalid)
+        from .. import api
+        from .extract_cmd import invoked
+
+        with invoked():
+            report = getattr(api, verb.replace("-", "_"))(
+                src, out, to=to, only_mtp=only_mtp, arch=arch, max_shard_size=max_shard_size, dry_run=dry_run,
+                plan_json=plan_json, overwrite=overwrite, dequant=dequant, allow_invalid=tuple(allow_invalid or ()),
+                progress=not json_output)
+        if json_output:
+            emit_json(report.to_json())
+        elif report.written is None:
+            _render(report.experts, out_console())
+        else:
+            _say(report, out_console())
 
     run.__doc__ = doc
     run.__name__ = verb.replace("-", "_")
@@ -138,8 +85,8 @@ def _verb(verb: str, allowed: tuple[str, ...], default_to: str, doc: str):
 
 def register(app: typer.Typer) -> None:
     app.command("fuse-experts")(command(_verb(
-        "fuse-experts", FUSE_TARGETS, "fused",
+        "fuse-experts", "fused",
         "Stack routed experts into one tensor per projection (default: fused gate_up_proj [E, 2I, H]).")))
     app.command("unfuse-experts")(command(_verb(
-        "unfuse-experts", UNFUSE_TARGETS, "per-expert",
+        "unfuse-experts", "per-expert",
         "Split fused experts apart again (default: per-expert gate_proj / up_proj / down_proj).")))

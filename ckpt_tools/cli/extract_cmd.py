@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .common import OUT_HELP, command, command_line, emit_json, human_bytes, out_console
+from .gate_options import allow_invalid_option, say_allowed
 from .write_options import json_option, overwrite_option, plan_json_option, resume_option
 
 
@@ -19,6 +21,23 @@ def _layers(text: str | None) -> list[int] | None:
     from ..options import index_list
 
     return index_list("--layers", text, MAX_MTP_LAYERS - 1)
+
+
+@contextlib.contextmanager
+def invoked() -> Iterator[None]:
+    """Around a writing verb's call: the manifest records the command line, and what --allow-invalid let
+    in is said once the plan is made (before anything is written)."""
+    from ..api.writing import invocation
+
+    with invocation(command_line(), on_plan=lambda plan: say_allowed(plan.manifest.get("allowed_invalid"))):
+        yield
+
+
+def say_written(report, c) -> None:
+    """The line after a write: tensors, bytes, where, how long, how much was read."""
+    w = report.written
+    c.print(f"wrote {w.tensors} tensors ({human_bytes(w.tensor_bytes)}) to {w.output} "
+            f"in {w.seconds} s; read {human_bytes(w.bytes_read)} from the source")
 
 
 def register(app: typer.Typer) -> None:
@@ -49,42 +68,21 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
-        from ..io.checkpoint import Checkpoint
-        from ..ops.extract import ExtractRequest, plan_extract
-        from ..ops.validate import validate_output
-        from ..stream.plan import parse_size
-        from .render import render_plan, report_write
+        from .. import api
+        from .render import render_plan
 
-        allow = allowed_rules(allow_invalid)
-        dest = output_arg(out)
-        req = ExtractRequest(
-            arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed, with_head=with_head,
-            dtype=dtype, dequant=dequant, drop_mtp=drop_mtp, max_shard_size=parse_size(max_shard_size),
-            command=command_line(), source=src, verifier_name=verifier_name, allow_invalid=allow,
-        )
-        progress_for(json_output).phase("reading headers")
-        with Checkpoint.open(src) as ckpt:
-            progress_for(json_output).phase("planning")
-            plan = plan_extract(ckpt, req)
-            say_allowed(plan.manifest.get("allowed_invalid"))
-            if plan_json is not None:
-                plan.write_json(plan_json)
-            if dry_run:
-                if json_output:
-                    emit_json(plan.to_json())
-                else:
-                    render_plan(plan, out_console())
-                return
-            from ..stream.execute import execute
-
-            validation: dict = {}
-            result = execute(plan, dest, overwrite=overwrite, resume=resume, progress=progress_for(json_output),
-                             check=lambda path, pending: validation.update(validate_output(path, allow=allow,
-                                                                                           pending=pending)))
-            bytes_read = result.bytes_read
-        from_trunk = plan.manifest.get("shared_from_trunk")
-        extra = {"format": fmt, **({"shared_from_trunk": from_trunk} if from_trunk is not None else {})}
-        report_write(plan, result, json_output, bytes_read=bytes_read, extra=extra, validation=validation)
-        if not json_output:
-            for role, key in (from_trunk or {}).items():
-                out_console().print(f"{role}: the MTP layer has no per-layer copy; carried the trunk's {key}")
+        with invoked():
+            report = api.extract(src, out, arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed,
+                                 with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
+                                 verifier_name=verifier_name, max_shard_size=max_shard_size, dry_run=dry_run,
+                                 plan_json=plan_json, overwrite=overwrite, resume=resume,
+                                 allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
+        if json_output:
+            emit_json(report.to_json())
+        elif report.written is None:
+            render_plan(report.plan, out_console())
+        else:
+            c = out_console()
+            say_written(report, c)
+            for role, key in (report.shared_from_trunk or {}).items():
+                c.print(f"{role}: the MTP layer has no per-layer copy; carried the trunk's {key}")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .common import OUT_HELP, command, emit_json, out_console
+from .gate_options import allow_invalid_option
 from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
 
 
@@ -40,26 +40,20 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
-        from ..io.checkpoint import Checkpoint
-        from ..ops.execute import Outputs, execute_and_report
-        from ..ops.graft import GraftRequest, plan_graft
-        from ..stream.plan import parse_size
+        from .. import api
+        from .extract_cmd import invoked
         from .quant_render import say_config_changes
         from .summary import render_diffs
 
-        allow = allowed_rules(allow_invalid)
-        req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
-                           max_shard_size=parse_size(max_shard_size), command=command_line(), allow_invalid=allow)
-        progress_for(json_output).phase("reading headers")
-        with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
-            progress_for(json_output).phase("planning")
-            plan, report = plan_graft(s, t, req)
-            say_allowed(plan.manifest.get("allowed_invalid"))
-            outputs = Outputs(output_arg(out), dry_run, plan_json, report_file, overwrite, resume)
-            execute_and_report(plan, report, outputs, allow, "graft-report.json", progress_for(json_output))
+        with invoked():
+            result = api.graft(source, target, out, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, link=link, arch=arch,
+                               max_shard_size=max_shard_size, dry_run=dry_run, plan_json=plan_json,
+                               report=report_file, overwrite=overwrite, resume=resume,
+                               allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
         if json_output:
-            emit_json(report.to_json())
+            emit_json(result.to_json())
             return
+        report = result.details
         hint = "--all or graft-report.json lists every key" if not dry_run else "--all or --json lists every key"
         render_diffs(report.diffs, report.totals(), show_all, title=f"graft ({report.family}, MTP {report.storage})",
                      more_hint=hint)

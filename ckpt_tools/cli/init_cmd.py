@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .common import OUT_HELP, command, emit_json, out_console
+from .gate_options import allow_invalid_option
 from .write_options import json_option, overwrite_option, plan_json_option
 
 
@@ -35,43 +35,24 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""
-        from ..io.checkpoint import Checkpoint
-        from ..ops.init_draft import InitRequest, check_request, plan_init
-        from ..ops.validate import validate_output
-        from ..stream.plan import parse_size
-        from .render import render_plan, report_write
+        from .. import api
+        from .extract_cmd import invoked, say_written
+        from .render import render_plan
 
-        allow = allowed_rules(allow_invalid)
-        dest = output_arg(out)
-        req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=fmt,
-                          dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size),
-                          command=command_line(), allow_invalid=allow)
-        check_request(req)  # before the target is opened
-        progress_for(json_output).phase("reading headers")
-        with Checkpoint.open(target) as ckpt:
-            progress_for(json_output).phase("planning")
-            plan, summary = plan_init(ckpt, req)
-            say_allowed(plan.manifest.get("allowed_invalid"))
-            if plan_json is not None:
-                plan.write_json(plan_json)
-            if dry_run:
-                if json_output:
-                    emit_json({**plan.to_json(), "init": summary.to_json()})
-                else:
-                    render_plan(plan, out_console())
-                    _say(summary)
-                return
-            from ..stream.execute import execute
-
-            validation: dict = {}  # an invalid output is an output error (exit 4), left without its marker
-            result = execute(plan, dest, overwrite=overwrite, progress=progress_for(json_output),
-                             check=lambda path, pending: validation.update(validate_output(path, allow=allow,
-                                                                                           pending=pending)))
-        bytes_read = result.bytes_read
-        report_write(plan, result, json_output, bytes_read=bytes_read,
-                     extra={"format": fmt, "init": summary.to_json()}, validation=validation)
-        if not json_output:
-            _say(summary)
+        with invoked():
+            report = api.init_draft(target, out, arch=arch, num_layers=num_layers, seed=seed, std=std,
+                                    from_layer=from_layer, format=fmt, dtype=dtype, dequant=dequant,
+                                    max_shard_size=max_shard_size, dry_run=dry_run, plan_json=plan_json,
+                                    overwrite=overwrite, allow_invalid=tuple(allow_invalid or ()),
+                                    progress=not json_output)
+        if json_output:
+            emit_json(report.to_json())
+            return
+        if report.written is None:
+            render_plan(report.plan, out_console())
+        else:
+            say_written(report, out_console())
+        _say(report.init)
 
 
 def _say(summary) -> None:

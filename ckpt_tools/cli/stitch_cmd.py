@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, emit_json, out_console, output_arg, progress_for
-from .gate_options import allow_invalid_option, allowed_rules, say_allowed
+from .common import OUT_HELP, command, emit_json, out_console
+from .gate_options import allow_invalid_option
 from .quant_render import say_config_changes
 from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
 
@@ -52,20 +52,21 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
-        from ..ops.stitch import run
-        from .extract_cmd import _layers
+        from .. import api
+        from .extract_cmd import _layers, invoked
         from .summary import render_diffs
 
-        report = run(draft, verifier, output_arg(out), format=fmt, mode=mode, link=link, allow_partial=allow_partial,
-                     dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16, arch=arch,
-                     strip_prefix=strip_prefix, layers=_layers(layers), max_shard_size=max_shard_size,
-                     accept_divergent=accept_divergent, dry_run=dry_run, plan_json=plan_json, report_file=report_file,
-                     overwrite=overwrite, resume=resume, allow_invalid=allowed_rules(allow_invalid),
-                     command=command_line(), progress=progress_for(json_output),
-                     on_plan=lambda plan, _report: say_allowed(plan.manifest.get("allowed_invalid")))
+        with invoked():
+            result = api.stitch(draft, verifier, out, format=fmt, mode=mode, link=link, allow_partial=allow_partial,
+                                dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16, arch=arch,
+                                strip_prefix=strip_prefix, layers=_layers(layers), max_shard_size=max_shard_size,
+                                accept_divergent=accept_divergent, dry_run=dry_run, plan_json=plan_json,
+                                report=report_file, overwrite=overwrite, resume=resume,
+                                allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
         if json_output:
-            emit_json(report.to_json())
+            emit_json(result.to_json())
         else:
+            report = result.details
             hint = "--all or stitch-report.json lists every key" if not dry_run else "--all or --json lists every key"
             say_how_read(report.draft)
             render_diffs(report.diffs, report.totals(), show_all, title=f"stitch ({report.mode}, {report.format})",

@@ -1,20 +1,24 @@
-"""Run a planned stitch or graft and write its report: the part of those verbs after planning.
+"""Run a writing verb's plan: the part of every writing verb after planning.
 
-The report (``StitchReport``, ``GraftReport``) is written into the output as ``stitch-report.json`` /
-``graft-report.json`` after the output validated, and to ``--report`` when asked; ``--plan-json``
-gets the plan. Printing is the caller's (the CLI renders the report this returns to it).
+``write_plan`` (extract, init-draft, fuse/unfuse-experts): ``--plan-json`` gets the plan, the output
+is written and validated unless it is a dry run, and ``Written`` says what landed.
+``execute_and_report`` (stitch, graft): the same, with the verb's report (``StitchReport``,
+``GraftReport``) written into the output as ``stitch-report.json`` / ``graft-report.json`` after the
+output validated, and to ``--report`` when asked. Printing is the caller's (the CLI renders the
+report the public function returns).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..stream.plan import Plan
     from ..stream.progress import Progress
     from ..stream.targets import Output
+    from ..stream.writer import WriteResult
 
 
 class Report(Protocol):
@@ -35,6 +39,55 @@ class Outputs:
     report_file: Path | None = None
     overwrite: bool = False
     resume: bool = False
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a write put into its output (the start of extract's, init-draft's and experts' ``--json``)."""
+
+    output: str
+    tensors: int
+    tensor_bytes: int
+    bytes_written: int
+    bytes_read: int  # from the inputs (the output's validation is not counted)
+    files: list[str]
+    seconds: float
+
+    @classmethod
+    def of(cls, plan: Plan, result: WriteResult, read_before: int = 0) -> Written:
+        return cls(str(result.out_dir), len(plan.tensors), plan.total_bytes, result.bytes_written,
+                   result.bytes_read - read_before, list(result.files), round(result.seconds, 3))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def bytes_read_so_far() -> int:
+    """The process's input byte count. The writer reports the running total; a verb subtracts what was read
+    before it started, so that each of several verbs in one process (a training script, tests) counts its own."""
+    from ..io.safetensors_io import IO_STATS
+
+    return IO_STATS.total
+
+
+def write_plan(plan: Plan, o: Outputs, allow: frozenset[str], progress: Progress | None = None, *,
+               arch: str | None = None, read_before: int = 0) -> tuple[Written, dict[str, Any]] | None:
+    """Write the plan JSON, then (unless dry run, which returns None) execute the plan. The output is
+    validated (as ``arch`` when given) before its index appears: an invalid one is an OutputError
+    (exit 4) and is never marked complete. Returns what was written (``read_before``: the
+    ``bytes_read_so_far()`` when the verb started) and the validation result."""
+    from ..stream.execute import execute
+    from .validate import validate_output
+
+    if o.plan_json is not None:
+        plan.write_json(o.plan_json)
+    if o.dry_run:
+        return None
+    validation: dict[str, Any] = {}
+    result = execute(plan, o.out, overwrite=o.overwrite, resume=o.resume, progress=progress,
+                     check=lambda path, pending: validation.update(validate_output(path, arch=arch, allow=allow,
+                                                                                   pending=pending)))
+    return Written.of(plan, result, read_before), validation
 
 
 def execute_and_report(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: str,

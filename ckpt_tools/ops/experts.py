@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..dtypes import FP8_DTYPES
-from ..errors import InputError, PlanError
+from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, source_name
 from ..model.consistency import note_allowed, require_consistent
 from ..model.expert_layouts import ExpertGroup, ExpertLayout, scale_key
@@ -30,6 +30,24 @@ from .extract import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"
 SCOPE_FIELD = "ckpt_expert_layout_scope"  # "mtp" when only the MTP groups carry that layout
+# fuse: one tensor per projection (or gate+up); unfuse: gate and up apart again
+FUSE_TARGETS = ("fused", "stacked", "stacked-transposed", "fused-transposed")
+UNFUSE_TARGETS = ("per-expert", "stacked", "stacked-transposed")
+TARGETS = {"fuse-experts": FUSE_TARGETS, "unfuse-experts": UNFUSE_TARGETS}
+
+
+def target_layout(text: str, verb: str) -> ExpertLayout:
+    """``--to`` of ``verb`` (fuse-experts | unfuse-experts): a layout that direction writes, else a usage error."""
+    try:
+        layout = ExpertLayout.parse(text)
+    except ValueError as e:
+        raise UsageError(f"--to {text!r}: {e}") from None
+    allowed = TARGETS[verb]
+    if layout.name not in allowed:
+        other = "unfuse-experts" if verb == "fuse-experts" else "fuse-experts"
+        raise UsageError(f"{verb} --to {text!r}: {verb} writes {' | '.join(allowed)}; use `ckpt {other}` for "
+                         f"{layout.name}")
+    return layout
 
 
 @dataclass

@@ -1,0 +1,386 @@
+"""The writing verbs as functions: extract, stitch, graft, fuse_experts, unfuse_experts, init_draft.
+
+Each opens its inputs, plans (``ckpt_tools.ops``), writes the output (unless ``dry_run``) and returns
+a report whose ``to_json()`` is what ``ckpt VERB --json`` prints. Inputs are never modified; an
+output that fails validation is an ``OutputError`` and is never marked complete.
+
+Module level stays light (no numpy, torch or pydantic): ``from ckpt_tools import stitch`` costs
+nothing until the verb runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .report import Report, progress_sink
+
+if TYPE_CHECKING:
+    from ..ops import graft as _graft
+    from ..ops import stitch as _stitch
+    from ..ops.execute import Outputs, Written
+    from ..ops.experts import ExpertsPlan
+    from ..ops.init_draft import InitSummary
+    from ..stream.plan import Plan
+    from ..stream.progress import Progress
+    from ..stream.targets import Output
+
+PathArg = str | os.PathLike[str]
+# a draft: a directory (or hf:// / file path), or tensors in memory (name -> tensor)
+DraftArg = str | os.PathLike[str] | Mapping[str, Any]
+
+
+# -- how the verb was invoked --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """What the CLI adds to a call: the command line the manifest records, and what to do once the plan
+    is made (say what --allow-invalid let in, before anything is written)."""
+
+    command: str
+    on_plan: Callable[[Plan], None] | None = None
+
+
+_INVOKED: ContextVar[Invocation | None] = ContextVar("ckpt_tools_invocation", default=None)
+
+
+@contextlib.contextmanager
+def invocation(command: str, on_plan: Callable[[Plan], None] | None = None) -> Iterator[None]:
+    """Calls inside record ``command`` (a CLI's command line) instead of the Python call, and call ``on_plan``."""
+    token = _INVOKED.set(Invocation(command, on_plan))
+    try:
+        yield
+    finally:
+        _INVOKED.reset(token)
+
+
+def _command(verb: Callable[..., Any], inputs: Sequence[object], options: Mapping[str, Any]) -> str:
+    """The command line of this call: the CLI's, else the Python call with the options that differ from
+    their defaults (what the manifest and the plan record to reproduce the output)."""
+    invoked = _INVOKED.get()
+    if invoked is not None:
+        return invoked.command
+    params = inspect.signature(verb).parameters
+    given = [repr(os.fspath(i)) if isinstance(i, (str, os.PathLike)) else "None" if i is None else "<in memory>"
+             for i in inputs]
+    given += [f"{k}={v!r}" for k, v in options.items()
+              if k in params and k != "progress" and params[k].kind is inspect.Parameter.KEYWORD_ONLY
+              and v != params[k].default]
+    return f"ckpt_tools.{verb.__name__}({', '.join(given)})"
+
+
+def _planned(plan: Plan) -> None:
+    invoked = _INVOKED.get()
+    if invoked is not None and invoked.on_plan is not None:
+        invoked.on_plan(plan)
+
+
+@contextlib.contextmanager
+def _progress(progress: bool) -> Iterator[Progress]:
+    """The verb's progress sink; a display it started ends with the verb."""
+    from ..stream.progress import end_progress
+
+    try:
+        yield progress_sink(progress)
+    finally:
+        if progress:
+            end_progress()
+
+
+# -- option parsing shared by the verbs ------------------------------------------------------
+
+
+def _out(out: PathArg | None) -> Output | None:
+    from ..stream.targets import output_location
+
+    return None if out is None else output_location(out)
+
+
+def _optional_path(path: PathArg | None) -> os.PathLike[str] | None:
+    from pathlib import Path
+
+    return None if path is None else Path(path)
+
+
+def _layers(layers: Sequence[int] | None) -> list[int] | None:
+    """MTP depths: each an index below the MTP bound, none twice (the CLI's ``--layers 0,1``)."""
+    if layers is None:
+        return None
+    from ..model.tables.resolve import MAX_MTP_LAYERS
+    from ..options import index_list
+
+    return index_list("--layers", ",".join(str(i) for i in layers), MAX_MTP_LAYERS - 1)
+
+
+def _allow(allow_invalid: Sequence[str]) -> frozenset[str]:
+    from ..model.consistency import parse_allow
+
+    if isinstance(allow_invalid, str):  # one rule given bare: not its characters
+        allow_invalid = [allow_invalid]
+    return parse_allow(allow_invalid)
+
+
+def _outputs(out: Output | None, dry_run: bool, plan_json: PathArg | None, report: PathArg | None = None,
+             overwrite: bool = False, resume: bool = False) -> Outputs:
+    from ..ops.execute import Outputs
+
+    # out is None only for a dry run (experts), where nothing is written
+    return Outputs(out, dry_run, _optional_path(plan_json), _optional_path(report), overwrite, resume)  # type: ignore[arg-type]
+
+
+# -- reports -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ExtractReport(Report):
+    """``ckpt extract``'s result. A dry run (``written`` None) reports the plan."""
+
+    format: str
+    plan: Plan
+    written: Written | None
+    validation: dict[str, Any] | None
+    shared_from_trunk: dict[str, str] | None  # role -> trunk key carried where MTP has no per-layer copy
+
+    def to_json(self) -> dict[str, Any]:
+        if self.written is None:
+            return self.plan.to_json()
+        trunk = {"shared_from_trunk": self.shared_from_trunk} if self.shared_from_trunk is not None else {}
+        return {**self.written.to_json(), "format": self.format, **trunk, "validation": self.validation}
+
+
+@dataclass
+class InitDraftReport(Report):
+    """``ckpt init-draft``'s result: the plan (dry run) or what was written, and what was initialised."""
+
+    format: str
+    plan: Plan
+    init: InitSummary
+    written: Written | None
+    validation: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.written is None:
+            return {**self.plan.to_json(), "init": self.init.to_json()}
+        return {**self.written.to_json(), "format": self.format, "init": self.init.to_json(),
+                "validation": self.validation}
+
+
+@dataclass
+class ExpertsReport(Report):
+    """``ckpt fuse-experts`` / ``unfuse-experts``' result: each expert group's layout before and after."""
+
+    layout: str  # the target layout's label
+    experts: ExpertsPlan
+    written: Written | None
+    validation: dict[str, Any] | None
+    bytes_copied: int  # by byte range
+    bytes_computed: int  # restacked or dequantized
+
+    def to_json(self) -> dict[str, Any]:
+        if self.written is None:
+            return {**self.experts.summary(), "plan": self.experts.plan.to_json()}
+        w = self.written
+        return {"output": w.output, "layout": self.layout, "groups": [g.to_json() for g in self.experts.groups],
+                "tensors": w.tensors, "bytes_written": w.bytes_written, "bytes_read": w.bytes_read,
+                "bytes_copied": self.bytes_copied, "bytes_computed": self.bytes_computed, "files": w.files,
+                "seconds": w.seconds, "validated": bool(self.validation)}
+
+
+@dataclass
+class StitchReport(Report):
+    """``ckpt stitch``'s result: ``details`` is the stitch's own report (every MTP tensor's comparison and
+    decision, the shards rewritten); it is also written into the output as ``stitch-report.json``."""
+
+    details: _stitch.StitchReport
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return self.details.to_json()
+
+
+@dataclass
+class GraftReport(Report):
+    """``ckpt graft``'s result: ``details`` is graft's own report (also ``graft-report.json`` in the output)."""
+
+    details: _graft.GraftReport
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return self.details.to_json()
+
+
+# -- the verbs -----------------------------------------------------------------------------------
+
+
+def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: Sequence[int] | None = None,
+            format: str = "native", with_embed: bool | None = None, with_head: bool | None = None,
+            dtype: str = "keep", dequant: str | None = None, drop_mtp: bool = False,
+            verifier_name: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+            plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
+            allow_invalid: Sequence[str] = (), progress: bool = False) -> ExtractReport:
+    """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
+    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them."""
+    from ..io.checkpoint import Checkpoint
+    from ..ops.execute import bytes_read_so_far, write_plan
+    from ..ops.extract import ExtractRequest, plan_extract
+    from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
+
+    command = _command(extract, (source, out), locals())
+    allow = _allow(allow_invalid)
+    dest = _out(out)
+    req = ExtractRequest(arch=arch, layers=_layers(layers), format=format, with_embed=with_embed,
+                         with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
+                         max_shard_size=parse_size(max_shard_size), command=command, source=os.fspath(source),
+                         verifier_name=verifier_name, allow_invalid=allow)
+    with _progress(progress) as sink:
+        sink.phase("reading headers")
+        with Checkpoint.open(source) as ckpt:
+            sink.phase("planning")
+            plan = plan_extract(ckpt, req)
+            _planned(plan)
+            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink,
+                              read_before=read_before)
+    written, validation = done if done is not None else (None, None)
+    return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"))
+
+
+def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_layers: int | None = None,
+               seed: int = 0, std: float | None = None, from_layer: int | None = None, format: str = "native",
+               dtype: str = "keep", dequant: str | None = None, max_shard_size: int | str = "5GB",
+               dry_run: bool = False, plan_json: PathArg | None = None, overwrite: bool = False,
+               allow_invalid: Sequence[str] = (), progress: bool = False) -> InitDraftReport:
+    """A draft whose dimensions match ``target`` (a checkpoint or its config.json): initialised from
+    ``seed``, or warm-started from its decoder layer ``from_layer``."""
+    from ..io.checkpoint import Checkpoint
+    from ..ops.execute import bytes_read_so_far, write_plan
+    from ..ops.init_draft import InitRequest, check_request, plan_init
+    from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
+
+    command = _command(init_draft, (target, out), locals())
+    allow = _allow(allow_invalid)
+    dest = _out(out)
+    req = InitRequest(arch=arch, num_layers=num_layers, seed=seed, std=std, from_layer=from_layer, format=format,
+                      dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size), command=command,
+                      allow_invalid=allow)
+    check_request(req)  # before the target is opened
+    with _progress(progress) as sink:
+        sink.phase("reading headers")
+        with Checkpoint.open(target) as ckpt:
+            sink.phase("planning")
+            plan, summary = plan_init(ckpt, req)
+            _planned(plan)
+            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite), allow, sink,
+                              read_before=read_before)
+    written, validation = done if done is not None else (None, None)
+    return InitDraftReport(format, plan, summary, written, validation)
+
+
+def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out: PathArg | None,
+             options: dict[str, Any]) -> ExpertsReport:
+    """fuse_experts / unfuse_experts: the same run, each with its own target layouts."""
+    from ..errors import UsageError
+    from ..io.checkpoint import Checkpoint
+    from ..ops.execute import bytes_read_so_far, write_plan
+    from ..ops.experts import ExpertsRequest, plan_experts, stats, target_layout
+    from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
+
+    o = options
+    command = _command(verb, (source, out), o)
+    layout = target_layout(o["to"], name)
+    allow = _allow(o["allow_invalid"])
+    if out is None and not o["dry_run"]:
+        raise UsageError(f"{name} needs -o OUT (or --dry-run)")
+    dest = _out(out)
+    req = ExpertsRequest(layout, only_mtp=o["only_mtp"], arch=o["arch"], max_shard_size=parse_size(o["max_shard_size"]),
+                         command=command, dequant=o["dequant"], allow_invalid=allow)
+    with _progress(o["progress"]) as sink:
+        sink.phase("reading headers")
+        with Checkpoint.open(source) as ckpt:
+            sink.phase("planning")
+            xplan = plan_experts(ckpt, req)
+            _planned(xplan.plan)
+            outputs = _outputs(dest, o["dry_run"], o["plan_json"], None, o["overwrite"])
+            done = write_plan(xplan.plan, outputs, allow, sink, arch=o["arch"], read_before=read_before)
+    written, validation = done if done is not None else (None, None)
+    moved = stats(xplan)
+    return ExpertsReport(layout.label(), xplan, written, validation, moved["bytes_copied"], moved["bytes_computed"])
+
+
+def fuse_experts(source: PathArg, out: PathArg | None, *, to: str = "fused", only_mtp: bool = False,
+                 arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+                 plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
+                 allow_invalid: Sequence[str] = (), progress: bool = False) -> ExpertsReport:
+    """Routed experts stacked into one tensor per projection (``to``: fused | stacked | stacked-transposed |
+    fused-transposed, options after ':'); ``out`` may be None for a dry run."""
+    return _experts(fuse_experts, "fuse-experts", source, out, locals())
+
+
+def unfuse_experts(source: PathArg, out: PathArg | None, *, to: str = "per-expert", only_mtp: bool = False,
+                   arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+                   plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
+                   allow_invalid: Sequence[str] = (), progress: bool = False) -> ExpertsReport:
+    """Fused experts split apart again (``to``: per-expert | stacked | stacked-transposed)."""
+    return _experts(unfuse_experts, "unfuse-experts", source, out, locals())
+
+
+def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "auto", mode: str = "auto",
+           link: str = "copy", allow_partial: bool = False, dtype: str = "verifier", update_copies: bool = False,
+           keep_bf16: bool = False, arch: str | None = None, strip_prefix: str | None = None,
+           layers: Sequence[int] | None = None, max_shard_size: int | str = "5GB", accept_divergent: bool = False,
+           dry_run: bool = False, plan_json: PathArg | None = None, report: PathArg | None = None,
+           overwrite: bool = False, resume: bool = False, allow_invalid: Sequence[str] = (),
+           progress: bool = False) -> StitchReport:
+    """A finetuned ``draft`` (a directory, or name -> tensor in memory) stitched into ``verifier``: exact
+    names, layout and dtypes, compared tensor by tensor. ``report``: also write the report there."""
+    from ..ops.stitch import run
+
+    command = _command(stitch, (draft, verifier, out), locals())
+    with _progress(progress) as sink:
+        details = run(draft, verifier, _out(out), format=format, mode=mode, link=link,  # type: ignore[arg-type]
+                      allow_partial=allow_partial, dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16,
+                      arch=arch, strip_prefix=strip_prefix, layers=_layers(layers), max_shard_size=max_shard_size,
+                      accept_divergent=accept_divergent, dry_run=dry_run, plan_json=_optional_path(plan_json),
+                      report_file=_optional_path(report), overwrite=overwrite, resume=resume,
+                      allow_invalid=_allow(allow_invalid), command=command, progress=sink,
+                      on_plan=lambda plan, _report: _planned(plan))
+    return StitchReport(details, dry_run)
+
+
+def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | None = None,
+          mtp_quant: str | None = None, link: str = "copy", arch: str | None = None,
+          max_shard_size: int | str = "5GB", dry_run: bool = False, plan_json: PathArg | None = None,
+          report: PathArg | None = None, overwrite: bool = False, resume: bool = False,
+          allow_invalid: Sequence[str] = (), progress: bool = False) -> GraftReport:
+    """``target`` (a converted checkpoint that lost its MTP) with ``source``'s MTP layers: config count and
+    quantization config repaired. ``report``: also write the report there."""
+    from ..io.checkpoint import Checkpoint
+    from ..ops.execute import execute_and_report
+    from ..ops.graft import GraftRequest, plan_graft
+    from ..stream.plan import parse_size
+
+    command = _command(graft, (source, target, out), locals())
+    allow = _allow(allow_invalid)
+    dest = _out(out)
+    req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
+                       max_shard_size=parse_size(max_shard_size), command=command, allow_invalid=allow)
+    with _progress(progress) as sink:
+        sink.phase("reading headers")
+        with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
+            sink.phase("planning")
+            plan, details = plan_graft(s, t, req)
+            _planned(plan)
+            outputs = _outputs(dest, dry_run, plan_json, report, overwrite, resume)
+            execute_and_report(plan, details, outputs, allow, "graft-report.json", sink)
+    return GraftReport(details, dry_run)
