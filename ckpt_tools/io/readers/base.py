@@ -298,7 +298,7 @@ def torch_dtype_name(dtype, where: str, key: str | None = None) -> str:
     except KeyError:
         what = f"tensor {key!r} is" if key else "is"
         raise InputError(f"{what} {str(dtype).removeprefix('torch.')}, which safetensors cannot store",
-                         rule="unsupported-dtype", path=where) from None
+                         rule="unsupported-dtype", path=where, key=key) from None
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -41,14 +41,14 @@ def read_memory(state: Mapping[object, object]) -> WeightSet:
     for key, value in state.items():
         if not isinstance(key, str):
             raise InputError(f"key {key!r:.80} is a {type(key).__name__}, not a str", rule="not-a-state-dict",
-                             path=ROOT)
+                             path=ROOT, key=repr(key)[:80])
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{key!r} is a {type(value).__name__}, not a torch.Tensor", rule="not-a-state-dict",
-                             path=ROOT)
+                             path=ROOT, key=key)
         dtype = check_tensor(value, key, ROOT)
         if value.is_meta:
             raise InputError(f"tensor {key!r} is on the meta device: it holds no values", rule="unsupported-tensor",
-                             path=ROOT)
+                             path=ROOT, key=key)
         shape = tuple(value.shape)
         # detach: a view without autograd (a parameter's bytes cannot be read through numpy otherwise)
         found.append(Tensor(key, dtype, shape, MemoryTensor(value.detach(), tensor_nbytes(dtype, shape))))
