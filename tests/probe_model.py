@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -180,6 +182,18 @@ def _digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes() + versions).hexdigest()[:16]
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread. The models are 32 wide: threads gain nothing, and under pytest-xdist on
+    2 cores (2 workers x 2 threads) OpenMP's spin waits made one probe run take 302 s instead of 15 s."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
 def build(cache_root: Path, family: str = "deepseek_v3") -> tuple[Path, float]:
     """The trained checkpoint directory (built once per digest) and the seconds training took (0 if cached)."""
     import fcntl
@@ -190,7 +204,8 @@ def build(cache_root: Path, family: str = "deepseek_v3") -> tuple[Path, float]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers build it once
         if (d / "DONE").exists():
             return d, 0.0
-        return _build(d, family)
+        with one_thread():
+            return _build(d, family)
 
 
 def _build(d: Path, family: str) -> tuple[Path, float]:
@@ -211,3 +226,26 @@ def _build(d: Path, family: str) -> tuple[Path, float]:
         shutil.rmtree(d)
     tmp.rename(d)
     return d, seconds
+
+
+def edited(draft: Path, out: Path, edit) -> Path:
+    """A copy of an extracted draft with ``edit(tensors)`` applied (its manifest dropped: the bytes changed)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(draft, out)
+    [f] = out.glob("*.safetensors")
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    (out / "ckpt_manifest.json").unlink(missing_ok=True)
+    return out
+
+
+def swap_eh_proj_halves(tensors: dict) -> None:
+    """The two concat halves of eh_proj exchanged (a trainer's [h, e] order)."""
+    [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
+    w = tensors[key]
+    h = w.shape[1] // 2
+    tensors[key] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()

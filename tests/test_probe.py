@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import run_ckpt as ckpt
 
@@ -26,6 +25,12 @@ from ckpt_tools.errors import InputError  # noqa: E402
 from ckpt_tools.ops import probe as probe_ops  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "ckpt-tools-test-cache"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with probe_model.one_thread():  # see there: tiny models, 2 cores shared by 2 workers
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +69,11 @@ def test_trained_verifier_agrees_and_the_greedy_loop_holds(trained, prompts):
     out = probe_json(trained, prompts, depth=2)
     [v] = out["drafts"]
     assert v["name"] == "verifier"
+    # the names and types scripts rely on (issue 18)
+    assert isinstance(v["agreement"], list) and isinstance(v["kl"], list) and all(
+        isinstance(x, float) for x in v["agreement"] + v["kl"])
+    assert type(v["positions"]) is int and type(v["greedy_equal"]) is bool
+    assert out["chain"] == "sglang" and out["needed_bytes"] > 0
     assert v["agreement"][0] >= 0.8, v
     assert len(v["agreement"]) == len(v["kl"]) == 2
     assert v["positions"] == 4 * 16  # every generated token of every prompt, prompts longer than depth + 1
@@ -83,27 +93,6 @@ def test_extract_then_stitch_round_trip_gives_identical_numbers(trained, prompts
     assert _numbers(again["drafts"][0]) == _numbers(base["drafts"][0])  # the stitched checkpoint's own MTP
 
 
-def _edited(extracted: Path, out: Path, edit) -> Path:
-    """A copy of the extracted draft with ``edit(tensors)`` applied (its manifest dropped: the bytes changed)."""
-    import shutil
-
-    shutil.copytree(extracted, out)
-    f = out / "model.safetensors"
-    tensors = load_file(str(f))
-    edit(tensors)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    (out / "ckpt_manifest.json").unlink(missing_ok=True)
-    return out
-
-
-def _swap_eh_proj_halves(tensors: dict) -> None:
-    """The two concat halves of eh_proj exchanged (a trainer's [h, e] order)."""
-    [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
-    w = tensors[key]
-    h = w.shape[1] // 2
-    tensors[key] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
-
-
 def _swap_norms(tensors: dict) -> None:
     [e] = [k for k in tensors if k.endswith("enorm.weight")]
     [h] = [k for k in tensors if k.endswith("hnorm.weight")]
@@ -112,8 +101,8 @@ def _swap_norms(tensors: dict) -> None:
 
 def test_damaged_drafts_measure_worse_and_the_verifier_runs_once_per_prompt(
         trained, prompts, extracted, tmp_path, monkeypatch):
-    swapped = _edited(extracted, tmp_path / "swapped", _swap_eh_proj_halves)
-    norms = _edited(extracted, tmp_path / "norms", _swap_norms)
+    swapped = probe_model.edited(extracted, tmp_path / "swapped", probe_model.swap_eh_proj_halves)
+    norms = probe_model.edited(extracted, tmp_path / "norms", _swap_norms)
     calls = []
     real = probe_ops.teacher_forward
     monkeypatch.setattr(probe_ops, "teacher_forward", lambda main, seq: calls.append(seq.shape) or real(main, seq))
@@ -137,17 +126,29 @@ def test_a_family_without_mtp_is_refused(tmp_path, prompts):
     assert "probe-family" in r.output and "llama" in r.output
 
 
-def test_a_verifier_larger_than_available_memory_is_refused_with_the_number(trained, prompts, monkeypatch):
-    monkeypatch.setattr(probe_ops, "available_memory", lambda: 1000)
-    with pytest.raises(InputError) as e:
-        probe_ops.probe(probe_ops.ProbeRequest(str(trained), prompts=str(prompts), dtype="fp32"))
-    assert e.value.rule == "memory"
+def test_the_memory_needed_is_said_up_front_and_a_verifier_that_does_not_fit_is_refused(
+        trained, prompts, extracted, monkeypatch):
+    from ckpt_tools.cli.common import human_bytes
     from ckpt_tools.io.checkpoint import Checkpoint
 
     with Checkpoint.open(trained) as c:
-        need = probe_ops.needed_bytes(c, "fp32")
-    assert str(need) in str(e.value) and "1000 bytes" in str(e.value)
-    assert need == 2 * probe_ops.needed_bytes(c, "bf16")
+        weights = sum(r.nbytes for r in c.tensors.values())  # the test model is stored in fp32
+        mtp = sum(r.nbytes for k, r in c.tensors.items() if k.startswith(probe_model.MTP_PREFIX))
+        assert probe_ops.needed_bytes(c, "fp32") == weights == 2 * probe_ops.needed_bytes(c, "bf16")
+        assert probe_ops.needed_bytes(c, "fp32", drafts=2) == weights + 2 * mtp  # each draft: a copy of its MTP
+    # up front: on stderr before the weights load
+    def stop(*a):
+        raise InputError("stopped before loading", rule="test-stop")
+
+    monkeypatch.setattr(probe_ops, "load_verifier", stop)
+    r = ckpt("probe", trained, "--prompts", prompts, "--draft", extracted, code=3)
+    assert "test-stop" in r.output
+    assert f"loading the verifier: its weights need {human_bytes(weights + mtp)} in fp32" in r.stderr
+    # refused, exit 3, with both numbers, before loading
+    monkeypatch.setattr(probe_ops, "available_memory", lambda: 1000)
+    r = ckpt("probe", trained, "--prompts", prompts, "--draft", extracted, "--json", code=3)
+    assert "[memory]" in r.output and f"({weights + mtp} bytes" in r.output and "(1000 bytes) is available" in r.output
+    assert r.stdout == ""
 
 
 def test_prompt_files_are_read_or_refused(tmp_path):
@@ -165,7 +166,8 @@ def test_prompt_files_are_read_or_refused(tmp_path):
 def test_a_greedy_mismatch_exits_1_naming_the_prompt_and_position(monkeypatch, tmp_path):
     bad = probe_ops.DraftResult("./draft", [0.5], [0.1], 16, False, {"prompt": 2, "position": 5})
     good = probe_ops.DraftResult("verifier", [0.9], [0.01], 16, True)
-    monkeypatch.setattr(probe_ops, "probe", lambda req, progress=None: probe_ops.ProbeResult([good, bad], 3, 10))
+    monkeypatch.setattr(probe_ops, "probe",
+                        lambda req, progress=None, announce=None: probe_ops.ProbeResult([good, bad], 3, 10))
     r = ckpt("probe", tmp_path, "--json", code=1)
     assert json.loads(r.stdout)["drafts"][1]["mismatch"] == {"prompt": 2, "position": 5}
     assert "./draft: generate(use_mtp=True) differs from greedy at prompt 2, generated position 5" in r.output
@@ -181,7 +183,7 @@ def test_bf16_probe_runs_and_agrees(trained, prompts):
 
 def _fake_results(monkeypatch, *drafts, seen: list | None = None):
     """``probe`` replaced by one returning ``drafts`` (and recording the progress callable it got)."""
-    def fake(req, progress=None):
+    def fake(req, progress=None, announce=None):
         if seen is not None:
             seen.append((req, progress))
         return probe_ops.ProbeResult(list(drafts), 3, 10)
@@ -207,7 +209,7 @@ def test_min_acceptance_checks_the_drafts_or_else_the_verifier(monkeypatch, tmp_
 
 
 def test_min_acceptance_on_the_trained_model(trained, prompts, extracted, tmp_path):
-    swapped = _edited(extracted, tmp_path / "swapped", _swap_eh_proj_halves)
+    swapped = probe_model.edited(extracted, tmp_path / "swapped", probe_model.swap_eh_proj_halves)
     base = ["probe", trained, "--prompts", prompts, "--max-new-tokens", 8, "--json"]
     ckpt(*base, "--min-acceptance", 0.8)
     r = ckpt(*base, "--draft", swapped, "--min-acceptance", 0.8, code=1)
@@ -305,3 +307,44 @@ def test_asking_transformers_about_a_family_leaves_the_cached_table_alone():
     before = {k: copy.deepcopy(t.fixture) for k, t in all_tables().items()}
     tables_info(probe=True)
     assert {k: t.fixture for k, t in all_tables().items()} == before
+
+
+def _without(monkeypatch, module: str) -> None:
+    """``module`` looks uninstalled: find_spec finds nothing and importing it fails."""
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == module else real(name, *a, **k))
+    monkeypatch.setitem(sys.modules, module, None)
+
+
+@pytest.mark.parametrize("accelerate", [True, False])
+def test_the_verifier_loads_with_a_device_map_when_accelerate_is_there_and_without_on_cpu(
+        trained, prompts, monkeypatch, accelerate):
+    """transformers 5.24 needs accelerate for any device_map; on cpu the load without one is the same load."""
+    if accelerate:
+        pytest.importorskip("accelerate")
+    else:
+        _without(monkeypatch, "accelerate")
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: seen.append(k) or real(*a, **k))
+    out = json.loads(ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4, "--json").stdout)
+    assert [k["device_map"] for k in seen] == [{"": "cpu"} if accelerate else None]
+    assert out["drafts"][0]["agreement"][0] >= 0.8 and out["drafts"][0]["greedy_equal"] is True
+
+
+def test_missing_extras_are_named(trained, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _without(monkeypatch, "accelerate")
+    monkeypatch.setattr(probe_ops, "read_prompts", lambda p: pytest.fail("read before the extra was checked"))
+    r = ckpt("probe", trained, "--device", "cuda", code=2)
+    assert "[missing-extra]" in r.output and "accelerate" in r.output and "ckpt-tools[probe]" in r.output
+    assert probe_ops.device_map("cpu") is None
+    _without(monkeypatch, "transformers")
+    for args in (["probe", trained], ["probe", trained, "--json"], ["tables", "--probe"]):
+        r = ckpt(*args, code=2)
+        assert "[missing-extra]" in r.output and "transformers" in r.output and "ckpt-tools[probe]" in r.output

@@ -25,6 +25,10 @@ def register(app: typer.Typer) -> None:
         depth: int = typer.Option(1, "--depth", help="Chain depth K: agreement is measured for depths 1..K."),
         device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto (cuda when torch sees a GPU)."),
         dtype: str = typer.Option("fp32", "--dtype", help="bf16 or fp32."),
+        chain: str = typer.Option(
+            "sglang", "--chain",
+            help="How depth k > 1 is chained: sglang (the post-norm hidden state feeds the next step, as SGLang and "
+                 "transformers do) or vllm (the state before the MTP's final norm, as vLLM does)."),
         min_acceptance: float = typer.Option(
             None, "--min-acceptance",
             help="Exit 1 when the depth-1 agreement of a draft (of the verifier's own MTP when no --draft) is below."),
@@ -36,7 +40,7 @@ def register(app: typer.Typer) -> None:
         or when --min-acceptance is not met."""
         from ..errors import UsageError
         from ..jsonutil import write_json_file
-        from ..ops.probe import ProbeRequest, probe, resolve_device
+        from ..ops.probe import ProbeRequest, probe, resolve_device, transformers_module
 
         if min_acceptance is not None and not 0 <= min_acceptance <= 1:  # nan fails both comparisons
             raise UsageError(f"--min-acceptance {min_acceptance!r}: expected a number from 0 to 1")
@@ -46,9 +50,10 @@ def register(app: typer.Typer) -> None:
 
             outside_inputs("--report", report_file, inputs)  # before anything is loaded
         device = resolve_device(device)
-        req = ProbeRequest(verifier, list(drafts), prompts, max_new_tokens, depth, device, dtype)
+        transformers_module()  # a missing extra is one line, before anything else
+        req = ProbeRequest(verifier, list(drafts), prompts, max_new_tokens, depth, device, dtype, chain)
         with PromptBar(enabled=not json_output and sys.stderr.isatty()) as bar, _quiet_transformers(json_output):
-            result = probe(req, bar)
+            result = probe(req, bar, None if json_output else _announce(dtype))
         data = result.to_json()
         if report_file is not None:
             write_json_file(report_file, data, "--report", inputs)
@@ -66,6 +71,16 @@ def register(app: typer.Typer) -> None:
             err_console().print(f"{d.name}: depth-1 agreement {d.agreement[0]:.4f} is below --min-acceptance "
                                 f"{min_acceptance}", markup=False, soft_wrap=True)
         raise typer.Exit(1 if bad or low else 0)
+
+
+def _announce(dtype: str):
+    """Before loading: how much memory the weights need (stderr; the table and --json repeat the number)."""
+    def say(need: int, available: int) -> None:
+        free = f", {human_bytes(available)} available" if available else ""
+        err_console().print(f"loading the verifier: its weights need {human_bytes(need)} in {dtype}{free}",
+                            markup=False, soft_wrap=True)
+
+    return say
 
 
 def below_min_acceptance(result, minimum: float | None) -> list:
@@ -127,7 +142,8 @@ class PromptBar:
 def _render(result, depth: int) -> None:
     from rich.table import Table
 
-    t = Table(title=f"probe: {result.prompts} prompt(s), verifier needs {human_bytes(result.needed_bytes)}")
+    t = Table(title=f"probe: {result.prompts} prompt(s), verifier needs {human_bytes(result.needed_bytes)}, "
+                    f"depth chained as {result.chain}")
     t.add_column("draft", overflow="fold")
     for k in range(1, depth + 1):
         t.add_column(f"agree@{k}")

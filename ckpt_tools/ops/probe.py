@@ -5,12 +5,11 @@ The verifier is loaded with transformers and its MTP layers through transformers
 then runs ONE teacher-forced forward pass over prompt + generation; its last hidden states and
 logits are shared by every MTP compared (the verifier's own, then each ``--draft``).
 
-Depth k is chained as the engines chain a draft: depth 1 takes the verifier's hidden state at t
-and the token at t + 1; depth k takes depth k-1's output hidden state and the token at t + k
-(teacher-forced: the sequence is the verifier's own greedy output), and predicts the token at
-t + k + 1. A model with fewer MTP layers than ``depth`` reuses its last layer, as the engines do.
-Each prediction is scored against the verifier's greedy token at that position (agreement) and
-its distribution (KL from the verifier's next-token distribution to the draft's).
+Depth k is chained as the serving engines chain a draft (``chain_logits``; sources and commits
+there); the sequence is the verifier's own greedy output, so the token fed at each depth is the
+one an accepted draft would have proposed. Each prediction is scored against the verifier's greedy
+token at that position (agreement) and its distribution (KL from the verifier's next-token
+distribution to the draft's).
 
 A draft is mapped onto the verifier's MTP names in memory with stitch's correspondence
 (``plan_stitch``; nothing is written) and loaded into a copy of the MTP module.
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+CHAINS = ("sglang", "vllm")  # how depth k > 1 is chained: see chain_logits
+EXTRA = "ckpt-tools[probe]"  # transformers, and accelerate for device_map
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ProbeRequest:
     depth: int = 1
     device: str = "cpu"
     dtype: str = "fp32"
+    chain: str = "sglang"
     arch: str | None = None  # the drafts' family, asserted as stitch's --arch (a mapping names none)
 
 
@@ -82,10 +85,11 @@ class ProbeResult:
     drafts: list[DraftResult]
     prompts: int
     needed_bytes: int
+    chain: str = "sglang"
 
     def to_json(self) -> dict:
         return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
-                "needed_bytes": self.needed_bytes}
+                "needed_bytes": self.needed_bytes, "chain": self.chain}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -135,19 +139,26 @@ def available_memory() -> int:
     return 0
 
 
-def needed_bytes(verifier: Checkpoint, dtype: str) -> int:
-    """The verifier's weights in the compute dtype, from the headers (every tensor, MTP included)."""
-    return sum(math.prod(ref.shape) for ref in verifier.tensors.values()) * DTYPE_BYTES[dtype]
+def needed_bytes(verifier: Checkpoint, dtype: str, drafts: int = 0) -> int:
+    """Weights in the compute dtype, from the headers: every tensor of the verifier (MTP included), and a copy
+    of its MTP layers for each draft (a draft is loaded into a copy of the MTP module)."""
+    elements = sum(math.prod(ref.shape) for ref in verifier.tensors.values())
+    if drafts:
+        from ..model.mtp import open_mtp
+
+        mtp = {key for _, key in open_mtp(verifier).stored()}
+        elements += drafts * sum(math.prod(verifier.tensors[k].shape) for k in mtp)
+    return elements * DTYPE_BYTES[dtype]
 
 
 def check_memory(verifier: Checkpoint, dtype: str, drafts: int) -> int:
-    need = needed_bytes(verifier, dtype)
+    """The bytes the weights need (``needed_bytes``); refuses when they exceed MemAvailable, rather than swap."""
+    need = needed_bytes(verifier, dtype, drafts)
     avail = available_memory()
     if avail and need > avail:
-        raise InputError(f"the verifier's weights need about {need / 2**30:.2f} GiB in {dtype} ({need} bytes; each "
-                         f"of the {drafts} draft(s) adds a copy of the MTP layers); {avail / 2**30:.2f} GiB "
-                         f"({avail} bytes) is available",
-                         rule="memory", path=verifier.root)
+        raise InputError(f"the verifier needs about {need / 2**30:.2f} GiB in {dtype} ({need} bytes: its weights"
+                         f"{f', and a copy of its MTP layers for each of the {drafts} draft(s)' if drafts else ''}); "
+                         f"{avail / 2**30:.2f} GiB ({avail} bytes) is available", rule="memory", path=verifier.root)
     return need
 
 
@@ -158,12 +169,19 @@ def mtp_supported(config: Any) -> bool:
     return bool(getattr(config.get_text_config(), "num_mtp_layers", None))
 
 
+def transformers_module(what: str = "ckpt probe"):
+    """transformers, or a UsageError naming the extra that installs it (it is not a core dependency)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise UsageError(f"{what} needs transformers, which is not installed ({e.msg}); install the extra: "
+                         f"pip install '{EXTRA}'", rule="missing-extra") from None
+    return transformers
+
+
 def family_supported(fixture: dict) -> bool:
     """``mtp_supported`` for a family table's fixture config.json (what ``ckpt tables`` reports)."""
-    import copy
-
-    import transformers
-
+    transformers = transformers_module("ckpt tables --probe")
     fixture = copy.deepcopy(fixture)  # transformers normalises nested values in place; the table is cached
     model_type = fixture.pop("model_type", None)
     try:
@@ -185,34 +203,53 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def device_map(device: str) -> dict[str, str] | None:
+    """The ``device_map`` the verifier loads with: every weight straight onto ``device``.
+
+    transformers 5.24 refuses any device_map without accelerate (``check_and_set_device_map``), even
+    ``{"": "cpu"}``. Without accelerate, cpu loads with none, which is the same load: transformers 5
+    builds the model on the meta device and materialises each weight once, in place (it has no
+    ``low_cpu_mem_usage`` switch any more: that is how it always loads; the keyword is accepted and
+    ignored). cuda needs accelerate: loading into host memory and moving would need all the weights
+    in host memory first."""
+    if importlib.util.find_spec("accelerate") is not None:
+        return {"": device}
+    if device == "cpu":
+        return None
+    raise UsageError(f"--device {device} loads the weights onto the GPU with a device_map, which needs accelerate "
+                     f"(not installed); install the extra: pip install '{EXTRA}'", rule="missing-extra")
+
+
 def tokens_sha256(ids: list[int]) -> str:
     """sha256 of token ids as comma-separated decimals (ASCII), e.g. ids [5, 17] hash the bytes b"5,17"."""
     return hashlib.sha256(",".join(map(str, ids)).encode("ascii")).hexdigest()
 
 
-def _supported(config: Any) -> None:
-    if not mtp_supported(config):
-        raise InputError(f"family {config.model_type!r} has no MTP layers transformers' MtpModel can load "
-                         "(supported: DeepSeek-V3 / GLM-4-MoE style num_nextn_predict_layers configs)",
-                         rule="probe-family")
-
-
-def load_verifier(path: str, device: str, dtype: str):
-    import torch
-    import transformers
-    from transformers.modeling_layers import MtpModel
-
+def verifier_config(path: str):
+    """The verifier's transformers config; InputError when transformers builds no MTP layers for its family."""
+    transformers = transformers_module()
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"transformers cannot read the config: {e}", rule="probe-family", path=path) from e
-    try:
-        _supported(config)
-    except InputError as e:
-        raise InputError(e.message, rule=e.rule, path=path) from None
+    if not mtp_supported(config):
+        raise InputError(f"family {config.model_type!r} has no MTP layers transformers' MtpModel can load "
+                         "(supported: DeepSeek-V3 / GLM-4-MoE style num_nextn_predict_layers configs)",
+                         rule="probe-family", path=path)
+    return config
+
+
+def load_verifier(path: str, config, device: str, dtype: str):
+    """(main model, its MtpModel), weights on ``device`` in ``dtype``."""
+    import torch
+
+    transformers = transformers_module()
+    from transformers.modeling_layers import MtpModel
+
     main = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, DTYPES[dtype]), low_cpu_mem_usage=True, local_files_only=True)
-    main.to(device).eval()  # no device_map: that needs accelerate, not a dependency
+        path, config=config, dtype=getattr(torch, DTYPES[dtype]), device_map=device_map(device),
+        local_files_only=True)
+    main.eval()
     try:
         mtp = MtpModel.from_pretrained(main, device_map={"": torch.device(device)})
     except (ValueError, RuntimeError) as e:
@@ -288,35 +325,125 @@ def teacher_forward(main, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return out.logits.float(), out.hidden_states[-1]
 
 
-def score(mtp, seq: torch.Tensor, prompt_len: int, logits: torch.Tensor, hidden: torch.Tensor, depth: int
-          ) -> list[tuple[int, int, float]]:
-    """Per depth: (agreeing positions, positions, summed KL) over the generated tokens."""
+# How the engines chain an MTP draft past depth 1, read in their sources:
+# - vLLM: vllm/model_executor/models/deepseek_mtp.py @ 4f7c14402630b97c8c078523fca8edef287ed2cf (and
+#   glm4_moe_mtp.py @ 6e052ba8f4d97e43fb88a3288f3240ff4f73d7d2) return the MTP block's output BEFORE
+#   shared_head.norm, which compute_logits applies only for the logits; the proposer
+#   (vllm/v1/spec_decode/eagle.py @ f7eef1b6987f4780fe8636077682936fe075aa2f, llm_base_proposer.py
+#   @ 82720b1ed4712ddebb597acdbcff752db48a76c1) feeds that output, the token drafted at the step
+#   before and position + 1 to the next step, calling the model without spec_step_idx: the first
+#   MTP layer drafts every step (config/speculative.py @ f19b16d9: "multiple times of forward on
+#   same MTP layer").
+# - SGLang: python/sglang/srt/models/deepseek_nextn.py @ c28bdc9012d29bed6b96688a44d6788157ef3d86
+#   (and glm4_moe_nextn.py @ d737979cbd17c6162f39c1953cfa72d3d23cc0d0) applies shared_head.norm in
+#   forward; speculative/eagle_worker.py @ fba8eccd7ebe41bbdbf70ab3b6a2df1835f8b532 feeds that
+#   (post-norm) hidden state, the drafted token and position + 1 to the next step; the NextN
+#   model holds one decoder layer, the first MTP layer, reused every step.
+# - transformers 5.24 (MtpModel.forward) also chains the post-norm state, but drafts one token per
+#   MTP layer: it never reuses a layer.
+# In both engines step k attends to the MTP's cache: depth-1 entries for the verified prefix (the
+# drafter rewrites accepted positions at depth 1 after each verification) and this chain's own
+# entries of steps 2..k. Teacher-forced, the token fed at step k is the verifier's own: the token
+# an accepted draft proposed.
+
+
+def chain_logits(mtp, seq: torch.Tensor, hidden: torch.Tensor, depth: int, chain: str) -> list[torch.Tensor]:
+    """Per depth k (1..depth): the draft's logits ``[L - k, vocab]`` for the chains starting at t = 0..L-k-1,
+    row t predicting ``seq[t + k + 1]`` (the last row of each has nothing to predict inside ``seq``).
+
+    ``hidden[:, t]`` is the verifier's last hidden state at t. Depth k of chain t runs the first MTP
+    layer on (chained hidden state of depth k - 1, or ``hidden[:, t]``; the token ``seq[t + k]``) at
+    position t + k. One forward per depth over every chain at once: the inputs of all depths so far,
+    concatenated, under an attention mask that lets depth k of chain t see exactly what the engines'
+    cache holds (``_chain_mask``). ``chain``: "sglang" feeds the post-norm state on, "vllm" the
+    pre-norm one."""
     import torch
 
-    out = []
-    prev = hidden
     length = seq.shape[1]
+    out: list[torch.Tensor] = []
+    prev_inputs: list[torch.Tensor] = []  # per depth d: the hidden states its entries take
+    prev = hidden[:, : length - 1]
+    with _pre_norm(mtp, chain == "vllm"):
+        for k in range(1, depth + 1):
+            n = length - k
+            if n <= 0:
+                break
+            prev_inputs.append(prev[:, :n])
+            ids = torch.cat([seq[:, d:] for d in range(1, k + 1)], dim=1)
+            pos = torch.cat([torch.arange(d, length, device=seq.device) for d in range(1, k + 1)]).unsqueeze(0)
+            mask = None if k == 1 else _chain_mask(mtp, length, k, torch.cat(prev_inputs, dim=1))
+            with _attention_mask(mtp, mask):
+                h = mtp.forward_layer(0, torch.cat(prev_inputs, dim=1), pos, None, input_ids=ids)[:, -n:]
+            prev = h
+            if chain == "vllm" and mtp.layers[0].post_norm is not None:
+                h = mtp.layers[0].post_norm(h)  # the norm belongs to the logits only
+            out.append(mtp._project_to_logits(h).float()[0])
+    return out
+
+
+def _chain_mask(mtp, length: int, depth: int, inputs: torch.Tensor):
+    """The attention mask, in the model's attention implementation's format, over the entries of depths
+    1..``depth`` (depth d holds chains t = 0..length-d-1, in that order): depth d of chain t sees the
+    depth-1 entries of chains <= t (the verified prefix) and its own chain's entries of depths 2..d."""
+    import torch
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    dev = inputs.device
+    level = torch.cat([torch.full((length - d,), d, device=dev) for d in range(1, depth + 1)])
+    chain = torch.cat([torch.arange(length - d, device=dev) for d in range(1, depth + 1)])
+    allowed = (((level[None, :] == 1) & (chain[None, :] <= chain[:, None]))
+               | ((level[None, :] >= 2) & (level[None, :] <= level[:, None]) & (chain[None, :] == chain[:, None])))
+    impl = mtp.config._attn_implementation
+    if impl not in ("sdpa", "eager"):  # flash attention takes no arbitrary mask
+        raise UsageError(f"--depth {depth} needs an attention implementation that takes a mask (sdpa or eager); "
+                         f"the verifier's config uses {impl}")
+    n = allowed.shape[0]
+    return ALL_MASK_ATTENTION_FUNCTIONS[impl](
+        batch_size=1, q_length=n, kv_length=n, mask_function=lambda b, h, q, kv: allowed[q, kv],
+        allow_is_causal_skip=False, dtype=inputs.dtype, device=dev)
+
+
+@contextmanager
+def _attention_mask(mtp, mask) -> Iterator[None]:
+    """``forward_layer`` with ``mask`` instead of the causal mask it builds (None: its own)."""
+    if mask is not None:
+        mtp.create_masks_for_mtp_layer = lambda *a, **k: {"attention_mask": mask}  # shadows the method
+    try:
+        yield
+    finally:
+        mtp.__dict__.pop("create_masks_for_mtp_layer", None)
+
+
+@contextmanager
+def _pre_norm(mtp, on: bool) -> Iterator[None]:
+    """The first MTP layer returning its block's output before its final norm (vLLM's chained state)."""
+    layer = mtp.layers[0]
+    was = layer.use_post_norm
+    layer.use_post_norm = was and not on
+    try:
+        yield
+    finally:
+        layer.use_post_norm = was
+
+
+def score(mtp, seq: torch.Tensor, prompt_len: int, logits: torch.Tensor, hidden: torch.Tensor, depth: int,
+          chain: str = "sglang") -> list[tuple[int, int, float]]:
+    """Per depth: (agreeing positions, positions, summed KL) over the generated tokens."""
+    drafts = chain_logits(mtp, seq, hidden, depth, chain)
+    length = seq.shape[1]
+    out = []
     for k in range(1, depth + 1):
-        n = length - k
-        if n <= 0:
+        first = max(prompt_len - k - 1, 0)  # seq[t + k + 1] generated, not prompt
+        last = length - k - 1  # exclusive: seq[t + k + 1] must exist
+        if k > len(drafts) or last <= first:
             out.append((0, 0, 0.0))
             continue
-        layer = min(k - 1, len(mtp.layers) - 1)
-        pos = torch.arange(k, k + n, device=seq.device).unsqueeze(0)
-        h = mtp.forward_layer(layer, prev[:, :n], pos, None, input_ids=seq[:, k:])
-        draft = mtp._project_to_logits(h).float()[0]  # draft[t] predicts seq[t + k + 1]
-        first = max(prompt_len - k - 1, 0)
-        last = length - k - 1  # exclusive: seq[t + k + 1] must exist
-        if last <= first:
-            out.append((0, 0, 0.0))
-        else:
-            d = draft[first:last]
-            v = logits[0, first + k:last + k]
-            agree = int((d.argmax(-1) == v.argmax(-1)).sum())
-            lv, ld = v.log_softmax(-1), d.log_softmax(-1)
-            kl = float((lv.exp() * (lv - ld)).sum(-1).sum())
-            out.append((agree, last - first, kl))
-        prev = h
+        d = drafts[k - 1][first:last]
+        v = logits[0, first + k:last + k]
+        agree = int((d.argmax(-1) == v.argmax(-1)).sum())
+        lv, ld = v.log_softmax(-1), d.log_softmax(-1)
+        kl = float((lv.exp() * (lv - ld)).sum(-1).sum())
+        out.append((agree, last - first, kl))
     return out
 
 
@@ -327,7 +454,9 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
+def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
+          announce: Callable[[int, int], None] | None = None) -> ProbeResult:
+    """``announce(needed_bytes, available_bytes)`` is called before the weights load (available 0: unknown)."""
     import torch
 
     if req.depth < 1:
@@ -336,11 +465,17 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None)
         raise UsageError("--max-new-tokens must be at least 1")
     if req.dtype not in DTYPES:
         raise UsageError(f"--dtype {req.dtype!r}: use bf16 or fp32")
+    if req.chain not in CHAINS:
+        raise UsageError(f"--chain {req.chain!r}: use {' or '.join(CHAINS)}")
     device = resolve_device(req.device)
+    device_map(device)  # a missing extra is said before anything is read
     prompts = read_prompts(req.prompts)
+    config = verifier_config(req.verifier)
     with Checkpoint.open(req.verifier) as verifier:
         need = check_memory(verifier, req.dtype, len(req.drafts))
-        main, own = load_verifier(req.verifier, device, req.dtype)
+        if announce is not None:
+            announce(need, available_memory())
+        main, own = load_verifier(req.verifier, config, device, req.dtype)
         models = [("verifier", own)] + [(draft_name(p), draft_mtp(main, own, verifier, p, req.arch))
                                         for p in req.drafts]
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
@@ -357,7 +492,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None)
             logits, hidden = teacher_forward(main, greedy)
             digest = tokens_sha256(greedy[0].tolist())
             for m, (_, mtp) in enumerate(models):
-                scores = score(mtp, greedy, ids.shape[1], logits, hidden, req.depth)
+                scores = score(mtp, greedy, ids.shape[1], logits, hidden, req.depth, req.chain)
                 for k, (agree, n, kl) in enumerate(scores):
                     sums[m][k][0] += agree
                     sums[m][k][1] += n
@@ -378,7 +513,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None)
         results.append(DraftResult(
             name, [a / n if n else 0.0 for a, n, _ in per_depth], [kl / n if n else 0.0 for _, n, kl in per_depth],
             per_depth[0][1], miss is None, miss, rows))
-    return ProbeResult(results, len(prompts), need)
+    return ProbeResult(results, len(prompts), need, req.chain)
 
 
 def draft_name(draft: str | Mapping) -> str:
