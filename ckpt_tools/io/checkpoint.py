@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -52,7 +53,11 @@ class Checkpoint:
     # -- opening ------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> Checkpoint:
+    def open(cls, path: str | os.PathLike | Mapping) -> Checkpoint:
+        """A directory, a file, a URL, or a ``{name: torch.Tensor}`` mapping (a draft in memory, see
+        ``open_memory``)."""
+        if isinstance(path, Mapping):
+            return open_memory(path)
         text = str(path)
         if is_url(text):
             return open_remote(text)
@@ -398,6 +403,19 @@ def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Check
                       config_present, reader=ws.reader, reader_notes=ws.notes, digests=digests)
 
 
+def open_memory(state: Mapping) -> Checkpoint:
+    """A ``{name: torch.Tensor}`` mapping (CPU or GPU) as a Checkpoint, its tensors read on demand (readers.memory).
+
+    Like a trainer's output directory without config.json: no headers, no index, no manifest, no files to
+    carry; ``local_dir`` None and ``root`` a display name.
+    """
+    from .readers.memory import ROOT, read_memory
+
+    ws = read_memory(state)
+    return Checkpoint(ROOT, ConfigView({}), ws.tensors, {}, None, [], dict(ws.files), None, ws.keys,
+                      config_present=False, reader=ws.reader, reader_notes=ws.notes)
+
+
 def references(headers: dict[str, Header], sources: dict, index: dict | None, index_path: str, *,
                strict: bool = True) -> tuple[dict[str, TensorRef], dict[str, list[str]]]:
     """Tensor references (through the index when there is one) and each shard's keys in file order.
@@ -646,7 +664,7 @@ def source_name(ckpt: Checkpoint) -> str:
     """How outputs name their source: ``org/repo`` for hub sources, the URL or an absolute path otherwise."""
     if ckpt.root.startswith("hf://"):
         return ckpt.root[len("hf://"):].split("@", 1)[0]
-    if is_url(ckpt.root):
+    if is_url(ckpt.root) or ckpt.local_dir is None:  # a URL, or a mapping in memory (no path to resolve)
         return ckpt.root
     return str(Path(ckpt.root).resolve())
 

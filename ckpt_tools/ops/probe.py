@@ -22,7 +22,7 @@ import hashlib
 import importlib.util
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +43,14 @@ EXTRA = "ckpt-tools[probe]"  # transformers, and accelerate for device_map
 @dataclass
 class ProbeRequest:
     verifier: str
-    drafts: list[str] = field(default_factory=list)
+    drafts: list[str | Mapping] = field(default_factory=list)  # paths, or {name: tensor} mappings (in memory)
     prompts: str | None = None
     max_new_tokens: int = 32
     depth: int = 1
     device: str = "cpu"
     dtype: str = "fp32"
     chain: str = "sglang"
+    arch: str | None = None  # the drafts' family, asserted as stitch's --arch (a mapping names none)
 
 
 @dataclass
@@ -266,8 +267,11 @@ def _materialize(t) -> torch.Tensor:
     return bytes_to_torch(bytearray(buf), t.dtype, t.shape).clone()
 
 
-def draft_mtp(main, base_mtp, verifier: Checkpoint, draft_path: str):
-    """A copy of ``base_mtp`` holding the draft's weights, mapped by stitch's correspondence (in memory)."""
+def draft_mtp(main, base_mtp, verifier: Checkpoint, draft_path: str | Mapping, arch: str | None = None):
+    """A copy of ``base_mtp`` holding the draft's weights, mapped by stitch's correspondence (in memory).
+
+    ``draft_path``: a path, or a ``{name: tensor}`` mapping (``Checkpoint.open``).
+    """
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_layers import MtpModel
     from transformers.modeling_utils import LoadStateDictConfig
@@ -278,7 +282,8 @@ def draft_mtp(main, base_mtp, verifier: Checkpoint, draft_path: str):
 
     regex = MtpModel.get_mtp_weights_regex(main)
     with Checkpoint.open(draft_path) as d:
-        plan, _ = plan_stitch(d, verifier, StitchRequest(accept_divergent=True, command="ckpt probe"))
+        where = d.root
+        plan, _ = plan_stitch(d, verifier, StitchRequest(accept_divergent=True, arch=arch, command="ckpt probe"))
         state = {}
         for key, ref in verifier.tensors.items():  # the verifier's MTP tensors, then the draft's over them
             if regex.search(key):
@@ -293,7 +298,7 @@ def draft_mtp(main, base_mtp, verifier: Checkpoint, draft_path: str):
     mtp._adjust_missing_and_unexpected_keys(info)
     if info.missing_keys:
         raise InputError(f"the mapped draft leaves MTP weights unset: {sorted(info.missing_keys)[:5]}",
-                         rule="missing-tensor", path=draft_path)
+                         rule="missing-tensor", path=where)
     mtp.tie_with_main_model(main)
     mtp.eval()
     return mtp
@@ -471,7 +476,8 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
         if announce is not None:
             announce(need, available_memory())
         main, own = load_verifier(req.verifier, config, device, req.dtype)
-        models = [("verifier", own)] + [(p, draft_mtp(main, own, verifier, p)) for p in req.drafts]
+        models = [("verifier", own)] + [(draft_name(p), draft_mtp(main, own, verifier, p, req.arch))
+                                        for p in req.drafts]
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
     sums = [[[0, 0, 0.0] for _ in range(req.depth)] for _ in models]
     mismatch: list[dict | None] = [None for _ in models]
@@ -508,6 +514,13 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
             name, [a / n if n else 0.0 for a, n, _ in per_depth], [kl / n if n else 0.0 for _, n, kl in per_depth],
             per_depth[0][1], miss is None, miss, rows))
     return ProbeResult(results, len(prompts), need, req.chain)
+
+
+def draft_name(draft: str | Mapping) -> str:
+    """How results name a draft: its path, or the display name of a mapping in memory."""
+    from ..io.readers.memory import ROOT
+
+    return ROOT if isinstance(draft, Mapping) else str(draft)
 
 
 def _tokenizer(path: str):

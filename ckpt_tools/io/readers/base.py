@@ -126,15 +126,18 @@ def _as_bytes(t):
 
 
 def read_c_order(t, offset: int, out: memoryview) -> None:
-    """Bytes [offset, offset + len(out)) of tensor ``t`` in C order; a strided ``t`` is copied piece by piece."""
+    """Bytes [offset, offset + len(out)) of tensor ``t`` in C order; a strided ``t`` is copied piece by piece.
+
+    ``t`` may live on a GPU: only the bytes asked for are copied to the CPU (``.cpu()`` is free on the CPU).
+    """
     if t.is_contiguous():
-        out[:] = _as_bytes(t)[offset:offset + len(out)].numpy()
+        out[:] = _as_bytes(t)[offset:offset + len(out)].cpu().numpy()
         return
     unit = t[0].numel() * t.element_size()  # bytes per index of the first axis
     first, end = offset // unit, -(-(offset + len(out)) // unit)
     if t.dim() == 1 or (end - first) * unit <= PIECE_BYTES:
         lo = offset - first * unit
-        out[:] = _as_bytes(t[first:end].contiguous())[lo:lo + len(out)].numpy()
+        out[:] = _as_bytes(t[first:end].contiguous())[lo:lo + len(out)].cpu().numpy()
         return
     done = 0
     while done < len(out):  # rows too large to copy at once: one row at a time, recursively
@@ -295,7 +298,7 @@ def torch_dtype_name(dtype, where: str, key: str | None = None) -> str:
     except KeyError:
         what = f"tensor {key!r} is" if key else "is"
         raise InputError(f"{what} {str(dtype).removeprefix('torch.')}, which safetensors cannot store",
-                         rule="unsupported-dtype", path=where) from None
+                         rule="unsupported-dtype", path=where, key=key) from None
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -196,7 +196,7 @@ def check_tensor(t, key: str, where: str) -> str:
             f"{t.layout}".removeprefix("torch.") if t.layout != torch.strided else None)
     if kind is not None:
         raise InputError(f"tensor {key!r} is a {kind} tensor; only dense tensors can be stored",
-                         rule="unsupported-tensor", path=where)
+                         rule="unsupported-tensor", path=where, key=key)
     return torch_dtype_name(t.dtype, where, key)
 
 
