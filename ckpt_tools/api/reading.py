@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..ops.discover import Discovery
 
 PathLike = str | os.PathLike[str]
+StateDict = Mapping[str, Any]  # name -> torch.Tensor: a draft still in memory (diff reads it like a directory)
 _R = TypeVar("_R", bound=Report)
 
 
@@ -208,9 +209,10 @@ def _fix_command(path: PathLike, arch: str | None, out: object, link: str) -> st
 # -- diff ------------------------------------------------------------------------------------------------------
 
 
-def diff(a: PathLike, b: PathLike, *, keys: str | None = None, stats: bool = False, dequant: bool = False,
-         all: bool = False, allow_invalid: Sequence[str] = (), progress: bool = False) -> DiffReport:
-    """Compare two checkpoints key by key, streaming (memory stays bounded).
+def diff(a: PathLike | StateDict, b: PathLike | StateDict, *, keys: str | None = None, stats: bool = False,
+         dequant: bool = False, all: bool = False, allow_invalid: Sequence[str] = (),
+         progress: bool = False) -> DiffReport:
+    """Compare two checkpoints (directories, or state dicts in memory) key by key, streaming (memory stays bounded).
 
     ``keys``: only keys matching this regular expression; ``stats``: max |delta|, relative L2 and cosine per
     changed key; ``dequant``: compare FP8 block weights by dequantized value (implies ``stats``); ``all``: the
