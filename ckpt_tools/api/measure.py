@@ -31,10 +31,6 @@ class ProbeReport(_probe.ProbeResult, Report):
 
     min_acceptance: float | None = None  # the depth-1 agreement asked for (not in to_json: the CLI's option)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = super().to_json()
-        return out
-
     def greedy_mismatches(self) -> list[_probe.DraftResult]:
         """The MTPs whose speculative generation differs from plain greedy."""
         return [d for d in self.drafts if not d.greedy_equal]
@@ -111,8 +107,9 @@ def _quiet_transformers(quiet: bool) -> Iterator[None]:
     if not quiet:
         yield
         return
-    from transformers.utils import logging as tf_logging
+    from transformers.utils import logging
 
+    tf_logging: Any = logging  # transformers is untyped
     was = tf_logging.is_progress_bar_enabled()
     tf_logging.disable_progress_bar()
     try:

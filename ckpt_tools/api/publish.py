@@ -42,7 +42,8 @@ class PushReport(Report):
 
 def _repo(text: str, what: str) -> HubRef:
     """ORG/NAME[@REV] with a name the Hub accepts: a malformed one is a usage error here, not a Hub error later."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils._validators import validate_repo_id  # where mypy sees it (utils exports lazily)
 
     from ..errors import UsageError
     from ..io.hub import parse_repo_rev
@@ -58,7 +59,7 @@ def _repo(text: str, what: str) -> HubRef:
 @contextlib.contextmanager
 def _hub_bars(progress: bool) -> Iterator[None]:
     """huggingface_hub's upload bars only with ``progress`` (they are on by default there: off in the library)."""
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils.tqdm import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     if progress or are_progress_bars_disabled():
         yield
