@@ -12,7 +12,15 @@ from .errors import CheckFailed, CkptError, InputError, OutputError, UsageError
 
 if TYPE_CHECKING:  # the verbs' types for a type checker; at run time __getattr__ imports them on first use
     from .api import diff as diff
+    from .api import extract as extract
+    from .api import fuse_experts as fuse_experts
+    from .api import graft as graft
+    from .api import init_draft as init_draft
     from .api import inspect as inspect
+    from .api import probe as probe
+    from .api import push as push
+    from .api import stitch as stitch
+    from .api import unfuse_experts as unfuse_experts
     from .api import validate as validate
 
 __version__ = "0.1.0"

@@ -12,9 +12,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports each verb on first use
+    from .measure import probe as probe
+    from .publish import push as push
     from .reading import diff as diff
     from .reading import inspect as inspect
     from .reading import validate as validate
+    from .writing import extract as extract
+    from .writing import fuse_experts as fuse_experts
+    from .writing import graft as graft
+    from .writing import init_draft as init_draft
+    from .writing import stitch as stitch
+    from .writing import unfuse_experts as unfuse_experts
 
 # public name -> module (under ckpt_tools.api) that defines it
 _WHERE = {

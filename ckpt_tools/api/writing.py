@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from .report import Report, progress_sink
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..ops import graft as _graft
     from ..ops import stitch as _stitch
     from ..ops.execute import Outputs, Written
@@ -102,7 +104,7 @@ def _out(out: PathArg | None) -> Output | None:
     return None if out is None else output_location(out)
 
 
-def _optional_path(path: PathArg | None) -> os.PathLike[str] | None:
+def _optional_path(path: PathArg | None) -> Path | None:
     from pathlib import Path
 
     return None if path is None else Path(path)

@@ -205,13 +205,6 @@ def human_bytes(n: int) -> str:
 OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input)."
 
 
-def output_arg(text: str | None):
-    """-o as a local directory (Path) or an object store's URL (str); see ``targets.output_location``."""
-    from ..stream.targets import output_location
-
-    return None if text is None else output_location(text)
-
-
 def command_line() -> str:
     import shlex
 

@@ -14,13 +14,6 @@ def allow_invalid_option():
     return typer.Option(None, "--allow-invalid", metavar="RULE", help=ALLOW_INVALID_HELP)
 
 
-def allowed_rules(values: list[str] | None) -> frozenset[str]:
-    """The checked rule names (a usage error, exit 2, for an unknown one), before anything is opened."""
-    from ..model.consistency import parse_allow
-
-    return parse_allow(values)
-
-
 def say_allowed(problems: list[dict] | None) -> None:
     """One line on stderr for what --allow-invalid let through (``Problem.to_json`` dicts): never silent."""
     if not problems:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -38,39 +36,29 @@ def register(app: typer.Typer) -> None:
         """Measure that the MTP layers draft: teacher-forced agreement with the verifier's greedy tokens per depth,
         KL to its distribution, and that generate(use_mtp=True) equals plain greedy. Exit 1 on a greedy mismatch
         or when --min-acceptance is not met."""
-        from ..errors import UsageError
-        from ..jsonutil import write_json_file
-        from ..ops.probe import ProbeRequest, probe, resolve_device, transformers_module
+        from .. import api
+        from ..api.measure import displaying
+        from ..errors import CheckFailed
 
-        if min_acceptance is not None and not 0 <= min_acceptance <= 1:  # nan fails both comparisons
-            raise UsageError(f"--min-acceptance {min_acceptance!r}: expected a number from 0 to 1")
-        inputs = [verifier, *drafts]
-        if report_file is not None:
-            from ..options import outside_inputs
+        bar = PromptBar(enabled=not json_output and sys.stderr.isatty())
+        try:
+            with bar, displaying(bar, None if json_output else _announce(dtype)):
+                report = api.probe(verifier, drafts=drafts, prompts=prompts, max_new_tokens=max_new_tokens,
+                                   depth=depth, device=device, dtype=dtype, chain=chain,
+                                   min_acceptance=min_acceptance, report=report_file, progress=not json_output)
+        except CheckFailed as e:  # measured, and a check failed: the report as for a pass, each failure, exit 1
+            _show(e.report, json_output, depth)
+            for line in e.report.failures():
+                err_console().print(line, markup=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        _show(report, json_output, depth)
 
-            outside_inputs("--report", report_file, inputs)  # before anything is loaded
-        device = resolve_device(device)
-        transformers_module()  # a missing extra is one line, before anything else
-        req = ProbeRequest(verifier, list(drafts), prompts, max_new_tokens, depth, device, dtype, chain)
-        with PromptBar(enabled=not json_output and sys.stderr.isatty()) as bar, _quiet_transformers(json_output):
-            result = probe(req, bar, None if json_output else _announce(dtype))
-        data = result.to_json()
-        if report_file is not None:
-            write_json_file(report_file, data, "--report", inputs)
-        if json_output:
-            emit_json(data)
-        else:
-            _render(result, depth)
-        bad = [d for d in result.drafts if not d.greedy_equal]
-        for d in bad:
-            err_console().print(f"{d.name}: generate(use_mtp=True) differs from greedy at prompt "
-                                f"{d.mismatch['prompt']}, generated position {d.mismatch['position']}",
-                                markup=False, soft_wrap=True)
-        low = below_min_acceptance(result, min_acceptance)
-        for d in low:
-            err_console().print(f"{d.name}: depth-1 agreement {d.agreement[0]:.4f} is below --min-acceptance "
-                                f"{min_acceptance}", markup=False, soft_wrap=True)
-        raise typer.Exit(1 if bad or low else 0)
+
+def _show(report, json_output: bool, depth: int) -> None:
+    if json_output:
+        emit_json(report.to_json())
+    else:
+        _render(report, depth)
 
 
 def _announce(dtype: str):
@@ -81,31 +69,6 @@ def _announce(dtype: str):
                             markup=False, soft_wrap=True)
 
     return say
-
-
-def below_min_acceptance(result, minimum: float | None) -> list:
-    """The compared drafts (the verifier's own MTP when there is no --draft) whose depth-1 agreement < minimum."""
-    if minimum is None:
-        return []
-    checked = result.drafts[1:] or result.drafts[:1]
-    return [d for d in checked if d.agreement[0] < minimum]
-
-
-@contextlib.contextmanager
-def _quiet_transformers(quiet: bool) -> Iterator[None]:
-    """With --json, transformers' own progress bars (loading weights) stay off stderr too."""
-    if not quiet:
-        yield
-        return
-    from transformers.utils import logging as tf_logging
-
-    was = tf_logging.is_progress_bar_enabled()
-    tf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            tf_logging.enable_progress_bar()
 
 
 class PromptBar:

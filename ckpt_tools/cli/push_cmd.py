@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from .common import command, command_line, emit_json, err_console, human_bytes, out_console
-from .gate_options import allow_invalid_option, allowed_rules
+from .common import command, emit_json, err_console, human_bytes, out_console
+from .gate_options import allow_invalid_option
 
 
 def render(plan, result) -> None:
@@ -50,21 +50,6 @@ def render(plan, result) -> None:
             con.print(f"commit: {result.commit_url}", soft_wrap=True)
 
 
-def _repo(text: str, option: str):
-    """ORG/NAME[@REV] with a name the Hub accepts: a malformed one is a usage error here, not a Hub error later."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from ..errors import UsageError
-    from ..io.hub import parse_repo_rev
-
-    ref = parse_repo_rev(text, option)
-    try:
-        validate_repo_id(ref.repo_id)
-    except HFValidationError as e:
-        raise UsageError(f"{option} {text!r}: {e}") from None
-    return ref
-
-
 def register(app: typer.Typer) -> None:
     @app.command("push")
     @command
@@ -90,24 +75,16 @@ def register(app: typer.Typer) -> None:
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
-        from ..ops.push import PushRequest, push
+        from .. import api
+        from .extract_cmd import invoked
 
-        allow = allowed_rules(allow_invalid)
-        target = _repo(repo_id, "REPO_ID")
-        if target.revision is not None:
-            from ..errors import UsageError
-
-            raise UsageError(f"REPO_ID {repo_id!r}: give the branch with --revision, not '@'")
-        base_ref = _repo(base, "--base") if base else None
-        req = PushRequest(folder, target.repo_id, revision=revision, private=private, create_pr=create_pr,
-                          message=message, base=base_ref, dry_run=dry_run, force=force, card=card,
-                          command=command_line(), allow_invalid=allow)
         if not json_output and not dry_run:
-            err_console().print(f"pushing {folder} to {target.repo_id} ...")
-        plan, result = push(req)
+            err_console().print(f"pushing {folder} to {repo_id} ...")
+        with invoked():
+            report = api.push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
+                              message=message, base=base, dry_run=dry_run, force=force, card=card,
+                              allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
         if json_output:
-            out = plan.to_json()
-            out["result"] = None if result is None else result.to_json()
-            emit_json(out)
+            emit_json(report.to_json())
         else:
-            render(plan, result)
+            render(report.plan, report.result)

@@ -1,10 +1,9 @@
-"""Rendering shared by the writing commands: plans for --dry-run, reports after a write."""
+"""Rendering shared by the writing commands: plans for --dry-run."""
 
 from __future__ import annotations
 
 from ..stream.plan import Plan
-from ..stream.writer import WriteResult
-from .common import emit_json, human_bytes, out_console
+from .common import human_bytes
 
 
 def render_plan(plan: Plan, console) -> None:
@@ -24,25 +23,3 @@ def render_plan(plan: Plan, console) -> None:
     console.print(f"{len(plan.tensors)} tensors, {human_bytes(plan.total_bytes)} in {len(shards)} shard(s)"
                   + (f" ({next(iter(shards))})" if len(shards) == 1 else "")
                   + f"; files: {', '.join(f.name for f in plan.files) or '-'}", markup=False)
-
-
-def report_write(plan: Plan, result: WriteResult, json_output: bool, *, bytes_read: int, extra: dict | None = None,
-                 validation=None) -> None:
-    report = {
-        "output": str(result.out_dir),
-        "tensors": len(plan.tensors),
-        "tensor_bytes": plan.total_bytes,
-        "bytes_written": result.bytes_written,
-        "bytes_read": bytes_read,
-        "files": result.files,
-        "seconds": round(result.seconds, 3),
-        **(extra or {}),
-    }
-    if validation is not None:
-        report["validation"] = validation
-    if json_output:
-        emit_json(report)
-        return
-    c = out_console()
-    c.print(f"wrote {report['tensors']} tensors ({human_bytes(plan.total_bytes)}) to {result.out_dir} "
-            f"in {report['seconds']} s; read {human_bytes(bytes_read)} from the source")

@@ -1,0 +1,168 @@
+"""``probe``: measure that MTP layers draft, on the user's prompts, before anyone serves them.
+
+The same run as ``ckpt probe`` (``ckpt_tools.ops.probe``): per-depth agreement with the verifier's greedy
+tokens, KL to its distribution, and that ``generate(use_mtp=True)`` equals plain greedy. A greedy
+mismatch, or a depth-1 agreement below ``min_acceptance``, raises ``CheckFailed`` carrying the report.
+Needs the ``probe`` extra (transformers); torch and transformers load when the verb runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..ops import probe as _probe
+from .report import Report, progress_sink
+
+PathArg = str | os.PathLike[str]
+# a draft: a directory in any format stitch accepts, or its tensors in memory (name -> tensor)
+DraftArg = str | os.PathLike[str] | Mapping[str, Any]
+Callback = Callable[[int, int], None]
+
+
+@dataclass
+class ProbeReport(_probe.ProbeResult, Report):
+    """``ckpt probe --json``: per draft (the verifier's own MTP first) agreement and KL per depth, positions,
+    greedy equality (and the first mismatch), per-prompt numbers; the prompts and the memory the verifier needs."""
+
+    min_acceptance: float | None = None  # the depth-1 agreement asked for (not in to_json: the CLI's option)
+
+    def greedy_mismatches(self) -> list[_probe.DraftResult]:
+        """The MTPs whose speculative generation differs from plain greedy."""
+        return [d for d in self.drafts if not d.greedy_equal]
+
+    def below_min_acceptance(self) -> list[_probe.DraftResult]:
+        """The drafts compared (the verifier's own MTP when there is none) whose depth-1 agreement is below
+        ``min_acceptance``."""
+        if self.min_acceptance is None:
+            return []
+        checked = self.drafts[1:] or self.drafts[:1]
+        return [d for d in checked if d.agreement[0] < self.min_acceptance]
+
+    def failures(self) -> list[str]:
+        """One line per failed check (empty: the probe passed)."""
+        lines = [f"{d.name}: generate(use_mtp=True) differs from greedy at prompt {d.mismatch['prompt']}, "
+                 f"generated position {d.mismatch['position']}" for d in self.greedy_mismatches() if d.mismatch]
+        lines += [f"{d.name}: depth-1 agreement {d.agreement[0]:.4f} is below --min-acceptance {self.min_acceptance}"
+                  for d in self.below_min_acceptance()]
+        return lines
+
+
+# -- how the verb was invoked (the CLI's displays) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Display:
+    """What the CLI shows while probing: a bar over prompts (``bar(done, total)``) and the memory the
+    weights need before they load (``announce(needed, available)``; available 0: unknown)."""
+
+    bar: Callback | None = None
+    announce: Callback | None = None
+
+
+_DISPLAY: ContextVar[Display | None] = ContextVar("ckpt_tools_probe_display", default=None)
+
+
+@contextlib.contextmanager
+def displaying(bar: Callback | None, announce: Callback | None) -> Iterator[None]:
+    """Calls inside show progress with the CLI's ``bar`` and ``announce`` instead of the library's."""
+    token = _DISPLAY.set(Display(bar, announce))
+    try:
+        yield
+    finally:
+        _DISPLAY.reset(token)
+
+
+@contextlib.contextmanager
+def _display(progress: bool) -> Iterator[Display]:
+    """The CLI's display when it set one; else the library's (``progress=True``): the phase, then the prompt
+    being measured, on stderr, ended with the verb."""
+    shown = _DISPLAY.get()
+    if shown is not None or not progress:
+        yield shown or Display()
+        return
+    from ..stream.progress import end_progress
+
+    sink = progress_sink(True)
+
+    def announce(need: int, available: int) -> None:
+        sink.phase(f"loading the verifier ({need} bytes)")
+
+    def bar(done: int, total: int) -> None:
+        sink.phase(f"prompt {min(done + 1, total)}/{total}")
+
+    try:
+        yield Display(bar, announce)
+    finally:
+        end_progress()
+
+
+@contextlib.contextmanager
+def _quiet_transformers(quiet: bool) -> Iterator[None]:
+    """Without progress, transformers' own bars (loading weights) stay off stderr too."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging
+
+    tf_logging: Any = logging  # transformers is untyped
+    was = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tf_logging.enable_progress_bar()
+
+
+# -- the verb -----------------------------------------------------------------------------------------------
+
+
+def _check_acceptance(min_acceptance: float | None) -> None:
+    from ..errors import UsageError
+
+    if min_acceptance is not None and not 0 <= min_acceptance <= 1:  # nan fails both comparisons
+        raise UsageError(f"--min-acceptance {min_acceptance!r}: expected a number from 0 to 1")
+
+
+def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathArg | None = None,
+          max_new_tokens: int = 32, depth: int = 1, device: str = "cpu", dtype: str = "fp32",
+          chain: str = "sglang", min_acceptance: float | None = None, report: PathArg | None = None,
+          progress: bool = False) -> ProbeReport:
+    """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
+    name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
+    ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
+
+    The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
+    1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
+    ``report``: also write the JSON report there. Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
+    on a greedy mismatch or when a draft's depth-1 agreement is below ``min_acceptance``; ``InputError`` for
+    a verifier or draft that cannot be used; ``UsageError`` for a bad option or a missing extra.
+    """
+    from ..errors import CheckFailed
+    from ..jsonutil import write_json_file
+    from ..options import outside_inputs
+
+    _check_acceptance(min_acceptance)
+    draft_list: list[Any] = [os.fspath(d) if isinstance(d, (str, os.PathLike)) else d for d in drafts]
+    paths = [os.fspath(verifier), *(d for d in draft_list if isinstance(d, str))]  # inputs on disk
+    if report is not None:
+        outside_inputs("--report", report, paths)  # before anything is loaded
+    resolved = _probe.resolve_device(device)
+    _probe.transformers_module()  # a missing extra is one line, before anything else
+    req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
+                              None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
+                              dtype, chain)
+    with _display(progress) as display, _quiet_transformers(not progress):
+        result = _probe.probe(req, display.bar, display.announce)
+    out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
+    if report is not None:
+        write_json_file(report, out.to_json(), "--report", paths)
+    failed = out.failures()
+    if failed:
+        raise CheckFailed("; ".join(failed), report=out)
+    return out
