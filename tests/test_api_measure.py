@@ -38,13 +38,15 @@ def test_the_cli_calls_the_public_function(monkeypatch, tmp_path):
     monkeypatch.setattr(ckpt_tools.api, "probe", lambda *a, **k: calls.append((a, k)) or _Recorded())
     r = run_ckpt("probe", tmp_path / "v", "--draft", tmp_path / "a", "--draft", tmp_path / "b", "--prompts",
                  tmp_path / "p.jsonl", "--max-new-tokens", 5, "--depth", 2, "--device", "auto", "--dtype", "bf16",
-                 "--chain", "vllm", "--min-acceptance", 0.5, "--report", tmp_path / "r.json", "--json")
+                 "--chain", "vllm", "--min-acceptance", 0.5, "--report", tmp_path / "r.json", "--arch", "deepseek_v3",
+                 "--json")
     assert json.loads(r.stdout) == {"recorded": "probe"}
     [(args, kwargs)] = calls
     assert args == (str(tmp_path / "v"),)
     assert kwargs == {"drafts": [str(tmp_path / "a"), str(tmp_path / "b")], "prompts": str(tmp_path / "p.jsonl"),
                       "max_new_tokens": 5, "depth": 2, "device": "auto", "dtype": "bf16", "chain": "vllm",
-                      "min_acceptance": 0.5, "report": tmp_path / "r.json", "progress": False}
+                      "min_acceptance": 0.5, "report": tmp_path / "r.json", "arch": "deepseek_v3",
+                      "progress": False}
 
 
 def test_json_is_the_reports_to_json(tmp_path):

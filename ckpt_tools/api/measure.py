@@ -132,14 +132,15 @@ def _check_acceptance(min_acceptance: float | None) -> None:
 def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathArg | None = None,
           max_new_tokens: int = 32, depth: int = 1, device: str = "cpu", dtype: str = "fp32",
           chain: str = "sglang", min_acceptance: float | None = None, report: PathArg | None = None,
-          progress: bool = False) -> ProbeReport:
+          arch: str | None = None, progress: bool = False) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
     ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
 
     The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
     1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
-    ``report``: also write the JSON report there. Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
+    ``report``: also write the JSON report there. ``arch``: the drafts' family, as stitch's ``--arch`` (a state
+    dict in memory has no config or manifest that proves it). Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
     on a greedy mismatch or when a draft's depth-1 agreement is below ``min_acceptance``; ``InputError`` for
     a verifier or draft that cannot be used; ``UsageError`` for a bad option or a missing extra.
     """
@@ -156,7 +157,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     _probe.transformers_module()  # a missing extra is one line, before anything else
     req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
                               None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
-                              dtype, chain)
+                              dtype, chain, arch=arch)
     with _display(progress) as display, _quiet_transformers(not progress):
         result = _probe.probe(req, display.bar, display.announce)
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)

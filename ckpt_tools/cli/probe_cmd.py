@@ -30,6 +30,8 @@ def register(app: typer.Typer) -> None:
         min_acceptance: float = typer.Option(
             None, "--min-acceptance",
             help="Exit 1 when the depth-1 agreement of a draft (of the verifier's own MTP when no --draft) is below."),
+        arch: str = typer.Option(None, "--arch", help="The drafts' family when their files do not prove it "
+                                                      "(a trainer's output without config.json), as stitch's --arch."),
         json_output: bool = json_option(),
         report_file: Path = report_option(),
     ) -> None:
@@ -45,7 +47,8 @@ def register(app: typer.Typer) -> None:
             with bar, displaying(bar, None if json_output else _announce(dtype)):
                 report = api.probe(verifier, drafts=drafts, prompts=prompts, max_new_tokens=max_new_tokens,
                                    depth=depth, device=device, dtype=dtype, chain=chain,
-                                   min_acceptance=min_acceptance, report=report_file, progress=not json_output)
+                                   min_acceptance=min_acceptance, report=report_file, arch=arch,
+                                   progress=not json_output)
         except CheckFailed as e:  # measured, and a check failed: the report as for a pass, each failure, exit 1
             _show(e.report, json_output, depth)
             for line in e.report.failures():
