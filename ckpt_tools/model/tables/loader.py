@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -29,6 +30,7 @@ def safe_loader():
     return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+@functools.cache  # where the package lies does not change; asked once per tensor by quantization lookups
 def mappings_dir() -> Path:
     """The shipped tables: ``mappings/`` of a source checkout, or the copy inside the wheel."""
     here = Path(__file__).resolve().parents[2]  # the ckpt_tools package
