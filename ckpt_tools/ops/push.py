@@ -22,13 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CkptError, InputError, UsageError
-from ..io.checkpoint import MANIFEST_NAME
+from ..io.artefacts import LOCK_NAME, MANIFEST_NAME
 from ..io.hub import HubPushError, HubRef, call, get_api
 from ..model.model_card import gather, read_json, render
 
 CARD_NAME = "README.md"
 STITCH_REPORT = "stitch-report.json"
-LOCK_NAME = ".ckpt.lock"
 # Remote files that belong to the checkpoint itself: when the pushed folder no longer has them
 # they are deleted, so no stale shard or index is left next to the new ones.
 _STALE_PATTERNS = (r".*\.safetensors", r".*\.safetensors\.index\.json", r".*\.bin", r".*\.bin\.index\.json",

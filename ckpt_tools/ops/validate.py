@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CkptError, InputError
+from ..io.artefacts import MANIFEST_NAME
 from ..io.checkpoint import Checkpoint, open_lenient
 from ..model import consistency
 from ..model.consistency import Problem, config_path
@@ -219,7 +220,7 @@ def _manifest_checks(ckpt: Checkpoint, unknown: set[str], report: ValidationRepo
     entries = (ckpt.manifest or {}).get("tensors")
     if not isinstance(entries, dict) or not ckpt.local_dir:
         return
-    where = str(ckpt.local_dir / "ckpt_manifest.json")
+    where = str(ckpt.local_dir / MANIFEST_NAME)
     for key, entry in entries.items():
         if key in unknown or not isinstance(entry, dict):
             continue
