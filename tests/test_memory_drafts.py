@@ -147,6 +147,7 @@ def test_non_float_tensors_and_non_tensors_are_refused_naming_the_key(verifier, 
     r = ckpt("stitch", saved(ints, tmp_path / "ints"), verifier, "-o", tmp_path / "out", "--arch", FAMILY, code=3)
     assert e.value.rule == "draft-dtype" and "[draft-dtype]" in r.output  # the policy of a directory
     assert "mtp.fc.weight" in str(e.value) and "I32" in str(e.value)
+    assert e.value.key == "mtp.fc.weight"  # the exception carries the key it refused (the verifier's name)
     sparse = torch.eye(3).to_sparse()
     refused = [("mtp.norm.weight", [1.0, 2.0], "not-a-state-dict"), (7, torch.zeros(3), "not-a-state-dict"),
                ("mtp.extra", complex_half(), "unsupported-dtype"),

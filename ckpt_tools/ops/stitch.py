@@ -189,6 +189,7 @@ class _Builder:
         self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
         self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
+        self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
 
     def build(self) -> None:
         for link in self.corr.tensors:
@@ -299,26 +300,27 @@ class _Builder:
             if t.dtype == vt:
                 return True
             return self._refuse("draft-dtype", f"{src} is {t.dtype}; the verifier's {t.key} is {vt}, which only "
-                                               "a tensor of that dtype may replace")
+                                               "a tensor of that dtype may replace", t.key)
         if t.dtype in FLOAT_DTYPES or t.dtype in FP8_WEIGHT_DTYPES:
             return True
         return self._refuse("draft-dtype", f"{src} is {t.dtype}, not a float dtype; it cannot replace the "
-                                           f"verifier's {vt} {t.key}")
+                                           f"verifier's {vt} {t.key}", t.key)
 
     def _scale_fits(self, t: OutputTensor, scale: OutputTensor | None) -> bool:
         """An FP8 draft weight's block scale: present, a scale dtype, the grid its shape and block need."""
         src = _source_of(t)
         if scale is None:
-            return self._refuse("fp8-scale", f"FP8 draft tensor {src} has no block scale to read its values with")
+            return self._refuse("fp8-scale", f"FP8 draft tensor {src} has no block scale to read its values with",
+                                t.key)
         block = self.res.block_size
         want = scale_shape(tuple(t.shape), block) if len(t.shape) >= 2 else None
         if scale.dtype not in SCALE_DTYPES:
             return self._refuse("fp8-scale-dtype", f"{_source_of(scale)} (block scale of {src}) is {scale.dtype}; "
-                                                   f"a block scale is one of {', '.join(SCALE_DTYPES)}")
+                                                   f"a block scale is one of {', '.join(SCALE_DTYPES)}", scale.key)
         if want is None or tuple(scale.shape) != want:
             return self._refuse("fp8-scale-shape", f"{_source_of(scale)} (block scale of {src}) has shape "
                                                    f"{list(scale.shape)}; a {list(t.shape)} weight in "
-                                                   f"{list(block)} blocks needs {list(want or ())}")
+                                                   f"{list(block)} blocks needs {list(want or ())}", scale.key)
         return True
 
     def _into_fp8(self, t: OutputTensor, scale: OutputTensor | None, vt: str) -> None:
@@ -351,7 +353,7 @@ class _Builder:
         if floats and DTYPES[scale.dtype].bits < DTYPES[sref.dtype].bits:
             return transforms.cast(scale, sref.dtype)  # every value of the narrower float is exact in the wider
         self._refuse("fp8-scale-dtype", f"{_source_of(scale)} is {scale.dtype}; the verifier's {sref.key} is "
-                                        f"{sref.dtype} (only a narrower float scale is converted, exactly)")
+                                        f"{sref.dtype} (only a narrower float scale is converted, exactly)", sref.key)
         return None
 
     def _requantize(self, t: OutputTensor, vt: str, sref: TensorRef | None) -> None:
@@ -366,7 +368,7 @@ class _Builder:
             self._refuse("draft-dtype", f"{t.key}: the verifier stores {vt} weights with "
                                         f"{sref.dtype if sref else '?'} scales, and re-quantizing writes "
                                         f"{QUANT_DTYPE} with {SCALE_DTYPE} scales (--keep-bf16 writes the draft's "
-                                        "values unquantized)")
+                                        "values unquantized)", t.key)
             return
         w, s = transforms.requantize(t, self.res.block_size, scale_key(t.key, self.res.scale_suffix),
                                      pow2=self.res.power_of_two_scales)
@@ -374,14 +376,16 @@ class _Builder:
         self.values[w.key] = t
         self.scale_of[w.key] = s.key
 
-    def _refuse(self, rule: str, problem: str) -> bool:
+    def _refuse(self, rule: str, problem: str, key: str) -> bool:
         self.refusals.setdefault(rule, []).append(problem)
+        self.refused_keys.setdefault(rule, key)
         return False
 
     def raise_refusals(self) -> None:
         for rule, problems in self.refusals.items():
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-            raise InputError(f"draft {self.draft.root}: " + "; ".join(problems[:10]) + more, rule=rule)
+            raise InputError(f"draft {self.draft.root}: " + "; ".join(problems[:10]) + more, rule=rule,
+                             key=self.refused_keys.get(rule))
 
 
 def _source_of(t: OutputTensor) -> str:
