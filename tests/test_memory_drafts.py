@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.errors import InputError
+from ckpt_tools.errors import InputError, OutputError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.io.readers.memory import FILE, ROOT
 from ckpt_tools.ops import stitch
@@ -253,3 +253,31 @@ def test_gpu_tensors_stitch_like_cpu_ones(verifier, extracted, tmp_path):
     stitch.run({k: strided(v).cuda() for k, v in state.items()}, verifier, tmp_path / "gpu", arch=FAMILY,
                command=command)
     assert files_of(tmp_path / "cpu") == files_of(tmp_path / "gpu")
+
+
+def test_resume_with_another_state_dict_is_refused(verifier, extracted, tmp_path, monkeypatch):
+    """--resume proves the same draft bytes for a state dict too: its tensors are fingerprinted, not its name."""
+    import ckpt_tools.stream.writer as w
+
+    first = finetuned(extracted["native"], "native")
+    out = tmp_path / "out"
+    orig, left = w.copy_whole_file, [2]
+
+    def interrupted(*a, **k):
+        orig(*a, **k)
+        left[0] -= 1
+        if left[0] == 0:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(w, "copy_whole_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            stitch.run(first, verifier, out, arch=FAMILY)
+    other = {k: v.clone() for k, v in first.items()}
+    key = TOUCHED["native"][0]
+    other[key] = other[key] + 1e-2  # same names, shapes and dtypes: only the bytes differ
+    with pytest.raises(OutputError) as e:
+        stitch.run(other, verifier, out, arch=FAMILY, resume=True)
+    assert e.value.rule == "resume-mismatch"
+    stitch.run(first, verifier, out, arch=FAMILY, resume=True)  # the same state dict finishes the job
+    assert (out / "model.safetensors.index.json").is_file()
