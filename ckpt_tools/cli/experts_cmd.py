@@ -64,7 +64,7 @@ def _verb(verb: str, default_to: str, doc: str):
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         from .. import api
-        from .extract_cmd import invoked
+        from .write_options import invoked
 
         with invoked():
             report = getattr(api, verb.replace("-", "_"))(

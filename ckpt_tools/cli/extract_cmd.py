@@ -2,42 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import typer
 
-from .common import OUT_HELP, command, command_line, emit_json, human_bytes, out_console
-from .gate_options import allow_invalid_option, say_allowed
-from .write_options import json_option, overwrite_option, plan_json_option, resume_option
-
-
-def _layers(text: str | None) -> list[int] | None:
-    """--layers: MTP depths, each below the MTP bound, none twice (extract and stitch)."""
-    if text is None:
-        return None
-    from ..model.tables.resolve import MAX_MTP_LAYERS
-    from ..options import index_list
-
-    return index_list("--layers", text, MAX_MTP_LAYERS - 1)
-
-
-@contextlib.contextmanager
-def invoked() -> Iterator[None]:
-    """Around a writing verb's call: the manifest records the command line, and what --allow-invalid let
-    in is said once the plan is made (before anything is written)."""
-    from ..api.writing import invocation
-
-    with invocation(command_line(), on_plan=lambda plan: say_allowed(plan.manifest.get("allowed_invalid"))):
-        yield
-
-
-def say_written(report, c) -> None:
-    """The line after a write: tensors, bytes, where, how long, how much was read."""
-    w = report.written
-    c.print(f"wrote {w.tensors} tensors ({human_bytes(w.tensor_bytes)}) to {w.output} "
-            f"in {w.seconds} s; read {human_bytes(w.bytes_read)} from the source")
+from .common import OUT_HELP, command, emit_json, out_console
+from .gate_options import allow_invalid_option
+from .write_options import invoked, json_option, overwrite_option, plan_json_option, resume_option, say_written
+from .write_options import layers as parse_layers
 
 
 def register(app: typer.Typer) -> None:
@@ -72,7 +44,7 @@ def register(app: typer.Typer) -> None:
         from .render import render_plan
 
         with invoked():
-            report = api.extract(src, out, arch=arch, layers=_layers(layers), format=fmt, with_embed=with_embed,
+            report = api.extract(src, out, arch=arch, layers=parse_layers(layers), format=fmt, with_embed=with_embed,
                                  with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
                                  verifier_name=verifier_name, max_shard_size=max_shard_size, dry_run=dry_run,
                                  plan_json=plan_json, overwrite=overwrite, resume=resume,
@@ -82,7 +54,7 @@ def register(app: typer.Typer) -> None:
         elif report.written is None:
             render_plan(report.plan, out_console())
         else:
+            say_written(report)
             c = out_console()
-            say_written(report, c)
             for role, key in (report.shared_from_trunk or {}).items():
                 c.print(f"{role}: the MTP layer has no per-layer copy; carried the trunk's {key}")

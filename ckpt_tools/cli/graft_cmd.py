@@ -8,7 +8,16 @@ import typer
 
 from .common import OUT_HELP, command, emit_json, out_console
 from .gate_options import allow_invalid_option
-from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
+from .write_options import (
+    all_tensors_option,
+    invoked,
+    json_option,
+    overwrite_option,
+    plan_json_option,
+    report_option,
+    resume_option,
+    say_shards_written,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -34,14 +43,12 @@ def register(app: typer.Typer) -> None:
         report_file: Path = report_option(),
         overwrite: bool = overwrite_option(),
         resume: bool = resume_option(),
-        show_all: bool = typer.Option(False, "--all", help="List every MTP tensor, unchanged and added ones "
-                                                            "too (no row limit)."),
+        show_all: bool = all_tensors_option(),
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
         from .. import api
-        from .extract_cmd import invoked
         from .quant_render import say_config_changes
         from .summary import render_diffs
 
@@ -62,5 +69,4 @@ def register(app: typer.Typer) -> None:
         c.print(f"MTP count ({n['field']}): {n['before']} -> {n['after']}")
         say_config_changes(report.quant_config)
         if not dry_run:
-            c.print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
-                    f"new shards: {', '.join(report.new_shards) or '-'}")
+            say_shards_written(out, report)

@@ -36,8 +36,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""
         from .. import api
-        from .extract_cmd import invoked, say_written
         from .render import render_plan
+        from .write_options import invoked, say_written
 
         with invoked():
             report = api.init_draft(target, out, arch=arch, num_layers=num_layers, seed=seed, std=std,
@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         if report.written is None:
             render_plan(report.plan, out_console())
         else:
-            say_written(report, out_console())
+            say_written(report)
         _say(report.init)
 
 

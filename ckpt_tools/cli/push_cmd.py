@@ -76,7 +76,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
         from .. import api
-        from .extract_cmd import invoked
+        from .write_options import invoked
 
         if not json_output and not dry_run:
             err_console().print(f"pushing {folder} to {repo_id} ...")

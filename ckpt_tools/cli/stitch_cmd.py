@@ -9,7 +9,17 @@ import typer
 from .common import OUT_HELP, command, emit_json, out_console
 from .gate_options import allow_invalid_option
 from .quant_render import say_config_changes
-from .write_options import json_option, overwrite_option, plan_json_option, report_option, resume_option
+from .write_options import (
+    all_tensors_option,
+    invoked,
+    json_option,
+    overwrite_option,
+    plan_json_option,
+    report_option,
+    resume_option,
+    say_shards_written,
+)
+from .write_options import layers as parse_layers
 
 
 def register(app: typer.Typer) -> None:
@@ -46,20 +56,18 @@ def register(app: typer.Typer) -> None:
         report_file: Path = report_option(),
         overwrite: bool = overwrite_option(),
         resume: bool = resume_option(),
-        show_all: bool = typer.Option(False, "--all", help="List every MTP tensor, unchanged and added ones "
-                                                            "too (no row limit)."),
+        show_all: bool = all_tensors_option(),
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from .. import api
-        from .extract_cmd import _layers, invoked
         from .summary import render_diffs
 
         with invoked():
             result = api.stitch(draft, verifier, out, format=fmt, mode=mode, link=link, allow_partial=allow_partial,
                                 dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16, arch=arch,
-                                strip_prefix=strip_prefix, layers=_layers(layers), max_shard_size=max_shard_size,
+                                strip_prefix=strip_prefix, layers=parse_layers(layers), max_shard_size=max_shard_size,
                                 accept_divergent=accept_divergent, dry_run=dry_run, plan_json=plan_json,
                                 report=report_file, overwrite=overwrite, resume=resume,
                                 allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
@@ -81,8 +89,7 @@ def register(app: typer.Typer) -> None:
             if report.kept_from_verifier:
                 out_console().print(f"kept from the verifier (--allow-partial): {len(report.kept_from_verifier)}")
             if not dry_run:
-                out_console().print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
-                                    f"new shards: {', '.join(report.new_shards) or '-'}")
+                say_shards_written(out, report)
 
 
 def say_how_read(draft: dict) -> None:

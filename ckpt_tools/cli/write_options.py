@@ -1,8 +1,16 @@
-"""The options every writing verb shares, declared once so that their names and help read the same."""
+"""What every writing verb shares: its common options (declared once, so that their names and help read the
+same), ``--layers`` parsing, the invocation the manifest records, and the lines said after a write."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import typer
+
+from .common import command_line, human_bytes, out_console
+from .gate_options import say_allowed
 
 
 def plan_json_option():
@@ -23,3 +31,40 @@ def resume_option():
 
 def json_option():
     return typer.Option(False, "--json", help="Print a JSON report.")
+
+
+def all_tensors_option():
+    return typer.Option(False, "--all", help="List every MTP tensor, unchanged and added ones too (no row limit).")
+
+
+def layers(text: str | None) -> list[int] | None:
+    """--layers: MTP depths, each below the MTP bound, none twice (extract and stitch)."""
+    if text is None:
+        return None
+    from ..model.tables.resolve import MAX_MTP_LAYERS
+    from ..options import index_list
+
+    return index_list("--layers", text, MAX_MTP_LAYERS - 1)
+
+
+@contextlib.contextmanager
+def invoked() -> Iterator[None]:
+    """Around a writing verb's call: the manifest records the command line, and what --allow-invalid let
+    in is said once the plan is made (before anything is written)."""
+    from ..api.writing import invocation
+
+    with invocation(command_line(), on_plan=lambda plan: say_allowed(plan.manifest.get("allowed_invalid"))):
+        yield
+
+
+def say_written(report: Any) -> None:
+    """The line after a write: tensors, bytes, where, how long, how much was read."""
+    w = report.written
+    out_console().print(f"wrote {w.tensors} tensors ({human_bytes(w.tensor_bytes)}) to {w.output} "
+                        f"in {w.seconds} s; read {human_bytes(w.bytes_read)} from the source")
+
+
+def say_shards_written(out: str, report: Any) -> None:
+    """The line after a stitch or graft: which of the verifier's shards were rewritten, which are new."""
+    out_console().print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
+                        f"new shards: {', '.join(report.new_shards) or '-'}")
