@@ -44,4 +44,11 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 -rs
 
-.PHONY: install demo test speculators-venv
+# The real producers' outputs in fixtures/producers/ (issue 24): each producer in its own pinned venv under
+# $(PRODUCERS_VENVS), built once; the outputs are committed, so CI never runs this (see fixtures/producers/README.md).
+PRODUCERS_VENVS ?= .venvs-producers
+-include fixtures/producers/*.mk
+
+producers: producers-transformers producers-llmcompressor producers-modelopt producers-trainers
+
+.PHONY: install demo test speculators-venv producers
