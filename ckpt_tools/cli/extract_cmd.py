@@ -11,13 +11,13 @@ from .gate_options import allow_invalid_option
 from .write_options import invoked, json_option, overwrite_option, plan_json_option, resume_option, say_written
 from .write_options import layers as parse_layers
 
-
 # every scheme table under mappings/quantization/ has a decoder (tests/test_quant_extract.py checks this list)
-DEQUANT_HELP = ("bf16 | fp16 | fp32: decode the quantized MTP weights of every scheme in mappings/quantization/ (block FP8 "
-                "weight_scale_inv, DeepSeek-V4 FP8 + FP4 experts, compressed-tensors FP8 / INT8 / INT4 / NVFP4 / "
-                "MXFP4, ModelOpt FP8 / NVFP4, Quark MXFP4) into this dtype; the config loses quantization_config. "
-                "Tensors the source stores unquantized keep their dtype (an F32 router bias stays F32, as the "
-                "release and its engines keep it; listed after writing): add --dtype to cast them too.")
+DEQUANT_HELP = ("bf16 | fp16 | fp32: decode the quantized MTP weights of every scheme in mappings/quantization/ "
+                "(block FP8 weight_scale_inv, DeepSeek-V4 FP8 + FP4 experts, compressed-tensors FP8 / INT8 / INT4 / "
+                "NVFP4 / MXFP4, ModelOpt FP8 / NVFP4, Quark MXFP4) into this dtype; the config loses "
+                "quantization_config. Tensors the source stores unquantized keep their dtype (an F32 router bias "
+                "stays F32, as the release and its engines keep it; listed after writing): add --dtype to cast them "
+                "too.")
 
 
 def register(app: typer.Typer) -> None:
