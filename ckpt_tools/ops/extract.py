@@ -129,7 +129,10 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
     ckpt, res = view.ckpt, view.resolved
     block = res.block_size
     out: list[OutputTensor] = []
+    requested = cast_to
     for link in corr.tensors:
+        # a dtype the release fixes (table dtype_fixed) is kept whatever --dtype says: rule stored-dtype
+        cast_to = None if link.spec.dtype_fixed else requested
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
             out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, block)
             continue
@@ -153,6 +156,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             t = transforms.swap_halves(t)
             t.meta["swapped_halves"] = True
         out += finish_tensor(t, scale, cast_to, dequant_to, block)
+    cast_to = requested
     for link in corr.experts:
         from ..model.experts import BlockDequant, convert_group
 
@@ -291,12 +295,14 @@ def output_quantized(tensors: list[OutputTensor]) -> bool:
 
 
 def kept_dtypes(tensors: list[OutputTensor], dequant_to: str | None, cast_to: str | None) -> dict[str, str]:
-    """Key -> dtype of every float tensor --dequant left as stored because it was not quantized and its
-    dtype differs from the requested one (e.g. an F32 router bias; --dtype casts those too)."""
-    if dequant_to is None or cast_to is not None:
+    """Key -> dtype of every float tensor left in another dtype than the one asked for: with --dequant only,
+    those not quantized (e.g. an F32 router bias; --dtype casts them too); with --dtype, those whose dtype
+    the release fixes (table dtype_fixed)."""
+    target = cast_to or dequant_to
+    if target is None:
         return {}
     return {t.key: t.dtype for t in tensors
-            if t.dtype in FLOAT_DTYPES and t.dtype != dequant_to and "dequantized_from" not in t.meta
+            if t.dtype in FLOAT_DTYPES and t.dtype != target and "dequantized_from" not in t.meta
             and t.meta.get("role") != "scale"}
 
 
