@@ -180,3 +180,22 @@ def test_hy3_release_layout_validates_without_problems(make_fixture):
     report = json.loads(run_ckpt("validate", src, "--json").output)
     assert report["ok"], report["problems"]
     assert keys["model.layers.3.mlp.expert_bias"] == "F32"
+
+
+def test_graft_and_stitch_keep_fixed_dtypes(make_fixture, tmp_path):
+    """graft --mtp-dtype fp32 and stitch --dtype draft cast float MTP values, but not a dtype the release fixes."""
+    full = make_fixture("mimo_v2")
+    trunk, grafted = tmp_path / "trunk", tmp_path / "grafted"
+    run_ckpt("extract", full, "-o", trunk, "--drop-mtp")
+    run_ckpt("graft", full, trunk, "-o", grafted, "--mtp-dtype", "fp32")
+    dtypes = _dtypes(grafted)
+    assert dtypes[SINK] == "BF16" and dtypes["model.mtp.layers.1.eh_proj.weight"] == "F32"
+    run_ckpt("validate", grafted)
+
+    draft, kept = tmp_path / "draft", tmp_path / "kept"
+    run_ckpt("extract", full, "-o", draft, "--dtype", "fp32")
+    _rewrite(draft, SINK, lambda t: t.float())  # a draft trained in F32 throughout
+    run_ckpt("stitch", draft, full, "-o", kept, "--dtype", "draft")
+    dtypes = _dtypes(kept)
+    assert dtypes[SINK] == "BF16" and dtypes["model.mtp.layers.1.eh_proj.weight"] == "F32"
+    run_ckpt("validate", kept)
