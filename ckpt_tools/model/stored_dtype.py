@@ -1,7 +1,7 @@
 """Rule ``stored-dtype``: a tensor whose stored dtype the family's release fixes is stored in that dtype.
 
 A table marks such a tensor ``dtype_fixed: true`` next to its ``dtype`` (schema ``TensorDef``), only
-where a public release listing shows the dtype (e.g. MiMo-V2's BF16 ``attention_sink_bias``). Other
+where a public release listing shows the dtype (e.g. a BF16 attention sink bias). Other
 ``dtype`` entries only say what fixtures and initialisers write; a checkpoint may store those otherwise
 (a community BF16 conversion of an F32 router bias is still usable), so they are not checked.
 
