@@ -118,3 +118,82 @@ def test_deepseek_v4_release_validates_and_dequantizes(make_fixture, tmp_path):
     assert same_bits(out["mtp.0.ffn.experts.1.w2.weight"], torch.from_numpy(ref).to(torch.bfloat16))
     assert not any(k.endswith(".scale") for k in out)
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+
+
+# -- the draft's config describes the draft (issue 24, item 2) --------------------------------------------
+
+
+def _unquantized_per_consumers(path):
+    """transformers' AutoConfig and compressed-tensors' own config lookup (vLLM's cascade: quantization_config,
+    text_config.quantization_config, compression_config) both see no quantization."""
+    from compressed_tensors.utils.safetensors_load import find_config_path, get_quantization_config
+    from transformers import AutoConfig
+
+    cfg = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in cfg and "quantization_config" not in cfg.get("text_config", {})
+    assert getattr(AutoConfig.from_pretrained(path), "quantization_config", None) is None
+    assert get_quantization_config(find_config_path(str(path))) is None
+    assert not (path / "hf_quant_config.json").exists()
+
+
+def _quantized_per_consumers(path) -> None:
+    from compressed_tensors.utils.safetensors_load import find_config_path, get_quantization_config
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(path).quantization_config["quant_method"] == "compressed-tensors"
+    assert get_quantization_config(find_config_path(str(path)))["quantization_status"] == "compressed"
+
+
+@pytest.mark.parametrize("dequant", [["--dequant", "bf16"], []], ids=["dequant", "as-stored"])
+def test_draft_of_a_bf16_mtp_behind_exclusions_has_no_quantization_config(make_fixture, tmp_path, dequant):
+    """llm-compressor's usual output: trunk quantized, MTP excluded and stored BF16. Nothing in the draft is
+    quantized, with or without --dequant, so its config must not declare compressed-tensors."""
+    src = write_quantized(make_fixture("deepseek_v3"), tmp_path / "q", scheme_for("FP8_BLOCK",
+                          {"block_structure": [32, 32]}), [*IGNORE, "re:model\\.layers\\.3\\..*"])
+    _quantized_per_consumers(src)
+    run_ckpt("extract", src, "-o", tmp_path / "out", *dequant)
+    _unquantized_per_consumers(tmp_path / "out")
+    state, out = load_file(src / "model.safetensors"), _out(tmp_path / "out")
+    assert out and all(same_bits(v, state[k]) for k, v in out.items())  # nothing to decode: the bytes
+    run_ckpt("validate", tmp_path / "out")
+
+
+def test_dequant_keeps_float_tensors_the_source_stores_in_float_and_says_which(make_fixture, tmp_path):
+    """--dequant decodes what is quantized; the F32 router bias stays F32 (transformers keeps it F32 strictly,
+    vLLM builds it F32), is reported, and --dtype bf16 casts it too."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
+
+    assert "e_score_correction_bias" in DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict
+    src = write_quantized(make_fixture("deepseek_v3"), tmp_path / "q", scheme_for("NVFP4"), list(IGNORE))
+    bias = f"{MTP}mlp.gate.e_score_correction_bias"
+    assert load_file(src / "model.safetensors")[bias].dtype == torch.float32
+    report = json.loads(run_ckpt("extract", src, "-o", tmp_path / "bf16", "--dequant", "bf16", "--json").output)
+    assert report["kept_dtype"] == {bias: "F32"}
+    _unquantized_per_consumers(tmp_path / "bf16")
+    out = _out(tmp_path / "bf16")
+    assert out[bias].dtype == torch.float32
+    assert {str(v.dtype) for k, v in out.items() if k != bias} == {"torch.bfloat16"}
+    manifest = json.loads((tmp_path / "bf16" / "ckpt_manifest.json").read_text())
+    assert manifest["kept_dtype"] == {bias: "F32"}
+    text = run_ckpt("extract", src, "-o", tmp_path / "bf16b", "--dequant", "bf16").output
+    assert "kept as stored" in text and bias in text
+
+    report = json.loads(run_ckpt("extract", src, "-o", tmp_path / "all", "--dequant", "bf16", "--dtype", "bf16",
+                                 "--json").output)
+    assert "kept_dtype" not in report
+    assert {str(v.dtype) for v in _out(tmp_path / "all").values()} == {"torch.bfloat16"}
+
+
+def test_dequant_help_names_every_scheme_table():
+    """The --dequant help names a scheme for every table under mappings/quantization/ (each has a decoder)."""
+    from ckpt_tools.cli.extract_cmd import DEQUANT_HELP
+    from ckpt_tools.model.quant import all_schemes
+
+    words = {"ct-fp8": "compressed-tensors FP8", "ct-int8": "INT8", "ct-pack": "INT4", "ct-nvfp4": "NVFP4",
+             "ct-mxfp4": "MXFP4", "modelopt-fp8": "ModelOpt FP8", "modelopt-nvfp4": "NVFP4", "fp8-block":
+             "weight_scale_inv", "deepseek-v4": "DeepSeek-V4", "quark-mxfp4": "Quark MXFP4"}
+    schemes = all_schemes()
+    assert set(schemes) == set(words)
+    assert all(f.decoder is not None for s in schemes.values() for f in s.storage)
+    assert all(w in DEQUANT_HELP for w in words.values())
+    assert "FP8 block weights" not in DEQUANT_HELP

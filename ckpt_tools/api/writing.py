@@ -15,7 +15,7 @@ import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .report import Report, progress_sink
@@ -148,12 +148,15 @@ class ExtractReport(Report):
     written: Written | None
     validation: dict[str, Any] | None
     shared_from_trunk: dict[str, str] | None  # role -> trunk key carried where MTP has no per-layer copy
+    # key -> dtype of the float tensors --dequant left as stored (not quantized, another dtype than asked)
+    kept_dtype: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         if self.written is None:
             return self.plan.to_json()
         trunk = {"shared_from_trunk": self.shared_from_trunk} if self.shared_from_trunk is not None else {}
-        return {**self.written.to_json(), "format": self.format, **trunk, "validation": self.validation}
+        kept = {"kept_dtype": self.kept_dtype} if self.kept_dtype else {}
+        return {**self.written.to_json(), "format": self.format, **trunk, **kept, "validation": self.validation}
 
 
 @dataclass
@@ -251,7 +254,8 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink,
                               read_before=read_before)
     written, validation = done if done is not None else (None, None)
-    return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"))
+    return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"),
+                         plan.manifest.get("kept_dtype") or {})
 
 
 def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_layers: int | None = None,

@@ -11,6 +11,14 @@ from .gate_options import allow_invalid_option
 from .write_options import invoked, json_option, overwrite_option, plan_json_option, resume_option, say_written
 from .write_options import layers as parse_layers
 
+# every scheme table under mappings/quantization/ has a decoder (tests/test_quant_extract.py checks this list)
+DEQUANT_HELP = ("bf16 | fp16 | fp32: decode the quantized MTP weights of every scheme in mappings/quantization/ "
+                "(block FP8 weight_scale_inv, DeepSeek-V4 FP8 + FP4 experts, compressed-tensors FP8 / INT8 / INT4 / "
+                "NVFP4 / MXFP4, ModelOpt FP8 / NVFP4, Quark MXFP4) into this dtype; the config loses "
+                "quantization_config. Tensors the source stores unquantized keep their dtype (an F32 router bias "
+                "stays F32, as the release and its engines keep it; listed after writing): add --dtype to cast them "
+                "too.")
+
 
 def register(app: typer.Typer) -> None:
     @app.command("extract")
@@ -25,7 +33,7 @@ def register(app: typer.Typer) -> None:
                                         help="Carry the embedding (per-layer copy, else the shared one)."),
         with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
         dtype: str = typer.Option("keep", "--dtype", help="keep | bf16 | fp16 | fp32 (floating tensors)."),
-        dequant: str = typer.Option(None, "--dequant", help="Dequantize FP8 block weights to bf16 / fp32."),
+        dequant: str = typer.Option(None, "--dequant", help=DEQUANT_HELP),
         drop_mtp: bool = typer.Option(False, "--drop-mtp",
                                       help="Write the trunk: everything but MTP, count 0 (mtp-* rules do not block)."),
         verifier_name: str = typer.Option(None, "--verifier-name",
@@ -58,3 +66,6 @@ def register(app: typer.Typer) -> None:
             c = out_console()
             for role, key in (report.shared_from_trunk or {}).items():
                 c.print(f"{role}: the MTP layer has no per-layer copy; carried the trunk's {key}")
+            if report.kept_dtype:
+                kept = ", ".join(f"{k} {d}" for k, d in sorted(report.kept_dtype.items()))
+                c.print(f"kept as stored (not quantized; --dtype casts them): {kept}", soft_wrap=True)

@@ -20,8 +20,9 @@ Rules that refuse a checkpoint (``RULES``):
 - config vs tensors (needs the family's table): ``mtp-missing``, ``mtp-misshaped``,
   ``mtp-beyond``, ``mtp-extra``, ``fp8-scale-missing``, ``fp8-scale-shape``, ``quant-config``,
   ``mtp-quant-config`` (each MTP module stored as the quantization config declares it, see
-  ``quant.audit``), ``tied-head``; config values of the wrong type are refused while the table is resolved
-  (``config-field``, see ``tables.resolve``).
+  ``quant.audit``), ``tied-head``, ``stored-dtype`` (a tensor whose dtype the release fixes, table
+  ``dtype_fixed``, stored in another: ``stored_dtype``); config values of the wrong type are refused
+  while the table is resolved (``config-field``, see ``tables.resolve``).
 - a complete trunk: ``trunk-missing`` / ``trunk-misshaped``: the shared embedding, final norm and
   head (unless tied), and every decoder layer's required tensors per the table (``trunk_specs``),
   routed experts in whatever layout is on disk. Optional tensors may be absent; FP8 scales are
@@ -53,6 +54,9 @@ from ..io.safetensors_io import LocalFile, read_header
 from .expert_layouts import scale_key, scale_shape
 from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, choose_table, detect_group_layout, open_mtp
+from .stored_dtype import DESCRIPTION as STORED_DTYPE_DESCRIPTION
+from .stored_dtype import RULE as STORED_DTYPE_RULE
+from .stored_dtype import stored_dtype_problems
 from .tables.resolve import trunk_specs
 
 if TYPE_CHECKING:
@@ -83,6 +87,7 @@ RULES: dict[str, str] = {
     "tied-head": "the config ties the head while the checkpoint ships one",
     "trunk-missing": "a tensor of the embedding, head, final norm or a decoder layer is absent",
     "trunk-misshaped": "a trunk tensor has another shape than the table says",
+    STORED_DTYPE_RULE: STORED_DTYPE_DESCRIPTION,
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})
@@ -316,8 +321,12 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
     for s, actual in view.misshaped:
         if s.role == "scale":
             continue  # FP8 scales are checked for every weight, with the config's block size
+        # a matrix stored transposed (a release has shipped one: see the table's comments)
+        turned = (" (stored transposed: engines load it as the table says; transpose it back)"
+                  if len(actual) == 2 and tuple(actual) == tuple(s.shape)[::-1] else "")
         out.append(Problem("mtp-misshaped", file_of(ckpt, s.key), s.key,
-                           f"shape {list(actual)}, but the {view.table.family} table expects {list(s.shape)}"))
+                           f"shape {list(actual)}, but the {view.table.family} table expects {list(s.shape)}"
+                           + turned))
     for k, msg in view.quant_problems:
         out.append(Problem("mtp-misshaped", file_of(ckpt, view.quantized[k].all_keys()[0]), k, msg))
     for k in view.beyond:
@@ -517,7 +526,7 @@ def _left_by_repair(view: MtpView) -> set[str]:
 def model_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
     """Config vs tensors and the trunk, for a checkpoint whose table is known."""
     return (mtp_problems(view, unknown) + quant_config_problems(view, unknown) + tied_head_problems(view)
-            + trunk_problems(view, unknown, whole_model=whole_model))
+            + trunk_problems(view, unknown, whole_model=whole_model) + stored_dtype_problems(view, unknown))
 
 
 # -- the gate ---------------------------------------------------------------------------

@@ -86,8 +86,9 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     files = [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
     if fmt.carry_files:
         # the verifier's model card describes the verifier, not this draft (push writes a new one); a
-        # dequantized draft must not carry a side file that declares quantization (hf_quant_config.json)
-        dropped = {"readme.md"} | ({n.lower() for n in SIDE_FILES} if dequant_to and fp8_source else set())
+        # draft with no quantized tensor must not carry a side file that declares quantization
+        # (hf_quant_config.json)
+        dropped = {"readme.md"} | ({n.lower() for n in SIDE_FILES} if not output_quantized(tensors) else set())
         files += [f for f in carried_files(ckpt) if f.name.lower() not in dropped]
     groups = {
         e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
@@ -105,6 +106,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "expert_groups": groups,
         "source_quantization": _quant_info(view) if fp8_source else None,
         "dequantized_to": dequant_to,
+        # float tensors --dequant left in their stored dtype (it decodes quantized weights only)
+        "kept_dtype": kept_dtypes(tensors, dequant_to, cast_to),
         "config_fields_omitted": omitted,
         "shared_from_trunk": shared_from_trunk(view, corr),
         "tool_version": __version__,
@@ -126,7 +129,10 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
     ckpt, res = view.ckpt, view.resolved
     block = res.block_size
     out: list[OutputTensor] = []
+    requested = cast_to
     for link in corr.tensors:
+        # a dtype the release fixes (table dtype_fixed) is kept whatever --dtype says: rule stored-dtype
+        cast_to = None if link.spec.dtype_fixed else requested
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
             out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, block)
             continue
@@ -150,6 +156,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             t = transforms.swap_halves(t)
             t.meta["swapped_halves"] = True
         out += finish_tensor(t, scale, cast_to, dequant_to, block)
+    cast_to = requested
     for link in corr.experts:
         from ..model.experts import BlockDequant, convert_group
 
@@ -268,14 +275,35 @@ def _draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, deq
     if fmt.config.base == "source":
         if fmt.rename == "native" and len(corr.layers) != view.count:
             config = _set_count(view, config, len(corr.layers))
-        if dequant_to is not None and fp8_source:
+        if not output_quantized(tensors):
+            # the config describes the draft: nothing in it is quantized (dequantized, or the quantizer left
+            # the MTP layers in BF16), so no quantization_config may tell loaders otherwise
             config.pop("quantization_config", None)
             if isinstance(config.get("text_config"), dict):
                 config["text_config"].pop("quantization_config", None)
+        if dequant_to is not None and fp8_source:
             for key in ("torch_dtype", "dtype"):
                 if key in config:
                     config[key] = DTYPE_NAMES[dequant_to]
     return config, omitted
+
+
+def output_quantized(tensors: list[OutputTensor]) -> bool:
+    """Whether any output tensor is stored quantized: FP8 bytes, a quantized module's stored tensors
+    (``quant`` in its meta) or a scale."""
+    return any(t.dtype in FP8_DTYPES or "quant" in t.meta or t.meta.get("role") == "scale" for t in tensors)
+
+
+def kept_dtypes(tensors: list[OutputTensor], dequant_to: str | None, cast_to: str | None) -> dict[str, str]:
+    """Key -> dtype of every float tensor left in another dtype than the one asked for: with --dequant only,
+    those not quantized (e.g. an F32 router bias; --dtype casts them too); with --dtype, those whose dtype
+    the release fixes (table dtype_fixed)."""
+    target = cast_to or dequant_to
+    if target is None:
+        return {}
+    return {t.key: t.dtype for t in tensors
+            if t.dtype in FLOAT_DTYPES and t.dtype != target and "dequantized_from" not in t.meta
+            and t.meta.get("role") != "scale"}
 
 
 def _checkpoint_dir(root: str) -> str:

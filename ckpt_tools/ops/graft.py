@@ -225,7 +225,7 @@ class _Grafter:
             if s.role == "scale" or s.key in restacked:
                 continue  # a block scale travels with its weight
             # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
-            pinned = s.dtype != self.sview.resolved.dtype
+            pinned = s.dtype_fixed or s.dtype != self.sview.resolved.dtype  # dtype_fixed: rule stored-dtype
             self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned)
         return self.pieces
 

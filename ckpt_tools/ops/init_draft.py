@@ -355,7 +355,9 @@ def _native_draft(res: Resolved, target: Checkpoint, match: _LayerMatch | None, 
                 d.refs[skey] = match.refs[skey]
                 d.copied[skey] = match.refs[skey].key
         else:
-            d.recipes.append(InitRecipe(spec.key, gen_dtype or spec.dtype, tuple(spec.shape), method, std, seed))
+            # a dtype the release fixes (table dtype_fixed) is written as such whatever --dtype says
+            dtype = spec.dtype if spec.dtype_fixed else gen_dtype or spec.dtype
+            d.recipes.append(InitRecipe(spec.key, dtype, tuple(spec.shape), method, std, seed))
         d.present.append(spec)
     return d
 

@@ -282,7 +282,8 @@ class _Builder:
         if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
             self.candidates[t.key] = t
             return
-        target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES else vt
+        fixed = spec is not None and spec.dtype_fixed  # the release fixes it: the verifier's (rule stored-dtype)
+        target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES and not fixed else vt
         if t.dtype in FP8_DTYPES:
             t = transforms.dequantize(t, scale, target, self.res.block_size)
         elif target != t.dtype:

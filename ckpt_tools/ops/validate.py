@@ -33,7 +33,8 @@ Three groups of checks run, and none stops at the first problem:
    ``quant-config`` (FP8 tensors present <=> ``quantization_config.quant_method: fp8``;
    other FP8-capable methods such as compressed-tensors use their own scale names and are
    accepted as they are), ``tied-head`` (``tie_word_embeddings`` ties the head while the
-   checkpoint ships the head tensor the table drops when tied).
+   checkpoint ships the head tensor the table drops when tied), ``stored-dtype`` (a tensor whose
+   dtype the release fixes, table ``dtype_fixed``, stored in another; model/stored_dtype.py).
 
 Notes are not problems (``ok`` stays true): ``copy-absent`` / ``optional-absent``, an optional
 MTP tensor the checkpoint leaves out - a per-layer embed / head copy whose engines take the

@@ -32,6 +32,7 @@ class Spec:
     tag: str | None = None
     copy_of: str | None = None
     init: str | None = None
+    dtype_fixed: bool = False  # the release fixes ``dtype`` (rule stored-dtype)
 
 
 @dataclass
@@ -284,7 +285,7 @@ def _spec(t: TensorDef, env: dict, key: str, role: str, dtype: str, **kw) -> Spe
     kw.setdefault("tag", t.tag)
     return Spec(
         key, shape, role, kind=t.kind, dtype=t.dtype or dtype, quant=t.quant, optional=t.optional,
-        copy_of=t.copy_of, init=t.init, **kw,
+        copy_of=t.copy_of, init=t.init, dtype_fixed=t.dtype_fixed, **kw,
     )
 
 

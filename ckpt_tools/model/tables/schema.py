@@ -73,6 +73,16 @@ class TensorDef(_Strict):
     tag: str | None = None  # canonical sub-role used by draft formats (router, shared_up_proj, ...)
     copy_of: str | None = None  # per-layer copy of a shared tensor (embed / head)
     init: Literal["normal", "zeros", "ones", "copy"] | None = None
+    # the release stores this tensor in ``dtype`` whatever the model dtype, and checkpoints must too:
+    # ``validate`` and the gate check it (rule ``stored-dtype``, model/stored_dtype.py) and ``extract
+    # --dtype`` does not cast it. Only where a public release listing fixes it (say which in a comment).
+    dtype_fixed: bool = False
+
+    @model_validator(mode="after")
+    def _fixed_needs_dtype(self):
+        if self.dtype_fixed and self.dtype is None:
+            raise ValueError(f"tensor {self.key}: dtype_fixed needs a dtype")
+        return self
 
 
 class ExpertsDef(_Strict):
