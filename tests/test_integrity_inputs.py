@@ -82,7 +82,9 @@ def test_shard_left_out_of_the_index_is_refused_by_every_verb(make_fixture, draf
     msg = refused("stitch", draft, v, "-o", out, rule="unindexed-shard", out=out, names=(left, "lm_head.weight"))
     assert "ckpt validate" in msg and "--allow-invalid unindexed-shard" in msg and "trunk-missing" in msg
     refused("extract", v, "-o", out, "--drop-mtp", rule="unindexed-shard", out=out, names=(left,))
-    refused("diff", make_fixture("deepseek_v3"), v, rule="unindexed-shard", names=(left,))  # was "identical"
+    # diff is read-only: it reports the left-out shard as a problem (exit 1, never "identical"), not a refusal
+    msg = message(run_ckpt("diff", make_fixture("deepseek_v3"), v, code=1))
+    assert "problem (b):" in msg and "[unindexed-shard]" in msg and left in msg, msg
     refused("inspect", v, rule="unindexed-shard")
     assert tree_hash(v) == before
 

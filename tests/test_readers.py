@@ -355,7 +355,10 @@ def as_torch_draft(draft: Path, out: Path, fmt: str, change=lambda k, t: t) -> P
 @pytest.mark.parametrize("fmt", ["bin", "dcp"])
 def test_inspect_and_diff_match_the_safetensors_draft(native_draft, tmp_path, fmt):
     other = as_torch_draft(native_draft, tmp_path / fmt, fmt)
-    run_ckpt("diff", other, native_draft, code=0)
+    # the same tensors and config; the torch draft was saved without the side files the native draft carries
+    d = json.loads(run_ckpt("diff", other, native_draft, "--json", code=1).output)
+    assert (d["tensors"], d["config"]["status"], d["problems"]) == ([], "unchanged", [])
+    assert {f["status"] for f in d["files"] if f.get("counted", True)} == {"added"}
     a = json.loads(run_ckpt("inspect", other, "--json").output)
     b = json.loads(run_ckpt("inspect", native_draft, "--json").output)
     # the reports say which reader read the weights, and otherwise agree

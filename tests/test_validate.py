@@ -564,3 +564,100 @@ def test_not_a_checkpoint_exits_3(tmp_path, kind, make_fixture):
 def test_unknown_arch_option_is_a_usage_error(make_fixture):
     result = run_cli(make_fixture("deepseek_v3"), "--arch", "nope")
     assert result.exit_code == EXIT_USAGE and "deepseek_v3" in result.output
+
+
+# -- one rule set: validate and the consistency gate (issue 24, item 3) -------------------------------
+
+
+def _trunk_layers_dropped(src: Path, out: Path) -> Path:
+    """``src`` with every decoder layer removed (keys ``[model.][language_model.]layers.I.`` with I below the
+    config's num_hidden_layers): embedding, final norm, head and MTP stay. Written by safetensors itself."""
+    import re
+
+    config = json.loads((src / "config.json").read_text())
+    n = (config.get("text_config") or config)["num_hidden_layers"]
+    layer = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")
+    kept = {}
+    for f in sorted(src.glob("*.safetensors")):
+        kept.update({k: v for k, v in load_file(f).items() if not ((m := layer.match(k)) and int(m.group(1)) < n)})
+    out.mkdir()
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(src / "config.json", out / "config.json")
+    return out
+
+
+@pytest.mark.parametrize(("family", "mtp_key"), [("deepseek_v3", "model.layers.3.eh_proj.weight"),
+                                                 ("qwen3_next", "mtp.fc.weight")])
+def test_embed_norm_head_and_mtp_without_any_decoder_layer_is_invalid_for_validate_and_every_verb(
+        make_fixture, tmp_path, family, mtp_key):
+    """Issue 24 item 3: validate said valid while stitch refused the same checkpoint with trunk-missing."""
+    from ckpt_tools.model.consistency import check
+
+    from conftest import run_ckpt
+
+    d = _trunk_layers_dropped(make_fixture(family), tmp_path / "v")
+    with Checkpoint.open(d) as c:
+        keys = set(c.tensors)
+        assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", mtp_key} <= keys
+        gate = {scope: {p.rule for p in check(c, scope=scope)[0]} for scope in ("auto", "model")}
+    rep = validate(d)
+    assert rep.rules() == {"trunk-missing"} == gate["auto"] == gate["model"]
+    missing = {p.key for p in rep.problems}
+    assert any(".layers.0." in k for k in missing) and not any("embed_tokens" in k or "lm_head" in k for k in missing)
+    assert run_cli(d).exit_code == EXIT_FOUND
+    draft = tmp_path / "draft"
+    run_ckpt("extract", make_fixture(family), "-o", draft)
+    out = tmp_path / "o"
+    r = run_ckpt("stitch", draft, d, "-o", out, code=EXIT_INPUT)
+    assert "[trunk-missing]" in r.output and not out.exists()
+    r = run_ckpt("extract", d, "-o", tmp_path / "e", code=EXIT_INPUT)  # the gate of every other verb: the same
+    assert "[trunk-missing]" in r.output
+
+
+def test_a_draft_is_still_a_draft(make_fixture, tmp_path):
+    """The exemption the trunk rules keep: our draft (manifest kind mtp-draft, embed and head carried), and a
+    checkpoint of MTP tensors only; validate notes that it was checked as a draft."""
+    from conftest import run_ckpt
+
+    family = "qwen3_next"
+    draft = tmp_path / "draft"
+    run_ckpt("extract", make_fixture(family), "-o", draft, "--with-embed", "--with-head")
+    with Checkpoint.open(draft) as c:
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(c.tensors)
+    rep = validate(draft)
+    assert rep.ok and "draft" in {n.rule for n in rep.notes}
+    bare = tmp_path / "bare"  # the same without our manifest: embed and head make it a trunk without layers
+    shutil.copytree(draft, bare)
+    (bare / "ckpt_manifest.json").unlink()
+    assert validate(bare).rules() == {"trunk-missing"}
+    mtp_only = tmp_path / "mtp-only"
+    mtp_only.mkdir()
+    tensors = {k: v for f in sorted(bare.glob("*.safetensors")) for k, v in load_file(f).items()
+               if k.startswith("mtp.")}
+    save_file(tensors, mtp_only / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy(bare / "config.json", mtp_only / "config.json")
+    rep = validate(mtp_only)
+    assert rep.ok and "draft" in {n.rule for n in rep.notes}, rep.problems[:3]
+
+
+def test_the_gate_and_validate_run_one_rule_set(make_fixture, monkeypatch):
+    """Every rule the gate refuses on comes from a check of rules.RULE_SET, and validate runs every check of
+    that list: a check made to report a sentinel problem shows up in validate's report, and in the gate's
+    when it refuses. A rule added to one and not the other fails here."""
+    from dataclasses import replace
+
+    from ckpt_tools.model import rules
+    from ckpt_tools.model.consistency import RULES, Problem, check
+
+    assert rules.refusing_rules() - {"index-key-missing"} == set(RULES)  # index-key-missing: refused on opening
+    assert set(RULES) <= rules.known_rules()
+    monkeypatch.setattr(rules, "RULE_SET", [
+        replace(e, run=lambda ctx, e=e: [Problem(e.rules[0], None, f"sentinel.{e.name}", "sentinel")])
+        for e in rules.RULE_SET])
+    d = make_fixture("deepseek_v3")
+    reported = {p.key for p in validate(d).problems if p.message == "sentinel"}
+    with Checkpoint.open(d) as c:
+        refused = {p.key for p in check(c, scope="model")[0] if p.message == "sentinel"}
+    assert reported == {f"sentinel.{e.name}" for e in rules.RULE_SET}
+    assert refused == {f"sentinel.{e.name}" for e in rules.RULE_SET if e.refuses}
+    assert len(rules.RULE_SET) >= 10

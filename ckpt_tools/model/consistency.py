@@ -5,7 +5,7 @@ Every verb that reads a checkpoint calls ``require_consistent`` (``validate`` an
 checkpoint that breaks one of the rules below, naming the first problem's file, key and rule,
 how many others there are, and the two ways on: ``ckpt validate PATH`` lists them all,
 ``--allow-invalid RULE`` proceeds anyway. ``validate`` reports exactly these rules (plus
-its report-only ones), through ``check`` and the functions it is made of.
+its report-only ones): both run the checks of one rule set, ``rules.RULE_SET``.
 
 Rules that refuse a checkpoint (``RULES``):
 
@@ -26,9 +26,10 @@ Rules that refuse a checkpoint (``RULES``):
 - a complete trunk: ``trunk-missing`` / ``trunk-misshaped``: the shared embedding, final norm and
   head (unless tied), and every decoder layer's required tensors per the table (``trunk_specs``),
   routed experts in whatever layout is on disk. Optional tensors may be absent; FP8 scales are
-  checked by the fp8 rules for every weight. A checkpoint without any trunk layer tensor is a
-  draft (MTP layers only) and is exempt, except where a verb needs a whole model (stitch's
-  verifier).
+  checked by the fp8 rules for every weight. An MTP draft is exempt, except where a verb needs a
+  whole model (stitch's verifier): its manifest says ``kind: mtp-draft``, or it holds no tensor of
+  the main model at all (``is_draft``). Embedding, norm and head without a decoder layer is a
+  trunk missing its layers, not a draft.
 
 Report-only rules (``validate`` lists them, no verb refuses): ``total-size``, ``index-metadata``
 and ``metadata-format`` (every output writes its own index, metadata and headers), and the
@@ -56,7 +57,6 @@ from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, choose_table, detect_group_layout, open_mtp
 from .stored_dtype import DESCRIPTION as STORED_DTYPE_DESCRIPTION
 from .stored_dtype import RULE as STORED_DTYPE_RULE
-from .stored_dtype import stored_dtype_problems
 from .tables.resolve import trunk_specs
 
 if TYPE_CHECKING:
@@ -385,11 +385,22 @@ def tied_head_problems(view: MtpView) -> list[Problem]:
                     f"tensor; set tie_word_embeddings: false or drop {key}")]
 
 
-def is_draft(view: MtpView, trunk_keys: Iterable[str]) -> bool:
-    """An MTP-only checkpoint: our draft manifest says so, or no trunk layer tensor is present."""
+def is_draft(view: MtpView, trunk_keys: Iterable[str] = ()) -> bool:
+    """An MTP-only checkpoint, exempt from the trunk rules: our draft manifest says so, or it holds no
+    tensor of the main model at all - no decoder layer's (``trunk_keys``) and no shared embedding, final
+    norm or head. Holding any of them makes it a model missing the rest: an embed + norm + head + MTP
+    checkpoint is a trunk without layers, not a draft (a draft carrying the embedding or head says so
+    in its manifest, as `ckpt extract --with-embed` writes it)."""
     if (view.ckpt.manifest or {}).get("kind") == "mtp-draft":
         return True
-    return not any(k in view.ckpt.tensors for k in trunk_keys)
+    tensors = view.ckpt.tensors
+    shared = [s.key for s in view.resolved.shared.values()]
+    return not any(k in tensors for k in shared) and not any(k in tensors for k in trunk_keys)
+
+
+def trunk_exempt(view: MtpView) -> bool:
+    """The trunk rules do not apply to ``view``'s checkpoint (a draft) unless a whole model is required."""
+    return is_draft(view, (s.key for s in trunk_specs(view.resolved)[0]))
 
 
 def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
@@ -523,12 +534,6 @@ def _left_by_repair(view: MtpView) -> set[str]:
     return {f.key for f in repair_view(view).unfixable}
 
 
-def model_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False) -> list[Problem]:
-    """Config vs tensors and the trunk, for a checkpoint whose table is known."""
-    return (mtp_problems(view, unknown) + quant_config_problems(view, unknown) + tied_head_problems(view)
-            + trunk_problems(view, unknown, whole_model=whole_model) + stored_dtype_problems(view, unknown))
-
-
 # -- the gate ---------------------------------------------------------------------------
 
 
@@ -541,19 +546,22 @@ def check(ckpt: Checkpoint, table: Table | None = None, *, arch: str | None = No
     config-only checkpoint (no index, no shard) has no tensors to check, only its config. Raises
     InputError when the table cannot be chosen or resolved (``unknown-family``, ``config-field``, ...).
     """
+    from . import rules  # the rule set imports this module's checks
+
     if scope not in ("files", "auto", "model"):
         raise ValueError(f"scope {scope!r}")
     weightless = not ckpt.headers and ckpt.index is None
-    holders = Holders(ckpt)
-    problems = [] if weightless else index_problems(ckpt, holders) + stray_problems(ckpt, holders)
+    ctx = rules.Context(ckpt, Holders(ckpt), whole_model=scope == "model",
+                        config=config_path(ckpt) if ckpt.config_present else None)
+    problems = [] if weightless else rules.run(ctx, "files", refusing_only=True)
     if scope == "files":
         return problems, view
     if view is None:
         view = open_mtp(ckpt, table or choose_table(ckpt, arch))
     if weightless:
         return problems, view
-    problems += model_problems(view, whole_model=scope == "model")
-    problems += fp8_problems(ckpt, view.table, view, set(), config_path(ckpt) if ckpt.config_present else None)
+    ctx.view, ctx.table = view, view.table
+    problems += rules.run(ctx, "model", refusing_only=True)
     return problems, view
 
 

@@ -1,6 +1,9 @@
 """`ckpt validate`: every problem a checkpoint has, each with its rule, file and key.
 
-Three groups of checks run, and none stops at the first problem:
+The checks are the consistency gate's own: validate runs every check of the one rule set
+(``model.rules.RULE_SET``), the gate the ones that refuse, so what validate calls valid no verb
+refuses for the same reason (except a verb needing a whole model, e.g. stitch's verifier, given an
+MTP draft: see the ``draft`` note). Three groups of checks run, and none stops at the first problem:
 
 1. **Format** - every shard obeys the safetensors rules enforced by the strict reader
    (``safetensors_io``): ``header-length``, ``header-too-large``, ``header-json``,
@@ -36,9 +39,15 @@ Three groups of checks run, and none stops at the first problem:
    checkpoint ships the head tensor the table drops when tied), ``stored-dtype`` (a tensor whose
    dtype the release fixes, table ``dtype_fixed``, stored in another; model/stored_dtype.py).
 
+   Then ``trunk-missing`` / ``trunk-misshaped``: the embedding, final norm, head (unless tied) and
+   every decoder layer the table requires. Only an MTP draft is exempt: its manifest says
+   ``kind: mtp-draft``, or it holds no tensor of the main model at all. A checkpoint holding the
+   embedding, norm or head but no decoder layer is a trunk without its layers, not a draft.
+
 Notes are not problems (``ok`` stays true): ``copy-absent`` / ``optional-absent``, an optional
 MTP tensor the checkpoint leaves out - a per-layer embed / head copy whose engines take the
-trunk's tensor (``consistency.absent_notes``).
+trunk's tensor (``consistency.absent_notes``); ``draft``, the trunk rules were not applied because
+the checkpoint is an MTP draft.
 
 Public API: ``validate(path_or_checkpoint, arch=None) -> ValidationReport``. ``validate``
 raises ``InputError`` (exit 3) only when the path is not a checkpoint at all.
@@ -52,21 +61,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CkptError, InputError
-from ..io.artefacts import MANIFEST_NAME
 from ..io.checkpoint import Checkpoint, open_lenient
-from ..model import consistency
+from ..model import consistency, rules
 from ..model.consistency import Problem, config_path
 from ..model.mtp import choose_table, open_mtp
 from ..stream.writer import PendingOutput
 
-VALID_FORMATS = ("pt", "tf", "flax", "mlx")  # transformers load_state_dict's accepted __metadata__ formats
-# Rules that come from opening files (used to recognise them on a strict, remote open).
-FILE_RULES = frozenset({
-    "header-length", "header-too-large", "header-json", "header-not-object", "duplicate-key",
-    "metadata-not-string", "tensor-entry", "unknown-dtype", "bad-shape", "bad-offsets", "misaligned",
-    "size-mismatch", "overlap", "offsets-not-contiguous", "past-end", "trailing-bytes", "unreadable-shard",
-    "index-json", "shard-path", "missing-shard", "index-key-missing", "config-json", "config-field",
-})
+VALID_FORMATS = rules.VALID_FORMATS
+FILE_RULES = rules.OPEN_RULES  # rules that come from opening files (recognised on a strict, remote open)
 MAX_LISTED = consistency.MAX_LISTED
 __all__ = ["Problem", "ValidationReport", "validate", "validate_output", "bare_message"]
 
@@ -165,83 +167,30 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             report.reader, report.reader_notes = ckpt.reader, list(ckpt.reader_notes)
             report.files_checked = sum(len(getattr(src, "paths", ())) or 1 for src in ckpt.sources.values())
             report.tensors_checked = len(ckpt.tensors)
-        _metadata_checks(ckpt, report)
-        unknown = _index_checks(ckpt, unreadable, report)
+        ctx = _file_checks(ckpt, unreadable, report)
         config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
-        _config_checks(ckpt, arch, unknown, config_broken, report)
+        _config_checks(ckpt, arch, ctx, config_broken, report)
     finally:
         if ckpt is not path_or_checkpoint:
             ckpt.close()
     return report
 
 
-# -- format -----------------------------------------------------------------------------
+# -- the rule set's checks, and what only validate reports -----------------------------------------------
 
 
-def _metadata_checks(ckpt: Checkpoint, report: ValidationReport) -> None:
-    for name, h in ckpt.headers.items():
-        if h.metadata is not None and h.metadata.get("format") not in VALID_FORMATS:
-            fmt = h.metadata.get("format")
-            what = "has no 'format'" if fmt is None else f"has format {fmt!r}"
-            report.add("metadata-format", consistency.shard_path(ckpt, name), None,
-                       f"__metadata__ {what}; transformers' load_state_dict (v4) refuses a format that is not one of "
-                       f"{', '.join(VALID_FORMATS)} (write {{\"format\": \"pt\"}})")
+def _file_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationReport) -> rules.Context:
+    """The rule set's files stage, every check; the context the model stage goes on with."""
+    unknown = consistency.unknown_keys(ckpt, unreadable)
+    ctx = rules.Context(ckpt, consistency.Holders(ckpt), unknown, list(unreadable))
+    report.extend(rules.run(ctx, "files", refusing_only=False))
+    return ctx
 
 
-# -- index and files ------------------------------------------------------------------------
-
-
-def _index_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationReport) -> set[str]:
-    """Index vs shards. Returns the keys whose presence cannot be known (their shard is unreadable)."""
-    holders = consistency.Holders(ckpt)
-    report.extend(consistency.index_problems(ckpt, holders))
-    index = ckpt.index
-    if index is not None:
-        index_path = consistency.index_path(ckpt)
-        meta = index.get("metadata")
-        if not isinstance(meta, dict):
-            report.add("index-metadata", index_path, None,
-                       "index has no 'metadata' object (transformers reads index['metadata']); "
-                       "write {\"metadata\": {\"total_size\": N}}")
-        elif "total_size" in meta and not unreadable:
-            total = sum(info.nbytes for h in ckpt.headers.values() for info in h.tensors.values())
-            ts = meta["total_size"]
-            if not isinstance(ts, int) or isinstance(ts, bool) or ts != total:
-                report.add("total-size", index_path, None,
-                           f"metadata.total_size is {ts!r} but the shards hold {total} tensor bytes")
-    report.extend(consistency.stray_problems(ckpt, holders))
-    return consistency.unknown_keys(ckpt, unreadable)
-
-
-# -- config vs tensors --------------------------------------------------------------------
-
-
-def _manifest_checks(ckpt: Checkpoint, unknown: set[str], report: ValidationReport) -> None:
-    """Every tensor our manifest lists is present with the dtype and shape it was written with."""
-    entries = (ckpt.manifest or {}).get("tensors")
-    if not isinstance(entries, dict) or not ckpt.local_dir:
-        return
-    where = str(ckpt.local_dir / MANIFEST_NAME)
-    for key, entry in entries.items():
-        if key in unknown or not isinstance(entry, dict):
-            continue
-        ref = ckpt.tensors.get(key)
-        if ref is None:
-            report.add("manifest-missing", where, key, "listed in ckpt_manifest.json but not in the checkpoint")
-        elif entry.get("dtype") != ref.dtype or list(entry.get("shape", [])) != list(ref.shape):
-            report.add("manifest-mismatch", ref.file, key,
-                       f"is {ref.dtype} {list(ref.shape)}, the manifest says {entry.get('dtype')} {entry.get('shape')}")
-    if (ckpt.manifest or {}).get("kind") == "mtp-draft":
-        for key in sorted(set(ckpt.tensors) - set(entries)):
-            report.add("manifest-extra", ckpt.tensors[key].file, key, "not listed in the draft's ckpt_manifest.json")
-
-
-def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config_broken: bool,
+def _config_checks(ckpt: Checkpoint, arch: str | None, ctx: rules.Context, config_broken: bool,
                    report: ValidationReport) -> None:
+    """The rule set's model stage, every check (those needing the table skipped when it cannot be told)."""
     cfg = config_path(ckpt)
-    view = None
-    table = None
-    _manifest_checks(ckpt, unknown, report)
     draft_format = None if config_broken or arch else consistency.renamed_format(ckpt)
     if draft_format is not None:
         # a renamed draft has no architecture table of its own: its manifest is the reference
@@ -250,22 +199,34 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, unknown: set[str], config
         layers = (ckpt.manifest or {}).get("layers")
         report.mtp_layers = len(layers) if isinstance(layers, list) else None
         return
+
+    def as_problem(e: CkptError) -> Problem:
+        return Problem(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
+
+    ctx.config = None if config_broken or not ckpt.config_present else cfg
     if not config_broken:
         try:
-            table = choose_table(ckpt, arch)
-            view = open_mtp(ckpt, table)
+            ctx.table = choose_table(ckpt, arch)
+            ctx.view = open_mtp(ckpt, ctx.table)
         except CkptError as e:
-            report.add(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
+            report.problems.append(as_problem(e))
+    view = ctx.view
     if view is not None:
         report.family, report.mtp_layers = view.table.family, view.count
+    # a config value the trunk's expressions cannot use fails that check only: the others still run
+    report.extend(rules.run(ctx, "model", refusing_only=False, on_error=lambda _check, e: [as_problem(e)]))
+    if view is not None:
         try:
-            report.extend(consistency.model_problems(view, unknown))
             report.notes += consistency.absent_notes(view)
+            if consistency.trunk_exempt(view):
+                report.notes.append(Problem(
+                    "draft", cfg, None, "no tensor of the main model (decoder layers, embedding, final norm, head)"
+                    + (" and a draft manifest" if (ckpt.manifest or {}).get("kind") == "mtp-draft" else "")
+                    + ": checked as an MTP draft; the trunk rules apply to whole models (stitch refuses it as a "
+                    "verifier)"))
             report.mtp_quant = _mtp_quant(view)
-        except CkptError as e:  # the trunk's expressions meet a config value they cannot use
-            report.add(e.rule or "config", e.path if e.path and e.path != ckpt.root else cfg, None, bare_message(e))
-    report.extend(consistency.fp8_problems(ckpt, table, view, unknown,
-                                           None if config_broken or not ckpt.config_present else cfg))
+        except CkptError as e:
+            report.problems.append(as_problem(e))
 
 
 def _mtp_quant(view) -> dict | None:
