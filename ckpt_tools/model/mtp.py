@@ -138,7 +138,8 @@ def _namespace(res: Resolved) -> tuple[list[str], set[str]]:
 
 def _beyond(ckpt: Checkpoint, table: Table, count: int) -> list[str]:
     """Tensors that would belong to MTP depths >= count (or to shared glue when count is 0)."""
-    probe = resolve(table, ckpt.config, mtp_count=count + 4)
+    # the probed depths are not declared: per-depth config lists need no entries for them
+    probe = resolve(table, ckpt.config, mtp_count=count + 4, probe_from=count)
     found: list[str] = []
     declared = resolve(table, ckpt.config, mtp_count=count)
     declared_glue = {s.key for s in declared.glue_specs()}

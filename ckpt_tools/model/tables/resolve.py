@@ -329,8 +329,15 @@ def part_specs(
 
 
 @_config_errors
-def resolve(table: Table, config: ConfigView, mtp_count: int | None = None) -> Resolved:
-    """Concrete MTP tensors of ``table`` for ``config`` (``mtp_count`` overrides the config's count)."""
+def resolve(table: Table, config: ConfigView, mtp_count: int | None = None, probe_from: int | None = None) -> Resolved:
+    """Concrete MTP tensors of ``table`` for ``config`` (``mtp_count`` overrides the config's count).
+
+    Depths from ``probe_from`` on are ones the checkpoint does not declare, resolved only to find where
+    such a depth would live (tensors past the declared count): the config describes nothing about them,
+    so a per-depth variable that cannot be evaluated there (e.g. a per-depth list with one entry per
+    declared depth) is None, a depth whose tensors still cannot be resolved keeps only its prefix, and one
+    whose prefix cannot be rendered is left out. Declared depths fail as always, naming the field.
+    """
     env = _config_env(table, config)
     dtype = _model_dtype(table, config)
     count = _int(table.mtp.count, env, f"{table.family}: mtp.count", MAX_MTP_LAYERS) if mtp_count is None else mtp_count
@@ -339,29 +346,48 @@ def resolve(table: Table, config: ConfigView, mtp_count: int | None = None) -> R
         if _cond(t.when, env, f"shared.{name}"):
             res.shared[name] = _spec(t, env, _render(t.key, env), "shared", dtype, tag=t.tag or name)
     for i in range(count):
-        lenv = dict(env, i=i)
-        for name, expr in table.mtp.layer_vars.items():
-            lenv[name] = _eval(expr, lenv, f"mtp.layer_vars.{name}")
-        prefix = _render(table.mtp.prefix, lenv)
-        glue: dict[str, Spec] = {}
-        for role, t in table.mtp.glue.items():
-            if not _cond(t.when, lenv, f"glue {role}"):
+        if probe_from is None or i < probe_from:
+            res.layers.append(_mtp_layer(table, env, i, dtype, lenient=False))
+            continue
+        try:
+            res.layers.append(_mtp_layer(table, env, i, dtype, lenient=True))
+        except _EvalFailed:
+            try:
+                res.layers.append(MtpLayer(i, _render(table.mtp.prefix, dict(env, i=i)), [], {}, [], []))
+            except _EvalFailed:
                 continue
-            shared_by_depths = t.key.startswith("/") and "{" not in t.key
-            key = _absolute(t.key, prefix, lenv)
-            glue[role] = _spec(t, lenv, key, role, dtype, depth=None if shared_by_depths else i)
-        block: list[Spec] = []
-        experts: list[ExpertGroup] = []
-        bprefixes: list[str] = []
-        for benv, bdef in _sub_blocks(table, lenv):
-            b = len(bprefixes)
-            bprefix = _absolute(bdef.prefix, prefix, benv) if bdef.prefix else prefix
-            bprefixes.append(bprefix)
-            specs, groups = part_specs(table, bdef.parts, benv, bprefix, dtype, "block", depth=i, block=b)
-            block += specs
-            experts += groups
-        res.layers.append(MtpLayer(i, prefix, bprefixes, glue, block, experts))
     return res
+
+
+def _mtp_layer(table: Table, env: dict, i: int, dtype: str, lenient: bool) -> MtpLayer:
+    """MTP depth ``i``; ``lenient``: per-depth variables that fail to evaluate are None (an undeclared depth)."""
+    lenv = dict(env, i=i)
+    for name, expr in table.mtp.layer_vars.items():
+        try:
+            lenv[name] = _eval(expr, lenv, f"mtp.layer_vars.{name} (MTP depth {i})")
+        except _EvalFailed:
+            if not lenient:
+                raise
+            lenv[name] = None
+    prefix = _render(table.mtp.prefix, lenv)
+    glue: dict[str, Spec] = {}
+    for role, t in table.mtp.glue.items():
+        if not _cond(t.when, lenv, f"glue {role}"):
+            continue
+        shared_by_depths = t.key.startswith("/") and "{" not in t.key
+        key = _absolute(t.key, prefix, lenv)
+        glue[role] = _spec(t, lenv, key, role, dtype, depth=None if shared_by_depths else i)
+    block: list[Spec] = []
+    experts: list[ExpertGroup] = []
+    bprefixes: list[str] = []
+    for benv, bdef in _sub_blocks(table, lenv):
+        b = len(bprefixes)
+        bprefix = _absolute(bdef.prefix, prefix, benv) if bdef.prefix else prefix
+        bprefixes.append(bprefix)
+        specs, groups = part_specs(table, bdef.parts, benv, bprefix, dtype, "block", depth=i, block=b)
+        block += specs
+        experts += groups
+    return MtpLayer(i, prefix, bprefixes, glue, block, experts)
 
 
 def _sub_blocks(table: Table, lenv: dict):
