@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
 
 from .common import command, emit_json, human_bytes, out_console
-from .gate_options import allow_invalid_option, say_allowed
+from .gate_options import say_allowed
 from .layout import INDENT, Col, print_fields, print_table
 
 MAX_ROWS = 20  # problem keys listed before "..."
@@ -99,8 +101,13 @@ def _expert_row(g: dict) -> list[str]:
     """What is stored: the layout detected from the keys, the storage from the dtypes (not the table's)."""
     if not g["tensors"]:
         return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), "-", "nothing stored", "0", "0"]
-    return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), g["layout"], g["stored"] or "-",
+    return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), g["layout"], _label(g["stored"] or "-"),
             str(g["tensors"]), f"{g['bytes']:,}"]
+
+
+def _label(stored: str) -> str:
+    """A storage label for a table cell: a block size as one word (``block 128x128``, as the FP8 line says)."""
+    return re.sub(r"\[(\d+), (\d+)\]", r"\1x\2", stored)
 
 
 def _render_quantization(con, q: dict | None) -> None:
@@ -127,7 +134,7 @@ def _render_mtp_quant(con, quant: dict) -> None:
     for name, m, n in collapsed(quant["modules"]):
         label = f"{name} (x{n})" if n > 1 else name
         mark = ("ok" + (" (release convention)" if m["exempt"] else "")) if m["ok"] else "problem"
-        rows.append([label, m["stored"]["label"], declared_text(m["declared"]), mark])
+        rows.append([label, _label(m["stored"]["label"]), declared_text(m["declared"]), mark])
     print_table(con, MODULE_COLUMNS, rows, title="MTP modules: stored vs declared (quantization config)")
 
 
@@ -211,6 +218,9 @@ def _render_discovery(report) -> None:
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
 ARCH_HELP = "Use this family's table instead of detecting it."
+ALLOW_HELP = ("With --discover: proceed although the input breaks this index rule (repeatable). Without "
+              "--discover it changes nothing: inspect never refuses a checkpoint it can read, it lists the "
+              "problems other verbs refuse as findings.")
 
 
 def register(app: typer.Typer) -> None:
@@ -225,9 +235,10 @@ def register(app: typer.Typer) -> None:
                                                                 "draft architecture table (YAML) to refine."),
         write: str | None = typer.Option(None, "--write", metavar="FILE", help="With --discover: write the draft "
                                          "table to FILE (its name, without .yaml, becomes the family)."),
-        allow_invalid: list[str] = allow_invalid_option(),
+        allow_invalid: list[str] = typer.Option(None, "--allow-invalid", metavar="RULE", help=ALLOW_HELP),
     ) -> None:
-        """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes."""
+        """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes, and what other
+        verbs would refuse it for (exit 0 whenever it can be read: `ckpt validate` is the check)."""
         from .. import api
 
         report = api.inspect(path, arch=arch, discover=discover or write is not None, write=write,
