@@ -304,7 +304,7 @@ def test_inspect_unreadable_input_is_still_exit_3(make_fixture, tmp_path):
     assert r.exit_code == EXIT_INPUT and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in PRODUCERS.glob("llmcompressor-*")) or ["absent"])
+@pytest.mark.parametrize("name", sorted(p.name for p in PRODUCERS.glob("llmcompressor-*") if p.is_dir()) or ["absent"])
 def test_inspect_reads_real_llmcompressor_outputs(name):
     """Outputs llm-compressor wrote (fixtures/producers, when present): inspect reads every one, exit 0."""
     d = PRODUCERS / name
