@@ -364,5 +364,8 @@ def test_expert_table_names_a_scheme_tables_storage(tmp_path):
     d = make_quantized_checkpoint("deepseek_v3", tmp_path / "q", QuantOptions("ct-nvfp4a16"))
     (g,) = inspect_checkpoint(d).to_json()["experts"]
     assert g["quant"] and g["stored"].startswith("NVFP4") and g["layout"] == "per-expert"
-    dtypes = {v["dtype"] for k, v in read_all(d).items() if k.startswith(g["prefix"] + ".")}
-    assert "U8" in dtypes  # packed FP4, as the oracle reads the header
+    mine = {k: v for k, v in read_all(d).items() if k.startswith(g["prefix"] + ".")}
+    assert "U8" in {v["dtype"] for v in mine.values()}  # packed FP4, as the oracle reads the header
+    # its size: every tensor it is stored as (packed weights, scales, global scales), not 0 for want of .weight
+    assert (g["tensors"], g["bytes"]) == (len(mine), sum(v["bytes"] for v in mine.values()))
+    assert "nothing stored" not in _experts_section(CliRunner().invoke(app, ["inspect", str(d)]).output)

@@ -226,13 +226,15 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         layers.append({"depth": None, "prefix": None, **by_depth[None]})
 
     experts = []
-    present = set(view.keys())
+    stored_as: dict[str, list[str]] = {}  # logical key -> the tensors it is stored as (weight_packed + scales ...)
+    for s, key in view.stored():
+        stored_as.setdefault(s.key, []).append(key)
     for g in view.groups():  # in the layout on disk
         table_layout = next((x.layout for x in res.experts() if x.prefix == g.prefix), g.layout)
         st = _stats()
         for t in g.tensors():
-            if t.key in present:
-                ref = ckpt.tensors[t.key]
+            for key in stored_as.get(t.key, ()):
+                ref = ckpt.tensors[key]
                 _add(st, ref.numel, ref.nbytes)
         stored = experts_stored(view, g)  # from the stored dtypes and companions, not the table's quant flag
         experts.append({
