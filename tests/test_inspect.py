@@ -198,3 +198,174 @@ def test_inspect_with_arch_override_and_unknown_family(make_fixture, tmp_path):
     assert res.exit_code == EXIT_INPUT and "unknown-family" in res.output and "deepseek_v3" in res.output
     assert "Traceback" not in res.output
     assert runner.invoke(app, ["inspect", str(copy), "--arch", "deepseek_v3", "--json"]).exit_code == 0
+
+
+# -- a quantizer output whose MTP was dropped: inspect shows what is there and what is missing ---------------
+
+FLOAT = {"BF16", "F16", "F32"}
+PRODUCERS = Path(__file__).resolve().parent.parent / "fixtures" / "producers"
+
+
+def _drop_keys(src: Path, dst: Path, drop) -> set[str]:
+    """``src`` rewritten with safetensors (not our writer) without the keys ``drop(key)`` picks, the index
+    updated, as a quantizer that lost MTP leaves it; returns the keys dropped."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    gone: set[str] = set()
+    for p in src.iterdir():
+        if p.suffix == ".safetensors":
+            tensors = load_file(str(p))
+            gone |= {k for k in tensors if drop(k)}
+            save_file({k: v for k, v in tensors.items() if not drop(k)}, str(dst / p.name), metadata={"format": "pt"})
+        elif p.name == "model.safetensors.index.json":
+            index = json.loads(p.read_text())
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not drop(k)}
+            (dst / p.name).write_text(json.dumps(index))
+        else:
+            (dst / p.name).write_bytes(p.read_bytes())
+    return gone
+
+
+@pytest.fixture(scope="module")
+def mtp_dropped(tmp_path_factory, make_fixture) -> tuple[Path, set[str]]:
+    """DeepSeek-V3 block FP8 whose config keeps num_nextn_predict_layers=1 while its shards hold no MTP tensor."""
+    src = make_fixture("deepseek_v3", fp8=True)
+    cfg = json.loads((src / "config.json").read_text())
+    assert _text(cfg)["num_nextn_predict_layers"] == 1
+    out = tmp_path_factory.mktemp("dropped") / "ck"
+    return out, _drop_keys(src, out, appended_layers(cfg))
+
+
+def test_inspect_reports_dropped_mtp_instead_of_refusing(mtp_dropped):
+    d, gone = mtp_dropped
+    assert gone and not any(appended_layers(json.loads((d / "config.json").read_text()))(k) for k in read_all(d))
+    runner = CliRunner()
+    r = runner.invoke(app, ["inspect", str(d), "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert j["mtp_layers"] == 1 and not j["status"]["complete"]
+    assert j["totals"]["mtp"]["tensors"] == 0 and j["totals"]["checkpoint"] == totals(read_all(d).values())
+    # what is missing: every dropped weight (its FP8 scale is implied), optional per-layer copies as notes
+    weights = {k for k in gone if not k.endswith("_scale_inv")}
+    assert {f["rule"] for f in j["findings"]} == {"mtp-missing"}
+    missing = {f["key"] for f in j["findings"]}
+    optional = {n["key"] for n in j["notes"] if n["rule"] in ("copy-absent", "optional-absent")}
+    assert missing | optional == weights and not missing & optional
+    assert {m["key"] for m in j["status"]["missing"]} == missing
+    assert all(f["path"].endswith("config.json") and "ckpt graft" in f["message"] for f in j["findings"])
+    assert "allowed_invalid" not in j
+    (g,) = j["experts"]
+    assert (g["tensors"], g["quant"], g["stored"]) == (0, False, None)
+
+    human = runner.invoke(app, ["inspect", str(d)], env={"COLUMNS": "200"})
+    assert human.exit_code == 0 and "Traceback" not in human.output
+    text = human.output
+    assert "MTP set incomplete" in text and f"{len(missing)} declared tensor(s) missing" in text
+    assert f"{len(missing)} finding(s) (mtp-missing x{len(missing)})" in text and "ckpt graft SOURCE" in text
+    first = j["findings"][0]["key"]
+    assert re.search(rf"\bmtp-missing config\.json {re.escape(first)}:", text)
+
+    # the other verbs still refuse it, validate still fails it: only the diagnostic reads it through
+    assert runner.invoke(app, ["validate", str(d)]).exit_code == 1
+    refused = runner.invoke(app, ["extract", str(d), "-o", str(d.parent / "x")])
+    assert refused.exit_code == EXIT_INPUT and "mtp-missing" in refused.output
+
+
+def test_api_inspect_returns_findings(mtp_dropped):
+    from ckpt_tools import api
+
+    d, _ = mtp_dropped
+    report = api.inspect(d)
+    assert not report.complete and report.findings and report.findings[0]["rule"] == "mtp-missing"
+    assert report.to_json()["findings"] == report.findings
+
+
+def test_inspect_reports_a_quantized_output_that_dropped_mtp(tmp_path):
+    """The same through the quantizer fixtures (compressed-tensors' own compressors write the trunk)."""
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    d = make_quantized_checkpoint("deepseek_v3", tmp_path / "q", QuantOptions("ct-fp8-channel", mtp="dropped"))
+    j = json.loads(CliRunner().invoke(app, ["inspect", str(d), "--json"]).stdout)
+    assert j["quantization"]["scheme"] == "ct-fp8" and j["totals"]["mtp"]["tensors"] == 0
+    assert {f["rule"] for f in j["findings"]} == {"mtp-missing"} and len(j["findings"]) == len(j["status"]["missing"])
+
+
+def test_inspect_unreadable_input_is_still_exit_3(make_fixture, tmp_path):
+    """Exit 3 stays for what cannot be read: a shard cut short."""
+    d = tmp_path / "cut"
+    d.mkdir()
+    src = make_fixture("deepseek_v3")
+    for p in src.iterdir():
+        (d / p.name).write_bytes(p.read_bytes())
+    last = sorted(d.glob("*.safetensors"))[-1]
+    last.write_bytes(last.read_bytes()[:-100])
+    r = CliRunner().invoke(app, ["inspect", str(d)])
+    assert r.exit_code == EXIT_INPUT and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PRODUCERS.glob("llmcompressor-*") if p.is_dir()) or ["absent"])
+def test_inspect_reads_real_llmcompressor_outputs(name):
+    """Outputs llm-compressor wrote (fixtures/producers, when present): inspect reads every one, exit 0."""
+    d = PRODUCERS / name
+    if not (d / "config.json").is_file():
+        pytest.skip(f"no producer output at {d}")
+    r = CliRunner().invoke(app, ["inspect", str(d), "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert j["totals"]["checkpoint"] == totals(read_all(d).values())
+    if j["mtp_layers"] and j["totals"]["mtp"]["tensors"] == 0:  # the config declares MTP the quantizer dropped
+        assert {f["rule"] for f in j["findings"]} >= {"mtp-missing"}
+
+
+# -- the expert table says what is stored ---------------------------------------------------------------------
+
+
+def _golden_options(name: str) -> dict:
+    head = (Path(__file__).resolve().parent.parent / "fixtures" / "golden" / f"{name}.txt").read_text()
+    line = next(x for x in head.splitlines() if x.startswith("# fixture: "))
+    return json.loads(line.removeprefix("# fixture: "))["options"]
+
+
+def _experts_section(text: str) -> str:
+    return text.split("Routed experts", 1)[1].split("Shards holding MTP tensors", 1)[0]
+
+
+@pytest.mark.parametrize(("family", "opts", "layout"), [
+    ("deepseek_v3", {}, "per-expert"),
+    ("qwen3_5_moe", {}, "fused"),  # the BF16 multimodal release (Qwen3.6)
+    ("qwen3_5_moe", _golden_options("qwen3_5_moe_perexpert"), "per-expert"),  # Qwen3.5-35B-A3B's MTP experts
+    ("qwen3_5_moe", {"fp8": True}, "fused"),
+])
+def test_expert_table_reports_storage(make_fixture, family, opts, layout):
+    d = make_fixture(family, **opts)
+    tensors = read_all(d)
+    j = inspect_checkpoint(d).to_json()
+    (g,) = [g for g in j["experts"] if g["depth"] is not None]
+    mine = {k: v for k, v in tensors.items() if k.startswith(g["prefix"] + ".")}
+    # the oracle: per-expert keys carry the expert index after the prefix, fused ones do not
+    per_expert = any(re.match(rf"{re.escape(g['prefix'])}\.\d+\.", k) for k in mine)
+    assert ("per-expert" if per_expert else "fused") == layout
+    assert g["layout"] == layout
+    quantized = any(v["dtype"] not in FLOAT for v in mine.values())
+    assert g["quant"] == quantized == bool(opts.get("fp8"))
+    assert g["stored"] == ("F8_E4M3 block [128, 128]" if quantized else "BF16")
+    text = CliRunner().invoke(app, ["inspect", str(d)], env={"COLUMNS": "200"}).output
+    section = _experts_section(text)
+    assert "shipped" not in section and layout in section
+    if not quantized:  # the table's quant flag is no storage: an unquantized checkpoint shows no FP8
+        assert inspect_checkpoint(d).view.resolved.experts()[0].quant  # the table flags them for FP8
+        assert "fp8" not in section.lower() and "F8_" not in section and "BF16" in section
+
+
+def test_expert_table_names_a_scheme_tables_storage(tmp_path):
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    d = make_quantized_checkpoint("deepseek_v3", tmp_path / "q", QuantOptions("ct-nvfp4a16"))
+    (g,) = inspect_checkpoint(d).to_json()["experts"]
+    assert g["quant"] and g["stored"].startswith("NVFP4") and g["layout"] == "per-expert"
+    mine = {k: v for k, v in read_all(d).items() if k.startswith(g["prefix"] + ".")}
+    assert "U8" in {v["dtype"] for v in mine.values()}  # packed FP4, as the oracle reads the header
+    # its size: every tensor it is stored as (packed weights, scales, global scales), not 0 for want of .weight
+    assert (g["tensors"], g["bytes"]) == (len(mine), sum(v["bytes"] for v in mine.values()))
+    assert "nothing stored" not in _experts_section(CliRunner().invoke(app, ["inspect", str(d)]).output)

@@ -85,8 +85,16 @@ def test_shard_left_out_of_the_index_is_refused_by_every_verb(make_fixture, draf
     # diff is read-only: it reports the left-out shard as a problem (exit 1, never "identical"), not a refusal
     msg = message(run_ckpt("diff", make_fixture("deepseek_v3"), v, code=1))
     assert "problem (b):" in msg and "[unindexed-shard]" in msg and left in msg, msg
-    refused("inspect", v, rule="unindexed-shard")
+    shown_by_inspect(v, "unindexed-shard", (left, "lm_head.weight"))
     assert tree_hash(v) == before
+
+
+def shown_by_inspect(path, rule: str, names: tuple[str, ...] = ()) -> None:
+    """inspect, the diagnostic, reads what the other verbs refuse: exit 0, the problem among its findings."""
+    found = [f for f in json.loads(run_ckpt("inspect", path, "--json").stdout)["findings"] if f["rule"] == rule]
+    assert found, f"no {rule} finding"
+    text = " ".join(run_ckpt("inspect", path).stdout.split())
+    assert rule in text and all(n in text for n in names), text
 
 
 def test_empty_weight_map_is_refused_and_writes_nothing(make_fixture, draft, tmp_path):
@@ -267,7 +275,7 @@ def test_hub_source_with_a_shard_left_out(hub, make_fixture, tmp_path):
     left = shard_of(v, "lm_head.weight")
     edit_json(v / INDEX, lambda ix: {**ix, "weight_map": {k: s for k, s in ix["weight_map"].items() if s != left}})
     hub.state.add_repo("org/left-out", v)
-    refused("inspect", "hf://org/left-out", rule="unindexed-shard", names=(left, "lm_head.weight"))
+    shown_by_inspect("hf://org/left-out", "unindexed-shard", (left, "lm_head.weight"))
 
 
 @pytest.fixture

@@ -307,9 +307,10 @@ def test_a_lone_model_safetensors_is_linked_and_gets_an_index(build, tmp_path):
 
 def test_inspect_shows_storage_versus_declaration(build):
     src = build("qwen3_5_moe", scheme="ct-nvfp4", mtp="bf16", mtp_exclude="partial")
-    refused = run_ckpt("inspect", src, code=3)
-    assert "mtp-quant-config" in refused.stderr
-    rep = json.loads(run_ckpt("inspect", src, "--json", "--allow-invalid", "mtp-quant-config").stdout)
+    rep = json.loads(run_ckpt("inspect", src, "--json").stdout)  # inspect reports what other verbs refuse
+    assert {f["rule"] for f in rep["findings"]} == {"mtp-quant-config"}
+    assert {f["key"] for f in rep["findings"]} == {m["module"] for m in rep["mtp_quant"]["modules"] if not m["ok"]}
+    assert "allowed_invalid" not in rep
     assert rep["quantization"]["scheme"] == "ct-nvfp4" and rep["quantization"]["quant_method"] == "compressed-tensors"
     by = {m["module"]: m for m in rep["mtp_quant"]["modules"]}
     k, q = by["mtp.layers.0.self_attn.k_proj"], by["mtp.layers.0.self_attn.q_proj"]
@@ -317,9 +318,11 @@ def test_inspect_shows_storage_versus_declaration(build):
     assert k["declared"]["group"] == "group_0" and k["declared"]["scheme"] == "ct-nvfp4"
     assert (q["declared"]["state"], q["declared"]["entry"]["pattern"], q["ok"]) == (
         "excluded", "mtp.layers.0.self_attn.q_proj", True)
-    text = run_ckpt("inspect", src, "--allow-invalid", "mtp-quant-config").stdout
+    text = " ".join(run_ckpt("inspect", src).stdout.split())  # words wrap at the terminal's width
+    assert run_ckpt("inspect", src, "--allow-invalid", "mtp-quant-config").stdout  # accepted, changes nothing
     assert "stored vs declared" in text and "problem" in text and "quantization: ct-nvfp4" in text
     assert "mtp.layers.0.self_attn.k_proj: stored unquantized (BF16) but not excluded" in text  # listed in full
+    assert "finding(s) (mtp-quant-config" in text and "other verbs refuse this checkpoint" in text
     assert "block None" not in text
 
 

@@ -96,6 +96,54 @@ def test_inspect(width, make_fixture):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
+def test_inspect_deep_quantized_model(width, make_fixture):
+    """DeepSeek-V3's real depth (61 decoder layers: MTP at model.layers.61) in block FP8: the per-module
+    quantization table holds the longest keys inspect prints (``model.layers.61.shared_head.head``), which a
+    3-layer unquantized fixture never shows; at 80 columns they used to be folded mid-name."""
+    src = make_fixture("deepseek_v3", fp8=True, config_overrides={"num_hidden_layers": 61})
+    out, _ = terminal("inspect", src, width=width)
+    report = json.loads(ckpt("inspect", src, "--json").stdout)
+    modules = [m["module"] for m in report["mtp_quant"]["modules"]]
+    assert "model.layers.61.shared_head.head" in modules
+    patterns = {re.sub(r"\.experts\.\d+\.", ".experts.*.", m) for m in modules}
+    ids = names_of(src) | set(modules) | patterns | {g["prefix"] for g in report["experts"]}
+    assert_reads_well(out, width, ids | {report["fp8"]["scale_suffix"]})
+    assert all(shown_whole(m, out) for m in modules if ".experts." not in m)
+    assert all(shown_whole(p, out) for p in patterns)
+    for size in (report["totals"]["checkpoint"]["bytes"], report["totals"]["mtp"]["bytes"]):
+        assert f"{size:,}" in out  # each byte count on one line
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_inspect_release_sized_numbers(width, make_fixture, monkeypatch, capsys):
+    """Byte counts as large as a real release's (DeepSeek-V3: 688 GB in 163 shards) never wrap."""
+    from ckpt_tools.cli.inspect_cmd import render
+    from ckpt_tools.ops.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(make_fixture("deepseek_v3", fp8=True, config_overrides={"num_hidden_layers": 61}))
+    scale = 10**6 + 7  # every count a release's size, none of them round
+    report.totals = {name: {k: v * scale for k, v in t.items()} for name, t in report.totals.items()}
+    for part in (report.roles, *report.dtypes.values()):
+        for r in part.values():
+            r.update(tensors=r["tensors"] * scale, params=r["params"] * scale, bytes=r["bytes"] * scale)
+    for s in report.shards:
+        s.update(mtp_bytes=s["mtp_bytes"] * scale, bytes=s["bytes"] * scale, tensors=s["tensors"] * scale)
+    monkeypatch.setenv("COLUMNS", str(width))
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    render(report)
+    out = ANSI.sub("", capsys.readouterr().out)
+    numbers = [report.totals["checkpoint"]["bytes"], report.totals["mtp"]["params"]]
+    numbers += [r["bytes"] for r in report.roles.values()] + [s["bytes"] for s in report.shards]
+    numbers += [r["bytes"] for r in report.dtypes["checkpoint"].values()]
+    ids = {report.fp8["scale_suffix"], *(t["key"] for t in report.tensors), *(g["prefix"] for g in report.experts)}
+    assert_reads_well(out, width, ids | {m["module"] for m in report.mtp_quant["modules"]})
+    for n in numbers:
+        assert f"{n:,}" in out, f"{n:,} split or missing:\n{out}"
+    whole = report.totals["checkpoint"]["bytes"]
+    assert re.search(rf"{whole:,} \([\d.]+ [kMGT]?B\)", out), out  # with its human size, on the same line
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 def test_validate_problems(width, make_fixture, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(make_fixture("deepseek_v3"), bad)

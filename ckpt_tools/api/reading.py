@@ -33,7 +33,8 @@ _R = TypeVar("_R", bound=Report)
 
 @dataclass
 class InspectReport(_inspect.InspectReport, Report):
-    """``ckpt inspect --json``: family, MTP layers, roles, experts, shards, dtypes, status (keys: ops/inspect.py)."""
+    """``ckpt inspect --json``: family, MTP layers, roles, experts, shards, dtypes, status, findings (keys:
+    ops/inspect.py)."""
 
 
 @dataclass
@@ -96,8 +97,11 @@ def inspect(path: PathLike, *, arch: str | None = None, discover: bool = False, 
 
     ``path``: a directory, one .safetensors file or ``hf://org/repo@rev``; ``arch``: use this family's table
     instead of detecting it. ``discover=True``: find the MTP tensors from their names and draft a table
-    (``DiscoverReport.yaml``), written to ``write`` (a .yaml file) when given. ``allow_invalid``: consistency
-    rules to proceed despite (the report lists what they let through). Headers only: ``progress`` shows nothing.
+    (``DiscoverReport.yaml``), written to ``write`` (a .yaml file) when given. Never raises for a checkpoint it
+    can read and classify: what the consistency gate refuses is in ``InspectReport.findings`` (``notes``: what
+    validate notes); ``InputError`` only for unreadable input or an unknown family. ``allow_invalid``: checked
+    (an unknown rule is a ``UsageError``), otherwise changes nothing for the description (``discover``: rules
+    of the index gate to proceed despite). Headers only: ``progress`` shows nothing.
     """
     from ..model.consistency import parse_allow
 

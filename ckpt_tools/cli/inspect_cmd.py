@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import typer
 
 from .common import command, emit_json, human_bytes, out_console
-from .gate_options import allow_invalid_option, say_allowed
-from .layout import Col, print_table
+from .gate_options import say_allowed
+from .layout import INDENT, Col, print_fields, print_table
 
 MAX_ROWS = 20  # problem keys listed before "..."
 
@@ -21,12 +23,12 @@ def _pct(part: int, whole: int) -> str:
 
 
 def render(report) -> None:
-    from rich.table import Table
+    from rich.markup import escape
 
     con = out_console()
     src = "--arch" if report.table_source == "arch" else "detected"
-    con.print(f"[bold]{report.path}[/]")
-    con.print(f"family [bold]{report.family}[/] ({report.title}, {src}); "
+    con.print(f"[bold]{escape(report.path)}[/]")
+    con.print(f"family [bold]{report.family}[/] ({escape(report.title)}, {src}); "
               f"MTP layers: [bold]{report.mtp_layers}[/]"
               + (f" ({report.count_field})" if report.count_field else "")
               + f"; norm {report.norm}; fusion input {report.concat_order.replace('_', '-')}; dtype {report.dtype}")
@@ -36,26 +38,20 @@ def render(report) -> None:
     _render_quantization(con, report.quantization)
 
     whole, mtp = report.totals["checkpoint"], report.totals["mtp"]
-    t = Table(title="Size", title_justify="left")
-    for col in ("", "tensors", "parameters", "bytes", "shards"):
-        t.add_column(col, justify="left" if not col else "right")
-    t.add_row("MTP", f"{mtp['tensors']:,}", f"{mtp['params']:,}", _b(mtp["bytes"]), str(mtp["shards"]))
-    t.add_row("checkpoint", f"{whole['tensors']:,}", f"{whole['params']:,}", _b(whole["bytes"]), str(whole["shards"]))
-    t.add_row("MTP share", _pct(mtp["tensors"], whole["tensors"]), _pct(mtp["params"], whole["params"]),
-              _pct(mtp["bytes"], whole["bytes"]), "")
-    con.print(t)
+    print_table(con, SIZE_COLUMNS, [
+        ["MTP", f"{mtp['tensors']:,}", f"{mtp['params']:,}", _b(mtp["bytes"]), str(mtp["shards"])],
+        ["checkpoint", f"{whole['tensors']:,}", f"{whole['params']:,}", _b(whole["bytes"]), str(whole["shards"])],
+        ["MTP share", _pct(mtp["tensors"], whole["tensors"]), _pct(mtp["params"], whole["params"]),
+         _pct(mtp["bytes"], whole["bytes"]), ""],
+    ], title="Size")
 
     if report.roles:
         dtypes_of: dict[str, set[str]] = {}
         for e in report.tensors:
             dtypes_of.setdefault(e["role"], set()).add(e["dtype"])
-        t = Table(title="MTP tensors by role", title_justify="left")
-        for col in ("role", "tensors", "parameters", "bytes", "dtypes"):
-            t.add_column(col, justify="right" if col in ("tensors", "parameters", "bytes") else "left")
-        for role, r in report.roles.items():
-            t.add_row(role, str(r["tensors"]), f"{r['params']:,}", f"{r['bytes']:,}",
-                      ", ".join(sorted(dtypes_of.get(role, ()))))
-        con.print(t)
+        print_table(con, ROLE_COLUMNS, [[role, str(r["tensors"]), f"{r['params']:,}", f"{r['bytes']:,}",
+                                         ", ".join(sorted(dtypes_of.get(role, ())))]
+                                        for role, r in report.roles.items()], title="MTP tensors by role")
 
     if len(report.layers) > 1:
         print_table(con, LAYER_COLUMNS, [[layer["prefix"] or "-", "shared" if layer["depth"] is None else
@@ -68,13 +64,11 @@ def render(report) -> None:
                                           f"{s['bytes']:,}"] for s in report.shards],
                     title="Shards holding MTP tensors")
 
-    t = Table(title="Dtypes", title_justify="left")
-    for col in ("dtype", "MTP tensors", "MTP bytes", "tensors", "bytes"):
-        t.add_column(col, justify="left" if col == "dtype" else "right")
+    rows = []
     for dt, w in report.dtypes["checkpoint"].items():
         m = report.dtypes["mtp"].get(dt, {"tensors": 0, "bytes": 0})
-        t.add_row(dt, str(m["tensors"]), f"{m['bytes']:,}", str(w["tensors"]), f"{w['bytes']:,}")
-    con.print(t)
+        rows.append([dt, f"{m['tensors']:,}", f"{m['bytes']:,}", f"{w['tensors']:,}", f"{w['bytes']:,}"])
+    print_table(con, DTYPE_COLUMNS, rows, title="Dtypes")
     if report.fp8["weights"]:
         f = report.fp8
         con.print(f"FP8: {f['weights']} MTP weight(s) with {f['scales']} *{f['scale_suffix']} companion(s), "
@@ -83,87 +77,126 @@ def render(report) -> None:
     if report.mtp_quant and report.mtp_quant["modules"]:
         _render_mtp_quant(con, report.mtp_quant)
     _render_status(con, report.status, report.mtp_layers)
+    _render_findings(con, report.path, report.findings, report.notes)
 
 
-# prefixes, expert groups and shard names are identifiers: the key of their row, never cut
+# prefixes, expert groups, shard names and byte counts are identifiers: never cut, never wrapped
+SIZE_COLUMNS = (Col("", "id"), Col("tensors", "id", "right"), Col("parameters", "id", "right"),
+                Col("bytes", "id", "right"), Col("shards", "id", "right"))
+ROLE_COLUMNS = (Col("role", "id"), Col("tensors", "id", "right"), Col("parameters", "id", "right"),
+                Col("bytes", "id", "right"), Col("dtypes", "ids"))
 LAYER_COLUMNS = (Col("prefix", "id"), Col("depth", "id", "right"), Col("tensors", "id", "right"),
                  Col("parameters", "id", "right"), Col("bytes", "id", "right"))
 EXPERT_COLUMNS = (Col("group", "id"), Col("E", "id", "right"), Col("H", "id", "right"), Col("I", "id", "right"),
-                  Col("layout"), Col("quant", "id", "right"), Col("tensors", "id", "right"),
+                  Col("layout", "id"), Col("stored", "words"), Col("tensors", "id", "right"),
                   Col("bytes", "id", "right"))
 SHARD_COLUMNS = (Col("shard", "id"), Col("MTP tensors", "id", "right"), Col("MTP bytes", "id", "right"),
                  Col("tensors", "id", "right"), Col("bytes", "id", "right"))
+DTYPE_COLUMNS = (Col("dtype", "id"), Col("MTP tensors", "id", "right"), Col("MTP bytes", "id", "right"),
+                 Col("tensors", "id", "right"), Col("bytes", "id", "right"))
+MODULE_COLUMNS = (Col("module", "id"), Col("stored", "words"), Col("declared", "words"), Col("", "words"))
 
 
 def _expert_row(g: dict) -> list[str]:
-    layout = g["layout"] + (f" (shipped {g['layout_shipped']})" if g["layout"] != g["layout_shipped"] else "")
-    return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), layout, "fp8" if g["quant"] else "-",
+    """What is stored: the layout detected from the keys, the storage from the dtypes (not the table's)."""
+    if not g["tensors"]:
+        return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), "-", "nothing stored", "0", "0"]
+    return [g["prefix"], str(g["count"]), str(g["hidden"]), str(g["inter"]), g["layout"], _label(g["stored"] or "-"),
             str(g["tensors"]), f"{g['bytes']:,}"]
+
+
+def _label(stored: str) -> str:
+    """A storage label for a table cell: a block size as one word (``block 128x128``, as the FP8 line says)."""
+    return re.sub(r"\[(\d+), (\d+)\]", r"\1x\2", stored)
 
 
 def _render_quantization(con, q: dict | None) -> None:
     """The scheme the tables detect (not config.json's fields, which mean nothing for most schemes)."""
-    from rich.markup import escape
-
     if not q:
         return
     if q.get("unknown"):
-        con.print(f"quantization: [yellow]not described by any scheme table[/]: {escape(q['unknown'])}")
+        words = ["quantization:", "not", "described", "by", "any", "scheme", "table:", *q["unknown"].split()]
     elif q.get("scheme"):
         titles = "; ".join(s["title"] for s in q["schemes"])
-        con.print(f"quantization: [bold]{escape(q['scheme'])}[/] ({escape(titles)}), declared in "
-                  f"{escape(', '.join(q['declared_in']))}", soft_wrap=True)
+        words = ["quantization:", q["scheme"], *f"({titles}),".split(), "declared", "in",
+                 *", ".join(q["declared_in"]).split()]
     else:
-        con.print(f"quantization: {escape(str(q['quant_method']))} (no scheme table matches)")
+        words = ["quantization:", str(q["quant_method"]), "(no", "scheme", "table", "matches)"]
+    print_fields(con, words)
 
 
 def _render_mtp_quant(con, quant: dict) -> None:
-    """Per MTP module: stored as what versus what the config declares; routed experts that agree share a row."""
-    from rich.markup import escape
-    from rich.table import Table
-
+    """Per MTP module: stored as what versus what the config declares; routed experts that agree share a row.
+    Its problems are listed with the other findings (rule mtp-quant-config)."""
     from ..model.quant.report import collapsed, declared_text
 
-    t = Table(title="MTP modules: stored vs declared (quantization config)", title_justify="left")
-    for col in ("module", "stored", "declared", ""):
-        t.add_column(col, justify="left", overflow="fold")
-    problems = []
+    rows = []
     for name, m, n in collapsed(quant["modules"]):
         label = f"{name} (x{n})" if n > 1 else name
-        if m["ok"]:
-            mark = "[green]ok[/]" + (" (release convention)" if m["exempt"] else "")
-        else:
-            mark = "[bold red]problem[/]"
-            problems.append((label, m["problem"]))
-        t.add_row(escape(label), escape(m["stored"]["label"]), escape(declared_text(m["declared"])), mark)
-    con.print(t)
-    others = [f for f in quant["findings"] if f["key"] not in {m["module"] for m in quant["modules"]}]
-    problems += [(f["key"], f["message"]) for f in others]  # fused engine layers
-    if not problems:
-        return
-    con.print(f"[bold red]mtp-quant-config[/]: {len(quant['findings'])} finding(s) "
-              "(`ckpt validate --fix-quant-config PATH -o OUT` repairs what a config change can):")
-    for key, msg in problems[:MAX_ROWS]:
-        con.print(f"  {key}: {msg}", markup=False, soft_wrap=True)
-    if len(problems) > MAX_ROWS:
-        con.print(f"  ... and {len(problems) - MAX_ROWS} more (all of them with --json)")
+        mark = ("ok" + (" (release convention)" if m["exempt"] else "")) if m["ok"] else "problem"
+        rows.append([label, _label(m["stored"]["label"]), declared_text(m["declared"]), mark])
+    print_table(con, MODULE_COLUMNS, rows, title="MTP modules: stored vs declared (quantization config)")
 
 
 def _render_status(con, status: dict, count: int) -> None:
+    """What of the declared MTP set is there: complete, or how much is missing, per role."""
     if status["complete"] and not (status["extra"] or status["beyond"]):
         note = f"; optional absent: {len(status['optional_absent'])}" if status["optional_absent"] else ""
         con.print(f"[green]MTP set complete[/] ({count} layer(s)){note}")
         return
-    lines = [f"missing {m['key']} {m['shape']}" for m in status["missing"]]
-    lines += [f"{m['key']} has shape {m['actual']}, expected {m['expected']}" for m in status["misshaped"]]
-    lines += [f"FP8 weight {k} has no scale" for k in status["missing_scales"]]
-    lines += [f"extra tensor in the MTP namespace: {k}" for k in status["extra"]]
-    lines += [f"MTP tensor past the declared count: {k}" for k in status["beyond"]]
-    con.print(f"[yellow]MTP set has {len(lines)} problem(s)[/] (`ckpt validate` reports them with rules):")
-    for line in lines[:MAX_ROWS]:
-        con.print(f"  {line}", markup=False)
-    if len(lines) > MAX_ROWS:
-        con.print(f"  ... and {len(lines) - MAX_ROWS} more")
+    parts = []
+    if status["missing"]:
+        by_role: dict[str, int] = {}
+        for m in status["missing"]:
+            by_role[m["role"]] = by_role.get(m["role"], 0) + 1
+        parts.append(f"{len(status['missing'])} declared tensor(s) missing ("
+                     + ", ".join(f"{role} {n}" for role, n in by_role.items()) + ")")
+    for what, name in (("misshaped", "mis-shaped"), ("missing_scales", "without their scale"),
+                       ("extra", "not in the table"), ("beyond", "past the declared count")):
+        if status[what]:
+            parts.append(f"{len(status[what])} {name}")
+    con.print(f"[yellow]MTP set incomplete[/] ({count} layer(s) declared): " + "; ".join(parts))
+
+
+def _file(where: str | None, root: str) -> list[str]:
+    """The file a finding is in, relative to the checkpoint (as validate names it)."""
+    if not where:
+        return []
+    return [where[len(root) + 1:] if where.startswith(root.rstrip("/") + "/") else where]
+
+
+# rules whose findings repeat one message per key: the first in full, the other keys below it
+KEYED_RULES = frozenset({"mtp-missing", "trunk-missing", "mtp-beyond", "mtp-extra", "fp8-scale-missing"})
+
+
+def _render_findings(con, path: str, findings: list[dict], notes: list[dict]) -> None:
+    """Every problem other verbs refuse the checkpoint for, per rule (a rule of ``KEYED_RULES``: its first
+    finding in full, then only the keys); notes without a key (e.g. mtp-none) in full; keyed notes are
+    counted above (optional absent)."""
+    for n in notes:
+        if n["key"] is None:
+            print_fields(con, ["note:", n["rule"], *n["message"].split()], styles=["yellow", "bold"])
+    if not findings:
+        return
+    by_rule: dict[str, list[dict]] = {}
+    for f in findings:
+        by_rule.setdefault(f["rule"], []).append(f)
+    counts = ", ".join(f"{rule} x{len(fs)}" if len(fs) > 1 else rule for rule, fs in by_rule.items())
+    con.print(f"[bold red]{len(findings)} finding(s)[/] ({counts}): other verbs refuse this checkpoint until "
+              "they are fixed (or `--allow-invalid RULE`)")
+    shown = 0
+    for rule, fs in by_rule.items():
+        for i, f in enumerate(fs):
+            if shown >= MAX_ROWS:
+                con.print(f"    ... and {len(fs) - i} more {rule} (all of them with --json)")
+                break
+            key = [f"{f['key']}:"] if f["key"] else []
+            if i and rule in KEYED_RULES:
+                print_fields(con, [" " * (INDENT - 1), f["key"] or f["message"]])
+            else:
+                print_fields(con, [rule, *_file(f["path"], path), *key, *f["message"].split()], styles=["bold"])
+            shown += 1
+    con.print(f"`ckpt validate {path}` lists them with their files", markup=False, highlight=False)
 
 
 def _render_discovery(report) -> None:
@@ -185,6 +218,9 @@ def _render_discovery(report) -> None:
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
 ARCH_HELP = "Use this family's table instead of detecting it."
+ALLOW_HELP = ("With --discover: proceed although the input breaks this index rule (repeatable). Without "
+              "--discover it changes nothing: inspect never refuses a checkpoint it can read, it lists the "
+              "problems other verbs refuse as findings.")
 
 
 def register(app: typer.Typer) -> None:
@@ -199,9 +235,10 @@ def register(app: typer.Typer) -> None:
                                                                 "draft architecture table (YAML) to refine."),
         write: str | None = typer.Option(None, "--write", metavar="FILE", help="With --discover: write the draft "
                                          "table to FILE (its name, without .yaml, becomes the family)."),
-        allow_invalid: list[str] = allow_invalid_option(),
+        allow_invalid: list[str] = typer.Option(None, "--allow-invalid", metavar="RULE", help=ALLOW_HELP),
     ) -> None:
-        """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes."""
+        """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes, and what other
+        verbs would refuse it for (exit 0 whenever it can be read: `ckpt validate` is the check)."""
         from .. import api
 
         report = api.inspect(path, arch=arch, discover=discover or write is not None, write=write,

@@ -5,6 +5,8 @@ Each column says what its cells hold (``Col.kind``):
 - ``id``: one identifier or number (a tensor key, a shard, a template, a dtype, a count): never broken
   and never cut;
 - ``ids``: identifiers separated by ", " (none holding a space): a cell wraps between them only;
+- ``words``: words separated by spaces (a label, a sentence): a cell wraps between words, a word is
+  never broken;
 - ``text``: anything else: cut with an ellipsis when the width runs out.
 
 ``print_table`` chooses the layout: every column beside the key when that fits; else the columns that
@@ -25,7 +27,7 @@ GAP = 2  # between the cells of such a line
 @dataclass(frozen=True)
 class Col:
     header: str
-    kind: str = "text"  # id | ids | text
+    kind: str = "text"  # id | ids | words | text
     justify: str = "left"
     drop: int = 0  # 0: always shown; columns with a higher number leave first when the width runs short
 
@@ -82,6 +84,8 @@ def fit(cols: Sequence[Col], rows: Sequence[Sequence[str]], avail: int) -> list[
             low = max([word, *(cell_len(s) for s in cells)])
         elif c.kind == "ids":
             low = max([word, *(cell_len(item) for s in cells for item in s.split(", "))])
+        elif c.kind == "words":
+            low = max([word, *(cell_len(w) for s in cells for w in s.split())])
         else:
             low = min(wide, max(TEXT_MIN, word))
         natural.append(wide)
@@ -148,8 +152,10 @@ def _lines(c: Col, s: str, width: int) -> list[str]:
 
     if c.kind == "text" and cell_len(s) > width:
         return [s[: max(0, width - 1)] + "…"]
-    if c.kind != "ids" or cell_len(s) <= width:
+    if c.kind not in ("ids", "words") or cell_len(s) <= width:
         return [s]
+    if c.kind == "words":
+        return _wrap_words(s, width)
     lines = [""]
     for item in s.split(", "):
         joined = f"{lines[-1]}, {item}" if lines[-1] else item
@@ -158,6 +164,20 @@ def _lines(c: Col, s: str, width: int) -> list[str]:
         else:
             lines[-1] += ","
             lines.append(item)
+    return lines
+
+
+def _wrap_words(s: str, width: int) -> list[str]:
+    """``s`` in lines of at most ``width`` cells, broken between words only (a longer word keeps its line)."""
+    from rich.cells import cell_len
+
+    lines = [""]
+    for w in s.split():
+        joined = f"{lines[-1]} {w}" if lines[-1] else w
+        if cell_len(joined) <= width or not lines[-1]:
+            lines[-1] = joined
+        else:
+            lines.append(w)
     return lines
 
 

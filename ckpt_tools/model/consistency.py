@@ -1,7 +1,8 @@
 """The consistency gate: whether a checkpoint can be used safely, decided before anything is planned.
 
 Every verb that reads a checkpoint calls ``require_consistent`` (``validate`` and
-``verify-manifest`` are the checkers and only report). It refuses, with exit code 3, a
+``verify-manifest`` are the checkers and only report; ``inspect``, the diagnostic, calls ``check``
+and lists the problems as findings). It refuses, with exit code 3, a
 checkpoint that breaks one of the rules below, naming the first problem's file, key and rule,
 how many others there are, and the two ways on: ``ckpt validate PATH`` lists them all,
 ``--allow-invalid RULE`` proceeds anyway. ``validate`` reports exactly these rules (plus

@@ -26,9 +26,13 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
   final_norm, embed, head (per-layer copies), block, experts, fp8_scales;
 - ``layers``: per depth ``{depth, prefix, tensors, params, bytes}``; tensors shared by every
   depth (``depth: null``) come last when the family has them;
-- ``experts``: per routed-expert group ``{prefix, depth, count, hidden, inter, gated, quant,
-  layout_shipped, layout, tensors, params, bytes}`` (``layout`` is what is on disk; the sizes
-  count the expert weights, their FP8 scales are under ``fp8_scales``);
+- ``experts``: per routed-expert group ``{prefix, depth, count, hidden, inter, gated, quant, stored,
+  layout_shipped, layout, tensors, params, bytes}``, all of it what is stored: ``layout`` the layout
+  detected from the keys on disk, ``quant`` true when its stored tensors are quantized (their dtypes and
+  scale companions, ``quant.audit.experts_stored``) and ``stored`` how (``"BF16"``, ``"F8_E4M3 block
+  [128, 128]"``, a scheme table's label; null when none of its tensors is stored);
+  ``layout_shipped`` is only the family table's default layout, no claim about this checkpoint; the
+  sizes count the expert weights, their FP8 scales are under ``fp8_scales``;
 - ``shards``: the files holding MTP tensors, ``{name, mtp_tensors, mtp_bytes, tensors, bytes}``;
 - ``dtypes``: ``{"mtp": D, "checkpoint": D}`` with ``D = {dtype: {tensors, params, bytes}}``;
 - ``fp8``: ``{weights, scales, scale_suffix, block}`` over the MTP tensors;
@@ -39,8 +43,14 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
   others lists of keys;
 - ``reader`` (``safetensors``, or the draft reader: ``torch``, ``dcp``) and ``reader_notes`` (what it
   unwrapped or ignored);
-- ``allowed_invalid`` (only when ``--allow-invalid`` let problems through): those problems,
-  ``{rule, path, key, message}``.
+- ``findings``: every problem the consistency gate refuses this checkpoint for (the rules
+  ``ckpt validate`` reports, ``consistency.RULES``: ``mtp-missing``, ``trunk-missing``,
+  ``mtp-quant-config``, ``unindexed-shard`` ...), ``{rule, path, key, message}``; empty when other
+  verbs accept it. inspect itself never refuses a checkpoint it can read and classify;
+- ``notes``: what validate notes without calling it wrong (``copy-absent``, ``optional-absent``,
+  ``mtp-none``), ``{rule, path, key, message}``;
+- ``allowed_invalid``: never present (inspect lets every problem through; ``--allow-invalid`` changes
+  nothing).
 """
 
 from __future__ import annotations
@@ -51,10 +61,10 @@ from dataclasses import dataclass, field
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
-from ..model.consistency import renamed_format, require_consistent
+from ..model.consistency import REPORT_ONLY, absent_notes, check, renamed_format
 from ..model.expert_layouts import scale_key
 from ..model.mtp import MtpView
-from ..model.quant.audit import Audit, audit
+from ..model.quant.audit import Audit, audit, experts_stored
 from ..model.quant.report import audit_json
 from ..model.tables.schema import GLUE_ROLES
 
@@ -97,7 +107,9 @@ class InspectReport:
     view: MtpView | None = field(default=None, repr=False)  # for callers that go on planning
     reader: str = "safetensors"
     reader_notes: list[str] = field(default_factory=list)
-    allowed_invalid: list[dict] = field(default_factory=list)  # problems let through by --allow-invalid
+    allowed_invalid: list[dict] = field(default_factory=list)  # inspect refuses nothing: stays empty
+    findings: list[dict] = field(default_factory=list)  # what the consistency gate refuses (Problem.to_json)
+    notes: list[dict] = field(default_factory=list)  # validate's notes: worth knowing, not wrong
 
     @property
     def complete(self) -> bool:
@@ -127,6 +139,8 @@ class InspectReport:
             "status": self.status,
             "reader": self.reader,
             "reader_notes": self.reader_notes,
+            "findings": self.findings,
+            "notes": self.notes,
             **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
         }
 
@@ -212,18 +226,22 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         layers.append({"depth": None, "prefix": None, **by_depth[None]})
 
     experts = []
-    for g in view.groups():
-        shipped = next((x.layout for x in res.experts() if x.prefix == g.prefix), g.layout)
+    stored_as: dict[str, list[str]] = {}  # logical key -> the tensors it is stored as (weight_packed + scales ...)
+    for s, key in view.stored():
+        stored_as.setdefault(s.key, []).append(key)
+    for g in view.groups():  # in the layout on disk
+        table_layout = next((x.layout for x in res.experts() if x.prefix == g.prefix), g.layout)
         st = _stats()
-        present = set(view.keys())
         for t in g.tensors():
-            if t.key in present:
-                ref = ckpt.tensors[t.key]
+            for key in stored_as.get(t.key, ()):
+                ref = ckpt.tensors[key]
                 _add(st, ref.numel, ref.nbytes)
+        stored = experts_stored(view, g)  # from the stored dtypes and companions, not the table's quant flag
         experts.append({
             "prefix": g.prefix, "depth": g.depth, "count": g.count, "hidden": g.hidden, "inter": g.inter,
-            "gated": g.gated, "quant": g.quant, "layout_shipped": shipped.label(), "layout": g.layout.label(),
-            **st,
+            "gated": g.gated, "quant": stored is not None and stored.state == "quantized",
+            "stored": stored.label if stored is not None else None,
+            "layout_shipped": table_layout.label(), "layout": g.layout.label(), **st,
         })
 
     shards = []
@@ -271,16 +289,22 @@ def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str |
                        allow: frozenset[str] = frozenset()) -> InspectReport:
     """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection.
 
-    An inconsistent checkpoint is refused (``consistency.require_consistent``) unless ``allow``
-    names every rule it breaks.
+    Never refuses a checkpoint it can read and classify: what the consistency gate would refuse
+    (``consistency.check``: missing MTP or trunk tensors, quantization disagreements, index problems
+    ...) is reported in ``findings``, validate's notes in ``notes``. ``allow`` (``--allow-invalid``)
+    is accepted for the command line's sake and changes nothing: inspect lets everything through.
+    InputError only for what cannot be read or classified (a hostile header, an unknown family, a
+    config value of the wrong type, a draft in a renamed format).
     """
     if not isinstance(path_or_ckpt, Checkpoint):
         with Checkpoint.open(path_or_ckpt) as ckpt:
             return inspect_checkpoint(ckpt, arch, allow)
     _refuse_renamed(path_or_ckpt, arch)
-    gate = require_consistent(path_or_ckpt, arch=arch, allow=allow)
-    report = inspect_view(gate.view, "arch" if arch else "detected")
-    report.allowed_invalid = [p.to_json() for p in gate.allowed]
+    problems, view = check(path_or_ckpt, arch=arch)
+    assert view is not None  # scope "auto" always classifies
+    report = inspect_view(view, "arch" if arch else "detected")
+    report.findings = [p.to_json() for p in problems if p.rule not in REPORT_ONLY]
+    report.notes = [p.to_json() for p in absent_notes(view)]
     return report
 
 

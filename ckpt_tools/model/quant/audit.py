@@ -26,12 +26,12 @@ Each disagreement is a ``Finding`` with the change that repairs it (``exclude`` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ...errors import InputError
-from ..expert_layouts import ExpertLayout, scale_key
+from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key
 from .config import QuantFiles
 from .declared import Declared, declaration
 from .detect import QuantScheme, detect_scheme
@@ -153,15 +153,42 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
                     out.append((t.key.removesuffix(".weight"), look(t.key, t.shape), g.quant, True))
             continue
         # fused / stacked experts: engines still probe (and exclude) them per expert
-        parts = [look(t.key, t.shape) for t in g.tensors() if t.key in present]
-        if not parts:
+        whole = experts_stored(view, g, look)
+        if whole is None:
             continue
-        labels = "/".join(sorted({p.label for p in parts}))
-        state = "unquantized" if all(p.state == "unquantized" for p in parts) else "quantized"
-        stored = Stored(state, f"{labels} ({g.layout.label()} experts)", dtype=parts[0].dtype)
+        stored = replace(whole, label=f"{whole.label} ({g.layout.label()} experts)", scheme=None)
         for t in g.with_layout(PER_EXPERT).tensors():
             out.append((t.key.removesuffix(".weight"), stored, g.quant, True))
     return out
+
+
+def experts_stored(view: MtpView, group: ExpertGroup, look: Callable[[str, Any], Stored] | None = None
+                   ) -> Stored | None:
+    """How the stored tensors of a routed-expert group are stored, as one description (labels of differing
+    tensors joined by ``/``; quantized when any is); None when none of its tensors is stored.
+
+    ``group`` in the layout on disk (``MtpView.groups``); ``look(key, shape)``: how one tensor is stored
+    (default: as the checkpoint stores it, under the scheme it declares, or none when no table describes it).
+    """
+    if look is None:
+        try:
+            scheme = scheme_of(view)
+        except InputError as e:
+            if e.rule != "quant-unknown":
+                raise
+            scheme = None  # the tensors still say how they are stored
+
+        def look(key: str, shape: Any) -> Stored:
+            return _stored(view, scheme, key, shape)
+
+    present = {s.key for s in view.present}
+    parts = [look(t.key, t.shape) for t in group.tensors() if t.key in present]
+    if not parts:
+        return None
+    labels = "/".join(sorted({p.label for p in parts}))
+    state = "unquantized" if all(p.state == "unquantized" for p in parts) else "quantized"
+    schemes = {p.scheme for p in parts}
+    return Stored(state, labels, schemes.pop() if len(schemes) == 1 else None, dtype=parts[0].dtype)
 
 
 def audit(view: MtpView, files: QuantFiles | None = None) -> Audit:
