@@ -11,7 +11,8 @@ transform, non-contiguous, big-endian) is loaded on first read with ``torch.dist
 
 Only model tensors are listed. Non-tensor entries (DCP "bytes" items: counters, RNG states) are never
 unpickled; optimizer, scheduler and other training-state entries are ignored. A training step folder
-(AngelSpec's ``iter_0000100/``) is read through its ``model/`` sub-folder; its ``optimizer/``,
+(AngelSpec's ``iter_0000100/``) is read through its ``model/`` sub-folder, and a run's root through the step its
+``latest_checkpointed_iteration.txt`` names; the step's ``optimizer/``,
 ``lr_scheduler/``, ``rng.pt`` and ``meta.json`` are ignored. Keys are reported as stored - AngelSpec's
 are ``model_state.model.draft_model.<module key>`` - and prefixes are left to the format layer.
 """
@@ -69,9 +70,32 @@ _ALLOWED_GLOBALS = frozenset({
 })
 
 
+LATEST = "latest_checkpointed_iteration.txt"  # a training run's root names its newest step (AngelSpec, Megatron)
+STEP_FOLDER = "iter_{:07d}"
+
+
+def latest_step(d: Path) -> Path | None:
+    """The step folder a run root's ``latest_checkpointed_iteration.txt`` names, or None when ``d`` has none.
+
+    The trainers that write it load the run from its root by that file, so a user passes the root too."""
+    marker = d / LATEST
+    if not marker.is_file():
+        return None
+    text = marker.read_bytes()[:64].decode("ascii", "replace").strip()
+    if not text.isdigit():
+        raise InputError(f"{LATEST} holds {text!r}, not a step number", rule="no-weights", path=str(marker))
+    step = d / STEP_FOLDER.format(int(text))
+    if not step.is_dir():
+        raise InputError(f"{LATEST} names step {text}, but {step.name}/ is not here", rule="no-weights",
+                         path=str(marker))
+    return step
+
+
 def find_dcp(d: Path) -> Path | None:
-    """The DCP folder of ``d``: ``d`` itself, or its ``model/`` sub-folder (a training step); None if neither."""
-    for folder in (d, d / STEP_MODEL):
+    """The DCP folder of ``d``: ``d`` itself, its ``model/`` sub-folder (a training step), or that of the step a
+    run root's ``latest_checkpointed_iteration.txt`` names; None if none of them."""
+    step = latest_step(d)
+    for folder in (d, d / STEP_MODEL, *((step / STEP_MODEL,) if step is not None else ())):
         if (folder / METADATA).is_file():
             return folder
     return None
@@ -82,9 +106,13 @@ def read_dcp(d: Path, confine: Confine) -> WeightSet:
     folder = find_dcp(d)
     if folder is None:
         raise InputError(f"no {METADATA} here or in {STEP_MODEL}/", rule="no-weights", path=str(d))
-    prefix = "" if folder == d else f"{STEP_MODEL}/"
-    notes = [] if folder == d else [f"read {STEP_MODEL}/; ignored " + ", ".join(
-        sorted(p.name + "/" * p.is_dir() for p in d.iterdir() if p.name != STEP_MODEL and not p.name.startswith(".")))]
+    prefix = "" if folder == d else folder.relative_to(d).as_posix() + "/"
+    step = folder.parent if folder != d else d
+    ignored = sorted(p.name + "/" * p.is_dir() for p in step.iterdir()
+                     if p.name != STEP_MODEL and not p.name.startswith("."))
+    notes = [] if folder == d else [f"read {prefix}; ignored " + ", ".join(ignored)]
+    if step != d:
+        notes.insert(0, f"{LATEST} names {step.name}/: the run's newest step")
     reader = _Folder(folder, prefix, confine, read_metadata(confine(prefix + METADATA)))
     tensors = reader.tensors(notes)
     name = prefix.rstrip("/") or d.name
