@@ -204,17 +204,19 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
             try:
                 main, info = cls.from_pretrained(path, config=config, dtype=torch_dtype, device_map=device_map,
                                                  local_files_only=True, output_loading_info=True)
-            except (RuntimeError, ValueError, OSError) as e:
-                raise InputError(f"transformers cannot load the verifier: {str(e).splitlines()[0][:300]}", rule=RULE,
-                                 path=path) from e
+            except (RuntimeError, ValueError, OSError, ImportError) as e:
+                if not quantized:
+                    raise InputError(f"transformers cannot load the verifier: {str(e).splitlines()[0][:300]}",
+                                     rule=RULE, path=path) from e
+                main, info = None, {}  # its quantizer cannot load it here: our decoders below
         problems = load_problems(info, regex)
-        if method is not None and getattr(main, "hf_quantizer", None) is None:
+        if main is not None and method is not None and getattr(main, "hf_quantizer", None) is None:
             problems.insert(0, f"transformers built no quantizer for quant_method {method!r}")
         if problems and not quantized:
             raise refuse(path, "the verifier", problems, notes)
         if problems:
             main = None  # quantized, and transformers did not load it as stored: our decoders below
-        elif method is not None:
+        elif main is not None and method is not None:
             loaded = f"{AS_STORED} (quantizer {method})"
     if quantized or declared_quantization(config):
         try:
