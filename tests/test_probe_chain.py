@@ -30,7 +30,8 @@ DEPTH = 3
 def loaded():
     d, _ = probe_model.build(CACHE)
     config = probe_ops.verifier_config(str(d))
-    main, mtp = probe_ops.load_verifier(str(d), config, "cpu", "fp32")
+    v = probe_ops.load_verifier(str(d), config, "cpu", "fp32")
+    main, mtp = v.main, v.mtp
     x = probe_model.sample(1, 14, torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits, hidden = probe_ops.teacher_forward(main, x)

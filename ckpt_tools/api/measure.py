@@ -27,7 +27,9 @@ Callback = Callable[[int, int], None]
 @dataclass
 class ProbeReport(_probe.ProbeResult, Report):
     """``ckpt probe --json``: per draft (the verifier's own MTP first) agreement and KL per depth, positions,
-    greedy equality (and the first mismatch), per-prompt numbers; the prompts and the memory the verifier needs."""
+    greedy equality (and the first mismatch), per-prompt numbers; the prompts and the memory the verifier needs;
+    how its trunk and MTP layers loaded (``loaded``, ``mtp_loaded``: as stored by transformers, or dequantized by
+    ckpt-tools' decoders)."""
 
     min_acceptance: float | None = None  # the depth-1 agreement asked for (not in to_json: the CLI's option)
 

@@ -120,3 +120,5 @@ def _render(result, depth: int) -> None:
         cells = [c for a, kl in zip(d.agreement, d.kl, strict=True) for c in (f"{a:.3f}", f"{kl:.4f}")]
         t.add_row(d.name, *cells, f"{d.expected_accepted():.3f}", str(d.positions), "yes" if d.greedy_equal else "NO")
     out_console().print(t)
+    loaded = result.loaded if result.loaded == result.mtp_loaded else f"{result.loaded}; MTP {result.mtp_loaded}"
+    out_console().print(f"verifier loaded {loaded}", markup=False, soft_wrap=True)

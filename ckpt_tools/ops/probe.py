@@ -17,6 +17,7 @@ A draft is mapped onto the verifier's MTP names in memory with stitch's correspo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -86,10 +87,13 @@ class ProbeResult:
     prompts: int
     needed_bytes: int
     chain: str = "sglang"
+    loaded: str = "as stored by transformers"  # how the trunk loaded (probe_load): or "dequantized by ckpt-tools (S)"
+    mtp_loaded: str = "as stored by transformers"  # how the verifier's MTP layers loaded
 
     def to_json(self) -> dict:
         return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
-                "needed_bytes": self.needed_bytes, "chain": self.chain}
+                "needed_bytes": self.needed_bytes, "chain": self.chain, "loaded": self.loaded,
+                "mtp_loaded": self.mtp_loaded}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -239,68 +243,41 @@ def verifier_config(path: str):
     return config
 
 
-def load_verifier(path: str, config, device: str, dtype: str):
-    """(main model, its MtpModel), weights on ``device`` in ``dtype``."""
-    import torch
+def load_verifier(path: str, config, device: str, dtype: str, verifier: Checkpoint | None = None):
+    """A ``probe_load.LoadedVerifier``: main model and its MtpModel, weights on ``device`` in ``dtype``, each loaded
+    as stored (or dequantized by our decoders), or an InputError (``probe-load``) naming why not."""
+    from . import probe_load
 
-    transformers = transformers_module()
-    from transformers.modeling_layers import MtpModel
-
-    main = transformers.AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=getattr(torch, DTYPES[dtype]), device_map=device_map(device),
-        local_files_only=True)
-    main.eval()
-    try:
-        mtp = MtpModel.from_pretrained(main, device_map={"": torch.device(device)})
-    except (ValueError, RuntimeError) as e:
-        raise InputError(f"transformers' MtpModel cannot load the MTP layers: {e}", rule="probe-family",
-                         path=path) from e
-    mtp.eval()
-    return main, mtp
+    transformers_module()
+    with contextlib.ExitStack() as stack:
+        if verifier is None:
+            verifier = stack.enter_context(Checkpoint.open(path))
+        return probe_load.load(path, verifier, config, device, dtype, device_map(device))
 
 
-def _materialize(t) -> torch.Tensor:
-    from ..arrays import bytes_to_torch
-    from ..numeric.transforms import RecipeReader
+def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, arch: str | None = None,
+              dtype: str = "fp32", device: str = "cpu"):
+    """An MtpModel of ``main`` holding the draft's weights, mapped by stitch's correspondence (in memory).
 
-    buf = RecipeReader(t.recipe).read(t.nbytes)
-    return bytes_to_torch(bytearray(buf), t.dtype, t.shape).clone()
-
-
-def draft_mtp(main, base_mtp, verifier: Checkpoint, draft_path: str | Mapping, arch: str | None = None):
-    """A copy of ``base_mtp`` holding the draft's weights, mapped by stitch's correspondence (in memory).
-
-    ``draft_path``: a path, or a ``{name: tensor}`` mapping (``Checkpoint.open``).
+    ``draft_path``: a path, or a ``{name: tensor}`` mapping (``Checkpoint.open``). ``loaded``: the verifier as
+    ``load_verifier`` loaded it (its quantization scheme decodes what the mapping stores quantized). The MTP
+    tensors are the mapping's, and the verifier's own for the files the mapping leaves untouched.
     """
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_layers import MtpModel
-    from transformers.modeling_utils import LoadStateDictConfig
 
-    from ..stream.plan import OutputTensor
-    from .compare import recipe_of
+    from . import probe_load
     from .stitch import StitchRequest, plan_stitch
 
     regex = MtpModel.get_mtp_weights_regex(main)
     with Checkpoint.open(draft_path) as d:
         where = d.root
         plan, _ = plan_stitch(d, verifier, StitchRequest(accept_divergent=True, arch=arch, command="ckpt probe"))
-        state = {}
-        for key, ref in verifier.tensors.items():  # the verifier's MTP tensors, then the draft's over them
-            if regex.search(key):
-                state[key] = _materialize(OutputTensor(key, ref.dtype, tuple(ref.shape), recipe_of(ref)))
-        for t in plan.tensors:
-            if regex.search(t.key):
-                state[t.key] = _materialize(t)
-    mtp = copy.deepcopy(base_mtp)
-    info, _ = convert_and_load_state_dict_in_model(
-        model=mtp, state_dict=state,
-        load_config=LoadStateDictConfig(weight_mapping=mtp.get_weight_conversions(main), dtype=main.config.dtype))
-    mtp._adjust_missing_and_unexpected_keys(info)
-    if info.missing_keys:
-        raise InputError(f"the mapped draft leaves MTP weights unset: {sorted(info.missing_keys)[:5]}",
-                         rule="missing-tensor", path=where)
-    mtp.tie_with_main_model(main)
-    mtp.eval()
+        rewritten = {t.shard for t in plan.tensors if t.shard}
+        own = probe_load.stored_tensors(verifier)
+        kept = {k for shard, keys in verifier.shard_keys.items() if shard not in rewritten for k in keys}
+        state = {k: t for k, t in own.items() if k in kept and regex.search(k)}
+        state.update({t.key: t for t in plan.tensors if regex.search(t.key)})
+        mtp, _ = probe_load.load_mtp(main, state, regex, loaded.scheme, dtype, device, where)
     return mtp
 
 
@@ -475,9 +452,10 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
         need = check_memory(verifier, req.dtype, len(req.drafts))
         if announce is not None:
             announce(need, available_memory())
-        main, own = load_verifier(req.verifier, config, device, req.dtype)
-        models = [("verifier", own)] + [(draft_name(p), draft_mtp(main, own, verifier, p, req.arch))
-                                        for p in req.drafts]
+        loaded = load_verifier(req.verifier, config, device, req.dtype, verifier)
+        main = loaded.main
+        models = [("verifier", loaded.mtp)] + [
+            (draft_name(p), draft_mtp(main, loaded, verifier, p, req.arch, req.dtype, device)) for p in req.drafts]
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
     sums = [[[0, 0, 0.0] for _ in range(req.depth)] for _ in models]
     mismatch: list[dict | None] = [None for _ in models]
@@ -513,7 +491,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
         results.append(DraftResult(
             name, [a / n if n else 0.0 for a, n, _ in per_depth], [kl / n if n else 0.0 for _, n, kl in per_depth],
             per_depth[0][1], miss is None, miss, rows))
-    return ProbeResult(results, len(prompts), need, req.chain)
+    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded)
 
 
 def draft_name(draft: str | Mapping) -> str:

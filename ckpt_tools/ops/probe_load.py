@@ -1,0 +1,291 @@
+"""Loading probe's verifier so that every stored tensor is used as stored, or refusing.
+
+transformers skips a quantization config it has no quantizer for (ModelOpt's ``quant_method:
+modelopt`` in 5.24: "Unknown quantization type ... we will skip the quantization") and then loads
+FP8 codes as if they were values, dropping every ``weight_scale`` as an unexpected key; its
+``MtpModel.from_pretrained`` never applies a quantizer at all and ignores unexpected keys. A
+measurement of such a model is a number from a model that is not the checkpoint. So:
+
+- the trunk loads through transformers only when its config declares no quantization (and no
+  tensor is stored quantized), or declares one transformers builds a quantizer for; its loading
+  info must show no missing, unexpected (other than the MTP keys, loaded below), mismatched or
+  unconverted keys;
+- otherwise (and for the MTP layers always) the stored tensors go through ``probe_state.float_state``:
+  float tensors as stored, quantized modules dequantized by our scheme decoders, into a model built
+  from the config without its quantization config; the same loading-info checks apply;
+- anything else is refused (exit 3, rule ``probe-load``) naming the cause and the first keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from ..errors import InputError
+from ..io.checkpoint import Checkpoint
+from ..stream.plan import OutputTensor
+from .probe_state import RULE, Lazy, float_state, is_quantized, materialize
+
+AS_STORED = "as stored by transformers"
+
+
+def dequantized_by(schemes: list[str]) -> str:
+    return f"dequantized by ckpt-tools ({'+'.join(schemes)})"
+
+
+@dataclass
+class LoadedVerifier:
+    main: Any
+    mtp: Any
+    loaded: str  # how the trunk loaded: AS_STORED, or dequantized_by(...)
+    mtp_loaded: str  # how the verifier's MTP layers loaded
+    scheme: Any = None  # the declared QuantScheme, for decoding drafts mapped onto the verifier
+    notes: list[str] = field(default_factory=list)  # transformers' warnings while loading
+
+
+@contextlib.contextmanager
+def captured_warnings() -> Iterator[list[str]]:
+    """transformers' log records of WARNING and above while loading (its library logger does not propagate)."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def _sequential_load() -> Iterator[None]:
+    """transformers materialises every tensor in a thread pool ahead of the loader; without it each (dequantized)
+    tensor is made when its parameter is filled: one at a time, never a second copy of the weights."""
+    was = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = was
+
+
+@contextlib.contextmanager
+def _all_unexpected_reported(cls) -> Iterator[None]:
+    """The model class's ``_keys_to_ignore_on_load_unexpected`` emptied while loading: DeepSeek-V3 hides every
+    ``model.layers.61.*`` key there, so a stray key under that prefix would go unreported. The MTP keys are
+    taken out of the report by the caller (they are loaded, and checked, separately)."""
+    was = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", _MISSING)
+    cls._keys_to_ignore_on_load_unexpected = None
+    try:
+        yield
+    finally:
+        if was is _MISSING:
+            del cls._keys_to_ignore_on_load_unexpected
+        else:
+            cls._keys_to_ignore_on_load_unexpected = was
+
+
+_MISSING = object()
+
+
+def transformers_quantizer(config) -> str | None:
+    """The quant_method of the config's quantization config when transformers builds a quantizer for it, else None
+    (no quantization config, or one transformers skips). transformers' own mapping, as ``get_hf_quantizer`` reads it."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    qc = getattr(config, "quantization_config", None) or getattr(config.get_text_config(), "quantization_config", None)
+    if qc is None:
+        return None
+    d = qc if isinstance(qc, Mapping) else qc.to_dict()
+    method = d.get("quant_method")
+    if d.get("load_in_8bit") or d.get("load_in_4bit"):
+        method = f"bitsandbytes_{'4bit' if d.get('load_in_4bit') else '8bit'}"
+    method = getattr(method, "value", method)
+    return method if method in AUTO_QUANTIZATION_CONFIG_MAPPING else None
+
+
+def declared_quantization(config) -> bool:
+    return bool(getattr(config, "quantization_config", None)
+                or getattr(config.get_text_config(), "quantization_config", None))
+
+
+def unquantized_config(config):
+    """A copy of the config without its quantization config (the model transformers builds then holds floats)."""
+    config = copy.deepcopy(config)
+    for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        if "quantization_config" in c.__dict__:
+            del c.quantization_config
+    return config
+
+
+def stored_tensors(verifier: Checkpoint) -> dict[str, OutputTensor]:
+    from .compare import recipe_of
+
+    return {k: OutputTensor(k, ref.dtype, tuple(ref.shape), recipe_of(ref)) for k, ref in verifier.tensors.items()}
+
+
+def _model_class(config):
+    import transformers
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+
+
+def mtp_regex(cls, config):
+    """transformers' regex of the MTP checkpoint keys (``MtpModel.get_mtp_weights_regex``), before a model is built."""
+    from transformers.modeling_layers import MtpModel
+
+    return MtpModel.get_mtp_weights_regex(
+        SimpleNamespace(config=config, _keys_to_ignore_on_load_unexpected=cls._keys_to_ignore_on_load_unexpected))
+
+
+def load_problems(info, ignore_unexpected=None) -> list[str]:
+    """What a loading info says was not loaded as stored: one phrase per kind, naming the first keys."""
+    def first(keys) -> str:
+        keys = sorted(keys)
+        return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+    d = info if isinstance(info, Mapping) else vars(info)
+    unexpected = {k for k in d.get("unexpected_keys", ()) if ignore_unexpected is None
+                  or not ignore_unexpected.search(k)}
+    out = []
+    if unexpected:
+        out.append(f"{len(unexpected)} stored tensor(s) no parameter takes (unexpected: {first(unexpected)})")
+    if d.get("missing_keys"):
+        out.append(f"{len(d['missing_keys'])} parameter(s) no tensor fills (missing: {first(d['missing_keys'])})")
+    if d.get("mismatched_keys"):
+        out.append(f"shape mismatch: {first(str(m[0]) for m in d['mismatched_keys'])}")
+    if d.get("conversion_errors"):
+        out.append(f"conversion errors: {first(d['conversion_errors'])}")
+    if d.get("error_msgs"):
+        out.append(f"errors: {'; '.join(d['error_msgs'][:2])}")
+    return out
+
+
+def refuse(path: str, what: str, problems: list[str], notes: list[str] = ()) -> InputError:
+    said = [n.splitlines()[0][:200] for n in notes if "quantiz" in n.lower()]
+    tail = f" (transformers said: {said[0]})" if said else ""
+    return InputError(f"{what} would not load as stored: {'; '.join(problems)}{tail}. probe reports no number "
+                      "from a model that is not the checkpoint", rule=RULE, path=path)
+
+
+def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, device_map) -> LoadedVerifier:
+    """The verifier's trunk and its MTP layers, each loaded as stored (or dequantized by our decoders), or refused."""
+    import torch
+
+    from ..model.quant import detect_scheme
+
+    torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype])
+    cls = _model_class(config)
+    regex = mtp_regex(cls, config)
+    tensors = stored_tensors(verifier)
+    quantized = is_quantized(tensors)
+    method = transformers_quantizer(config)
+    notes: list[str] = []
+    main = None
+    scheme = None
+    loaded = AS_STORED
+    if method is not None or not (quantized or declared_quantization(config)):
+        # transformers reads this config as stored: load it and check that it used every tensor
+        with captured_warnings() as notes, _all_unexpected_reported(cls):
+            try:
+                main, info = cls.from_pretrained(path, config=config, dtype=torch_dtype, device_map=device_map,
+                                                 local_files_only=True, output_loading_info=True)
+            except (RuntimeError, ValueError, OSError, ImportError) as e:
+                if not quantized:
+                    raise InputError(f"transformers cannot load the verifier: {str(e).splitlines()[0][:300]}",
+                                     rule=RULE, path=path) from e
+                main, info = None, {}  # its quantizer cannot load it here: our decoders below
+        problems = load_problems(info, regex)
+        if main is not None and method is not None and getattr(main, "hf_quantizer", None) is None:
+            problems.insert(0, f"transformers built no quantizer for quant_method {method!r}")
+        if problems and not quantized:
+            raise refuse(path, "the verifier", problems, notes)
+        if problems:
+            main = None  # quantized, and transformers did not load it as stored: our decoders below
+        elif main is not None and method is not None:
+            loaded = f"{AS_STORED} (quantizer {method})"
+    if quantized or declared_quantization(config):
+        try:
+            scheme = detect_scheme(verifier)
+        except InputError:
+            if main is None:
+                raise
+    if main is None:
+        main, schemes = _load_dequantized(path, cls, config, tensors, regex, scheme, torch_dtype, dtype, device_map,
+                                          notes)
+        loaded = dequantized_by(schemes) if schemes else AS_STORED
+    main.eval()
+    mtp, mtp_loaded = load_mtp(main, tensors, regex, scheme, dtype, device, path)
+    return LoadedVerifier(main, mtp, loaded, mtp_loaded, scheme, notes)
+
+
+def _load_dequantized(path, cls, config, tensors, regex, scheme, torch_dtype, dtype, device_map, notes):
+    trunk = {k: t for k, t in tensors.items() if not regex.search(k)}
+    state, schemes = float_state(trunk, scheme, dtype, path)
+    lazy = {k: Lazy(lambda t=t: materialize(t)) for k, t in state.items()}
+    with captured_warnings() as more, _all_unexpected_reported(cls), _sequential_load():
+        try:
+            # transformers takes a state dict only without a path: the generation config is read from the path after
+            main, info = cls.from_pretrained(None, config=unquantized_config(config), state_dict=lazy,
+                                             dtype=torch_dtype, device_map=device_map, output_loading_info=True)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise InputError(f"the dequantized verifier does not load: {str(e).splitlines()[0][:300]}", rule=RULE,
+                             path=path) from e
+    notes.extend(more)
+    main.config.name_or_path = path
+    _generation_config(main, path)
+    problems = load_problems(info)
+    if problems:
+        raise refuse(path, f"the verifier {dequantized_by(schemes)}", problems, notes)
+    return main, schemes
+
+
+def _generation_config(main, path: str) -> None:
+    """The checkpoint's generation_config.json (what from_pretrained reads from a path), when it has one."""
+    from transformers import GenerationConfig
+
+    try:
+        main.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:  # none: the default built from the config stays
+        pass
+
+
+def load_mtp(main, tensors: Mapping[str, OutputTensor], regex, scheme, dtype: str, device: str,
+             where: str | None) -> tuple[Any, str]:
+    """An ``MtpModel`` of ``main`` holding the MTP tensors of ``tensors`` (the stored ones: the verifier's, or a
+    draft mapped onto its names), as float values; refused when a tensor is left over or a parameter unset."""
+    import torch
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_layers import MtpModel
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import ContextManagers
+
+    state, schemes = float_state({k: t for k, t in tensors.items() if regex.search(k)}, scheme, dtype, where)
+    with ContextManagers(MtpModel.get_init_context(main.config.dtype, False, False, None)):
+        mtp = MtpModel(main, main.config.get_text_config().num_mtp_layers)
+    with _sequential_load():
+        info, _ = convert_and_load_state_dict_in_model(
+            model=mtp, state_dict={k: Lazy(lambda t=t: materialize(t)) for k, t in state.items()},
+            load_config=LoadStateDictConfig(weight_mapping=mtp.get_weight_conversions(main),
+                                            device_map={"": torch.device(device)}, dtype=main.config.dtype))
+    mtp._adjust_missing_and_unexpected_keys(info)
+    problems = load_problems(info)
+    if problems:
+        raise refuse(where or "", "the MTP layers", problems)
+    mtp.tie_with_main_model(main)
+    mtp.eval()
+    return mtp, dequantized_by(schemes) if schemes else AS_STORED
