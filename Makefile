@@ -49,6 +49,6 @@ test: $(VENV)/.installed
 PRODUCERS_VENVS ?= .venvs-producers
 -include fixtures/producers/*.mk
 
-producers: producers-transformers producers-llmcompressor producers-modelopt producers-trainers
+producers: producers-base producers-transformers producers-llmcompressor producers-modelopt producers-trainers
 
 .PHONY: install demo test speculators-venv producers
