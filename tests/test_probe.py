@@ -321,9 +321,9 @@ def test_the_verifier_loads_with_a_device_map_when_accelerate_is_there_and_witho
     else:
         _without(monkeypatch, "accelerate")
     seen = []
-    real = transformers.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: seen.append(k) or real(*a, **k))
+    cls = getattr(transformers, json.loads((Path(trained) / "config.json").read_text())["architectures"][0])
+    real = cls.from_pretrained  # probe loads the class the config names
+    monkeypatch.setattr(cls, "from_pretrained", lambda *a, **k: seen.append(k) or real(*a, **k))
     out = json.loads(ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4, "--json").stdout)
     assert [k["device_map"] for k in seen] == [{"": "cpu"} if accelerate else None]
     assert out["drafts"][0]["agreement"][0] >= 0.8 and out["drafts"][0]["greedy_equal"] is True
