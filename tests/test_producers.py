@@ -347,3 +347,32 @@ def test_a_run_root_is_read_through_the_step_it_names_and_a_wrong_name_is_refuse
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
     result = ckpt("validate", root, code=3)
     assert "no-weights" in result.output + result.stderr and "iter_0000007" in result.output + result.stderr
+
+
+@cache
+def probe_families() -> frozenset[str]:
+    return frozenset(t["family"] for t in as_json(ckpt("tables", "--probe", "--json")) if t.get("probe"))
+
+
+PROBED = [e for e in CHECKPOINTS if e["mtp"] == "present" or e["producer"] == "nvidia-modelopt"]
+
+
+@pytest.mark.parametrize("entry", PROBED, ids=ids(PROBED))
+def test_probe_measures_only_a_model_loaded_as_stored(entry, grafted):
+    """probe gives numbers only for a verifier that loaded as stored (or that our decoders dequantized, said
+    so); anything else, including a ModelOpt export transformers would load unscaled, is a refusal with a rule."""
+    if entry["family"] not in probe_families():  # refused before a weight is read
+        result = ckpt("probe", path_of(entry), "--max-new-tokens", 2, code=3)
+        assert "probe-family" in result.output + result.stderr, result.output
+        return
+    targets = [path_of(entry)] + ([grafted(entry)] if entry["mtp"] == "dropped-by-producer" else [])
+    for path in targets:
+        result = ckpt("probe", path, "--max-new-tokens", 2, "--json", code=None)
+        if result.exit_code == 0:
+            report = as_json(result)
+            assert report["loaded"].startswith(("as stored", "dequantized by ckpt-tools")), report["loaded"]
+            if entry["scheme"]:
+                assert report["loaded"] != "as stored by transformers", report["loaded"]
+        else:
+            assert result.exit_code == 3, result.output
+            assert re.search(r"\[probe-[a-z-]+\]", result.output + result.stderr), result.output

@@ -60,11 +60,13 @@ def captured_warnings() -> Iterator[list[str]]:
 
     handler = Keep(logging.WARNING)
     root = logging.getLogger("transformers")
-    root.addHandler(handler)
+    # kept instead of printed: probe judges the load itself and names what was not loaded as stored (transformers'
+    # LOAD REPORT table would only repeat it, on a stream that may be gone when the CLI runs in-process)
+    shown, root.handlers = root.handlers, [handler]
     try:
         yield records
     finally:
-        root.removeHandler(handler)
+        root.handlers = shown
 
 
 @contextlib.contextmanager
@@ -138,18 +140,48 @@ def stored_tensors(verifier: Checkpoint) -> dict[str, OutputTensor]:
 
 
 def _model_class(config):
+    """The class transformers loads this config with: its causal-LM class, else the one config.json names (a
+    multimodal release's ``...ForConditionalGeneration``); none is a family probe cannot load."""
     import transformers
     from transformers.models.auto.auto_factory import _get_model_class
 
-    return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+    try:
+        return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+    except (KeyError, ValueError):
+        for name in getattr(config, "architectures", None) or ():
+            if isinstance(getattr(transformers, name, None), type):
+                return getattr(transformers, name)
+    raise InputError(f"transformers has no model class for {type(config).__name__} (architectures "
+                     f"{getattr(config, 'architectures', None)})", rule="probe-family")
 
 
 def mtp_regex(cls, config):
-    """transformers' regex of the MTP checkpoint keys (``MtpModel.get_mtp_weights_regex``), before a model is built."""
+    """transformers' regex of the MTP checkpoint keys (``MtpModel.get_mtp_weights_regex``), before a model is built.
+
+    A class that registers no MTP key pattern is one whose MTP transformers cannot find: refused."""
     from transformers.modeling_layers import MtpModel
 
-    return MtpModel.get_mtp_weights_regex(
-        SimpleNamespace(config=config, _keys_to_ignore_on_load_unexpected=cls._keys_to_ignore_on_load_unexpected))
+    patterns = cls._keys_to_ignore_on_load_unexpected or _instance_patterns(cls, config)
+    try:
+        if not patterns:
+            raise ValueError("no _keys_to_ignore_on_load_unexpected")
+        return MtpModel.get_mtp_weights_regex(
+            SimpleNamespace(config=config, _keys_to_ignore_on_load_unexpected=patterns))
+    except ValueError as e:
+        raise InputError(f"transformers' {cls.__name__} registers no MTP key pattern ({e}), so its MtpModel "
+                         "cannot find the MTP layers", rule="probe-family") from None
+
+
+def _instance_patterns(cls, config) -> list[str] | None:
+    """Patterns a class sets per instance (from the config's MTP count), read from a model built on the meta
+    device: no weight is allocated."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return cls(copy.deepcopy(config))._keys_to_ignore_on_load_unexpected
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def load_problems(info, ignore_unexpected=None) -> list[str]:
@@ -276,7 +308,11 @@ def load_mtp(main, tensors: Mapping[str, OutputTensor], regex, scheme, dtype: st
 
     state, schemes = float_state({k: t for k, t in tensors.items() if regex.search(k)}, scheme, dtype, where)
     with ContextManagers(MtpModel.get_init_context(main.config.dtype, False, False, None)):
-        mtp = MtpModel(main, main.config.get_text_config().num_mtp_layers)
+        try:
+            mtp = MtpModel(main, main.config.get_text_config().num_mtp_layers)
+        except ValueError as e:  # e.g. a config whose MTP layer types transformers cannot tell
+            raise InputError(f"transformers' MtpModel cannot be built for this config: {str(e).splitlines()[0]}",
+                             rule="probe-family", path=where) from None
     with _sequential_load():
         info, _ = convert_and_load_state_dict_in_model(
             model=mtp, state_dict={k: Lazy(lambda t=t: materialize(t)) for k, t in state.items()},
