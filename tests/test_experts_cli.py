@@ -102,10 +102,16 @@ def test_only_mtp(make_fixture, tmp_path):
 
 
 def test_draft_with_mtp_layers_only(make_fixture, tmp_path):
-    """A native draft (no trunk experts) converts its MTP groups; nothing else is required."""
+    """A native draft (MTP layers only, no main-model tensor) converts its MTP groups; nothing else is required.
+    Keeping the trunk's embedding, norm and head without its decoder layers is a broken model, not a draft
+    (issue 24: validate and the gate agree on trunk-missing)."""
     src = make_fixture("deepseek_v3")
     index = json.loads((src / "model.safetensors.index.json").read_text())
-    trunk = [k for k in index["weight_map"] if k.startswith(("model.layers.0.", "model.layers.1.", "model.layers.2."))]
+    layers = [k for k in index["weight_map"] if k.startswith(("model.layers.0.", "model.layers.1.", "model.layers.2."))]
+    broken = rewrite(src, tmp_path / "broken", drop=layers)
+    r = ckpt("fuse-experts", broken, "-o", tmp_path / "nf", code=3)
+    assert "trunk-missing" in r.output
+    trunk = [k for k in index["weight_map"] if not k.startswith("model.layers.3.")]
     draft = rewrite(src, tmp_path / "draft", drop=trunk)
     r = ckpt("fuse-experts", draft, "-o", tmp_path / "f", "--json")
     rep = json.loads(r.output)

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_tools.errors import InputError, TableError
 from ckpt_tools.io.checkpoint import Checkpoint
-from ckpt_tools.model.consistency import RULES, check, require_consistent
+from ckpt_tools.model.consistency import RULES
+from ckpt_tools.model.gate import check, require_consistent
 from ckpt_tools.ops.validate import validate
 
 from conftest import run_ckpt, tree_hash

@@ -591,7 +591,7 @@ def _trunk_layers_dropped(src: Path, out: Path) -> Path:
 def test_embed_norm_head_and_mtp_without_any_decoder_layer_is_invalid_for_validate_and_every_verb(
         make_fixture, tmp_path, family, mtp_key):
     """Issue 24 item 3: validate said valid while stitch refused the same checkpoint with trunk-missing."""
-    from ckpt_tools.model.consistency import check
+    from ckpt_tools.model.gate import check
 
     from conftest import run_ckpt
 
@@ -647,7 +647,8 @@ def test_the_gate_and_validate_run_one_rule_set(make_fixture, monkeypatch):
     from dataclasses import replace
 
     from ckpt_tools.model import rules
-    from ckpt_tools.model.consistency import RULES, Problem, check
+    from ckpt_tools.model.consistency import RULES, Problem
+    from ckpt_tools.model.gate import check
 
     assert rules.refusing_rules() - {"index-key-missing"} == set(RULES)  # index-key-missing: refused on opening
     assert set(RULES) <= rules.known_rules()

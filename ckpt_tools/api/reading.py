@@ -115,7 +115,7 @@ def inspect(path: PathLike, *, arch: str | None = None, discover: bool = False, 
 
 def _discover(path: str, write: str | None, allow: frozenset[str]) -> DiscoverReport:
     from ..io.checkpoint import Checkpoint
-    from ..model.consistency import require_consistent
+    from ..model.gate import require_consistent
     from ..ops.discover import discover, write_draft
     from ..options import outside_inputs
 

@@ -44,7 +44,7 @@ per-layer embed / head copy the MTP layer leaves out (its engines take the trunk
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,7 +55,8 @@ from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from ..io.safetensors_io import LocalFile, read_header
 from .expert_layouts import scale_key, scale_shape
 from .expr import ExprError, render
-from .mtp import MtpView, QuantLookup, choose_table, detect_group_layout, open_mtp
+from .mtp import MtpView, QuantLookup, detect_group_layout
+from .problem import Problem
 from .stored_dtype import DESCRIPTION as STORED_DTYPE_DESCRIPTION
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .tables.resolve import trunk_specs
@@ -92,22 +93,6 @@ RULES: dict[str, str] = {
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})
-
-
-@dataclass(frozen=True)
-class Problem:
-    rule: str
-    path: str | None  # the file the problem is in
-    key: str | None  # the tensor key, when the problem concerns one
-    message: str
-
-    def __str__(self) -> str:
-        where = f"{self.path}: " if self.path else ""
-        key = f"{self.key}: " if self.key else ""
-        return f"{where}[{self.rule}] {key}{self.message}"
-
-    def to_json(self) -> dict:
-        return {"rule": self.rule, "path": self.path, "key": self.key, "message": self.message}
 
 
 @dataclass
@@ -536,85 +521,6 @@ def _left_by_repair(view: MtpView) -> set[str]:
 
 
 # -- the gate ---------------------------------------------------------------------------
-
-
-def check(ckpt: Checkpoint, table: Table | None = None, *, arch: str | None = None, scope: str = "auto",
-          view: MtpView | None = None) -> tuple[list[Problem], MtpView | None]:
-    """Every problem of an opened checkpoint under the gate's rules, and the MTP view it was judged with.
-
-    ``scope``: ``files`` (index and files only, no table needed), ``auto`` (all rules; the trunk
-    unless the checkpoint is a draft) or ``model`` (all rules; a whole model is required). A
-    config-only checkpoint (no index, no shard) has no tensors to check, only its config. Raises
-    InputError when the table cannot be chosen or resolved (``unknown-family``, ``config-field``, ...).
-    """
-    from . import rules  # the rule set imports this module's checks
-
-    if scope not in ("files", "auto", "model"):
-        raise ValueError(f"scope {scope!r}")
-    weightless = not ckpt.headers and ckpt.index is None
-    ctx = rules.Context(ckpt, Holders(ckpt), whole_model=scope == "model",
-                        config=config_path(ckpt) if ckpt.config_present else None)
-    problems = [] if weightless else rules.run(ctx, "files", refusing_only=True)
-    if scope == "files":
-        return problems, view
-    if view is None:
-        view = open_mtp(ckpt, table or choose_table(ckpt, arch))
-    if weightless:
-        return problems, view
-    ctx.view, ctx.table = view, view.table
-    problems += rules.run(ctx, "model", refusing_only=True)
-    return problems, view
-
-
-def require_consistent(ckpt: Checkpoint, table: Table | None = None, *, arch: str | None = None,
-                       allow: Iterable[str] = (), waive: Mapping[str, str] | None = None, scope: str = "auto",
-                       view: MtpView | None = None, role: str | None = None,
-                       hints: Mapping[str, str] | None = None) -> Gate:
-    """Refuse (InputError, exit 3) a checkpoint that breaks a rule neither allowed nor waived.
-
-    ``allow``: rules the user let through (``--allow-invalid``). ``waive``: rules the verb repairs by
-    construction, each with the reason (e.g. ``--drop-mtp`` drops every MTP tensor). ``role``
-    names the input in the message (``verifier``, ``draft``, ...); ``hints``: rule -> the verb's own
-    way out, added to the message when that rule is the one shown.
-    """
-    problems, view = check(ckpt, table, arch=arch, scope=scope, view=view)
-    waive = waive or {}
-    allow = frozenset(allow)
-    gate = Gate(view.table if view is not None else table, view)
-    refused: list[Problem] = []
-    for p in problems:
-        if p.rule in REPORT_ONLY:
-            continue
-        if p.rule in waive:
-            gate.waived.append(p)
-        elif p.rule in allow:
-            gate.allowed.append(p)
-        else:
-            refused.append(p)
-    if refused:
-        raise refusal(ckpt, refused, role, (hints or {}).get(refused[0].rule))
-    return gate
-
-
-def refusal(ckpt: Checkpoint, refused: list[Problem], role: str | None = None, hint: str | None = None
-            ) -> InputError:
-    """One message: the first problem in full, how many others (by rule), and the two ways on."""
-    first = refused[0]
-    counts: dict[str, int] = {}
-    for p in refused[1:]:
-        counts[p.rule] = counts.get(p.rule, 0) + 1
-    others = ""
-    if counts:
-        listed = ", ".join(f"{r} x{n}" if n > 1 else r for r, n in counts.items())
-        others = f" (and {len(refused) - 1} more problem(s): {listed})"
-    rules = list(dict.fromkeys(p.rule for p in refused))
-    what = f"the {role} " if role else ""
-    flags = " ".join(f"--allow-invalid {r}" for r in rules[:4]) + (" ..." if len(rules) > 4 else "")
-    key = f"{first.key}: " if first.key else ""
-    msg = (f"{key}{first.message}{others}. {what.capitalize() or 'The '}checkpoint {ckpt.root} is inconsistent; "
-           + (f"{hint}; " if hint else "")
-           + f"`ckpt validate {ckpt.root}` lists every problem, `{flags}` proceeds anyway")
-    return InputError(msg, rule=first.rule, path=first.path or ckpt.root)
 
 
 def problems_text(problems: list[Problem], limit: int = 5) -> str:

@@ -2,7 +2,7 @@
 
 ``RULE_SET`` is a list of checks, each a function of a ``Context`` returning ``Problem``s, with
 the rule names it may report, the stage it runs in and whether the gate refuses on it.
-``validate`` runs every check and reports all it finds; the gate (``consistency.check``) runs
+``validate`` runs every check and reports all it finds; the gate (``gate.check``) runs
 the checks that refuse, from the same list, in the same order. So a rule cannot be known to one
 and not the other: a new rule is one more entry here (tests/test_validate.py enumerates them).
 

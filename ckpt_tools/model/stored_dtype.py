@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .problem import Problem
 from .tables.resolve import Spec, trunk_specs
 
 if TYPE_CHECKING:
-    from .consistency import Problem
     from .mtp import MtpView
 
 RULE = "stored-dtype"
@@ -36,8 +36,6 @@ def fixed_specs(view: MtpView) -> list[Spec]:
 
 def stored_dtype_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:
     """One problem per present tensor stored in another dtype than its ``dtype_fixed`` spec."""
-    from .consistency import Problem
-
     tensors = view.ckpt.tensors
     out: list[Problem] = []
     for s in fixed_specs(view):

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from ..dtypes import FP8_DTYPES
 from ..io.checkpoint import Checkpoint
-from ..model.consistency import check
 from ..model.formats import all_wrappers
+from ..model.gate import check
 from ..model.prefixes import choose, rename
 from ..options import regex
 from ..stream.plan import CopyBytes

@@ -19,9 +19,10 @@ from .. import __version__
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, source_name
-from ..model.consistency import note_allowed, require_consistent
+from ..model.consistency import note_allowed
 from ..model.expert_layouts import ExpertGroup, ExpertLayout, scale_key
 from ..model.experts import BlockDequant, convert_group, layout_from_label
+from ..model.gate import require_consistent
 from ..model.mtp import detect_group_layout
 from ..model.tables.resolve import trunk_specs
 from ..stream.fingerprint import record_inputs

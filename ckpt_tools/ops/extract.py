@@ -14,9 +14,10 @@ from .. import __version__
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..model.consistency import MTP_RULES, note_allowed, require_consistent
+from ..model.consistency import MTP_RULES, note_allowed
 from ..model.expert_layouts import scale_key
 from ..model.formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
+from ..model.gate import require_consistent
 from ..model.mtp import MtpView
 from ..model.quant.config import SIDE_FILES
 from ..numeric import transforms

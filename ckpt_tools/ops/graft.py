@@ -29,8 +29,9 @@ from .. import __version__
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, revision_of, source_name
-from ..model.consistency import MTP_RULES, count_field, note_allowed, require_consistent
+from ..model.consistency import MTP_RULES, count_field, note_allowed
 from ..model.expert_layouts import scale_key
+from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table
 from ..model.quant.audit import Stored
 from ..numeric import transforms

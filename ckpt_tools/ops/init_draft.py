@@ -28,10 +28,11 @@ from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..io.config import ConfigView
 from ..io.safetensors_io import TensorRef
-from ..model.consistency import MTP_RULES, note_allowed, require_consistent
+from ..model.consistency import MTP_RULES, note_allowed
 from ..model.expert_layouts import ExpertLayout, scale_key
 from ..model.expr import evaluate, render
 from ..model.formats import Correspondence, Format, correspond, get_format
+from ..model.gate import require_consistent
 from ..model.mtp import MtpView, detect_group_layout
 from ..model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ..model.tables.schema import Table

@@ -61,8 +61,9 @@ from dataclasses import dataclass, field
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
-from ..model.consistency import REPORT_ONLY, absent_notes, check, renamed_format
+from ..model.consistency import REPORT_ONLY, absent_notes, renamed_format
 from ..model.expert_layouts import scale_key
+from ..model.gate import check
 from ..model.mtp import MtpView
 from ..model.quant.audit import Audit, audit, experts_stored
 from ..model.quant.report import audit_json
@@ -290,7 +291,7 @@ def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str |
     """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection.
 
     Never refuses a checkpoint it can read and classify: what the consistency gate would refuse
-    (``consistency.check``: missing MTP or trunk tensors, quantization disagreements, index problems
+    (``gate.check``: missing MTP or trunk tensors, quantization disagreements, index problems
     ...) is reported in ``findings``, validate's notes in ``notes``. ``allow`` (``--allow-invalid``)
     is accepted for the command line's sake and changes nothing: inspect lets everything through.
     InputError only for what cannot be read or classified (a hostile header, an unknown family, a

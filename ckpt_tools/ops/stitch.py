@@ -30,9 +30,10 @@ from .. import __version__
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..model.consistency import count_field, note_allowed, parse_allow, require_consistent
+from ..model.consistency import count_field, note_allowed, parse_allow
 from ..model.expert_layouts import ExpertGroup, scale_key, scale_shape
 from ..model.formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
+from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table, detect_group_layout
 from ..model.prefixes import Unwrapped, unwrap
 from ..model.provenance import prove_family
