@@ -113,8 +113,11 @@ def _digest(ckpt: Checkpoint, name: str) -> str | None:
         return None
     if ckpt.local_dir is not None:
         try:
+            h = hashlib.sha256()  # in pieces (hashlib.file_digest is 3.11+; we support 3.10)
             with open(ckpt.local_dir / name, "rb") as f:
-                return hashlib.file_digest(f, "sha256").hexdigest()
+                for piece in iter(lambda: f.read(1 << 20), b""):
+                    h.update(piece)
+            return h.hexdigest()
         except OSError as e:
             raise InputError(f"cannot read {name}: {e.strerror or e}", rule="read-error",
                              path=str(ckpt.local_dir / name)) from None
