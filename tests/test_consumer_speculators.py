@@ -14,7 +14,6 @@ Skipped, with the build log's tail as the reason, only when the environment coul
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -27,9 +26,8 @@ from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.mtp import open_mtp
 
 from conftest import run_ckpt as ckpt
+from consumer_logits import speculators_python, venv_env
 
-ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("SPEC_VENV", ROOT / ".venv-speculators"))
 SCRIPT = Path(__file__).resolve().parent / "consumers" / "speculators_check.py"
 NOT_OURS = ("auto_map", "speculators_version", "transformers_version")
 
@@ -38,11 +36,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def spec_python() -> Path:
-    if not (VENV / ".installed").is_file():
-        log = Path(f"{VENV}.log")
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
-        pytest.skip(f"speculators 0.9.0 venv {VENV} could not be built (make speculators-venv): {' | '.join(tail)}")
-    return VENV / "bin" / "python"
+    return speculators_python()
 
 
 def tensors(path: Path) -> dict[str, bytes]:
@@ -54,9 +48,7 @@ def tensors(path: Path) -> dict[str, bytes]:
 
 
 def run_in_venv(python: Path, cwd: Path, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([str(python), str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True,
+    r = subprocess.run([str(python), str(SCRIPT), *args], cwd=cwd, env=venv_env(), capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
