@@ -6,8 +6,12 @@ speculators' format, input_ids [1, L] and the verifier's last hidden states [1, 
 depth-d logits are [L-d, vocab] float32, row t predicting token t+d+1 from (hidden[t] for d = 1,
 else the depth-(d-1) output at t) and the embedding of input_ids[t+d].
 
-AngelSpec (Hy3's MTP module): not on PyPI, so there is no environment to run it in; our
-`--format angelspec` output is held to a hand-written contract instead (test_angelspec_contract.py).
+AngelSpec (Hy3's MTP module, angelspec/models/draft/mtp.py at d3412be): not on PyPI (`pip index
+versions angelspec`: no distribution) and pip reaches no other source, so there is no environment to
+run it in. Its code would run on CPU (flash-attn is an optional import; a dense block-0 attention
+replaces flex_attention off CUDA; importing it needs numba and wandb beside torch / transformers),
+but it cannot be installed. Our `--format angelspec` output is held to a hand-written contract
+instead (test_angelspec_contract.py).
 """
 
 from __future__ import annotations
