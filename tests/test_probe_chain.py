@@ -31,7 +31,7 @@ def loaded():
     d, _ = probe_model.build(CACHE)
     config = probe_ops.verifier_config(str(d))
     v = probe_ops.load_verifier(str(d), config, "cpu", "fp32")
-    main, mtp = v.main, v.mtp
+    main, mtp = v.main, v.reference  # transformers' MtpModel: its modules by name (the engine is checked against it)
     x = probe_model.sample(1, 14, torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits, hidden = probe_ops.teacher_forward(main, x)

@@ -1,9 +1,15 @@
 """`ckpt probe`: measure that an MTP draft drafts, on the user's prompts, before anyone serves it.
 
-The verifier is loaded with transformers and its MTP layers through transformers' ``MtpModel``
-(the families transformers supports that way). For each prompt the verifier generates greedily,
-then runs ONE teacher-forced forward pass over prompt + generation; its last hidden states and
-logits are shared by every MTP compared (the verifier's own, then each ``--draft``).
+The verifier's trunk is loaded with transformers; its MTP layers are built by our table-driven
+engine (``mtp_engine``: the family table's glue around the family's own transformers decoder layer),
+for every family whose MTP block is made like one of its trunk layers. Where transformers' own
+``MtpModel`` loads the same layers, it is loaded too: the engine's depth-1 logits are checked
+against it on every prompt (``reference``), and it drafts the ``generate(use_mtp=True)`` run whose
+output must equal greedy decoding (``greedy_equal``; null where there is no MtpModel).
+
+For each prompt the verifier generates greedily, then runs ONE teacher-forced forward pass over
+prompt + generation; its last hidden states and logits are shared by every MTP compared (the
+verifier's own, then each ``--draft``).
 
 Depth k is chained as the serving engines chain a draft (``chain_logits``; sources and commits
 there); the sequence is the verifier's own greedy output, so the token fed at each depth is the
@@ -39,6 +45,10 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 CHAINS = ("sglang", "vllm")  # how depth k > 1 is chained: see chain_logits
 EXTRA = "ckpt-tools[probe]"  # transformers, and accelerate for device_map
+ENGINE = "ckpt-tools table engine"
+REFERENCE = "transformers MtpModel"
+# the engine's depth-1 logits may differ from MtpModel's by float rounding only (same weights, same modules)
+REFERENCE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
 @dataclass
@@ -60,7 +70,7 @@ class DraftResult:
     agreement: list[float]
     kl: list[float]
     positions: int
-    greedy_equal: bool
+    greedy_equal: bool | None  # None: not run (transformers' generate has no MTP for this family)
     mismatch: dict | None = None  # the first prompt whose speculative output differs, and where
     prompts: list[dict] = field(default_factory=list)  # per prompt: kl, agreement (per depth), tokens_sha256
 
@@ -89,11 +99,14 @@ class ProbeResult:
     chain: str = "sglang"
     loaded: str = "as stored by transformers"  # how the trunk loaded (probe_load): or "dequantized by ckpt-tools (S)"
     mtp_loaded: str = "as stored by transformers"  # how the verifier's MTP layers loaded
+    engine: str = ENGINE
+    # the engine checked against transformers' MtpModel: {"implementation", "max_abs_diff"} or {"skipped": why}
+    reference: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
                 "needed_bytes": self.needed_bytes, "chain": self.chain, "loaded": self.loaded,
-                "mtp_loaded": self.mtp_loaded}
+                "mtp_loaded": self.mtp_loaded, "engine": self.engine, "reference": self.reference}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -230,17 +243,24 @@ def tokens_sha256(ids: list[int]) -> str:
 
 
 def verifier_config(path: str):
-    """The verifier's transformers config; InputError when transformers builds no MTP layers for its family."""
+    """The verifier's transformers config (InputError ``probe-family`` when transformers cannot read it)."""
     transformers = transformers_module()
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"transformers cannot read the config: {e}", rule="probe-family", path=path) from e
-    if not mtp_supported(config):
-        raise InputError(f"family {config.model_type!r} has no MTP layers transformers' MtpModel can load "
-                         "(supported: DeepSeek-V3 / GLM-4-MoE style num_nextn_predict_layers configs)",
-                         rule="probe-family", path=path)
     return config
+
+
+def require_mtp(verifier: Checkpoint) -> None:
+    """Refuses (``probe-family``), before any weight is read, a verifier whose table declares no MTP layer."""
+    from ..model.mtp import open_mtp
+
+    view = open_mtp(verifier)
+    if view.count < 1 or view.table.kind != "mtp":
+        raise InputError(f"family {view.table.family!r} ({verifier.config.get('model_type')}): the checkpoint "
+                         "declares no MTP layer, so there is nothing to probe", rule="probe-family",
+                         path=verifier.root)
 
 
 def load_verifier(path: str, config, device: str, dtype: str, verifier: Checkpoint | None = None):
@@ -255,30 +275,43 @@ def load_verifier(path: str, config, device: str, dtype: str, verifier: Checkpoi
         return probe_load.load(path, verifier, config, device, dtype, device_map(device))
 
 
+@dataclass
+class Drafter:
+    """One MTP measured by probe: the engine's, and transformers' MtpModel of the same tensors where it loads."""
+
+    name: str
+    engine: Any
+    reference: Any = None
+
+
 def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, arch: str | None = None,
-              dtype: str = "fp32", device: str = "cpu"):
-    """An MtpModel of ``main`` holding the draft's weights, mapped by stitch's correspondence (in memory).
+              dtype: str = "fp32", device: str = "cpu") -> Drafter:
+    """The draft's weights, mapped onto the verifier's MTP names by stitch's correspondence (in memory), in the
+    engine (and in an MtpModel where the verifier has one).
 
     ``draft_path``: a path, or a ``{name: tensor}`` mapping (``Checkpoint.open``). ``loaded``: the verifier as
     ``load_verifier`` loaded it (its quantization scheme decodes what the mapping stores quantized). The MTP
     tensors are the mapping's, and the verifier's own for the files the mapping leaves untouched.
     """
-    from transformers.modeling_layers import MtpModel
-
-    from . import probe_load
+    from . import mtp_engine, probe_load
     from .stitch import StitchRequest, plan_stitch
 
-    regex = MtpModel.get_mtp_weights_regex(main)
     with Checkpoint.open(draft_path) as d:
         where = d.root
         plan, _ = plan_stitch(d, verifier, StitchRequest(accept_divergent=True, arch=arch, command="ckpt probe"))
         rewritten = {t.shard for t in plan.tensors if t.shard}
         own = probe_load.stored_tensors(verifier)
         kept = {k for shard, keys in verifier.shard_keys.items() if shard not in rewritten for k in keys}
-        state = {k: t for k, t in own.items() if k in kept and regex.search(k)}
-        state.update({t.key: t for t in plan.tensors if regex.search(t.key)})
-        mtp, _ = probe_load.load_mtp(main, state, regex, loaded.scheme, dtype, device, where)
-    return mtp
+        state = {k: t for k, t in own.items() if k in kept and loaded.mtp_keys.search(k)}
+        state.update({t.key: t for t in plan.tensors if loaded.mtp_keys.search(t.key)})
+        engine, _ = mtp_engine.build(main, verifier, state, loaded.scheme, dtype, device, where)
+        reference = None
+        if loaded.reference is not None:
+            regex = loaded.reference_regex
+            ref_state = {k: t for k, t in own.items() if k in kept and regex.search(k)}
+            ref_state.update({t.key: t for t in plan.tensors if regex.search(t.key)})
+            reference, _ = probe_load.load_mtp(main, ref_state, regex, loaded.scheme, dtype, device, where)
+    return Drafter(draft_name(draft_path), engine, reference)
 
 
 @contextmanager
@@ -449,13 +482,16 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     prompts = read_prompts(req.prompts)
     config = verifier_config(req.verifier)
     with Checkpoint.open(req.verifier) as verifier:
+        require_mtp(verifier)
         need = check_memory(verifier, req.dtype, len(req.drafts))
         if announce is not None:
             announce(need, available_memory())
         loaded = load_verifier(req.verifier, config, device, req.dtype, verifier)
         main = loaded.main
-        models = [("verifier", loaded.mtp)] + [
-            (draft_name(p), draft_mtp(main, loaded, verifier, p, req.arch, req.dtype, device)) for p in req.drafts]
+        models = [Drafter("verifier", loaded.mtp, loaded.reference)] + [
+            draft_mtp(main, loaded, verifier, p, req.arch, req.dtype, device) for p in req.drafts]
+    reference = {"implementation": REFERENCE, "max_abs_diff": 0.0} if loaded.reference is not None else {
+        "skipped": loaded.reference_note}
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
     sums = [[[0, 0, 0.0] for _ in range(req.depth)] for _ in models]
     mismatch: list[dict | None] = [None for _ in models]
@@ -469,8 +505,11 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
             greedy = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False)
             logits, hidden = teacher_forward(main, greedy)
             digest = tokens_sha256(greedy[0].tolist())
-            for m, (_, mtp) in enumerate(models):
-                scores = score(mtp, greedy, ids.shape[1], logits, hidden, req.depth, req.chain)
+            for m, drafter in enumerate(models):
+                scores = score(drafter.engine, greedy, ids.shape[1], logits, hidden, req.depth, req.chain)
+                if drafter.reference is not None:
+                    diff = reference_difference(drafter, greedy, hidden, req.dtype, req.verifier)
+                    reference["max_abs_diff"] = max(reference["max_abs_diff"], diff)
                 for k, (agree, n, kl) in enumerate(scores):
                     sums[m][k][0] += agree
                     sums[m][k][1] += n
@@ -478,8 +517,8 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
                 per_prompt[m].append({"kl": [kl / n if n else 0.0 for _, n, kl in scores],
                                       "agreement": [a / n if n else 0.0 for a, n, _ in scores],
                                       "positions": scores[0][1], "tokens_sha256": digest})
-                if mismatch[m] is None:
-                    with mtp_for_generate(mtp):
+                if mismatch[m] is None and drafter.reference is not None:
+                    with mtp_for_generate(drafter.reference):
                         spec = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, use_mtp=True)
                     a, b = greedy[0].tolist(), spec[0].tolist()
                     if a != b:
@@ -487,11 +526,25 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
             if progress is not None:
                 progress(i + 1, len(prompts))
     results = []
-    for (name, _), per_depth, miss, rows in zip(models, sums, mismatch, per_prompt, strict=True):
+    for drafter, per_depth, miss, rows in zip(models, sums, mismatch, per_prompt, strict=True):
         results.append(DraftResult(
-            name, [a / n if n else 0.0 for a, n, _ in per_depth], [kl / n if n else 0.0 for _, n, kl in per_depth],
-            per_depth[0][1], miss is None, miss, rows))
-    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded)
+            drafter.name, [a / n if n else 0.0 for a, n, _ in per_depth],
+            [kl / n if n else 0.0 for _, n, kl in per_depth], per_depth[0][1],
+            None if drafter.reference is None else miss is None, miss, rows))
+    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, ENGINE, reference)
+
+
+def reference_difference(drafter: Drafter, seq: torch.Tensor, hidden: torch.Tensor, dtype: str, where: str) -> float:
+    """Max abs difference of the engine's depth-1 logits from transformers' MtpModel's on the same sequence; more
+    than float rounding is an error (the two would measure different models)."""
+    ours = chain_logits(drafter.engine, seq, hidden, 1, "sglang")[0]
+    theirs = chain_logits(drafter.reference, seq, hidden, 1, "sglang")[0]
+    diff = float((ours - theirs).abs().max())
+    if diff > REFERENCE_TOLERANCE[dtype]:
+        raise InputError(f"the table engine and {REFERENCE} disagree on {drafter.name}'s depth-1 logits (max abs "
+                         f"difference {diff:.3g} > {REFERENCE_TOLERANCE[dtype]}): the family table and transformers "
+                         "describe different MTP layers", rule="probe-engine", path=where)
+    return diff
 
 
 def draft_name(draft: str | Mapping) -> str:

@@ -14,6 +14,11 @@ measurement of such a model is a number from a model that is not the checkpoint.
   float tensors as stored, quantized modules dequantized by our scheme decoders, into a model built
   from the config without its quantization config; the same loading-info checks apply;
 - anything else is refused (exit 3, rule ``probe-load``) naming the cause and the first keys.
+
+Which tensors are the MTP layers is the family table's answer (``open_mtp``), not transformers' key
+patterns: the MTP is built by our table-driven engine (``mtp_engine``). Where transformers' own
+``MtpModel`` can load the same tensors it is loaded too, as the reference the engine is checked
+against and the drafter of ``generate(use_mtp=True)``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
 from ..stream.plan import OutputTensor
+from . import mtp_engine
 from .probe_state import RULE, Lazy, float_state, is_quantized, materialize
 
 AS_STORED = "as stored by transformers"
@@ -42,11 +48,39 @@ def dequantized_by(schemes: list[str]) -> str:
 @dataclass
 class LoadedVerifier:
     main: Any
-    mtp: Any
+    mtp: Any  # the table-driven engine (mtp_engine.TableMtp)
     loaded: str  # how the trunk loaded: AS_STORED, or dequantized_by(...)
     mtp_loaded: str  # how the verifier's MTP layers loaded
     scheme: Any = None  # the declared QuantScheme, for decoding drafts mapped onto the verifier
     notes: list[str] = field(default_factory=list)  # transformers' warnings while loading
+    mtp_keys: KeySet | None = None  # the stored MTP tensors (the table's)
+    reference: Any = None  # transformers' MtpModel holding the same tensors, where it loads them
+    reference_regex: Any = None  # its key patterns
+    reference_note: str = ""  # why there is none
+
+
+class KeySet:
+    """The MTP's stored keys, and the namespaces (prefixes) only MTP tensors live under, with the ``search`` of a
+    compiled pattern (what ``load_problems`` takes): transformers reports keys after its conversions (fused
+    experts' names), so a converted name under an MTP-only prefix is one of them too."""
+
+    def __init__(self, keys, prefixes=()) -> None:
+        self.keys = frozenset(keys)
+        self.prefixes = tuple(prefixes)
+
+    def search(self, key: str) -> bool:
+        return key in self.keys or key.startswith(self.prefixes)
+
+
+def mtp_key_set(verifier: Checkpoint) -> KeySet:
+    """The table's MTP tensors of ``verifier``; its layer and sub-block prefixes that hold no other tensor."""
+    from ..model.mtp import open_mtp
+
+    view = open_mtp(verifier)
+    keys = set(view.keys())
+    others = [k for k in verifier.tensors if k not in keys and k not in view.extra]
+    candidates = {p for layer in view.resolved.layers for p in (layer.prefix, *layer.block_prefixes)}
+    return KeySet(keys, sorted(p for p in candidates if not any(k.startswith(p) for k in others)))
 
 
 @contextlib.contextmanager
@@ -140,19 +174,20 @@ def stored_tensors(verifier: Checkpoint) -> dict[str, OutputTensor]:
 
 
 def _model_class(config):
-    """The class transformers loads this config with: its causal-LM class, else the one config.json names (a
-    multimodal release's ``...ForConditionalGeneration``); none is a family probe cannot load."""
+    """The class transformers loads this config with: the one config.json names (the release's own, e.g. a
+    multimodal ``...ForConditionalGeneration``) when transformers has it, else its causal-LM class; none is a
+    family probe cannot load."""
     import transformers
     from transformers.models.auto.auto_factory import _get_model_class
 
+    for name in getattr(config, "architectures", None) or ():
+        if isinstance(getattr(transformers, name, None), type):
+            return getattr(transformers, name)
     try:
         return _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
     except (KeyError, ValueError):
-        for name in getattr(config, "architectures", None) or ():
-            if isinstance(getattr(transformers, name, None), type):
-                return getattr(transformers, name)
-    raise InputError(f"transformers has no model class for {type(config).__name__} (architectures "
-                     f"{getattr(config, 'architectures', None)})", rule="probe-family")
+        raise InputError(f"transformers has no model class for {type(config).__name__} (architectures "
+                         f"{getattr(config, 'architectures', None)})", rule="probe-family") from None
 
 
 def mtp_regex(cls, config):
@@ -221,8 +256,14 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
     from ..model.quant import detect_scheme
 
     torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype])
+    from ..model.mtp import open_mtp
+
     cls = _model_class(config)
-    regex = mtp_regex(cls, config)
+    stray = open_mtp(verifier).extra
+    if stray:
+        raise refuse(path, "the MTP layers", [f"{len(stray)} stored tensor(s) in the MTP namespace the family table "
+                                              f"has no place for (unexpected: {', '.join(sorted(stray)[:3])})"])
+    regex = mtp_key_set(verifier)
     tensors = stored_tensors(verifier)
     quantized = is_quantized(tensors)
     method = transformers_quantizer(config)
@@ -261,8 +302,26 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
                                           notes)
         loaded = dequantized_by(schemes) if schemes else AS_STORED
     main.eval()
-    mtp, mtp_loaded = load_mtp(main, tensors, regex, scheme, dtype, device, path)
-    return LoadedVerifier(main, mtp, loaded, mtp_loaded, scheme, notes)
+    mtp, schemes = mtp_engine.build(main, verifier, tensors, scheme, dtype, device, path)
+    out = LoadedVerifier(main, mtp, loaded, dequantized_by(schemes) if schemes else AS_STORED, scheme, notes, regex)
+    out.reference, out.reference_regex, out.reference_note = reference_mtp(main, cls, config, tensors, scheme, dtype,
+                                                                           device, path)
+    return out
+
+
+def reference_mtp(main, cls, config, tensors, scheme, dtype: str, device: str, where: str | None):
+    """(transformers' MtpModel holding the MTP tensors it finds by its own key patterns, those patterns, "") where
+    it builds and loads them; else (None, None, why not)."""
+    if not getattr(config.get_text_config(), "num_mtp_layers", None):
+        return None, None, f"transformers' MtpModel builds no MTP layers for {type(config).__name__}"
+    try:
+        regex = mtp_regex(cls, config)
+        if not any(regex.search(k) for k in tensors):
+            return None, None, "transformers' MtpModel key patterns match no stored tensor"
+        mtp, _ = load_mtp(main, tensors, regex, scheme, dtype, device, where)
+    except InputError as e:
+        return None, None, f"transformers' MtpModel does not load them: {e.message}"
+    return mtp, regex, ""
 
 
 def _load_dequantized(path, cls, config, tensors, regex, scheme, torch_dtype, dtype, device_map, notes):
