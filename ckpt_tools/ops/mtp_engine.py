@@ -208,8 +208,7 @@ class TableMtp(nn.Module):
             seen = self._rope_seen[(trunk, n)] = _layer_inputs(self._main[0], trunk, n, position_ids.device)
         if seen is None:
             return None
-        index = position_ids.reshape(-1)
-        return tuple(t.index_select(-2, index) for t in seen)
+        return tuple(t[0][position_ids] for t in seen)  # [batch, positions, dim]
 
     def _project_to_logits(self, hidden_states: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         """The head the depth drafts with, applied as the main model applies its own (muP scaling, vocab slice)."""
@@ -237,6 +236,8 @@ def build(main, verifier: Checkpoint, tensors: Mapping[str, OutputTensor], schem
     mtp_keys = set(view.keys())
     state, schemes = float_state({k: t for k, t in tensors.items() if k in mtp_keys}, scheme, dtype, where)
     torch_dtype = main.config.get_text_config().dtype or torch.float32
+    if isinstance(torch_dtype, str):  # save_pretrained leaves the name on a live model's config
+        torch_dtype = getattr(torch, torch_dtype)
     template = _final_norm_module(main, res, where)
     _check_norm_convention(template, res.table.norm, res.family, where)
     layers, heads, trunks = [], [], []
@@ -390,3 +391,51 @@ def _renumber(block: nn.Module, depth: int) -> None:
     for module in block.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             module.layer_idx = depth
+
+
+# --- which families ------------------------------------------------------------------------------
+
+@dataclass
+class Support:
+    """Whether the engine builds a family's MTP (from its table's fixture config), and why not."""
+
+    engine: bool
+    reason: str = ""
+    reference: bool = False  # transformers' MtpModel builds MTP layers for it too (the cross-check)
+
+
+def family_support(table) -> Support:
+    """Checked without weights: transformers knows the fixture config and its model class; every glue role has a
+    place in the step; every MTP sub-block has a trunk layer of the same tensors; the trunk's final norm is a
+    module of that class (built on the meta device) and computes the table's norm convention."""
+    import transformers
+
+    from ..io.config import ConfigView
+    from ..model.tables.resolve import resolve
+    from .probe_load import _model_class
+
+    if table.kind != "mtp" or not table.fixture:
+        return Support(False, "no MTP table with a fixture config")
+    fixture = copy.deepcopy(table.fixture)  # transformers normalises nested values in place; the table is cached
+    try:
+        config = transformers.AutoConfig.for_model(fixture.pop("model_type", None), **fixture)
+        cls = _model_class(config)
+    except (ValueError, KeyError, TypeError) as e:
+        return Support(False, f"transformers has no model for it ({str(e).splitlines()[0][:120]})")
+    except InputError as e:
+        return Support(False, e.message)
+    reference = bool(getattr(config.get_text_config(), "num_mtp_layers", None))
+    unplaced = sorted(set(table.mtp.glue) - set(GLUE_ROLES))
+    if unplaced:
+        return Support(False, f"glue role(s) {unplaced} have no place in the engine's step", reference)
+    try:
+        res = resolve(table, ConfigView(dict(table.fixture)), mtp_count=1)
+        for layer in res.layers:
+            match_trunk_layers(res, layer)
+        with torch.device("meta"):
+            main = cls(copy.deepcopy(config))
+        norm = _final_norm_module(main, res, None).to_empty(device="cpu")
+        _check_norm_convention(norm, table.norm, table.family, None)
+    except InputError as e:
+        return Support(False, e.message, reference)
+    return Support(True, "", reference)

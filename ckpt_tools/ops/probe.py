@@ -329,6 +329,18 @@ def mtp_for_generate(mtp) -> Iterator[None]:
 
 # --- measuring ----------------------------------------------------------------------------------
 
+@contextmanager
+def transformers_forward(main, where: str) -> Iterator[None]:
+    """transformers' own forward of the verifier; one that fails on the checkpoint's config is a refusal
+    (``probe-forward``), not a crash: probe cannot measure what the family's own model cannot run."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError, AttributeError) as e:
+        raise InputError(f"transformers' {type(main).__name__} cannot run a forward pass of this checkpoint: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", rule="probe-forward",
+                         path=where) from None
+
+
 def teacher_forward(main, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's one forward pass over a sequence: (logits, last hidden states). Shared by all drafts."""
     out = main(seq, output_hidden_states=True)
@@ -502,8 +514,9 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
         for i, prompt in enumerate(prompts):
             ids = (torch.tensor([prompt]) if isinstance(prompt, list)
                    else tokenizer(prompt, return_tensors="pt").input_ids).to(device)
-            greedy = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False)
-            logits, hidden = teacher_forward(main, greedy)
+            with transformers_forward(main, req.verifier):
+                greedy = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False)
+                logits, hidden = teacher_forward(main, greedy)
             digest = tokens_sha256(greedy[0].tolist())
             for m, drafter in enumerate(models):
                 scores = score(drafter.engine, greedy, ids.shape[1], logits, hidden, req.depth, req.chain)

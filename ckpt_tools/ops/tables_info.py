@@ -30,10 +30,13 @@ def _count(table, cfg: ConfigView) -> int:
         return 1
 
 
-def _probe_supported(fixture) -> bool:
-    from .probe import family_supported  # imports transformers (and torch): only for --probe
+def _probe_support(table) -> dict:
+    """``probe``: whether our engine builds the family's MTP; ``probe_reference``: whether transformers' MtpModel
+    does too (probe then checks the engine against it); ``probe_reason``: why not."""
+    from .mtp_engine import family_support  # imports transformers (and torch): only for --probe
 
-    return family_supported(fixture)
+    s = family_support(table)
+    return {"probe": s.engine, "probe_reference": s.reference, **({"probe_reason": s.reason} if s.reason else {})}
 
 
 def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
@@ -69,7 +72,7 @@ def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
             "norm": table.norm,
             "concat_order": table.mtp.concat_order,
             "formats": formats,
-            # `ckpt probe`: transformers' MtpModel builds MTP layers for the table's fixture config
-            **({"probe": bool(table.fixture) and _probe_supported(table.fixture)} if probe else {}),
+            # `ckpt probe`: our engine builds the MTP of the table's fixture config (and MtpModel too?)
+            **(_probe_support(table) if probe else {}),
         })
     return rows
