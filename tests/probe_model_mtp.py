@@ -26,7 +26,7 @@ from probe_model import CACHE, SEED, VOCAB, one_thread, sample
 from safetensors.torch import save_file
 
 FAMILY = "qwen3_next"
-STEPS = 100
+STEPS = 60  # agreement is 1.0 from 40 steps on; the KL keeps falling (0.20 at 40, 0.09 at 60)
 MTP_SHARD = "model-mtp.safetensors"
 GLUE = {  # engine attribute of TableMtpLayer -> release name (mappings/architectures/qwen3_next.yaml, mtp.glue)
     "enorm": "mtp.pre_fc_norm_embedding.weight",
