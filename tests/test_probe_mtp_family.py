@@ -32,29 +32,6 @@ def trained() -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def measured(trained, tmp_path_factory) -> dict:
-    """One probe run: the verifier's own MTP; its speculators draft; the native draft and the speculators draft,
-    each with the fusion halves exchanged."""
-    root = tmp_path_factory.mktemp("qwen3-next-drafts")
-    prompts = probe_model.write_prompts(root, PROMPTS, 6, seed=7)
-    native, spec = root / "native", root / "speculators"
-    ckpt("extract", trained, "-o", native)
-    ckpt("extract", trained, "-o", spec, "--format", "speculators")
-    swapped = probe_model.edited(native, root / "native-swapped", probe_model_mtp.swap_fusion_halves)
-    spec_swapped = probe_model.edited(spec, root / "speculators-swapped", probe_model_mtp.swap_fusion_halves)
-    drafts = {"speculators": spec, "swapped": swapped, "speculators-swapped": spec_swapped}
-    args = ["probe", trained, "--prompts", prompts, "--max-new-tokens", NEW_TOKENS, "--depth", 1, "--json"]
-    for d in drafts.values():
-        args += ["--draft", d]
-    out = json.loads(ckpt(*args).stdout)
-    assert [d["name"] for d in out["drafts"]] == ["verifier", *map(str, drafts.values())]
-    entries = dict(zip(["verifier", *drafts], out["drafts"], strict=True))
-    for name, e in entries.items():
-        print(f"{name}: agreement {e['agreement']}, kl {e['kl']}, positions {e['positions']}")
-    return {"report": out, **entries}
-
-
 def _numbers(entry: dict) -> tuple:
     return entry["agreement"], entry["kl"], entry["positions"], entry["greedy_equal"]
 
@@ -76,24 +53,45 @@ def test_the_checkpoint_has_the_release_layout(trained):
             "mtp.norm.weight", "mtp.layers.0.mlp.experts.3.down_proj.weight"} <= keys
 
 
-def test_the_engine_measures_alone_and_the_trained_layer_agrees(measured):
-    report, v = measured["report"], measured["verifier"]
+def test_probe_measures_the_trained_layer_its_swapped_fusion_and_its_speculators_round_trip(trained, tmp_path):
+    """One probe run (one test: under pytest-xdist a fixture shared by several tests would run once per worker):
+    the verifier's own MTP; its speculators draft; the native and the speculators draft, each with the fusion
+    halves exchanged."""
+    from safetensors import safe_open
+
+    prompts = probe_model.write_prompts(tmp_path, PROMPTS, 6, seed=7)
+    native, spec = tmp_path / "native", tmp_path / "speculators"
+    ckpt("extract", trained, "-o", native)
+    ckpt("extract", trained, "-o", spec, "--format", "speculators")
+    assert json.loads((spec / "config.json").read_text())["speculators_model_type"] == "mtp"
+    with safe_open(str(spec / "model.safetensors"), "pt") as f:  # its own names and fused experts: a real conversion
+        assert {"mtp_layers.0.input_proj.weight", "mtp_layers.0.mlp.experts.gate_up_proj"} <= set(f.keys())
+    swapped = probe_model.edited(native, tmp_path / "native-swapped", probe_model_mtp.swap_fusion_halves)
+    spec_swapped = probe_model.edited(spec, tmp_path / "speculators-swapped", probe_model_mtp.swap_fusion_halves)
+    drafts = {"speculators": spec, "swapped": swapped, "speculators-swapped": spec_swapped}
+    args = ["probe", trained, "--prompts", prompts, "--max-new-tokens", NEW_TOKENS, "--depth", 1, "--json"]
+    for d in drafts.values():
+        args += ["--draft", d]
+    report = json.loads(ckpt(*args).stdout)
+    assert [d["name"] for d in report["drafts"]] == ["verifier", *map(str, drafts.values())]
+    m = dict(zip(["verifier", *drafts], report["drafts"], strict=True))
+    for name, e in m.items():
+        print(f"{name}: agreement {e['agreement']}, kl {e['kl']}, positions {e['positions']}")
+
+    # the engine measures alone: transformers' MtpModel builds no Qwen3-Next MTP, generate has no drafter for it
+    v = m["verifier"]
     assert report["engine"] == "ckpt-tools table engine"
     assert set(report["reference"]) == {"skipped"} and "MtpModel" in report["reference"]["skipped"]
-    assert v["greedy_equal"] is None  # transformers' generate has no MTP drafter for this family
+    assert v["greedy_equal"] is None
     assert v["positions"] == PROMPTS * NEW_TOKENS
+    # the trained layer agrees
     assert v["agreement"][0] >= 0.8, v
     assert 0 <= v["kl"][0] < 0.5, v
-
-
-def test_exchanged_fusion_halves_drop_agreement(measured):
-    v = measured["verifier"]
+    # exchanged fusion halves drop agreement, in either draft format alike
     for name in ("swapped", "speculators-swapped"):
-        s = measured[name]
+        s = m[name]
         assert v["agreement"][0] - s["agreement"][0] >= 0.3, (name, v, s)
         assert s["kl"][0] > v["kl"][0], (name, v, s)
-    assert _numbers(measured["speculators-swapped"]) == _numbers(measured["swapped"])
-
-
-def test_a_speculators_draft_measures_like_the_verifiers_own_mtp(measured):
-    assert _numbers(measured["speculators"]) == _numbers(measured["verifier"])
+    assert _numbers(m["speculators-swapped"]) == _numbers(m["swapped"])
+    # the round trip through speculators' format measures exactly like the verifier's own MTP
+    assert _numbers(m["speculators"]) == _numbers(v)
