@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,16 @@ def _catalogue(name: str) -> dict:
     return json.loads((CORPUS / f"{name}.json").read_text())
 
 
+def _files_digest(folder: Path) -> str:
+    """The digest the corpus script (fixtures/producers/scripts/speculators_convert.py, digest()) recorded of the
+    verifier it converted: one sha256 over each file's name and sha256."""
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
 @pytest.fixture(scope="module")
 def speculators_runs() -> dict:
     """Per family: the engine's depth-1 logits on the verifier's own MTP, and speculators' on its converted draft."""
@@ -92,7 +104,9 @@ def speculators_runs() -> dict:
     for family in SPECULATORS:
         draft, verifier = f"speculators-{family}", f"transformers-{family}"
         entry = _catalogue(draft)
-        assert entry["source"] == verifier and entry["family"] == family, entry  # made from that verifier
+        assert entry["source"] == verifier and entry["family"] == family, entry
+        recorded = re.search(r"Verifier files sha256 digest ([0-9a-f]{64})", entry["notes"])
+        assert recorded and recorded.group(1) == _files_digest(CORPUS / verifier), draft  # made from these bytes
         loaded = _load(CORPUS / verifier)
         vocab = loaded.main.config.get_text_config().vocab_size
         ids = torch.randint(0, vocab, (1, LENGTH), generator=torch.Generator().manual_seed(len(jobs)))
