@@ -17,6 +17,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import transformers  # before any in-process CLI run: its log handler keeps a stream that stays open
 from safetensors import safe_open
 
 from conftest import run_ckpt as ckpt
@@ -273,8 +274,6 @@ def test_extract_then_stitch_is_the_verifier_again(entry, fmt, tmp_path):
 @pytest.mark.parametrize("entry", WITH_MTP, ids=ids(WITH_MTP))
 def test_drop_mtp_gives_a_trunk_transformers_loads_whole(entry, tmp_path):
     """The trunk without MTP: transformers loads every tensor, none missing, none unexpected."""
-    import transformers
-
     ckpt("extract", path_of(entry), "-o", tmp_path / "trunk", "--drop-mtp", "--json")
     cfg = config(tmp_path / "trunk")
     cls = getattr(transformers, cfg["architectures"][0])
@@ -372,8 +371,6 @@ def token_prompts(tmp_path_factory) -> Path:
 
 
 def probe(path: Path, prompts: Path):
-    import transformers  # noqa: F401 - imported before the CLI runs, so its log handler holds a stream that stays open
-
     return ckpt("probe", path, "--prompts", prompts, "--max-new-tokens", 4, "--json", code=None)
 
 
