@@ -78,7 +78,7 @@ def test_modelopt_fp8_verifier_measures_like_the_original(trained, modelopt, pro
     [b], [q] = base["drafts"], fp8["drafts"]
     print(f"bf16 verifier: agreement {b['agreement']} kl {b['kl']}; ModelOpt FP8 ({fp8['loaded']}): "
           f"agreement {q['agreement']} kl {q['kl']}")
-    assert base["loaded"] == base["mtp_loaded"] == "as stored by transformers"
+    assert base["loaded"] == "as stored by transformers" and base["mtp_loaded"] == probe_load.MTP_AS_STORED
     assert fp8["loaded"] == fp8["mtp_loaded"] == DEQUANTIZED
     assert b["agreement"][0] >= 0.8 and abs(q["agreement"][0] - b["agreement"][0]) <= 0.1
     assert q["kl"][0] < 0.25 and q["greedy_equal"] is True

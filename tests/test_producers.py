@@ -405,10 +405,14 @@ def test_probe_measures_only_a_model_loaded_as_stored(entry, grafted, token_prom
         result = probe(path_of(entry), token_prompts)
         assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}"
         report = as_json(result)
-        assert report["loaded"] == report["mtp_loaded"] == "as stored by transformers", report
+        assert report["loaded"] == "as stored by transformers", report
+        assert report["mtp_loaded"] == "as stored, by the ckpt-tools table engine", report
         measured(report)
         return
-    targets = [path_of(entry)] + ([grafted(entry)] if entry["mtp"] == "dropped-by-producer" else [])
+    if entry["mtp"] == "dropped-by-producer":  # the config keeps the MTP count: refused before any weight loads
+        result = probe(path_of(entry), token_prompts)
+        assert result.exit_code == 3 and "[mtp-missing]" in result.output + result.stderr, result.output
+    targets = [grafted(entry)] if entry["mtp"] == "dropped-by-producer" else [path_of(entry)]
     for path in targets:
         result = probe(path, token_prompts)
         if result.exit_code == 0:

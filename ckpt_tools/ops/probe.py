@@ -261,6 +261,11 @@ def require_mtp(verifier: Checkpoint) -> None:
         raise InputError(f"family {view.table.family!r} ({verifier.config.get('model_type')}): the checkpoint "
                          "declares no MTP layer, so there is nothing to probe", rule="probe-family",
                          path=verifier.root)
+    if view.missing:  # e.g. a quantizer's output: the config keeps the MTP count, the tensors were dropped
+        first = view.missing[0]
+        raise InputError(f"the config declares {view.count} MTP layer(s) but {len(view.missing)} of their tensors are "
+                         f"not stored (first: {first.key}); graft them back first (ckpt graft)", rule="mtp-missing",
+                         path=verifier.root, key=first.key)
 
 
 def load_verifier(path: str, config, device: str, dtype: str, verifier: Checkpoint | None = None):

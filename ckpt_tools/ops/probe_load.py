@@ -39,6 +39,7 @@ from . import mtp_engine
 from .probe_state import RULE, Lazy, float_state, is_quantized, materialize
 
 AS_STORED = "as stored by transformers"
+MTP_AS_STORED = "as stored, by the ckpt-tools table engine"  # the MTP layers: our engine loads them
 
 
 def dequantized_by(schemes: list[str]) -> str:
@@ -303,7 +304,8 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
         loaded = dequantized_by(schemes) if schemes else AS_STORED
     main.eval()
     mtp, schemes = mtp_engine.build(main, verifier, tensors, scheme, dtype, device, path)
-    out = LoadedVerifier(main, mtp, loaded, dequantized_by(schemes) if schemes else AS_STORED, scheme, notes, regex)
+    out = LoadedVerifier(main, mtp, loaded, dequantized_by(schemes) if schemes else MTP_AS_STORED, scheme, notes,
+                         regex)
     out.reference, out.reference_regex, out.reference_note = reference_mtp(main, cls, config, tensors, scheme, dtype,
                                                                            device, path)
     return out
