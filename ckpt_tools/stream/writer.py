@@ -53,6 +53,7 @@ from ..io.safetensors_io import (
     parse_header_bytes,
 )
 from . import manifest, output_dir
+from .known_digests import KnownDigest, file_stat, same_file
 from .output_dir import DirLock
 from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .progress import Progress
@@ -130,6 +131,8 @@ class Writer:
         self.hash_tensors = hash_tensors
         self.check = check
         self._buf = memoryview(bytearray(COPY_CHUNK))
+        self._stats: dict[str, dict[str, int]] = {}  # local shard -> its file_stats entry, taken as it landed
+        self._reused: dict[str, str] = {}  # shard copied or linked whole -> the input manifest its digest came from
 
     # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
 
@@ -307,6 +310,7 @@ class Writer:
                 pos += t.nbytes
                 self.progress.advance(t.nbytes)
             result.files.append(name)
+            self._stats[name] = file_stat(os.stat(final))
             return final, final
         fd = _create(tmp)
         written = 0
@@ -333,6 +337,7 @@ class Writer:
         os.close(fd)
         result.bytes_written += pos
         result.files.append(name)
+        self._stats[name] = file_stat(os.stat(tmp))  # a rename keeps inode and mtime
         if not defer:
             os.replace(tmp, final)  # the hashes read through their own descriptor: no need to wait for them
         return tmp, final
@@ -399,8 +404,13 @@ class Writer:
                 final.unlink()
             else:
                 self.progress.advance(self._moved_bytes(f))
-                self._hash_landed(f, final, hasher)
+                self._hash_landed(f, final, hasher, None)
                 return  # resumed: a finished copy (renamed into place) is complete
+        # the input's manifest describes this very file (known_digests): its digest then needs no hashing
+        known = f.known if f.tensors and hasher is not None and hasher.hashing else None
+        before = os.stat(f.source) if known is not None else None
+        if before is not None and not same_file(before, known.stat):
+            known = None
         if f.link == "hardlink":
             try:
                 os.link(f.source, final)
@@ -414,7 +424,15 @@ class Writer:
             with self._cleanup_on_error(tmp, final):
                 copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
             os.replace(tmp, final)
-        self._hash_landed(f, final, hasher)
+        if known is not None and before is not None:
+            landed = os.stat(final)
+            if f.link == "hardlink":  # the output's file is the input's, unchanged
+                proven = (landed.st_ino, landed.st_dev) == (before.st_ino, before.st_dev) and same_file(landed,
+                                                                                                      known.stat)
+            else:  # a copy of the input, which did not change while it was read
+                proven = same_file(os.stat(f.source), known.stat) and landed.st_size == before.st_size
+            known = known if proven else None
+        self._hash_landed(f, final, hasher, known)
 
     @staticmethod
     def _moved_bytes(f: OutputFile) -> int:
@@ -424,9 +442,16 @@ class Writer:
             return 0
         return source_size(f.source)
 
-    @staticmethod
-    def _hash_landed(f: OutputFile, final: Path, hasher: _Hasher | None) -> None:
-        if f.tensors and hasher is not None:
+    def _hash_landed(self, f: OutputFile, final: Path, hasher: _Hasher | None, known: KnownDigest | None) -> None:
+        if not f.tensors:
+            return
+        self._stats[f.name] = file_stat(os.stat(final))
+        if hasher is None:
+            return
+        if known is not None:
+            hasher.known(f.name, known, f.header)
+            self._reused[f.name] = known.manifest
+        else:
             hasher.file(f.name, final)
 
     @contextlib.contextmanager
@@ -455,7 +480,7 @@ class Writer:
 
     def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
         content = manifest.manifest_bytes(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
-                                          self._landed_facts)
+                                          self._landed_facts, file_stats=self._stats, reused=self._reused)
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 
     def _write_index(self, result: WriteResult) -> None:
@@ -532,6 +557,8 @@ class _Hasher:
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
         self._readers: dict[int, list[Future]] = {}  # open descriptor -> its pending hashes
+        self._known: dict[str, tuple] = {}  # whole files: name -> (digest or None, size, header), from a manifest
+        self._known_tensors: dict[str, str] = {}  # their tensors' digests, when the manifest has them per tensor
 
     def open(self, path: Path) -> int:
         self._close_readers(only_done=True)
@@ -546,12 +573,22 @@ class _Hasher:
             self._tensors[key] = fut = self.pool.submit(_hash_fd_range, reader, offset, length)
             self._readers[reader].append(fut)
 
+    @property
+    def hashing(self) -> bool:
+        return self.pool is not None
+
     def file(self, name: str, path: Path) -> None:
         if self.pool is not None:
             self._files[name] = self.pool.submit(_hash_shard_file, path)
 
+    def known(self, name: str, known: KnownDigest, header: Header | None) -> None:
+        """A whole file whose digest its input's manifest vouches for: taken as it is, nothing read."""
+        self._known[name] = (known.whole, known.stat["size"], header)
+        self._known_tensors.update(known.tensors or {})
+
     def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
-        return ({k: f.result() for k, f in self._tensors.items()}, {k: f.result() for k, f in self._files.items()})
+        return ({**{k: f.result() for k, f in self._tensors.items()}, **self._known_tensors},
+                {**{k: f.result() for k, f in self._files.items()}, **self._known})
 
     def _close_readers(self, only_done: bool) -> None:
         for fd, futures in list(self._readers.items()):
