@@ -66,10 +66,8 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
             # carry theirs, taken from the input's manifest
             about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
                      "copied_from": str(f.source), "link": f.link, **landed_facts(f.name)}
-            if f.name in reused:
+            if f.name in reused:  # else: hashed from the bytes that landed
                 about.update(digest_from=reused[f.name], **({} if value else {"digests": "per-tensor"}))
-            elif file_stats is not None and f.name in file_stats:
-                about["digest_from"] = "hashed"
         else:
             continue  # hashing off (benchmark fixtures)
         manifest["files"][f.name] = about
