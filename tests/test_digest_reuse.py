@@ -20,8 +20,6 @@ import pytest
 from test_stitch import _perturb
 
 import ckpt_tools.stream.writer as writer
-from ckpt_tools.testing import FixtureOptions, make_checkpoint
-from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
 
 from conftest import run_ckpt as ckpt
 
@@ -189,13 +187,12 @@ def test_a_manifest_of_another_digest_algorithm_is_not_reused(stitched, hashed, 
     _verified(out)
 
 
-def test_graft_takes_a_ckpt_written_trunks_digests(tmp_path, hashed):
-    """The trunk written by ckpt (extract --drop-mtp of a quantized checkpoint): graft copies or links its
-    shards without hashing them; a trunk without a manifest of ours (a quantizer's output) is hashed."""
-    src = make_checkpoint("deepseek_v3", tmp_path / "src", FixtureOptions(expert_layout="per-expert"))
-    quantized = make_quantized_checkpoint("deepseek_v3", tmp_path / "q", QuantOptions("ct-nvfp4"))
+def test_graft_takes_a_ckpt_written_trunks_digests(make_fixture, tmp_path, hashed):
+    """The trunk written by ckpt (extract --drop-mtp): graft copies or links its shards without hashing them;
+    a trunk without a manifest of ours (a quantizer's output) is hashed."""
+    src = make_fixture("deepseek_v3")
     trunk = tmp_path / "trunk"
-    ckpt("extract", quantized, "--drop-mtp", "-o", trunk)
+    ckpt("extract", src, "--drop-mtp", "-o", trunk)
     shards = sorted(p.name for p in trunk.glob("*.safetensors"))
     for link in ("copy", "hardlink"):
         hashed.clear()
