@@ -406,11 +406,7 @@ class Writer:
                 self.progress.advance(self._moved_bytes(f))
                 self._hash_landed(f, final, hasher, None)
                 return  # resumed: a finished copy (renamed into place) is complete
-        # the input's manifest describes this very file (known_digests): its digest then needs no hashing
-        known = f.known if f.tensors and hasher is not None and hasher.hashing else None
-        before = os.stat(f.source) if known is not None else None
-        if before is not None and not same_file(before, known.stat):
-            known = None
+        before = self._still_described(f, hasher)
         if f.link == "hardlink":
             try:
                 os.link(f.source, final)
@@ -424,15 +420,29 @@ class Writer:
             with self._cleanup_on_error(tmp, final):
                 copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
             os.replace(tmp, final)
-        if known is not None and before is not None:
-            landed = os.stat(final)
-            if f.link == "hardlink":  # the output's file is the input's, unchanged
-                proven = (landed.st_ino, landed.st_dev) == (before.st_ino, before.st_dev) and same_file(landed,
-                                                                                                      known.stat)
-            else:  # a copy of the input, which did not change while it was read
-                proven = same_file(os.stat(f.source), known.stat) and landed.st_size == before.st_size
-            known = known if proven else None
-        self._hash_landed(f, final, hasher, known)
+        self._hash_landed(f, final, hasher, self._landed_as_described(f, final, before))
+
+    @staticmethod
+    def _still_described(f: OutputFile, hasher: _Hasher | None) -> os.stat_result | None:
+        """The source's stat when its input's manifest describes it as it is (known_digests), before it is
+        copied or linked; None when there is no such digest to take over."""
+        if f.known is None or f.source is None or not f.tensors or hasher is None or not hasher.hashing:
+            return None
+        st = os.stat(f.source)
+        return st if same_file(st, f.known.stat) else None
+
+    @staticmethod
+    def _landed_as_described(f: OutputFile, final: Path, before: os.stat_result | None) -> KnownDigest | None:
+        """The input manifest's digest of ``f``, when what landed is provably the file it describes."""
+        if before is None or f.known is None or f.source is None:
+            return None
+        landed = os.stat(final)
+        if f.link == "hardlink":  # the output's file is the input's: the same inode, unchanged
+            proven = (landed.st_ino, landed.st_dev) == (before.st_ino, before.st_dev) and same_file(landed,
+                                                                                                  f.known.stat)
+        else:  # a copy of the input, which did not change while it was read
+            proven = same_file(os.stat(f.source), f.known.stat) and landed.st_size == before.st_size
+        return f.known if proven else None
 
     @staticmethod
     def _moved_bytes(f: OutputFile) -> int:
