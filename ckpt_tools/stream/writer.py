@@ -14,7 +14,8 @@ checks on ``-o``, the record and the resume rule are ``output_dir``'s.
 
 The manifest accounts for every tensor of the output: a digest (BLAKE3, see ``digest``) per
 tensor written, and the whole-file digest of each shard copied or linked as it is - all hashed from the
-bytes that landed in the output, on hasher threads beside the copies. ``manifest`` builds it
+bytes that landed in the output, on hasher threads beside the copies, but for a shard whose input's own
+manifest provably describes it (``known_digests``: its digest is taken over). ``manifest`` builds it
 and the index from what landed; this module writes them.
 
 Memory stays bounded by one computed chunk; copied bytes never enter Python.
