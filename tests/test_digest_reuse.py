@@ -206,3 +206,18 @@ def test_graft_takes_a_ckpt_written_trunks_digests(make_fixture, tmp_path, hashe
     hashed.clear()
     ckpt("graft", src, trunk, "-o", tmp_path / "out-nomanifest", "--link", "hardlink")
     assert sorted(hashed) == shards
+
+
+def test_a_wrong_digest_in_the_input_manifest_is_caught_by_verify(stitched, tmp_path):
+    """Taken over, not re-proven at write time: a forged or corrupted input manifest makes the output's
+    manifest wrong, and verify-manifest of the output says so (it rehashes every byte)."""
+    draft, make = stitched
+    src = make()
+    m = _manifest(src)
+    name = next(n for n, about in m["files"].items() if "blake3" in about)
+    m["files"][name]["blake3"] = "0" * 64
+    (src / MANIFEST).write_text(json.dumps(m))
+    out = tmp_path / "out"
+    ckpt("stitch", draft, src, "-o", out, "--link", "hardlink")
+    r = json.loads(ckpt("verify-manifest", out, "--json", code=1).output)
+    assert [(x["key"], x["problem"]) for x in r["mismatches"]] == [(name, "file-digest")]
