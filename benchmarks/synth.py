@@ -258,7 +258,9 @@ def _split(order: list[tuple[str, int]], mtp: set[str], n: int) -> dict[str, int
 def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: int = 8, seed: int = 0,
              only: set[str] | None = None, finetuned: bool = False) -> Synthetic:
     """Write a synthetic checkpoint (or, with ``only``, just those keys as a native draft;
-    ``finetuned``: the same seed's values, each moved a little)."""
+    ``finetuned``: the same seed's values, each moved a little). ``VARIANT@ckpt``: that variant as ckpt writes
+    it, with its manifest (digests and file_stats: what graft and stitch take over instead of hashing)."""
+    variant, _, written_by = variant.partition("@")
     opts = VARIANTS[variant]
     table, cfg, res, specs, mtp = _specs(family, sizing.overrides, opts)
     pools = _Pools(seed, finetuned)
@@ -305,7 +307,9 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
              OutputFile("generation_config.json", content=b'{"do_sample": false}\n'),
              OutputFile("tokenizer_config.json", content=b'{"model_max_length": 4096}\n')]
     plan = Plan(f"benchmarks synth {family} {variant}", tensors, files=files)
-    execute(plan, out, overwrite=True, hash_tensors=False)
-    (Path(out) / MANIFEST_NAME).unlink(missing_ok=True)  # a release has no manifest of ours
-    return Synthetic(Path(out), family, variant, sizing, sorted(mtp_keys & {k for k, _ in sizes}),
+    execute(plan, out, overwrite=True, hash_tensors=written_by == "ckpt")
+    if written_by != "ckpt":
+        (Path(out) / MANIFEST_NAME).unlink(missing_ok=True)  # a release has no manifest of ours
+    name = f"{variant}@{written_by}" if written_by else variant
+    return Synthetic(Path(out), family, name, sizing, sorted(mtp_keys & {k for k, _ in sizes}),
                      sum(n for _, n in sizes), names)

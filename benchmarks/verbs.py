@@ -209,29 +209,32 @@ def _nvfp4_dequant_floor(ctx: Ctx, out: Path) -> Job:
     return _with_side_files(_one_file(out, layout.first_bytes(syn.path, n)), syn.path, out)
 
 
-def _affected_shards(ctx: Ctx) -> set[str]:
-    return {Path(e.file).name for e in ctx.mtp_extents("bf16")}
+def _affected_shards(ctx: Ctx, verifier: str = "bf16") -> set[str]:
+    return {Path(e.file).name for e in ctx.mtp_extents(verifier)}
 
 
-def _stitch_floor(draft: str, link: bool):
+def _stitch_floor(draft: str, link: bool, verifier: str = "bf16"):
     """The verifier's files (copied, or hard-linked but for the shards holding MTP tensors), after reading
     what stitch must compare: every tensor of the draft and the verifier's MTP tensors."""
     def job(ctx: Ctx, out: Path) -> Job:
-        src = ctx.variant("bf16").path
-        keep = {p.name for p in layout.files(src) if p.name.endswith(".safetensors")} - _affected_shards(ctx)
+        src = ctx.variant(verifier).path
+        keep = {p.name for p in layout.files(src) if p.name.endswith(".safetensors")} - _affected_shards(ctx, verifier)
         d = ctx.native_draft() if draft == "native" else ctx.speculators_draft()
         if d is None:
             raise LookupError("no speculators draft (needs the speculators peer)")
-        reads = layout.pieces(list(layout.extents(d).values())) + layout.pieces(ctx.mtp_extents("bf16"))
+        reads = layout.pieces(list(layout.extents(d).values())) + layout.pieces(ctx.mtp_extents(verifier))
         return {**_whole_files(src, out, keep if link else set()), "reads": reads}
 
     return job
 
 
-def _graft_floor(ctx: Ctx, out: Path) -> Job:
-    """Copying what graft writes: the trunk's files whole, and the release's MTP bytes into one new shard."""
-    job = _whole_files(ctx.variant("nvfp4-nomtp").path, out)
-    job["files"] += _one_file(out, layout.pieces(ctx.mtp_extents("bf16")), "model-mtp.safetensors")["files"]
+def _graft_floor(target: str = "nvfp4-nomtp"):
+    def job(ctx: Ctx, out: Path) -> Job:
+        """Copying what graft writes: the trunk's files whole, and the release's MTP bytes into one new shard."""
+        job = _whole_files(ctx.variant(target).path, out)
+        job["files"] += _one_file(out, layout.pieces(ctx.mtp_extents("bf16")), "model-mtp.safetensors")["files"]
+        return job
+
     return job
 
 
@@ -259,12 +262,12 @@ def _speculators_stitch(ctx: Ctx, out: Path) -> list[str] | None:
             "--output-path", str(out)]
 
 
-def _stitch_cmd(draft: str, *extra: str):
+def _stitch_cmd(draft: str, *extra: str, verifier: str = "bf16"):
     def cmd(ctx: Ctx, out: Path) -> list[str]:
         d = ctx.native_draft() if draft == "native" else ctx.speculators_draft()
         if d is None:
             raise LookupError("no speculators draft (needs the speculators peer)")
-        return ["stitch", str(d), str(ctx.variant("bf16").path), "-o", str(out), *extra]
+        return ["stitch", str(d), str(ctx.variant(verifier).path), "-o", str(out), *extra]
 
     return cmd
 
@@ -357,7 +360,17 @@ VERBS: dict[str, Verb] = {
              "the trunk's files and the MTP bytes)", "graft", ("--link",),
              lambda ctx, out: ["graft", str(ctx.variant("bf16").path), str(ctx.variant("nvfp4-nomtp").path), "-o",
                                str(out)],
-             floor=_graft_floor, max_floor_ratio=1.3),
+             floor=_graft_floor(), max_floor_ratio=1.3),
+        # the same two with inputs written by ckpt (manifest kept): their shards' digests are taken over, not hashed
+        Verb("stitch-hardlink-ckpt", "stitch-hardlink into a verifier written by ckpt (its manifest vouches for the "
+             "linked shards)", "stitch", ("--link", "hardlink"),
+             _stitch_cmd("native", "--link", "hardlink", verifier="bf16@ckpt"),
+             floor=_stitch_floor("native", link=True, verifier="bf16@ckpt"), max_floor_ratio=1.3, default=False),
+        Verb("graft-ckpt", "graft into an NVFP4 trunk written by ckpt (its manifest vouches for the copied shards)",
+             "graft", ("--link",),
+             lambda ctx, out: ["graft", str(ctx.variant("bf16").path), str(ctx.variant("nvfp4-nomtp@ckpt").path),
+                               "-o", str(out)],
+             floor=_graft_floor("nvfp4-nomtp@ckpt"), max_floor_ratio=1.3, default=False),
         Verb("extract-s3", "extract the MTP layers from the checkpoint on a local S3 server (moto, started by the "
              "benchmark); naive: the same byte ranges through one plain s3fs cat_ranges (target <= 1.5x)", "extract",
              (), lambda ctx, out: ["extract", s3bench.serve(ctx, "bf16"), "-o", str(out)],

@@ -223,11 +223,13 @@ def commands(verifier: Path, draft: Path) -> dict[str, tuple[list, list[Path]]]:
 
 
 def normalized(path: Path) -> bytes:
-    """A file's bytes; for the manifest, without the command line (it names -o and --resume)."""
+    """A file's bytes; for the manifest, without the command line (it names -o and --resume) and the file_stats
+    (inodes and mtimes of this run's files)."""
     data = path.read_bytes()
     if path.name == MANIFEST:
         obj = json.loads(data)
         obj.pop("command", None)
+        obj.pop("file_stats", None)
         return json.dumps(obj, sort_keys=True).encode()
     return data
 

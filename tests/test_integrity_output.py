@@ -46,7 +46,8 @@ def complete(out: Path) -> bool:
 
 
 def visible(out: Path) -> dict[str, bytes]:
-    """Every non-hidden file's bytes; the manifest without its command line (it names -o and --resume)."""
+    """Every non-hidden file's bytes; the manifest without its command line (it names -o and --resume) and its
+    file_stats (inodes and mtimes of this run's files)."""
     files = {}
     for p in sorted(out.iterdir()):
         if p.name.startswith(".") or not p.is_file():
@@ -55,6 +56,7 @@ def visible(out: Path) -> dict[str, bytes]:
         if p.name == MANIFEST:
             m = json.loads(data)
             m.pop("command")
+            m.pop("file_stats", None)
             data = json.dumps(m, sort_keys=True).encode()
         files[p.name] = data
     return files

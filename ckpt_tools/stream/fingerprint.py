@@ -11,8 +11,8 @@ A fingerprint proves identity without reading tensor data the plan does not read
   from it - read anyway to be compared, so proving them costs no extra seek.
 
 ``record_inputs`` puts them in ``Plan.fingerprints`` (the writer's resume record and the
-manifest carry them; ``--resume`` refuses when any differs) and describes the tensors of
-shards an output copies whole from an input.
+manifest carry them; ``--resume`` refuses when any differs) and describes the shards an output
+copies whole from an input: their header, and the digest the input's own manifest holds for them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..io import digest
+from ..io.artefacts import MANIFEST_NAME
 from ..io.checkpoint import Checkpoint
 from ..io.safetensors_io import COPY_CHUNK, TensorRef, iter_chunks
+from .known_digests import from_manifest
 from .plan import Plan
 
 HASH_THREADS = 2  # reads and hashlib release the GIL
@@ -115,3 +117,5 @@ def _describe_copied_shards(plan: Plan, ckpt: Checkpoint) -> None:
             if f.tensors and (f.remote == remote or (local is not None and f.source == local)):
                 f.header = ckpt.headers[name]
                 f.sha256 = f.sha256 or lfs.get(name)
+                if ckpt.local_dir is not None and f.link != "remote":
+                    f.known = from_manifest(ckpt.manifest, name, f.header, ckpt.local_dir / MANIFEST_NAME)

@@ -23,13 +23,17 @@ if TYPE_CHECKING:
 
 
 def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[str, str], digests: dict[str, str],
-                   landed: dict[str, tuple[str, int, object]], landed_facts: Callable[[str], dict]) -> bytes:
+                   landed: dict[str, tuple[str, int, object]], landed_facts: Callable[[str], dict], *,
+                   file_stats: dict[str, dict] | None = None, reused: dict[str, str] | None = None) -> bytes:
     """Every tensor of the output: written ones with their digest, those in copied shards by their file's.
 
-    ``tensor_files``: written tensor -> its file; ``digests``: written tensor -> digest;
-    ``landed``: file copied or linked whole -> (digest, size, header) of what landed;
-    ``landed_facts``: what the storage itself vouches for about such a file (an object store's ETag).
+    ``tensor_files``: written tensor -> its file; ``digests``: tensor -> digest (written tensors, and those of a
+    whole shard whose input's manifest had them per tensor); ``landed``: file copied or linked whole -> (digest,
+    size, header) of what landed; ``landed_facts``: what the storage itself vouches for about such a file (an
+    object store's ETag); ``file_stats``: local shard -> its stat as it landed (``known_digests``: what lets a
+    later run take its digests over); ``reused``: whole file -> the input manifest its digest was taken from.
     """
+    reused = reused or {}
     manifest = {
         "tool": "ckpt-tools",
         "version": __version__,
@@ -58,9 +62,12 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
             about = {"remote": f.remote, **({"sha256": f.sha256} if f.sha256 else {})}  # the Hub's LFS oid
         elif f.name in landed:
             value, size, header = landed[f.name]
-            # no digest: copied server-side in an object store, never downloaded to be hashed
+            # no digest: copied server-side in an object store, never downloaded to be hashed - or its tensors
+            # carry theirs, taken from the input's manifest
             about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
                      "copied_from": str(f.source), "link": f.link, **landed_facts(f.name)}
+            if f.name in reused:  # else: hashed from the bytes that landed
+                about.update(digest_from=reused[f.name], **({} if value else {"digests": "per-tensor"}))
         else:
             continue  # hashing off (benchmark fixtures)
         manifest["files"][f.name] = about
@@ -69,11 +76,15 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
             entry = {"file": f.name}
             if info is not None:
                 entry.update(dtype=info.dtype, shape=list(info.shape))
+            if key in digests:
+                entry[digest.MANIFEST_ALGO] = digests[key]
             manifest["tensors"][key] = entry
     remote = {f.name: f.remote for f in plan.files if f.link == "remote"}
     if remote:
         # shards deliberately not downloaded: the output is complete once pushed over its base
         manifest["remote_files"] = remote
+    if file_stats:
+        manifest["file_stats"] = dict(sorted(file_stats.items()))
     return (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from .. import __version__
 from ..dtypes import DTYPES
 from ..io.safetensors_io import Header, Segment, coalesce
+from .known_digests import KnownDigest
 
 Chunk = Any  # bytes-like, numpy array or torch tensor; see numeric.as_bytes
 
@@ -90,6 +91,7 @@ class OutputFile:
     # a local copy is described from the bytes that landed in the output)
     header: Header | None = None
     sha256: str | None = None  # the source file's whole-file sha256 when its host vouches for it (Hub LFS)
+    known: KnownDigest | None = None  # its digest in its input's own manifest (known_digests): not hashed again
 
 
 @dataclass

@@ -14,7 +14,8 @@ checks on ``-o``, the record and the resume rule are ``output_dir``'s.
 
 The manifest accounts for every tensor of the output: a digest (BLAKE3, see ``digest``) per
 tensor written, and the whole-file digest of each shard copied or linked as it is - all hashed from the
-bytes that landed in the output, on hasher threads beside the copies. ``manifest`` builds it
+bytes that landed in the output, on hasher threads beside the copies, but for a shard whose input's own
+manifest provably describes it (``known_digests``: its digest is taken over). ``manifest`` builds it
 and the index from what landed; this module writes them.
 
 Memory stays bounded by one computed chunk; copied bytes never enter Python.
@@ -53,6 +54,7 @@ from ..io.safetensors_io import (
     parse_header_bytes,
 )
 from . import manifest, output_dir
+from .known_digests import KnownDigest, file_stat, same_file
 from .output_dir import DirLock
 from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .progress import Progress
@@ -130,6 +132,8 @@ class Writer:
         self.hash_tensors = hash_tensors
         self.check = check
         self._buf = memoryview(bytearray(COPY_CHUNK))
+        self._stats: dict[str, dict[str, int]] = {}  # local shard -> its file_stats entry, taken as it landed
+        self._reused: dict[str, str] = {}  # shard copied or linked whole -> the input manifest its digest came from
 
     # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
 
@@ -307,6 +311,7 @@ class Writer:
                 pos += t.nbytes
                 self.progress.advance(t.nbytes)
             result.files.append(name)
+            self._stats[name] = file_stat(os.stat(final))
             return final, final
         fd = _create(tmp)
         written = 0
@@ -333,6 +338,7 @@ class Writer:
         os.close(fd)
         result.bytes_written += pos
         result.files.append(name)
+        self._stats[name] = file_stat(os.stat(tmp))  # a rename keeps inode and mtime
         if not defer:
             os.replace(tmp, final)  # the hashes read through their own descriptor: no need to wait for them
         return tmp, final
@@ -399,8 +405,9 @@ class Writer:
                 final.unlink()
             else:
                 self.progress.advance(self._moved_bytes(f))
-                self._hash_landed(f, final, hasher)
+                self._hash_landed(f, final, hasher, None)
                 return  # resumed: a finished copy (renamed into place) is complete
+        before = self._still_described(f, hasher)
         if f.link == "hardlink":
             try:
                 os.link(f.source, final)
@@ -414,7 +421,29 @@ class Writer:
             with self._cleanup_on_error(tmp, final):
                 copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=self.progress, buf=self._buf)
             os.replace(tmp, final)
-        self._hash_landed(f, final, hasher)
+        self._hash_landed(f, final, hasher, self._landed_as_described(f, final, before))
+
+    @staticmethod
+    def _still_described(f: OutputFile, hasher: _Hasher | None) -> os.stat_result | None:
+        """The source's stat when its input's manifest describes it as it is (known_digests), before it is
+        copied or linked; None when there is no such digest to take over."""
+        if f.known is None or f.source is None or not f.tensors or hasher is None or not hasher.hashing:
+            return None
+        st = os.stat(f.source)
+        return st if same_file(st, f.known.stat) else None
+
+    @staticmethod
+    def _landed_as_described(f: OutputFile, final: Path, before: os.stat_result | None) -> KnownDigest | None:
+        """The input manifest's digest of ``f``, when what landed is provably the file it describes."""
+        if before is None or f.known is None or f.source is None:
+            return None
+        landed = os.stat(final)
+        if f.link == "hardlink":  # the output's file is the input's: the same inode, unchanged
+            proven = (landed.st_ino, landed.st_dev) == (before.st_ino, before.st_dev) and same_file(landed,
+                                                                                                  f.known.stat)
+        else:  # a copy of the input, which did not change while it was read
+            proven = same_file(os.stat(f.source), f.known.stat) and landed.st_size == before.st_size
+        return f.known if proven else None
 
     @staticmethod
     def _moved_bytes(f: OutputFile) -> int:
@@ -424,9 +453,16 @@ class Writer:
             return 0
         return source_size(f.source)
 
-    @staticmethod
-    def _hash_landed(f: OutputFile, final: Path, hasher: _Hasher | None) -> None:
-        if f.tensors and hasher is not None:
+    def _hash_landed(self, f: OutputFile, final: Path, hasher: _Hasher | None, known: KnownDigest | None) -> None:
+        if not f.tensors:
+            return
+        self._stats[f.name] = file_stat(os.stat(final))
+        if hasher is None:
+            return
+        if known is not None:
+            hasher.known(f.name, known, f.header)
+            self._reused[f.name] = known.manifest
+        else:
             hasher.file(f.name, final)
 
     @contextlib.contextmanager
@@ -455,7 +491,7 @@ class Writer:
 
     def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
         content = manifest.manifest_bytes(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
-                                          self._landed_facts)
+                                          self._landed_facts, file_stats=self._stats, reused=self._reused)
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 
     def _write_index(self, result: WriteResult) -> None:
@@ -532,6 +568,8 @@ class _Hasher:
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
         self._readers: dict[int, list[Future]] = {}  # open descriptor -> its pending hashes
+        self._known: dict[str, tuple] = {}  # whole files: name -> (digest or None, size, header), from a manifest
+        self._known_tensors: dict[str, str] = {}  # their tensors' digests, when the manifest has them per tensor
 
     def open(self, path: Path) -> int:
         self._close_readers(only_done=True)
@@ -546,12 +584,22 @@ class _Hasher:
             self._tensors[key] = fut = self.pool.submit(_hash_fd_range, reader, offset, length)
             self._readers[reader].append(fut)
 
+    @property
+    def hashing(self) -> bool:
+        return self.pool is not None
+
     def file(self, name: str, path: Path) -> None:
         if self.pool is not None:
             self._files[name] = self.pool.submit(_hash_shard_file, path)
 
+    def known(self, name: str, known: KnownDigest, header: Header | None) -> None:
+        """A whole file whose digest its input's manifest vouches for: taken as it is, nothing read."""
+        self._known[name] = (known.whole, known.stat["size"], header)
+        self._known_tensors.update(known.tensors or {})
+
     def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
-        return ({k: f.result() for k, f in self._tensors.items()}, {k: f.result() for k, f in self._files.items()})
+        return ({**{k: f.result() for k, f in self._tensors.items()}, **self._known_tensors},
+                {**{k: f.result() for k, f in self._files.items()}, **self._known})
 
     def _close_readers(self, only_done: bool) -> None:
         for fd, futures in list(self._readers.items()):
