@@ -6,6 +6,7 @@ overlaps writing and hashing the previous one.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -53,7 +54,8 @@ def prefetched(make: Callable[[], Iterable[Any]], depth: int | None = None) -> I
         except BaseException as e:  # handed to the consumer, which re-raises it
             put(_Failed(e))
 
-    worker = threading.Thread(target=work, name="ckpt-prefetch", daemon=True)
+    # the worker runs in the caller's context: settings made there (decoding threads) hold in it too
+    worker = threading.Thread(target=contextvars.copy_context().run, args=(work,), name="ckpt-prefetch", daemon=True)
     worker.start()
     try:
         while True:
