@@ -13,28 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from conftest import run_ckpt
+from quant_helpers import same_bits
+from quant_helpers import tensors_of as _tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCERS = ROOT / "fixtures" / "producers"
 MTP = "model.layers.3."  # the deepseek_v3 fixture's MTP layer
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open has no iteration
-    return out
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    v = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(v), b.contiguous().view(v))
 
 
 def _config(path: Path) -> dict:
@@ -226,3 +212,31 @@ def test_dequant_output_is_the_same_on_one_and_two_threads(make_fixture, tmp_pat
     one, two = sorted((tmp_path / "1").glob("*.safetensors")), sorted((tmp_path / "2").glob("*.safetensors"))
     assert [p.name for p in one] == [p.name for p in two]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
+
+
+def test_lookahead_starts_decoding_early_and_stops_cleanly():
+    """Tensors started ahead give their own chunks in order, surface their errors when consumed, and a
+    writer that stops early leaves no worker running."""
+    import threading
+
+    from ckpt_tools.stream.lookahead import lookahead
+    from ckpt_tools.stream.plan import Compute, CopyBytes, OutputTensor
+
+    def tensor(i: int, fail: bool = False) -> OutputTensor:
+        def produce():
+            yield np.full(4, i, dtype=np.uint8)
+            if fail:
+                raise ValueError(f"tensor {i}")
+            yield np.full(4, i + 100, dtype=np.uint8)
+        return OutputTensor(f"t{i}", "U8", (8,), Compute(produce, "dequant", ahead=True))
+
+    copy = OutputTensor("c", "U8", (0,), CopyBytes([]))
+    tensors = [tensor(0), copy, tensor(1), tensor(2, fail=True), tensor(3), tensor(4)]
+    before = threading.active_count()
+    with lookahead(tensors, window=2) as ahead:
+        assert ahead.chunks(1) is None  # a byte copy runs as usual
+        assert _stream(ahead.chunks(0)) == bytes([0] * 4 + [100] * 4)
+        assert _stream(ahead.chunks(2)) == bytes([1] * 4 + [101] * 4)
+        with pytest.raises(ValueError, match="tensor 2"):
+            _stream(ahead.chunks(3))
+    assert threading.active_count() == before  # tensors 3 and 4, started and never written: stopped
