@@ -205,12 +205,14 @@ def test_band_decoding_on_threads_equals_one_thread(threads):
     assert one[0] == one[1] and one[2] == one[3]
 
 
-def test_dequant_output_is_the_same_on_one_and_two_threads(make_fixture, tmp_path):
+@pytest.mark.parametrize("verb", [["dequant"], ["extract", "--dequant", "bf16"],
+                                  ["unfuse-experts", "--dequant", "bf16"]], ids=lambda v: v[0])
+def test_output_is_the_same_on_one_and_two_threads(make_fixture, tmp_path, verb):
     src = make_fixture("deepseek_v3", fp8=True)
     for n in ("1", "2"):
-        run_ckpt("dequant", src, "-o", tmp_path / n, "--threads", n)
+        run_ckpt(verb[0], src, "-o", tmp_path / n, *verb[1:], "--threads", n)
     one, two = sorted((tmp_path / "1").glob("*.safetensors")), sorted((tmp_path / "2").glob("*.safetensors"))
-    assert [p.name for p in one] == [p.name for p in two]
+    assert one and [p.name for p in one] == [p.name for p in two]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
 
 
