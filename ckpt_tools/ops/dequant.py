@@ -71,13 +71,16 @@ class DequantPlan:
 
 def quantized_modules(ckpt: Checkpoint, scheme, keys: list[str]) -> dict[str, Storage]:
     """Weight key -> storage of every module among ``keys`` that a scheme table says is stored quantized."""
-    suffixes = {(f.weight.suffix, dt) for t in all_schemes().values() for f in t.storage for dt in f.weight.dtypes}
+    by_dtype: dict[str, set[str]] = {}  # weight dtype -> the suffixes a format stores such weights under
+    for t in all_schemes().values():
+        for f in t.storage:
+            for dt in f.weight.dtypes:
+                by_dtype.setdefault(dt, set()).add(f.weight.suffix)
     found: dict[str, Storage] = {}
     seen: set[str] = set()
     for key in keys:
-        dtype = ckpt.tensors[key].dtype
-        for suffix, dt in suffixes:
-            if dt != dtype or not key.endswith("." + suffix):
+        for suffix in by_dtype.get(ckpt.tensors[key].dtype, ()):
+            if not key.endswith("." + suffix):
                 continue
             module = key[: -len(suffix) - 1]
             if module in seen:
@@ -112,7 +115,8 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
     if req.only_mtp:
         mtp = set(view.keys()) | set(view.beyond) | set(view.extra)
         scope_keys = [k for k in keys if k in mtp]
-    chosen = {w: st for w, st in everything.items() if w in set(scope_keys)}
+    in_scope = set(scope_keys)
+    chosen = {w: st for w, st in everything.items() if w in in_scope}
     incomplete = [st for st in chosen.values() if not st.complete]
     if incomplete:
         st = incomplete[0]
