@@ -284,6 +284,15 @@ HASHING = {  # verb name suffix -> (ckpt's environment, what it stands for, defa
 }
 
 
+def one_thread(v: Verb) -> Verb:
+    """``v`` decoding on one thread (``--threads 1``): the 1 -> N cores comparison of the decoding verbs."""
+    import dataclasses
+
+    return dataclasses.replace(v, name=f"{v.name}-1thread", summary=f"{v.summary}; --threads 1",
+                               options=(*v.options, "--threads"),
+                               command=lambda ctx, out, c=v.command: [*c(ctx, out), "--threads", "1"], default=False)
+
+
 def hashing_of(env: dict[str, str]) -> dict:
     """The manifest's digest and hash threads a ckpt run with ``env`` uses (digest's knobs, else its defaults)."""
     return {"algo": env.get(digest.ALGO_ENV) or digest.DEFAULT_ALGO,
@@ -327,9 +336,9 @@ VERBS: dict[str, Verb] = {
              "output's bytes)", "extract", ("--dequant",),
              lambda ctx, out: ["extract", str(ctx.variant("nvfp4").path), "-o", str(out), "--dequant", "bf16"],
              floor=_nvfp4_dequant_floor, max_floor_ratio=2.0),
-        Verb("dequant-all", "every FP8 weight of the checkpoint to bf16 (unfuse-experts --dequant, layout kept); "
-             "floor: copying the bf16 checkpoint, about as many bytes as the output", "unfuse-experts", ("--dequant",),
-             lambda ctx, out: ["unfuse-experts", str(ctx.variant("fp8").path), "-o", str(out), "--dequant", "bf16"],
+        Verb("dequant-all", "every FP8 weight of the checkpoint to bf16 (`ckpt dequant`, DeepSeek's fp8_cast_bf16 "
+             "job); floor: copying the bf16 checkpoint, about as many bytes as the output", "dequant", ("--dtype",),
+             lambda ctx, out: ["dequant", str(ctx.variant("fp8").path), "-o", str(out), "--dtype", "bf16"],
              floor=lambda ctx, out: _whole_files(ctx.variant("bf16").path, out), max_floor_ratio=2.0, default=False),
         Verb("fuse", "fuse-experts on the whole checkpoint, per-expert -> fused", "fuse-experts", ("--to",),
              lambda ctx, out: ["fuse-experts", str(ctx.variant("bf16").path), "-o", str(out)],
@@ -381,6 +390,8 @@ VERBS: dict[str, Verb] = {
         *_tmpfs_verbs(),
     ]
 }
+DECODING = ("dequant", "dequant-nvfp4", "dequant-all")  # verbs whose decoding runs on --threads
+VERBS.update({w.name: w for w in (one_thread(VERBS[n]) for n in DECODING)})
 
 
 def availability(verb: Verb) -> str | None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import CheckFailed, CkptError, InputError, OutputError, UsageError
 
 if TYPE_CHECKING:  # the verbs' types for a type checker; at run time __getattr__ imports them on first use
+    from .api import dequant as dequant
     from .api import diff as diff
     from .api import extract as extract
     from .api import fuse_experts as fuse_experts
@@ -26,6 +27,7 @@ if TYPE_CHECKING:  # the verbs' types for a type checker; at run time __getattr_
 __version__ = "0.1.0"
 
 _VERBS = (
+    "dequant",
     "diff",
     "extract",
     "fuse_experts",

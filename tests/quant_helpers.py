@@ -15,6 +15,25 @@ from pathlib import Path
 import torch
 
 
+def tensors_of(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``path``."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open has no iteration
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    v = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(v), b.contiguous().view(v))
+
+
 def ct():
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.config import CompressionFormat

@@ -8,31 +8,16 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import run_ckpt
 
 pytest.importorskip("compressed_tensors")
-from quant_helpers import ct, deepseek_v4_release, scheme_for, write_quantized  # noqa: E402
+from quant_helpers import ct, deepseek_v4_release, same_bits, scheme_for, write_quantized  # noqa: E402
+from quant_helpers import tensors_of as _out  # noqa: E402
 
 IGNORE = ["lm_head", "re:.*mlp\\.gate$"]
 MTP = "model.layers.3."  # the deepseek_v3 fixture's MTP layer
-
-
-def _out(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 - safe_open has no iteration
-    return out
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    v = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(v), b.contiguous().view(v))
 
 
 @pytest.mark.parametrize(("preset", "weights"), [("NVFP4", {}), ("W4A16_ASYM", {"group_size": 32}),

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports e
     from .reading import diff as diff
     from .reading import inspect as inspect
     from .reading import validate as validate
+    from .writing import dequant as dequant
     from .writing import extract as extract
     from .writing import fuse_experts as fuse_experts
     from .writing import graft as graft
@@ -35,6 +36,7 @@ _WHERE = {
     "fuse_experts": "writing",
     "unfuse_experts": "writing",
     "init_draft": "writing",
+    "dequant": "writing",
     "push": "publish",
     "probe": "measure",
 }

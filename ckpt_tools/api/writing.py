@@ -1,4 +1,4 @@
-"""The writing verbs as functions: extract, stitch, graft, fuse_experts, unfuse_experts, init_draft.
+"""The writing verbs as functions: extract, stitch, graft, fuse_experts, unfuse_experts, init_draft, dequant.
 
 Each opens its inputs, plans (``ckpt_tools.ops``), writes the output (unless ``dry_run``) and returns
 a report whose ``to_json()`` is what ``ckpt VERB --json`` prints. Inputs are never modified; an
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from ..ops import graft as _graft
     from ..ops import stitch as _stitch
+    from ..ops.dequant import DequantPlan
     from ..ops.execute import Outputs, Written
     from ..ops.experts import ExpertsPlan
     from ..ops.init_draft import InitSummary
@@ -198,6 +199,24 @@ class ExpertsReport(Report):
 
 
 @dataclass
+class DequantReport(Report):
+    """``ckpt dequant``'s result: which modules were decoded (dry run: the plan), what was written."""
+
+    dequant: DequantPlan
+    written: Written | None
+    validation: dict[str, Any] | None
+    threads: int  # decoding threads used
+
+    def to_json(self) -> dict[str, Any]:
+        if self.written is None:
+            return {**self.dequant.summary(), "plan": self.dequant.plan.to_json()}
+        s = self.dequant.summary()
+        return {**self.written.to_json(), **{k: s[k] for k in ("family", "scheme", "dtype", "scope", "modules",
+                                                                "storage", "dropped_tensors", "still_quantized")},
+                "threads": self.threads, "validation": self.validation}
+
+
+@dataclass
 class StitchReport(Report):
     """``ckpt stitch``'s result: ``details`` is the stitch's own report (every MTP tensor's comparison and
     decision, the shards rewritten); it is also written into the output as ``stitch-report.json``."""
@@ -228,13 +247,17 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             dtype: str = "keep", dequant: str | None = None, drop_mtp: bool = False,
             verifier_name: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
             plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
-            allow_invalid: Sequence[str] = (), progress: bool = False) -> ExtractReport:
+            allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None) -> ExtractReport:
     """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
-    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them."""
+    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
+    of ``dequant`` (None: every core)."""
     from ..io.checkpoint import Checkpoint
+    from ..numeric.parallel import check_threads, use_threads
     from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.extract import ExtractRequest, plan_extract
     from ..stream.plan import parse_size
+
+    check_threads(threads)  # before anything is opened
 
     read_before = bytes_read_so_far()
 
@@ -251,8 +274,9 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             sink.phase("planning")
             plan = plan_extract(ckpt, req)
             _planned(plan)
-            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink,
-                              read_before=read_before)
+            with use_threads(threads):
+                done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink,
+                                  read_before=read_before)
     written, validation = done if done is not None else (None, None)
     return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"),
                          plan.manifest.get("kept_dtype") or {})
@@ -296,6 +320,7 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     """fuse_experts / unfuse_experts: the same run, each with its own target layouts."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
+    from ..numeric.parallel import check_threads, use_threads
     from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.experts import ExpertsRequest, plan_experts, stats, target_layout
     from ..stream.plan import parse_size
@@ -305,6 +330,7 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     o = options
     command = _command(verb, (source, out), o)
     layout = target_layout(o["to"], name)
+    check_threads(o["threads"])
     allow = _allow(o["allow_invalid"])
     if out is None and not o["dry_run"]:
         raise UsageError(f"{name} needs -o OUT (or --dry-run)")
@@ -318,7 +344,8 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
             xplan = plan_experts(ckpt, req)
             _planned(xplan.plan)
             outputs = _outputs(dest, o["dry_run"], o["plan_json"], None, o["overwrite"])
-            done = write_plan(xplan.plan, outputs, allow, sink, arch=o["arch"], read_before=read_before)
+            with use_threads(o["threads"]):
+                done = write_plan(xplan.plan, outputs, allow, sink, arch=o["arch"], read_before=read_before)
     written, validation = done if done is not None else (None, None)
     moved = stats(xplan)
     return ExpertsReport(layout.label(), xplan, written, validation, moved["bytes_copied"], moved["bytes_computed"])
@@ -327,7 +354,8 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
 def fuse_experts(source: PathArg, out: PathArg | None, *, to: str = "fused", only_mtp: bool = False,
                  arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
                  plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
-                 allow_invalid: Sequence[str] = (), progress: bool = False) -> ExpertsReport:
+                 allow_invalid: Sequence[str] = (), progress: bool = False,
+                 threads: int | None = None) -> ExpertsReport:
     """Routed experts stacked into one tensor per projection (``to``: fused | stacked | stacked-transposed |
     fused-transposed, options after ':'); ``out`` may be None for a dry run."""
     return _experts(fuse_experts, "fuse-experts", source, out, locals())
@@ -336,9 +364,46 @@ def fuse_experts(source: PathArg, out: PathArg | None, *, to: str = "fused", onl
 def unfuse_experts(source: PathArg, out: PathArg | None, *, to: str = "per-expert", only_mtp: bool = False,
                    arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
                    plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
-                   allow_invalid: Sequence[str] = (), progress: bool = False) -> ExpertsReport:
+                   allow_invalid: Sequence[str] = (), progress: bool = False,
+                   threads: int | None = None) -> ExpertsReport:
     """Fused experts split apart again (``to``: per-expert | stacked | stacked-transposed)."""
     return _experts(unfuse_experts, "unfuse-experts", source, out, locals())
+
+
+def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_mtp: bool = False,
+            arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+            plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
+            threads: int | None = None, allow_invalid: Sequence[str] = (), progress: bool = False) -> DequantReport:
+    """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded to ``dtype`` (bf16 |
+    fp16 | fp32), scales dropped, everything else copied; ``threads`` decode (None: every core). ``out``
+    may be None for a dry run."""
+    from ..errors import UsageError
+    from ..io.checkpoint import Checkpoint
+    from ..numeric.parallel import check_threads, decode_threads, use_threads
+    from ..ops.dequant import DequantRequest, plan_dequant
+    from ..ops.execute import bytes_read_so_far, write_plan
+    from ..stream.plan import parse_size
+
+    read_before = bytes_read_so_far()
+    command = _command(dequant, (source, out), locals())
+    check_threads(threads)
+    allow = _allow(allow_invalid)
+    if out is None and not dry_run:
+        raise UsageError("dequant needs -o OUT (or --dry-run)")
+    dest = _out(out)
+    req = DequantRequest(dtype=dtype, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
+                         command=command, allow_invalid=allow)
+    with _progress(progress) as sink, use_threads(threads):
+        sink.phase("reading headers")
+        with Checkpoint.open(source) as ckpt:
+            sink.phase("planning")
+            dplan = plan_dequant(ckpt, req)
+            _planned(dplan.plan)
+            outputs = _outputs(dest, dry_run, plan_json, None, overwrite, resume)
+            done = write_plan(dplan.plan, outputs, allow, sink, arch=arch, read_before=read_before)
+        used = decode_threads()
+    written, validation = done if done is not None else (None, None)
+    return DequantReport(dplan, written, validation, used)
 
 
 def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "auto", mode: str = "auto",

@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "verify_cmd",
     "extract_cmd",
     "experts_cmd",
+    "dequant_cmd",
     "stitch_cmd",
     "graft_cmd",
     "diff_cmd",

@@ -8,7 +8,7 @@ import typer
 
 from .common import OUT_HELP, command, emit_json, human_bytes, out_console
 from .gate_options import allow_invalid_option
-from .write_options import json_option, overwrite_option, plan_json_option
+from .write_options import json_option, overwrite_option, plan_json_option, threads_option
 
 LAYOUT_HELP = (
     "per-expert | fused | stacked | stacked-transposed | fused-transposed, with options after ':' "
@@ -62,6 +62,7 @@ def _verb(verb: str, default_to: str, doc: str):
         dequant: str = typer.Option(None, "--dequant",
                                     help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
         allow_invalid: list[str] = allow_invalid_option(),
+        threads: int = threads_option(),
     ) -> None:
         from .. import api
         from .write_options import invoked
@@ -70,7 +71,7 @@ def _verb(verb: str, default_to: str, doc: str):
             report = getattr(api, verb.replace("-", "_"))(
                 src, out, to=to, only_mtp=only_mtp, arch=arch, max_shard_size=max_shard_size, dry_run=dry_run,
                 plan_json=plan_json, overwrite=overwrite, dequant=dequant, allow_invalid=tuple(allow_invalid or ()),
-                progress=not json_output)
+                progress=not json_output, threads=threads)
         if json_output:
             emit_json(report.to_json())
         elif report.written is None:

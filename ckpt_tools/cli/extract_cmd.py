@@ -8,7 +8,15 @@ import typer
 
 from .common import OUT_HELP, command, emit_json, out_console
 from .gate_options import allow_invalid_option
-from .write_options import invoked, json_option, overwrite_option, plan_json_option, resume_option, say_written
+from .write_options import (
+    invoked,
+    json_option,
+    overwrite_option,
+    plan_json_option,
+    resume_option,
+    say_written,
+    threads_option,
+)
 from .write_options import layers as parse_layers
 
 # every scheme table under mappings/quantization/ has a decoder (tests/test_quant_extract.py checks this list)
@@ -46,6 +54,7 @@ def register(app: typer.Typer) -> None:
         resume: bool = resume_option(),
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
+        threads: int = threads_option(),
     ) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
         from .. import api
@@ -56,7 +65,8 @@ def register(app: typer.Typer) -> None:
                                  with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
                                  verifier_name=verifier_name, max_shard_size=max_shard_size, dry_run=dry_run,
                                  plan_json=plan_json, overwrite=overwrite, resume=resume,
-                                 allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
+                                 allow_invalid=tuple(allow_invalid or ()), progress=not json_output,
+                                 threads=threads)
         if json_output:
             emit_json(report.to_json())
         elif report.written is None:

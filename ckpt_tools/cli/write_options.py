@@ -29,6 +29,11 @@ def resume_option():
     return typer.Option(False, "--resume", help="Finish an interrupted run into the same -o.")
 
 
+def threads_option():
+    return typer.Option(None, "--threads", min=1,
+                        help="Threads decoding quantized weights (default: every core this process may use).")
+
+
 def json_option():
     return typer.Option(False, "--json", help="Print a JSON report.")
 

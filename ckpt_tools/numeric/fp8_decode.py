@@ -29,6 +29,7 @@ import numpy as np
 from ..arrays import Scratch, decode_floats, numpy_storage_dtype
 from ..errors import InputError, PlanError
 from ..io.prefetch import prefetched
+from .parallel import decode_threads, ordered_map, run_all
 
 BAND_ELEMS = 1 << 18  # elements per compute step: a few MB of scratch, cache-resident
 OUT_DTYPES = ("BF16", "F16", "F32")
@@ -129,7 +130,7 @@ class BandDequantizer:
         self.step = band_rows(cols, br)
         self.col_offset = (np.arange(cols, dtype=np.intp) // bc) * 256  # table of each column's block
         self.row_stride = grid[-1] * 256  # tables of one block row
-        self._index = (scratch or Scratch()).take("index", self.step * cols, np.intp)
+        self._scratch = scratch  # None: each decoding thread's own (bands may be decoded on several threads)
         self._tables: tuple[int, np.ndarray] | None = None
 
     def dequant(self, codes: np.ndarray, lead: int, r0: int, out: np.ndarray) -> np.ndarray:
@@ -138,7 +139,7 @@ class BandDequantizer:
         n, cols = codes.shape
         br = self.block[0]
         tables = self._block_tables(lead)
-        index = self._index[: n * cols].reshape(n, cols)
+        index = (self._scratch or thread_scratch()).take("index", n * cols, np.intp).reshape(n, cols)
         a = 0
         while a < n:  # rows of one block row share their tables
             brow = (r0 + a) // br
@@ -150,11 +151,12 @@ class BandDequantizer:
 
     def _block_tables(self, lead: int) -> np.ndarray:
         """[gr * gc * 256] output values of every code in every block of matrix ``lead``."""
-        if self._tables is None or self._tables[0] != lead:
+        tables = self._tables  # read once: another thread may replace it meanwhile
+        if tables is None or tables[0] != lead:
             with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
                 products = self.scale[lead][:, :, None] * self.values  # float32: one rounding, as per element
-            self._tables = (lead, encode(products, self.out_dtype).reshape(-1))
-        return self._tables[1]
+            tables = self._tables = (lead, encode(products, self.out_dtype).reshape(-1))
+        return tables[1]
 
 
 def encode(values: np.ndarray, out_dtype: str) -> np.ndarray:
@@ -174,7 +176,7 @@ def encode(values: np.ndarray, out_dtype: str) -> np.ndarray:
 _THREAD = threading.local()
 
 
-def _thread_scratch() -> Scratch:
+def thread_scratch() -> Scratch:
     """This thread's buffers, reused across the dequantizers of consecutive expert pieces."""
     if not hasattr(_THREAD, "scratch"):
         _THREAD.scratch = Scratch()
@@ -186,12 +188,16 @@ def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], 
     """A whole [..., rows, cols] FP8 weight (uint8 storage) -> values in ``out_dtype`` storage."""
     codes = np.ascontiguousarray(codes).view(np.uint8)
     kern = BandDequantizer(fmt, scale_to_f32(np.ascontiguousarray(scale), scale_dtype), codes.shape, block,
-                           out_dtype, scratch=_thread_scratch())
+                           out_dtype)
     rows, cols = codes.shape[-2:]
     flat = codes.reshape(-1, rows, cols)
     out = np.empty(flat.shape, dtype=numpy_storage_dtype(out_dtype))
-    for li, r0, r1 in bands(flat.shape[0], rows, block[0], kern.step):
+
+    def one(band: tuple[int, int, int]) -> None:
+        li, r0, r1 = band
         kern.dequant(flat[li, r0:r1], li, r0, out=out[li, r0:r1])
+
+    run_all(one, bands(flat.shape[0], rows, block[0], kern.step))  # bands on every core, each into its rows
     return out.reshape(codes.shape)
 
 
@@ -205,17 +211,22 @@ def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str,
     kern = BandDequantizer(fmt, scale, shape, block, out_dtype)
     rows, cols = shape[-2:]
     lead = math.prod(shape[:-2])
+    threads = decode_threads()  # read here: the reading thread below does not see the caller's context
 
-    def produce() -> Iterator[np.ndarray]:
+    def raw_bands() -> Iterator[tuple[np.ndarray, int, int]]:
         for li, r0, r1 in bands(lead, rows, block[0], kern.step):
             n = (r1 - r0) * cols
             data = read(n) if n else b""
             if len(data) != n:
                 raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
-            codes = np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, cols)
-            yield kern.dequant(codes, li, r0, out=np.empty((r1 - r0, cols), dtype=numpy_storage_dtype(out_dtype)))
+            yield np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, cols), li, r0
 
-    return prefetched(produce)
+    def one(band: tuple[np.ndarray, int, int]) -> np.ndarray:
+        codes, li, r0 = band
+        return kern.dequant(codes, li, r0, out=np.empty(codes.shape, dtype=numpy_storage_dtype(out_dtype)))
+
+    # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
+    return prefetched(lambda: ordered_map(one, raw_bands(), threads))
 
 
 def value_decoder(fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int], what: str = "",
@@ -243,4 +254,4 @@ def value_decoder(fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tu
 
 
 __all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "check_grid", "dequant_array",
-           "dequant_stream", "scale_to_f32", "value_decoder"]
+           "dequant_stream", "scale_to_f32", "thread_scratch", "value_decoder"]

@@ -39,7 +39,11 @@ class RecipeReader:
                     break
                 seg = self._segments[self._seg_i]
                 k = min(n - len(out), seg.length - self._seg_pos)
-                out += read_bytes(seg.source, seg.offset + self._seg_pos, k)
+                piece = read_bytes(seg.source, seg.offset + self._seg_pos, k)
+                if out:
+                    out += piece
+                else:  # a fresh buffer: taken as it is, not copied
+                    out = piece
                 self._seg_pos += k
                 if self._seg_pos == seg.length:
                     self._seg_i += 1
@@ -223,7 +227,10 @@ def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[in
 
     meta = dict(w.meta)
     meta["dequantized_from"] = {"dtype": w.dtype, "scale": scale.key, "block": list(block)}
-    return OutputTensor(w.key, dtype, w.shape, Compute(produce, "dequant", _inputs(w) + _inputs(scale)), w.shard, meta)
+    # reading byte ranges only, it shares nothing with another recipe: the writer may start it early
+    ahead = isinstance(w.recipe, CopyBytes) and isinstance(scale.recipe, CopyBytes)
+    return OutputTensor(w.key, dtype, w.shape, Compute(produce, "dequant", _inputs(w) + _inputs(scale), ahead=ahead),
+                        w.shard, meta)
 
 
 def _inputs(t: OutputTensor) -> list[str]:

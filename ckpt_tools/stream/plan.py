@@ -55,6 +55,7 @@ class Compute:
     inputs: list[str] = field(default_factory=list)  # source keys, for display and manifests
     detail: dict = field(default_factory=dict)
     read_bytes: int = 0  # bytes of input this recipe reads (for plan totals)
+    ahead: bool = False  # shares no state with another recipe: the writer may start it early (lookahead)
 
     def describe(self) -> dict:
         return {"op": self.op, "inputs": list(self.inputs), **self.detail}

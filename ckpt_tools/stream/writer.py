@@ -33,10 +33,11 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..dtypes import DTYPES
 from ..errors import CkptError, OutputError
@@ -55,6 +56,7 @@ from ..io.safetensors_io import (
 )
 from . import manifest, output_dir
 from .known_digests import KnownDigest, file_stat, same_file
+from .lookahead import lookahead
 from .output_dir import DirLock
 from .plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from .progress import Progress
@@ -319,12 +321,13 @@ class Writer:
             reader = hasher.open(tmp)
             _write_all(fd, memoryview(struct.pack("<Q", len(header)) + header))
             pos = 8 + len(header)
-            for t in ordered:
-                self._write_tensor(fd, t)
-                hasher.tensor(t.key, reader, pos, t.nbytes)  # what landed, hashed while the next copy runs
-                pos += t.nbytes
-                written += t.nbytes
-                result.tensor_files[t.key] = name
+            with lookahead(ordered) as ahead:  # the next computed tensors decode while this one is written
+                for i, t in enumerate(ordered):
+                    self._write_tensor(fd, t, ahead.chunks(i))
+                    hasher.tensor(t.key, reader, pos, t.nbytes)  # what landed, hashed while the next copy runs
+                    pos += t.nbytes
+                    written += t.nbytes
+                    result.tensor_files[t.key] = name
             os.fsync(fd)
         except OSError as e:
             written = _size_of(fd, written)
@@ -343,12 +346,13 @@ class Writer:
             os.replace(tmp, final)  # the hashes read through their own descriptor: no need to wait for them
         return tmp, final
 
-    def _write_tensor(self, fd: int, t: OutputTensor) -> None:
-        self._stream_tensor(t, lambda seg: copy_segment(seg, fd, self._buf), lambda mv: _write_all(fd, mv))
+    def _write_tensor(self, fd: int, t: OutputTensor, chunks: Iterable[Any] | None = None) -> None:
+        self._stream_tensor(t, lambda seg: copy_segment(seg, fd, self._buf), lambda mv: _write_all(fd, mv), chunks)
 
     def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
-                       write: Callable[[memoryview], None]) -> None:
-        """A tensor's bytes in order: its byte ranges through ``copy``, computed chunks through ``write``."""
+                       write: Callable[[memoryview], None], chunks: Iterable[Any] | None = None) -> None:
+        """A tensor's bytes in order: its byte ranges through ``copy``, computed chunks through ``write``
+        (``chunks``: its recipe's, already started)."""
         recipe = t.recipe
         if isinstance(recipe, CopyBytes):
             if recipe.nbytes != t.nbytes:
@@ -361,7 +365,7 @@ class Writer:
         from ..arrays import as_bytes  # numpy is only needed for computed tensors
 
         n = 0
-        for chunk in recipe.produce():
+        for chunk in recipe.produce() if chunks is None else chunks:
             mv = as_bytes(chunk)
             if n + len(mv) > t.nbytes:
                 raise RuntimeError(f"plan error: {t.key} produced more than {t.nbytes} bytes")

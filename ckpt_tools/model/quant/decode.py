@@ -39,8 +39,9 @@ import numpy as np
 from ...arrays import Scratch, decode_floats, numpy_storage_dtype
 from ...errors import PlanError
 from ...io.prefetch import prefetched
-from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode
+from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch
 from ...numeric.fp8_decode import TABLES as FP8_TABLES
+from ...numeric.parallel import decode_threads, ordered_map, run_all
 from .schema import DecoderDef
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -158,7 +159,7 @@ class BandDecoder:
         self.per_byte = self.table.shape[1]
         self.items = np.ascontiguousarray(self.table).view({1: np.float32, 2: np.float64}[self.per_byte]).reshape(256)
         self.step = band_rows(d.cols, d.tile[0])
-        self.scratch = scratch or Scratch()
+        self.scratch = scratch  # None: each decoding thread's own (bands may be decoded on several threads)
         self._fast = None
         tr, tc = d.tile
         gr, gc = d.grid
@@ -166,7 +167,7 @@ class BandDecoder:
                 and gr * gc * 256 <= FP8_TABLE_LIMIT and d.stored_cols == d.cols:
             fmt = "F8_E5M2" if d.weight_dtype == "F8_E5M2" or d.spec.codes == "e5m2" else "F8_E4M3"
             self._fast = BandDequantizer(fmt, self.scale.reshape(*d.shape[:-2], gr, gc), d.shape, (tr, tc),
-                                         d.out_dtype, scratch=self.scratch)
+                                         d.out_dtype, scratch=scratch)
             self.step = self._fast.step
 
     def bands(self) -> Iterator[tuple[int, int, int]]:
@@ -182,11 +183,12 @@ class BandDecoder:
         if self._fast is not None:
             return self._fast.dequant(raw, lead, r0, out)
         per_row = d.row_bytes * self.per_byte
+        scratch = self.scratch or thread_scratch()
         # one lookup per byte gives every code it holds: the table's rows read as one item each
         # (float32, or a float32 pair as 8 bytes), indices widened first (numpy's fast take path)
-        index = self.scratch.take("index", raw.size, np.intp).reshape(raw.shape)
+        index = scratch.take("index", raw.size, np.intp).reshape(raw.shape)
         np.copyto(index, raw, casting="unsafe")
-        codes = self.scratch.take("codes", n * per_row, np.float32)
+        codes = scratch.take("codes", n * per_row, np.float32)
         np.take(self.items, index, out=codes.view(self.items.dtype).reshape(raw.shape), mode="clip")
         vals = codes.reshape(n, per_row)
         if per_row != d.cols:  # padding of the last packed word (compressed-tensors pack format)
@@ -205,7 +207,7 @@ class BandDecoder:
                     _tiles(vals[a:b], self.zero[lead, trow:trow + 1], tc, np.subtract)
                 _tiles(vals[a:b], self.scale[lead, trow:trow + 1], tc, np.multiply)
                 a = b
-        _encode_into(vals, out, d.out_dtype, self.scratch)
+        _encode_into(vals, out, d.out_dtype, scratch)
         return out
 
 
@@ -245,17 +247,21 @@ def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.n
     """Decode a weight whose stored bytes come from a sequential reader (``read(n)``: the next n bytes),
     band by band, one worker thread ahead of the consumer. Yields fresh storage arrays."""
     d = dec.d
+    threads = decode_threads()
 
-    def produce() -> Iterator[np.ndarray]:
+    def raw_bands() -> Iterator[tuple[np.ndarray, int, int]]:
         for li, r0, r1 in dec.bands():
             n = (r1 - r0) * d.row_bytes
             data = read(n) if n else b""
             if len(data) != n:
                 raise PlanError(f"short read: {len(data)} of {n} bytes", rule="dequant")
-            raw = np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, d.row_bytes)
-            yield dec.decode(raw, li, r0)
+            yield np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, d.row_bytes), li, r0
 
-    return prefetched(produce)
+    def one(band: tuple[np.ndarray, int, int]) -> np.ndarray:
+        return dec.decode(*band)
+
+    # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
+    return prefetched(lambda: ordered_map(one, raw_bands(), threads))
 
 
 def decode_array(d: Decoding, weight: np.ndarray, scale: np.ndarray, global_scale: np.ndarray | None = None,
@@ -264,6 +270,10 @@ def decode_array(d: Decoding, weight: np.ndarray, scale: np.ndarray, global_scal
     dec = BandDecoder(d, scale, global_scale, zero_point)
     raw = np.ascontiguousarray(weight).view(np.uint8).reshape(d.lead, d.rows, d.row_bytes)
     out = np.empty((d.lead, d.rows, d.cols), dtype=numpy_storage_dtype(d.out_dtype))
-    for li, r0, r1 in dec.bands():
+
+    def one(band: tuple[int, int, int]) -> None:
+        li, r0, r1 = band
         dec.decode(raw[li, r0:r1], li, r0, out[li, r0:r1])
+
+    run_all(one, dec.bands())
     return out.reshape(d.shape)

@@ -87,7 +87,9 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
                                                    "label": storage.label, "tensors": sorted(storage.tensors)}}
     detail = {"from": storage.label, "to": out_dtype, "tile": list(tile)}
     return OutputTensor(key, out_dtype, shape, Compute(produce, "dequant", inputs, detail,
-                                                       read_bytes=sum(t.nbytes for t in parts.values())),
+                                                       read_bytes=sum(t.nbytes for t in parts.values()),
+                                                       ahead=all(isinstance(t.recipe, CopyBytes)
+                                                                 for t in parts.values())),
                         weight.shard, meta)
 
 
