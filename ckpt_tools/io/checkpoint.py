@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from ..errors import InputError
 from .artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from .config import ConfigView
-from .readers import TORCH_SUFFIXES, read_weights
+from .readers import Reader, for_file, for_object, read_weights
 from .readers import detect as detect_reader
 from .safetensors_io import Header, LocalFile, TensorRef, read_header, refs_from_header
 from .sources import is_url, open_store
@@ -54,20 +54,22 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike | Mapping) -> Checkpoint:
-        """A directory, a file, a URL, or a ``{name: torch.Tensor}`` mapping (a draft in memory, see
-        ``open_memory``)."""
-        if isinstance(path, Mapping):
-            return open_memory(path)
+        """A directory, a file, a URL, or an object a reader takes: a ``{name: torch.Tensor}`` mapping (a draft
+        in memory, see ``open_object``). The readers registry decides which reader opens what."""
+        reader = for_object(path)
+        if reader is not None:
+            return open_object(path, reader)
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"no reader takes a {type(path).__name__}", rule="no-weights", path=repr(path)[:80])
         text = str(path)
         if is_url(text):
             return open_remote(text)
         p = Path(path)
         if p.is_file() and p.name == "config.json":
             return cls._config_only(p)
-        if p.is_file() and p.suffix == ".safetensors":
-            return cls._open_dir(p.parent, single=p.name)
-        if p.is_file() and p.suffix in TORCH_SUFFIXES:
-            return open_draft_source(p)
+        reader = for_file(p) if p.is_file() else None
+        if reader is not None:
+            return cls._open_dir(p.parent, single=p.name) if reader.native else open_draft_source(p, reader.name)
         if not p.is_dir():
             raise InputError("no such checkpoint directory", path=text)
         return cls._open_dir(p)
@@ -301,8 +303,8 @@ def _read_config(d: Path, digests: dict[str, str], problems: _Problems,
 
 def _shard_names(d: Path, single: str | None, index: dict | None, index_blocked: bool, renamed: dict[str, Path],
                  digests: dict[str, str], problems: _Problems) -> tuple[dict | None, list[str]] | None:
-    """The index (None without one) and the shards to open; None when ``d`` holds a draft saved by
-    torch instead (``open_draft_source``). ``index``: one given by the caller, not read from ``d``."""
+    """The index (None without one) and the shards to open; None when ``d`` holds weights another
+    reader reads instead (``open_draft_source``). ``index``: one given by the caller, not read from ``d``."""
     if single is not None:
         return None, [single]
     if index is not None:
@@ -318,7 +320,8 @@ def _shard_names(d: Path, single: str | None, index: dict | None, index_blocked:
             return None, sorted(q.name for q in d.glob("*.safetensors"))  # still check what is there
     if (d / SINGLE_NAME).is_file() or SINGLE_NAME in renamed:
         return None, [SINGLE_NAME]
-    if not any(d.glob("*.safetensors")) and detect_reader(d) is not None:
+    reader = detect_reader(d)  # safetensors files win over any other weights beside them
+    if reader is not None and not reader.native:
         return None
     return None, _unindexed_shards(d, problems)
 
@@ -383,9 +386,10 @@ def _read_manifest_in(d: Path, digests: dict[str, str], problems: _Problems, ski
 
 
 def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Checkpoint:
-    """A draft saved as a torch state dict or a torch DCP checkpoint (see ``readers``), as a Checkpoint.
+    """A draft saved in a format a registered reader reads (a torch state dict, a torch DCP checkpoint, ...;
+    see ``readers``), as a Checkpoint.
 
-    ``path`` is a directory (detected by content; ``kind`` "torch" or "dcp" overrides) or a torch file.
+    ``path`` is a directory (detected by content; ``kind``, a reader's name, overrides) or a weight file.
     ``headers`` stay empty and ``index`` None: those describe safetensors files only.
     """
     p = Path(path)
@@ -403,16 +407,16 @@ def open_draft_source(path: str | os.PathLike, kind: str | None = None) -> Check
                       config_present, reader=ws.reader, reader_notes=ws.notes, digests=digests)
 
 
-def open_memory(state: Mapping) -> Checkpoint:
-    """A ``{name: torch.Tensor}`` mapping (CPU or GPU) as a Checkpoint, its tensors read on demand (readers.memory).
+def open_object(obj: object, reader: Reader) -> Checkpoint:
+    """An object ``reader`` takes (readers.memory: a ``{name: torch.Tensor}`` mapping, CPU or GPU) as a
+    Checkpoint, its tensors read on demand.
 
     Like a trainer's output directory without config.json: no headers, no index, no manifest, no files to
-    carry; ``local_dir`` None and ``root`` a display name.
+    carry; ``local_dir`` None and ``root`` the reader's display name.
     """
-    from .readers.memory import ROOT, read_memory
-
-    ws = read_memory(state)
-    return Checkpoint(ROOT, ConfigView({}), ws.tensors, {}, None, [], dict(ws.files), None, ws.keys,
+    assert reader.read_object is not None
+    ws = reader.read_object(obj)
+    return Checkpoint(reader.display, ConfigView({}), ws.tensors, {}, None, [], dict(ws.files), None, ws.keys,
                       config_present=False, reader=ws.reader, reader_notes=ws.notes)
 
 
@@ -639,12 +643,13 @@ def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
     """
     p = Path(path)
     single: str | None = None
+    reader = for_file(p) if p.is_file() else None
     if p.is_file() and p.name == "config.json":
         p = p.parent
-    elif p.is_file() and p.suffix == ".safetensors":
+    elif reader is not None and reader.native:
         single, p = p.name, p.parent
-    elif p.is_file() and p.suffix in TORCH_SUFFIXES:
-        return LenientOpen(open_draft_source(p), [], [])
+    elif reader is not None:
+        return LenientOpen(open_draft_source(p, reader.name), [], [])
     if not p.is_dir():
         raise InputError("no such checkpoint directory or .safetensors file", rule="no-weights", path=str(path))
     problems = _Problems(strict=False)

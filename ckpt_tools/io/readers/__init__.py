@@ -13,55 +13,23 @@ nothing loaded). Only the rest (a non-contiguous view, a DCP tensor split along 
 stored through a transform) is loaded when first read, into a small bounded cache, and copied out
 in C order a piece at a time: memory stays bounded by about one such tensor.
 
+Each format is a ``Reader`` in the registry (``registry``): name -> how it detects its weights, how it
+reads them. The built-in ones are registered below, in the order detection asks them: safetensors
+first (the native format, which the checkpoint layer opens itself), then torch, DCP, and the in-memory
+mapping. A new format is one module with its ``Reader``, passed to ``register``.
+
 Nothing here runs plain pickle: torch files go through ``torch.load(weights_only=True)`` and DCP's
 ``.metadata`` through an unpickler that knows only DCP's metadata classes.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from . import dcp, memory, safetensors, torch_state
+from .base import TORCH_SUFFIXES, Confine, ReadIndex, WeightSet
+from .registry import READERS, Reader, detect, for_file, for_object, read_weights, register, unregister
 
-from ...errors import InputError
-from .base import READERS, TORCH_SUFFIXES, Confine, ReadIndex, WeightSet
+for _builtin in (safetensors, torch_state, dcp, memory):  # the order detection asks them
+    register(_builtin.READER)
 
-
-def detect(d: Path) -> str | None:
-    """The reader for directory ``d`` by what it holds ("torch", "dcp"), or None when it holds neither."""
-    from .dcp import find_dcp
-    from .torch_state import find_torch_files
-
-    torch_files = find_torch_files(d)
-    dcp_dir = find_dcp(d)
-    if torch_files and dcp_dir is not None:
-        raise InputError(f"holds both torch files ({', '.join(torch_files[:3])}) and a DCP checkpoint "
-                         f"({dcp_dir.relative_to(d) if dcp_dir != d else '.metadata'}); pass the one to read",
-                         rule="ambiguous-weights", path=str(d))
-    return "torch" if torch_files else "dcp" if dcp_dir is not None else None
-
-
-def read_weights(d: Path, confine: Confine, read_index: ReadIndex, *, only: str | None = None,
-                 kind: str | None = None) -> WeightSet:
-    """Read the draft weights in directory ``d`` (or its file ``only``) with the reader ``kind`` or the detected one.
-
-    ``confine`` and ``read_index`` come from the checkpoint layer: the same rules for file names and
-    index files as for safetensors checkpoints.
-    """
-    if only is not None:
-        kind = kind or "torch"
-    elif kind is None:
-        kind = detect(d)
-    if kind == "torch":
-        from .torch_state import read_torch
-
-        return read_torch(d, confine, read_index, only=only)
-    if kind == "dcp":
-        from .dcp import read_dcp
-
-        return read_dcp(d, confine)
-    if kind is None:
-        raise InputError("no safetensors, torch (.bin/.pt/.pth) or DCP (.metadata) weights found", rule="no-weights",
-                         path=str(d))
-    raise InputError(f"unknown reader {kind!r} (known: {', '.join(READERS)})", rule="no-weights", path=str(d))
-
-
-__all__ = ["READERS", "TORCH_SUFFIXES", "Confine", "ReadIndex", "WeightSet", "detect", "read_weights"]
+__all__ = ["READERS", "TORCH_SUFFIXES", "Confine", "ReadIndex", "Reader", "WeightSet", "detect", "for_file",
+           "for_object", "read_weights", "register", "unregister"]

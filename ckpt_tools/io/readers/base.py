@@ -15,7 +15,6 @@ from ...dtypes import DTYPES, from_torch
 from ...errors import InputError
 from ..safetensors_io import IO_STATS, LocalFile, Segment, TensorRef
 
-READERS = ("torch", "dcp")
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 CACHE_BYTES = 256 << 20  # loaded tensors kept beyond the one being read (small ones are reused by interleaved reads)
 
@@ -260,7 +259,7 @@ class Tensor:
 class WeightSet:
     """Tensors read from non-safetensors files, shaped like a Checkpoint's (``sources``, ``shard_keys``)."""
 
-    reader: str  # "torch" or "dcp"
+    reader: str  # the name of the reader that read them (registry.READERS)
     files: dict[str, TensorFile]  # input file (relative name) -> its source
     keys: dict[str, list[str]]  # input file -> the keys it holds, in address order
     tensors: dict[str, TensorRef]
@@ -319,7 +318,3 @@ def check_dims(value: object, what: str, where: str) -> tuple[int, ...]:
         raise InputError(f"{what} {value!r:.80} is not a list of non-negative integers", rule="bad-shape",
                          path=where)
     return tuple(value)
-
-
-# ---------------------------------------------------------------------------
-# Detection and opening

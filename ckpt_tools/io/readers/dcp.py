@@ -43,6 +43,7 @@ from .base import (
     tensor_nbytes,
     torch_dtype_name,
 )
+from .registry import Reader
 from .torch_state import load_torch, read_stored, stored_records
 
 METADATA = ".metadata"
@@ -101,6 +102,11 @@ def find_dcp(d: Path) -> Path | None:
     return None
 
 
+def detect(d: Path) -> str | None:
+    folder = find_dcp(d)
+    return None if folder is None else f"a DCP checkpoint ({folder.relative_to(d) if folder != d else METADATA})"
+
+
 def read_dcp(d: Path, confine: Confine) -> WeightSet:
     """Every model tensor of the DCP checkpoint in ``d`` (a DCP folder or a training step folder)."""
     folder = find_dcp(d)
@@ -118,6 +124,10 @@ def read_dcp(d: Path, confine: Confine) -> WeightSet:
     name = prefix.rstrip("/") or d.name
     return build_weight_set("dcp", {name: tensors}, {name: list(reader.files.values())}, reader.cache, notes,
                             carries_files=False)
+
+
+READER = Reader("dcp", f"DCP ({METADATA})", detect=detect,
+                read=lambda d, confine, read_index, only: read_dcp(d, confine))
 
 
 # ---------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 
 from ...errors import InputError
 from .base import Tensor, TensorCache, WeightSet, build_weight_set, read_c_order, tensor_nbytes
+from .registry import Reader
 
-READER = "memory"
+NAME = "memory"
 ROOT = "<in-memory state dict>"  # how messages and reports name a mapping (it has no path)
 FILE = "state_dict"  # the one "file" the mapping's tensors lie in
 
@@ -54,4 +55,8 @@ def read_memory(state: Mapping[object, object]) -> WeightSet:
         found.append(Tensor(key, dtype, shape, MemoryTensor(value.detach(), tensor_nbytes(dtype, shape))))
     if not found:
         raise InputError("the state dict holds no tensors", rule="no-weights", path=ROOT)
-    return build_weight_set(READER, {FILE: found}, {}, TensorCache(0), [])
+    return build_weight_set(NAME, {FILE: found}, {}, TensorCache(0), [])
+
+
+READER = Reader(NAME, "in-memory state dict", accepts=lambda obj: isinstance(obj, Mapping),
+                read_object=read_memory, display=ROOT)

@@ -35,6 +35,7 @@ from .base import (
     build_weight_set,
     torch_dtype_name,
 )
+from .registry import Reader
 
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -54,6 +55,11 @@ def find_torch_files(d: Path) -> list[str]:
         return [BIN_SINGLE]
     return sorted(p.name for p in d.iterdir() if p.suffix in TORCH_SUFFIXES and p.is_file()
                   and not _SIDE_FILES.fullmatch(p.name))
+
+
+def detect(d: Path) -> str | None:
+    names = find_torch_files(d)
+    return f"torch files ({', '.join(names[:3])})" if names else None
 
 
 def read_torch(d: Path, confine: Confine, read_index: ReadIndex, *, only: str | None = None) -> WeightSet:
@@ -85,6 +91,10 @@ def read_torch(d: Path, confine: Confine, read_index: ReadIndex, *, only: str | 
         opened[name] = [src]
         found[name] = _indexed(tensors, wanted[name], name, str(d / BIN_INDEX), notes)
     return build_weight_set("torch", found, opened, cache, notes, consumed)
+
+
+READER = Reader("torch", "torch (.bin/.pt/.pth)", detect=detect, suffixes=TORCH_SUFFIXES,
+                read=lambda d, confine, read_index, only: read_torch(d, confine, read_index, only=only))
 
 
 def _indexed(tensors: list[Tensor], keys: set[str] | None, name: str, index_path: str,
