@@ -282,8 +282,12 @@ def test_progress_is_a_bar_over_prompts_and_silent_with_json(trained, prompts, m
 
 def test_tables_list_the_families_probe_supports():
     rows = {r["family"]: r for r in json.loads(ckpt("tables", "--json", "--probe").stdout)}
-    assert rows["deepseek_v3"]["probe"] is True and rows["glm4_moe"]["probe"] is True
-    assert rows["qwen3_next"]["probe"] is False and rows["llama"]["probe"] is False
+    supported = {f for f, r in rows.items() if r["probe"]}
+    assert len(supported) >= 15, sorted(supported)  # issue 25: the table engine, not only transformers' MtpModel
+    assert {"deepseek_v3", "glm4_moe", "qwen3_next", "qwen3_5_moe", "hy_v3"} <= supported
+    assert rows["deepseek_v3"]["probe_reference"] is True and rows["qwen3_next"]["probe_reference"] is False
+    assert rows["llama"]["probe"] is False  # a template: no MTP
+    assert "trunk decoder layer" in rows["longcat_flash"]["probe_reason"]  # why not, said
     assert "probe" in ckpt("tables", "--probe").stdout
     assert "probe" not in json.loads(ckpt("tables", "--json").stdout)[0]  # by default: no transformers import
 

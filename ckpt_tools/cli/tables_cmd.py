@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
                probe: bool = typer.Option(False, "--probe", help="Also say which families `ckpt probe` supports "
                                                                  "(asks transformers: a few seconds).")) -> None:
         """List the architecture tables (shipped and from $CKPT_TABLES), their extract formats, and whether
-        `ckpt probe` supports the family (transformers' MtpModel builds its MTP layers)."""
+        `ckpt probe` supports the family (our table engine builds its MTP layers; "+ref" when transformers'
+        MtpModel does too, the reference probe checks the engine against)."""
         from ..ops.tables_info import tables_info
         from .tables_render import render_family, render_tables
 

@@ -10,6 +10,10 @@ COLUMNS = (Col("family", "id"), Col("kind", "id"), Col("title", drop=2), Col("fo
            Col("architectures / model_type", "ids", drop=3), Col("MTP prefix", "id", drop=4))
 
 
+def _probe_cell(r: dict) -> str:
+    return ("yes+ref" if r["probe_reference"] else "yes") if r["probe"] else "-"
+
+
 def render_tables(rows: list[dict], probe: bool) -> None:
     from .common import out_console
 
@@ -20,7 +24,7 @@ def render_tables(rows: list[dict], probe: bool) -> None:
         ok = [f for f, why in r["formats"].items() if why == "ok"]
         cells.append([r["family"], r["kind"], r["title"] or "", ", ".join(ok) or "-",
                       ", ".join(r["architectures"] + r["model_types"]), r["mtp_prefix"],
-                      *(("yes" if r["probe"] else "-",) if probe else ())])
+                      *((_probe_cell(r),) if probe else ())])
     dropped = print_table(con, cols, cells, title="architecture tables")
     left_out = f"; left out at this width: {', '.join(dropped)}" if dropped else ""
     con.print(f"`ckpt tables FAMILY` shows one family in full{left_out}", markup=False)
@@ -43,7 +47,8 @@ def render_family(r: dict) -> None:
               ("norm", r["norm"]), ("fusion input", str(r["concat_order"]).replace("_", "-"))]
     fields += [("formats" if i == 0 else "", f"{name}: {why}") for i, (name, why) in enumerate(r["formats"].items())]
     if "probe" in r:
-        fields.append(("probe", "yes" if r["probe"] else "no (transformers builds no MTP layers for it)"))
+        fields.append(("probe", (f"yes{' (checked against transformers MtpModel)' if r['probe_reference'] else ''}"
+                                 if r["probe"] else f"no ({r.get('probe_reason', '')})")))
     for name, value in fields:
         t.add_row(name, Text(value))
     con.print(t)

@@ -408,11 +408,12 @@ def family_support(table) -> Support:
     """Checked without weights: transformers knows the fixture config and its model class; every glue role has a
     place in the step; every MTP sub-block has a trunk layer of the same tensors; the trunk's final norm is a
     module of that class (built on the meta device) and computes the table's norm convention."""
-    import transformers
-
     from ..io.config import ConfigView
     from ..model.tables.resolve import resolve
+    from .probe import transformers_module
     from .probe_load import _model_class
+
+    transformers = transformers_module("ckpt tables --probe")
 
     if table.kind != "mtp" or not table.fixture:
         return Support(False, "no MTP table with a fixture config")

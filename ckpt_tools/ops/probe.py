@@ -24,7 +24,6 @@ A draft is mapped onto the verifier's MTP names in memory with stitch's correspo
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import importlib.util
 import json
@@ -181,11 +180,6 @@ def check_memory(verifier: Checkpoint, dtype: str, drafts: int) -> int:
 
 # --- model engine -------------------------------------------------------------------------------
 
-def mtp_supported(config: Any) -> bool:
-    """Whether transformers' MtpModel builds MTP layers for this (transformers) config."""
-    return bool(getattr(config.get_text_config(), "num_mtp_layers", None))
-
-
 def transformers_module(what: str = "ckpt probe"):
     """transformers, or a UsageError naming the extra that installs it (it is not a core dependency)."""
     try:
@@ -194,17 +188,6 @@ def transformers_module(what: str = "ckpt probe"):
         raise UsageError(f"{what} needs transformers, which is not installed ({e.msg}); install the extra: "
                          f"pip install '{EXTRA}'", rule="missing-extra") from None
     return transformers
-
-
-def family_supported(fixture: dict) -> bool:
-    """``mtp_supported`` for a family table's fixture config.json (what ``ckpt tables`` reports)."""
-    transformers = transformers_module("ckpt tables --probe")
-    fixture = copy.deepcopy(fixture)  # transformers normalises nested values in place; the table is cached
-    model_type = fixture.pop("model_type", None)
-    try:
-        return mtp_supported(transformers.AutoConfig.for_model(model_type, **fixture))
-    except (ValueError, KeyError, TypeError):  # a model_type transformers does not know
-        return False
 
 
 def resolve_device(device: str) -> str:
