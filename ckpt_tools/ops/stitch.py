@@ -37,7 +37,10 @@ from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table, detect_group_layout
 from ..model.prefixes import Unwrapped, unwrap
 from ..model.provenance import prove_family
+from ..model.quant.dequant import format_of
+from ..model.quant.encode_plan import encodable, encode_module
 from ..model.quant.repair import Repair
+from ..model.quant.storage import Storage
 from ..model.tables.resolve import Spec, resolve, trunk_specs
 from ..numeric import transforms
 from ..stream.fingerprint import record_inputs
@@ -189,6 +192,8 @@ class _Builder:
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
         self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
+        self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
+        self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
         self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
 
@@ -266,14 +271,19 @@ class _Builder:
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
         """Give ``t`` the verifier's dtype (cast, dequantize, requantize, or keep FP8 bytes) and record it."""
         vt = _dtype_of(self.view, t.key, spec)
-        # stored by a scheme table's format this tool does not write (NVFP4, int4, per-channel FP8, ...): the
-        # draft's values go in unquantized, in place of the stored tensors, and the config excludes the module
+        # stored by a scheme table's format: encoded in it when the table names an encoder; otherwise (int4,
+        # ...) the draft's values go in unquantized, in place of the stored tensors, and the config excludes it
         stored = None if self.add else self.view.quantized.get(t.key)
         if stored is not None:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
         if spec is not None:
             t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
         if not self._admit(t, vt) or (t.dtype in FP8_DTYPES and not self._scale_fits(t, scale)):
+            return
+        if stored is not None and self._encodes(stored):  # written in the verifier's own storage format
+            if t.dtype in FP8_DTYPES:
+                t = transforms.dequantize(t, scale, "F32", self.res.block_size)
+            self._encode(t, stored)
             return
         if vt in FP8_DTYPES:
             if not self.add:
@@ -294,6 +304,20 @@ class _Builder:
             if stored.all_keys()[0] != t.key:
                 self.placed[stored.all_keys()[0]] = t.key
         self.candidates[t.key] = t
+
+    def _encodes(self, stored: Storage) -> bool:
+        """The verifier's storage format has an encoder and the request keeps the verifier's storage."""
+        return encodable(stored) is not None and not self.req.keep_bf16 and self.req.dtype != "draft"
+
+    def _encode(self, t: OutputTensor, stored: Storage) -> None:
+        """The draft's values encoded as the verifier stores the module (its scheme table's encoder);
+        ``stitch_compare.decide`` keeps the verifier's tensors when the values are its decoded ones."""
+        outs = encode_module(t, stored, self.view.ckpt.tensors, self.res.dtype)
+        wkey = stored.tensors[format_of(stored).weight.suffix]
+        self.candidates.update(outs)
+        self.values[wkey] = t
+        self.encoded[wkey] = stored
+        self.companions[wkey] = [k for k in outs if k != wkey]
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
         """Floats replace floats; a non-float verifier tensor only its own dtype."""
@@ -650,7 +674,7 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
     cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
-                      builder.res.block_size, builder.res.scale_suffix)
+                      builder.res.block_size, builder.res.scale_suffix, builder.encoded, builder.companions)
     report.decisions = decide(view, cand)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:

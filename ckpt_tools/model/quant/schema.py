@@ -161,6 +161,7 @@ class FormatDef(_Strict):
     weight: WeightDef
     tensors: list[TensorDef] = Field(default_factory=list)
     decoder: DecoderDef
+    encoder: str | None = None  # quant.encode.ENCODERS name: how float values are written in this format
 
     @model_validator(mode="after")
     def _decoder_tensors(self):
