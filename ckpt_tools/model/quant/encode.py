@@ -134,7 +134,8 @@ def ct_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     tile = _ct_fp8_tile(args, tuple(x.shape))
     scale = _absmax(*_tile_minmax(x, tile)) / torch.tensor(2 * FP8_MAX, dtype=dtype).div(2)
     scale = torch.where(scale == 0, torch.tensor(_eps(dtype), dtype=dtype), scale)
-    q = _e4m3(x / _expand(scale, tile, tuple(x.shape)))
+    # + 0: the compressor adds the (zero) symmetric zero point, which turns -0.0 into +0.0
+    q = _e4m3(x / _expand(scale, tile, tuple(x.shape)) + torch.zeros((), dtype=dtype))
     return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
 
 

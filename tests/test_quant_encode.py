@@ -1,0 +1,116 @@
+"""The encoders (ckpt_tools/model/quant/encode.py) against the producers they stand in for: byte for byte
+equal to compressed-tensors' own save path (``ModelCompressor`` over a calibrated module, the way
+llm-compressor runs it) on random and edge-case weights, and to the real llm-compressor and ModelOpt
+outputs in fixtures/producers, encoded from the base checkpoint they were made from."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.model.quant.encode import ENCODERS, EncodeArgs
+from ckpt_tools.model.quant.tables import all_schemes
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors comes with the test extra")
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
+DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+# compressed-tensors preset -> (our encoder, the params its table reads off the config)
+PRESETS = {
+    "FP8": ("ct-fp8", {"strategy": "tensor"}),
+    "FP8_DYNAMIC": ("ct-fp8", {"strategy": "channel"}),
+    "FP8_BLOCK": ("ct-fp8", {"strategy": "block", "block": [128, 128]}),
+    "NVFP4A16": ("ct-nvfp4", {"group_size": 16}),
+    "NVFP4": ("ct-nvfp4", {"group_size": 16}),
+}
+
+
+def _weights(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    w = {
+        "normal": torch.randn(96, 256, generator=g) * 0.02,
+        "edge_tiles": torch.randn(200, 160, generator=g),  # partial 128x128 blocks
+        "heavy_tail": torch.randn(64, 128, generator=g) ** 5,
+        "zero_rows": torch.cat([torch.zeros(16, 64), torch.randn(16, 64, generator=g)]),
+        "all_zero": torch.zeros(32, 64),
+    }
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
+                         -6.0, -1e-3, 1e-3, -0.0, 0.0])  # e2m1 rounding ties, tiny negatives (signed zero codes)
+    w["ties"] = torch.cat([ties, torch.zeros(12)]).repeat(16, 2)
+    return {k: v.to(dtype) for k, v in w.items()}
+
+
+def _as_bytes(t: torch.Tensor) -> tuple[str, bytes]:
+    return str(t.dtype), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_ct_encoders_equal_compressed_tensors_own_compression(preset, dtype):
+    from ckpt_tools.testing.quantizers import ct_compress, ct_scheme
+
+    name, params = PRESETS[preset]
+    weights = _weights(dtype)
+    if preset == "FP8_BLOCK":  # compressed-tensors pads edge blocks; every shape here is fine
+        pass
+    lib, _ = ct_compress(weights, ct_scheme(preset), [])
+    for module, w in weights.items():
+        want = {k.split(".", 1)[1]: v for k, v in lib.items() if k.startswith(module + ".")}
+        dtypes = {s: DTYPES.get(v.dtype, "F8_E4M3") for s, v in want.items()}
+        got = ENCODERS[name](w, EncodeArgs(params, dtypes, DTYPES[dtype]))
+        for suffix, t in got.items():
+            assert suffix in want, (module, suffix)
+            assert _as_bytes(t.reshape(want[suffix].shape)) == _as_bytes(want[suffix]), f"{preset} {module}.{suffix}"
+
+
+def _load(name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(str(CORPUS / name / "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+# fixture -> (encoder, params, the producer's global-scale suffix: None when it writes none)
+PRODUCED = {
+    "llmcompressor-fp8-dynamic": ("ct-fp8", {"strategy": "channel"}, None),
+    "llmcompressor-fp8-block": ("ct-fp8", {"strategy": "block", "block": [128, 128]}, None),
+    "llmcompressor-nvfp4a16": ("ct-nvfp4", {"group_size": 16}, "weight_global_scale"),
+    "modelopt-fp8": ("modelopt-fp8", {"algo": "FP8"}, "weight_scale"),
+    "modelopt-nvfp4": ("modelopt-nvfp4", {"group_size": 16}, "weight_scale_2"),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(PRODUCED))
+def test_encoders_reproduce_the_real_producers_outputs(fixture):
+    """Every quantized linear of the producer's output, encoded from the base's BF16 weight: equal bytes.
+    Producers that share one per-tensor scale across a fused group (llm-compressor's NVFP4 global scale over
+    gate/up and q_a/kv_a, ModelOpt's amax over them) are held to that only where the shared scale is the
+    module's own; the others must differ in that scale alone, by the fusion (ours is never the smaller)."""
+    name, params, shared = PRODUCED[fixture]
+    base, out = _load("transformers-deepseek_v3"), _load(fixture)
+    exact = fused = 0
+    for key, w in base.items():
+        module = key.removesuffix(".weight")
+        stored = {k[len(module) + 1:]: v for k, v in out.items() if k.startswith(module + ".weight")}
+        if not key.endswith(".weight") or set(stored) <= {"weight"}:
+            continue  # not quantized by the producer (norms, embeddings, the router, the head)
+        got = ENCODERS[name](w, EncodeArgs(params, {s: DTYPES.get(v.dtype, "?") for s, v in stored.items()}, "BF16"))
+        same = {s: _as_bytes(t.reshape(stored[s].shape)) == _as_bytes(stored[s]) for s, t in got.items()}
+        if all(same.values()):
+            exact += 1
+            continue
+        assert shared is not None and not same[shared], f"{fixture} {module}: {same}"
+        ratio = float(got[shared].float().reshape(-1)[0] / stored[shared].float().reshape(-1)[0])
+        assert (ratio > 1) == (shared != "weight_scale_2" and shared != "weight_scale"), (module, ratio)
+        fused += 1
+    assert exact >= 20 and exact + fused >= 28, (exact, fused)
+
+
+def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
+    named = {f.encoder for t in all_schemes().values() for f in t.storage if f.encoder}
+    assert named == set(ENCODERS)
