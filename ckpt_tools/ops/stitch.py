@@ -312,7 +312,7 @@ class _Builder:
     def _encode(self, t: OutputTensor, stored: Storage) -> None:
         """The draft's values encoded as the verifier stores the module (its scheme table's encoder);
         ``stitch_compare.decide`` keeps the verifier's tensors when the values are its decoded ones."""
-        outs = encode_module(t, stored, self.view.ckpt.tensors, self.res.dtype)
+        outs = encode_module(t, stored, self.res.dtype, self.view.ckpt.tensors)
         wkey = stored.tensors[format_of(stored).weight.suffix]
         self.candidates.update(outs)
         self.values[wkey] = t

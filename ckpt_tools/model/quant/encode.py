@@ -46,14 +46,23 @@ class EncodeArgs:
 
 
 Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
+# (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
+Layout = Callable[[tuple[int, int], EncodeArgs], dict[str, tuple[str, tuple[int, ...]]]]
 ENCODERS: dict[str, Encoder] = {}
+LAYOUTS: dict[str, Layout] = {}
 
 
-def encoder(name: str) -> Callable[[Encoder], Encoder]:
+def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
     def register(fn: Encoder) -> Encoder:
-        ENCODERS[name] = fn
+        ENCODERS[name], LAYOUTS[name] = fn, layout
         return fn
     return register
+
+
+def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What encoder ``name`` writes for values of ``shape`` [..., rows, cols] (leading dims stacked)."""
+    *lead, rows, cols = shape
+    return {k: (dt, (*lead, *sh)) for k, (dt, sh) in LAYOUTS[name]((rows, cols), args).items()}
 
 
 def get_encoder(name: str) -> Encoder:
@@ -123,7 +132,17 @@ def _ct_fp8_tile(args: EncodeArgs, shape: tuple[int, int]) -> tuple[int, int]:
                     rule="quant-encode")
 
 
-@encoder("ct-fp8")
+def _per_tensor(args: EncodeArgs) -> bool:
+    return str(args.params.get("strategy") or "tensor") == "tensor"
+
+
+def _ct_fp8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    tile = _ct_fp8_tile(args, shape)
+    grid = (1,) if _per_tensor(args) else (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
+    return {"weight": ("F8_E4M3", shape), "weight_scale": (args.dtypes.get("weight_scale", args.model_dtype), grid)}
+
+
+@encoder("ct-fp8", _ct_fp8_layout)
 def ct_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors FP8 (tensor / channel / group / block): ``scale = absmax / 448`` in the scale's
     dtype (eps for zero), ``weight = e4m3(clamp(x / scale))`` with the quotient in that dtype."""
@@ -136,7 +155,7 @@ def ct_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     scale = torch.where(scale == 0, torch.tensor(_eps(dtype), dtype=dtype), scale)
     # + 0: the compressor adds the (zero) symmetric zero point, which turns -0.0 into +0.0
     q = _e4m3(x / _expand(scale, tile, tuple(x.shape)) + torch.zeros((), dtype=dtype))
-    return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
+    return {"weight": q.contiguous(), "weight_scale": scale.reshape(1) if _per_tensor(args) else scale.contiguous()}
 
 
 def cast_to_fp4(x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +202,17 @@ def _fp4_codes(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor
     return pack_fp4(q)
 
 
-@encoder("ct-nvfp4")
+def _fp4_layout(scale2: str, scale2_shape: tuple[int, ...]) -> Layout:
+    def layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+        rows, cols = shape
+        group = int(args.params.get("group_size") or 16)
+        weight = "weight_packed" if scale2 == "weight_global_scale" else "weight"
+        return {weight: ("U8", (rows, cols // 2)), "weight_scale": ("F8_E4M3", (rows, cols // group)),
+                scale2: ("F32", scale2_shape)}
+    return layout
+
+
+@encoder("ct-nvfp4", _fp4_layout("weight_global_scale", (1,)))
 def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors NVFP4 (tensor_group): global ``g = 2688 / absmax`` in the model dtype, then F32;
     group scales ``e4m3(g * (absmax_g / 6))`` (0 -> 0.125); codes of ``x / (scale / g)`` in float32."""
@@ -203,7 +232,7 @@ def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     return {"weight_packed": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_global_scale": g}
 
 
-@encoder("modelopt-fp8")
+@encoder("modelopt-fp8", lambda shape, args: {"weight": ("F8_E4M3", shape), "weight_scale": ("F32", ())})
 def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """ModelOpt FP8 per tensor: ``weight_scale = amax / 448`` (float32), ``weight = e4m3(x / scale)`` with the
     quotient rounded to the model dtype first (as ModelOpt's export divides the weight by a 0-d scale)."""
@@ -218,7 +247,7 @@ def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tens
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
 
 
-@encoder("modelopt-nvfp4")
+@encoder("modelopt-nvfp4", _fp4_layout("weight_scale_2", ()))
 def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """ModelOpt NVFP4: ``weight_scale_2 = amax / (6 * 448)``; group scales ``e4m3(amax_g / (6 * ws2))``
     (0 -> 1); codes of ``x / (scale * ws2)``, packed low nibble first."""

@@ -17,7 +17,7 @@ from ...dtypes import DTYPES
 from ...errors import PlanError
 from ...stream.plan import Compute, CopyBytes, OutputTensor
 from .dequant import format_of
-from .encode import EncodeArgs, encode_matrices, get_encoder
+from .encode import EncodeArgs, encode_matrices, get_encoder, layout_of
 from .storage import Storage
 
 OP = "quantize"  # a torch recipe (numeric.transforms.TORCH_OPS): one torch thread setting for the run
@@ -30,40 +30,50 @@ def encodable(storage: Storage) -> str | None:
     return format_of(storage).encoder
 
 
-def encode_module(values: OutputTensor, storage: Storage, refs: Mapping[str, Any], model_dtype: str
+def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs: Mapping[str, Any] | None = None
                   ) -> dict[str, OutputTensor]:
     """``values`` (the logical weight, float) encoded as ``storage`` holds the module: {stored key: tensor}
-    for the weight and each scale the encoder writes; activation scales are the reference's bytes.
-    ``refs``: the reference checkpoint's tensors, whose dtypes and shapes the outputs take."""
+    for the weight and each scale the encoder writes. ``refs`` (stitch): the reference checkpoint's tensors;
+    the outputs take their dtypes and shapes (one the encoder cannot write is refused) and its activation
+    scales are copied. Without them (graft) the outputs are what the encoder writes (``encode.layout_of``)."""
     name = encodable(storage)
     if name is None:
         raise PlanError(f"{storage.module}: {storage.label} has no encoder", rule="quant-encode")
-    enc = get_encoder(name)
-    dtypes = {suffix: refs[key].dtype for suffix, key in storage.tensors.items()}
+    fmt = format_of(storage)
+    dtypes = {suffix: refs[key].dtype for suffix, key in storage.tensors.items()} if refs is not None else {}
     args = EncodeArgs(dict(storage.params), dtypes, model_dtype)
-    shared = _Shared(values, enc, args)
+    layout = layout_of(name, tuple(values.shape), args)
+    wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale")}
+    shared = _Shared(values, get_encoder(name), args, set(layout) & wanted & set(storage.tensors))
     out: dict[str, OutputTensor] = {}
-    wanted = shared.suffixes(format_of(storage))
     for suffix, key in storage.tensors.items():
-        ref = refs[key]
-        if suffix not in wanted:  # an activation scale: calibrated on inputs, kept as the reference stores it
+        ref = refs[key] if refs is not None else None
+        if suffix not in wanted or suffix not in layout:
+            if ref is None:
+                continue
+            # an activation scale: calibrated on inputs, not a function of the weight: the reference's
             out[key] = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), values.shard,
                                     {"source": [f"verifier:{key}"], "role": "scale", "kept": "activation scale"})
             continue
-
-        def produce(suffix: str = suffix, key: str = key, ref: Any = ref):
-            t = shared.take(suffix)
-            if t.dtype != _torch(ref.dtype) or t.numel() != ref.numel:
-                raise PlanError(f"{key}: the {name} encoder wrote {t.dtype} {list(t.shape)}; the stored tensor is "
+        dtype, shape = layout[suffix]
+        if ref is not None:
+            if ref.dtype != dtype or _numel(ref.shape) != _numel(shape):
+                raise PlanError(f"{key}: the {name} encoder writes {dtype} {list(shape)}; the verifier stores "
                                 f"{ref.dtype} {list(ref.shape)}", rule="quant-encode")
-            yield t.contiguous().reshape(tuple(ref.shape))
+            shape = tuple(ref.shape)
+
+        def produce(suffix: str = suffix, dtype: str = dtype, shape: tuple[int, ...] = shape, key: str = key):
+            t = shared.take(suffix)
+            if t.dtype != _torch(dtype) or t.numel() != _numel(shape):  # the encoder and its layout disagree
+                raise PlanError(f"{key}: the {name} encoder wrote {t.dtype} {list(t.shape)}, its layout says "
+                                f"{dtype} {list(shape)}", rule="quant-encode")
+            yield t.contiguous().reshape(shape)
 
         detail = {"encoder": name, "to": storage.label}
-        meta = {"source": _inputs(values), "quant": storage.label}
-        if suffix != format_of(storage).weight.suffix:
+        meta: dict[str, Any] = {"source": _inputs(values), "quant": storage.label}
+        if suffix != fmt.weight.suffix:
             meta["role"] = "scale"
-        out[key] = OutputTensor(key, ref.dtype, tuple(ref.shape), Compute(produce, OP, _inputs(values), detail),
-                                values.shard, meta)
+        out[key] = OutputTensor(key, dtype, shape, Compute(produce, OP, _inputs(values), detail), values.shard, meta)
     return out
 
 
@@ -83,18 +93,11 @@ def _inputs(t: OutputTensor) -> list[str]:
 class _Shared:
     """One encoding of ``values``, computed by whichever output recipe runs first."""
 
-    def __init__(self, values: OutputTensor, enc, args: EncodeArgs) -> None:
-        self.values, self.enc, self.args = values, enc, args
+    def __init__(self, values: OutputTensor, enc, args: EncodeArgs, wanted: set[str]) -> None:
+        self.values, self.enc, self.args, self._wanted = values, enc, args, wanted
         self._lock = threading.Lock()
         self._out: dict[str, Any] | None = None
         self._served: set[str] = set()
-        self._wanted: set[str] | None = None
-
-    def suffixes(self, fmt) -> set[str]:
-        # the weight and every companion except activation scales (calibrated, not a function of the weight)
-        wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale")}
-        self._wanted = wanted
-        return wanted
 
     def take(self, suffix: str):
         with self._lock:
@@ -102,7 +105,7 @@ class _Shared:
                 self._out = self._encode()
             t = self._out[suffix]
             self._served.add(suffix)
-            if self._wanted is not None and self._served >= self._wanted:
+            if self._served >= self._wanted:
                 self._out, self._served = None, set()  # every output has its bytes: nothing asks again this run
             return t
 
