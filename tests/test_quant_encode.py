@@ -114,3 +114,125 @@ def test_encoders_reproduce_the_real_producers_outputs(fixture):
 def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
     named = {f.encoder for t in all_schemes().values() for f in t.storage if f.encoder}
     assert named == set(ENCODERS)
+
+
+# -- the real producers' outputs, MTP restored by graft --mtp-quant, then a finetuned draft stitched in ---------
+
+MTP = "model.layers.2."  # the DeepSeek-V3 base fixture's MTP layer
+GRAFTED = {"llmcompressor-nvfp4a16": "ct-nvfp4", "llmcompressor-fp8-dynamic": "ct-fp8"}
+
+
+def _stored_modules(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """MTP modules stored quantized: module -> {suffix: tensor}."""
+    t = _load_dir(path)
+    mods = {k.rsplit(".", 1)[0] for k in t if k.startswith(MTP) and k.rsplit(".", 1)[1].startswith("weight_")}
+    return {m: {k[len(m) + 1:]: v for k, v in t.items() if k.startswith(m + ".")} for m in mods}
+
+
+def _load_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _ct_oracle(weights: dict[str, torch.Tensor], out: Path) -> dict[str, torch.Tensor]:
+    """compressed-tensors' ModelCompressor over the weights with the output's own quantization_config group."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from ckpt_tools.testing.quantizers import ct_compress
+
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    scheme = next(iter(qc.config_groups.values()))
+    scheme.format = scheme.format or qc.format
+    names = {m.replace(".", "_"): m for m in weights}
+    lib, _ = ct_compress({n: weights[m] for n, m in names.items()}, scheme, [])
+    return {f"{names[k.split('.', 1)[0]]}.{k.split('.', 1)[1]}": v for k, v in lib.items()}
+
+
+def _assert_ct_compressed(out: Path, weights: dict[str, torch.Tensor]) -> int:
+    stored = _stored_modules(out)
+    assert stored, f"no MTP module of {out} is stored quantized"
+    want = _ct_oracle({m: weights[m] for m in stored}, out)
+    for m, parts in stored.items():
+        for suffix, t in parts.items():
+            assert _as_bytes(t) == _as_bytes(want[f"{m}.{suffix}"]), f"{m}.{suffix}"
+    return len(stored)
+
+
+@pytest.mark.parametrize("fixture", sorted(GRAFTED))
+def test_graft_mtp_quant_then_stitch_writes_compressed_tensors_own_bytes(fixture, tmp_path):
+    """graft --mtp-quant restores the MTP llm-compressor dropped, in the trunk's own scheme: each quantizable MTP
+    linear is compressed-tensors' compression of the base's weight. A finetuned draft extracted from it stitches
+    back in that scheme, again compressed-tensors' bytes for the draft's values; the unchanged round trip is
+    byte-identical; compressed-tensors' own matcher builds exactly the stored-quantized modules quantized."""
+    from conftest import run_ckpt
+
+    base, target = CORPUS / "transformers-deepseek_v3", CORPUS / fixture
+    grafted = tmp_path / "grafted"
+    run_ckpt("graft", base, target, "-o", grafted, "--mtp-quant", GRAFTED[fixture])
+    base_w = {k.removesuffix(".weight"): v for k, v in _load_dir(base).items() if k.endswith(".weight")}
+    n = _assert_ct_compressed(grafted, base_w)
+    assert n >= 10, n
+    assert run_ckpt("validate", grafted).exit_code == 0
+    _ct_builds_quantized_exactly(grafted)
+
+    draft, back = tmp_path / "draft", tmp_path / "back"
+    run_ckpt("extract", grafted, "-o", draft, "--dequant", "bf16")
+    run_ckpt("stitch", draft, grafted, "-o", back)  # unchanged: the grafted verifier again
+    for f in sorted(grafted.glob("*.safetensors")) + [grafted / "config.json"]:
+        assert (back / f.name).read_bytes() == f.read_bytes(), f.name
+
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(1)
+    for f in draft.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({k: (v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
+                   if v.dim() == 2 and v.is_floating_point() else v for k, v in t.items()}, f, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    run_ckpt("stitch", draft, grafted, "-o", out)
+    draft_w = {k.removesuffix(".weight"): v for k, v in _load_dir(draft).items() if k.endswith(".weight")}
+    assert _assert_ct_compressed(out, draft_w) == n
+    assert (out / "config.json").read_bytes() == (grafted / "config.json").read_bytes()
+    assert run_ckpt("validate", out).exit_code == 0
+
+
+def _ct_builds_quantized_exactly(out: Path) -> None:
+    import json
+
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+
+    t = _load_dir(out)
+    root = torch.nn.Module()
+    for k, v in t.items():
+        if not (k.startswith(MTP) and k.endswith((".weight", ".weight_packed"))) or v.dim() != 2 \
+                or "embed_tokens" in k or ".mlp.gate." in k:
+            continue
+        parent = root
+        *path, leaf = k.rsplit(".", 1)[0].split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, torch.nn.Linear(1, 1, bias=False))
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    apply_quantization_config(root, qc)
+    built = {n for n, m in root.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    assert built == set(_stored_modules(out)), sorted(built ^ set(_stored_modules(out)))
+
+
+def test_mtp_quant_refuses_a_scheme_without_an_encoder_and_calibrated_targets(tmp_path):
+    from conftest import run_ckpt
+
+    base = CORPUS / "transformers-deepseek_v3"
+    r = run_ckpt("graft", base, CORPUS / "llmcompressor-w4a16", "-o", tmp_path / "o", "--mtp-quant", "ct-pack",
+                 code=2)
+    assert "[mtp-quant-scheme]" in r.output and "no encoder" in r.output and "ct-nvfp4" in r.output
+    r = run_ckpt("graft", base, CORPUS / "modelopt-fp8", "-o", tmp_path / "o", "--mtp-quant", "modelopt-fp8", code=3)
+    assert "[mtp-quant-calibration]" in r.output and "input_scale" in r.output
+    assert not (tmp_path / "o").exists()
