@@ -192,8 +192,9 @@ def test_graft_mtp_quant_then_stitch_writes_compressed_tensors_own_bytes(fixture
     g = torch.Generator().manual_seed(1)
     for f in draft.glob("*.safetensors"):
         t = load_file(f)
-        save_file({k: (v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
-                   if v.dim() == 2 and v.is_floating_point() else v for k, v in t.items()}, f, metadata={"format": "pt"})
+        moved = {k: (v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
+                 if v.dim() == 2 and v.is_floating_point() else v for k, v in t.items()}
+        save_file(moved, f, metadata={"format": "pt"})
     out = tmp_path / "out"
     run_ckpt("stitch", draft, grafted, "-o", out)
     draft_w = {k.removesuffix(".weight"): v for k, v in _load_dir(draft).items() if k.endswith(".weight")}
