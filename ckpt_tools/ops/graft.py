@@ -239,6 +239,7 @@ class _Grafter:
         self.sview, self.out_view, self.req, self.declared = sview, out_view, req, declared
         self.src = sview.ckpt
         self.pieces: dict[str, _Piece] = {}  # logical key (a weight's .weight) -> its tensors
+        self.fused = None  # encode_plan.FusedGroups, once a weight is encoded
 
     def build(self) -> dict[str, _Piece]:
         restacked: set[str] = set()
@@ -251,7 +252,7 @@ class _Grafter:
                 continue  # a block scale travels with its weight
             # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
             pinned = s.dtype_fixed or s.dtype != self.sview.resolved.dtype  # dtype_fixed: rule stored-dtype
-            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned)
+            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned, s.role == "expert")
         return self.pieces
 
     def _as_stored(self, key: str) -> _Piece:
@@ -298,13 +299,14 @@ class _Grafter:
         scales = {scale_key(t.key, res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
         for t in outs:
             if t.key not in scales:
-                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant)
+                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant,
+                          expert=True)
 
-    def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False) -> None:
+    def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False, expert: bool = False) -> None:
         """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""
         req = self.req
         if req.mtp_quant and quantizable and piece.values is not None and len(piece.tensors[0].shape) >= 2:
-            piece = self._fp8(key, piece) if req.mtp_quant == BLOCK_FP8 else self._encoded(key, piece)
+            piece = self._fp8(key, piece) if req.mtp_quant == BLOCK_FP8 else self._encoded(key, piece, expert)
         elif req.mtp_dtype and piece.values is not None and not (pinned and piece.stored.state == "unquantized"):
             dtype = MTP_DTYPES[req.mtp_dtype]
             t = piece.values(dtype)
@@ -327,12 +329,12 @@ class _Grafter:
         return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, block), piece.values)
 
 
-    def _encoded(self, key: str, piece: _Piece) -> _Piece:
+    def _encoded(self, key: str, piece: _Piece, expert: bool) -> _Piece:
         """The weight in the requested scheme's storage, written by the encoder its table names, with the
         parameters the target's config declares for the module (group size, strategy, block)."""
         from ..model.quant import get_scheme
         from ..model.quant.encode import EncodeArgs, layout_of
-        from ..model.quant.encode_plan import encode_module
+        from ..model.quant.encode_plan import FusedGroups, encode_module
         from ..model.quant.storage import Storage, params_for
 
         name, w = self.req.mtp_quant or "", piece.tensors[0]
@@ -353,7 +355,9 @@ class _Grafter:
         st = Storage(module, "quantized", fmt.weight.dtypes[0], name, fmt.name, label,
                      {sfx: f"{module}.{sfx}" for sfx in written}, shape=tuple(w.shape), params=params)
         values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values(dtype)
-        outs = list(encode_module(values, st, dtype).values())
+        if self.fused is None:
+            self.fused = FusedGroups(self.out_view.table.fused_modules, dtype)
+        outs = list(encode_module(values, st, dtype, group=self.fused.join(module, values, st, expert)).values())
         outs[0].meta.setdefault("source", _sources(w))
         return _Piece(outs, Stored("quantized", label, name, st, fmt.weight.dtypes[0]), piece.values)
 

@@ -38,7 +38,7 @@ from ..model.mtp import MtpView, choose_table, detect_group_layout
 from ..model.prefixes import Unwrapped, unwrap
 from ..model.provenance import prove_family
 from ..model.quant.dequant import format_of
-from ..model.quant.encode_plan import encodable, encode_module
+from ..model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ..model.quant.repair import Repair
 from ..model.quant.storage import Storage
 from ..model.tables.resolve import Spec, resolve, trunk_specs
@@ -194,6 +194,7 @@ class _Builder:
         self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
         self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
         self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
+        self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
         self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
 
@@ -283,7 +284,7 @@ class _Builder:
         if stored is not None and self._encodes(stored):  # written in the verifier's own storage format
             if t.dtype in FP8_DTYPES:
                 t = transforms.dequantize(t, scale, "F32", self.res.block_size)
-            self._encode(t, stored)
+            self._encode(t, stored, spec)
             return
         if vt in FP8_DTYPES:
             if not self.add:
@@ -309,10 +310,12 @@ class _Builder:
         """The verifier's storage format has an encoder and the request keeps the verifier's storage."""
         return encodable(stored) is not None and not self.req.keep_bf16 and self.req.dtype != "draft"
 
-    def _encode(self, t: OutputTensor, stored: Storage) -> None:
+    def _encode(self, t: OutputTensor, stored: Storage, spec: Spec | None) -> None:
         """The draft's values encoded as the verifier stores the module (its scheme table's encoder);
         ``stitch_compare.decide`` keeps the verifier's tensors when the values are its decoded ones."""
-        outs = encode_module(t, stored, self.res.dtype, self.view.ckpt.tensors)
+        expert = spec is None or spec.role == "expert"
+        group = self.fused.join(stored.module, t, stored, expert)
+        outs = encode_module(t, stored, self.res.dtype, self.view.ckpt.tensors, group)
         wkey = stored.tensors[format_of(stored).weight.suffix]
         self.candidates.update(outs)
         self.values[wkey] = t

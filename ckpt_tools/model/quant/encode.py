@@ -13,6 +13,10 @@ producer that writes the format, operation for operation, so its bytes are the p
   ``weight_scale_2 = amax / (6 * 448)``, group scales ``amax_g / (6 * weight_scale_2)`` in F8_E4M3),
   held to the ModelOpt fixtures.
 
+The per-tensor quantity (NVFP4's global scale, ModelOpt's amax) of a shard of an engine-fused layer is
+the group's (``EncodeArgs.group_absmax``): llm-compressor gives gate/up and q_a/kv_a one global scale
+(the shards' minimum), ModelOpt one amax, because vLLM loads the fused layer with one.
+
 The compute dtype is what the producer saw: compressed-tensors' FP8 scale is stored in the dtype
 its observer computed in (the model's), so that dtype is read off the stored scale; NVFP4 computes
 in the model dtype (``EncodeArgs.model_dtype``). Activation scales (``input_scale``,
@@ -43,6 +47,10 @@ class EncodeArgs:
     params: Mapping[str, Any] = field(default_factory=dict)
     dtypes: Mapping[str, str] = field(default_factory=dict)
     model_dtype: str = "BF16"
+    # max |value| over the engines' fused group the module is a shard of (gate/up, q_a/kv_a; in the model
+    # dtype, so exact as a float): producers give the shards one per-tensor scale from it, because vLLM
+    # loads a fused layer with one (llm-compressor's fused global scale, ModelOpt's synced amax)
+    group_absmax: float | None = None
 
 
 Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
@@ -102,6 +110,15 @@ def _absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 def _expand(s: torch.Tensor, tile: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
     """A per-tile grid repeated over [rows, cols] (edge tiles cropped)."""
     return s.repeat_interleave(tile[0], 0)[: shape[0]].repeat_interleave(tile[1], 1)[:, : shape[1]]
+
+
+def _tensor_absmax(x: torch.Tensor, args: EncodeArgs) -> torch.Tensor:
+    """max |x| as a 0-d tensor of x's dtype, or the fused group's (``args.group_absmax``)."""
+    import torch
+
+    if args.group_absmax is not None:
+        return torch.tensor(args.group_absmax, dtype=x.dtype)
+    return _absmax(x.amin(), x.amax())
 
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +238,7 @@ def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     dtype = _torch_dtype(args.model_dtype)
     group = int(args.params.get("group_size") or 16)
     x = values.to(dtype)
-    m = _absmax(x.amin().reshape(1), x.amax().reshape(1))
+    m = _tensor_absmax(x, args).reshape(1)
     m = torch.clamp(m, min=torch.finfo(dtype).tiny)
     g = torch.nan_to_num(FP8_MAX * FP4_MAX / m, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
     lo, hi = _tile_minmax(x, (1, group))
@@ -242,7 +259,7 @@ def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tens
     import torch
 
     x = values.to(_torch_dtype(args.model_dtype))
-    scale = (x.float().abs().amax() / FP8_MAX).reshape(())
+    scale = (_tensor_absmax(x, args).float() / FP8_MAX).reshape(())
     q = _e4m3(x / scale if float(scale) > 0 else x)  # a 0-d float32 scale: the quotient is in the model dtype
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
 
@@ -254,8 +271,9 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
     import torch
 
     group = int(args.params.get("group_size") or 16)
-    x = values.to(_torch_dtype(args.model_dtype)).float()
-    ws2 = (x.abs().amax() / (FP4_MAX * FP8_MAX)).reshape(())
+    x = values.to(_torch_dtype(args.model_dtype))
+    ws2 = (_tensor_absmax(x, args).float() / (FP4_MAX * FP8_MAX)).reshape(())
+    x = x.float()
     amax_g = x.abs().unflatten(-1, (x.shape[-1] // group, group)).amax(-1)
     s = _e4m3(amax_g / (FP4_MAX * ws2)).to(torch.float32)
     s = torch.where(s == 0, torch.ones_like(s), s)

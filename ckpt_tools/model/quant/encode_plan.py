@@ -10,7 +10,8 @@ encodes, the others take their part; it is dropped once each has been served.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ...dtypes import DTYPES
@@ -30,12 +31,57 @@ def encodable(storage: Storage) -> str | None:
     return format_of(storage).encoder
 
 
-def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs: Mapping[str, Any] | None = None
-                  ) -> dict[str, OutputTensor]:
+class FusedGroups:
+    """Shards of the engines' fused layers (a family table's ``fused_modules``: gate/up, q_a/kv_a, ...) being
+    encoded in one run: a format whose producer gives them one per-tensor scale (``shared_scale``) takes it
+    from the absmax over every shard's values, once each shard has joined (a shard encoded alone keeps its own)."""
+
+    def __init__(self, fused: Mapping[str, Any], model_dtype: str) -> None:
+        self.fused, self.model_dtype = fused, model_dtype
+        self._members: dict[tuple[str, tuple[str, ...]], dict[str, OutputTensor]] = {}
+        self._absmax: dict[tuple[str, tuple[str, ...]], float | None] = {}
+        self._lock = threading.Lock()
+
+    def join(self, module: str, values: OutputTensor, storage: Storage, expert: bool) -> Callable[[], Any] | None:
+        rule = format_of(storage).shared_scale
+        if rule == "none" or (rule == "experts" and not expert):
+            return None
+        parent, _, leaf = module.rpartition(".")
+        shards = next((tuple(s) for s in self.fused.values() if leaf in s), None)
+        if shards is None:
+            return None
+        group = (parent, shards)
+        self._members.setdefault(group, {})[leaf] = values
+        return lambda: self.absmax(group)
+
+    def absmax(self, group: tuple[str, tuple[str, ...]]) -> float | None:
+        with self._lock:
+            if group not in self._absmax:
+                members = self._members[group]
+                whole = set(members) == set(group[1])
+                self._absmax[group] = max(_absmax_of(v, self.model_dtype) for v in members.values()) if whole \
+                    else None
+            return self._absmax[group]
+
+
+def _absmax_of(values: OutputTensor, model_dtype: str) -> float:
+    """max |v| of the values in the model dtype (exact as a float)."""
+
+    from ...arrays import bytes_to_torch
+    from ...numeric.transforms import recipe_bytes
+
+    buf = bytearray(b"".join(recipe_bytes(values.recipe, max(values.nbytes, 1))))
+    x = bytes_to_torch(buf, values.dtype, tuple(values.shape)).to(_torch(model_dtype))
+    return float(x.abs().max()) if x.numel() else 0.0
+
+
+def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs: Mapping[str, Any] | None = None,
+                  group: Callable[[], Any] | None = None) -> dict[str, OutputTensor]:
     """``values`` (the logical weight, float) encoded as ``storage`` holds the module: {stored key: tensor}
     for the weight and each scale the encoder writes. ``refs`` (stitch): the reference checkpoint's tensors;
     the outputs take their dtypes and shapes (one the encoder cannot write is refused) and its activation
-    scales are copied. Without them (graft) the outputs are what the encoder writes (``encode.layout_of``)."""
+    scales are copied. Without them (graft) the outputs are what the encoder writes (``encode.layout_of``).
+    ``group``: the fused group's absmax, resolved when the encoding runs (``FusedGroups.join``)."""
     name = encodable(storage)
     if name is None:
         raise PlanError(f"{storage.module}: {storage.label} has no encoder", rule="quant-encode")
@@ -44,7 +90,7 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
     args = EncodeArgs(dict(storage.params), dtypes, model_dtype)
     layout = layout_of(name, tuple(values.shape), args)
     wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale")}
-    shared = _Shared(values, get_encoder(name), args, set(layout) & wanted & set(storage.tensors))
+    shared = _Shared(values, get_encoder(name), args, set(layout) & wanted & set(storage.tensors), group)
     out: dict[str, OutputTensor] = {}
     for suffix, key in storage.tensors.items():
         ref = refs[key] if refs is not None else None
@@ -93,8 +139,8 @@ def _inputs(t: OutputTensor) -> list[str]:
 class _Shared:
     """One encoding of ``values``, computed by whichever output recipe runs first."""
 
-    def __init__(self, values: OutputTensor, enc, args: EncodeArgs, wanted: set[str]) -> None:
-        self.values, self.enc, self.args, self._wanted = values, enc, args, wanted
+    def __init__(self, values: OutputTensor, enc, args: EncodeArgs, wanted: set[str], group=None) -> None:
+        self.values, self.enc, self.args, self._wanted, self.group = values, enc, args, wanted, group
         self._lock = threading.Lock()
         self._out: dict[str, Any] | None = None
         self._served: set[str] = set()
@@ -118,8 +164,9 @@ class _Shared:
         if len(buf) != DTYPES[v.dtype].nbytes(1) * _numel(v.shape):
             raise PlanError(f"{v.key}: read {len(buf)} bytes of values", rule="quant-encode")
         x = bytes_to_torch(buf, v.dtype, tuple(v.shape))
+        args = self.args if self.group is None else replace(self.args, group_absmax=self.group())
         with torch_threads(load=True):
-            return encode_matrices(self.enc, x, self.args)
+            return encode_matrices(self.enc, x, args)
 
 
 def _numel(shape) -> int:
