@@ -85,16 +85,6 @@ PRODUCED = {
 }
 
 
-def group_absmax(weights: dict[str, torch.Tensor], module: str, fused: dict[str, list[str]]) -> float | None:
-    """max |w| over the engines' fused group ``module`` is a shard of (the family table's fused_modules)."""
-    parent, _, leaf = module.rpartition(".")
-    for shards in fused.values():
-        keys = [f"{parent}.{s}.weight" for s in shards]
-        if leaf in shards and all(k in weights for k in keys):
-            return max(float(weights[k].abs().max()) for k in keys)
-    return None
-
-
 @pytest.mark.parametrize("fixture", sorted(PRODUCED))
 def test_encoders_reproduce_the_real_producers_outputs(fixture):
     """Every linear the producer quantized, encoded from the base's BF16 weight: the producer's bytes. A shard of
@@ -102,6 +92,8 @@ def test_encoders_reproduce_the_real_producers_outputs(fixture):
     ``shared_scale``) takes its per-tensor scale from the group's absmax, as the producers do; alone, those
     modules differ in that scale (checked too: the group matters)."""
     from ckpt_tools.model.tables.loader import get_table
+
+    from quant_helpers import group_absmax
 
     name, params, shared = PRODUCED[fixture]
     fused = get_table("deepseek_v3").fused_modules
@@ -155,36 +147,14 @@ def _load_dir(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _ct_oracle(weights: dict[str, torch.Tensor], out: Path) -> dict[str, torch.Tensor]:
-    """compressed-tensors' own compression of each weight with the output's quantization_config group, scales
-    from the library's ``calculate_qparams`` / ``generate_gparam`` over a min-max observation (as llm-compressor's
-    observer), and llm-compressor's fused rule: the shards of a fused layer take the smallest global scale."""
     import json
 
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-
     from ckpt_tools.model.tables.loader import get_table
-    from ckpt_tools.testing.quantizers import _observed
 
-    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
-    scheme = next(iter(qc.config_groups.values()))
-    comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
-    args = scheme.weights
-    gscale = {m: generate_gparam(w.amin(), w.amax()) for m, w in weights.items()} \
-        if args.strategy == "tensor_group" else {}
-    for shards in get_table("deepseek_v3").fused_modules.values():
-        for m in list(gscale):
-            parent, _, leaf = m.rpartition(".")
-            group = [f"{parent}.{s}" for s in shards]
-            if leaf in shards and all(g in gscale for g in group):
-                gscale[m] = torch.min(torch.cat([gscale[g] for g in group])).reshape(1)
-    result: dict[str, torch.Tensor] = {}
-    for m, w in weights.items():
-        scale, _ = calculate_qparams(*_observed(w, args), args, global_scale=gscale.get(m))
-        sd = {"weight": w, "weight_scale": scale, **({"weight_global_scale": gscale[m]} if m in gscale else {})}
-        result.update({f"{m}.{k}": v for k, v in comp.compress(sd, scheme).items()})
-    return result
+    from quant_helpers import ct_compress_fused
+
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    return ct_compress_fused(weights, qc, get_table("deepseek_v3").fused_modules)
 
 
 def _assert_ct_compressed(out: Path, weights: dict[str, torch.Tensor]) -> int:

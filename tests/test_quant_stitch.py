@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.model.tables.loader import get_table
 from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
 
 from conftest import run_ckpt
+from quant_helpers import ct_compress_fused, group_absmax
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors comes with the test extra")
 from compressed_tensors.utils.match import match_name  # noqa: E402
@@ -72,15 +74,6 @@ def _stored(v: Checkpoint, modules: set[str]) -> set[str]:
             if f"{m}.weight" not in v.tensors or v.tensors[f"{m}.weight"].dtype not in ("BF16", "F16", "F32")}
 
 
-def _ct_compressed(weight: torch.Tensor, scheme: str) -> dict[str, bytes]:
-    """compressed-tensors' own save path (ModelCompressor over a calibrated Linear) for one weight."""
-    from ckpt_tools.testing.quantized import SCHEMES
-    from ckpt_tools.testing.quantizers import ct_compress, ct_scheme
-
-    lib, _ = ct_compress({"m": weight}, ct_scheme(SCHEMES[scheme].algo), [])
-    return {k.split(".", 1)[1]: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in lib.items()}
-
-
 @pytest.mark.parametrize("family", sorted(CASES))
 @pytest.mark.parametrize("scheme", ["ct-nvfp4", "ct-fp8-channel"])
 def test_stitch_encodes_the_mtp_in_the_verifiers_compressed_tensors_storage(built, tmp_path, family, scheme):
@@ -93,16 +86,17 @@ def test_stitch_encodes_the_mtp_in_the_verifiers_compressed_tensors_storage(buil
     v, d, c = Checkpoint.open(verifier), Checkpoint.open(draft), Checkpoint.open(out)
     stored = _stored(v, _mtp_linears(d, prefix))
     assert stored, "the fixture's MTP must be stored quantized"
+    qc = json.loads((verifier / "config.json").read_text())["quantization_config"]
+    want = ct_compress_fused({m: d.tensors[f"{m}.weight"].torch() for m in stored}, qc,
+                             get_table(family).fused_modules)
     for m in stored:
         mine = sorted(k for k in c.tensors if k.startswith(m + "."))
         assert mine == sorted(k for k in v.tensors if k.startswith(m + ".")), m  # the verifier's storage
-        want = _ct_compressed(d.tensors[f"{m}.weight"].torch(), scheme)
         for k in mine:
-            suffix = k[len(m) + 1:]
-            if suffix.startswith("input_"):  # calibrated on activations: the verifier's
+            if k.rpartition(".")[2].startswith("input_"):  # calibrated on activations: the verifier's
                 assert c.tensors[k].read() == v.tensors[k].read(), k
             else:
-                assert c.tensors[k].read() == want[suffix], k
+                assert c.tensors[k].read() == want[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes(), k
         wkey = next(k for k in mine if k.endswith((".weight", ".weight_packed")))
         assert c.tensors[wkey].read() != v.tensors[wkey].read(), m  # the finetune changed it
     for k, ref in v.tensors.items():  # the trunk (and the verifier's unquantized MTP norms) unchanged
@@ -194,9 +188,11 @@ def test_stitch_encodes_the_mtp_in_the_verifiers_modelopt_nvfp4_storage(built, t
     for name in ("config.json", "hf_quant_config.json"):
         assert (out / name).read_bytes() == (verifier / name).read_bytes()
     qs = detect_scheme(c)
+    weights = {f"{m}.weight": d.tensors[f"{m}.weight"].torch() for m in stored}
     for m in sorted(stored):
-        w = d.tensors[f"{m}.weight"].torch()
-        want = ENCODERS["modelopt-nvfp4"](w, EncodeArgs({"group_size": 16}, {}, "BF16"))
+        w = weights[f"{m}.weight"]
+        group = group_absmax(weights, m, get_table("qwen3_5_moe").fused_modules)  # gate/up share one weight_scale_2
+        want = ENCODERS["modelopt-nvfp4"](w, EncodeArgs({"group_size": 16}, {}, "BF16", group))
         for suffix, t in want.items():
             assert c.tensors[f"{m}.{suffix}"].read() == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         t = dequant_module(c, module_storage(c, qs, m), f"{m}.weight", "F32")
