@@ -243,3 +243,39 @@ def test_stitch_into_a_ue8m0_verifier_keeps_power_of_two_scales(tmp_path):
     for k in scales:
         assert bool((torch.frexp(c.tensors[k].torch())[0] == 0.5).all()), k
     assert run_ckpt("validate", out).exit_code == 0
+
+
+def test_one_changed_shard_of_a_fused_layer_reencodes_its_partner(built, tmp_path):
+    """gate_proj changed, up_proj not: vLLM loads them as one gate_up_proj with one global scale, so the partner
+    is encoded again and both carry the shared scale, byte for byte compressed-tensors' (llm-compressor's fused
+    rule) compression of the draft's values."""
+    from safetensors.torch import load_file, save_file
+
+    verifier, bf16, _ = built("deepseek_v3", "ct-nvfp4")
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in bf16.iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    gate = next(k for k in Checkpoint.open(draft).tensors if k.startswith(CASES["deepseek_v3"])
+                and k.endswith("mlp.shared_experts.gate_proj.weight"))
+    up = gate.replace("gate_proj", "up_proj")
+    for f in draft.glob("*.safetensors"):
+        t = load_file(f)
+        if gate in t:
+            t[gate] = (t[gate].float() * 1.5).to(t[gate].dtype)  # a new absmax: a new global scale for the pair
+            save_file(t, f, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    rep = json.loads(run_ckpt("stitch", draft, verifier, "-o", out, "--json", "--accept-divergent").output)
+    actions = {t["key"]: t["status"] for t in rep["tensors"]}
+    g, u = gate.removesuffix(".weight"), up.removesuffix(".weight")
+    assert actions[f"{g}.weight_packed"] == actions[f"{u}.weight_packed"] == "replaced"
+    c, d = Checkpoint.open(out), Checkpoint.open(draft)
+    assert c.tensors[f"{g}.weight_global_scale"].read() == c.tensors[f"{u}.weight_global_scale"].read()
+    qc = json.loads((verifier / "config.json").read_text())["quantization_config"]
+    want = ct_compress_fused({m: d.tensors[f"{m}.weight"].torch() for m in (g, u)}, qc,
+                             get_table("deepseek_v3").fused_modules)
+    for k, t in want.items():
+        if not k.rpartition(".")[2].startswith("input_"):
+            assert c.tensors[k].read() == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes(), k
+    others = [k for k, s in actions.items() if s != "unchanged" and not k.startswith((g + ".", u + "."))]
+    assert not others, others  # nothing else was touched

@@ -679,12 +679,31 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
                       builder.res.block_size, builder.res.scale_suffix, builder.encoded, builder.companions)
     report.decisions = decide(view, cand)
+    _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:
         vref = view.ckpt.tensors.get(d.key)
         if d.action == "identical" and vref is not None:
             builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
                                                      meta=builder.candidates[d.key].meta)
+
+
+def _encode_partners(decisions: list[Decision], builder: _Builder) -> None:
+    """The shards of an engine-fused layer share one per-tensor scale (``FusedGroups``): when one is encoded
+    anew, its unchanged partners are encoded again too (from their values, which are the verifier's), so the
+    written shards agree on that scale."""
+    by_key = {d.key: d for d in decisions}
+    for keys in builder.fused.partners():
+        if not any(by_key[k].action == "requantize" for k in keys):
+            continue
+        for k in keys:
+            if by_key[k].action != "identical":
+                continue
+            for key in (k, *builder.companions.get(k, ())):
+                d = by_key[key]
+                d.action, d.stats.status = "requantize", "replaced"
+                d.reason = ("encoded again: a shard of its fused layer changed, and the shards share one "
+                            "per-tensor scale") if key == k else f"scale of {k}, follows it (requantize)"
 
 
 def _changed(report: StitchReport) -> set[str]:

@@ -40,6 +40,7 @@ class FusedGroups:
         self.fused, self.model_dtype = fused, model_dtype
         self._members: dict[tuple[str, tuple[str, ...]], dict[str, OutputTensor]] = {}
         self._absmax: dict[tuple[str, tuple[str, ...]], float | None] = {}
+        self._weights: dict[tuple[str, tuple[str, ...]], list[str]] = {}
         self._lock = threading.Lock()
 
     def join(self, module: str, values: OutputTensor, storage: Storage, expert: bool) -> Callable[[], Any] | None:
@@ -52,7 +53,12 @@ class FusedGroups:
             return None
         group = (parent, shards)
         self._members.setdefault(group, {})[leaf] = values
+        self._weights.setdefault(group, []).append(storage.tensors[format_of(storage).weight.suffix])
         return lambda: self.absmax(group)
+
+    def partners(self) -> list[list[str]]:
+        """The stored weight keys of every group whose shards all joined (they share one per-tensor scale)."""
+        return [self._weights[g] for g, m in self._members.items() if set(m) == set(g[1])]
 
     def absmax(self, group: tuple[str, tuple[str, ...]]) -> float | None:
         with self._lock:
