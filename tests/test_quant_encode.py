@@ -240,3 +240,47 @@ def test_mtp_quant_refuses_a_scheme_without_an_encoder_and_calibrated_targets(tm
     r = run_ckpt("graft", base, CORPUS / "modelopt-fp8", "-o", tmp_path / "o", "--mtp-quant", "modelopt-fp8", code=3)
     assert "[mtp-quant-calibration]" in r.output and "input_scale" in r.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "ct-fp8", "ct-nvfp4", "modelopt-fp8", "modelopt-nvfp4"])
+def test_encoders_invert_their_decoders_and_keep_their_layout(name):
+    """The decoder of the same table reads what the encoder writes: decode(encode(w)) is w within the format's
+    step; every output has the dtype and shape the encoder's layout announces at plan time."""
+    import numpy as np
+
+    from ckpt_tools.model.quant.decode import Decoding, decode_array, scale_values
+    from ckpt_tools.model.quant.encode import layout_of
+
+    table = next(t for t in all_schemes().values() for f in t.storage if f.encoder == name)
+    fmt = next(f for f in table.storage if f.encoder == name)
+    params = {"fp8-block": {"block": [128, 128]}, "ct-fp8": {"strategy": "channel"}, "ct-nvfp4": {"group_size": 16},
+              "modelopt-fp8": {"algo": "FP8"}, "modelopt-nvfp4": {"group_size": 16}}[name]
+    w = (torch.randn(160, 256, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    args = EncodeArgs(params, {}, "BF16")
+
+    def decoded(x: torch.Tensor) -> torch.Tensor:
+        enc = ENCODERS[name](x, args)
+        for suffix, (dtype, shape) in layout_of(name, tuple(x.shape), args).items():
+            assert DTYPES.get(enc[suffix].dtype, "F8_E4M3" if enc[suffix].element_size() == 1 and
+                              enc[suffix].dtype != torch.uint8 else "U8") == dtype and \
+                tuple(enc[suffix].shape) == shape, (suffix, enc[suffix].dtype, enc[suffix].shape)
+        d = fmt.decoder
+        tile = {"fp8-block": (128, 128), "ct-fp8": (1, 256), "ct-nvfp4": (1, 16), "modelopt-fp8": (160, 256),
+                "modelopt-nvfp4": (1, 16)}[name]
+        weight = enc[fmt.weight.suffix]
+        wd = "U8" if weight.dtype == torch.uint8 else "F8_E4M3"
+        dec = Decoding(d, wd, (160, 256), weight.shape[-1], weight.shape[-1], tile, "F32")
+
+        def sv(suffix: str) -> np.ndarray:
+            t = enc[suffix]
+            dt = "F8_E4M3" if t.dtype == torch.float8_e4m3fn else DTYPES[t.dtype]
+            raw = t.contiguous().view(torch.uint8).numpy() if t.element_size() == 1 else t.float().numpy()
+            return scale_values(raw, dt if t.element_size() == 1 else "F32")
+
+        g = sv(d.global_scale.tensor) if d.global_scale else None
+        out = decode_array(dec, weight.contiguous().view(torch.uint8).numpy(), sv(d.scale.tensor), g)
+        return torch.from_numpy(out.view(np.float32).copy())
+
+    once = decoded(w)
+    rel = float((once - w.float()).abs().max() / w.float().abs().max())
+    assert rel < (0.2 if "nvfp4" in name else 0.04), rel  # e2m1: half its widest gap (4 -> 6) is 1/6 of a group

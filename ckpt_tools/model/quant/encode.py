@@ -9,6 +9,8 @@ producer that writes the format, operation for operation, so its bytes are the p
   format's compressor (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``: ``quantize`` then
   ``pack_fp4_to_uint8``). Held byte for byte to the library's own functions and to llm-compressor's
   outputs in fixtures/producers (tests/test_quant_encode.py).
+- ``fp8-block``: DeepSeek block FP8 (``numeric.fp8.quantize``), for block-FP8 storage a scheme table
+  describes (the family tables' own block FP8 still goes through stitch's and graft's block-FP8 path);
 - ``modelopt-fp8`` / ``modelopt-nvfp4``: ModelOpt's export (per-tensor ``amax / 448``; NVFP4
   ``weight_scale_2 = amax / (6 * 448)``, group scales ``amax_g / (6 * weight_scale_2)`` in F8_E4M3),
   held to the ModelOpt fixtures.
@@ -279,6 +281,22 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
     s = torch.where(s == 0, torch.ones_like(s), s)
     packed = _fp4_codes(x, s * ws2, group)
     return {"weight": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_scale_2": ws2}
+
+
+def _fp8_block_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    br, bc = args.params.get("block") or (128, 128)
+    return {"weight": ("F8_E4M3", shape), "weight_scale_inv": ("F32", (-(-shape[0] // br), -(-shape[1] // bc)))}
+
+
+@encoder("fp8-block", _fp8_block_layout)
+def fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """DeepSeek block FP8: ``numeric.fp8.quantize`` (F32 ``amax / 448`` per block, e4m3 codes; its round trip
+    through the decoder is a fixed point)."""
+    from ...numeric.fp8 import quantize
+
+    block = args.params.get("block") or (128, 128)
+    q, scale = quantize(values, (int(block[0]), int(block[1])))
+    return {"weight": q, "weight_scale_inv": scale}
 
 
 def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
