@@ -308,7 +308,8 @@ class _Builder:
 
     def _encodes(self, stored: Storage) -> bool:
         """The verifier's storage format has an encoder and the request keeps the verifier's storage."""
-        return encodable(stored) is not None and not self.req.keep_bf16 and self.req.dtype != "draft"
+        return encodable(stored, self.res.dtype, self.view.ckpt.tensors) is not None and not self.req.keep_bf16 \
+            and self.req.dtype != "draft"
 
     def _encode(self, t: OutputTensor, stored: Storage, spec: Spec | None) -> None:
         """The draft's values encoded as the verifier stores the module (its scheme table's encoder);

@@ -24,11 +24,23 @@ from .storage import Storage
 OP = "quantize"  # a torch recipe (numeric.transforms.TORCH_OPS): one torch thread setting for the run
 
 
-def encodable(storage: Storage) -> str | None:
-    """The encoder name the module's storage format declares, or None."""
+def encodable(storage: Storage, model_dtype: str | None = None, refs: Mapping[str, Any] | None = None) -> str | None:
+    """The encoder name the module's storage format declares, or None; with ``refs`` (the stored tensors),
+    only when that encoder writes the dtypes and sizes they have (a BF16-scaled block FP8 it does not)."""
     if not storage.quantized or not storage.scheme:
         return None
-    return format_of(storage).encoder
+    name = format_of(storage).encoder
+    if name is None or refs is None or storage.shape is None:
+        return name
+    args = EncodeArgs(dict(storage.params), {s: refs[k].dtype for s, k in storage.tensors.items()},
+                      model_dtype or "BF16")
+    try:
+        layout = layout_of(name, tuple(storage.shape), args)
+    except PlanError:
+        return None
+    ok = all(refs[k].dtype == layout[s][0] and _numel(refs[k].shape) == _numel(layout[s][1])
+             for s, k in storage.tensors.items() if s in layout)
+    return name if ok else None
 
 
 class FusedGroups:
