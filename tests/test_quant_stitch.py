@@ -74,8 +74,8 @@ def _stored(v: Checkpoint, modules: set[str]) -> set[str]:
             if f"{m}.weight" not in v.tensors or v.tensors[f"{m}.weight"].dtype not in ("BF16", "F16", "F32")}
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
-@pytest.mark.parametrize("scheme", ["ct-nvfp4", "ct-fp8-channel"])
+@pytest.mark.parametrize(("family", "scheme"), [(f, s) for f in sorted(CASES) for s in ("ct-nvfp4", "ct-fp8-channel")]
+                         + [("deepseek_v3", "ct-fp8-block"), ("deepseek_v3", "ct-fp8-tensor")])
 def test_stitch_encodes_the_mtp_in_the_verifiers_compressed_tensors_storage(built, tmp_path, family, scheme):
     """A finetuned draft into an NVFP4 / FP8-channel verifier: each changed MTP weight is written as the verifier
     stores it, byte for byte what compressed-tensors' own compressor writes for the draft's values; activation
