@@ -120,6 +120,50 @@ def ct_quantize(state: dict[str, torch.Tensor], scheme, ignore: list[str]) -> di
     return out
 
 
+def group_absmax(weights: dict[str, torch.Tensor], module: str, fused: dict[str, list[str]]) -> float | None:
+    """max |w| over the engines' fused group ``module`` is a shard of (a family table's fused_modules), when
+    ``weights`` (keyed ``module.weight``) hold every shard."""
+    parent, _, leaf = module.rpartition(".")
+    for shards in fused.values():
+        keys = [f"{parent}.{s}.weight" for s in shards]
+        if leaf in shards and all(k in weights for k in keys):
+            return max(float(weights[k].abs().max()) for k in keys)
+    return None
+
+
+def ct_compress_fused(weights: dict[str, torch.Tensor], quantization_config: dict,
+                      fused: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own compression of each weight (module -> weight, in the model dtype) with the
+    config's group: scales from the library's ``calculate_qparams`` / ``generate_gparam`` over a min-max
+    observation (llm-compressor's observer), and llm-compressor's fused rule: the shards of a fused layer
+    (``fused``) take the smallest of their global scales. Returns ``module.suffix`` -> tensor."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    from ckpt_tools.testing.quantizers import _observed
+
+    qc = QuantizationConfig.model_validate(quantization_config)
+    scheme = next(iter(qc.config_groups.values()))
+    comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
+    args = scheme.weights
+    gscale = {m: generate_gparam(w.amin(), w.amax()) for m, w in weights.items()} \
+        if args.strategy == "tensor_group" else {}
+    own = dict(gscale)
+    for m in gscale:
+        parent, _, leaf = m.rpartition(".")
+        for shards in fused.values():
+            group = [f"{parent}.{s}" for s in shards]
+            if leaf in shards and all(g in own for g in group):
+                gscale[m] = torch.min(torch.cat([own[g] for g in group])).reshape(1)
+    out: dict[str, torch.Tensor] = {}
+    for m, w in weights.items():
+        scale, _ = calculate_qparams(*_observed(w, args), args, global_scale=gscale.get(m))
+        sd = {"weight": w, "weight_scale": scale, **({"weight_global_scale": gscale[m]} if m in gscale else {})}
+        out.update({f"{m}.{k}": v for k, v in comp.compress(sd, scheme).items()})
+    return out
+
+
 def _linear(module: str) -> bool:
     last = module.rsplit(".", 1)[-1]
     return not (last.endswith("norm") or last in ("embed_tokens", "embed", "gate") or "layernorm" in last)

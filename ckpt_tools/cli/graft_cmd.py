@@ -31,8 +31,9 @@ def register(app: typer.Typer) -> None:
                                       help="bf16 | fp32 | fp16: MTP values in this dtype (quantized ones dequantized); "
                                            "default: as the source stores them"),
         mtp_quant: str = typer.Option(None, "--mtp-quant",
-                                      help="fp8-block: DeepSeek block FP8 for the linear weights the family table "
-                                           "marks quantizable (a target whose config declares block FP8)"),
+                                      help="fp8-block | ct-fp8 | ct-nvfp4 | modelopt-fp8 | modelopt-nvfp4: the linear "
+                                           "weights the family table marks quantizable in that scheme (a target "
+                                           "whose config declares it)"),
         link: str = typer.Option("copy", "--link",
                                  help="Untouched shards: copy | reflink | hardlink | remote (an hf:// target's "
                                       "shards stay on the Hub)"),

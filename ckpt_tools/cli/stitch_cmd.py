@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         allow_partial: bool = typer.Option(False, "--allow-partial", help="Keep verifier tensors the draft lacks."),
         dtype: str = typer.Option("verifier", "--dtype", help="verifier (cast to its dtypes) | draft"),
         update_copies: bool = typer.Option(False, "--update-copies", help="Also replace per-layer embed/head copies."),
-        keep_bf16: bool = typer.Option(False, "--keep-bf16", help="FP8 verifier: write bf16 MTP weights, unquantized."),
+        keep_bf16: bool = typer.Option(False, "--keep-bf16", help="Write bf16 MTP weights, unquantized."),
         arch: str = typer.Option(None, "--arch", help="Verifier table instead of detecting it."),
         strip_prefix: str = typer.Option(
             None, "--strip-prefix", metavar="P",

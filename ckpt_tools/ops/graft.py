@@ -7,8 +7,9 @@ TARGET with SOURCE's MTP layers:
 - the families match (table detection) and SOURCE's MTP tensors have the names and shapes
   TARGET's config gives them (rule ``source-mismatch``): hidden size, vocabulary, experts, layers;
 - each MTP tensor is written as SOURCE stores it (byte copies), or ``--mtp-dtype`` casts /
-  dequantizes float values, or ``--mtp-quant fp8-block`` writes DeepSeek block FP8 for the linear
-  weights the family table marks quantizable (into a TARGET whose config declares that scheme);
+  dequantizes float values, or ``--mtp-quant SCHEME`` writes the linear weights the family table marks
+  quantizable in that scheme (into a TARGET whose config declares it): ``fp8-block`` through the family
+  table's block FP8, every other scheme through the encoder its table names (model/quant/encode.py);
   experts follow TARGET's trunk layout (a byte-level restack when SOURCE ships another);
 - every MTP tensor TARGET holds (a mangled MTP) is dropped, the shards holding them rewritten
   without them; every other shard is copied or linked whole (stitch's ``mtp_into``);
@@ -42,7 +43,7 @@ from .extract import _set_count
 from .stitch import StitchReport, check_inputs, config_files, mtp_into, repair_config, require_indexed, virtual_view
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
-MTP_QUANTS = ("fp8-block",)
+BLOCK_FP8 = "fp8-block"  # the family tables' block FP8 (numeric.fp8, scale suffix and block from the table)
 # graft drops every MTP-namespace tensor of the target and writes the source's: what is wrong there is repaired
 GRAFT_REPAIRS = {**{rule: "graft replaces every MTP tensor of the target with the source's" for rule in MTP_RULES},
                  "mtp-quant-config": "graft writes the quantization config for the MTP it writes"}
@@ -52,7 +53,7 @@ GRAFT_REPAIRS = {**{rule: "graft replaces every MTP tensor of the target with th
 class GraftRequest:
     link: str = "copy"
     mtp_dtype: str | None = None  # bf16 | fp32 | fp16: float values cast, quantized ones dequantized
-    mtp_quant: str | None = None  # fp8-block: DeepSeek block FP8 for the weights the table marks quantizable
+    mtp_quant: str | None = None  # a scheme (mtp_quants()) for the weights the table marks quantizable
     arch: str | None = None
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt graft"
@@ -97,8 +98,13 @@ class _Piece:
 def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tuple[Plan, GraftReport]:
     if req.mtp_dtype is not None and req.mtp_dtype not in MTP_DTYPES:
         raise UsageError(f"--mtp-dtype {req.mtp_dtype!r}: use one of {', '.join(MTP_DTYPES)}")
-    if req.mtp_quant is not None and req.mtp_quant not in MTP_QUANTS:
-        raise UsageError(f"--mtp-quant {req.mtp_quant!r}: use one of {', '.join(MTP_QUANTS)}")
+    if req.mtp_quant is not None and req.mtp_quant not in mtp_quants():
+        from ..model.quant import all_schemes
+
+        why = ("its table names no encoder (no storage format graft can write)" if req.mtp_quant in all_schemes()
+               else "no scheme table has that name")
+        raise UsageError(f"--mtp-quant {req.mtp_quant!r}: {why}; use one of {', '.join(mtp_quants())}",
+                         rule="mtp-quant-scheme")
     check_inputs(req.link, target, source, ("target", "source"))
     table = choose_table(target, req.arch)
     stable = choose_table(source, req.arch)
@@ -118,10 +124,9 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
                          "such as the original release", rule="no-mtp", path=source.root)
     sview.require_complete()
     _same_dimensions(sview, target, table)
-    if req.mtp_quant is not None:
-        _require_fp8_config(target)
+    declared = _require_declared(target, req.mtp_quant) if req.mtp_quant is not None else None
     out_view = virtual_view(target, table, sview.count)
-    pieces = _Grafter(sview, out_view, req).build()
+    pieces = _Grafter(sview, out_view, req, declared).build()
     out_view.present = [s for s in out_view.present if s.key in pieces or s.role == "scale"]
 
     report = GraftReport("graft", "native", table.family, provenance=provenance, source=source_name(source),
@@ -195,26 +200,46 @@ def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
                          rule="source-mismatch", path=sview.ckpt.root)
 
 
-def _require_fp8_config(target: Checkpoint) -> None:
-    """--mtp-quant fp8-block writes weight_scale_inv block FP8: the target's config must declare that scheme."""
-    from ..model.quant import detect_scheme
+def mtp_quants() -> tuple[str, ...]:
+    """The schemes ``--mtp-quant`` writes: the family tables' block FP8, and every scheme table whose storage
+    format names an encoder (model/quant/encode.py)."""
+    from ..model.quant import all_schemes
+
+    encoded = sorted(n for n, t in all_schemes().items() if n != BLOCK_FP8 and any(f.encoder for f in t.storage))
+    return (BLOCK_FP8, *encoded)
+
+
+def _require_declared(target: Checkpoint, scheme_name: str):
+    """--mtp-quant SCHEME writes that scheme's storage: the target's config must declare it, and (a scheme written
+    by its encoder) its trunk modules must not carry calibrated activation scales graft cannot compute."""
+    from ..model.quant import detect_scheme, get_scheme
 
     scheme = detect_scheme(target)
-    if scheme is None or "fp8-block" not in {t.scheme for t in scheme.tables}:
+    if scheme is None or scheme_name not in {t.scheme for t in scheme.tables}:
         what = "declares no quantization" if scheme is None else \
             "declares " + ", ".join(sorted(t.title for t in scheme.tables))
-        raise InputError(f"--mtp-quant fp8-block writes DeepSeek-style block FP8 (weight_scale_inv), but the "
-                         f"target's quantization config {what}, which cannot declare it; --mtp-dtype bf16 or the "
-                         "source's own storage (no option) fit it", rule="mtp-quant-config", path=target.root)
+        raise InputError(f"--mtp-quant {scheme_name} writes {get_scheme(scheme_name).title}, but the target's "
+                         f"quantization config {what}, which cannot declare it; --mtp-dtype bf16 or the source's "
+                         "own storage (no option) fit it", rule="mtp-quant-config", path=target.root)
+    if scheme_name != BLOCK_FP8:
+        acts = {t.suffix for f in get_scheme(scheme_name).storage for t in f.tensors if t.role == "input_scale"}
+        held = sorted(k for k in target.tensors if k.rpartition(".")[2] in acts)
+        if held:
+            raise InputError(f"--mtp-quant {scheme_name}: the target's modules carry calibrated activation scales "
+                             f"(e.g. {held[0]}), which come from running the model on data, not from the weights; "
+                             "graft cannot compute them for the MTP (--mtp-dtype bf16 writes it unquantized)",
+                             rule="mtp-quant-calibration", path=target.root)
+    return scheme
 
 
 class _Grafter:
     """The source's MTP tensors under the target's names and expert layout, stored as the request says."""
 
-    def __init__(self, sview: MtpView, out_view: MtpView, req: GraftRequest) -> None:
-        self.sview, self.out_view, self.req = sview, out_view, req
+    def __init__(self, sview: MtpView, out_view: MtpView, req: GraftRequest, declared=None) -> None:
+        self.sview, self.out_view, self.req, self.declared = sview, out_view, req, declared
         self.src = sview.ckpt
         self.pieces: dict[str, _Piece] = {}  # logical key (a weight's .weight) -> its tensors
+        self.fused = None  # encode_plan.FusedGroups, once a weight is encoded
 
     def build(self) -> dict[str, _Piece]:
         restacked: set[str] = set()
@@ -227,7 +252,7 @@ class _Grafter:
                 continue  # a block scale travels with its weight
             # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
             pinned = s.dtype_fixed or s.dtype != self.sview.resolved.dtype  # dtype_fixed: rule stored-dtype
-            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned)
+            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned, s.role == "expert")
         return self.pieces
 
     def _as_stored(self, key: str) -> _Piece:
@@ -274,13 +299,14 @@ class _Grafter:
         scales = {scale_key(t.key, res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
         for t in outs:
             if t.key not in scales:
-                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant)
+                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant,
+                          expert=True)
 
-    def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False) -> None:
+    def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False, expert: bool = False) -> None:
         """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""
         req = self.req
         if req.mtp_quant and quantizable and piece.values is not None and len(piece.tensors[0].shape) >= 2:
-            piece = self._fp8(key, piece)
+            piece = self._fp8(key, piece) if req.mtp_quant == BLOCK_FP8 else self._encoded(key, piece, expert)
         elif req.mtp_dtype and piece.values is not None and not (pinned and piece.stored.state == "unquantized"):
             dtype = MTP_DTYPES[req.mtp_dtype]
             t = piece.values(dtype)
@@ -301,6 +327,48 @@ class _Grafter:
         qw, qs = transforms.requantize(values, block, skey, pow2=res.power_of_two_scales)
         qw.meta.setdefault("source", _sources(w))
         return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, block), piece.values)
+
+
+    def _encoded(self, key: str, piece: _Piece, expert: bool) -> _Piece:
+        """The weight in the requested scheme's storage, written by the encoder its table names, with the
+        parameters the target's config declares for the module (group size, strategy, block)."""
+        from ..model.quant import get_scheme
+        from ..model.quant.encode import EncodeArgs, layout_of
+        from ..model.quant.encode_plan import FusedGroups, encode_module
+        from ..model.quant.storage import Storage, params_for
+
+        name, w = self.req.mtp_quant or "", piece.tensors[0]
+        if len(w.shape) != 2:
+            raise UsageError(f"{key}: --mtp-quant {name} writes one Linear per weight; the target's trunk stores "
+                             f"these experts stacked {list(w.shape)} (a per-expert target, or --mtp-dtype bf16)",
+                             rule="mtp-quant-stacked")
+        table = get_scheme(name)
+        module = key.removesuffix(".weight")
+        params = params_for(self.declared, table, module)
+        fmt = next((f for f in table.storage if f.encoder and _applies(f.when, params)), None)
+        if fmt is None:
+            raise UsageError(f"{key}: {table.title} with {dict(params)} has no storage format with an encoder",
+                             rule="mtp-quant-scheme")
+        label = fmt.label.format_map(dict(params))
+        dtype = self.out_view.resolved.dtype
+        written = layout_of(fmt.encoder or "", tuple(w.shape), EncodeArgs(params, {}, dtype))  # weight first
+        st = Storage(module, "quantized", fmt.weight.dtypes[0], name, fmt.name, label,
+                     {sfx: f"{module}.{sfx}" for sfx in written}, shape=tuple(w.shape), params=params)
+        values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values(dtype)
+        if self.fused is None:
+            self.fused = FusedGroups(self.out_view.table.fused_modules, dtype)
+        outs = list(encode_module(values, st, dtype, group=self.fused.join(module, values, st, expert)).values())
+        outs[0].meta.setdefault("source", _sources(w))
+        return _Piece(outs, Stored("quantized", label, name, st, fmt.weight.dtypes[0]), piece.values)
+
+
+def _applies(when: str | None, params) -> bool:
+    from ..model.expr import ExprError, evaluate
+
+    try:
+        return when is None or bool(evaluate(when, dict(params)))
+    except ExprError:
+        return False
 
 
 def _diffs(report: GraftReport, target: Checkpoint, mtp: list[OutputTensor], drop: frozenset[str]) -> None:

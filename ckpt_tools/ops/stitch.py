@@ -37,7 +37,10 @@ from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table, detect_group_layout
 from ..model.prefixes import Unwrapped, unwrap
 from ..model.provenance import prove_family
+from ..model.quant.dequant import format_of
+from ..model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ..model.quant.repair import Repair
+from ..model.quant.storage import Storage
 from ..model.tables.resolve import Spec, resolve, trunk_specs
 from ..numeric import transforms
 from ..stream.fingerprint import record_inputs
@@ -189,6 +192,9 @@ class _Builder:
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
         self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
+        self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
+        self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
+        self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
         self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
 
@@ -266,14 +272,19 @@ class _Builder:
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
         """Give ``t`` the verifier's dtype (cast, dequantize, requantize, or keep FP8 bytes) and record it."""
         vt = _dtype_of(self.view, t.key, spec)
-        # stored by a scheme table's format this tool does not write (NVFP4, int4, per-channel FP8, ...): the
-        # draft's values go in unquantized, in place of the stored tensors, and the config excludes the module
+        # stored by a scheme table's format: encoded in it when the table names an encoder; otherwise (int4,
+        # ...) the draft's values go in unquantized, in place of the stored tensors, and the config excludes it
         stored = None if self.add else self.view.quantized.get(t.key)
         if stored is not None:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
         if spec is not None:
             t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
         if not self._admit(t, vt) or (t.dtype in FP8_DTYPES and not self._scale_fits(t, scale)):
+            return
+        if stored is not None and self._encodes(stored):  # written in the verifier's own storage format
+            if t.dtype in FP8_DTYPES:
+                t = transforms.dequantize(t, scale, "F32", self.res.block_size)
+            self._encode(t, stored, spec)
             return
         if vt in FP8_DTYPES:
             if not self.add:
@@ -294,6 +305,23 @@ class _Builder:
             if stored.all_keys()[0] != t.key:
                 self.placed[stored.all_keys()[0]] = t.key
         self.candidates[t.key] = t
+
+    def _encodes(self, stored: Storage) -> bool:
+        """The verifier's storage format has an encoder and the request keeps the verifier's storage."""
+        return encodable(stored, self.res.dtype, self.view.ckpt.tensors) is not None and not self.req.keep_bf16 \
+            and self.req.dtype != "draft"
+
+    def _encode(self, t: OutputTensor, stored: Storage, spec: Spec | None) -> None:
+        """The draft's values encoded as the verifier stores the module (its scheme table's encoder);
+        ``stitch_compare.decide`` keeps the verifier's tensors when the values are its decoded ones."""
+        expert = spec is None or spec.role == "expert"
+        group = self.fused.join(stored.module, t, stored, expert)
+        outs = encode_module(t, stored, self.res.dtype, self.view.ckpt.tensors, group)
+        wkey = stored.tensors[format_of(stored).weight.suffix]
+        self.candidates.update(outs)
+        self.values[wkey] = t
+        self.encoded[wkey] = stored
+        self.companions[wkey] = [k for k in outs if k != wkey]
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
         """Floats replace floats; a non-float verifier tensor only its own dtype."""
@@ -650,14 +678,33 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
     cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
-                      builder.res.block_size, builder.res.scale_suffix)
+                      builder.res.block_size, builder.res.scale_suffix, builder.encoded, builder.companions)
     report.decisions = decide(view, cand)
+    _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:
         vref = view.ckpt.tensors.get(d.key)
         if d.action == "identical" and vref is not None:
             builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
                                                      meta=builder.candidates[d.key].meta)
+
+
+def _encode_partners(decisions: list[Decision], builder: _Builder) -> None:
+    """The shards of an engine-fused layer share one per-tensor scale (``FusedGroups``): when one is encoded
+    anew, its unchanged partners are encoded again too (from their values, which are the verifier's), so the
+    written shards agree on that scale."""
+    by_key = {d.key: d for d in decisions}
+    for keys in builder.fused.partners():
+        if not any(by_key[k].action == "requantize" for k in keys):
+            continue
+        for k in keys:
+            if by_key[k].action != "identical":
+                continue
+            for key in (k, *builder.companions.get(k, ())):
+                d = by_key[key]
+                d.action, d.stats.status = "requantize", "replaced"
+                d.reason = ("encoded again: a shard of its fused layer changed, and the shards share one "
+                            "per-tensor scale") if key == k else f"scale of {k}, follows it (requantize)"
 
 
 def _changed(report: StitchReport) -> set[str]:

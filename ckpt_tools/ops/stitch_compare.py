@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..arrays import torch_threads
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..io.checkpoint import Checkpoint
     from ..io.safetensors_io import TensorRef
     from ..model.mtp import MtpView
+    from ..model.quant.storage import Storage
 
 ACTIONS = ("identical", "replace", "requantize", "add", "remove")
 GATE_THREADS = 2  # the gate's comparisons: reads and numpy release the GIL
@@ -88,18 +89,21 @@ class Candidates:
     removed: list[str]  # verifier keys the output leaves out
     block: tuple[int, int]
     scale_suffix: str
+    encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
+    companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
 
 
 def decide(view: MtpView, cand: Candidates) -> list[Decision]:
     """One decision per key (sorted): every candidate compared with the verifier's tensor on GATE_THREADS
     threads owned here, block scales following their weights, then the keys the output removes.
     NaN / Inf in anything that would be written is refused (rule nonfinite)."""
-    companions = set(cand.scale_of.values())
+    companions = set(cand.scale_of.values()) | {k for ks in cand.companions.values() for k in ks}
     jobs = [(k, t) for k, t in cand.tensors.items() if k not in companions]
     with torch_threads(load=any(_uses_torch(t) for _, t in jobs)):  # before the gate's threads start
         diffs = _in_parallel(lambda item, stop: _probe(cand, view, *item, stop), jobs)
     decisions = {d.key: _decision(d, cand, view) for d in diffs}
-    for wkey, skey in cand.scale_of.items():
+    follow = [*cand.scale_of.items(), *((w, k) for w, ks in cand.companions.items() for k in ks)]
+    for wkey, skey in follow:
         decisions[skey] = _follow(decisions[wkey], skey, view.ckpt.tensors.get(skey), cand.tensors[skey])
     bad = [f"{k} ({d.stats.nonfinite} NaN/Inf)" for k, d in decisions.items() if d.stats.nonfinite]
     for key in cand.removed:
@@ -114,13 +118,20 @@ def decide(view: MtpView, cand: Candidates) -> list[Decision]:
 def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
     """One candidate against the verifier: values compared, status and dtypes as written."""
     vref = view.ckpt.tensors.get(key)
-    stored = view.quantized.get(key)
+    encoded = cand.encoded.get(key)
+    stored = encoded or view.quantized.get(key)
     if stored is not None:  # a module stored by a scheme table: its dequantized values
         from ..model.quant.dequant import dequant_module
 
-        a_dtype = t.dtype if t.dtype in ("BF16", "F16", "F32") else "F32"  # in the draft's precision
+        b = cand.values.get(key, t)  # an encoded weight is compared through the values it is encoded from
+        a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"  # in the draft's precision
         a = dequant_module(view.ckpt, stored, key, a_dtype)
-        d = compare(key, a_dtype, a.shape, a.recipe, t.dtype, t.shape, t.recipe, stop=stop)
+        d = compare(key, a_dtype, a.shape, a.recipe, b.dtype, b.shape, b.recipe, stop=stop)
+        if encoded is not None:  # written in the verifier's own storage: unchanged keeps its tensors
+            d.dtype_a = d.dtype_b = stored.label
+            if d.status not in ("unchanged", "shape-changed"):
+                d.status = "replaced"
+            return d
         if d.status == "unchanged":  # the draft holds exactly the verifier's values, now unquantized
             d.max_abs, d.rel_l2, d.cosine = 0.0, 0.0, 1.0
             d.unjudged = "the verifier's values, unquantized"
@@ -155,10 +166,15 @@ def _decision(d: TensorDiff, cand: Candidates, view: MtpView) -> Decision:
     key = d.key
     if d.status == "added":
         return Decision(key, "add", "the verifier has no such tensor", d)
+    encoded = cand.encoded.get(key)
     if d.status == "unchanged":
         why = ("the draft's values are the verifier's FP8 weight dequantized" if d.dtype_a in FP8_DTYPES
+               else f"the draft's values are the verifier's {encoded.label} decoded" if encoded is not None
                else "the same bytes as the verifier's")
         return Decision(key, "identical", why + ": its bytes are kept", d)
+    if encoded is not None:
+        return Decision(key, "requantize", f"the values differ: encoded as the verifier stores it ({encoded.label}) "
+                                           "from the draft's", d)
     stored = view.quantized.get(key)
     if stored is not None:
         return Decision(key, "replace", f"the verifier stores it as {stored.label}, which stitch does not write: "
@@ -175,7 +191,8 @@ def _follow(weight: Decision, key: str, vref: TensorRef | None, t: OutputTensor)
     d = TensorDiff(key, weight.stats.status if vref is not None else "added", vref.dtype if vref else None, t.dtype,
                    list(vref.shape) if vref else None, list(t.shape), unjudged="block scale (judged with its weight)")
     action = weight.action if vref is not None else "add"
-    return Decision(key, action, f"block scale of {weight.key}, follows it ({weight.action})", d)
+    what = "activation scale" if t.meta.get("kept") else "scale"
+    return Decision(key, action, f"{what} of {weight.key}, follows it ({weight.action})", d)
 
 
 def _as_tensor(ref: TensorRef) -> OutputTensor:

@@ -66,6 +66,11 @@ def _params(scheme: QuantScheme | None, table: SchemeTable, module: str, fused) 
     return {**defaults, **scheme.default_params(table)}
 
 
+def params_for(scheme: QuantScheme | None, table: SchemeTable, module: str, fused=None) -> dict[str, Any]:
+    """The parameters ``scheme`` declares ``table`` with for ``module`` (the table's defaults otherwise)."""
+    return _params(scheme, table, module, fused)
+
+
 def _applies(fmt: FormatDef, params: Mapping[str, Any]) -> bool:
     if fmt.when is None:
         return True

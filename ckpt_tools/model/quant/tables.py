@@ -72,6 +72,12 @@ def _check(table: SchemeTable, path: Path) -> None:
         expr(f.when, f"{where}.when")
         expr(f.decoder.scale.granularity, f"{where}.decoder.scale.granularity")
         dtypes(f.weight.dtypes, f"{where}.weight.dtypes")
+        if f.encoder is not None:
+            from .encode import ENCODERS
+
+            if f.encoder not in ENCODERS:
+                raise TableError(f"field {where}.encoder: {f.encoder!r} is not one of {sorted(ENCODERS)}",
+                                 path=str(path))
         for j, t in enumerate(f.tensors):
             dtypes(t.dtypes, f"{where}.tensors[{j}].dtypes")
         try:

@@ -1,0 +1,310 @@
+"""Encoders: float values into one storage format's tensors, the inverse of ``decode`` (torch, CPU).
+
+A scheme table's storage format names its encoder (``encoder: ct-nvfp4``); ``ENCODERS`` maps that
+name to one function ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}``. Each reproduces the
+producer that writes the format, operation for operation, so its bytes are the producer's:
+
+- ``ct-fp8`` / ``ct-nvfp4``: compressed-tensors 0.20.1 as llm-compressor runs it: a min-max observer
+  over the weight *in the model's dtype* (``calculate_qparams``, ``generate_gparam``), then the
+  format's compressor (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``: ``quantize`` then
+  ``pack_fp4_to_uint8``). Held byte for byte to the library's own functions and to llm-compressor's
+  outputs in fixtures/producers (tests/test_quant_encode.py).
+- ``fp8-block``: DeepSeek block FP8 (``numeric.fp8.quantize``), for block-FP8 storage a scheme table
+  describes (the family tables' own block FP8 still goes through stitch's and graft's block-FP8 path);
+- ``modelopt-fp8`` / ``modelopt-nvfp4``: ModelOpt's export (per-tensor ``amax / 448``; NVFP4
+  ``weight_scale_2 = amax / (6 * 448)``, group scales ``amax_g / (6 * weight_scale_2)`` in F8_E4M3),
+  held to the ModelOpt fixtures.
+
+The per-tensor quantity (NVFP4's global scale, ModelOpt's amax) of a shard of an engine-fused layer is
+the group's (``EncodeArgs.group_absmax``): llm-compressor gives gate/up and q_a/kv_a one global scale
+(the shards' minimum), ModelOpt one amax, because vLLM loads the fused layer with one.
+
+The compute dtype is what the producer saw: compressed-tensors' FP8 scale is stored in the dtype
+its observer computed in (the model's), so that dtype is read off the stored scale; NVFP4 computes
+in the model dtype (``EncodeArgs.model_dtype``). Activation scales (``input_scale``,
+``input_global_scale``) come from calibration, not from the weight: encoders do not write them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ...errors import PlanError
+
+if TYPE_CHECKING:
+    import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+@dataclass(frozen=True)
+class EncodeArgs:
+    """What an encoder needs besides the values: the module's declared params (strategy, group_size,
+    block, algo), the dtype each stored tensor has (suffix -> safetensors dtype) and the model's dtype."""
+
+    params: Mapping[str, Any] = field(default_factory=dict)
+    dtypes: Mapping[str, str] = field(default_factory=dict)
+    model_dtype: str = "BF16"
+    # max |value| over the engines' fused group the module is a shard of (gate/up, q_a/kv_a; in the model
+    # dtype, so exact as a float): producers give the shards one per-tensor scale from it, because vLLM
+    # loads a fused layer with one (llm-compressor's fused global scale, ModelOpt's synced amax)
+    group_absmax: float | None = None
+
+
+Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
+# (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
+Layout = Callable[[tuple[int, int], EncodeArgs], dict[str, tuple[str, tuple[int, ...]]]]
+ENCODERS: dict[str, Encoder] = {}
+LAYOUTS: dict[str, Layout] = {}
+
+
+def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
+    def register(fn: Encoder) -> Encoder:
+        ENCODERS[name], LAYOUTS[name] = fn, layout
+        return fn
+    return register
+
+
+def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What encoder ``name`` writes for values of ``shape`` [..., rows, cols] (leading dims stacked)."""
+    *lead, rows, cols = shape
+    return {k: (dt, (*lead, *sh)) for k, (dt, sh) in LAYOUTS[name]((rows, cols), args).items()}
+
+
+def get_encoder(name: str) -> Encoder:
+    if name not in ENCODERS:
+        raise PlanError(f"no encoder {name!r}; known: {', '.join(sorted(ENCODERS))}", rule="quant-encode")
+    return ENCODERS[name]
+
+
+def _torch_dtype(name: str):
+    from ...dtypes import torch_dtype
+
+    return torch_dtype(name)
+
+
+def _tile_minmax(x: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tile min and max of [rows, cols] (edge tiles partial), in x's dtype: [ceil(r/tr), ceil(c/tc)]."""
+    import torch
+
+    tr, tc = tile
+    rows, cols = x.shape
+    pr, pc = -rows % tr, -cols % tc
+    if pr or pc:  # zero padding changes no tile's min(min, 0) / max(max, 0), which is all the scale reads
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    t = x.reshape(x.shape[0] // tr, tr, x.shape[1] // tc, tc)
+    return t.amin(dim=(1, 3)), t.amax(dim=(1, 3))
+
+
+def _absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' symmetric range: max(|min(lo, 0)|, |max(hi, 0)|)."""
+    import torch
+
+    lo = torch.min(lo, torch.zeros_like(lo))
+    hi = torch.max(hi, torch.zeros_like(hi))
+    return torch.max(torch.abs(lo), torch.abs(hi))
+
+
+def _expand(s: torch.Tensor, tile: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """A per-tile grid repeated over [rows, cols] (edge tiles cropped)."""
+    return s.repeat_interleave(tile[0], 0)[: shape[0]].repeat_interleave(tile[1], 1)[:, : shape[1]]
+
+
+def _tensor_absmax(x: torch.Tensor, args: EncodeArgs) -> torch.Tensor:
+    """max |x| as a 0-d tensor of x's dtype, or the fused group's (``args.group_absmax``)."""
+    import torch
+
+    if args.group_absmax is not None:
+        return torch.tensor(args.group_absmax, dtype=x.dtype)
+    return _absmax(x.amin(), x.amax())
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.clamp(x, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _eps(dtype: torch.dtype) -> float:
+    import torch
+
+    return 0.125 if dtype == torch.float8_e4m3fn else float(torch.finfo(dtype).eps)
+
+
+def _ct_fp8_tile(args: EncodeArgs, shape: tuple[int, int]) -> tuple[int, int]:
+    rows, cols = shape
+    strategy = str(args.params.get("strategy") or "tensor")
+    if strategy == "tensor":
+        return rows, cols
+    if strategy == "channel":
+        return 1, cols
+    if strategy == "group" and args.params.get("group_size"):
+        return 1, int(args.params["group_size"])
+    if strategy == "block" and args.params.get("block"):
+        br, bc = args.params["block"]
+        return int(br), int(bc)
+    raise PlanError(f"compressed-tensors FP8 strategy {strategy!r} has no encoder (tensor, channel, group, block)",
+                    rule="quant-encode")
+
+
+def _per_tensor(args: EncodeArgs) -> bool:
+    return str(args.params.get("strategy") or "tensor") == "tensor"
+
+
+def _ct_fp8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    tile = _ct_fp8_tile(args, shape)
+    grid = (1,) if _per_tensor(args) else (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
+    return {"weight": ("F8_E4M3", shape), "weight_scale": (args.dtypes.get("weight_scale", args.model_dtype), grid)}
+
+
+@encoder("ct-fp8", _ct_fp8_layout)
+def ct_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """compressed-tensors FP8 (tensor / channel / group / block): ``scale = absmax / 448`` in the scale's
+    dtype (eps for zero), ``weight = e4m3(clamp(x / scale))`` with the quotient in that dtype."""
+    import torch
+
+    dtype = _torch_dtype(args.dtypes.get("weight_scale", args.model_dtype))
+    x = values.to(dtype)
+    tile = _ct_fp8_tile(args, tuple(x.shape))
+    scale = _absmax(*_tile_minmax(x, tile)) / torch.tensor(2 * FP8_MAX, dtype=dtype).div(2)
+    scale = torch.where(scale == 0, torch.tensor(_eps(dtype), dtype=dtype), scale)
+    # + 0: the compressor adds the (zero) symmetric zero point, which turns -0.0 into +0.0
+    q = _e4m3(x / _expand(scale, tile, tuple(x.shape)) + torch.zeros((), dtype=dtype))
+    return {"weight": q.contiguous(), "weight_scale": scale.reshape(1) if _per_tensor(args) else scale.contiguous()}
+
+
+def cast_to_fp4(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``cast_to_fp4`` (CPU path): round to the nearest e2m1 value, ties as it breaks them."""
+    import torch
+
+    sign = torch.sign(x)
+    x = torch.abs(x)
+    x[(x >= 0.0) & (x <= 0.25)] = 0.0
+    x[(x > 0.25) & (x < 0.75)] = 0.5
+    x[(x >= 0.75) & (x <= 1.25)] = 1.0
+    x[(x > 1.25) & (x < 1.75)] = 1.5
+    x[(x >= 1.75) & (x <= 2.5)] = 2.0
+    x[(x > 2.5) & (x < 3.5)] = 3.0
+    x[(x >= 3.5) & (x <= 5.0)] = 4.0
+    x[x > 5.0] = 6.0
+    return x * sign
+
+
+def pack_fp4(x: torch.Tensor) -> torch.Tensor:
+    """e2m1 values [rows, cols] -> U8 [rows, cols / 2], low nibble first; the sign bit is the value's
+    (a negative value rounded to zero keeps it: code 8), as ``pack_fp4_to_uint8`` writes it."""
+    import torch
+
+    sign = torch.signbit(x).to(torch.uint8)
+    mag = (x * 2).to(torch.int8).abs_()
+    idx = torch.zeros_like(mag, dtype=torch.uint8)
+    for code, twice in enumerate((1, 2, 3, 4, 6, 8), start=1):
+        idx[mag == twice] = code
+    idx[mag >= 12] = 7
+    idx = (idx | (sign << 3)).reshape(-1, 2)
+    return (idx[:, 0] | (idx[:, 1] << 4)).reshape(x.shape[0], x.shape[1] // 2)
+
+
+def _fp4_codes(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """``pack(cast_to_fp4(clamp(x / scale)))`` with a float32 scale per ``group`` columns."""
+    import torch
+
+    rows, cols = x.shape
+    if cols % group or cols % 2:
+        raise PlanError(f"NVFP4 needs columns divisible by {group}, got {cols}", rule="quant-encode")
+    scaled = x.unflatten(-1, (cols // group, group)) / scale.unsqueeze(-1)
+    q = cast_to_fp4(torch.clamp(scaled, -FP4_MAX, FP4_MAX)).flatten(-2).to(x.dtype)
+    return pack_fp4(q)
+
+
+def _fp4_layout(scale2: str, scale2_shape: tuple[int, ...]) -> Layout:
+    def layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+        rows, cols = shape
+        group = int(args.params.get("group_size") or 16)
+        weight = "weight_packed" if scale2 == "weight_global_scale" else "weight"
+        return {weight: ("U8", (rows, cols // 2)), "weight_scale": ("F8_E4M3", (rows, cols // group)),
+                scale2: ("F32", scale2_shape)}
+    return layout
+
+
+@encoder("ct-nvfp4", _fp4_layout("weight_global_scale", (1,)))
+def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """compressed-tensors NVFP4 (tensor_group): global ``g = 2688 / absmax`` in the model dtype, then F32;
+    group scales ``e4m3(g * (absmax_g / 6))`` (0 -> 0.125); codes of ``x / (scale / g)`` in float32."""
+    import torch
+
+    dtype = _torch_dtype(args.model_dtype)
+    group = int(args.params.get("group_size") or 16)
+    x = values.to(dtype)
+    m = _tensor_absmax(x, args).reshape(1)
+    m = torch.clamp(m, min=torch.finfo(dtype).tiny)
+    g = torch.nan_to_num(FP8_MAX * FP4_MAX / m, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
+    lo, hi = _tile_minmax(x, (1, group))
+    s = g * (_absmax(lo, hi) / torch.tensor(2 * FP4_MAX, dtype=dtype).div(2))
+    s = _e4m3(s).to(torch.float32)
+    s = torch.where(s == 0, torch.tensor(0.125, dtype=torch.float32), s)
+    packed = _fp4_codes(x, s / g, group)
+    return {"weight_packed": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_global_scale": g}
+
+
+@encoder("modelopt-fp8", lambda shape, args: {"weight": ("F8_E4M3", shape), "weight_scale": ("F32", ())})
+def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """ModelOpt FP8 per tensor: ``weight_scale = amax / 448`` (float32), ``weight = e4m3(x / scale)`` with the
+    quotient rounded to the model dtype first (as ModelOpt's export divides the weight by a 0-d scale)."""
+    algo = str(args.params.get("algo") or "FP8").upper()
+    if algo != "FP8":
+        raise PlanError(f"ModelOpt {algo} has no encoder (per-tensor FP8 only)", rule="quant-encode")
+    import torch
+
+    x = values.to(_torch_dtype(args.model_dtype))
+    scale = (_tensor_absmax(x, args).float() / FP8_MAX).reshape(())
+    q = _e4m3(x / scale if float(scale) > 0 else x)  # a 0-d float32 scale: the quotient is in the model dtype
+    return {"weight": q, "weight_scale": scale.to(torch.float32)}
+
+
+@encoder("modelopt-nvfp4", _fp4_layout("weight_scale_2", ()))
+def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4: ``weight_scale_2 = amax / (6 * 448)``; group scales ``e4m3(amax_g / (6 * ws2))``
+    (0 -> 1); codes of ``x / (scale * ws2)``, packed low nibble first."""
+    import torch
+
+    group = int(args.params.get("group_size") or 16)
+    x = values.to(_torch_dtype(args.model_dtype))
+    ws2 = (_tensor_absmax(x, args).float() / (FP4_MAX * FP8_MAX)).reshape(())
+    x = x.float()
+    amax_g = x.abs().unflatten(-1, (x.shape[-1] // group, group)).amax(-1)
+    s = _e4m3(amax_g / (FP4_MAX * ws2)).to(torch.float32)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    packed = _fp4_codes(x, s * ws2, group)
+    return {"weight": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_scale_2": ws2}
+
+
+def _fp8_block_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    br, bc = args.params.get("block") or (128, 128)
+    return {"weight": ("F8_E4M3", shape), "weight_scale_inv": ("F32", (-(-shape[0] // br), -(-shape[1] // bc)))}
+
+
+@encoder("fp8-block", _fp8_block_layout)
+def fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """DeepSeek block FP8: ``numeric.fp8.quantize`` (F32 ``amax / 448`` per block, e4m3 codes; its round trip
+    through the decoder is a fixed point)."""
+    from ...numeric.fp8 import quantize
+
+    block = args.params.get("block") or (128, 128)
+    q, scale = quantize(values, (int(block[0]), int(block[1])))
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """``enc`` over every [rows, cols] matrix of a stack [..., rows, cols], outputs stacked the same way."""
+    import torch
+
+    *lead, rows, cols = values.shape
+    if not lead:
+        return enc(values, args)
+    parts = [enc(m, args) for m in values.reshape(math.prod(lead), rows, cols)]
+    return {k: torch.stack([p[k] for p in parts]).reshape(*lead, *parts[0][k].shape) for k in parts[0]}
