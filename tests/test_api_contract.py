@@ -32,7 +32,7 @@ A public signature differs from {SIGNATURES.name}. Callers' code breaks on a rem
 - a new keyword: keyword-only, with a default that keeps today's behaviour;
 - a renamed or removed keyword: keep accepting the old one for a release (take it, warn with
   warnings.warn("OLD is deprecated; use NEW", DeprecationWarning, stacklevel=2), map it to the new one)
-  and say so in the README's "Python API" section;
+  and say so in docs/python-api.md;
 then regenerate the snapshot deliberately and commit it with the change:
     {UPDATE_ENV}=1 pytest tests/test_api_contract.py -k signatures"""
 

@@ -1,9 +1,13 @@
-"""FP8 block dequantization in numpy: the one dequantizer every command runs.
+"""FP8 block dequantization in numpy: the FP8 kernel of both dequantization paths.
 
-``extract --dequant`` and stitch's comparisons stream it (``dequant_stream``, through
-``transforms.dequantize``), ``unfuse-experts --dequant`` and the scheme decoders in ``quant`` use
-its band kernel (``dequant_array``, ``BandDequantizer``), ``diff --dequant`` decodes runs of
-elements (``value_decoder``). The arithmetic (``fp8`` documents the format)::
+Block-FP8 recipes stream it (``dequant_stream``, through ``transforms.dequantize``: ``extract
+--dequant`` and stitch's comparisons of block-FP8 tensors), ``fuse-experts`` / ``unfuse-experts
+--dequant`` use its band kernel (``dequant_array``), ``diff --dequant`` decodes runs of elements
+(``value_decoder``). The table-driven scheme decoders (``model.quant.decode``, planned by
+``model.quant.dequant``: ``ckpt dequant``, ``extract --dequant`` of the other schemes, graft,
+stitch, probe) run its ``BandDequantizer`` for FP8 codes whose lookup tables fit, and decode
+FP4 / INT codes (and larger FP8 grids) themselves, with the same arithmetic. The arithmetic
+(``fp8`` documents the format)::
 
     W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)
 
