@@ -329,6 +329,7 @@ def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int
     """A copy of trunk layer ``match`` holding sub-block ``b``'s tensors, loaded through ``main``'s own weight
     conversions (fused experts and renames as for the trunk): the copy stands in for the trunk layer while the
     renamed tensors load, and every parameter of it must be filled, every tensor taken."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
@@ -342,11 +343,9 @@ def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int
     original = decoder_layers[match.index]
     block = _fresh_layer(main, original, match.index, device, dtype, where)
     path = next(name for name, module in main.named_modules() if module is original) + "."
-    conversions = getattr(main, "_weight_conversions", None)
-    if conversions is None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        conversions = get_model_conversion_mapping(main)
+    # the model's conversions without a quantizer's changes: the block is float (a quantized trunk linearizes
+    # experts, and the conversions its quantizer adds expect packed tensors)
+    conversions = get_model_conversion_mapping(main)
     with _standing_in(decoder_layers, match.index, block), _sequential_load():
         info, _ = convert_and_load_state_dict_in_model(
             model=main, state_dict=renamed,

@@ -292,6 +292,10 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
             main = None  # quantized, and transformers did not load it as stored: our decoders below
         elif main is not None and method is not None:
             loaded = f"{AS_STORED} (quantizer {method})"
+            failure = _forward_failure(main)
+            if failure and quantized:  # its quantizer loads it but cannot run it here: our decoders below
+                notes.append(f"transformers' quantizer {method} cannot run it here ({failure}); dequantized instead")
+                main, loaded = None, AS_STORED
     if quantized or declared_quantization(config):
         try:
             scheme = detect_scheme(verifier)
@@ -324,6 +328,19 @@ def reference_mtp(main, cls, config, tensors, scheme, dtype: str, device: str, w
     except InputError as e:
         return None, None, f"transformers' MtpModel does not load them: {e.message}"
     return mtp, regex, ""
+
+
+def _forward_failure(main) -> str:
+    """Why the loaded model cannot run a forward pass of two tokens ("" when it can): a quantizer's kernels may
+    load weights they cannot compute with on this device or dtype (compressed-tensors NVFP4 on CPU in fp32)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            main(torch.tensor([[1, 2]], device=main.device))
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return ""
 
 
 def _load_dequantized(path, cls, config, tensors, regex, scheme, torch_dtype, dtype, device_map, notes):
