@@ -158,7 +158,7 @@ def test_band_decoding_on_threads_equals_one_thread(threads):
     from ckpt_tools.model.quant.schema import DecoderDef
     from ckpt_tools.model.quant.tables import get_scheme
     from ckpt_tools.numeric import fp8_decode
-    from ckpt_tools.numeric.parallel import use_threads
+    from ckpt_tools.parallel import use_threads
 
     rng = np.random.default_rng(0)
     shape, block = (3, 1100, 700), (128, 128)

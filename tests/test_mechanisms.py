@@ -201,9 +201,10 @@ def test_fusion_halves_join_in_the_format_order(make_fixture):
 
 def test_fusion_halves_extract_joined_and_stitch_back_split(make_fixture, tmp_path, monkeypatch):
     from ckpt_tools.model import formats
+    from ckpt_tools.model.formats import table
 
     registered = dict(formats.all_formats(), angelspec=any_block("angelspec"))
-    monkeypatch.setattr(formats, "all_formats", lambda: registered)
+    monkeypatch.setattr(table, "all_formats", lambda: registered)  # where get_format looks it up
     src = make_fixture("deepseek_v4")
     draft = tmp_path / "draft"
     ckpt("extract", src, "-o", draft, "--format", "angelspec")

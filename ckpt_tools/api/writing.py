@@ -252,9 +252,9 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
     angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
     of ``dequant`` (None: every core)."""
     from ..io.checkpoint import Checkpoint
-    from ..numeric.parallel import check_threads, use_threads
     from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.extract import ExtractRequest, plan_extract
+    from ..parallel import check_threads, use_threads
     from ..stream.plan import parse_size
 
     check_threads(threads)  # before anything is opened
@@ -320,9 +320,9 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     """fuse_experts / unfuse_experts: the same run, each with its own target layouts."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
-    from ..numeric.parallel import check_threads, use_threads
     from ..ops.execute import bytes_read_so_far, write_plan
     from ..ops.experts import ExpertsRequest, plan_experts, stats, target_layout
+    from ..parallel import check_threads, use_threads
     from ..stream.plan import parse_size
 
     read_before = bytes_read_so_far()
@@ -379,9 +379,9 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_m
     may be None for a dry run."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
-    from ..numeric.parallel import check_threads, decode_threads, use_threads
     from ..ops.dequant import DequantRequest, plan_dequant
     from ..ops.execute import bytes_read_so_far, write_plan
+    from ..parallel import check_threads, decode_threads, use_threads
     from ..stream.plan import parse_size
 
     read_before = bytes_read_so_far()

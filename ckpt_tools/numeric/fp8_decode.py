@@ -33,7 +33,7 @@ import numpy as np
 from ..arrays import Scratch, decode_floats, numpy_storage_dtype
 from ..errors import InputError, PlanError
 from ..io.prefetch import prefetched
-from .parallel import decode_threads, ordered_map, run_all
+from ..parallel import decode_threads, ordered_map, run_all
 
 BAND_ELEMS = 1 << 18  # elements per compute step: a few MB of scratch, cache-resident
 OUT_DTYPES = ("BF16", "F16", "F32")

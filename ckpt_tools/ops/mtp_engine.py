@@ -39,6 +39,7 @@ from ..io.checkpoint import Checkpoint
 from ..model.mtp import open_mtp
 from ..model.tables.resolve import MAX_TRUNK_LAYERS, MtpLayer, Resolved, Spec, _int, _render, trunk_specs
 from ..stream.plan import OutputTensor
+from .probe_checks import load_problems, refuse, sequential_load, unquantized_config
 from .probe_state import RULE, Lazy, float_state, materialize
 
 FAMILY_RULE = "probe-family"
@@ -238,8 +239,8 @@ def build(main, verifier: Checkpoint, tensors: Mapping[str, OutputTensor], schem
     torch_dtype = main.config.get_text_config().dtype or torch.float32
     if isinstance(torch_dtype, str):  # save_pretrained leaves the name on a live model's config
         torch_dtype = getattr(torch, torch_dtype)
-    template = _final_norm_module(main, res, where)
-    _check_norm_convention(template, res.table.norm, res.family, where)
+    template = final_norm_module(main, res, where)
+    check_norm_convention(template, res.table.norm, res.family, where)
     layers, heads, trunks = [], [], []
     decoder_layers = main.get_decoder().layers
     layer_types = getattr(main.config.get_text_config(), "layer_types", None)
@@ -277,7 +278,7 @@ def build(main, verifier: Checkpoint, tensors: Mapping[str, OutputTensor], schem
     return engine, schemes
 
 
-def _final_norm_module(main, res: Resolved, where: str | None) -> nn.Module:
+def final_norm_module(main, res: Resolved, where: str | None) -> nn.Module:
     """The trunk's final norm module: the table's shared ``final_norm`` key as a module path of ``main``, or (a
     class that nests its decoder differently from the checkpoint's names) the decoder's child of that name."""
     spec = res.shared.get("final_norm")
@@ -291,7 +292,7 @@ def _final_norm_module(main, res: Resolved, where: str | None) -> nn.Module:
     return norm
 
 
-def _check_norm_convention(norm: nn.Module, convention: str, family: str, where: str | None) -> None:
+def check_norm_convention(norm: nn.Module, convention: str, family: str, where: str | None) -> None:
     """The table's norm convention, checked against the class transformers uses: with a zero weight a
     zero-centred RMS norm normalises, a plain one gives zeros."""
     probe = copy.deepcopy(norm).float()
@@ -333,7 +334,6 @@ def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from .probe_load import _sequential_load, load_problems, refuse
 
     bprefix = layer.block_prefixes[b]
     longer = [p for p in layer.block_prefixes if p != bprefix and p.startswith(bprefix)]
@@ -346,7 +346,7 @@ def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int
     # the model's conversions without a quantizer's changes: the block is float (a quantized trunk linearizes
     # experts, and the conversions its quantizer adds expect packed tensors)
     conversions = get_model_conversion_mapping(main)
-    with _standing_in(decoder_layers, match.index, block), _sequential_load():
+    with _standing_in(decoder_layers, match.index, block), sequential_load():
         info, _ = convert_and_load_state_dict_in_model(
             model=main, state_dict=renamed,
             load_config=LoadStateDictConfig(weight_mapping=conversions, device_map={"": torch.device(device)},
@@ -364,8 +364,6 @@ def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int
 def _fresh_layer(main, original: nn.Module, index: int, device, dtype, where) -> nn.Module:
     """A new float decoder layer of the trunk layer's class, built from the config without its quantization config:
     a trunk a quantizer loaded holds quantized modules, the MTP is loaded as float values (our decoders)."""
-    from .probe_load import unquantized_config
-
     config = unquantized_config(main.config).get_text_config()
     try:
         layer = type(original)(config, index)
@@ -390,52 +388,3 @@ def _renumber(block: nn.Module, depth: int) -> None:
     for module in block.modules():
         if isinstance(getattr(module, "layer_idx", None), int):
             module.layer_idx = depth
-
-
-# --- which families ------------------------------------------------------------------------------
-
-@dataclass
-class Support:
-    """Whether the engine builds a family's MTP (from its table's fixture config), and why not."""
-
-    engine: bool
-    reason: str = ""
-    reference: bool = False  # transformers' MtpModel builds MTP layers for it too (the cross-check)
-
-
-def family_support(table) -> Support:
-    """Checked without weights: transformers knows the fixture config and its model class; every glue role has a
-    place in the step; every MTP sub-block has a trunk layer of the same tensors; the trunk's final norm is a
-    module of that class (built on the meta device) and computes the table's norm convention."""
-    from ..io.config import ConfigView
-    from ..model.tables.resolve import resolve
-    from .probe import transformers_module
-    from .probe_load import _model_class
-
-    transformers = transformers_module("ckpt tables --probe")
-
-    if table.kind != "mtp" or not table.fixture:
-        return Support(False, "no MTP table with a fixture config")
-    fixture = copy.deepcopy(table.fixture)  # transformers normalises nested values in place; the table is cached
-    try:
-        config = transformers.AutoConfig.for_model(fixture.pop("model_type", None), **fixture)
-        cls = _model_class(config)
-    except (ValueError, KeyError, TypeError) as e:
-        return Support(False, f"transformers has no model for it ({str(e).splitlines()[0][:120]})")
-    except InputError as e:
-        return Support(False, e.message)
-    reference = bool(getattr(config.get_text_config(), "num_mtp_layers", None))
-    unplaced = sorted(set(table.mtp.glue) - set(GLUE_ROLES))
-    if unplaced:
-        return Support(False, f"glue role(s) {unplaced} have no place in the engine's step", reference)
-    try:
-        res = resolve(table, ConfigView(dict(table.fixture)), mtp_count=1)
-        for layer in res.layers:
-            match_trunk_layers(res, layer)
-        with torch.device("meta"):
-            main = cls(copy.deepcopy(config))
-        norm = _final_norm_module(main, res, None).to_empty(device="cpu")
-        _check_norm_convention(norm, table.norm, table.family, None)
-    except InputError as e:
-        return Support(False, e.message, reference)
-    return Support(True, "", reference)

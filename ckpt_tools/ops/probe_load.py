@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -36,6 +35,7 @@ from ..errors import InputError
 from ..io.checkpoint import Checkpoint
 from ..stream.plan import OutputTensor
 from . import mtp_engine
+from .probe_checks import load_problems, refuse, sequential_load, unquantized_config
 from .probe_state import RULE, Lazy, float_state, is_quantized, materialize
 
 AS_STORED = "as stored by transformers"
@@ -105,21 +105,6 @@ def captured_warnings() -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _sequential_load() -> Iterator[None]:
-    """transformers materialises every tensor in a thread pool ahead of the loader; without it each (dequantized)
-    tensor is made when its parameter is filled: one at a time, never a second copy of the weights."""
-    was = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
-    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        if was is None:
-            os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
-        else:
-            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = was
-
-
-@contextlib.contextmanager
 def _all_unexpected_reported(cls) -> Iterator[None]:
     """The model class's ``_keys_to_ignore_on_load_unexpected`` emptied while loading: DeepSeek-V3 hides every
     ``model.layers.61.*`` key there, so a stray key under that prefix would go unreported. The MTP keys are
@@ -157,15 +142,6 @@ def transformers_quantizer(config) -> str | None:
 def declared_quantization(config) -> bool:
     return bool(getattr(config, "quantization_config", None)
                 or getattr(config.get_text_config(), "quantization_config", None))
-
-
-def unquantized_config(config):
-    """A copy of the config without its quantization config (the model transformers builds then holds floats)."""
-    config = copy.deepcopy(config)
-    for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
-        if "quantization_config" in c.__dict__:
-            del c.quantization_config
-    return config
 
 
 def stored_tensors(verifier: Checkpoint) -> dict[str, OutputTensor]:
@@ -218,36 +194,6 @@ def _instance_patterns(cls, config) -> list[str] | None:
             return cls(copy.deepcopy(config))._keys_to_ignore_on_load_unexpected
     except (RuntimeError, ValueError, TypeError, AttributeError):
         return None
-
-
-def load_problems(info, ignore_unexpected=None) -> list[str]:
-    """What a loading info says was not loaded as stored: one phrase per kind, naming the first keys."""
-    def first(keys) -> str:
-        keys = sorted(keys)
-        return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
-
-    d = info if isinstance(info, Mapping) else vars(info)
-    unexpected = {k for k in d.get("unexpected_keys", ()) if ignore_unexpected is None
-                  or not ignore_unexpected.search(k)}
-    out = []
-    if unexpected:
-        out.append(f"{len(unexpected)} stored tensor(s) no parameter takes (unexpected: {first(unexpected)})")
-    if d.get("missing_keys"):
-        out.append(f"{len(d['missing_keys'])} parameter(s) no tensor fills (missing: {first(d['missing_keys'])})")
-    if d.get("mismatched_keys"):
-        out.append(f"shape mismatch: {first(str(m[0]) for m in d['mismatched_keys'])}")
-    if d.get("conversion_errors"):
-        out.append(f"conversion errors: {first(d['conversion_errors'])}")
-    if d.get("error_msgs"):
-        out.append(f"errors: {'; '.join(d['error_msgs'][:2])}")
-    return out
-
-
-def refuse(path: str, what: str, problems: list[str], notes: list[str] = ()) -> InputError:
-    said = [n.splitlines()[0][:200] for n in notes if "quantiz" in n.lower()]
-    tail = f" (transformers said: {said[0]})" if said else ""
-    return InputError(f"{what} would not load as stored: {'; '.join(problems)}{tail}. probe reports no number "
-                      "from a model that is not the checkpoint", rule=RULE, path=path)
 
 
 def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, device_map) -> LoadedVerifier:
@@ -347,7 +293,7 @@ def _load_dequantized(path, cls, config, tensors, regex, scheme, torch_dtype, dt
     trunk = {k: t for k, t in tensors.items() if not regex.search(k)}
     state, schemes = float_state(trunk, scheme, dtype, path)
     lazy = {k: Lazy(lambda t=t: materialize(t)) for k, t in state.items()}
-    with captured_warnings() as more, _all_unexpected_reported(cls), _sequential_load():
+    with captured_warnings() as more, _all_unexpected_reported(cls), sequential_load():
         try:
             # transformers takes a state dict only without a path: the generation config is read from the path after
             main, info = cls.from_pretrained(None, config=unquantized_config(config), state_dict=lazy,
@@ -391,7 +337,7 @@ def load_mtp(main, tensors: Mapping[str, OutputTensor], regex, scheme, dtype: st
         except ValueError as e:  # e.g. a config whose MTP layer types transformers cannot tell
             raise InputError(f"transformers' MtpModel cannot be built for this config: {str(e).splitlines()[0]}",
                              rule="probe-family", path=where) from None
-    with _sequential_load():
+    with sequential_load():
         info, _ = convert_and_load_state_dict_in_model(
             model=mtp, state_dict={k: Lazy(lambda t=t: materialize(t)) for k, t in state.items()},
             load_config=LoadStateDictConfig(weight_mapping=mtp.get_weight_conversions(main),

@@ -33,7 +33,7 @@ def _count(table, cfg: ConfigView) -> int:
 def _probe_support(table) -> dict:
     """``probe``: whether our engine builds the family's MTP; ``probe_reference``: whether transformers' MtpModel
     does too (probe then checks the engine against it); ``probe_reason``: why not."""
-    from .mtp_engine import family_support  # imports transformers (and torch): only for --probe
+    from .probe_families import family_support  # imports transformers (and torch): only for --probe
 
     s = family_support(table)
     return {"probe": s.engine, "probe_reference": s.reference, **({"probe_reason": s.reason} if s.reason else {})}

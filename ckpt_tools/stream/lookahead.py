@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..io.prefetch import Started, started
-from ..numeric.parallel import decode_threads
+from ..parallel import decode_threads
 from .plan import Compute, OutputTensor
 
 

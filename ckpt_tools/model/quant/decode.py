@@ -41,7 +41,7 @@ from ...errors import PlanError
 from ...io.prefetch import prefetched
 from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch
 from ...numeric.fp8_decode import TABLES as FP8_TABLES
-from ...numeric.parallel import decode_threads, ordered_map, run_all
+from ...parallel import decode_threads, ordered_map, run_all
 from .schema import DecoderDef
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],

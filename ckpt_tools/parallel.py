@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from ..errors import UsageError
+from .errors import UsageError
 
 T = TypeVar("T")
 R = TypeVar("R")
