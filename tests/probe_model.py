@@ -208,16 +208,22 @@ def one_thread_per_module() -> Iterator[None]:
 
 def build(cache_root: Path = CACHE, family: str = "deepseek_v3") -> tuple[Path, float]:
     """The trained checkpoint directory (built once per digest) and the seconds training took (0 if cached)."""
+    return cached(cache_root, f"probe-{family}-{_digest()}", lambda d: _build(d, family))
+
+
+def cached(cache_root: Path, name: str, make) -> tuple[Path, float]:
+    """``cache_root / name``, made by ``make(directory) -> (directory, seconds)`` on one thread unless a finished
+    one (holding ``DONE``) is there: then (directory, 0.0)."""
     import fcntl
 
     cache_root.mkdir(parents=True, exist_ok=True)
-    d = cache_root / f"probe-{family}-{_digest()}"
+    d = cache_root / name
     with open(cache_root / f"{d.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers build it once
         if (d / "DONE").exists():
             return d, 0.0
         with one_thread():
-            return _build(d, family)
+            return make(d)
 
 
 def _build(d: Path, family: str) -> tuple[Path, float]:

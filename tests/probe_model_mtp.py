@@ -22,7 +22,7 @@ from pathlib import Path
 import probe_model
 import torch
 import transformers
-from probe_model import CACHE, SEED, VOCAB, one_thread, sample
+from probe_model import CACHE, SEED, VOCAB, sample
 from safetensors.torch import save_file
 
 FAMILY = "qwen3_next"
@@ -151,16 +151,7 @@ def _digest() -> str:
 
 def build(cache_root: Path = CACHE) -> tuple[Path, float]:
     """The trained checkpoint directory (built once per digest) and the seconds training took (0 if cached)."""
-    import fcntl
-
-    cache_root.mkdir(parents=True, exist_ok=True)
-    d = cache_root / f"probe-{FAMILY}-{_digest()}"
-    with open(cache_root / f"{d.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers build it once
-        if (d / "DONE").exists():
-            return d, 0.0
-        with one_thread():
-            return _build(d)
+    return probe_model.cached(cache_root, f"probe-{FAMILY}-{_digest()}", _build)
 
 
 def _build(d: Path) -> tuple[Path, float]:

@@ -37,7 +37,7 @@ from torch import nn
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
 from ..model.mtp import open_mtp
-from ..model.tables.resolve import MAX_TRUNK_LAYERS, MtpLayer, Resolved, Spec, _int, _render, trunk_specs
+from ..model.tables.resolve import MtpLayer, Resolved, Spec, trunk_prefixes, trunk_specs
 from ..stream.plan import OutputTensor
 from .probe_checks import load_problems, refuse, sequential_load, unquantized_config
 from .probe_state import RULE, Lazy, float_state, materialize
@@ -68,10 +68,8 @@ def trunk_layers(res: Resolved) -> list[tuple[TrunkMatch, tuple[frozenset[str], 
         parts.setdefault(s.key[: len(s.key) - len(s.sub or "")], ([], []))[0].append(s)
     for g in groups:
         parts.setdefault(g.prefix[: len(g.prefix) - len(g.sub_prefix)], ([], []))[1].append(g)
-    n = _int(res.table.trunk.count, res.env, f"{res.family}: trunk.count", MAX_TRUNK_LAYERS)
     out = []
-    for index in range(n):
-        prefix = _render(res.table.trunk.prefix, dict(res.env, l=index))
+    for index, prefix in enumerate(trunk_prefixes(res)):
         s, g = parts.get(prefix, ([], []))
         out.append((TrunkMatch(index, prefix), block_signature(s, g, prefix)))
     return out
@@ -327,9 +325,9 @@ def _linear(state, key: str, device: str, dtype) -> nn.Linear:
 
 def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int, state, used: set[str], device,
                 dtype, where) -> nn.Module:
-    """A copy of trunk layer ``match`` holding sub-block ``b``'s tensors, loaded through ``main``'s own weight
-    conversions (fused experts and renames as for the trunk): the copy stands in for the trunk layer while the
-    renamed tensors load, and every parameter of it must be filled, every tensor taken."""
+    """A fresh float layer of trunk layer ``match``'s class holding sub-block ``b``'s tensors, loaded through
+    ``main``'s own (float) weight conversions (fused experts and renames as for the trunk): it stands in for the
+    trunk layer while the renamed tensors load, and every parameter of it must be filled, every tensor taken."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig

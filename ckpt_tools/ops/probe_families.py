@@ -28,7 +28,7 @@ def family_support(table) -> Support:
     from ..io.config import ConfigView
     from ..model.tables.resolve import resolve
     from .probe import transformers_module
-    from .probe_load import _model_class
+    from .probe_load import model_class
 
     transformers = transformers_module("ckpt tables --probe")
 
@@ -37,7 +37,7 @@ def family_support(table) -> Support:
     fixture = copy.deepcopy(table.fixture)  # transformers normalises nested values in place; the table is cached
     try:
         config = transformers.AutoConfig.for_model(fixture.pop("model_type", None), **fixture)
-        cls = _model_class(config)
+        cls = model_class(config)
     except (ValueError, KeyError, TypeError) as e:
         return Support(False, f"transformers has no model for it ({str(e).splitlines()[0][:120]})")
     except InputError as e:

@@ -150,7 +150,7 @@ def stored_tensors(verifier: Checkpoint) -> dict[str, OutputTensor]:
     return {k: OutputTensor(k, ref.dtype, tuple(ref.shape), recipe_of(ref)) for k, ref in verifier.tensors.items()}
 
 
-def _model_class(config):
+def model_class(config):
     """The class transformers loads this config with: the one config.json names (the release's own, e.g. a
     multimodal ``...ForConditionalGeneration``) when transformers has it, else its causal-LM class; none is a
     family probe cannot load."""
@@ -205,7 +205,7 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
     torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype])
     from ..model.mtp import open_mtp
 
-    cls = _model_class(config)
+    cls = model_class(config)
     stray = open_mtp(verifier).extra
     if stray:
         raise refuse(path, "the MTP layers", [f"{len(stray)} stored tensor(s) in the MTP namespace the family table "

@@ -408,15 +408,21 @@ def _sub_blocks(table: Table, lenv: dict):
 
 
 @_config_errors
+def trunk_prefixes(res: Resolved) -> list[str]:
+    """The key prefix of every decoder layer of the main model, in layer order."""
+    table, env = res.table, res.env
+    n = _int(table.trunk.count, env, f"{table.family}: trunk.count", MAX_TRUNK_LAYERS)
+    return [_render(table.trunk.prefix, dict(env, l=lidx)) for lidx in range(n)]
+
+
+@_config_errors
 def trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
     """Decoder layers of the main model (the fixture generator and --from-layer use these)."""
     table, env = res.table, res.env
-    n = _int(table.trunk.count, env, f"{table.family}: trunk.count", MAX_TRUNK_LAYERS)
     specs: list[Spec] = []
     groups: list[ExpertGroup] = []
-    for lidx in range(n):
+    for lidx, prefix in enumerate(trunk_prefixes(res)):
         lenv = dict(env, l=lidx)
-        prefix = _render(table.trunk.prefix, lenv)
         s, g = part_specs(table, table.trunk.parts, lenv, prefix, res.dtype, "trunk")
         specs += s
         groups += g
