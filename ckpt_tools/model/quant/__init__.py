@@ -32,6 +32,11 @@ no verb branches on a scheme name. The API:
     ``patch.apply(files)`` returns the changed files.
 
 ``quant_files(ckpt)`` reads the configuration files a scheme may be declared in.
+
+Adding a scheme from outside the package (docs/quantization.md "Adding a scheme"):
+``register_scheme_dir(path)`` reads the tables in ``path`` too; ``register_encoder(name, fn, layout)``
+adds the encoder a table's ``encoder:`` names (stitch and graft write the scheme with it); decoding is
+the table's own ``decoder:`` data. ``unregister_scheme_dir`` / ``unregister_encoder`` undo them.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ from __future__ import annotations
 from .config import quant_files
 from .declared import Declared, declaration, declared
 from .detect import Declaration, Group, QuantScheme, detect_in, detect_scheme
+from .encode import EncodeArgs, register_encoder, unregister_encoder
 from .exclude import Change, ConfigPatch, engine_names, exclusion_entries
 from .storage import Storage, module_storage, scale_grid
-from .tables import all_schemes, get_scheme
+from .tables import all_schemes, get_scheme, register_scheme_dir, reload_schemes, unregister_scheme_dir
 
 __all__ = [
-    "Change", "ConfigPatch", "Declaration", "Declared", "Group", "QuantScheme", "Storage", "all_schemes",
-    "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries", "get_scheme",
-    "module_storage", "quant_files", "scale_grid",
+    "Change", "ConfigPatch", "Declaration", "Declared", "EncodeArgs", "Group", "QuantScheme", "Storage",
+    "all_schemes", "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries",
+    "get_scheme", "module_storage", "quant_files", "register_encoder", "register_scheme_dir", "reload_schemes",
+    "scale_grid", "unregister_encoder", "unregister_scheme_dir",
 ]

@@ -1,7 +1,8 @@
 """Encoders: float values into one storage format's tensors, the inverse of ``decode`` (torch, CPU).
 
 A scheme table's storage format names its encoder (``encoder: ct-nvfp4``); ``ENCODERS`` maps that
-name to one function ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}``. Each reproduces the
+name to one function ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` (``register_encoder``
+adds one from outside the package, with its ``Layout``). Each reproduces the
 producer that writes the format, operation for operation, so its bytes are the producer's:
 
 - ``ct-fp8`` / ``ct-nvfp4``: compressed-tensors 0.20.1 as llm-compressor runs it: a min-max observer
@@ -67,6 +68,24 @@ def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
         ENCODERS[name], LAYOUTS[name] = fn, layout
         return fn
     return register
+
+
+def register_encoder(name: str, fn: Encoder, layout: Layout) -> Encoder:
+    """Add encoder ``name`` (what a scheme table's ``encoder: name`` writes with) from outside the package:
+    ``fn(values [rows, cols] float, EncodeArgs) -> {suffix: tensor}``, and ``layout((rows, cols), EncodeArgs)
+    -> {suffix: (safetensors dtype, shape)}``, what ``fn`` writes, known before any value is read. A name
+    already taken is refused (two encoders must not claim one name); the scheme tables are checked again
+    against the new set on the next ``tables.all_schemes``."""
+    if name in ENCODERS:
+        raise ValueError(f"an encoder named {name!r} is already registered")
+    ENCODERS[name], LAYOUTS[name] = fn, layout
+    return fn
+
+
+def unregister_encoder(name: str) -> None:
+    """Remove encoder ``name`` (a table that names it is refused from the next ``tables.all_schemes``)."""
+    ENCODERS.pop(name, None)
+    LAYOUTS.pop(name, None)
 
 
 def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -3,6 +3,13 @@
 Tables are checked against ``schema.SchemeTable`` and their expressions against the names they
 may use; an error names the file and the field. Parsed YAML is cached like the architecture
 tables (``tables.cache``, its own entry); the checks run on every load.
+
+A scheme from outside the package is one more directory of tables: ``register_scheme_dir(path)``
+(or ``CKPT_QUANT_TABLES``, os.pathsep-separated), read after the shipped tables, so a table there
+may also replace a shipped one of the same name. The loaded tables are memoised per set of
+directories and of registered encoders (a table naming an encoder is checked against them), so
+registering or unregistering either is seen by the next ``all_schemes``; a table file added to an
+already-loaded directory is seen after ``reload_schemes()``. docs/quantization.md "Adding a scheme".
 """
 
 from __future__ import annotations
@@ -25,9 +32,39 @@ CACHE_PREFIX = "quant-"
 SHAPE_VARS = frozenset({"rows", "cols"})  # the logical weight matrix, for granularity expressions
 
 
+_REGISTERED: list[Path] = []  # register_scheme_dir, in registration order
+
+
+def register_scheme_dir(path: str | os.PathLike) -> Path:
+    """Read the scheme tables (``*.yaml``) of directory ``path`` too, after the shipped ones and those
+    registered before it (a table there replaces a shipped table of the same ``scheme``). The directory
+    is read on the next ``all_schemes``; a table it holds that fails its checks is a TableError then."""
+    d = Path(path).resolve()
+    if not d.is_dir():
+        raise UsageError("is not a directory of scheme tables", path=str(d))
+    if d not in _REGISTERED:
+        _REGISTERED.append(d)
+    reload_schemes()
+    return d
+
+
+def unregister_scheme_dir(path: str | os.PathLike) -> None:
+    """Stop reading directory ``path`` (registered with ``register_scheme_dir``); unknown paths are ignored."""
+    d = Path(path).resolve()
+    if d in _REGISTERED:
+        _REGISTERED.remove(d)
+    reload_schemes()
+
+
+def reload_schemes() -> None:
+    """Forget the loaded tables: the next ``all_schemes`` reads every directory again."""
+    _load.cache_clear()
+
+
 def quant_dirs() -> list[Path]:
-    """Shipped scheme tables, plus ``CKPT_QUANT_TABLES`` directories (os.pathsep-separated)."""
-    dirs = [mappings_dir() / "quantization"]
+    """Shipped scheme tables, then ``register_scheme_dir`` directories, then ``CKPT_QUANT_TABLES`` ones
+    (os.pathsep-separated)."""
+    dirs = [mappings_dir() / "quantization", *_REGISTERED]
     for extra in os.environ.get("CKPT_QUANT_TABLES", "").split(os.pathsep):
         if extra.strip():
             dirs.append(Path(extra))
@@ -103,13 +140,16 @@ def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
 
 
 @lru_cache(maxsize=4)
-def _load(dirs: tuple[Path, ...]) -> dict[str, SchemeTable]:
+def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset()) -> dict[str, SchemeTable]:
+    # ``encoders``: the registered encoder names the tables were checked against (part of the key only)
     return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
 
 
 def all_schemes() -> dict[str, SchemeTable]:
     """Every scheme table by name, in file order."""
-    return dict(_load(tuple(quant_dirs())))
+    from .encode import ENCODERS
+
+    return dict(_load(tuple(quant_dirs()), frozenset(ENCODERS)))
 
 
 def get_scheme(name: str) -> SchemeTable:

@@ -1,0 +1,307 @@
+"""A new quantization scheme is one table plus at most one encoder, added from outside the package.
+
+The toy scheme here - int8 codes per row with an absmax F32 scale ``weight_scale_row`` [rows, 1], declared in
+config.json as ``quantization_config: {quant_method: toy-int8, ignore: [...]}`` - is known to this test alone:
+its table is written into a temporary directory (``register_scheme_dir``) and its encoder registered
+(``register_encoder``). Its decoding is the table's ``decoder:`` data (int codes times a per-row scale): no
+decoder code. A deepseek_v3 fixture (trunk and MTP) quantized that way then works in every verb with no
+other change to the tool: ``inspect`` names the scheme, ``validate`` accepts it and refuses a missing
+companion, ``dequant`` writes exactly the decoded floats, ``stitch`` writes a changed MTP in the toy
+storage (the encoder's bytes) and keeps an unchanged one byte for byte, ``graft --mtp-quant toy-int8``
+writes the release's MTP in it. Unregistered, the scheme is unknown (rule ``quant-unknown``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_tools.model.quant import (
+    EncodeArgs,
+    all_schemes,
+    get_scheme,
+    register_encoder,
+    register_scheme_dir,
+    unregister_encoder,
+    unregister_scheme_dir,
+)
+from ckpt_tools.model.quant.encode import ENCODERS
+
+from conftest import run_ckpt
+from quant_helpers import same_bits, tensors_of
+
+NAME = "toy-int8"
+MTP = "model.layers.3."  # deepseek_v3 fixture: three trunk layers, one MTP layer
+SCALE = "weight_scale_row"
+
+TABLE = f"""\
+scheme: {NAME}
+title: toy int8 per-row absmax
+declared_in:
+  - file: config.json
+    section: quantization_config
+    match: {{quant_method: [{NAME}]}}
+    exclude:
+      - {{field: ignore, matcher: exact, create: true}}
+storage:
+  - name: int8-row
+    label: "INT8 per row"
+    weight: {{suffix: weight, dtypes: [I8]}}
+    tensors:
+      - {{suffix: {SCALE}, role: scale, dtypes: [F32]}}
+    encoder: {NAME}
+    decoder:
+      codes: int
+      bits: 8
+      scale: {{tensor: {SCALE}, granularity: "[1, cols]"}}
+"""
+
+
+# -- the toy scheme: everything a new scheme needs besides its table ----------------------------------------
+
+
+def toy_encode(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """Per row: ``scale = absmax / 127`` in float32 (1 for a zero row), ``code = round(x / scale)``."""
+    x = values.float()
+    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
+    return {"weight": q.contiguous(), SCALE: scale.contiguous()}
+
+
+def toy_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {"weight": ("I8", shape), SCALE: ("F32", (shape[0], 1))}
+
+
+def toy_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """What the scheme means, written here independently of the tool: one float32 product, one rounding."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+@pytest.fixture
+def toy_scheme(tmp_path_factory):
+    tables = tmp_path_factory.mktemp("toy-tables")
+    (tables / f"{NAME}.yaml").write_text(TABLE)
+    register_encoder(NAME, toy_encode, toy_layout)
+    register_scheme_dir(tables)
+    try:
+        yield get_scheme(NAME)
+    finally:
+        unregister_scheme_dir(tables)
+        unregister_encoder(NAME)
+
+
+# -- a real family layout quantized with it -----------------------------------------------------------------
+
+
+def _quantizable(key: str, t: torch.Tensor) -> bool:
+    """The linears a recipe quantizes: 2-D weights but the embeddings, heads and routers."""
+    module, _, param = key.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    return param == "weight" and t.dim() == 2 and leaf not in ("embed_tokens", "lm_head", "head", "gate")
+
+
+def toy_quantize(src: Path, dst: Path) -> Path:
+    """``src`` (a BF16 checkpoint) with every quantizable linear in the toy storage, shard by shard, and the
+    config declaring the scheme with every other 2-D module in its exact-name ``ignore`` list."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "ckpt_manifest.json"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map: dict[str, str] = {}
+    ignore: list[str] = []
+    total = 0
+    for shard in sorted({*index["weight_map"].values()}):
+        out: dict[str, torch.Tensor] = {}
+        for k, t in load_file(src / shard).items():
+            if _quantizable(k, t):
+                module = k.removesuffix(".weight")
+                out.update({f"{module}.{s}": v for s, v in toy_encode(t, EncodeArgs()).items()})
+            else:
+                out[k] = t
+                if k.endswith(".weight") and t.dim() == 2:
+                    ignore.append(k.removesuffix(".weight"))
+        save_file(out, dst / shard, metadata={"format": "pt"})
+        total += sum(v.numel() * v.element_size() for v in out.values())
+        weight_map.update(dict.fromkeys(out, shard))
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    index["metadata"]["total_size"] = total
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": NAME, "ignore": sorted(ignore)}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def release(make_fixture) -> Path:
+    return make_fixture("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def toy(release, tmp_path_factory) -> Path:
+    return toy_quantize(release, tmp_path_factory.mktemp("toy") / "verifier")
+
+
+def _modules(ckpt_dir: Path, prefix: str = "") -> list[str]:
+    return sorted(k.removesuffix("." + SCALE) for k in tensors_of(ckpt_dir) if k.endswith(SCALE) and
+                  k.startswith(prefix))
+
+
+# -- unregistered: unknown ----------------------------------------------------------------------------------
+
+
+def test_without_the_registration_the_scheme_is_unknown(toy, tmp_path, tmp_path_factory):
+    assert NAME not in all_schemes() and NAME not in ENCODERS
+    for verb, code in ((("validate", toy), 1), (("dequant", toy, "-o", tmp_path / "out"), 3)):
+        res = run_ckpt(*verb, code=code)
+        assert "quant-unknown" in res.output and NAME in res.output, res.output
+    assert not (tmp_path / "out").exists()
+    # the table alone is refused too: it names an encoder nobody registered
+    tables = tmp_path_factory.mktemp("table-only")
+    (tables / f"{NAME}.yaml").write_text(TABLE)
+    register_scheme_dir(tables)
+    try:
+        from ckpt_tools.errors import TableError
+
+        with pytest.raises(TableError) as e:
+            all_schemes()
+        assert f"{NAME}.yaml" in str(e.value) and "encoder" in str(e.value)
+    finally:
+        unregister_scheme_dir(tables)
+    assert NAME not in all_schemes()
+
+
+# -- registered: every verb, no other code ------------------------------------------------------------------
+
+
+def test_inspect_reports_the_scheme(toy_scheme, toy):
+    rep = json.loads(run_ckpt("inspect", toy, "--json").stdout)
+    assert rep["quantization"]["scheme"] == NAME and rep["quantization"]["quant_method"] == NAME
+    mods = {m["module"]: m for m in rep["mtp_quant"]["modules"]}
+    assert set(_modules(toy, MTP)) <= set(mods)
+    eh = mods[MTP + "eh_proj"]
+    assert (eh["stored"]["state"], eh["stored"]["label"], eh["declared"]["state"], eh["ok"]) == \
+        ("quantized", "INT8 per row", "quantized", True)
+    assert not rep.get("findings")
+
+
+def test_validate_accepts_it_and_refuses_a_missing_companion(toy_scheme, toy, tmp_path):
+    run_ckpt("validate", toy)
+    broken = tmp_path / "broken"
+    shutil.copytree(toy, broken)
+    from safetensors.torch import load_file, save_file
+
+    key = f"{MTP}self_attn.o_proj.{SCALE}"
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop(key)
+    state = load_file(broken / shard)
+    del state[key]
+    save_file(state, broken / shard, metadata={"format": "pt"})
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    res = run_ckpt("validate", broken, code=1)
+    assert "mtp-quant-config" in res.output and key in " ".join(res.output.split()), res.output
+
+
+def test_dequant_writes_the_decoders_floats_and_drops_the_config(toy_scheme, toy, tmp_path):
+    out = tmp_path / "out"
+    run_ckpt("dequant", toy, "-o", out)
+    state, got = tensors_of(toy), tensors_of(out)
+    modules = _modules(toy)
+    assert len(modules) > 40 and any(m.startswith(MTP) for m in modules)
+    for m in modules:
+        want = toy_decode(state[f"{m}.weight"], state[f"{m}.{SCALE}"])
+        assert f"{m}.{SCALE}" not in got and same_bits(got[f"{m}.weight"], want), m
+    for k, v in got.items():  # everything else as stored
+        if k.removesuffix(".weight") not in modules:
+            assert same_bits(v, state[k]), k
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    run_ckpt("validate", out)
+
+
+@pytest.fixture(scope="module")
+def drafts(toy, tmp_path_factory):
+    """The toy verifier's MTP as BF16 (extract --dequant bf16), and a finetuned copy of it."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("drafts")
+    register_encoder(NAME, toy_encode, toy_layout)  # module scope: the function fixture is not at hand
+    tables = root / "tables"
+    tables.mkdir()
+    (tables / f"{NAME}.yaml").write_text(TABLE)
+    register_scheme_dir(tables)
+    try:
+        run_ckpt("extract", toy, "-o", root / "same", "--dequant", "bf16")
+        run_ckpt("extract", toy, "-o", root / "tuned", "--dequant", "bf16")
+    finally:
+        unregister_scheme_dir(tables)
+        unregister_encoder(NAME)
+    for f in (root / "tuned").glob("*.safetensors"):
+        t = load_file(f)
+        g = torch.Generator().manual_seed(0)
+        t = {k: (v + 0.01 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
+             if v.is_floating_point() and v.dim() == 2 else v for k, v in t.items()}
+        save_file(t, f, metadata={"format": "pt"})
+    return root / "same", root / "tuned"
+
+
+def test_stitch_writes_a_changed_mtp_with_the_registered_encoder(toy_scheme, toy, drafts, tmp_path):
+    _, tuned = drafts
+    out = tmp_path / "out"
+    run_ckpt("stitch", tuned, toy, "-o", out)
+    v, d, c = tensors_of(toy), tensors_of(tuned), tensors_of(out)
+    mtp = _modules(toy, MTP)
+    assert len(mtp) >= 15
+    for m in mtp:
+        want = toy_encode(d[f"{m}.weight"], EncodeArgs())
+        assert sorted(k for k in c if k.startswith(m + ".")) == sorted(f"{m}.{s}" for s in want), m  # toy storage
+        for s, t in want.items():
+            assert same_bits(c[f"{m}.{s}"], t), (m, s)
+        assert not same_bits(c[f"{m}.weight"], v[f"{m}.weight"]), m  # the finetune changed it
+    for k, t in v.items():  # the trunk as it was
+        if not k.startswith(MTP):
+            assert same_bits(c[k], t), k
+    assert (out / "config.json").read_bytes() == (toy / "config.json").read_bytes()
+    run_ckpt("validate", out)
+
+
+def test_stitch_of_the_unchanged_mtp_is_byte_identical(toy_scheme, toy, drafts, tmp_path):
+    same, _ = drafts
+    out = tmp_path / "out"
+    rep = json.loads(run_ckpt("stitch", same, toy, "-o", out, "--json").output)
+    assert {t["status"] for t in rep["tensors"]} == {"unchanged"}, rep["totals"]
+    for f in sorted(toy.glob("*.safetensors")) + [toy / "config.json"]:
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_graft_writes_the_release_mtp_with_the_registered_encoder(toy_scheme, release, toy, tmp_path):
+    """A toy-int8 conversion that lost its MTP gets the BF16 release's back, written in the toy storage."""
+    from safetensors.torch import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(toy, target)
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    for shard in sorted({*index["weight_map"].values()}):
+        t = load_file(target / shard)
+        save_file({k: v for k, v in t.items() if not k.startswith(MTP)}, target / shard, metadata={"format": "pt"})
+    index["weight_map"] = {k: s for k, s in index["weight_map"].items() if not k.startswith(MTP)}
+    index["metadata"]["total_size"] = sum(v.numel() * v.element_size() for v in tensors_of(target).values())
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "out"
+    run_ckpt("graft", release, target, "-o", out, "--mtp-quant", NAME)
+    src, got = tensors_of(release), tensors_of(out)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    encoded = _modules(out, MTP)  # the weights the family table marks quantizable (quant: true)
+    assert len(encoded) >= 15
+    for m in _modules(toy, MTP):
+        if m in encoded:
+            for s, t in toy_encode(src[f"{m}.weight"], EncodeArgs()).items():
+                assert same_bits(got[f"{m}.{s}"], t), (m, s)
+            assert m not in ignore, m
+        else:  # the fusion (eh_proj) is not marked quantizable: written as the release stores it, and excluded
+            assert same_bits(got[f"{m}.weight"], src[f"{m}.weight"]) and m in ignore, m
+    run_ckpt("validate", out)
