@@ -1,14 +1,16 @@
-"""A new quantization scheme is one table plus at most one encoder, added from outside the package.
+"""A new quantization scheme is one table plus one decoder and one encoder, added from outside the package.
 
-The toy scheme here - int8 codes per row with an absmax F32 scale ``weight_scale_row`` [rows, 1], declared in
-config.json as ``quantization_config: {quant_method: toy-int8, ignore: [...]}`` - is known to this test alone:
-its table is written into a temporary directory (``register_scheme_dir``) and its encoder registered
-(``register_encoder``). Its decoding is the table's ``decoder:`` data (int codes times a per-row scale): no
-decoder code. A deepseek_v3 fixture (trunk and MTP) quantized that way then works in every verb with no
-other change to the tool: ``inspect`` names the scheme, ``validate`` accepts it and refuses a missing
-companion, ``dequant`` writes exactly the decoded floats, ``stitch`` writes a changed MTP in the toy
-storage (the encoder's bytes) and keeps an unchanged one byte for byte, ``graft --mtp-quant toy-int8``
-writes the release's MTP in it. Unregistered, the scheme is unknown (rule ``quant-unknown``).
+The toy scheme here - 8-bit sign-magnitude codes (bit 7 the sign, bits 0-6 the magnitude: no built-in code
+kind reads them) times a per-row absmax F32 scale ``weight_scale_row`` [rows, 1], declared in config.json as
+``quantization_config: {quant_method: toy-int8, ignore: [...]}`` - is known to this test alone: its table is
+written into a temporary directory (``register_scheme_dir``), its decoder is its code values
+(``register_codes``: the rest of decoding - scale tiles, one float32 product, one rounding - is the table's
+``decoder:`` data) and its encoder is registered (``register_encoder``). A deepseek_v3 fixture (trunk and
+MTP) quantized that way then works in every verb with no other change to the tool: ``inspect`` names the
+scheme, ``validate`` accepts it and refuses a missing companion, ``dequant`` writes exactly the decoded
+floats, ``stitch`` writes a changed MTP in the toy storage (the encoder's bytes) and keeps an unchanged one
+byte for byte, ``graft --mtp-quant toy-int8`` writes the release's MTP in it. Unregistered, the scheme is
+unknown (rule ``quant-unknown``).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt_tools.errors import TableError
 from ckpt_tools.model.quant import (
     EncodeArgs,
     all_schemes,
     get_scheme,
+    register_codes,
     register_encoder,
     register_scheme_dir,
+    unregister_codes,
     unregister_encoder,
     unregister_scheme_dir,
 )
@@ -35,6 +40,7 @@ from conftest import run_ckpt
 from quant_helpers import same_bits, tensors_of
 
 NAME = "toy-int8"
+CODES = "toy-sm8"  # the scheme's code kind
 MTP = "model.layers.3."  # deepseek_v3 fixture: three trunk layers, one MTP layer
 SCALE = "weight_scale_row"
 
@@ -50,13 +56,12 @@ declared_in:
 storage:
   - name: int8-row
     label: "INT8 per row"
-    weight: {{suffix: weight, dtypes: [I8]}}
+    weight: {{suffix: weight, dtypes: [U8]}}
     tensors:
       - {{suffix: {SCALE}, role: scale, dtypes: [F32]}}
     encoder: {NAME}
     decoder:
-      codes: int
-      bits: 8
+      codes: {CODES}
       scale: {{tensor: {SCALE}, granularity: "[1, cols]"}}
 """
 
@@ -64,35 +69,55 @@ storage:
 # -- the toy scheme: everything a new scheme needs besides its table ----------------------------------------
 
 
+def toy_code_values() -> list[float]:
+    """The decoder: the value of each stored byte (sign-magnitude; 0x80 is -0)."""
+    return [(-1.0 if b & 0x80 else 1.0) * (b & 0x7F) for b in range(256)]
+
+
 def toy_encode(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
-    """Per row: ``scale = absmax / 127`` in float32 (1 for a zero row), ``code = round(x / scale)``."""
+    """Per row: ``scale = absmax / 127`` in float32 (1 for a zero row), ``q = round(x / scale)`` stored as
+    ``|q| | 0x80 if q < 0``."""
     x = values.float()
     scale = x.abs().amax(dim=1, keepdim=True) / 127
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
-    return {"weight": q.contiguous(), SCALE: scale.contiguous()}
+    q = torch.round(x / scale).clamp(-127, 127).to(torch.int16)
+    codes = (q.abs() | torch.where(q < 0, 0x80, 0)).to(torch.uint8)
+    return {"weight": codes.contiguous(), SCALE: scale.contiguous()}
 
 
 def toy_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return {"weight": ("I8", shape), SCALE: ("F32", (shape[0], 1))}
+    return {"weight": ("U8", shape), SCALE: ("F32", (shape[0], 1))}
 
 
-def toy_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """What the scheme means, written here independently of the tool: one float32 product, one rounding."""
-    return (q.float() * scale.float()).to(dtype)
+def toy_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """What the scheme means, written here apart from the tool: the signed code times its row's scale, one
+    float32 product, one rounding."""
+    c = codes.to(torch.int16)
+    q = torch.where(c >= 0x80, -(c - 0x80), c).float()
+    return (q * scale.float()).to(dtype)
+
+
+def register_toy(tables: Path) -> None:
+    (tables / f"{NAME}.yaml").write_text(TABLE)
+    register_codes(CODES, toy_code_values())
+    register_encoder(NAME, toy_encode, toy_layout)
+    register_scheme_dir(tables)
+
+
+def unregister_toy(tables: Path) -> None:
+    unregister_scheme_dir(tables)
+    unregister_encoder(NAME)
+    unregister_codes(CODES)
 
 
 @pytest.fixture
 def toy_scheme(tmp_path_factory):
     tables = tmp_path_factory.mktemp("toy-tables")
-    (tables / f"{NAME}.yaml").write_text(TABLE)
-    register_encoder(NAME, toy_encode, toy_layout)
-    register_scheme_dir(tables)
+    register_toy(tables)
     try:
         yield get_scheme(NAME)
     finally:
-        unregister_scheme_dir(tables)
-        unregister_encoder(NAME)
+        unregister_toy(tables)
 
 
 # -- a real family layout quantized with it -----------------------------------------------------------------
@@ -156,24 +181,43 @@ def _modules(ckpt_dir: Path, prefix: str = "") -> list[str]:
 
 
 def test_without_the_registration_the_scheme_is_unknown(toy, tmp_path, tmp_path_factory):
-    assert NAME not in all_schemes() and NAME not in ENCODERS
+    from ckpt_tools.model.quant.decode import REGISTERED_CODES
+
+    assert NAME not in all_schemes() and NAME not in ENCODERS and CODES not in REGISTERED_CODES
     for verb, code in ((("validate", toy), 1), (("dequant", toy, "-o", tmp_path / "out"), 3)):
         res = run_ckpt(*verb, code=code)
         assert "quant-unknown" in res.output and NAME in res.output, res.output
     assert not (tmp_path / "out").exists()
-    # the table alone is refused too: it names an encoder nobody registered
-    tables = tmp_path_factory.mktemp("table-only")
+
+
+def test_a_table_loads_once_its_decoder_and_encoder_are_registered(toy, tmp_path_factory):
+    """Each registration is seen by the next load (the loaded tables are memoised): the table alone is refused
+    (its code kind is unknown), then with its codes (its encoder is unknown), then it loads; undone, it is gone."""
+    tables = tmp_path_factory.mktemp("one-by-one")
     (tables / f"{NAME}.yaml").write_text(TABLE)
+    assert NAME not in all_schemes()  # loaded and memoised before the registrations
     register_scheme_dir(tables)
     try:
-        from ckpt_tools.errors import TableError
-
         with pytest.raises(TableError) as e:
             all_schemes()
-        assert f"{NAME}.yaml" in str(e.value) and "encoder" in str(e.value)
+        assert f"{NAME}.yaml" in str(e.value) and "decoder.codes" in str(e.value) and CODES in str(e.value)
+        register_codes(CODES, toy_code_values())
+        with pytest.raises(TableError) as e:
+            all_schemes()
+        assert f"{NAME}.yaml" in str(e.value) and "storage[0].encoder" in str(e.value)
+        register_encoder(NAME, toy_encode, toy_layout)
+        assert all_schemes()[NAME].storage[0].label == "INT8 per row"
+        run_ckpt("validate", toy)
+        with pytest.raises(ValueError, match="already"):
+            register_encoder(NAME, toy_encode, toy_layout)
+        with pytest.raises(ValueError, match="already"):
+            register_codes(CODES, toy_code_values())
+        with pytest.raises(ValueError, match="already"):
+            register_codes("int", toy_code_values())  # a built-in kind
     finally:
-        unregister_scheme_dir(tables)
+        unregister_toy(tables)
     assert NAME not in all_schemes()
+    assert "quant-unknown" in run_ckpt("validate", toy, code=1).output
 
 
 # -- registered: every verb, no other code ------------------------------------------------------------------
@@ -229,17 +273,14 @@ def drafts(toy, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("drafts")
-    register_encoder(NAME, toy_encode, toy_layout)  # module scope: the function fixture is not at hand
-    tables = root / "tables"
+    tables = root / "tables"  # module scope: the function fixture is not at hand
     tables.mkdir()
-    (tables / f"{NAME}.yaml").write_text(TABLE)
-    register_scheme_dir(tables)
+    register_toy(tables)
     try:
         run_ckpt("extract", toy, "-o", root / "same", "--dequant", "bf16")
         run_ckpt("extract", toy, "-o", root / "tuned", "--dequant", "bf16")
     finally:
-        unregister_scheme_dir(tables)
-        unregister_encoder(NAME)
+        unregister_toy(tables)
     for f in (root / "tuned").glob("*.safetensors"):
         t = load_file(f)
         g = torch.Generator().manual_seed(0)

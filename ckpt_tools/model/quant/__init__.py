@@ -36,10 +36,13 @@ no verb branches on a scheme name. The API:
 Adding a scheme from outside the package (docs/quantization.md "Adding a scheme"):
 ``register_scheme_dir(path)`` reads the tables in ``path`` too; ``register_encoder(name, fn, layout)``
 adds the encoder a table's ``encoder:`` names (stitch and graft write the scheme with it); decoding is
-the table's own ``decoder:`` data. ``unregister_scheme_dir`` / ``unregister_encoder`` undo them.
+the table's own ``decoder:`` data, over the code kinds built in or added with ``register_codes(name,
+values)``. ``unregister_scheme_dir`` / ``unregister_encoder`` / ``unregister_codes`` undo them.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .config import quant_files
 from .declared import Declared, declaration, declared
@@ -52,6 +55,19 @@ from .tables import all_schemes, get_scheme, register_scheme_dir, reload_schemes
 __all__ = [
     "Change", "ConfigPatch", "Declaration", "Declared", "EncodeArgs", "Group", "QuantScheme", "Storage",
     "all_schemes", "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries",
-    "get_scheme", "module_storage", "quant_files", "register_encoder", "register_scheme_dir", "reload_schemes",
-    "scale_grid", "unregister_encoder", "unregister_scheme_dir",
+    "get_scheme", "module_storage", "quant_files", "register_codes", "register_encoder", "register_scheme_dir",
+    "reload_schemes", "scale_grid", "unregister_codes", "unregister_encoder", "unregister_scheme_dir",
 ]
+
+
+def register_codes(name: str, values: Any) -> Any:
+    """``decode.register_codes`` (imported when called: decoding needs numpy, most commands never load it)."""
+    from .decode import register_codes as register
+
+    return register(name, values)
+
+
+def unregister_codes(name: str) -> None:
+    from .decode import unregister_codes as unregister
+
+    unregister(name)

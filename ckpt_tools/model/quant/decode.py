@@ -49,8 +49,37 @@ E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5,
 FP8_TABLE_LIMIT = 1 << 22  # per-block output tables up to this many entries per matrix (16 MB of float32)
 
 
+# code kinds added from outside the package (register_codes): name -> [256, k] float32 values
+REGISTERED_CODES: dict[str, np.ndarray] = {}
+
+
+def register_codes(name: str, values: Any) -> np.ndarray:
+    """Add the decoder of a new code kind, named by a scheme table's ``decoder: {codes: name}``: ``values``
+    [256] or [256, k] (k = 1 or 2), the float32 value of each of the k codes a stored byte holds, in order
+    (low nibble first for two). The rest of decoding is the table's (scale tiles, global scale, zero point,
+    one float32 product, one rounding). A name already taken is refused."""
+    from .schema import CODES
+
+    if name in CODES or name in REGISTERED_CODES:
+        raise ValueError(f"a code kind named {name!r} already exists")
+    table = np.array(values, dtype=np.float32)
+    table = table.reshape(256, 1) if table.shape == (256,) else table
+    if table.shape not in ((256, 1), (256, 2)):
+        raise ValueError(f"code values must be [256] or [256, 1 or 2], got {list(table.shape)}")
+    table.flags.writeable = False
+    REGISTERED_CODES[name] = table
+    return table
+
+
+def unregister_codes(name: str) -> None:
+    """Remove code kind ``name`` (a table that names it is refused from the next ``tables.all_schemes``)."""
+    REGISTERED_CODES.pop(name, None)
+
+
 def code_table(codes: str, bits: int = 8, offset: int = 0, weight_dtype: str | None = None) -> np.ndarray:
     """[256, k] float32: the values of the k codes each byte holds (k = 8 // bits), in order."""
+    if codes in REGISTERED_CODES:
+        return REGISTERED_CODES[codes]
     b = np.arange(256)
     if codes == "fp8":
         codes = {"F8_E4M3": "e4m3", "F8_E5M2": "e5m2"}.get(weight_dtype or "", "")

@@ -138,7 +138,9 @@ class DecoderDef(_Strict):
     """How values come back: ``(code_value - zero_point) * effective_scale``, one float32 product,
     then one rounding to the output dtype."""
 
-    codes: Literal["fp8", "e4m3", "e5m2", "e2m1", "int"]  # fp8: the weight dtype says (F8_E4M3 or F8_E5M2)
+    # fp8: the weight dtype says (F8_E4M3 or F8_E5M2); another name: a code kind registered with
+    # decode.register_codes (checked when the table loads, tables._check)
+    codes: str
     bits: int = 8  # int codes: bits per code (4 or 8)
     offset: int = 0  # int codes: stored unsigned with this offset (compressed-tensors pack: 2**(bits-1))
     scale: ScaleDef

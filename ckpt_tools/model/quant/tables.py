@@ -7,14 +7,15 @@ tables (``tables.cache``, its own entry); the checks run on every load.
 A scheme from outside the package is one more directory of tables: ``register_scheme_dir(path)``
 (or ``CKPT_QUANT_TABLES``, os.pathsep-separated), read after the shipped tables, so a table there
 may also replace a shipped one of the same name. The loaded tables are memoised per set of
-directories and of registered encoders (a table naming an encoder is checked against them), so
-registering or unregistering either is seen by the next ``all_schemes``; a table file added to an
+directories, of encoders and of registered code kinds (a table naming an encoder or a code kind is
+checked against them), so registering or unregistering any is seen by the next ``all_schemes``; a table file added to an
 already-loaded directory is seen after ``reload_schemes()``. docs/quantization.md "Adding a scheme".
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from ...errors import TableError, UsageError
 from ..expr import ExprError, names_in
 from ..tables import cache
 from ..tables.loader import _parse, mappings_dir
-from .schema import SchemeTable
+from .schema import CODES, SchemeTable
 
 CACHE_PREFIX = "quant-"
 SHAPE_VARS = frozenset({"rows", "cols"})  # the logical weight matrix, for granularity expressions
@@ -71,6 +72,13 @@ def quant_dirs() -> list[Path]:
     return dirs
 
 
+def _registered_codes() -> frozenset[str]:
+    """Code kinds added with decode.register_codes. Registering imports decode, so a decode module not yet
+    imported has none (not importing it here keeps numpy out of every command's start)."""
+    decode = sys.modules.get(f"{__package__}.decode")
+    return frozenset(decode.REGISTERED_CODES) if decode is not None else frozenset()
+
+
 def _errors(err: ValidationError) -> str:
     lines = [f"field {'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()[:8]]
     more = len(err.errors()) - 8
@@ -109,6 +117,16 @@ def _check(table: SchemeTable, path: Path) -> None:
         expr(f.when, f"{where}.when")
         expr(f.decoder.scale.granularity, f"{where}.decoder.scale.granularity")
         dtypes(f.weight.dtypes, f"{where}.weight.dtypes")
+        codes = f.decoder.codes
+        if codes not in CODES and codes not in _registered_codes():
+            raise TableError(f"field {where}.decoder.codes: {codes!r} is not one of {list(CODES)} or a code kind "
+                             "registered with decode.register_codes", path=str(path))
+        if codes not in CODES:  # a registered kind: k codes per byte, so pack is k per byte of the weight dtype
+            per_byte = sys.modules[f"{__package__}.decode"].REGISTERED_CODES[codes].shape[1]
+            for dt in f.weight.dtypes:
+                if f.weight.pack != per_byte * DTYPES[dt].nbytes(1):
+                    raise TableError(f"field {where}.weight.pack: {f.weight.pack}, but {codes!r} codes are "
+                                     f"{per_byte} per byte of {dt}", path=str(path))
         if f.encoder is not None:
             from .encode import ENCODERS
 
@@ -140,8 +158,9 @@ def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
 
 
 @lru_cache(maxsize=4)
-def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset()) -> dict[str, SchemeTable]:
-    # ``encoders``: the registered encoder names the tables were checked against (part of the key only)
+def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
+          codes: frozenset[str] = frozenset()) -> dict[str, SchemeTable]:
+    # ``encoders``, ``codes``: the encoders and registered code kinds the tables were checked against (key only)
     return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
 
 
@@ -149,7 +168,7 @@ def all_schemes() -> dict[str, SchemeTable]:
     """Every scheme table by name, in file order."""
     from .encode import ENCODERS
 
-    return dict(_load(tuple(quant_dirs()), frozenset(ENCODERS)))
+    return dict(_load(tuple(quant_dirs()), frozenset(ENCODERS), _registered_codes()))
 
 
 def get_scheme(name: str) -> SchemeTable:
