@@ -214,6 +214,16 @@ def test_a_table_loads_once_its_decoder_and_encoder_are_registered(toy, tmp_path
             register_codes(CODES, toy_code_values())
         with pytest.raises(ValueError, match="already"):
             register_codes("int", toy_code_values())  # a built-in kind
+        packed = tmp_path_factory.mktemp("packed")  # one code per byte cannot be packed two per U8
+        bad = TABLE.replace(f"scheme: {NAME}", "scheme: toy-packed").replace("dtypes: [U8]}", "dtypes: [U8], pack: 2}")
+        (packed / "toy-packed.yaml").write_text(bad.replace(f"    encoder: {NAME}\n", ""))
+        register_scheme_dir(packed)
+        try:
+            with pytest.raises(TableError) as e:
+                all_schemes()
+            assert "toy-packed.yaml" in str(e.value) and "storage[0].weight.pack" in str(e.value)
+        finally:
+            unregister_scheme_dir(packed)
     finally:
         unregister_toy(tables)
     assert NAME not in all_schemes()

@@ -8,8 +8,9 @@ A scheme from outside the package is one more directory of tables: ``register_sc
 (or ``CKPT_QUANT_TABLES``, os.pathsep-separated), read after the shipped tables, so a table there
 may also replace a shipped one of the same name. The loaded tables are memoised per set of
 directories, of encoders and of registered code kinds (a table naming an encoder or a code kind is
-checked against them), so registering or unregistering any is seen by the next ``all_schemes``; a table file added to an
-already-loaded directory is seen after ``reload_schemes()``. docs/quantization.md "Adding a scheme".
+checked against them), so registering or unregistering any is seen by the next ``all_schemes``; a
+table file added to an already-loaded directory is seen after ``reload_schemes()``.
+docs/quantization.md "Adding a scheme".
 """
 
 from __future__ import annotations
