@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..ops import graft as _graft
-    from ..ops import stitch as _stitch
+    from ..ops import stitch_report as _stitch_report
     from ..ops.dequant import DequantPlan
     from ..ops.execute import Outputs, Written
     from ..ops.experts import ExpertsPlan
@@ -221,7 +221,7 @@ class StitchReport(Report):
     """``ckpt stitch``'s result: ``details`` is the stitch's own report (every MTP tensor's comparison and
     decision, the shards rewritten); it is also written into the output as ``stitch-report.json``."""
 
-    details: _stitch.StitchReport
+    details: _stitch_report.StitchReport
     dry_run: bool
 
     def to_json(self) -> dict[str, Any]:
