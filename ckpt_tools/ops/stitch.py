@@ -1,4 +1,4 @@
-"""`ckpt stitch`: a (finetuned) draft back into its verifier, exactly: planning, and ``run``.
+"""`ckpt stitch`'s plan: a (finetuned) draft back into its verifier, exactly (``api.writing.stitch`` writes it).
 
 The draft's format gives the same correspondence extract used, run backwards: each
 verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer index,
@@ -20,16 +20,14 @@ into new shards next to a verifier that has none, and updates index and config.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..model.consistency import count_field, note_allowed, parse_allow
+from ..model.consistency import count_field, note_allowed
 from ..model.expert_layouts import ExpertGroup, scale_key, scale_shape
 from ..model.formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
 from ..model.gate import require_consistent
@@ -42,7 +40,7 @@ from ..model.quant.storage import Storage
 from ..model.tables.resolve import Spec
 from ..numeric import transforms
 from ..stream.fingerprint import record_inputs
-from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout, parse_size
+from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from .add_mtp import mtp_into, require_indexed, virtual_view
 from .carry import carried_files, check_inputs, untouched_file
 from .output_config import config_files, repair_config, set_count
@@ -51,8 +49,6 @@ from .stitch_report import StitchReport
 
 if TYPE_CHECKING:
     from ..io.safetensors_io import TensorRef
-    from ..stream.progress import Progress
-    from ..stream.targets import Output
 
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
@@ -438,46 +434,6 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     note_allowed(plan.manifest, draft_gate, vgate)
     record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
     return plan, report
-
-
-def run(draft: str | Path, verifier: str | Path, out: Output, *, format: str = "auto", mode: str = "auto",
-        link: str = "copy", allow_partial: bool = False, dtype: str = "verifier", update_copies: bool = False,
-        keep_bf16: bool = False, arch: str | None = None, strip_prefix: str | None = None,
-        layers: list[int] | None = None, max_shard_size: int | str = "5GB", accept_divergent: bool = False,
-        dry_run: bool = False, plan_json: Path | None = None, report_file: Path | None = None,
-        overwrite: bool = False, resume: bool = False, allow_invalid: Iterable[str] = (),
-        command: str = "ckpt stitch", progress: Progress | None = None,
-        on_plan: Callable[[Plan, StitchReport], None] | None = None) -> StitchReport:
-    """Stitch ``draft`` into ``verifier`` and write the result to ``out`` (a directory or an object-store
-    URL), as ``ckpt stitch`` does: plan and compare, write (unless ``dry_run``) with ``stitch-report.json``
-    in the output, the plan to ``plan_json`` and the report to ``report_file`` when given.
-
-    Keywords mirror the CLI's options. Errors are the tool's exceptions (``InputError``, ``UsageError``,
-    ``OutputError``, ...), raised before anything is written whenever the inputs are at fault.
-    ``on_plan`` is called once the plan is made, before anything is written (the CLI says there what
-    ``--allow-invalid`` let in). Returns the report; ``report.to_json()`` is what ``--json`` prints.
-    """
-    from .execute import Outputs, execute_and_report
-
-    allow = parse_allow(allow_invalid)
-    if strip_prefix is not None and not strip_prefix:
-        raise UsageError("--strip-prefix needs a non-empty prefix (e.g. --strip-prefix model.)")
-    req = StitchRequest(format=format, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
-                        update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=layers,
-                        max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
-                        strip_prefix=strip_prefix, command=command, allow_invalid=allow)
-    from ..stream.progress import Progress as Silent
-
-    progress = progress or Silent()
-    progress.phase("reading headers")
-    with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
-        progress.phase("planning")
-        plan, report = plan_stitch(d, v, req)
-        if on_plan is not None:
-            on_plan(plan, report)
-        outputs = Outputs(out, dry_run, plan_json, report_file, overwrite, resume)
-        execute_and_report(plan, report, outputs, allow, "stitch-report.json", progress)
-    return report
 
 
 def _unwrap(draft: Checkpoint, corr: Correspondence, req: StitchRequest) -> Unwrapped:
