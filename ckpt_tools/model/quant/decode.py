@@ -41,7 +41,7 @@ from ...errors import PlanError
 from ...io.prefetch import prefetched
 from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch
 from ...numeric.fp8_decode import TABLES as FP8_TABLES
-from ...parallel import decode_threads, ordered_map, run_all
+from ...parallel import decode_threads, in_pool, ordered_map, run_all
 from .schema import DecoderDef
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -260,8 +260,25 @@ def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.n
     def one(band: tuple[np.ndarray, int, int]) -> np.ndarray:
         return dec.decode(*band)
 
+    if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
+        return _decode_whole(read, dec)
     # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
     return prefetched(lambda: ordered_map(one, raw_bands(), threads))
+
+
+def _decode_whole(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
+    """The weight read at once and decoded band by band on this thread into one output array (a small
+    tensor on a pool thread): the same bytes as the streamed bands."""
+    d = dec.d
+    total = d.lead * d.rows * d.row_bytes
+    data = read(total) if total else b""
+    if len(data) != total:
+        raise PlanError(f"short read: {len(data)} of {total} bytes", rule="dequant")
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(d.lead, d.rows, d.row_bytes)
+    out = np.empty((d.lead, d.rows, d.cols), dtype=numpy_storage_dtype(d.out_dtype))
+    for li, r0, r1 in dec.bands():
+        dec.decode(raw[li, r0:r1], li, r0, out[li, r0:r1])
+    yield out
 
 
 def decode_array(d: Decoding, weight: np.ndarray, scale: np.ndarray, global_scale: np.ndarray | None = None,
