@@ -27,6 +27,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _THREADS: ContextVar[int | None] = ContextVar("ckpt_tools_decode_threads", default=None)
+_IN_TASK: ContextVar[bool] = ContextVar("ckpt_tools_in_pool_task", default=False)  # threads a task starts inherit it
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
 _PREFIX = "ckpt-decode"
@@ -78,15 +79,21 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 def in_pool() -> bool:
-    """True on a pool thread: work there runs inline (a pool thread never waits on the pool)."""
-    return threading.current_thread().name.startswith(_PREFIX)
+    """True on a pool thread, or a thread a pool task started in its context: work there runs inline (nothing
+    a task runs waits on the pool, so tasks filling every worker cannot wait on each other)."""
+    return _IN_TASK.get() or threading.current_thread().name.startswith(_PREFIX)
+
+
+def _as_task(fn: Callable[..., R], *args: Any) -> R:
+    _IN_TASK.set(True)  # in the task's own copy of the caller's context
+    return fn(*args)
 
 
 def submit(fn: Callable[..., R], *args: Any, threads: int | None = None) -> Future[R]:
     """``fn(*args)`` on the pool (``threads`` workers, default ``decode_threads()``), in the caller's context.
     Inside, ``ordered_map`` and the band decoders run inline: a task never waits on another task."""
     n = decode_threads() if threads is None else threads
-    return _pool(max(1, n)).submit(contextvars.copy_context().run, fn, *args)
+    return _pool(max(1, n)).submit(contextvars.copy_context().run, _as_task, fn, *args)
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None) -> Iterator[R]:

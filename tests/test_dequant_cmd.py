@@ -322,3 +322,20 @@ def test_output_is_the_same_on_one_two_and_three_threads_across_tensors(make_fix
     assert shards[0] and all([p.name for p in s] == [p.name for p in shards[0]] for s in shards)
     for a, b, c in zip(*shards, strict=True):
         assert a.read_bytes() == b.read_bytes() == c.read_bytes()
+
+
+def test_a_pool_task_never_waits_on_the_pool():
+    """Work a pool task runs (and threads it starts, e.g. a prefetching reader) decodes inline: a task filling
+    every worker cannot wait on a band queued behind it."""
+    from ckpt_tools.io.prefetch import prefetched
+    from ckpt_tools.parallel import in_pool, ordered_map, submit, use_threads
+
+    def task():
+        inner = list(prefetched(lambda: ordered_map(lambda x: (x, in_pool()), range(6), threads=2)))
+        return in_pool(), inner
+
+    with use_threads(2):
+        futures = [submit(task, threads=2) for _ in range(4)]
+        results = [f.result(timeout=30) for f in futures]
+    assert not in_pool()
+    assert all(flag and inner == [(x, True) for x in range(6)] for flag, inner in results)
