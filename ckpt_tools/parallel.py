@@ -12,6 +12,7 @@ process may run on (``os.sched_getaffinity``). One pool serves the process; each
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 from collections import deque
@@ -26,6 +27,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _THREADS: ContextVar[int | None] = ContextVar("ckpt_tools_decode_threads", default=None)
+_IN_TASK: ContextVar[bool] = ContextVar("ckpt_tools_in_pool_task", default=False)  # threads a task starts inherit it
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
 _PREFIX = "ckpt-decode"
@@ -76,12 +78,30 @@ def _pool(n: int) -> ThreadPoolExecutor:
         return _POOL[1]
 
 
+def in_pool() -> bool:
+    """True on a pool thread, or a thread a pool task started in its context: work there runs inline (nothing
+    a task runs waits on the pool, so tasks filling every worker cannot wait on each other)."""
+    return _IN_TASK.get() or threading.current_thread().name.startswith(_PREFIX)
+
+
+def _as_task(fn: Callable[..., R], *args: Any) -> R:
+    _IN_TASK.set(True)  # in the task's own copy of the caller's context
+    return fn(*args)
+
+
+def submit(fn: Callable[..., R], *args: Any, threads: int | None = None) -> Future[R]:
+    """``fn(*args)`` on the pool (``threads`` workers, default ``decode_threads()``), in the caller's context.
+    Inside, ``ordered_map`` and the band decoders run inline: a task never waits on another task."""
+    n = decode_threads() if threads is None else threads
+    return _pool(max(1, n)).submit(contextvars.copy_context().run, _as_task, fn, *args)
+
+
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int | None = None) -> Iterator[R]:
     """``fn(item)`` for every item, computed on ``threads`` pool threads (default ``decode_threads()``),
     yielded in the items' order. ``items`` is iterated by the caller's thread only (sequential reads);
     at most ``threads`` results are pending at a time. One thread: computed inline, no pool."""
     n = decode_threads() if threads is None else threads
-    if n <= 1 or threading.current_thread().name.startswith(_PREFIX):  # a pool thread never waits on the pool
+    if n <= 1 or in_pool():  # a pool thread never waits on the pool
         for item in items:
             yield fn(item)
         return
@@ -108,4 +128,5 @@ def run_all(fn: Callable[[T], Any], items: Iterable[T], threads: int | None = No
         pass
 
 
-__all__ = ["available_cores", "check_threads", "decode_threads", "ordered_map", "run_all", "use_threads"]
+__all__ = ["available_cores", "check_threads", "decode_threads", "in_pool", "ordered_map", "run_all", "submit",
+           "use_threads"]

@@ -216,29 +216,126 @@ def test_output_is_the_same_on_one_and_two_threads(make_fixture, tmp_path, verb)
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two, strict=True))
 
 
-def test_lookahead_starts_decoding_early_and_stops_cleanly():
-    """Tensors started ahead give their own chunks in order, surface their errors when consumed, and a
-    writer that stops early leaves no worker running."""
+def _ahead_tensor(i: int, log: list, fail: bool = False, gate=None, nbytes: int = 8):
+    from ckpt_tools.stream.plan import Compute, OutputTensor
+
+    def produce():
+        log.append(("start", i))
+        if gate is not None:
+            gate.wait(5)
+        yield np.full(nbytes // 2, i, dtype=np.uint8)
+        if fail:
+            raise ValueError(f"tensor {i}")
+        yield np.full(nbytes - nbytes // 2, i + 100, dtype=np.uint8)
+        log.append(("done", i))
+    return OutputTensor(f"t{i}", "U8", (nbytes,), Compute(produce, "dequant", ahead=True))
+
+
+def test_lookahead_decodes_ahead_in_order_and_stops_cleanly():
+    """Tensors decoded ahead on the pool give their own chunks in order, surface their errors when the writer
+    reaches them, and a writer that stops early leaves no task running (those not started are cancelled)."""
     import threading
 
+    from ckpt_tools.parallel import use_threads
     from ckpt_tools.stream.lookahead import lookahead
-    from ckpt_tools.stream.plan import Compute, CopyBytes, OutputTensor
+    from ckpt_tools.stream.plan import CopyBytes, OutputTensor
 
-    def tensor(i: int, fail: bool = False) -> OutputTensor:
-        def produce():
-            yield np.full(4, i, dtype=np.uint8)
-            if fail:
-                raise ValueError(f"tensor {i}")
-            yield np.full(4, i + 100, dtype=np.uint8)
-        return OutputTensor(f"t{i}", "U8", (8,), Compute(produce, "dequant", ahead=True))
-
+    log: list = []
+    gate = threading.Event()
     copy = OutputTensor("c", "U8", (0,), CopyBytes([]))
-    tensors = [tensor(0), copy, tensor(1), tensor(2, fail=True), tensor(3), tensor(4)]
-    before = threading.active_count()
-    with lookahead(tensors, window=2) as ahead:
-        assert ahead.chunks(1) is None  # a byte copy runs as usual
+    tensors = [_ahead_tensor(0, log), copy, _ahead_tensor(1, log), _ahead_tensor(2, log, fail=True),
+               _ahead_tensor(3, log, gate=gate), *(_ahead_tensor(i, log) for i in range(4, 9))]
+    with use_threads(2), lookahead(tensors, window=2) as ahead:
         assert _stream(ahead.chunks(0)) == bytes([0] * 4 + [100] * 4)
+        assert ahead.chunks(1) is None  # a byte copy runs as usual
         assert _stream(ahead.chunks(2)) == bytes([1] * 4 + [101] * 4)
         with pytest.raises(ValueError, match="tensor 2"):
             _stream(ahead.chunks(3))
-    assert threading.active_count() == before  # tensors 3 and 4, started and never written: stopped
+        gate.set()
+    started = [i for what, i in log if what == "start"]
+    done = {i for what, i in log if what == "done"}
+    assert started[:3] == [0, 1, 2] and set(started) <= {0, 1, 2, 3, 4, 5}  # never more than the window ahead
+    assert set(started) - {2} <= done  # closed: whatever started has finished, nothing still runs
+
+
+def test_lookahead_keeps_at_most_window_tensors_and_budget_bytes():
+    """While the writer waits on one tensor, at most ``window`` finished tensors (and ``budget`` bytes) are held;
+    tensors above ``small`` bytes are not decoded ahead (they stream from their recipe)."""
+    from ckpt_tools.parallel import use_threads
+    from ckpt_tools.stream.lookahead import Lookahead
+
+    log: list = []
+    tensors = [_ahead_tensor(i, log) for i in range(10)]
+    with use_threads(3), Lookahead(tensors, window=3) as ahead:
+        for i in range(10):
+            assert len(ahead._pending) <= 3
+            assert _stream(ahead.chunks(i)) == bytes([i] * 4 + [i + 100] * 4)
+    assert [i for what, i in log if what == "start"] == list(range(10))  # a window of 3 keeps start order
+    log.clear()
+    big = [_ahead_tensor(i, log, nbytes=64) for i in range(6)]
+    with use_threads(2), Lookahead(big, window=4, budget=128, small=64) as ahead:
+        first = ahead.chunks(0)
+        assert ahead._held <= 128 and len(ahead._pending) == 2  # the budget, not the window, binds
+        assert _stream(first) == bytes([0] * 32 + [100] * 32)
+        for i in range(1, 6):
+            assert _stream(ahead.chunks(i)) == bytes([i] * 32 + [i + 100] * 32)
+    huge = [_ahead_tensor(0, log, nbytes=256)]
+    with use_threads(2), Lookahead(huge, window=2, budget=128, small=64) as ahead:
+        assert ahead.chunks(0) is None  # larger than ``small``: streamed by the writer
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_failing_mid_stream_leaves_no_complete_looking_output(make_fixture, tmp_path, monkeypatch, threads):
+    """A decoder error on a tensor decoded ahead (or streamed) reaches the caller; the output has no index,
+    no manifest and no partial shard: nothing that looks complete."""
+    from ckpt_tools import api
+    from ckpt_tools.io.artefacts import MANIFEST_NAME
+    from ckpt_tools.numeric import fp8_decode
+
+    src = make_fixture("deepseek_v3", fp8=True)
+    calls = [0]
+    real = fp8_decode.BandDequantizer.dequant
+
+    def failing(self, codes, lead, r0, out):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ValueError("decoder broke")
+        return real(self, codes, lead, r0, out)
+
+    monkeypatch.setattr(fp8_decode.BandDequantizer, "dequant", failing)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="decoder broke"):
+        api.dequant(src, out, threads=threads)
+    left = {p.name for p in out.iterdir()} if out.exists() else set()
+    assert "model.safetensors.index.json" not in left and MANIFEST_NAME not in left
+    assert not [n for n in left if n.endswith(".partial")], left
+    assert calls[0] >= 3
+
+
+def test_output_is_the_same_on_one_two_and_three_threads_across_tensors(make_fixture, tmp_path):
+    """The decoding pool across tensors (stream.lookahead) writes the bytes one thread writes, for any window."""
+    from ckpt_tools import api
+
+    src = make_fixture("deepseek_v3", fp8=True)
+    for n in (1, 2, 3):
+        api.dequant(src, tmp_path / str(n), threads=n)
+    shards = [sorted((tmp_path / str(n)).glob("*.safetensors")) for n in (1, 2, 3)]
+    assert shards[0] and all([p.name for p in s] == [p.name for p in shards[0]] for s in shards)
+    for a, b, c in zip(*shards, strict=True):
+        assert a.read_bytes() == b.read_bytes() == c.read_bytes()
+
+
+def test_a_pool_task_never_waits_on_the_pool():
+    """Work a pool task runs (and threads it starts, e.g. a prefetching reader) decodes inline: a task filling
+    every worker cannot wait on a band queued behind it."""
+    from ckpt_tools.io.prefetch import prefetched
+    from ckpt_tools.parallel import in_pool, ordered_map, submit, use_threads
+
+    def task():
+        inner = list(prefetched(lambda: ordered_map(lambda x: (x, in_pool()), range(6), threads=2)))
+        return in_pool(), inner
+
+    with use_threads(2):
+        futures = [submit(task, threads=2) for _ in range(4)]
+        results = [f.result(timeout=30) for f in futures]
+    assert not in_pool()
+    assert all(flag and inner == [(x, True) for x in range(6)] for flag, inner in results)

@@ -207,3 +207,46 @@ def _decode_parts(scheme: str, fmt: str, tensors: dict, shape, params, out="BF16
     st = Storage("m", "quantized", parts[next(iter(tensors))].dtype, scheme, fmt, fmt,
                  {s: f"m.{s}" for s in tensors}, shape=tuple(shape), params=params)
     return materialize(dequant_parts("m.weight", parts, st, out))
+
+
+@pytest.mark.parametrize("scheme", ["ct-nvfp4", "modelopt-nvfp4"])
+@pytest.mark.parametrize("tile", [(1, 16), (3, 16)])
+@pytest.mark.parametrize("gscale", [1234.567, 1e-30, 1e30, 0.0, None])
+def test_nvfp4_pair_tables_equal_the_band_arithmetic(scheme, tile, gscale):
+    """The pair-table decoder (one lookup per byte in finished outputs per scale byte) writes the bits of the
+    band arithmetic (lookup, product, cast) for every scale byte and code, Inf / NaN / subnormal products
+    included, in every output dtype; scales that are not all e4m3 values take the band arithmetic."""
+    from ckpt_tools.arrays import numpy_storage_dtype
+    from ckpt_tools.model.quant import decode
+    from ckpt_tools.model.quant.tables import get_scheme
+    from ckpt_tools.numeric.fp8_decode import TABLES
+
+    spec = next(f for f in get_scheme(scheme).storage if f.name == "nvfp4").decoder
+    rows, cols = 700, 512  # above PAIR_TABLE_MIN elements; ragged last tile row for (3, 16)
+    rng = np.random.default_rng(7)
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    grid = (-(-rows // tile[0]), cols // tile[1])
+    sbytes = rng.integers(0, 256, grid, dtype=np.uint8)
+    sbytes[(sbytes & 0x7F) == 0x7F] = 0x7E
+    sbytes.flat[:254] = [b for b in range(256) if b & 0x7F != 0x7F]  # every non-NaN scale byte
+    scale = TABLES["F8_E4M3"][sbytes]
+    g = None if gscale is None else np.array([gscale], dtype=np.float32)
+
+    def run(dec):
+        out = np.empty((rows, cols), dtype=numpy_storage_dtype(dec.d.out_dtype))
+        for li, r0, r1 in dec.bands():
+            dec.decode(packed[r0:r1], li, r0, out[r0:r1])
+        return out
+
+    for out_dtype in ("BF16", "F16", "F32"):
+        d = decode.Decoding(spec, "U8", (rows, cols), cols // 2, cols // 2, tile, out_dtype)
+        fast, slow = decode.BandDecoder(d, scale, g), decode.BandDecoder(d, scale, g)
+        assert fast._keys is not None
+        slow._keys = None
+        with np.errstate(all="ignore"):
+            assert run(fast).tobytes() == run(slow).tobytes()
+    odd = scale.copy()
+    odd.flat[5] = np.nan  # not an e4m3 byte's value: the band arithmetic
+    assert decode.BandDecoder(d, odd, g)._keys is None
+    odd.flat[5] = 0.3
+    assert decode.BandDecoder(d, odd, g)._keys is None

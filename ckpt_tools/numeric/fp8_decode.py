@@ -33,7 +33,7 @@ import numpy as np
 from ..arrays import Scratch, decode_floats, numpy_storage_dtype
 from ..errors import InputError, PlanError
 from ..io.prefetch import prefetched
-from ..parallel import decode_threads, ordered_map, run_all
+from ..parallel import decode_threads, in_pool, ordered_map, run_all
 
 BAND_ELEMS = 1 << 18  # elements per compute step: a few MB of scratch, cache-resident
 OUT_DTYPES = ("BF16", "F16", "F32")
@@ -134,6 +134,8 @@ class BandDequantizer:
         self.step = band_rows(cols, br)
         self.col_offset = (np.arange(cols, dtype=np.intp) // bc) * 256  # table of each column's block
         self.row_stride = grid[-1] * 256  # tables of one block row
+        # the column's table inside its block row, as 16-bit indices when a block row has at most 256 blocks
+        self.col_offset16 = self.col_offset.astype(np.uint16) if self.row_stride <= 1 << 16 else None
         self._scratch = scratch  # None: each decoding thread's own (bands may be decoded on several threads)
         self._tables: tuple[int, np.ndarray] | None = None
 
@@ -143,7 +145,19 @@ class BandDequantizer:
         n, cols = codes.shape
         br = self.block[0]
         tables = self._block_tables(lead)
-        index = (self._scratch or thread_scratch()).take("index", n * cols, np.intp).reshape(n, cols)
+        scratch = self._scratch or thread_scratch()
+        if self.col_offset16 is not None:  # a block row's tables fit 16-bit indices: a quarter of the index bytes
+            index16 = scratch.take("index16", n * cols, np.uint16).reshape(n, cols)
+            a = 0
+            while a < n:  # rows of one block row share their tables
+                brow = (r0 + a) // br
+                b = min(n, (brow + 1) * br - r0)
+                np.add(codes[a:b], self.col_offset16, out=index16[a:b], casting="unsafe")
+                row_tables = tables[brow * self.row_stride:(brow + 1) * self.row_stride]
+                np.take(row_tables, index16[a:b], out=out[a:b], mode="clip")  # in range; "raise" would buffer
+                a = b
+            return out
+        index = scratch.take("index", n * cols, np.intp).reshape(n, cols)
         a = 0
         while a < n:  # rows of one block row share their tables
             brow = (r0 + a) // br
@@ -229,8 +243,27 @@ def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str,
         codes, li, r0 = band
         return kern.dequant(codes, li, r0, out=np.empty(codes.shape, dtype=numpy_storage_dtype(out_dtype)))
 
+    if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
+        return _whole_stream(read, (lead, rows, cols), kern.step, block[0], out_dtype,
+                             lambda codes, li, r0, out: kern.dequant(codes, li, r0, out))
     # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
     return prefetched(lambda: ordered_map(one, raw_bands(), threads))
+
+
+def _whole_stream(read: Callable[[int], Any], dims: tuple[int, int, int], step: int, block_rows: int,
+                  out_dtype: str, kernel: Callable[[np.ndarray, int, int, np.ndarray], Any]) -> Iterator[np.ndarray]:
+    """A [lead, rows, cols] uint8 weight read at once and decoded band by band on this thread into one
+    output array (``kernel(codes, lead, r0, out)``): a small tensor on a pool thread, the same bytes."""
+    lead, rows, cols = dims
+    total = lead * rows * cols
+    data = read(total) if total else b""
+    if len(data) != total:
+        raise InputError(f"short read: {len(data)} of {total} bytes", rule="fp8-stream")
+    codes = np.frombuffer(data, dtype=np.uint8).reshape(lead, rows, cols)
+    out = np.empty((lead, rows, cols), dtype=numpy_storage_dtype(out_dtype))
+    for li, r0, r1 in bands(lead, rows, block_rows, step):
+        kernel(codes[li, r0:r1], li, r0, out[li, r0:r1])
+    yield out
 
 
 def value_decoder(fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int], what: str = "",

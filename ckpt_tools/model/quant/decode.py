@@ -41,12 +41,13 @@ from ...errors import PlanError
 from ...io.prefetch import prefetched
 from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch
 from ...numeric.fp8_decode import TABLES as FP8_TABLES
-from ...parallel import decode_threads, ordered_map, run_all
+from ...parallel import decode_threads, in_pool, ordered_map, run_all
 from .schema import DecoderDef
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                 dtype=np.float32)
 FP8_TABLE_LIMIT = 1 << 22  # per-block output tables up to this many entries per matrix (16 MB of float32)
+PAIR_TABLE_MIN = 1 << 18  # two-codes-a-byte matrices of at least this many elements use pair tables (PairTables)
 
 
 # code kinds added from outside the package (register_codes): name -> [256, k] float32 values
@@ -135,6 +136,28 @@ def zero_point_values(raw: np.ndarray, dtype: str, bits: int, offset: int, packe
     return np.ascontiguousarray(vals[..., :rows, :])
 
 
+def _e4m3_lut() -> np.ndarray:
+    """float32 bits >> 20 of every e4m3 value (NaN aside) -> its byte; 0xFFFF elsewhere (the values are distinct
+    there: an e4m3 value has at most 3 significant bits, so its float32's low 20 bits are zero)."""
+    bits = FP8_TABLES["F8_E4M3"].view(np.uint32)
+    ok = ~np.isnan(FP8_TABLES["F8_E4M3"])
+    lut = np.full(1 << 12, 0xFFFF, dtype=np.uint16)
+    lut[bits[ok] >> 20] = np.arange(256, dtype=np.uint16)[ok]
+    return lut
+
+
+_E4M3_LUT = _e4m3_lut()
+
+
+def e4m3_keys(scale: np.ndarray) -> np.ndarray | None:
+    """``byte * 256`` (uint16) of every scale when each is an e4m3 value (NVFP4's tile scales), else None."""
+    b = np.ascontiguousarray(scale, dtype=np.float32).view(np.uint32)
+    k = _E4M3_LUT[b >> 20]
+    if (k == 0xFFFF).any() or (b & 0xFFFFF).any():
+        return None
+    return k << 8
+
+
 @dataclass(frozen=True)
 class Decoding:
     """One stored weight's decoding: what every band needs, resolved at plan time."""
@@ -198,6 +221,51 @@ class BandDecoder:
             self._fast = BandDequantizer(fmt, self.scale.reshape(*d.shape[:-2], gr, gc), d.shape, (tr, tc),
                                          d.out_dtype, scratch=scratch)
             self.step = self._fast.step
+        # two codes a byte, scales that are e4m3 values (NVFP4): a tile's byte decodes with one lookup in a table
+        # of finished output pairs per (scale byte, code byte), the products and casts of the band path
+        self._keys = None
+        self._g = None if global_scale is None else g
+        self._pairs: tuple[int, np.ndarray] | None = None
+        if self._fast is None and self.per_byte == 2 and self.zero is None and tc % 2 == 0 and d.cols % tc == 0 \
+                and d.row_bytes * 2 == d.cols and d.rows * d.cols >= PAIR_TABLE_MIN:
+            self._keys = e4m3_keys(scale.reshape(d.lead, gr, gc))
+
+    def _pair_tables(self, lead: int) -> np.ndarray:
+        """[256 * 256] output pairs of matrix ``lead``: entry ``key * 256 + byte`` holds the byte's two codes times
+        the scale whose e4m3 byte is ``key`` (divided or multiplied by the global scale as in ``__init__``)."""
+        pairs = self._pairs  # read once: another thread may replace it meanwhile
+        if pairs is None or pairs[0] != lead:
+            s = FP8_TABLES["F8_E4M3"]
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                if self._g is not None:
+                    g = self._g[lead]  # float32 [1, 1]: the same float32 operation as the band path's scale
+                    s = (s / g if self.d.spec.global_scale.op == "divide" else s * g).reshape(256)
+                products = s[:, None, None] * self.table[None, :, :]  # [key, byte, code]: one float32 rounding
+            out = np.ascontiguousarray(encode(products, self.d.out_dtype))
+            pair = {2: np.uint32, 4: np.uint64}[out.itemsize]
+            pairs = self._pairs = (lead, out.view(pair).reshape(256 * 256))
+        return pairs[1]
+
+    def _decode_pairs(self, raw: np.ndarray, lead: int, r0: int, out: np.ndarray, scratch: Scratch) -> np.ndarray:
+        d = self.d
+        assert self._keys is not None
+        n = raw.shape[0]
+        tr, tc = d.tile
+        gc, tb = d.grid[1], tc // 2  # tiles per row, bytes per tile
+        tables = self._pair_tables(lead)
+        index = scratch.take("pairs16", raw.size, np.uint16).reshape(n, gc, tb)
+        codes = raw.reshape(n, gc, tb)
+        if tr == 1:
+            np.add(codes, self._keys[lead, r0:r0 + n, :, None], out=index, casting="unsafe")
+        else:
+            a = 0
+            while a < n:  # rows of one tile row share their scales
+                trow = (r0 + a) // tr
+                b = min(n, (trow + 1) * tr - r0)
+                np.add(codes[a:b], self._keys[lead, trow, None, :, None], out=index[a:b], casting="unsafe")
+                a = b
+        np.take(tables, index.reshape(n, -1), out=out.view(tables.dtype).reshape(n, -1), mode="clip")
+        return out
 
     def bands(self) -> Iterator[tuple[int, int, int]]:
         """(lead, r0, r1) in C order: inside one tile row, or starting on a tile-row boundary."""
@@ -213,6 +281,8 @@ class BandDecoder:
             return self._fast.dequant(raw, lead, r0, out)
         per_row = d.row_bytes * self.per_byte
         scratch = self.scratch or thread_scratch()
+        if self._keys is not None:
+            return self._decode_pairs(raw, lead, r0, out, scratch)
         # one lookup per byte gives every code it holds: the table's rows read as one item each
         # (float32, or a float32 pair as 8 bytes), indices widened first (numpy's fast take path)
         index = scratch.take("index", raw.size, np.intp).reshape(raw.shape)
@@ -289,8 +359,25 @@ def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.n
     def one(band: tuple[np.ndarray, int, int]) -> np.ndarray:
         return dec.decode(*band)
 
+    if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
+        return _decode_whole(read, dec)
     # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
     return prefetched(lambda: ordered_map(one, raw_bands(), threads))
+
+
+def _decode_whole(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
+    """The weight read at once and decoded band by band on this thread into one output array (a small
+    tensor on a pool thread): the same bytes as the streamed bands."""
+    d = dec.d
+    total = d.lead * d.rows * d.row_bytes
+    data = read(total) if total else b""
+    if len(data) != total:
+        raise PlanError(f"short read: {len(data)} of {total} bytes", rule="dequant")
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(d.lead, d.rows, d.row_bytes)
+    out = np.empty((d.lead, d.rows, d.cols), dtype=numpy_storage_dtype(d.out_dtype))
+    for li, r0, r1 in dec.bands():
+        dec.decode(raw[li, r0:r1], li, r0, out[li, r0:r1])
+    yield out
 
 
 def decode_array(d: Decoding, weight: np.ndarray, scale: np.ndarray, global_scale: np.ndarray | None = None,
