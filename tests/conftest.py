@@ -47,6 +47,16 @@ def _dist_given(config) -> bool:
     return any(a == "--dist" or a.startswith("--dist=") for a in args)
 
 
+@pytest.fixture(autouse=True)
+def _kernel_copy_as_in_a_fresh_process():
+    """Each test starts with copy_file_range allowed, as a new process does. copy_segment stops asking for it in
+    a process once the kernel refused it (a module global): a test that met a refusal would otherwise change
+    how every later test in its worker copies (test_integrity_output's early-ending copy then saw none)."""
+    from ckpt_tools.io import safetensors_io
+
+    safetensors_io._CFR_OK = hasattr(os, "copy_file_range")
+
+
 @pytest.fixture(scope="session")
 def make_fixture(tmp_path_factory):
     """``make_fixture(family, **FixtureOptions)`` -> path of a cached, read-only fixture checkpoint."""
