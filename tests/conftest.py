@@ -22,6 +22,41 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent (and not called) without it
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` without ``--dist``: work stealing, not xdist's default ``load``.
+
+    ``load`` deals the first quarter of the tests out one at a time, round robin, so most modules there run
+    on both workers and build their module fixtures twice (a speculators venv subprocess, a trained model's
+    load: 15-20 s each). Work stealing gives each worker one contiguous half of the collection and moves
+    tests only when a worker runs dry: a module is split at most where a steal cuts it.
+    """
+    if config.getoption("dist") == "load" and not _dist_given(config):
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
+
+
+def _dist_given(config) -> bool:
+    """Whether ``--dist`` was asked for (``-n`` alone sets it to ``load``): then xdist's scheduler is kept."""
+    import shlex
+
+    args = [*config.invocation_params.args, *config.getini("addopts"),
+            *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]
+    return any(a == "--dist" or a.startswith("--dist=") for a in args)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_copy_as_in_a_fresh_process():
+    """Each test starts with copy_file_range allowed, as a new process does. copy_segment stops asking for it in
+    a process once the kernel refused it (a module global): a test that met a refusal would otherwise change
+    how every later test in its worker copies (test_integrity_output's early-ending copy then saw none)."""
+    from ckpt_tools.io import safetensors_io
+
+    safetensors_io._CFR_OK = hasattr(os, "copy_file_range")
+
+
 @pytest.fixture(scope="session")
 def make_fixture(tmp_path_factory):
     """``make_fixture(family, **FixtureOptions)`` -> path of a cached, read-only fixture checkpoint."""

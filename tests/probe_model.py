@@ -44,12 +44,17 @@ def mtp_prefix(family: str = "deepseek_v3") -> str:
 
 
 def tiny_config(layers: int | None = None, family: str = "deepseek_v3"):
+    """The trained model's config (``layers`` deep, all dense) or, by default, the full-depth trunk's: dense but for
+    its last layer, an MoE identity layer like the MTP layer (which is MoE whatever ``first_k_dense_replace``).
+    One MoE trunk layer keeps every trunk path (experts stored, quantized, loaded) at a fraction of the cost: the
+    identity layers' MoE took about half of each probe's forward passes."""
     full, config_cls, _, attention = FAMILIES[family]
     return getattr(transformers, config_cls)(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=full if layers is None else layers,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=3, max_position_embeddings=128, num_nextn_predict_layers=1,
+        n_group=1, topk_group=1, first_k_dense_replace=full - 1 if layers is None else 3, max_position_embeddings=128,
+        num_nextn_predict_layers=1,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, **attention,
     )
 

@@ -47,19 +47,33 @@ def tensors(path: Path) -> dict[str, bytes]:
     return out
 
 
-def run_in_venv(python: Path, cwd: Path, *args: str) -> dict:
-    r = subprocess.run([str(python), str(SCRIPT), *args], cwd=cwd, env=venv_env(), capture_output=True, text=True,
-                       timeout=900)
+FAMILIES = ["qwen3_next", "qwen3_5_moe"]
+
+
+@pytest.fixture(scope="module")
+def reports(spec_python, make_fixture, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Per family: its folder (the verifier, ``ours``, speculators' ``work``) and the script's report. Both
+    families' checks run in one venv subprocess (importing speculators takes 10-20 s), each in its folder."""
+    root = tmp_path_factory.mktemp("spec-consumer")
+    jobs = []
+    for family in FAMILIES:
+        d = root / family
+        shutil.copytree(make_fixture(family), d / family)
+        with pytest.MonkeyPatch.context() as m:
+            m.chdir(d)  # relative names: the configs name the verifier as given
+            ckpt("extract", family, "-o", "ours", "--format", "speculators")
+        jobs.append({"cwd": str(d), "verifier": family, "ours": "ours", "work": "work"})
+    r = subprocess.run([str(spec_python), str(SCRIPT), "--jobs", json.dumps(jobs)], cwd=root, env=venv_env(),
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith('{"class": ')]  # each job's report, in order
+    return {f: (root / f, json.loads(line)) for f, line in zip(FAMILIES, lines, strict=True)}
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_speculators_loads_converts_and_stitches_like_us(family, spec_python, make_fixture, tmp_path, monkeypatch):
-    shutil.copytree(make_fixture(family), tmp_path / family)
-    monkeypatch.chdir(tmp_path)  # relative names: the configs name the verifier as given
-    ckpt("extract", family, "-o", "ours", "--format", "speculators")
-    report = run_in_venv(spec_python, tmp_path, family, "ours", "work")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculators_loads_converts_and_stitches_like_us(family, reports, monkeypatch):
+    folder, report = reports[family]
+    monkeypatch.chdir(folder)  # relative names: the configs name the verifier as given
 
     assert report["class"] == "MTPDraftModel"
     assert report["not_loaded"] == []  # every tensor of ours, bit for bit
@@ -67,17 +81,17 @@ def test_speculators_loads_converts_and_stitches_like_us(family, spec_python, ma
     assert fwd["finite"] and fwd["steps"] == 3 and fwd["logits_shape"][-1] > 0
 
     theirs = {k: v for k, v in report["theirs_config"].items() if k not in NOT_OURS}
-    assert json.loads((tmp_path / "ours" / "config.json").read_text()) == theirs
+    assert json.loads((folder / "ours" / "config.json").read_text()) == theirs
 
     for name in ("ours-trained", "theirs-trained"):
-        ckpt("stitch", tmp_path / "work" / name, family, "-o", f"stitched-{name}")
-    a, b = tmp_path / "stitched-ours-trained", tmp_path / "stitched-theirs-trained"
+        ckpt("stitch", folder / "work" / name, family, "-o", f"stitched-{name}")
+    a, b = folder / "stitched-ours-trained", folder / "stitched-theirs-trained"
     files = sorted(p.name for p in a.iterdir() if p.name not in ("ckpt_manifest.json", "stitch-report.json"))
     assert files == sorted(p.name for p in b.iterdir() if p.name not in ("ckpt_manifest.json", "stitch-report.json"))
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
-    before, after = tensors(tmp_path / family), tensors(a)
+    before, after = tensors(folder / family), tensors(a)
     assert set(after) == set(before)
     changed = {k for k in after if after[k] != before[k]}
-    assert changed == set(open_mtp(Checkpoint.open(tmp_path / family)).keys())
+    assert changed == set(open_mtp(Checkpoint.open(folder / family)).keys())

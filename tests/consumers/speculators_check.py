@@ -1,18 +1,21 @@
 """Runs INSIDE the speculators 0.9.0 virtual environment (see Makefile: speculators-venv).
 
     python speculators_check.py VERIFIER OURS WORK
+    python speculators_check.py --jobs '[{"cwd": DIR, "verifier": V, "ours": O, "work": W}, ...]'
 
 VERIFIER is a verifier checkpoint, OURS our `ckpt extract --format speculators` output of it
 (its config names the verifier as a path relative to the working directory). Writes into WORK:
   theirs/            speculators' own MTPConverter output for VERIFIER
   ours-trained/      OURS loaded with speculators, every MTP weight moved by the same
   theirs-trained/    deterministic step, saved with save_pretrained (a training epoch folder)
-and prints one JSON line: what loaded, the forward pass, and the converter's config.
+and prints one JSON line: what loaded, the forward pass, and the converter's config. With --jobs: each
+job in turn, in its working directory, one line each.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -69,7 +72,15 @@ def trained(src: Path, out: Path) -> None:
 
 
 def main() -> None:
-    verifier, ours, work = (Path(a) for a in sys.argv[1:4])
+    if sys.argv[1] == "--jobs":  # several checks in one process: importing speculators takes 10-20 s
+        for job in json.loads(sys.argv[2]):
+            os.chdir(job["cwd"])
+            check(Path(job["verifier"]), Path(job["ours"]), Path(job["work"]))
+    else:
+        check(*(Path(a) for a in sys.argv[1:4]))
+
+
+def check(verifier: Path, ours: Path, work: Path) -> None:
     theirs = work / "theirs"
     MTPConverter().convert(str(verifier), str(theirs), base_model=str(verifier), num_speculative_steps=3)
     model = SpeculatorModel.from_pretrained(str(ours))  # generic entry point: resolved from the config
