@@ -15,10 +15,10 @@ from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..model.consistency import MTP_RULES, note_allowed
-from ..model.expert_layouts import scale_key
 from ..model.formats import Correspondence, Format, correspond, draft_config, format_env, get_format, verifier_name_of
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView
+from ..model.quant.companions import WeightFormat
 from ..model.quant.config import SIDE_FILES
 from ..numeric import transforms
 from ..stream.fingerprint import record_inputs
@@ -76,7 +76,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
         raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "
                          f"0..k-1; use --format sglang-nextn / speculators to renumber a single layer")
-    fp8_source = bool(view.quantized) or any(ckpt.tensors[k].dtype in FP8_DTYPES for _, k in view.stored())
+    fmt_q = view.block_format
+    fp8_source = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
     if fp8_source and dequant_to is None and fmt.rename == "roles":
         what = "quantized" if view.quantized else "FP8"
         raise UsageError(f"the source MTP weights are {what}; format {fmt.name} has no place for their scales: "
@@ -127,15 +128,14 @@ def shared_from_trunk(view: MtpView, corr: Correspondence) -> dict[str, str]:
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
                   ) -> list[OutputTensor]:
     """Output tensors of the draft: byte copies where names change, computed where values must."""
-    ckpt, res = view.ckpt, view.resolved
-    block = res.block_size
+    ckpt, fmt = view.ckpt, view.block_format
     out: list[OutputTensor] = []
     requested = cast_to
     for link in corr.tensors:
         # a dtype the release fixes (table dtype_fixed) is kept whatever --dtype says: rule stored-dtype
         cast_to = None if link.spec.dtype_fixed else requested
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
-            out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, block)
+            out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, fmt)
             continue
         ref = ckpt.tensors.get(link.verifier_key) or ckpt.tensors[view.quantized[link.verifier_key].all_keys()[0]]
         meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
@@ -147,16 +147,16 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             continue
         t = OutputTensor(link.draft_key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
         scale = None
-        if ref.dtype in FP8_DTYPES:
-            sref = ckpt.tensors[scale_key(link.verifier_key, res.scale_suffix)]
-            scale = OutputTensor(scale_key(link.draft_key, res.scale_suffix), sref.dtype, sref.shape,
+        if fmt.stores(ref.dtype):
+            sref = ckpt.tensors[fmt.scale_key(link.verifier_key)]
+            scale = OutputTensor(fmt.scale_key(link.draft_key), sref.dtype, sref.shape,
                                  CopyBytes([sref.segment()]), meta={"source": [sref.key], "role": "scale"})
         if link.swap_halves:
             if scale is not None:
                 raise UsageError(f"{ref.key}: swapping the concat order of an FP8 fusion weight needs --dequant")
             t = transforms.swap_halves(t)
             t.meta["swapped_halves"] = True
-        out += finish_tensor(t, scale, cast_to, dequant_to, block)
+        out += finish_tensor(t, scale, cast_to, dequant_to, fmt)
     cast_to = requested
     for link in corr.experts:
         from ..model.experts import BlockDequant, convert_group
@@ -167,16 +167,16 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
 
         # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
         # with --dequant each expert piece is dequantized before it is laid out
-        group_out = convert_group(link.verifier, ckpt.tensors, link.draft, scale_suffix=res.scale_suffix,
-                                  block=block, dequant=BlockDequant(dequant_to) if dequant_to else None)
+        group_out = convert_group(link.verifier, ckpt.tensors, link.draft, fmt=fmt,
+                                  dequant=BlockDequant(dequant_to) if dequant_to else None)
         by_key = {t.key: t for t in group_out}
-        scales = {scale_key(t.key, res.scale_suffix) for t in group_out if t.dtype in FP8_DTYPES}
+        scales = {fmt.scale_key(t.key) for t in group_out if fmt.stores(t.dtype)}
         for t in group_out:
             t.meta.setdefault("role", "expert")
             if t.key in scales:
                 continue  # travels with its weight
-            scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
-            out += finish_tensor(t, scale, cast_to, dequant_to, block)
+            scale = by_key.get(fmt.scale_key(t.key)) if fmt.stores(t.dtype) else None
+            out += finish_tensor(t, scale, cast_to, dequant_to, fmt)
     return out
 
 
@@ -214,23 +214,23 @@ def _quantized_experts(view: MtpView, link, cast_to, dequant_to) -> list[OutputT
         ref = view.ckpt.tensors[s.key]
         t = OutputTensor(d.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
                          meta={**meta, "source_dtype": ref.dtype})
-        out += finish_tensor(t, None, cast_to, dequant_to, view.resolved.block_size)
+        out += finish_tensor(t, None, cast_to, dequant_to, view.block_format)
     return out
 
 
 def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
     """``link.columns`` side by side along the last axis (FP8 halves are dequantized first)."""
-    ckpt, res = view.ckpt, view.resolved
+    ckpt, fmt = view.ckpt, view.block_format
     parts = []
     for spec in link.columns:
         ref = ckpt.tensors[spec.key]
         t = OutputTensor(spec.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta={"source": [spec.key]})
-        if ref.dtype in FP8_DTYPES:
+        if fmt.stores(ref.dtype):
             if dequant_to is None:
                 raise UsageError(f"{spec.key} is FP8: joining it into {link.draft_key} needs --dequant")
-            sref = ckpt.tensors[scale_key(spec.key, res.scale_suffix)]
+            sref = ckpt.tensors[fmt.scale_key(spec.key)]
             scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
-            t = transforms.dequantize(t, scale, dequant_to, res.block_size)
+            t = fmt.decode(t, scale, dequant_to)
         parts.append(t)
     t = transforms.concat_columns(parts, link.draft_key)
     t.meta.update(role=link.spec.role, source_dtype=parts[0].dtype)
@@ -239,13 +239,15 @@ def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
     return t
 
 
-def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, block) -> list[OutputTensor]:
-    """``t`` (and its FP8 ``scale``) as written: dequantized into one tensor, cast, or as they are."""
-    if t.dtype in FP8_DTYPES:
+def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, fmt: WeightFormat
+                  ) -> list[OutputTensor]:
+    """``t`` (and its ``scale`` companion in block format ``fmt``) as written: dequantized into one tensor (the
+    format's decoder), cast, or as they are."""
+    if fmt.stores(t.dtype):
         if dequant_to is not None:
             if scale is None:
                 raise InputError(f"FP8 weight {t.key} has no block scale to dequantize with", rule="fp8-scale")
-            return [transforms.dequantize(t, scale, dequant_to, block)]
+            return [fmt.decode(t, scale, dequant_to)]
         if cast_to is not None:
             raise UsageError(f"{t.key} is FP8: --dtype cannot cast block-quantized weights; add --dequant {cast_to}")
         return [t] + ([scale] if scale is not None else [])
@@ -328,8 +330,8 @@ def _set_count(view: MtpView, config: dict, n: int) -> dict:
 
 def _quant_info(view: MtpView) -> dict:
     q = view.ckpt.config.get("quantization_config")
-    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.resolved.block_size),
-            "scale_suffix": view.resolved.scale_suffix}
+    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.block_format.block),
+            "scale_suffix": view.block_format.scale_suffix}
     if view.quantized:
         info["schemes"] = sorted({st.scheme for st in view.quantized.values()})
         info["storage"] = sorted({st.label for st in view.quantized.values()})

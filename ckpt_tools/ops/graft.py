@@ -27,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..model.consistency import MTP_RULES, count_field, note_allowed
-from ..model.expert_layouts import scale_key
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table
 from ..model.quant.audit import Stored
@@ -265,23 +264,21 @@ class _Grafter:
                           lambda dtype: dequant_module(self.src, st, key, dtype))
         ref = self.src.tensors[key]
         t = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), meta={"source": [key]})
-        sref = self.src.tensors.get(scale_key(key, self.sview.resolved.scale_suffix))
+        sref = self.src.tensors.get(self.sview.block_format.scale_key(key))
         scale = None if sref is None else OutputTensor(sref.key, sref.dtype, tuple(sref.shape),
                                                        CopyBytes([sref.segment()]), meta={"source": [sref.key]})
         return self._piece(t, scale)
 
     def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
-        if t.dtype in FP8_DTYPES and scale is not None:  # the family's block FP8
-            block = self.sview.resolved.block_size
-            return _Piece([t, scale], self._fp8_stored(t.dtype, block),
-                          lambda dtype: transforms.dequantize(t, scale, dtype, block))
+        fmt = self.sview.block_format
+        if fmt.stores(t.dtype) and scale is not None:  # the source's block format
+            return _Piece([t, scale], self._fp8_stored(t.dtype, fmt), lambda dtype: fmt.decode(t, scale, dtype))
         if t.dtype in FLOAT_DTYPES:
             return _Piece([t], Stored("unquantized", t.dtype, dtype=t.dtype), lambda dtype: transforms.cast(t, dtype))
         return _Piece([t], None, None)
 
-    def _fp8_stored(self, dtype: str, block) -> Stored:
-        q = self.sview.table.quantization
-        return Stored("quantized", f"{dtype} block {list(block)}", q.method if q else "fp8-block", dtype=dtype)
+    def _fp8_stored(self, dtype: str, fmt) -> Stored:
+        return Stored("quantized", f"{dtype} block {list(fmt.block)}", fmt.scheme, dtype=dtype)
 
     def _restack(self, sg, tg) -> None:
         """Experts restacked byte for byte into the target's layout (FP8 scales with them)."""
@@ -293,14 +290,13 @@ class _Grafter:
                              f"target's trunk stores experts {tg.layout.label()}, and restacking quantized experts "
                              "is supported for float and block-FP8 experts only (--mtp-dtype bf16 first: extract "
                              "--dequant bf16, then graft that)")
-        res = self.sview.resolved
-        outs = convert_group(sg, self.src.tensors, tg, scale_suffix=res.scale_suffix, block=res.block_size)
+        fmt = self.sview.block_format
+        outs = convert_group(sg, self.src.tensors, tg, fmt=fmt)
         by_key = {t.key: t for t in outs}
-        scales = {scale_key(t.key, res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
+        scales = {fmt.scale_key(t.key) for t in outs if fmt.stores(t.dtype)}
         for t in outs:
             if t.key not in scales:
-                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant,
-                          expert=True)
+                self._add(t.key, self._piece(t, by_key.get(fmt.scale_key(t.key))), tg.quant, expert=True)
 
     def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False, expert: bool = False) -> None:
         """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""
@@ -316,17 +312,17 @@ class _Grafter:
     def _fp8(self, key: str, piece: _Piece) -> _Piece:
         from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
 
-        res = self.out_view.resolved
-        block, skey = res.block_size, scale_key(key, res.scale_suffix)
+        res, fmt = self.out_view.resolved, self.out_view.block_format
+        block, skey = fmt.block, fmt.scale_key(key)
         w, *rest = piece.tensors
         if w.dtype == QUANT_DTYPE and len(rest) == 1 and rest[0].dtype == SCALE_DTYPE and \
-                tuple(self.sview.resolved.block_size) == tuple(block) and rest[0].key == skey and \
+                tuple(self.sview.block_format.block) == tuple(block) and rest[0].key == skey and \
                 self.sview.resolved.power_of_two_scales >= res.power_of_two_scales:
             return piece  # already the target's block FP8 (and scale format): the source's bytes
         values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values("F32")
-        qw, qs = transforms.requantize(values, block, skey, pow2=res.power_of_two_scales)
+        qw, qs = fmt.encode(values, key, pow2=res.power_of_two_scales)
         qw.meta.setdefault("source", _sources(w))
-        return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, block), piece.values)
+        return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, fmt), piece.values)
 
 
     def _encoded(self, key: str, piece: _Piece, expert: bool) -> _Piece:
