@@ -59,15 +59,18 @@ class Dequantizer(Protocol):
 
 @dataclass(frozen=True)
 class BlockDequant:
-    """The ``Dequantizer`` backed by ``ckpt_tools.numeric.fp8_decode`` (float32 product, one cast to ``dtype``)."""
+    """The ``Dequantizer`` backed by the block format's decoder (model.quant: float32 product, one cast to
+    ``dtype``); ``fmt``: the checkpoint's block format (None: the default one)."""
 
     dtype: str = "BF16"
+    fmt: WeightFormat | None = None
 
     def __call__(self, weight: np.ndarray, scale: np.ndarray, block: tuple[int, int], weight_dtype: str,
                  scale_dtype: str) -> np.ndarray:
-        from ..numeric.fp8_decode import dequant_array
+        from .quant.dequant import decode_block_array
 
-        return dequant_array(weight, scale, block, weight_dtype, self.dtype, scale_dtype)
+        return decode_block_array(self.fmt or weight_format(), weight, scale, block, weight_dtype, scale_dtype,
+                                  self.dtype)
 
 
 # ---------------------------------------------------------------------------

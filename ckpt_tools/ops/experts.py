@@ -179,7 +179,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
         raise InputError(f"no routed experts to convert: the {table.family} table declares no expert groups in the "
                          f"{where} of this checkpoint", rule="no-experts", path=ckpt.root)
     dequant_to = dtype_arg(req.dequant, "--dequant")
-    dequantizer = BlockDequant(dequant_to) if dequant_to else None
+    dequantizer = BlockDequant(dequant_to, fmt) if dequant_to else None
     recorded = recorded_layouts(ckpt)
     plans: list[GroupPlan] = []
     errors: list[tuple[str, PlanError]] = []

@@ -168,7 +168,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
         # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
         # with --dequant each expert piece is dequantized before it is laid out
         group_out = convert_group(link.verifier, ckpt.tensors, link.draft, fmt=fmt,
-                                  dequant=BlockDequant(dequant_to) if dequant_to else None)
+                                  dequant=BlockDequant(dequant_to, fmt) if dequant_to else None)
         by_key = {t.key: t for t in group_out}
         scales = {fmt.scale_key(t.key) for t in group_out if fmt.stores(t.dtype)}
         for t in group_out:

@@ -13,10 +13,11 @@ disk) the way its consumers read the configuration (``declared``):
 - stored quantized must be declared quantized, by the table the tensors are stored in, with every
   companion present (scales, global scales);
 - the family's own release convention: under a declared scheme with a block format
-  (model.quant.companions), or one storing its scales under the name of the scheme the family
-  table hints (DeepSeek's ``weight_scale_inv``, V4's ``scale``), a tensor whose ``quant`` flag
-  the table leaves off stays unquantized in those releases without any exclusion (DeepSeek's
-  BF16 ``eh_proj``: engines build it as a plain Linear), so it needs none.
+  (model.quant.companions, whether or not the family table hints one), or one storing its
+  scales under the name of the scheme the family table hints (DeepSeek's ``weight_scale_inv``,
+  V4's ``scale``), a tensor whose ``quant`` flag the table leaves off stays unquantized in those
+  releases without any exclusion (DeepSeek's BF16 ``eh_proj``: engines build it as a plain
+  Linear), so it needs none.
 
 Each disagreement is a ``Finding`` with the change that repairs it (``exclude`` these names,
 ``include`` these names) or none when only the weights can fix it. The rule is
@@ -216,10 +217,10 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     fused_map = {k: list(v) for k, v in table.fused_modules.items()}
     names = {m for m, *_ in rows}
     none = Declared("excluded", None, "the configuration declares no quantization")
-    hint = weight_format(hint=table.quantization) if table.quantization else None
-    # the family's release scheme (a declared table with a block format, or scales under the name of the
-    # family's hinted scheme): the table's quant flags say which modules those releases keep unquantized
-    convention = hint is not None and scheme is not None and (
+    hint = weight_format(hint=table.quantization)
+    # a block-format release (a declared table with a block format, or scales under the name of the family's
+    # hinted scheme): the table's quant flags say which modules those releases keep unquantized
+    convention = scheme is not None and (
         any(block_format(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
     for module, stored, flag, expert in rows:

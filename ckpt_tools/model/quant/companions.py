@@ -181,7 +181,7 @@ def weight_format(ckpt: Any = None, hint: str | None = None) -> WeightFormat:
         stored = _stored(ckpt.tensors)
         if stored is not None:
             params = _config_params(get_scheme(stored.scheme), ckpt)
-            return stored if params is None else block_format(get_scheme(stored.scheme), params) or stored
+            return stored if params is None else block_format(get_scheme(stored.scheme), params, "stored") or stored
         found = _declared(ckpt)
         if found is not None:
             return found

@@ -142,3 +142,20 @@ def decode_block(fmt: Any, w: OutputTensor, scale: OutputTensor, out_dtype: str)
     t.shard = w.shard
     t.meta = {**w.meta, "dequantized_from": {"dtype": w.dtype, "scale": scale.key, "block": list(fmt.block)}}
     return t
+
+
+def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int], weight_dtype: str,
+                       scale_dtype: str, out_dtype: str) -> Any:
+    """One whole block-format weight held in memory (numpy storage views: ``weight`` [..., rows, cols] of
+    ``weight_dtype``, ``scale`` its ``block`` grid of ``scale_dtype``) -> values in ``out_dtype`` storage,
+    by the format's decoder (``decode.decode_array``): what expert restacking dequantizes piece by piece."""
+    import numpy as np
+
+    from . import decode
+
+    spec = next(f for f in get_scheme(fmt.scheme).storage if f.name == fmt.format).decoder
+    shape = tuple(weight.shape)
+    d = decode.Decoding(spec, weight_dtype, shape, shape[-1], DTYPES[weight_dtype].nbytes(shape[-1]),
+                        (int(block[0]), int(block[1])), out_dtype)
+    values = decode.scale_values(np.ascontiguousarray(scale), scale_dtype, spec.scale.encoding, spec.scale.e8m0_top)
+    return decode.decode_array(d, weight, values)
