@@ -144,13 +144,9 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
 
 
 def _block_decoder(ckpt: Checkpoint, fmt: WeightFormat, key: str):
-    """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format
-    (its scale companion and block from the scheme table, model.quant.companions; fp8_decode's kernel)."""
-    from ..numeric.fp8_decode import scale_to_f32, value_decoder
-
+    """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format (its scale
+    companion, block and decoder from the scheme table, model.quant.companions); None without its scale."""
     skey = fmt.scale_key(key)
     if skey not in ckpt.tensors:
         return None
-    ref, sref = ckpt.tensors[key], ckpt.tensors[skey]
-    scale = scale_to_f32(sref.numpy(), sref.dtype)
-    return value_decoder(ref.dtype, scale, tuple(ref.shape), fmt.block, f"{skey} of {key}: ", sref.file)
+    return fmt.value_decoder(ckpt.tensors[key], ckpt.tensors[skey])

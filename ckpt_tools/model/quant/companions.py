@@ -88,6 +88,15 @@ class WeightFormat:
 
         return decode_block(self, w, scale, dtype)
 
+    def value_decoder(self, weight: Any, scale: Any):
+        """``decode(buf, start, n)``: float32 values of any run of ``weight``'s codes (TensorRefs of the weight
+        and its scale companion), the decoder's float32 product before any output cast (``diff --dequant``)."""
+        from ...numeric.fp8_decode import scale_to_f32, value_decoder
+
+        grid = scale_to_f32(scale.numpy(), scale.dtype)
+        return value_decoder(weight.dtype, grid, tuple(weight.shape), self.block, f"{scale.key} of {weight.key}: ",
+                             scale.file)
+
     def encode(self, t: Any, weight_key: str | None = None, pow2: bool = False) -> tuple[Any, Any]:
         """``t`` (a float OutputTensor) as this format: (weight, scale), streamed band by band."""
         from ...numeric import transforms
