@@ -102,7 +102,7 @@ def test_diff_dequant_compares_fp8_weights_by_value(make_fixture, tmp_path):
 
 
 def test_decisions_say_what_is_written_and_why(make_fixture, tmp_path):
-    from ckpt_tools.ops.stitch import run
+    from ckpt_tools.api import stitch
 
     verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
     draft = tmp_path / "draft"
@@ -112,13 +112,13 @@ def test_decisions_say_what_is_written_and_why(make_fixture, tmp_path):
     tensors = load_file(str(f))
     tensors[key] = (tensors[key].float() * 1.01).to(torch.bfloat16)
     save_file(tensors, str(f), metadata={"format": "pt"})
-    by_key = {d.key: d for d in run(draft, verifier, tmp_path / "o", dry_run=True).decisions}
+    by_key = {d.key: d for d in stitch(draft, verifier, tmp_path / "o", dry_run=True).details.decisions}
     assert by_key[key].action == by_key[key + "_scale_inv"].action == "requantize"
     assert by_key[key].stats.status == "replaced" and key in by_key[key + "_scale_inv"].reason
     others = {d.action for k, d in by_key.items() if k not in (key, key + "_scale_inv")}
     assert others == {"identical"}
     assert "FP8 weight dequantized" in by_key["model.layers.3.mlp.experts.0.up_proj.weight"].reason
-    kept = {d.key: d for d in run(draft, verifier, tmp_path / "o", dry_run=True, keep_bf16=True).decisions}
+    kept = {d.key: d for d in stitch(draft, verifier, tmp_path / "o", dry_run=True, keep_bf16=True).details.decisions}
     removed = {k for k, d in kept.items() if d.action == "remove"}
     assert removed and all(k.endswith("_scale_inv") and kept[k[: -len("_scale_inv")]].action == "replace"
                            for k in removed)

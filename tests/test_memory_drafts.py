@@ -8,6 +8,7 @@ directory, no copy of the mapping).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import warnings
@@ -17,10 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ckpt_tools import api
+from ckpt_tools.api.writing import invocation
 from ckpt_tools.errors import InputError, OutputError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.io.readers.memory import FILE, ROOT
-from ckpt_tools.ops import stitch
 from ckpt_tools.ops.diff import diff
 
 from conftest import run_ckpt as ckpt
@@ -45,6 +47,12 @@ def extracted(verifier, tmp_path_factory) -> dict[str, Path]:
     for fmt in TOUCHED:
         ckpt("extract", verifier, "-o", root / fmt, "--format", fmt)
     return {fmt: root / fmt / "model.safetensors" for fmt in TOUCHED}
+
+
+def stitch(draft, verifier, out, *, command: str | None = None, **options):
+    """``api.stitch`` (recording ``command``, the CLI's, in the manifest when given): the stitch's own report."""
+    with invocation(command) if command else contextlib.nullcontext():
+        return api.stitch(draft, verifier, out, **options).details
 
 
 def finetuned(path: Path, fmt: str) -> dict[str, torch.Tensor]:
@@ -93,7 +101,7 @@ def test_in_memory_stitch_is_byte_identical_to_stitching_the_saved_draft(fmt, ve
     on_disk = saved(state, tmp_path / "draft")
     ckpt("stitch", on_disk, verifier, "-o", tmp_path / "from_dir", "--arch", FAMILY)
     command = json.loads((tmp_path / "from_dir" / "ckpt_manifest.json").read_text())["command"]
-    report = stitch.run(state, verifier, tmp_path / "from_memory", arch=FAMILY, command=command)
+    report = stitch(state, verifier, tmp_path / "from_memory", arch=FAMILY, command=command)
     assert_same_output(tmp_path / "from_dir", tmp_path / "from_memory")
     changed = {t["key"] for t in report.to_json()["tensors"] if t["status"] == "replaced"}
     assert len(changed) == len(TOUCHED[fmt]), changed  # the finetune shows, nothing else moved
@@ -125,7 +133,7 @@ def test_strided_tensors_of_any_float_dtype_stitch_as_their_values(dtype, verifi
     on_disk = saved(state, tmp_path / "draft")
     ckpt("stitch", on_disk, verifier, "-o", tmp_path / "from_dir", "--arch", FAMILY, "--dtype", "draft")
     command = json.loads((tmp_path / "from_dir" / "ckpt_manifest.json").read_text())["command"]
-    stitch.run(views, verifier, tmp_path / "from_memory", arch=FAMILY, dtype="draft", command=command)
+    stitch(views, verifier, tmp_path / "from_memory", arch=FAMILY, dtype="draft", command=command)
     assert_same_output(tmp_path / "from_dir", tmp_path / "from_memory")
     out = Checkpoint.open(tmp_path / "from_memory")
     for key in TOUCHED["native"]:
@@ -144,7 +152,7 @@ def test_non_float_tensors_and_non_tensors_are_refused_naming_the_key(verifier, 
     state = finetuned(extracted["native"], "native")
     ints = {**state, "mtp.fc.weight": state["mtp.fc.weight"].to(torch.int32)}
     with pytest.raises(InputError) as e:
-        stitch.run(ints, verifier, tmp_path / "out", arch=FAMILY)
+        stitch(ints, verifier, tmp_path / "out", arch=FAMILY)
     r = ckpt("stitch", saved(ints, tmp_path / "ints"), verifier, "-o", tmp_path / "out", "--arch", FAMILY, code=3)
     assert e.value.rule == "draft-dtype" and "[draft-dtype]" in r.output  # the policy of a directory
     assert "mtp.fc.weight" in str(e.value) and "I32" in str(e.value)
@@ -156,7 +164,7 @@ def test_non_float_tensors_and_non_tensors_are_refused_naming_the_key(verifier, 
                ("mtp.extra", torch.zeros(3, device="meta"), "unsupported-tensor")]
     for key, value, rule in refused:
         with pytest.raises(InputError) as e:
-            stitch.run({**state, key: value}, verifier, tmp_path / "out", arch=FAMILY)
+            stitch({**state, key: value}, verifier, tmp_path / "out", arch=FAMILY)
         assert (e.value.rule, e.value.key) == (rule, key if isinstance(key, str) else repr(key)), e.value
         assert repr(key) in str(e.value)
     with pytest.raises(InputError) as e:
@@ -171,13 +179,13 @@ def test_gate_prefix_and_divergence_are_those_of_a_directory(verifier, extracted
     on_disk = saved(state, tmp_path / "plain")
     r = ckpt("stitch", on_disk, verifier, "-o", tmp_path / "x", code=3)
     with pytest.raises(InputError) as e:
-        stitch.run(state, verifier, tmp_path / "x")
+        stitch(state, verifier, tmp_path / "x")
     assert e.value.rule == "draft-unproven" and "[draft-unproven]" in r.output
     # a wrapped module's keys: the prefix is stripped and said so
     wrapped = {f"module.{k}": v for k, v in state.items()}
     ckpt("stitch", saved(wrapped, tmp_path / "wrapped"), verifier, "-o", tmp_path / "from_dir", "--arch", FAMILY)
     command = json.loads((tmp_path / "from_dir" / "ckpt_manifest.json").read_text())["command"]
-    report = stitch.run(wrapped, verifier, tmp_path / "from_memory", arch=FAMILY, command=command)
+    report = stitch(wrapped, verifier, tmp_path / "from_memory", arch=FAMILY, command=command)
     assert report.draft["prefix_stripped"]["prefix"] == "module."
     assert_same_output(tmp_path / "from_dir", tmp_path / "from_memory")
     # another model's weights are divergent, not a finetune
@@ -185,7 +193,7 @@ def test_gate_prefix_and_divergence_are_those_of_a_directory(verifier, extracted
     other = {**state, "mtp.fc.weight": torch.randn(fc.shape, generator=torch.Generator().manual_seed(0)).to(fc.dtype)}
     r = ckpt("stitch", saved(other, tmp_path / "other"), verifier, "-o", tmp_path / "y", "--arch", FAMILY, code=3)
     with pytest.raises(InputError) as e:
-        stitch.run(other, verifier, tmp_path / "y", arch=FAMILY)
+        stitch(other, verifier, tmp_path / "y", arch=FAMILY)
     assert e.value.rule == "divergent" and "[divergent]" in r.output and "mtp.fc.weight" in str(e.value)
     assert not (tmp_path / "y").exists()
 
@@ -211,7 +219,7 @@ def test_reading_goes_tensor_by_tensor_without_copying_the_mapping(verifier, ext
     c = Checkpoint.open(views)
     assert copies == []  # opening reads nothing
     c.close()
-    stitch.run(views, verifier, tmp_path / "out", arch=FAMILY)
+    stitch(views, verifier, tmp_path / "out", arch=FAMILY)
     assert copies and max(copies) <= largest  # copies were made, each at most one tensor
     assert sum(copies) >= sum(v.numel() * v.element_size() for v in views.values())  # and every tensor was read
 
@@ -250,8 +258,8 @@ def test_probe_measures_a_mapping_like_the_saved_draft(tmp_path):
 def test_gpu_tensors_stitch_like_cpu_ones(verifier, extracted, tmp_path):
     state = finetuned(extracted["native"], "native")
     command = "ckpt stitch"
-    stitch.run(state, verifier, tmp_path / "cpu", arch=FAMILY, command=command)
-    stitch.run({k: strided(v).cuda() for k, v in state.items()}, verifier, tmp_path / "gpu", arch=FAMILY,
+    stitch(state, verifier, tmp_path / "cpu", arch=FAMILY, command=command)
+    stitch({k: strided(v).cuda() for k, v in state.items()}, verifier, tmp_path / "gpu", arch=FAMILY,
                command=command)
     assert files_of(tmp_path / "cpu") == files_of(tmp_path / "gpu")
 
@@ -273,12 +281,12 @@ def test_resume_with_another_state_dict_is_refused(verifier, extracted, tmp_path
     with monkeypatch.context() as m:
         m.setattr(w, "copy_whole_file", interrupted)
         with pytest.raises(KeyboardInterrupt):
-            stitch.run(first, verifier, out, arch=FAMILY)
+            stitch(first, verifier, out, arch=FAMILY)
     other = {k: v.clone() for k, v in first.items()}
     key = TOUCHED["native"][0]
     other[key] = other[key] + 1e-2  # same names, shapes and dtypes: only the bytes differ
     with pytest.raises(OutputError) as e:
-        stitch.run(other, verifier, out, arch=FAMILY, resume=True)
+        stitch(other, verifier, out, arch=FAMILY, resume=True)
     assert e.value.rule == "resume-mismatch"
-    stitch.run(first, verifier, out, arch=FAMILY, resume=True)  # the same state dict finishes the job
+    stitch(first, verifier, out, arch=FAMILY, resume=True)  # the same state dict finishes the job
     assert (out / "model.safetensors.index.json").is_file()

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from ckpt_tools.errors import TableError
+from ckpt_tools.errors import InputError, TableError, UsageError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.model.mtp import open_mtp
@@ -90,19 +90,12 @@ def test_only_single_scale_fixed_tile_fp8_formats_are_block_formats():
     assert found == {"fp8-block", "deepseek-v4"}
 
 
-def test_a_table_hint_must_name_a_scheme_with_a_block_format(tmp_path, monkeypatch):
-    for hint, words in (("no-such-scheme", "not a quantization scheme table"), ("ct-nvfp4", "has no block format")):
-        data = yaml.safe_load((mappings_dir() / "architectures" / "deepseek_v3.yaml").read_text())
-        data.update(family="bad_hint", quantization=hint,
-                    detect={"architectures": ["BadHintForTests"], "model_types": ["bad_hint"]})
-        d = tmp_path / hint
-        d.mkdir()
-        (d / "bad_hint.yaml").write_text(yaml.safe_dump(data))
-        monkeypatch.setenv("CKPT_TABLES", str(d))
-        with pytest.raises(TableError) as ei:
-            all_tables()
-        assert "field quantization" in str(ei.value) and words in str(ei.value)
-        assert str(d / "bad_hint.yaml") in str(ei.value)
+def test_a_hint_must_name_a_scheme_with_a_block_format():
+    with pytest.raises(UsageError, match="unknown quantization scheme 'no-such-scheme'"):
+        weight_format(hint="no-such-scheme")
+    with pytest.raises(InputError, match="'ct-nvfp4' has no block format") as ei:
+        weight_format(hint="ct-nvfp4")
+    assert ei.value.rule == "quant-hint"
 
 
 def test_the_old_quantization_block_is_refused(tmp_path, monkeypatch):

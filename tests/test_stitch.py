@@ -182,29 +182,29 @@ def test_hardlink_mode_links_untouched_shards(make_fixture, tmp_path):
 
 
 def test_run_is_the_command_without_rendering(make_fixture, tmp_path):
-    """ops.stitch.run: the CLI's options as keywords, its --json as ``report.to_json()``, one decision per key,
+    """api.stitch: the CLI's options as keywords, its --json as ``report.to_json()``, one decision per key,
     and errors as exceptions (nothing written)."""
+    from ckpt_tools.api import stitch
     from ckpt_tools.errors import UsageError
-    from ckpt_tools.ops.stitch import run
 
     verifier = make_fixture("deepseek_v3")
     draft = tmp_path / "draft"
     ckpt("extract", verifier, "-o", draft)
     _perturb(draft, ["model.layers.3.eh_proj.weight"], np.random.default_rng(5))
     cli = json.loads(ckpt("stitch", draft, verifier, "-o", tmp_path / "a", "--json").output)
-    rep = run(draft, verifier, tmp_path / "b")
+    rep = stitch(draft, verifier, tmp_path / "b").details
     assert rep.to_json() == cli == json.loads((tmp_path / "b" / "stitch-report.json").read_text())
     assert [d.stats for d in rep.decisions] == rep.diffs
     actions = {d.key: d.action for d in rep.decisions}
     assert actions.pop("model.layers.3.eh_proj.weight") == "replace" and set(actions.values()) == {"identical"}
     with pytest.raises(UsageError, match="--mode"):
-        run(draft, verifier, tmp_path / "c", mode="sideways")
+        stitch(draft, verifier, tmp_path / "c", mode="sideways")
     with pytest.raises(InputError, match="no such checkpoint"):
-        run(tmp_path / "nothing", verifier, tmp_path / "c")
+        stitch(tmp_path / "nothing", verifier, tmp_path / "c")
     assert not (tmp_path / "c").exists()
     trunk = tmp_path / "trunk"
     ckpt("extract", verifier, "-o", trunk, "--drop-mtp")
-    added = run(draft, trunk, tmp_path / "d", dry_run=True)
+    added = stitch(draft, trunk, tmp_path / "d", dry_run=True).details
     assert added.mode == "add" and {d.action for d in added.decisions} == {"add"} and not (tmp_path / "d").exists()
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..ops import graft as _graft
-    from ..ops import stitch as _stitch
+    from ..ops import stitch_report as _stitch_report
     from ..ops.dequant import DequantPlan
     from ..ops.execute import Outputs, Written
     from ..ops.experts import ExpertsPlan
@@ -221,7 +221,7 @@ class StitchReport(Report):
     """``ckpt stitch``'s result: ``details`` is the stitch's own report (every MTP tensor's comparison and
     decision, the shards rewritten); it is also written into the output as ``stitch-report.json``."""
 
-    details: _stitch.StitchReport
+    details: _stitch_report.StitchReport
     dry_run: bool
 
     def to_json(self) -> dict[str, Any]:
@@ -414,18 +414,34 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "a
            overwrite: bool = False, resume: bool = False, allow_invalid: Sequence[str] = (),
            progress: bool = False) -> StitchReport:
     """A finetuned ``draft`` (a directory, or name -> tensor in memory) stitched into ``verifier``: exact
-    names, layout and dtypes, compared tensor by tensor. ``report``: also write the report there."""
-    from ..ops.stitch import run
+    names, layout and dtypes, compared tensor by tensor. ``report``: also write the report there.
+
+    Errors are the tool's exceptions (``InputError``, ``UsageError``, ``OutputError``, ...), raised before
+    anything is written whenever the inputs are at fault."""
+    from ..errors import UsageError
+    from ..io.checkpoint import Checkpoint
+    from ..ops.execute import execute_and_report
+    from ..ops.stitch import StitchRequest, plan_stitch
+    from ..stream.plan import parse_size
 
     command = _command(stitch, (draft, verifier, out), locals())
+    dest = _out(out)
+    depths = _layers(layers)
+    allow = _allow(allow_invalid)
+    if strip_prefix is not None and not strip_prefix:
+        raise UsageError("--strip-prefix needs a non-empty prefix (e.g. --strip-prefix model.)")
+    req = StitchRequest(format=format, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
+                        update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=depths,
+                        max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
+                        strip_prefix=strip_prefix, command=command, allow_invalid=allow)
     with _progress(progress) as sink:
-        details = run(draft, verifier, _out(out), format=format, mode=mode, link=link,  # type: ignore[arg-type]
-                      allow_partial=allow_partial, dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16,
-                      arch=arch, strip_prefix=strip_prefix, layers=_layers(layers), max_shard_size=max_shard_size,
-                      accept_divergent=accept_divergent, dry_run=dry_run, plan_json=_optional_path(plan_json),
-                      report_file=_optional_path(report), overwrite=overwrite, resume=resume,
-                      allow_invalid=_allow(allow_invalid), command=command, progress=sink,
-                      on_plan=lambda plan, _report: _planned(plan))
+        sink.phase("reading headers")
+        with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
+            sink.phase("planning")
+            plan, details = plan_stitch(d, v, req)
+            _planned(plan)
+            outputs = _outputs(dest, dry_run, plan_json, report, overwrite, resume)
+            execute_and_report(plan, details, outputs, allow, "stitch-report.json", sink)
     return StitchReport(details, dry_run)
 
 

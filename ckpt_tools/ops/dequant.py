@@ -30,7 +30,8 @@ from ..model.quant.dequant import dequant_module
 from ..model.quant.tables import all_schemes
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
-from .extract import DTYPE_NAMES, carried_files, dtype_arg
+from .carry import carried_files
+from .out_dtype import DTYPE_NAMES, dtype_arg
 
 OUT_DTYPES = ("BF16", "F16", "F32")  # what the decoders write (numeric.fp8_decode.OUT_DTYPES)
 
@@ -189,7 +190,7 @@ def _config_files(ckpt: Checkpoint, view, req: DequantRequest, out_dtype: str, c
     if not ckpt.config_present:
         return []
     if still_quantized:
-        from .stitch import config_files, repair_config  # the repair stitch makes for float MTP modules
+        from .output_config import config_files, repair_config  # the repair stitch makes for float MTP modules
 
         rep = repair_config(ckpt, view, ckpt.config.raw, dict.fromkeys(chosen, out_dtype), changed_only=True)
         return config_files(ckpt, ckpt.config.raw, rep)

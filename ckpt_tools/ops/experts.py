@@ -27,7 +27,7 @@ from ..model.quant.companions import WeightFormat
 from ..model.tables.resolve import trunk_specs
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
-from .extract import dtype_arg, finish_tensor
+from .out_dtype import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"
 SCOPE_FIELD = "ckpt_expert_layout_scope"  # "mtp" when only the MTP groups carry that layout
@@ -320,7 +320,7 @@ def _config(ckpt: Checkpoint, req: ExpertsRequest) -> bytes | None:
 
 
 def _carried(ckpt: Checkpoint) -> list[OutputFile]:
-    from .extract import carried_files
+    from .carry import carried_files
 
     return carried_files(ckpt)
 

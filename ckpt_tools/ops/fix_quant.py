@@ -32,7 +32,7 @@ from ..model.quant.repair import Repair, repair_view
 from ..model.quant.report import audit_json, config_diff
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import Plan
-from .extract import carried_files
+from .carry import carried_files
 
 GRAFT = "`ckpt graft SOURCE {root} -o OUT` (SOURCE: the original release) writes the MTP layers anew"
 HINTS = {"mtp-missing": "a config repair cannot restore missing weights: " + GRAFT}
@@ -71,7 +71,8 @@ class FixReport:
 def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", command: str = "ckpt validate "
              "--fix-quant-config") -> tuple[Plan | None, FixReport]:
     """The plan that writes ``ckpt`` with its quantization config repaired (None: nothing to repair)."""
-    from .stitch import LINK_MODES, config_files, untouched_file  # stitch loads numpy; a plain validate does not
+    from .carry import LINK_MODES, untouched_file
+    from .output_config import config_files
 
     if link not in LINK_MODES:
         raise UsageError(f"--link {link!r}: use one of {', '.join(LINK_MODES)}")

@@ -37,9 +37,11 @@ from ..model.quant.audit import Stored
 from ..numeric import transforms
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import CopyBytes, OutputTensor, Plan
+from .add_mtp import mtp_into, require_indexed, virtual_view
+from .carry import check_inputs
 from .compare import TensorDiff
-from .extract import _set_count
-from .stitch import StitchReport, check_inputs, config_files, mtp_into, repair_config, require_indexed, virtual_view
+from .output_config import config_files, repair_config, set_count
+from .stitch_report import StitchReport
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
 BLOCK_FP8 = "fp8-block"  # the family tables' block FP8 (numeric.fp8, scale suffix and block from the table)
@@ -137,7 +139,7 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
                                                                                if t.key in target.tensors}
     _diffs(report, target, mtp, drop)
 
-    config = _set_count(out_view, target.config.raw, sview.count)
+    config = set_count(out_view, target.config.raw, sview.count)
     stored = {k: p.stored for k, p in pieces.items() if p.stored is not None}
     try:
         repaired = repair_config(target, out_view, config, {}, stored=stored)

@@ -40,7 +40,10 @@ from ..numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitS
 from ..options import MAX_SEED, int_in_range, positive_finite
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
-from .extract import _draft_config, _set_count, carried_files, draft_tensors, dtype_arg
+from .carry import carried_files
+from .draft_build import build_draft_config, draft_tensors
+from .out_dtype import dtype_arg
+from .output_config import set_count
 
 DEFAULT_STD = 0.02
 
@@ -377,7 +380,7 @@ def _virtual_view(target: Checkpoint, res: Resolved, layouts: dict[str, ExpertLa
     view.present = native.present
     declared = resolve(res.table, target.config).mtp_count
     if count != declared:
-        virtual.config = ConfigView(_set_count(view, target.config.raw, count))
+        virtual.config = ConfigView(set_count(view, target.config.raw, count))
     return view, source
 
 
@@ -394,9 +397,10 @@ def _draft(fmt: Format, view: MtpView, corr: Correspondence, native: _NativeDraf
     if not any(view.block_format.stores(t.dtype) for t in tensors) and \
             view.ckpt.config.get("quantization_config") is not None:
         # an FP8 target, a draft without FP8 tensors: its config must not declare FP8 weights
-        config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to or gen_dtype or view.resolved.dtype, True)
+        config, omitted = build_draft_config(fmt, view, corr, tensors, dequant_to or gen_dtype or view.resolved.dtype,
+                                             True)
     else:
-        config, omitted = _draft_config(fmt, view, corr, tensors, dequant_to, fp8)
+        config, omitted = build_draft_config(fmt, view, corr, tensors, dequant_to, fp8)
     return tensors, config, omitted
 
 

@@ -1,4 +1,4 @@
-"""`ckpt stitch`: a (finetuned) draft back into its verifier, exactly: planning, and ``run``.
+"""`ckpt stitch`'s plan: a (finetuned) draft back into its verifier, exactly (``api.writing.stitch`` writes it).
 
 The draft's format gives the same correspondence extract used, run backwards: each
 verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer index,
@@ -20,17 +20,14 @@ into new shards next to a verifier that has none, and updates index and config.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..dtypes import DTYPES, FLOAT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
-from ..model.consistency import count_field, note_allowed, parse_allow
+from ..model.consistency import count_field, note_allowed
 from ..model.expert_layouts import ExpertGroup
 from ..model.formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
 from ..model.gate import require_consistent
@@ -40,25 +37,20 @@ from ..model.provenance import prove_family
 from ..model.quant.companions import weight_format
 from ..model.quant.dequant import format_of
 from ..model.quant.encode_plan import FusedGroups, encodable, encode_module
-from ..model.quant.repair import Repair
 from ..model.quant.storage import Storage
-from ..model.tables.resolve import Spec, resolve, trunk_specs
+from ..model.tables.resolve import Spec
 from ..numeric import transforms
 from ..stream.fingerprint import record_inputs
-from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout, parse_size
-from .compare import TensorDiff
-from .extract import _set_count, carried_files
-from .stitch_compare import DIVERGENCE, Candidates, Decision, decide, judge
+from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from .add_mtp import mtp_into, require_indexed, virtual_view
+from .carry import carried_files, check_inputs, untouched_file
+from .output_config import config_files, repair_config, set_count
+from .stitch_compare import Candidates, Decision, decide, judge
+from .stitch_report import StitchReport
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from ..io.safetensors_io import TensorRef
-    from ..model.quant.audit import Stored
-    from ..stream.progress import Progress
-    from ..stream.targets import Output
 
-LINK_MODES = ("copy", "reflink", "hardlink", "remote")
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
 STITCH_HINTS = {"mtp-missing": "if the verifier ships no MTP weights, `--mode add` adds the draft's layers (and sets "
@@ -83,60 +75,6 @@ class StitchRequest:
     allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
 
 
-@dataclass
-class StitchReport:
-    mode: str
-    format: str
-    family: str
-    diffs: list[TensorDiff] = field(default_factory=list)  # one entry per key, sorted (the decisions' stats)
-    decisions: list[Decision] = field(default_factory=list)  # stitch: what is written for each key, and why
-    kept_from_verifier: list[str] = field(default_factory=list)  # --allow-partial
-    kept_copies: list[str] = field(default_factory=list)  # per-layer embed/head copies left as they were
-    absent_copies: list[str] = field(default_factory=list)  # optional copies the output leaves out, as the verifier did
-    ignored_draft_keys: dict[str, str] = field(default_factory=dict)  # key -> reason
-    copied_tensors: int = 0  # verifier tensors outside MTP, byte copies
-    rewritten_shards: list[str] = field(default_factory=list)
-    new_shards: list[str] = field(default_factory=list)
-    linked_files: list[str] = field(default_factory=list)
-    provenance: str = ""  # the evidence that the draft belongs to the verifier
-    exempt: str | None = None  # why the divergence check does not apply to this draft
-    draft: dict = field(default_factory=dict)  # how the draft was read: reader, its notes, the prefix stripped
-    quant_config: dict | None = None  # the quantization config repair (quant.repair), when the config changed
-    validation: dict | None = None
-
-    def totals(self) -> dict:
-        counts: dict[str, int] = {}
-        for d in self.diffs:
-            counts[d.status] = counts.get(d.status, 0) + 1
-        counts["copied (outside MTP)"] = self.copied_tensors
-        return counts
-
-    def divergent(self) -> list[TensorDiff]:
-        return [d for d in self.diffs if d.divergent]
-
-    def to_json(self) -> dict:
-        return {
-            "mode": self.mode,
-            "format": self.format,
-            "family": self.family,
-            "provenance": self.provenance,
-            "draft": self.draft,
-            "totals": self.totals(),
-            "divergence": {**DIVERGENCE.to_json(), "divergent": [d.key for d in self.divergent()],
-                           **({"exempt": self.exempt} if self.exempt else {})},
-            "tensors": [d.to_json() for d in self.diffs],
-            "kept_from_verifier": self.kept_from_verifier,
-            "kept_copies": self.kept_copies,
-            "absent_copies": self.absent_copies,
-            "ignored_draft_keys": self.ignored_draft_keys,
-            "rewritten_shards": self.rewritten_shards,
-            "new_shards": self.new_shards,
-            "linked_files": self.linked_files,
-            **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
-            **({"validation": self.validation} if self.validation is not None else {}),
-        }
-
-
 # ---------------------------------------------------------------------------
 
 
@@ -149,17 +87,6 @@ def _draft_layers(draft: Checkpoint, fmt: Format, req: StitchRequest, count: int
     if fmt.max_layers == 1 or fmt.rename != "native":
         return [0]
     return list(range(count))
-
-
-def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
-    """What the verifier's MTP would look like with ``count`` layers (add mode)."""
-    res = resolve(table, verifier.config, mtp_count=count)
-    # Experts follow the trunk's layout on disk (a trunk with fused experts gets fused MTP experts).
-    trunk_layouts = [detect_group_layout(g, verifier.tensors) for g in trunk_specs(res)[1]]
-    layouts = {g.prefix: (trunk_layouts[0] if trunk_layouts else g.layout) for g in res.experts()}
-    view = MtpView(verifier, res, layouts)
-    view.present = res.mtp_specs(layouts)
-    return view
 
 
 def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
@@ -431,30 +358,6 @@ def _source_of(t: OutputTensor) -> str:
     return ", ".join(src[:3]) + (" ..." if len(src) > 3 else "") if isinstance(src, list) else str(src)
 
 
-def check_inputs(link: str, verifier: Checkpoint, other: Checkpoint, roles: tuple[str, str] = ("verifier", "draft")
-                 ) -> None:
-    """--link against the verifier (the checkpoint whose shards are carried), and two distinct inputs."""
-    if link == "symlink":  # removed: links out of the output fail our own shard-path rule
-        raise UsageError("--link symlink was removed: a symlinked output is not self-contained and every verb "
-                         "refuses shards that resolve outside the checkpoint; use --link hardlink or --link reflink "
-                         "(the same space saving)")
-    if link not in LINK_MODES:
-        raise UsageError(f"--link {link!r}: use one of {', '.join(LINK_MODES)}")
-    if link == "remote" and verifier.local_dir is not None:
-        raise UsageError(f"--link remote needs an hf:// {roles[0]} (its untouched shards stay on the Hub)")
-    if other.local_dir is not None and verifier.local_dir is not None and \
-            other.local_dir.resolve() == verifier.local_dir.resolve():
-        raise UsageError(f"the {roles[1]} and the {roles[0]} are the same directory")
-
-
-def require_indexed(gate, verifier: Checkpoint, verb: str) -> None:
-    """Shards copied whole would carry keys the index does not list (let in by --allow-invalid unindexed-key)."""
-    if any(p.rule == "unindexed-key" for p in gate.allowed):
-        raise InputError(f"{verb} copies the verifier's shards whole, so keys its index does not list would "
-                         "stay in them; write a clean trunk first (`ckpt extract --drop-mtp --allow-invalid "
-                         "unindexed-key`), then stitch into it", rule="unindexed-key", path=verifier.root)
-
-
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")
@@ -538,46 +441,6 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     note_allowed(plan.manifest, draft_gate, vgate)
     record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
     return plan, report
-
-
-def run(draft: str | Path, verifier: str | Path, out: Output, *, format: str = "auto", mode: str = "auto",
-        link: str = "copy", allow_partial: bool = False, dtype: str = "verifier", update_copies: bool = False,
-        keep_bf16: bool = False, arch: str | None = None, strip_prefix: str | None = None,
-        layers: list[int] | None = None, max_shard_size: int | str = "5GB", accept_divergent: bool = False,
-        dry_run: bool = False, plan_json: Path | None = None, report_file: Path | None = None,
-        overwrite: bool = False, resume: bool = False, allow_invalid: Iterable[str] = (),
-        command: str = "ckpt stitch", progress: Progress | None = None,
-        on_plan: Callable[[Plan, StitchReport], None] | None = None) -> StitchReport:
-    """Stitch ``draft`` into ``verifier`` and write the result to ``out`` (a directory or an object-store
-    URL), as ``ckpt stitch`` does: plan and compare, write (unless ``dry_run``) with ``stitch-report.json``
-    in the output, the plan to ``plan_json`` and the report to ``report_file`` when given.
-
-    Keywords mirror the CLI's options. Errors are the tool's exceptions (``InputError``, ``UsageError``,
-    ``OutputError``, ...), raised before anything is written whenever the inputs are at fault.
-    ``on_plan`` is called once the plan is made, before anything is written (the CLI says there what
-    ``--allow-invalid`` let in). Returns the report; ``report.to_json()`` is what ``--json`` prints.
-    """
-    from .execute import Outputs, execute_and_report
-
-    allow = parse_allow(allow_invalid)
-    if strip_prefix is not None and not strip_prefix:
-        raise UsageError("--strip-prefix needs a non-empty prefix (e.g. --strip-prefix model.)")
-    req = StitchRequest(format=format, mode=mode, link=link, allow_partial=allow_partial, dtype=dtype,
-                        update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=layers,
-                        max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
-                        strip_prefix=strip_prefix, command=command, allow_invalid=allow)
-    from ..stream.progress import Progress as Silent
-
-    progress = progress or Silent()
-    progress.phase("reading headers")
-    with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
-        progress.phase("planning")
-        plan, report = plan_stitch(d, v, req)
-        if on_plan is not None:
-            on_plan(plan, report)
-        outputs = Outputs(out, dry_run, plan_json, report_file, overwrite, resume)
-        execute_and_report(plan, report, outputs, allow, "stitch-report.json", progress)
-    return report
 
 
 def _unwrap(draft: Checkpoint, corr: Correspondence, req: StitchRequest) -> Unwrapped:
@@ -771,127 +634,17 @@ def _add_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder, req
                     _manifest(draft, verifier, report, fmt), report)
 
 
-def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[OutputFile], link: str,
-             max_shard_size: int, command: str, inputs, manifest: dict, report: StitchReport,
-             drop: frozenset[str] = frozenset()) -> Plan:
-    """The verifier with ``mtp`` written into new ``model-mtp*`` shards (stitch add mode, graft).
-
-    Its shards are copied or linked as they are, except those holding ``drop`` keys (MTP tensors
-    being replaced), which are rewritten without them; ``config_files`` replace the verifier's own
-    files of those names (config.json, hf_quant_config.json); the other files are carried.
-    """
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    files: list[OutputFile] = []
-    tensors: list[OutputTensor] = []
-    layouts: dict[str, ShardLayout] = {}
-    wm = verifier.index["weight_map"] if verifier.index else None
-    single = verifier.index is None
-    for shard, keys in verifier.shard_keys.items():
-        listed = [k for k in keys if wm is None or wm.get(k) == shard]
-        # a lone model.safetensors would hide the index from loaders: give it a sharded name
-        name = "model-00001-of-00002.safetensors" if single else shard
-        kept = [k for k in listed if k not in drop]
-        if len(kept) == len(listed):
-            if single and link == "remote":
-                raise UsageError("--link remote cannot rename the verifier's lone model.safetensors; use --link copy")
-            files.append(untouched_file(verifier, shard, link, {k: verifier.tensors[k].nbytes for k in listed}, name))
-            report.linked_files.append(name)
-        elif kept:  # rewritten without the dropped tensors, the others byte for byte in their order
-            for k in kept:
-                ref = verifier.tensors[k]
-                tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=name,
-                                            meta={"copied_from": "verifier"}))
-            layouts[name] = ShardLayout(order=kept)
-            report.rewritten_shards.append(name)
-        report.copied_tensors += len(kept)
-    if single:
-        names = {t.key: "model-00002-of-00002.safetensors" for t in mtp}
-    else:
-        split = split_state_dict_into_shards_factory({t.key: t for t in mtp}, get_storage_size=lambda t: t.nbytes,
-                                                     filename_pattern="model-mtp{suffix}.safetensors",
-                                                     max_shard_size=max_shard_size)
-        names = {k: f for f, ks in split.filename_to_tensors.items() for k in ks}
-    tensors += [OutputTensor(t.key, t.dtype, t.shape, t.recipe, shard=names[t.key], meta=t.meta) for t in mtp]
-    taken = {f.name for f in files} | set(layouts)
-    clash = taken & set(names.values())
-    if clash:
-        raise PlanError(f"new MTP shard name(s) {sorted(clash)} already exist in the verifier", rule="shard-name")
-    report.new_shards = sorted(set(names.values()))
-    replaced = {f.name for f in config_files}
-    files = config_files + files + [f for f in carried_files(verifier) if f.name not in replaced]
-    return Plan(command, tensors, files, inputs=inputs, max_shard_size=max_shard_size, manifest=manifest,
-                shard_layouts=layouts)
-
-
-def untouched_file(verifier: Checkpoint, shard: str, link: str, tensors: dict[str, int], name: str | None = None
-               ) -> OutputFile:
-    """A verifier shard the stitch leaves alone: copied, linked, or (remote) left on the Hub."""
-    if link == "remote":
-        return OutputFile(name or shard, link="remote", remote=f"{verifier.root}/{shard}", tensors=tensors)
-    return OutputFile(name or shard, source=verifier.file_path(shard), link=link, tensors=tensors)
-
-
 def _stitched_files(verifier: Checkpoint, view: MtpView, builder: _Builder, mode: str, report: StitchReport
                     ) -> list[OutputFile]:
     """config.json (MTP count in add mode) and the quantization config repaired wherever the stitch
     writes an MTP module unquantized that the config declares quantized (``quant.repair``)."""
-    config = _set_count(view, verifier.config.raw, view.count) if mode == "add" else verifier.config.raw
+    config = set_count(view, verifier.config.raw, view.count) if mode == "add" else verifier.config.raw
     written = {k: t.dtype for k, t in builder.candidates.items() if t.dtype in FLOAT_DTYPES}
     # replace mode judges only the modules whose storage changes (written unquantized where the verifier
     # stores them quantized: --keep-bf16, --dtype draft, a scheme this tool does not write)
     repaired = repair_config(verifier, view, config, written, changed_only=mode != "add")
     report.quant_config = repaired.to_json() if repaired.changed else None
     return config_files(verifier, config, repaired)
-
-
-def repair_config(ckpt: Checkpoint, view: MtpView, config: dict, dtypes: dict[str, str],
-                  changed_only: bool = False, stored: Mapping[str, Stored] | None = None) -> Repair:
-    """The quantization config of ``ckpt`` (``config`` as its config.json) repaired for the MTP modules
-    ``view`` describes, with the float tensors ``dtypes`` (key -> dtype) written unquantized, and the
-    weights ``stored`` (key -> how it is written; graft) as said there (see
-    ``quant.repair.repair_written``). Refused (rule mtp-quant-config) when no change of the config can
-    make it declare what is written."""
-    from ..model.quant import quant_files
-    from ..model.quant.audit import Stored
-    from ..model.quant.repair import linear_modules, repair_written
-
-    files = {**quant_files(ckpt), "config.json": config}
-    stored = stored or {}
-
-    def stored_of(key: str) -> Stored | None:
-        dt = dtypes.get(key)
-        return Stored("unquantized", dt, dtype=dt) if dt is not None else stored.get(key)
-
-    modules = linear_modules(ckpt.tensors) | {k.rpartition(".")[0] for k in (*dtypes, *stored)}
-    try:
-        rep = repair_written(view, files, ckpt.tensors, modules, stored_of, changed_only)
-    except InputError as e:
-        if e.rule == "quant-unknown":  # a scheme no table describes: its config is left as it is
-            return Repair()
-        raise
-    if rep.unfixable:
-        shown = "; ".join(f"{f.key}: {f.message}" for f in rep.unfixable[:5])
-        raise InputError(f"the MTP would be written in a storage the quantization config cannot be made to declare "
-                         f"({len(rep.unfixable)} module(s)): {shown}", rule="mtp-quant-config", path=ckpt.root)
-    return rep
-
-
-def config_files(ckpt: Checkpoint, config: dict, repaired: Repair) -> list[OutputFile]:
-    """config.json (byte copy when unchanged) and every repaired quantization side file."""
-    config = repaired.files.get("config.json", config)
-    out = _config_file(ckpt, config)
-    for name, obj in sorted(repaired.files.items()):
-        if name != "config.json":
-            out.append(OutputFile(name, content=(json.dumps(obj, indent=2) + "\n").encode()))
-    return out
-
-
-def _config_file(verifier: Checkpoint, config: dict) -> list[OutputFile]:
-    path = verifier.file_path("config.json") if verifier.local_dir is not None else None
-    if config is verifier.config.raw and path is not None and path.is_file():
-        return [OutputFile("config.json", source=path)]  # unchanged: byte-identical copy
-    return [OutputFile("config.json", content=(json.dumps(config, indent=2) + "\n").encode())]
 
 
 def _manifest(draft: Checkpoint, verifier: Checkpoint, report: StitchReport, fmt: Format) -> dict:

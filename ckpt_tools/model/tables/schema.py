@@ -199,23 +199,6 @@ class Table(_Strict):
     # generator (ckpt_tools.testing) and the demo. Real key names, tiny dimensions.
     fixture: dict = Field(default_factory=dict)
 
-    @field_validator("quantization")
-    @classmethod
-    def _scheme_hint(cls, v):
-        if v is None:
-            return v
-        from ..quant.companions import block_format
-        from ..quant.tables import all_schemes
-
-        schemes = all_schemes()
-        if v not in schemes:
-            raise ValueError(f"{v!r} is not a quantization scheme table (mappings/quantization: "
-                             f"{', '.join(sorted(schemes))})")
-        if block_format(schemes[v]) is None:
-            raise ValueError(f"scheme {v!r} has no block format (one FP8 scale companion over fixed tiles), which "
-                             "is what fixtures and the demo write")
-        return v
-
     @field_validator("config", mode="before")
     @classmethod
     def _vars(cls, v):
