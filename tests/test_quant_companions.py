@@ -187,3 +187,36 @@ def test_deepseek_v4_scale_companions_come_from_its_scheme_table(make_fixture, t
         assert any(k.endswith(".scale") for k in a) == (not args)
     manifest = json.loads((tmp_path / "b-fp8" / "ckpt_manifest.json").read_text())
     assert manifest["source_quantization"]["scale_suffix"] == "scale"
+
+
+def test_deepseek_v4_release_layout_reads_through_its_scheme_table(tmp_path, unhinted):
+    """The release layout (UE8M0 `.scale` on FP8 weights, FP4 experts): extracted natively and dequantized the
+    same under a table that hints nothing."""
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v4", tmp_path / "v4", QuantOptions("fp8-ue8m0-fp4-experts"))
+    arch = unhinted("deepseek_v4")
+    view = open_mtp(Checkpoint.open(src), get_table(arch))
+    fmt = view.block_format
+    assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
+    assert "F8_E8M0" in fmt.scale_dtypes and view.complete()
+    for args in ((), ("--dequant", "bf16")):
+        tag = "-".join(args) or "native"
+        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
+        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
+        a = raw_tensors(tmp_path / f"a-{tag}")
+        assert a == raw_tensors(tmp_path / f"b-{tag}")
+        assert any(d == "F8_E8M0" and k.endswith(".scale") for k, (d, _, _) in a.items()) == (not args)
+
+
+@pytest.mark.parametrize("scheme", ["ct-fp8-channel", "ct-nvfp4"])
+def test_experts_of_another_scheme_are_refused_naming_the_rule(tmp_path, scheme):
+    pytest.importorskip("compressed_tensors")
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v3", tmp_path / "q", QuantOptions(scheme))
+    result = ckpt("fuse-experts", src, "-o", tmp_path / "f", code=None)
+    out = result.output
+    assert result.exit_code != 0
+    assert "[expert-quant-scheme]" in out and f"scheme table {scheme.removesuffix('-channel')}" in out
+    assert "`ckpt dequant` them first" in out and not (tmp_path / "f" / "model.safetensors").exists()

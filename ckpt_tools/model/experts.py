@@ -32,7 +32,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol
 
 from ..arrays import bytes_to_numpy, numpy_storage_dtype
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, FLOAT_DTYPES
 from ..errors import PlanError
 from ..io.safetensors_io import Segment, TensorRef, read_bytes
 from ..stream.plan import Compute, CopyBytes, OutputTensor
@@ -235,12 +235,39 @@ def layout_problem(group: ExpertGroup) -> str | None:
     return None
 
 
+def _encoded(group: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat):
+    """How ``group``'s first expert weight is stored when a scheme table other than the block format ``fmt``
+    describes it (packed codes, per-channel or global scales ...): a model.quant Storage; None otherwise."""
+    first = _group_tensors(group)[0]
+    ref = refs.get(first.key)
+    if ref is not None and (ref.dtype in FLOAT_DTYPES or (fmt.stores(ref.dtype) and fmt.scale_key(first.key) in refs)):
+        return None
+    if not first.key.endswith(".weight"):
+        return None  # a stacked name: no scheme table names companions of stacked experts
+    from types import SimpleNamespace
+
+    from .quant.storage import module_storage
+
+    st = module_storage(SimpleNamespace(tensors=refs), None, first.key.removesuffix(".weight"), tuple(first.shape))
+    if not st.quantized or (st.scheme, st.format) == (fmt.scheme, fmt.format):
+        return None  # float, absent, or the block format missing its scale: the checks below name it
+    return st
+
+
 def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat | None = None) -> GroupInfo:
     """Every tensor of ``src`` present with its shape, one dtype, FP8 scales, nothing stray; else PlanError."""
     problems: list[tuple[str, str]] = []
     why = layout_problem(src)
     if why:
         _raise(src, [("layout-unsupported", why)])
+    fmt = fmt or weight_format()
+    encoded = _encoded(src, refs, fmt)
+    if encoded is not None:
+        _raise(src, [("expert-quant-scheme",
+                      f"{encoded.module} is stored in scheme table {encoded.scheme}'s format {encoded.format}; "
+                      "experts are restacked as float or in a block format only (one scale companion over fixed "
+                      "tiles, which stacks along the expert axis: model.quant.companions); `ckpt dequant` them "
+                      "first")])
     weights = stored_tensors(src)
     expected = {w.key for w in weights}
     dtypes: dict[str, list[str]] = {}
@@ -261,7 +288,6 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightForm
                                                  f"weights are {dtype}"))
     scale_dtype = None
     scale_keys: list[str] = []
-    fmt = fmt or weight_format()
     block = fmt.block
     if fmt.stores(dtype):
         sdt: set[str] = set()
