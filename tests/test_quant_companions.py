@@ -220,3 +220,19 @@ def test_experts_of_another_scheme_are_refused_naming_the_rule(tmp_path, scheme)
     assert result.exit_code != 0
     assert "[expert-quant-scheme]" in out and f"scheme table {scheme.removesuffix('-channel')}" in out
     assert "`ckpt dequant` them first" in out and not (tmp_path / "f" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--mtp-quant", "fp8-block"]])
+def test_deepseek_v4_graft_keeps_its_scale_companions(make_fixture, tmp_path, extra):
+    """F32 `.scale` companions (a fixture, a trainer's export) say deepseek-v4 as the release's F8_E8M0 ones do:
+    the config's declaration, the stored MTP and --mtp-quant fp8-block (the target's block format) agree."""
+    from ckpt_tools.model.quant import detect_scheme
+
+    src = make_fixture("deepseek_v4", fp8=True)
+    target = make_fixture("deepseek_v4", fp8=True, drop_mtp=True)
+    assert detect_scheme(Checkpoint.open(target)).name == "deepseek-v4"
+    ckpt("graft", src, target, "-o", tmp_path / "out", *extra)
+    out, source = raw_tensors(tmp_path / "out"), raw_tensors(src)
+    mtp = {k for k in source if k.startswith("mtp.")}
+    assert any(k.endswith(".scale") for k in mtp) and not any(k.endswith("weight_scale_inv") for k in out)
+    assert {k: out[k] for k in mtp} == {k: source[k] for k in mtp}

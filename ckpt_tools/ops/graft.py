@@ -214,9 +214,13 @@ def _require_declared(target: Checkpoint, scheme_name: str):
     """--mtp-quant SCHEME writes that scheme's storage: the target's config must declare it, and (a scheme written
     by its encoder) its trunk modules must not carry calibrated activation scales graft cannot compute."""
     from ..model.quant import detect_scheme, get_scheme
+    from ..model.quant.companions import block_format
 
     scheme = detect_scheme(target)
-    if scheme is None or scheme_name not in {t.scheme for t in scheme.tables}:
+    # block FP8 is written in the target's own block format (model.quant.companions): any declared table with one
+    fits = scheme is not None and (any(block_format(t) is not None for t in scheme.tables) if scheme_name == BLOCK_FP8
+                                   else scheme_name in {t.scheme for t in scheme.tables})
+    if not fits:
         what = "declares no quantization" if scheme is None else \
             "declares " + ", ".join(sorted(t.title for t in scheme.tables))
         raise InputError(f"--mtp-quant {scheme_name} writes {get_scheme(scheme_name).title}, but the target's "

@@ -136,8 +136,17 @@ def _claim(table: SchemeTable, where: ConfigDef, sec: Mapping[str, Any]) -> tupl
 
 
 def _evidence_holds(table: SchemeTable, tensors: Mapping[str, Any]) -> bool:
+    """The table's ``evidence`` tensors are present, or its block format's scale companion sits next to an FP8
+    weight (a DeepSeek-V4 layout whose `.scale` tensors are F32: the companion's name is the evidence)."""
     want = [(e.suffix, set(e.dtypes)) for e in table.evidence]
-    return any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want)
+    if any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want):
+        return True
+    from .companions import block_format
+
+    fmt = block_format(table)
+    return fmt is not None and any(
+        fmt.stores(ref.dtype) and (s := tensors.get(fmt.scale_key(k))) is not None and s.dtype in fmt.scale_dtypes
+        for k, ref in tensors.items())
 
 
 def _declared_sections(files: QuantFiles) -> list[str]:
