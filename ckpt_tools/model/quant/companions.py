@@ -30,12 +30,11 @@ from typing import Any
 
 from ...errors import InputError
 from ..expert_layouts import scale_key
-from ..expr import ExprError, evaluate
-from .schema import FormatDef, SchemeTable
+from .block import block_tile
+from .schema import SchemeTable
 from .tables import all_schemes, get_scheme
 
 DEFAULT_SCHEME = "fp8-block"  # the block format of a checkpoint that declares, stores and hints nothing
-_FP8_CODES = ("fp8", "e4m3", "e5m2")
 
 
 @dataclass(frozen=True)
@@ -104,21 +103,6 @@ class WeightFormat:
         return transforms.requantize(t, self.block, self.scale_key(weight_key or t.key), pow2)
 
 
-def _fixed_tile(fmt: FormatDef, params: Mapping[str, Any]) -> tuple[int, int] | None:
-    """The scale tile when it is the same for every matrix shape (a block), else None."""
-    tiles = []
-    for rows, cols in ((7, 11), (4099, 8191)):
-        try:
-            tile = evaluate(fmt.decoder.scale.granularity, {**params, "rows": rows, "cols": cols})
-        except ExprError:
-            return None
-        if not (isinstance(tile, (list, tuple)) and len(tile) == 2 and all(isinstance(x, int) and x > 0
-                                                                          for x in tile)):
-            return None
-        tiles.append((int(tile[0]), int(tile[1])))
-    return tiles[0] if tiles[0] == tiles[1] else None
-
-
 def block_format(table: SchemeTable, params: Mapping[str, Any] | None = None, how: str = "declared"
                  ) -> WeightFormat | None:
     """``table``'s block format with ``params`` (the table's defaults when None), or None when it has none."""
@@ -126,11 +110,7 @@ def block_format(table: SchemeTable, params: Mapping[str, Any] | None = None, ho
     params = {**defaults, **(params or {})}
     for fmt in table.storage:
         d = fmt.decoder
-        if (d.codes not in _FP8_CODES or fmt.weight.pack != 1 or d.global_scale is not None
-                or d.zero_point is not None or len(fmt.tensors) != 1 or fmt.tensors[0].suffix != d.scale.tensor
-                or fmt.tensors[0].optional):
-            continue
-        tile = _fixed_tile(fmt, params)
+        tile = block_tile(fmt, params)
         if tile is None:
             continue
         return WeightFormat(table.scheme, fmt.name, frozenset(fmt.weight.dtypes), d.scale.tensor,

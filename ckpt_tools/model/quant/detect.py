@@ -141,12 +141,18 @@ def _evidence_holds(table: SchemeTable, tensors: Mapping[str, Any]) -> bool:
     want = [(e.suffix, set(e.dtypes)) for e in table.evidence]
     if any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want):
         return True
-    from .companions import block_format
+    from ..expert_layouts import scale_key
+    from .block import block_tile
 
-    fmt = block_format(table)
-    return fmt is not None and any(
-        fmt.stores(ref.dtype) and (s := tensors.get(fmt.scale_key(k))) is not None and s.dtype in fmt.scale_dtypes
-        for k, ref in tensors.items())
+    defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
+    for fmt in table.storage:
+        if block_tile(fmt, defaults) is None:
+            continue
+        suffix, scale_dtypes = fmt.tensors[0].suffix, set(fmt.tensors[0].dtypes)
+        if any(ref.dtype in fmt.weight.dtypes and (s := tensors.get(scale_key(k, suffix))) is not None
+               and s.dtype in scale_dtypes for k, ref in tensors.items()):
+            return True
+    return False
 
 
 def _declared_sections(files: QuantFiles) -> list[str]:
