@@ -54,7 +54,7 @@ from ckpt_tools.model.tables.loader import all_tables
 import ckpt_tools.ops.extract, ckpt_tools.ops.validate, ckpt_tools.stream.writer
 all_tables()
 if os.environ.get("ZYGOTE_TORCH") == "1":
-    import torch, ckpt_tools.ops.stitch
+    import torch, ckpt_tools.ops.stitch_plan
     torch.set_num_threads(1)
 
 

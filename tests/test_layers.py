@@ -103,7 +103,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     """The walk resolves relative imports: a known upward edge of a fake tree is found."""
     assert _layer("ckpt_tools.stream.writer") == "stream"
     assert _layer("ckpt_tools.errors") == ""
-    assert RANK[_layer("ckpt_tools.cli.common")] > RANK[_layer("ckpt_tools.ops.stitch")]
+    assert RANK[_layer("ckpt_tools.cli.common")] > RANK[_layer("ckpt_tools.ops.stitch_plan")]
 
 
 def test_every_internal_import_names_a_module_that_exists():
@@ -119,3 +119,75 @@ def test_every_internal_import_names_a_module_that_exists():
             if len(rest) > 1:  # a module name (then the imported name) that no file provides
                 stale.append(f"{_module(path)[0]}: {dotted}")
     assert stale == []
+
+
+# -- inside ops: a verb's module does not import another verb's ------------------------------------
+
+# validate is the check the other verbs run as a check, not as a verb: every writer on its output
+# (execute.validate_output), push before it uploads, validate --fix-quant-config (fix_quant) before it writes
+SHARED_CHECK = {"ckpt_tools.ops.validate"}
+
+
+def _verb_names() -> set[str]:
+    """Every verb, as the package names it: the API's public functions and the CLI's commands."""
+    import ckpt_tools.api
+    from ckpt_tools.cli import app
+
+    names = set(ckpt_tools.api.__all__) | {c.name for c in app.registered_commands if c.name}
+    return {n.replace("-", "_") for n in names}
+
+
+def _api_module_imports() -> set[str]:
+    """ops modules the API imports whole at run time (``from ..ops import validate as _validate``)."""
+    found = set()
+    for path in (ROOT / "api").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module == "ops" \
+                    and id(node) not in typing_only:
+                found.update(f"ckpt_tools.ops.{a.name}" for a in node.names)
+    return found
+
+
+def _verb_modules(graph: dict[str, set[str]]) -> set[str]:
+    """The ops modules that are verbs: named for one (``experts`` for fuse-experts, ``verify`` for
+    verify-manifest), or imported whole by the API as one (``fix_quant``: validate --fix-quant-config)."""
+    verbs = _verb_names()
+    ops = {m for m in graph if m.startswith("ckpt_tools.ops.")}
+
+    def named(module: str) -> bool:
+        name = module.rpartition(".")[2]
+        return name in verbs or any(v.endswith("_" + name) or v.startswith(name + "_") for v in verbs)
+
+    return {m for m in ops if named(m)} | (_api_module_imports() & ops)
+
+
+def test_the_verbs_are_found():
+    """The derivation finds every verb module (a verb that lost its module here would go unchecked)."""
+    found = {m.rpartition(".")[2] for m in _verb_modules(_graph())}
+    assert {"extract", "graft", "experts", "fix_quant", "init_draft", "dequant", "probe", "diff", "inspect",
+            "validate", "push", "verify"} <= found, found
+    assert not found & {"execute", "compare", "carry", "output_config", "probe_load", "stitch_compare"}
+
+
+def test_no_verb_module_reaches_another():
+    """What one verb lends to others lives in a shared ops module (carry, output_config, ...): a verb's
+    module reaches no other verb's, directly or through the shared modules it imports."""
+    graph = _graph()
+    verbs = _verb_modules(graph) - SHARED_CHECK
+    reached = []
+    for verb in sorted(verbs):
+        seen, todo = set(), [(verb, [verb])]
+        while todo:
+            module, path = todo.pop()
+            for dep in sorted(graph.get(module, ())):
+                if dep in seen or not dep.startswith("ckpt_tools.ops."):
+                    continue
+                seen.add(dep)
+                if dep in verbs and dep != verb:
+                    reached.append(" -> ".join(path + [dep]))
+                elif dep not in verbs:
+                    todo.append((dep, path + [dep]))
+    assert reached == []

@@ -163,7 +163,7 @@ def finetuned_draft(verifier: Path, out: Path) -> Path:
 def _stitch_plan(verifier: Path, draft: Path, remote_root: str, how: str) -> Plan:
     """A stitch plan whose untouched files are the same files in the store (``remote_root``), as a
     source opened from that store hands them over: ``link="remote"`` or a source URL."""
-    from ckpt_tools.ops.stitch import StitchRequest, plan_stitch
+    from ckpt_tools.ops.stitch_plan import StitchRequest, plan_stitch
 
     d, v = Checkpoint.open(draft), Checkpoint.open(verifier)
     plan, _ = plan_stitch(d, v, StitchRequest(command="ckpt stitch (test)"))

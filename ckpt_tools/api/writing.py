@@ -421,7 +421,7 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "a
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
     from ..ops.execute import execute_and_report
-    from ..ops.stitch import StitchRequest, plan_stitch
+    from ..ops.stitch_plan import StitchRequest, plan_stitch
     from ..stream.plan import parse_size
 
     command = _command(stitch, (draft, verifier, out), locals())

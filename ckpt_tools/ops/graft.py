@@ -12,10 +12,10 @@ TARGET with SOURCE's MTP layers:
   table's block FP8, every other scheme through the encoder its table names (model/quant/encode.py);
   experts follow TARGET's trunk layout (a byte-level restack when SOURCE ships another);
 - every MTP tensor TARGET holds (a mangled MTP) is dropped, the shards holding them rewritten
-  without them; every other shard is copied or linked whole (stitch's ``mtp_into``);
+  without them; every other shard is copied or linked whole (``add_mtp.mtp_into``, as stitch --mode add);
 - config.json declares SOURCE's MTP count and the quantization config (config.json and
   hf_quant_config.json) is repaired so each engine loads each MTP module as stored
-  (stitch's ``repair_config``: quant.repair, exact entries, fused names included).
+  (``output_config.repair_config``: quant.repair, exact entries, fused names included).
 
 TARGET's MTP rules (mtp-missing, mtp-quant-config, ...) are what graft repairs, so the gate waives
 them; every other inconsistency of either input is refused as in every verb.

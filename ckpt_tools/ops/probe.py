@@ -282,7 +282,7 @@ def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, arc
     tensors are the mapping's, and the verifier's own for the files the mapping leaves untouched.
     """
     from . import mtp_engine, probe_load
-    from .stitch import StitchRequest, plan_stitch
+    from .stitch_plan import StitchRequest, plan_stitch
 
     with Checkpoint.open(draft_path) as d:
         where = d.root

@@ -1,4 +1,5 @@
-"""`ckpt stitch`'s plan: a (finetuned) draft back into its verifier, exactly (``api.writing.stitch`` writes it).
+"""The stitch plan: a (finetuned) draft back into its verifier, exactly. Two verbs use it: ``ckpt stitch``
+(``api.writing.stitch`` writes the plan) and ``ckpt probe`` (loads the stitched MTP tensors in memory).
 
 The draft's format gives the same correspondence extract used, run backwards: each
 verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer index,
