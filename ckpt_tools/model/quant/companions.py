@@ -14,12 +14,13 @@ is a scheme table's storage format (``mappings/quantization/*.yaml``), chosen in
    there is no configuration to ask (fixture generation, the demo);
 4. else ``DEFAULT_SCHEME``.
 
-A block format is one whose weight holds one FP8 code per element, with one companion (the
-scale) over a fixed tile whatever the matrix shape, and nothing else (no global scale, zero point
-or optional tensor): what a verb can rename, slice per expert and re-stack byte for byte. Every
-other format is read through ``module_storage`` / ``dequant_module``. The decoder is model/quant's
-(``dequant_parts``); the encoder is the format's (``encode.ENCODERS``; the block-FP8 recipe of
-numeric.transforms is its streaming kernel).
+A block format (``block.block_tile``) is one whose weight holds one FP8 code per element, with one
+companion (the scale) over a fixed tile whatever the matrix shape, and nothing else (no global
+scale, zero point or optional tensor): what a verb can rename, slice per expert and re-stack byte
+for byte. Every other format is read through ``module_storage`` / ``dequant_module``. The decoder
+is model/quant's (``dequant_parts`` / ``decode.decode_array``, over numeric.fp8_decode's kernel);
+the encoder is numeric.transforms' streaming block-FP8 recipe (numeric.fp8.quantize, the kernel of
+the fp8-block table's ``encoder``).
 """
 
 from __future__ import annotations
@@ -76,10 +77,6 @@ class WeightFormat:
     def companions(self, weight_key: str, shape: tuple[int, ...]) -> list[Companion]:
         """Every tensor that travels with a quantized ``weight_key`` of logical ``shape``."""
         return [Companion(self.scale_key(weight_key), "scale", self.scale_shape(tuple(shape)))]
-
-    def info(self) -> dict[str, Any]:
-        """What a manifest records of it."""
-        return {"scheme": self.scheme, "block": list(self.block), "scale_suffix": self.scale_suffix}
 
     def decode(self, w: Any, scale: Any, dtype: str) -> Any:
         """``w`` (an FP8 OutputTensor) times its ``scale`` companion as ``dtype``: model/quant's decoder."""
