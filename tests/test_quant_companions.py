@@ -22,7 +22,8 @@ from ckpt_tools.model.mtp import open_mtp
 from ckpt_tools.model.quant.companions import Companion, block_format, weight_format
 from ckpt_tools.model.quant.tables import all_schemes
 from ckpt_tools.model.tables.loader import all_tables, get_table, mappings_dir
-from tests.conftest import run_ckpt as ckpt
+
+from conftest import run_ckpt as ckpt
 
 FP8_128 = {"moe_intermediate_size": 128, "hidden_size": 128}  # experts' I a multiple of the block: scales fuse
 
@@ -236,3 +237,57 @@ def test_deepseek_v4_graft_keeps_its_scale_companions(make_fixture, tmp_path, ex
     mtp = {k for k in source if k.startswith("mtp.")}
     assert any(k.endswith(".scale") for k in mtp) and not any(k.endswith("weight_scale_inv") for k in out)
     assert {k: out[k] for k in mtp} == {k: source[k] for k in mtp}
+
+
+# --------------------------------------------------------------------------- one dequantizer
+
+
+@pytest.mark.parametrize("out_dtype,band", [("BF16", 3000), ("F16", 3000), ("F32", 1 << 20), ("BF16", 60000)])
+def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch, out_dtype, band):
+    """The verbs dequantize block-format weights with model/quant's decoder (WeightFormat.decode): byte for byte
+    what numeric.transforms' block-FP8 recipe wrote before (F32, BF16 and UE8M0 scales, stacks, edge tiles),
+    with the same plan-time checks."""
+    import numpy as np
+    import torch
+    from test_fp8 import as_fp8, random_fp8, run_plan, tensor_of, write_refs
+
+    from ckpt_tools.errors import PlanError
+    from ckpt_tools.numeric import fp8_decode, transforms
+    from ckpt_tools.stream.plan import OutputTensor
+
+    monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
+    rng = np.random.default_rng(11)
+    qa, sa = random_fp8(rng, (300, 200), (128, 128), scale_exp=(-12, 0))
+    qe, se = random_fp8(rng, (3, 130, 257), (128, 128), scale_exp=(-12, 0))
+    e8 = rng.integers(100, 130, (3, 2, 3)).astype(np.uint8)
+    refs, _ = write_refs(tmp_path / "in.safetensors", {
+        "a.weight": as_fp8(qa), "a.weight_scale_inv": torch.from_numpy(sa),
+        "b.weight_scale_inv": torch.from_numpy(sa).bfloat16(),
+        "e.weight": as_fp8(qe), "e.weight_scale_inv": torch.from_numpy(se),
+        "e8.scale": torch.from_numpy(e8).view(torch.float8_e8m0fnu),
+        "bad.weight_scale_inv": torch.ones(2, 2), "f.weight": torch.zeros(300, 200, dtype=torch.bfloat16)})
+    pairs = [("a.weight", "a.weight_scale_inv"), ("a.weight", "b.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"),
+             ("e.weight", "e8.scale")]
+    for name in ("fp8-block", "deepseek-v4"):
+        fmt = weight_format(hint=name)
+        new, old = [], []
+        for i, (w, sc) in enumerate(pairs):
+            if refs[sc].dtype not in fmt.scale_dtypes:
+                continue  # deepseek-v4 scales are F8_E8M0 or F32
+            a = fmt.decode(tensor_of(refs[w]), tensor_of(refs[sc]), out_dtype)
+            b = transforms.dequantize(tensor_of(refs[w]), tensor_of(refs[sc]), out_dtype, (128, 128))
+            assert a.meta == b.meta and a.shape == b.shape and a.dtype == b.dtype
+            new.append(OutputTensor(f"t{i}", a.dtype, a.shape, a.recipe))
+            old.append(OutputTensor(f"t{i}", b.dtype, b.shape, b.recipe))
+        got, want = run_plan(tmp_path, new, f"new-{name}"), run_plan(tmp_path, old, f"old-{name}")
+        assert got.keys() == want.keys() and got
+        for k in want:
+            assert got[k].view(torch.uint8).numpy().tobytes() == want[k].view(torch.uint8).numpy().tobytes(), k
+    fmt = weight_format()
+    w = tensor_of(refs["a.weight"])
+    for scale, dtype, rule in ((refs["bad.weight_scale_inv"], "BF16", "fp8-scale-shape"),
+                               (refs["a.weight_scale_inv"], "F8_E4M3", "dequant-dtype")):
+        with pytest.raises(PlanError, match=rule):
+            fmt.decode(w, tensor_of(scale), dtype)
+    with pytest.raises(PlanError, match="not an FP8 matrix"):
+        fmt.decode(tensor_of(refs["f.weight"]), tensor_of(refs["a.weight_scale_inv"]), "BF16")
