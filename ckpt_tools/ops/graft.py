@@ -44,7 +44,7 @@ from .output_config import config_files, repair_config, set_count
 from .stitch_report import StitchReport
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
-BLOCK_FP8 = "fp8-block"  # the family tables' block FP8 (numeric.fp8, scale suffix and block from the table)
+BLOCK_FP8 = "fp8-block"  # the target's block format (model.quant.companions: its scheme table's scale companion, block)
 # graft drops every MTP-namespace tensor of the target and writes the source's: what is wrong there is repaired
 GRAFT_REPAIRS = {**{rule: "graft replaces every MTP tensor of the target with the source's" for rule in MTP_RULES},
                  "mtp-quant-config": "graft writes the quantization config for the MTP it writes"}
