@@ -202,7 +202,7 @@ def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
 
 
 def mtp_quants() -> tuple[str, ...]:
-    """The schemes ``--mtp-quant`` writes: the family tables' block FP8, and every scheme table whose storage
+    """The schemes ``--mtp-quant`` writes: block FP8 (the target's block format), and every scheme table whose storage
     format names an encoder (model/quant/encode.py)."""
     from ..model.quant import all_schemes
 
