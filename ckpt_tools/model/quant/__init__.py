@@ -31,11 +31,18 @@ no verb branches on a scheme name. The API:
     where the list's matcher can say "everything under" (``re:^prefix\..*``, ``prefix.*``).
     ``patch.apply(files)`` returns the changed files.
 
+``weight_format(ckpt=None, hint=None) -> WeightFormat``
+    The checkpoint's *block format* (one FP8 scale companion over fixed tiles: ``fp8-block``'s
+    ``weight_scale_inv``, ``deepseek-v4``'s ``.scale``), from the scheme table its storage shows,
+    else the one it declares, else the family's hint: what the verbs ask for a weight's companions
+    (``companions(key, shape)``, ``scale_key``), its decoder (``decode``) and encoder (``encode``).
+
 ``quant_files(ckpt)`` reads the configuration files a scheme may be declared in.
 """
 
 from __future__ import annotations
 
+from .companions import Companion, WeightFormat, weight_format
 from .config import quant_files
 from .declared import Declared, declaration, declared
 from .detect import Declaration, Group, QuantScheme, detect_in, detect_scheme
@@ -44,7 +51,7 @@ from .storage import Storage, module_storage, scale_grid
 from .tables import all_schemes, get_scheme
 
 __all__ = [
-    "Change", "ConfigPatch", "Declaration", "Declared", "Group", "QuantScheme", "Storage", "all_schemes",
+    "Change", "Companion", "ConfigPatch", "Declaration", "Declared", "Group", "QuantScheme", "Storage", "all_schemes",
     "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries", "get_scheme",
-    "module_storage", "quant_files", "scale_grid",
+    "module_storage", "quant_files", "scale_grid", "WeightFormat", "weight_format",
 ]
