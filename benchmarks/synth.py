@@ -26,8 +26,8 @@ import numpy as np
 from ckpt_tools.dtypes import DTYPES
 from ckpt_tools.io.artefacts import MANIFEST_NAME
 from ckpt_tools.io.config import ConfigView
-from ckpt_tools.model.expert_layouts import scale_key, scale_shape
 from ckpt_tools.model.expr import render
+from ckpt_tools.model.quant.companions import weight_format
 from ckpt_tools.model.tables.loader import get_table
 from ckpt_tools.model.tables.resolve import Spec, resolve
 from ckpt_tools.stream.execute import execute
@@ -269,6 +269,7 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
     nvfp4 = variant.startswith("nvfp4")
     if nvfp4:
         cfg = dict(cfg, quantization_config=NVFP4_CONFIG)
+    fmt = weight_format(hint=res.table.quantization)  # the family's hinted block format (no checkpoint yet)
     for s in specs:
         packed = _nvfp4(s) if nvfp4 else None
         if packed is not None:
@@ -279,8 +280,8 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
             continue
         if opts.fp8 and s.quant:
             items.append((s.key, "F8_E4M3", s.shape))
-            sk = scale_key(s.key, res.scale_suffix)
-            items.append((sk, "F32", scale_shape(s.shape, res.block_size)))
+            sk = fmt.scale_key(s.key)
+            items.append((sk, "F32", fmt.scale_shape(s.shape)))
             if s.key in mtp:
                 mtp_keys.add(sk)
         else:

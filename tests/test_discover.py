@@ -134,7 +134,7 @@ def test_fp8_scales_make_a_quantization_block(make_fixture, tmp_path):
     path = make_fixture("deepseek_v3", fp8=True)
     found, table = _draft(path, tmp_path, "probe")
     assert any(k.endswith("weight_scale_inv") for k in found.keys)
-    assert table.quantization is not None and table.quantization.scale_suffix == "weight_scale_inv"
+    assert table.quantization == "fp8-block"  # the scheme table whose block format the scales are in
     view = open_mtp(Checkpoint.open(path), table)
     assert view.complete() and not view.extra and not view.beyond
     assert {s.key for s in view.present} == set(open_mtp(Checkpoint.open(path)).keys())

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
 from ckpt_tools.model.expert_layouts import scale_key
+from ckpt_tools.model.quant.companions import weight_format
 from ckpt_tools.model.tables.loader import all_tables, get_table
 from ckpt_tools.ops.inspect import inspect_checkpoint
 
@@ -128,9 +129,9 @@ def test_inspect_numbers_match_an_independent_count(make_fixture, family, fp8):
     assert {dt: v["bytes"] for dt, v in j["dtypes"]["mtp"].items()} == by_dtype
     fp8_weights = {k for k in mtp_keys if tensors[k]["dtype"] in ("F8_E4M3", "F8_E5M2")}
     assert j["fp8"]["weights"] == len(fp8_weights)
-    # the family's scale suffix (weight_scale_inv; DeepSeek-V4's release names them `.scale`)
+    # the scale suffix of the family's hinted scheme (weight_scale_inv; DeepSeek-V4's release names them `.scale`)
     q = get_table(family).quantization
-    suffix = q.scale_suffix if q else "weight_scale_inv"
+    suffix = weight_format(hint=q).scale_suffix
     assert j["fp8"]["scales"] == sum(1 for k in mtp_keys if k.endswith("." + suffix) or k.endswith("_scale_inv"))
     if not fp8:
         assert not fp8_weights

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
 from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from ..io.safetensors_io import LocalFile, read_header
@@ -57,6 +56,7 @@ from .expert_layouts import scale_key, scale_shape
 from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
+from .quant.companions import WeightFormat, weight_format
 from .stored_dtype import DESCRIPTION as STORED_DTYPE_DESCRIPTION
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .tables.resolve import trunk_specs
@@ -408,7 +408,7 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
         expected += ts if lay == g.layout else g.with_layout(lay).tensors()
     out: list[Problem] = []
     cfg = config_path(ckpt)
-    quant = QuantLookup(ckpt, res.scale_suffix)
+    quant = QuantLookup(ckpt, weight_format(ckpt, res.table.quantization))
     for s in expected:
         ref = ckpt.tensors.get(s.key)
         if ref is None or tuple(ref.shape) != tuple(s.shape):
@@ -430,7 +430,7 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
     return out
 
 
-def block_size(qc: object, view: MtpView | None) -> tuple[int, int] | None:
+def block_size(qc: object, fmt: WeightFormat) -> tuple[int, int] | None:
     """Scale block (rows, cols); None means one per-tensor scale."""
     if isinstance(qc, dict) and "weight_block_size" in qc:
         b = qc["weight_block_size"]
@@ -438,16 +438,15 @@ def block_size(qc: object, view: MtpView | None) -> tuple[int, int] | None:
             return None
         if isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b):
             return (b[0], b[1])
-    if view is not None:
-        return view.resolved.block_size
-    return (128, 128)
+    return fmt.block
 
 
 def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, unknown: set[str],
                  cfg: str | None) -> list[Problem]:
     """Every F8 weight has its scale, of the block shape; FP8 tensors present <=> quant_method fp8."""
     out: list[Problem] = []
-    fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in FP8_DTYPES]
+    fmt = view.block_format if view is not None else weight_format(ckpt, table.quantization if table else None)
+    fp8 = [k for k, r in ckpt.tensors.items() if fmt.stores(r.dtype)]
     qc = ckpt.config.get("quantization_config") if cfg else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if cfg is not None:
@@ -463,8 +462,8 @@ def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, un
                                "quantization_config"))
         if method not in (None, "fp8"):
             return out  # another method (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
-    suffix = table.quantization.scale_suffix if table is not None and table.quantization else "weight_scale_inv"
-    block = block_size(qc, view)
+    suffix = fmt.scale_suffix
+    block = block_size(qc, fmt)
     grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> scale shape (few distinct shapes)
     tensors = ckpt.tensors
     found: list[tuple[str, Problem]] = []

@@ -32,11 +32,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol
 
 from ..arrays import bytes_to_numpy, numpy_storage_dtype
-from ..dtypes import DTYPES, FP8_DTYPES
+from ..dtypes import DTYPES, FLOAT_DTYPES
 from ..errors import PlanError
 from ..io.safetensors_io import Segment, TensorRef, read_bytes
 from ..stream.plan import Compute, CopyBytes, OutputTensor
 from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, scale_shape
+from .quant.companions import WeightFormat, weight_format
 
 if TYPE_CHECKING:  # numpy is imported where pieces are computed: pure restacking never needs it
     import numpy as np
@@ -58,15 +59,18 @@ class Dequantizer(Protocol):
 
 @dataclass(frozen=True)
 class BlockDequant:
-    """The ``Dequantizer`` backed by ``ckpt_tools.numeric.fp8_decode`` (float32 product, one cast to ``dtype``)."""
+    """The ``Dequantizer`` backed by the block format's decoder (model.quant: float32 product, one cast to
+    ``dtype``); ``fmt``: the checkpoint's block format (None: the default one)."""
 
     dtype: str = "BF16"
+    fmt: WeightFormat | None = None
 
     def __call__(self, weight: np.ndarray, scale: np.ndarray, block: tuple[int, int], weight_dtype: str,
                  scale_dtype: str) -> np.ndarray:
-        from ..numeric.fp8_decode import dequant_array
+        from .quant.dequant import decode_block_array
 
-        return dequant_array(weight, scale, block, weight_dtype, self.dtype, scale_dtype)
+        return decode_block_array(self.fmt or weight_format(), weight, scale, block, weight_dtype, scale_dtype,
+                                  self.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -113,10 +117,12 @@ class Stored:
         return self.shape[1:] if self.expert is None else self.shape
 
 
-def stored_tensors(group: ExpertGroup, kind: str = "weight", *, scale_suffix: str = "weight_scale_inv",
-                   block: tuple[int, int] = (128, 128)) -> tuple[Stored, ...]:
-    """Every tensor of ``group``'s layout (weights, or their scales), in ``group.tensors()`` order."""
-    return _stored(group, kind, scale_suffix, (int(block[0]), int(block[1])))
+def stored_tensors(group: ExpertGroup, kind: str = "weight", fmt: WeightFormat | None = None
+                   ) -> tuple[Stored, ...]:
+    """Every tensor of ``group``'s layout (weights, or their ``fmt`` scale companions), in ``group.tensors()``
+    order (``fmt``: the checkpoint's block format, model.quant.companions; None: the default one)."""
+    fmt = fmt or weight_format()
+    return _stored(group, kind, fmt.scale_suffix, (int(fmt.block[0]), int(fmt.block[1])))
 
 
 @lru_cache(maxsize=256)  # rendering keys is the slow part of planning 256-expert groups
@@ -229,13 +235,39 @@ def layout_problem(group: ExpertGroup) -> str | None:
     return None
 
 
-def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], *, scale_suffix: str = "weight_scale_inv",
-                block: tuple[int, int] = (128, 128)) -> GroupInfo:
+def _encoded(group: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat):
+    """How ``group``'s first expert weight is stored when a scheme table other than the block format ``fmt``
+    describes it (packed codes, per-channel or global scales ...): a model.quant Storage; None otherwise."""
+    first = _group_tensors(group)[0]
+    ref = refs.get(first.key)
+    if ref is not None and (ref.dtype in FLOAT_DTYPES or (fmt.stores(ref.dtype) and fmt.scale_key(first.key) in refs)):
+        return None
+    if not first.key.endswith(".weight"):
+        return None  # a stacked name: no scheme table names companions of stacked experts
+    from types import SimpleNamespace
+
+    from .quant.storage import module_storage
+
+    st = module_storage(SimpleNamespace(tensors=refs), None, first.key.removesuffix(".weight"), tuple(first.shape))
+    if not st.quantized or (st.scheme, st.format) == (fmt.scheme, fmt.format):
+        return None  # float, absent, or the block format missing its scale: the checks below name it
+    return st
+
+
+def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat | None = None) -> GroupInfo:
     """Every tensor of ``src`` present with its shape, one dtype, FP8 scales, nothing stray; else PlanError."""
     problems: list[tuple[str, str]] = []
     why = layout_problem(src)
     if why:
         _raise(src, [("layout-unsupported", why)])
+    fmt = fmt or weight_format()
+    encoded = _encoded(src, refs, fmt)
+    if encoded is not None:
+        _raise(src, [("expert-quant-scheme",
+                      f"{encoded.module} is stored in scheme table {encoded.scheme}'s format {encoded.format}; "
+                      "experts are restacked as float or in a block format only (one scale companion over fixed "
+                      "tiles, which stacks along the expert axis: model.quant.companions); `ckpt dequant` them "
+                      "first")])
     weights = stored_tensors(src)
     expected = {w.key for w in weights}
     dtypes: dict[str, list[str]] = {}
@@ -256,9 +288,10 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], *, scale_suffix
                                                  f"weights are {dtype}"))
     scale_dtype = None
     scale_keys: list[str] = []
-    if dtype in FP8_DTYPES:
+    block = fmt.block
+    if fmt.stores(dtype):
         sdt: set[str] = set()
-        for s in stored_tensors(src, "scale", scale_suffix=scale_suffix, block=block):
+        for s in stored_tensors(src, "scale", fmt):
             expected.add(s.key)
             ref = refs.get(s.key)
             if ref is None:
@@ -372,10 +405,9 @@ class _Loc:
 
 class _Converter:
     def __init__(self, src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGroup, info: GroupInfo,
-                 scale_suffix: str, block: tuple[int, int], dequant: Dequantizer | None) -> None:
-        self.src, self.dst, self.info, self.block = src, dst, info, block
+                 fmt: WeightFormat, dequant: Dequantizer | None) -> None:
+        self.src, self.dst, self.info, self.block, self.fmt = src, dst, info, fmt.block, fmt
         self.refs = refs
-        self.suffix = scale_suffix
         self.dequant = dequant if info.fp8 else None
         self.locs: dict[tuple[str, str, int], _Loc] = {}
         kinds = ("weight", "scale") if info.fp8 else ("weight",)
@@ -383,9 +415,10 @@ class _Converter:
             dtype = info.scale_dtype if kind == "scale" else info.dtype
             assert dtype is not None
             sizes: dict[Slab, tuple[int, list[int]]] = {}  # the same for every expert
-            for s in stored_tensors(src, kind, scale_suffix=scale_suffix, block=block):
+            for s in stored_tensors(src, kind, fmt):
                 if s.slab not in sizes:
-                    pieces = [_nbytes(dtype, math.prod(_stored_piece_shape(src, p, kind, block, s.slab.transposed)),
+                    pieces = [_nbytes(dtype, math.prod(_stored_piece_shape(src, p, kind, self.block,
+                                                                           s.slab.transposed)),
                                       s.key) for p in s.slab.pieces]
                     sizes[s.slab] = (_nbytes(dtype, math.prod(s.slab_shape), s.key), pieces)
                 slab_n, piece_ns = sizes[s.slab]
@@ -399,8 +432,7 @@ class _Converter:
 
     def outputs(self) -> list[OutputTensor]:
         out: list[OutputTensor] = []
-        scales = {s.weight_key: s for s in stored_tensors(self.dst, "scale", scale_suffix=self.suffix,
-                                                           block=self.block)}
+        scales = {s.weight_key: s for s in stored_tensors(self.dst, "scale", self.fmt)}
         for w in stored_tensors(self.dst):
             out.append(self._tensor(w))
             if self.info.fp8 and self.dequant is None:
@@ -417,7 +449,7 @@ class _Converter:
         E = self.src.count
         used = dict.fromkeys(self.locs[(d.kind, p, e)].stored.key for e in d.experts(E) for p in d.slab.pieces)
         if self.dequant is not None:
-            used.update(dict.fromkeys(scale_key(k, self.suffix) for k in list(used)))
+            used.update(dict.fromkeys(self.fmt.scale_key(k) for k in list(used)))
         sources = list(used)
         meta = {"source": sources, "layout": self.dst.layout.label(), "source_layout": self.src.layout.label()}
         dtype = self._dtype(d.kind)
@@ -594,14 +626,13 @@ def _nbytes(dtype: str, numel: int, key: str) -> int:
 
 
 def convert_group(src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGroup, *,
-                  scale_suffix: str = "weight_scale_inv", block: tuple[int, int] = (128, 128),
-                  dequant: Dequantizer | None = None) -> list[OutputTensor]:
+                  fmt: WeightFormat | None = None, dequant: Dequantizer | None = None) -> list[OutputTensor]:
     """Plan ``dst`` (layout and key prefix) from the experts of ``src`` as stored in ``refs``.
 
     FP8 weights bring their block scales, converted the same way (or, with ``dequant``,
     are dequantized piece by piece and lose them). Same layout and prefix gives plain copies.
     """
-    block = (int(block[0]), int(block[1]))
+    fmt = fmt or weight_format()
     if (src.count, src.hidden, src.inter, src.gated) != (dst.count, dst.hidden, dst.inter, dst.gated):
         raise PlanError(
             f"{dst.prefix}: target E={dst.count} H={dst.hidden} I={dst.inter} gated={dst.gated} does not match "
@@ -611,14 +642,14 @@ def convert_group(src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGr
     why = layout_problem(dst)
     if why:
         raise PlanError(f"{dst.prefix}: {why}", rule="layout-unsupported")
-    info = check_group(src, refs, scale_suffix=scale_suffix, block=block)
-    return _Converter(src, refs, dst, info, scale_suffix, block, dequant).outputs()
+    info = check_group(src, refs, fmt)
+    return _Converter(src, refs, dst, info, fmt, dequant).outputs()
 
 
-def group_source_keys(src: ExpertGroup, refs: Mapping[str, TensorRef], *, scale_suffix: str = "weight_scale_inv",
-                      block: tuple[int, int] = (128, 128)) -> list[str]:
+def group_source_keys(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat | None = None
+                      ) -> list[str]:
     """Every key ``convert_group`` consumes (weights and scales), after checking the group."""
-    return check_group(src, refs, scale_suffix=scale_suffix, block=block).keys
+    return check_group(src, refs, fmt).keys
 
 
 def layout_from_label(text: str) -> ExpertLayout:

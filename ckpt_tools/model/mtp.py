@@ -11,12 +11,14 @@ quantization scheme table's format: ``weight_packed`` + scales, FP4 in U8 ...) s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
-from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
-from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, scale_shape
+from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout
+from .quant.companions import WeightFormat, weight_format
 from .tables.loader import detect_table, get_table
 from .tables.resolve import Resolved, Spec, resolve
 from .tables.schema import Table
@@ -45,6 +47,12 @@ class MtpView:
     @property
     def table(self) -> Table:
         return self.resolved.table
+
+    @cached_property
+    def block_format(self) -> WeightFormat:
+        """How this checkpoint's block-scaled weights are stored (their scale companions, block, decoder):
+        the scheme table it declares or stores, else the family's hint (model.quant.companions)."""
+        return weight_format(self.ckpt, self.table.quantization)
 
     @property
     def count(self) -> int:
@@ -81,7 +89,7 @@ class MtpView:
         """Raise with every missing / mis-shaped tensor named (the rule: config declares MTP)."""
         problems = [f"missing {s.key} {list(s.shape)}" for s in self.missing]
         problems += [f"{s.key} has shape {list(a)}, table expects {list(s.shape)}" for s, a in self.misshaped]
-        problems += [f"FP8 weight {k} has no {self.resolved.scale_suffix}" for k in self.missing_scales]
+        problems += [f"FP8 weight {k} has no {self.block_format.scale_suffix}" for k in self.missing_scales]
         problems += [msg for _, msg in self.quant_problems]
         if problems:
             head = f"{self.ckpt.root}: config declares {self.count} MTP layer(s) ({self.table.family}) but "
@@ -160,7 +168,8 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
     view = MtpView(ckpt, res, layouts)
     expected = res.mtp_specs(layouts)
     expected_keys = set()
-    quant = QuantLookup(ckpt, res.scale_suffix)
+    fmt = view.block_format
+    quant = QuantLookup(ckpt, fmt)
     for s in expected:
         expected_keys.add(s.key)
         ref = keys.get(s.key)
@@ -174,12 +183,12 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
         if tuple(ref.shape) != tuple(s.shape):
             view.misshaped.append((s, tuple(ref.shape)))
         view.present.append(s)
-        if ref.dtype in FP8_DTYPES:
-            skey = scale_key(s.key, res.scale_suffix)
+        if fmt.stores(ref.dtype):
+            (c,) = fmt.companions(s.key, s.shape)
+            skey, sshape = c.key, c.shape
             expected_keys.add(skey)
             sref = keys.get(skey)
-            sshape = scale_shape(s.shape, res.block_size)
-            scale = Spec(skey, sshape, "scale", depth=s.depth, kind="other", dtype="F32")
+            scale = Spec(skey, sshape, c.role, depth=s.depth, kind="other", dtype="F32")
             if sref is None:
                 view.missing_scales.append(s.key)
             else:
@@ -202,9 +211,9 @@ class QuantLookup:
     """Storage of linear weights the block-FP8 path does not describe, with the scheme read lazily
     (a checkpoint whose MTP weights are all float or block FP8 never reads it)."""
 
-    def __init__(self, ckpt: Checkpoint, scale_suffix: str) -> None:
+    def __init__(self, ckpt: Checkpoint, fmt: WeightFormat) -> None:
         self.ckpt = ckpt
-        self.scale_suffix = scale_suffix
+        self.fmt = fmt
         self._scheme: object = _UNREAD
 
     @property
@@ -213,12 +222,12 @@ class QuantLookup:
 
     def storage(self, s, ref) -> Storage | None:
         """How ``s`` (a Spec or ExpertTensor) is stored, when a quantization scheme table describes it;
-        None for float weights, block FP8 with the family's scale, and anything no table describes
+        None for float weights, the checkpoint's block format with its scale, and anything no table describes
         (reported as missing or mis-shaped, as before)."""
         if getattr(s, "kind", "linear") != "linear" or not s.key.endswith(".weight"):
             return None
         if ref is not None and (ref.dtype in FLOAT_DTYPES or (
-                ref.dtype in FP8_DTYPES and scale_key(s.key, self.scale_suffix) in self.ckpt.tensors)):
+                self.fmt.stores(ref.dtype) and self.fmt.scale_key(s.key) in self.ckpt.tensors)):
             return None
         from .quant import detect_scheme, module_storage
 

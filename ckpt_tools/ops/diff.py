@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..dtypes import FP8_DTYPES
 from ..io.checkpoint import Checkpoint
 from ..model.formats import all_wrappers
 from ..model.gate import check
 from ..model.prefixes import choose, rename
+from ..model.quant.companions import WeightFormat, weight_format
 from ..options import regex
 from ..stream.plan import CopyBytes
 from ..stream.progress import Progress
@@ -109,6 +109,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
     a, b = _aligned(a, b, report)
     names = [k for k in sorted(set(a.tensors) | set(b.tensors)) if pattern is None or pattern.search(k)]
     both = [k for k in names if k in a.tensors and k in b.tensors]
+    fa, fb = (weight_format(a), weight_format(b)) if dequant else (None, None)
     progress = progress or Progress()
     progress.phase("comparing", sum(a.tensors[k].nbytes + b.tensors[k].nbytes for k in both))
     for key in names:
@@ -119,8 +120,8 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
         if rb is None:
             report.diffs.append(TensorDiff(key, "removed", ra.dtype, None, list(ra.shape), None))
             continue
-        decode_a = _fp8_decoder(a, key) if dequant and ra.dtype in FP8_DTYPES else None
-        decode_b = _fp8_decoder(b, key) if dequant and rb.dtype in FP8_DTYPES else None
+        decode_a = _block_decoder(a, fa, key) if fa is not None and fa.stores(ra.dtype) else None
+        decode_b = _block_decoder(b, fb, key) if fb is not None and fb.stores(rb.dtype) else None
         report.diffs.append(
             compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape, CopyBytes([rb.segment()]),
                     stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
@@ -142,16 +143,10 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
     return out[0], out[1]
 
 
-def _fp8_decoder(ckpt: Checkpoint, key: str):
-    """Chunk decoder giving dequantized float32 values of an FP8 block-quantized weight (fp8_decode)."""
-    from ..model.expert_layouts import scale_key
-    from ..numeric.fp8 import block_size
-    from ..numeric.fp8_decode import scale_to_f32, value_decoder
-
-    skey = scale_key(key)
+def _block_decoder(ckpt: Checkpoint, fmt: WeightFormat, key: str):
+    """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format (its scale
+    companion, block and decoder from the scheme table, model.quant.companions); None without its scale."""
+    skey = fmt.scale_key(key)
     if skey not in ckpt.tensors:
         return None
-    ref, sref = ckpt.tensors[key], ckpt.tensors[skey]
-    scale = scale_to_f32(sref.numpy(), sref.dtype)
-    return value_decoder(ref.dtype, scale, tuple(ref.shape), block_size(ckpt.config), f"{skey} of {key}: ",
-                         sref.file)
+    return fmt.value_decoder(ckpt.tensors[key], ckpt.tensors[skey])

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import yaml
 
-from ..dtypes import FP8_DTYPES
 from ..errors import InputError, OutputError, UsageError
 from ..io.checkpoint import Checkpoint
 from ..io.config import ConfigView
+from ..model.quant.companions import WeightFormat, weight_format
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 MTP_COUNT_KEYS = (
@@ -122,7 +122,8 @@ def discover(ckpt: Checkpoint, family: str | None = None) -> Discovery:
     geo = _depths(found, n, count, count_key, notes)
     depth_of = {f.key: geo.depth(f) for f in found}
     dims = _Dims(_int_or_none(config.get("hidden_size")), _int_or_none(config.get("vocab_size")))
-    entries = _Entries(dims, _main_dtype(ckpt))
+    fmt = weight_format(ckpt)  # the block format its weights are stored in (model.quant.companions)
+    entries = _Entries(dims, _main_dtype(ckpt), fmt)
     glue, glue_src = _glue(found, depth_of, geo, entries)
     parts, blocks = _body(found, depth_of, geo, glue_src, entries, notes)
     norm, why = _guess_norm(ckpt, found)
@@ -137,8 +138,8 @@ def discover(ckpt: Checkpoint, family: str | None = None) -> Discovery:
         "norm": norm,
         "dtype": entries.dtype,
     }
-    if any(f.dtype in FP8_DTYPES for f in found):
-        table["quantization"] = _quantization(config, scales)
+    if any(fmt.stores(f.dtype) for f in found):
+        table["quantization"] = fmt.scheme  # the scheme table whose block format the scales are in
     table["shared"] = _shared(ckpt, found, containers, dims)
     table["parts"] = parts
     trunk_container = sorted(containers)[0] if containers else "model.layers"
@@ -447,6 +448,7 @@ class _Entries:
 
     dims: _Dims
     dtype: str  # the table's dtype
+    fmt: WeightFormat  # the checkpoint's block format: its weights are quantized linears
 
     def tensor(self, key_template: str, f: Found, role: str | None = None) -> dict:
         t: dict = {"key": key_template, "shape": self.dims.shape(f.shape)}
@@ -454,9 +456,9 @@ class _Entries:
             else _kind(f.rest, f.shape)
         if kind != "linear":
             t["kind"] = kind
-        if f.dtype != self.dtype and f.dtype not in FP8_DTYPES:
+        if f.dtype != self.dtype and not self.fmt.stores(f.dtype):
             t["dtype"] = f.dtype
-        if f.dtype in FP8_DTYPES:
+        if self.fmt.stores(f.dtype):
             t["quant"] = True
         return t
 
@@ -576,12 +578,6 @@ def _config_vars(n_key: str | None, count_key: str | None, dims: _Dims) -> dict:
     return cfg_vars
 
 
-def _quantization(config: ConfigView, scales: list[str]) -> dict:
-    q = config.get("quantization_config") or {}
-    block_size = q.get("weight_block_size") if isinstance(q, dict) else None
-    return {"method": "fp8-block", "block": list(block_size or [128, 128]), "scale_suffix": _scale_suffix(scales)}
-
-
 def _mtp_section(geo: _Depths, count_key: str | None, order: str, glue: dict, blocks: list[dict],
                  notes: list[str]) -> dict:
     """Step 4b: the table's ``mtp`` section."""
@@ -609,13 +605,6 @@ def _common_prefix(keys: list[str]) -> str:
     if len(out) >= min(len(p) for p in parts):
         out = out[:-1]
     return ".".join(out) + "." if out else ""
-
-
-def _scale_suffix(scales: list[str]) -> str:
-    for s in SCALE_SUFFIXES:
-        if any(k.endswith(s) for k in scales):
-            return s
-    return "weight_scale_inv"
 
 
 def _shared(ckpt: Checkpoint, found: list[Found], containers: set[str], dims: _Dims) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import UsageError
-from ..model.expert_layouts import scale_key
 from ..model.formats import Correspondence, Format, draft_config, format_env, verifier_name_of
 from ..model.mtp import MtpView
 from ..numeric import transforms
@@ -18,15 +17,14 @@ from .output_config import set_count
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
                   ) -> list[OutputTensor]:
     """Output tensors of the draft: byte copies where names change, computed where values must."""
-    ckpt, res = view.ckpt, view.resolved
-    block = res.block_size
+    ckpt, fmt = view.ckpt, view.block_format
     out: list[OutputTensor] = []
     requested = cast_to
     for link in corr.tensors:
         # a dtype the release fixes (table dtype_fixed) is kept whatever --dtype says: rule stored-dtype
         cast_to = None if link.spec.dtype_fixed else requested
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
-            out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, block)
+            out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, fmt)
             continue
         ref = ckpt.tensors.get(link.verifier_key) or ckpt.tensors[view.quantized[link.verifier_key].all_keys()[0]]
         meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
@@ -38,16 +36,16 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
             continue
         t = OutputTensor(link.draft_key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
         scale = None
-        if ref.dtype in FP8_DTYPES:
-            sref = ckpt.tensors[scale_key(link.verifier_key, res.scale_suffix)]
-            scale = OutputTensor(scale_key(link.draft_key, res.scale_suffix), sref.dtype, sref.shape,
+        if fmt.stores(ref.dtype):
+            sref = ckpt.tensors[fmt.scale_key(link.verifier_key)]
+            scale = OutputTensor(fmt.scale_key(link.draft_key), sref.dtype, sref.shape,
                                  CopyBytes([sref.segment()]), meta={"source": [sref.key], "role": "scale"})
         if link.swap_halves:
             if scale is not None:
                 raise UsageError(f"{ref.key}: swapping the concat order of an FP8 fusion weight needs --dequant")
             t = transforms.swap_halves(t)
             t.meta["swapped_halves"] = True
-        out += finish_tensor(t, scale, cast_to, dequant_to, block)
+        out += finish_tensor(t, scale, cast_to, dequant_to, fmt)
     cast_to = requested
     for link in corr.experts:
         from ..model.experts import BlockDequant, convert_group
@@ -58,16 +56,16 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
 
         # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
         # with --dequant each expert piece is dequantized before it is laid out
-        group_out = convert_group(link.verifier, ckpt.tensors, link.draft, scale_suffix=res.scale_suffix,
-                                  block=block, dequant=BlockDequant(dequant_to) if dequant_to else None)
+        group_out = convert_group(link.verifier, ckpt.tensors, link.draft, fmt=fmt,
+                                  dequant=BlockDequant(dequant_to, fmt) if dequant_to else None)
         by_key = {t.key: t for t in group_out}
-        scales = {scale_key(t.key, res.scale_suffix) for t in group_out if t.dtype in FP8_DTYPES}
+        scales = {fmt.scale_key(t.key) for t in group_out if fmt.stores(t.dtype)}
         for t in group_out:
             t.meta.setdefault("role", "expert")
             if t.key in scales:
                 continue  # travels with its weight
-            scale = by_key.get(scale_key(t.key, res.scale_suffix)) if t.dtype in FP8_DTYPES else None
-            out += finish_tensor(t, scale, cast_to, dequant_to, block)
+            scale = by_key.get(fmt.scale_key(t.key)) if fmt.stores(t.dtype) else None
+            out += finish_tensor(t, scale, cast_to, dequant_to, fmt)
     return out
 
 
@@ -105,23 +103,23 @@ def _quantized_experts(view: MtpView, link, cast_to, dequant_to) -> list[OutputT
         ref = view.ckpt.tensors[s.key]
         t = OutputTensor(d.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
                          meta={**meta, "source_dtype": ref.dtype})
-        out += finish_tensor(t, None, cast_to, dequant_to, view.resolved.block_size)
+        out += finish_tensor(t, None, cast_to, dequant_to, view.block_format)
     return out
 
 
 def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
     """``link.columns`` side by side along the last axis (FP8 halves are dequantized first)."""
-    ckpt, res = view.ckpt, view.resolved
+    ckpt, fmt = view.ckpt, view.block_format
     parts = []
     for spec in link.columns:
         ref = ckpt.tensors[spec.key]
         t = OutputTensor(spec.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta={"source": [spec.key]})
-        if ref.dtype in FP8_DTYPES:
+        if fmt.stores(ref.dtype):
             if dequant_to is None:
                 raise UsageError(f"{spec.key} is FP8: joining it into {link.draft_key} needs --dequant")
-            sref = ckpt.tensors[scale_key(spec.key, res.scale_suffix)]
+            sref = ckpt.tensors[fmt.scale_key(spec.key)]
             scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
-            t = transforms.dequantize(t, scale, dequant_to, res.block_size)
+            t = fmt.decode(t, scale, dequant_to)
         parts.append(t)
     t = transforms.concat_columns(parts, link.draft_key)
     t.meta.update(role=link.spec.role, source_dtype=parts[0].dtype)

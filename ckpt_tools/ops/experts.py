@@ -16,14 +16,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..dtypes import FP8_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, source_name
 from ..model.consistency import note_allowed
-from ..model.expert_layouts import ExpertGroup, ExpertLayout, scale_key
+from ..model.expert_layouts import ExpertGroup, ExpertLayout
 from ..model.experts import BlockDequant, convert_group, layout_from_label
 from ..model.gate import require_consistent
 from ..model.mtp import detect_group_layout
+from ..model.quant.companions import WeightFormat
 from ..model.tables.resolve import trunk_specs
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
@@ -162,8 +162,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
     table, res = gate.table, gate.view.resolved
     keys = ckpt.tensors
-    block, suffix = res.block_size, res.scale_suffix
-    block = _config_block(ckpt) or block
+    fmt = gate.view.block_format  # the scale companions, block and decoder of the checkpoint's scheme
 
     groups: list[tuple[str, ExpertGroup]] = [("mtp", g) for g in res.experts()]
     draft = False
@@ -180,7 +179,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
         raise InputError(f"no routed experts to convert: the {table.family} table declares no expert groups in the "
                          f"{where} of this checkpoint", rule="no-experts", path=ckpt.root)
     dequant_to = dtype_arg(req.dequant, "--dequant")
-    dequantizer = BlockDequant(dequant_to) if dequant_to else None
+    dequantizer = BlockDequant(dequant_to, fmt) if dequant_to else None
     recorded = recorded_layouts(ckpt)
     plans: list[GroupPlan] = []
     errors: list[tuple[str, PlanError]] = []
@@ -188,7 +187,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
         src = in_layout(g, source_layout(g, keys, scope, recorded))
         dst = in_layout(g, req.to)
         try:
-            outs = convert_group(src, keys, dst, scale_suffix=suffix, block=block, dequant=dequantizer)
+            outs = convert_group(src, keys, dst, fmt=fmt, dequant=dequantizer)
         except PlanError as e:
             errors.append((g.prefix, e))
             continue
@@ -197,7 +196,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     if errors:
         _raise_all(errors, ckpt.root)
 
-    tensors = _ordered(ckpt, plans, Dequant.of(ckpt, dequant_to, suffix, block) if dequant_to else None)
+    tensors = _ordered(ckpt, plans, Dequant.of(ckpt, dequant_to, fmt) if dequant_to else None)
     config = _config(ckpt, req)
     files = [OutputFile("config.json", content=config)] if config is not None else []
     files += _carried(ckpt)
@@ -231,15 +230,6 @@ def _manifest(ckpt: Checkpoint, family: str, req: ExpertsRequest, plans: list[Gr
     return {"kind": "experts", "family": family, **conversion, "expert_groups": [g.to_json() for g in plans]}
 
 
-def _config_block(ckpt: Checkpoint) -> tuple[int, int] | None:
-    """``quantization_config.weight_block_size`` when the config states it."""
-    q = ckpt.config.get("quantization_config")
-    b = q.get("weight_block_size") if isinstance(q, dict) else None
-    if isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b):
-        return (b[0], b[1])
-    return None
-
-
 def _raise_all(errors: list[tuple[str, PlanError]], root: str) -> None:
     """One error for every group that failed: each distinct rule in full once, then the other groups."""
     if len(errors) == 1:
@@ -266,23 +256,22 @@ class Dequant:
     """--dequant for the tensors outside expert groups: each FP8 weight absorbs its scale, as in extract."""
 
     dtype: str
-    suffix: str
-    block: tuple[int, int]
-    scales: frozenset[str]  # scales of FP8 weights: written into their weights, not on their own
+    fmt: WeightFormat
+    scales: frozenset[str]  # scale companions of quantized weights: written into their weights, not on their own
 
     @classmethod
-    def of(cls, ckpt: Checkpoint, dtype: str, suffix: str, block: tuple[int, int]) -> Dequant:
-        fp8 = (k for k, ref in ckpt.tensors.items() if ref.dtype in FP8_DTYPES)
-        return cls(dtype, suffix, block, frozenset(scale_key(k, suffix) for k in fp8))
+    def of(cls, ckpt: Checkpoint, dtype: str, fmt: WeightFormat) -> Dequant:
+        quantized = (k for k, ref in ckpt.tensors.items() if fmt.stores(ref.dtype))
+        return cls(dtype, fmt, frozenset(fmt.scale_key(k) for k in quantized))
 
     def apply(self, ckpt: Checkpoint, key: str, t: OutputTensor) -> list[OutputTensor]:
         if key in self.scales:
             return []
-        if t.dtype not in FP8_DTYPES:
+        if not self.fmt.stores(t.dtype):
             return [t]
-        sref = ckpt.tensors.get(scale_key(key, self.suffix))
+        sref = ckpt.tensors.get(self.fmt.scale_key(key))
         scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()])) if sref else None
-        return finish_tensor(t, scale, None, self.dtype, self.block)
+        return finish_tensor(t, scale, None, self.dtype, self.fmt)
 
 
 def _ordered(ckpt: Checkpoint, plans: list[GroupPlan], dequant: Dequant | None = None) -> list[OutputTensor]:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..model.consistency import MTP_RULES, note_allowed
@@ -64,7 +64,8 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
         raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "
                          f"0..k-1; use --format sglang-nextn / speculators to renumber a single layer")
-    fp8_source = bool(view.quantized) or any(ckpt.tensors[k].dtype in FP8_DTYPES for _, k in view.stored())
+    fmt_q = view.block_format
+    fp8_source = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
     if fp8_source and dequant_to is None and fmt.rename == "roles":
         what = "quantized" if view.quantized else "FP8"
         raise UsageError(f"the source MTP weights are {what}; format {fmt.name} has no place for their scales: "
@@ -126,8 +127,8 @@ def kept_dtypes(tensors: list[OutputTensor], dequant_to: str | None, cast_to: st
 
 def _quant_info(view: MtpView) -> dict:
     q = view.ckpt.config.get("quantization_config")
-    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.resolved.block_size),
-            "scale_suffix": view.resolved.scale_suffix}
+    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.block_format.block),
+            "scale_suffix": view.block_format.scale_suffix}
     if view.quantized:
         info["schemes"] = sorted({st.scheme for st in view.quantized.values()})
         info["storage"] = sorted({st.label for st in view.quantized.values()})

@@ -27,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..model.consistency import MTP_RULES, count_field, note_allowed
-from ..model.expert_layouts import scale_key
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table
 from ..model.quant.audit import Stored
@@ -45,7 +44,7 @@ from .output_config import config_files, repair_config, set_count
 from .stitch_report import StitchReport
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
-BLOCK_FP8 = "fp8-block"  # the family tables' block FP8 (numeric.fp8, scale suffix and block from the table)
+BLOCK_FP8 = "fp8-block"  # the target's block format (model.quant.companions: its scheme table's scale companion, block)
 # graft drops every MTP-namespace tensor of the target and writes the source's: what is wrong there is repaired
 GRAFT_REPAIRS = {**{rule: "graft replaces every MTP tensor of the target with the source's" for rule in MTP_RULES},
                  "mtp-quant-config": "graft writes the quantization config for the MTP it writes"}
@@ -203,7 +202,7 @@ def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
 
 
 def mtp_quants() -> tuple[str, ...]:
-    """The schemes ``--mtp-quant`` writes: the family tables' block FP8, and every scheme table whose storage
+    """The schemes ``--mtp-quant`` writes: block FP8 (the target's block format), and every scheme table whose storage
     format names an encoder (model/quant/encode.py)."""
     from ..model.quant import all_schemes
 
@@ -215,9 +214,13 @@ def _require_declared(target: Checkpoint, scheme_name: str):
     """--mtp-quant SCHEME writes that scheme's storage: the target's config must declare it, and (a scheme written
     by its encoder) its trunk modules must not carry calibrated activation scales graft cannot compute."""
     from ..model.quant import detect_scheme, get_scheme
+    from ..model.quant.companions import block_format
 
     scheme = detect_scheme(target)
-    if scheme is None or scheme_name not in {t.scheme for t in scheme.tables}:
+    # block FP8 is written in the target's own block format (model.quant.companions): any declared table with one
+    fits = scheme is not None and (any(block_format(t) is not None for t in scheme.tables) if scheme_name == BLOCK_FP8
+                                   else scheme_name in {t.scheme for t in scheme.tables})
+    if not fits:
         what = "declares no quantization" if scheme is None else \
             "declares " + ", ".join(sorted(t.title for t in scheme.tables))
         raise InputError(f"--mtp-quant {scheme_name} writes {get_scheme(scheme_name).title}, but the target's "
@@ -267,23 +270,21 @@ class _Grafter:
                           lambda dtype: dequant_module(self.src, st, key, dtype))
         ref = self.src.tensors[key]
         t = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), meta={"source": [key]})
-        sref = self.src.tensors.get(scale_key(key, self.sview.resolved.scale_suffix))
+        sref = self.src.tensors.get(self.sview.block_format.scale_key(key))
         scale = None if sref is None else OutputTensor(sref.key, sref.dtype, tuple(sref.shape),
                                                        CopyBytes([sref.segment()]), meta={"source": [sref.key]})
         return self._piece(t, scale)
 
     def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
-        if t.dtype in FP8_DTYPES and scale is not None:  # the family's block FP8
-            block = self.sview.resolved.block_size
-            return _Piece([t, scale], self._fp8_stored(t.dtype, block),
-                          lambda dtype: transforms.dequantize(t, scale, dtype, block))
+        fmt = self.sview.block_format
+        if fmt.stores(t.dtype) and scale is not None:  # the source's block format
+            return _Piece([t, scale], self._fp8_stored(t.dtype, fmt), lambda dtype: fmt.decode(t, scale, dtype))
         if t.dtype in FLOAT_DTYPES:
             return _Piece([t], Stored("unquantized", t.dtype, dtype=t.dtype), lambda dtype: transforms.cast(t, dtype))
         return _Piece([t], None, None)
 
-    def _fp8_stored(self, dtype: str, block) -> Stored:
-        q = self.sview.table.quantization
-        return Stored("quantized", f"{dtype} block {list(block)}", q.method if q else "fp8-block", dtype=dtype)
+    def _fp8_stored(self, dtype: str, fmt) -> Stored:
+        return Stored("quantized", f"{dtype} block {list(fmt.block)}", fmt.scheme, dtype=dtype)
 
     def _restack(self, sg, tg) -> None:
         """Experts restacked byte for byte into the target's layout (FP8 scales with them)."""
@@ -295,14 +296,13 @@ class _Grafter:
                              f"target's trunk stores experts {tg.layout.label()}, and restacking quantized experts "
                              "is supported for float and block-FP8 experts only (--mtp-dtype bf16 first: extract "
                              "--dequant bf16, then graft that)")
-        res = self.sview.resolved
-        outs = convert_group(sg, self.src.tensors, tg, scale_suffix=res.scale_suffix, block=res.block_size)
+        fmt = self.sview.block_format
+        outs = convert_group(sg, self.src.tensors, tg, fmt=fmt)
         by_key = {t.key: t for t in outs}
-        scales = {scale_key(t.key, res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
+        scales = {fmt.scale_key(t.key) for t in outs if fmt.stores(t.dtype)}
         for t in outs:
             if t.key not in scales:
-                self._add(t.key, self._piece(t, by_key.get(scale_key(t.key, res.scale_suffix))), tg.quant,
-                          expert=True)
+                self._add(t.key, self._piece(t, by_key.get(fmt.scale_key(t.key))), tg.quant, expert=True)
 
     def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False, expert: bool = False) -> None:
         """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""
@@ -318,17 +318,17 @@ class _Grafter:
     def _fp8(self, key: str, piece: _Piece) -> _Piece:
         from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
 
-        res = self.out_view.resolved
-        block, skey = res.block_size, scale_key(key, res.scale_suffix)
+        res, fmt = self.out_view.resolved, self.out_view.block_format
+        block, skey = fmt.block, fmt.scale_key(key)
         w, *rest = piece.tensors
         if w.dtype == QUANT_DTYPE and len(rest) == 1 and rest[0].dtype == SCALE_DTYPE and \
-                tuple(self.sview.resolved.block_size) == tuple(block) and rest[0].key == skey and \
+                tuple(self.sview.block_format.block) == tuple(block) and rest[0].key == skey and \
                 self.sview.resolved.power_of_two_scales >= res.power_of_two_scales:
             return piece  # already the target's block FP8 (and scale format): the source's bytes
         values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values("F32")
-        qw, qs = transforms.requantize(values, block, skey, pow2=res.power_of_two_scales)
+        qw, qs = fmt.encode(values, key, pow2=res.power_of_two_scales)
         qw.meta.setdefault("source", _sources(w))
-        return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, block), piece.values)
+        return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, fmt), piece.values)
 
 
     def _encoded(self, key: str, piece: _Piece, expert: bool) -> _Piece:

@@ -23,17 +23,17 @@ import math
 from dataclasses import dataclass, field
 
 from .. import __version__
-from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..io.config import ConfigView
 from ..io.safetensors_io import TensorRef
 from ..model.consistency import MTP_RULES, note_allowed
-from ..model.expert_layouts import ExpertLayout, scale_key
+from ..model.expert_layouts import ExpertLayout
 from ..model.expr import evaluate, render
 from ..model.formats import Correspondence, Format, correspond, get_format
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView, detect_group_layout
+from ..model.quant.companions import WeightFormat, weight_format
 from ..model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ..model.tables.schema import Table
 from ..numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
@@ -201,6 +201,7 @@ class _LayerMatch:
 
     refs: dict[str, TensorRef]  # MTP key -> target tensor (weights and FP8 scales)
     layouts: dict[str, ExpertLayout]
+    fmt: WeightFormat  # the target's block format (its weights' scale companions)
 
 
 def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
@@ -221,20 +222,21 @@ def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
     src_groups = {g.sub_prefix: g for g in groups}
     refs: dict[str, TensorRef] = {}
     layouts: dict[str, ExpertLayout] = {}
+    fmt = weight_format(target, table.quantization)  # the target's scale companions (model.quant.companions)
     for mtp_layer in res.layers:
         dst = {s.sub: s for s in mtp_layer.block}
         dst_groups = {g.sub_prefix: g for g in mtp_layer.experts}
         _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_layer.prefix)
         for sub, spec in dst.items():
-            refs.update(_layer_refs(target, src[sub].key, spec.key, res.scale_suffix))
+            refs.update(_layer_refs(target, src[sub].key, spec.key, fmt))
         for sub, g in dst_groups.items():
             sg = src_groups[sub]
             lay = detect_group_layout(sg, target.tensors)
             layouts[g.prefix] = lay
             s_on, d_on = sg.with_layout(lay) if lay != sg.layout else sg, g.with_layout(lay) if lay != g.layout else g
             for st, dt in zip(s_on.tensors(), d_on.tensors(), strict=True):
-                refs.update(_layer_refs(target, st.key, dt.key, res.scale_suffix))
-    return _LayerMatch(refs, layouts)
+                refs.update(_layer_refs(target, st.key, dt.key, fmt))
+    return _LayerMatch(refs, layouts, fmt)
 
 
 def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefix) -> None:
@@ -260,17 +262,17 @@ def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefi
                          f"{mtp_prefix}*: " + "; ".join(problems), rule="from-layer-mismatch")
 
 
-def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, suffix: str) -> dict[str, TensorRef]:
+def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, fmt: WeightFormat) -> dict[str, TensorRef]:
     ref = target.tensors.get(src_key)
     if ref is None:
         raise InputError(f"--from-layer: the target has no {src_key}", rule="missing-tensor", path=target.root)
     out = {dst_key: _renamed(ref, dst_key)}
-    if ref.dtype in FP8_DTYPES:
-        skey = scale_key(src_key, suffix)
+    if fmt.stores(ref.dtype):
+        skey = fmt.scale_key(src_key)
         sref = target.tensors.get(skey)
         if sref is None:
             raise InputError(f"--from-layer: FP8 weight {src_key} has no {skey}", rule="fp8-scale", path=target.root)
-        out[scale_key(dst_key, suffix)] = _renamed(sref, scale_key(dst_key, suffix))
+        out[fmt.scale_key(dst_key)] = _renamed(sref, fmt.scale_key(dst_key))
     return out
 
 
@@ -354,7 +356,7 @@ def _native_draft(res: Resolved, target: Checkpoint, match: _LayerMatch | None, 
         elif match is not None and spec.key in match.refs:
             d.refs[spec.key] = match.refs[spec.key]
             d.copied[spec.key] = match.refs[spec.key].key
-            skey = scale_key(spec.key, res.scale_suffix)
+            skey = match.fmt.scale_key(spec.key)
             if skey in match.refs:
                 d.refs[skey] = match.refs[skey]
                 d.copied[skey] = match.refs[skey].key
@@ -387,12 +389,13 @@ def _draft(fmt: Format, view: MtpView, corr: Correspondence, native: _NativeDraf
            dequant_to: str | None) -> tuple[list[OutputTensor], dict, list[str]]:
     """The draft's tensors in the format (as ``extract`` names them) and its config (with the fields omitted)."""
     tensors = draft_tensors(view, corr, gen_dtype, dequant_to)
-    fp8 = any(view.ckpt.tensors[s.key].dtype in FP8_DTYPES for s in native.present)
+    fp8 = any(view.block_format.stores(view.ckpt.tensors[s.key].dtype) for s in native.present)
     if fp8 and dequant_to is None and fmt.rename == "roles":
         raise UsageError(f"layer {req.from_layer} of the target is FP8; format {fmt.name} has no place for block "
                          "scales: pass --dequant bf16")
     tensors = [_direct(t, source, native.copied) for t in tensors]
-    if not any(t.dtype in FP8_DTYPES for t in tensors) and view.ckpt.config.get("quantization_config") is not None:
+    if not any(view.block_format.stores(t.dtype) for t in tensors) and \
+            view.ckpt.config.get("quantization_config") is not None:
         # an FP8 target, a draft without FP8 tensors: its config must not declare FP8 weights
         config, omitted = build_draft_config(fmt, view, corr, tensors, dequant_to or gen_dtype or view.resolved.dtype,
                                              True)

@@ -58,11 +58,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..dtypes import FP8_DTYPES
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
 from ..model.consistency import REPORT_ONLY, absent_notes, renamed_format
-from ..model.expert_layouts import scale_key
 from ..model.gate import check
 from ..model.mtp import MtpView
 from ..model.quant.audit import Audit, audit, experts_stored
@@ -167,7 +165,7 @@ def _quantization(ckpt: Checkpoint, view: MtpView, result: Audit) -> dict | None
     return {
         "quant_method": qc.get("quant_method"),
         "weight_block_size": qc.get("weight_block_size"),
-        "scale_suffix": view.resolved.scale_suffix,
+        "scale_suffix": view.block_format.scale_suffix,
         "scheme": found["scheme"] if found else None,
         "schemes": found["schemes"] if found else [],
         "declared_in": found["declared_in"] if found else [],
@@ -194,7 +192,8 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
     by_depth: dict[int | None, dict] = {}
     by_shard: dict[str, dict] = {}
     tensors: list[dict] = []
-    fp8 = {"weights": 0, "scales": 0, "scale_suffix": res.scale_suffix, "block": list(res.block_size)}
+    fmt = view.block_format  # the checkpoint's block format (model.quant.companions)
+    fp8 = {"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)}
     for s, key in view.stored():  # a quantized weight (quant scheme tables) counts every tensor it is stored as
         ref = ckpt.tensors[key]
         role = _ROLE_NAME.get(s.role, s.role)
@@ -211,8 +210,8 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
                  "params": numel, "bytes": nbytes, "shard": shard}
         if s.key in view.quantized:
             entry["stored_as"] = view.quantized[s.key].label
-        elif ref.dtype in FP8_DTYPES:
-            entry["scale"] = scale_key(s.key, res.scale_suffix)
+        elif fmt.stores(ref.dtype):
+            entry["scale"] = fmt.scale_key(s.key)
             fp8["weights"] += 1
         if role == "fp8_scales":
             fp8["scales"] += 1

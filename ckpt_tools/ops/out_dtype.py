@@ -4,8 +4,9 @@ and its FP8 scale (``finish_tensor``), and named as a config names it (``DTYPE_N
 
 from __future__ import annotations
 
-from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, lookup
+from ..dtypes import FLOAT_DTYPES, lookup
 from ..errors import InputError, UsageError
+from ..model.quant.companions import WeightFormat
 from ..numeric import transforms
 from ..stream.plan import OutputTensor
 
@@ -24,13 +25,15 @@ def dtype_arg(value: str | None, flag: str) -> str | None:
     return name
 
 
-def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, block) -> list[OutputTensor]:
-    """``t`` (and its FP8 ``scale``) as written: dequantized into one tensor, cast, or as they are."""
-    if t.dtype in FP8_DTYPES:
+def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, fmt: WeightFormat
+                  ) -> list[OutputTensor]:
+    """``t`` (and its ``scale`` companion in block format ``fmt``) as written: dequantized into one tensor (the
+    format's decoder), cast, or as they are."""
+    if fmt.stores(t.dtype):
         if dequant_to is not None:
             if scale is None:
                 raise InputError(f"FP8 weight {t.key} has no block scale to dequantize with", rule="fp8-scale")
-            return [transforms.dequantize(t, scale, dequant_to, block)]
+            return [fmt.decode(t, scale, dequant_to)]
         if cast_to is not None:
             raise UsageError(f"{t.key} is FP8: --dtype cannot cast block-quantized weights; add --dequant {cast_to}")
         return [t] + ([scale] if scale is not None else [])

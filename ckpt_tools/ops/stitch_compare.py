@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..arrays import torch_threads
-from ..dtypes import FP8_DTYPES
 from ..errors import InputError
-from ..model.expert_layouts import scale_key
+from ..model.quant.companions import WeightFormat
 from ..numeric import transforms
 from ..stream.plan import Compute, CopyBytes, OutputTensor
 from .compare import TensorDiff, compare, count_nonfinite
@@ -87,8 +86,8 @@ class Candidates:
     values: Mapping[str, OutputTensor]  # re-quantized FP8 weight -> the draft's values it is quantized from
     scale_of: Mapping[str, str]  # FP8 weight -> the key of its scale candidate (compared and kept with it)
     removed: list[str]  # verifier keys the output leaves out
-    block: tuple[int, int]
-    scale_suffix: str
+    fmt: WeightFormat  # the verifier's block format (model.quant.companions): its scale companions and decoder
+    draft_fmt: WeightFormat  # the draft's (an FP8 candidate kept as the draft stores it)
     encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
 
@@ -143,13 +142,13 @@ def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> 
         return TensorDiff(key, "added", None, t.dtype, None, list(t.shape),
                           nonfinite=count_nonfinite(t.recipe, t.dtype, t.shape))
     b = cand.values.get(key, t)
-    if b.dtype in FP8_DTYPES:
-        b = transforms.dequantize(b, cand.tensors[cand.scale_of[key]], "F32", cand.block)
+    if cand.draft_fmt.stores(b.dtype):
+        b = cand.draft_fmt.decode(b, cand.tensors[cand.scale_of[key]], "F32")
     a_dtype, a = vref.dtype, CopyBytes([vref.segment()])
-    if vref.dtype in FP8_DTYPES:  # the verifier's value, in the precision of the draft's
+    if cand.fmt.stores(vref.dtype):  # the verifier's value, in the precision of the draft's
         a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"
-        sref = view.ckpt.tensors[scale_key(key, cand.scale_suffix)]
-        a = transforms.dequantize(_as_tensor(vref), _as_tensor(sref), a_dtype, cand.block).recipe
+        sref = view.ckpt.tensors[cand.fmt.scale_key(key)]
+        a = cand.fmt.decode(_as_tensor(vref), _as_tensor(sref), a_dtype).recipe
     d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop)
     d.dtype_a, d.dtype_b = vref.dtype, t.dtype
     if d.status != "shape-changed":
@@ -168,7 +167,7 @@ def _decision(d: TensorDiff, cand: Candidates, view: MtpView) -> Decision:
         return Decision(key, "add", "the verifier has no such tensor", d)
     encoded = cand.encoded.get(key)
     if d.status == "unchanged":
-        why = ("the draft's values are the verifier's FP8 weight dequantized" if d.dtype_a in FP8_DTYPES
+        why = ("the draft's values are the verifier's FP8 weight dequantized" if cand.fmt.stores(d.dtype_a)
                else f"the draft's values are the verifier's {encoded.label} decoded" if encoded is not None
                else "the same bytes as the verifier's")
         return Decision(key, "identical", why + ": its bytes are kept", d)

@@ -25,16 +25,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, FP8_WEIGHT_DTYPES, SCALE_DTYPES
+from ..dtypes import DTYPES, FLOAT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..model.consistency import count_field, note_allowed
-from ..model.expert_layouts import ExpertGroup, scale_key, scale_shape
+from ..model.expert_layouts import ExpertGroup
 from ..model.formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table, detect_group_layout
 from ..model.prefixes import Unwrapped, unwrap
 from ..model.provenance import prove_family
+from ..model.quant.companions import weight_format
 from ..model.quant.dequant import format_of
 from ..model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ..model.quant.storage import Storage
@@ -112,6 +113,11 @@ class _Builder:
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):
         self.draft, self.view, self.corr, self.req, self.add = draft, view, corr, req, add
         self.res = view.resolved
+        # the block formats (model.quant.companions) of the verifier's weights and of the draft's; a draft that
+        # neither declares nor stores one is read in the verifier's
+        self.vfmt = view.block_format
+        found = weight_format(draft)
+        self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
         self.candidates: dict[str, OutputTensor] = {}
         self.used: set[str] = set()
         self.missing: list[str] = []
@@ -140,7 +146,7 @@ class _Builder:
                 continue
             self.used.add(link.draft_key)
             if link.columns:  # one draft fusion tensor back into the family's halves
-                if dref.dtype in FP8_DTYPES:
+                if self.dfmt.stores(dref.dtype):
                     raise PlanError(f"{link.draft_key} is FP8; splitting it into {link.verifier_keys()} needs a "
                                     "BF16 draft", rule="fp8-scale")
                 whole = OutputTensor(link.draft_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
@@ -161,15 +167,15 @@ class _Builder:
 
     def _draft_scale(self, draft_key: str, verifier_key: str) -> OutputTensor | None:
         dref = self.draft.tensors[draft_key]
-        if dref.dtype not in FP8_DTYPES:
+        if not self.dfmt.stores(dref.dtype):
             return None
-        skey = scale_key(draft_key, self.res.scale_suffix)
+        skey = self.dfmt.scale_key(draft_key)
         sref = self.draft.tensors.get(skey)
         if sref is None:
             self.missing.append(f"{skey} (block scale of FP8 {draft_key})")
             return None
         self.used.add(skey)
-        return OutputTensor(scale_key(verifier_key, self.res.scale_suffix), sref.dtype, sref.shape,
+        return OutputTensor(self.vfmt.scale_key(verifier_key), sref.dtype, sref.shape,
                             CopyBytes([sref.segment()]), meta={"source": [skey], "role": "scale"})
 
     def _experts(self, draft_group: ExpertGroup, verifier_group: ExpertGroup) -> None:
@@ -182,19 +188,20 @@ class _Builder:
             return
         for et in on_disk.tensors():
             self.used.add(et.key)
-            skey = scale_key(et.key, self.res.scale_suffix)
+            skey = self.dfmt.scale_key(et.key)
             if skey in self.draft.tensors:
                 self.used.add(skey)
         from ..model.experts import convert_group
 
-        outs = convert_group(on_disk, self.draft.tensors, verifier_group, scale_suffix=self.res.scale_suffix,
-                             block=self.res.block_size)
+        outs = convert_group(on_disk, self.draft.tensors, verifier_group, fmt=self.dfmt)
         by_key = {t.key: t for t in outs}
-        scales = {scale_key(t.key, self.res.scale_suffix) for t in outs if t.dtype in FP8_DTYPES}
+        scales = {self.dfmt.scale_key(t.key) for t in outs if self.dfmt.stores(t.dtype)}
         for t in outs:
             if t.key in scales:
                 continue
-            scale = by_key.get(scale_key(t.key, self.res.scale_suffix))
+            scale = by_key.get(self.dfmt.scale_key(t.key))
+            if scale is not None and self.dfmt.scale_suffix != self.vfmt.scale_suffix:
+                scale.key = self.vfmt.scale_key(t.key)  # named as the verifier names its scales
             self._finish(t, scale, None)
 
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
@@ -207,14 +214,14 @@ class _Builder:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
         if spec is not None:
             t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
-        if not self._admit(t, vt) or (t.dtype in FP8_DTYPES and not self._scale_fits(t, scale)):
+        if not self._admit(t, vt) or (self.dfmt.stores(t.dtype) and not self._scale_fits(t, scale)):
             return
         if stored is not None and self._encodes(stored):  # written in the verifier's own storage format
-            if t.dtype in FP8_DTYPES:
-                t = transforms.dequantize(t, scale, "F32", self.res.block_size)
+            if self.dfmt.stores(t.dtype):
+                t = self.dfmt.decode(t, scale, "F32")
             self._encode(t, stored, spec)
             return
-        if vt in FP8_DTYPES:
+        if self.vfmt.stores(vt):
             if not self.add:
                 self._into_fp8(t, scale, vt)
                 return
@@ -224,8 +231,8 @@ class _Builder:
             return
         fixed = spec is not None and spec.dtype_fixed  # the release fixes it: the verifier's (rule stored-dtype)
         target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES and not fixed else vt
-        if t.dtype in FP8_DTYPES:
-            t = transforms.dequantize(t, scale, target, self.res.block_size)
+        if self.dfmt.stores(t.dtype):
+            t = self.dfmt.decode(t, scale, target)
         elif target != t.dtype:
             t = transforms.cast(t, target)
         if stored is not None:
@@ -254,12 +261,12 @@ class _Builder:
     def _admit(self, t: OutputTensor, vt: str) -> bool:
         """Floats replace floats; a non-float verifier tensor only its own dtype."""
         src = _source_of(t)
-        if vt not in FLOAT_DTYPES and vt not in FP8_DTYPES:
+        if vt not in FLOAT_DTYPES and not self.vfmt.stores(vt):
             if t.dtype == vt:
                 return True
             return self._refuse("draft-dtype", f"{src} is {t.dtype}; the verifier's {t.key} is {vt}, which only "
                                                "a tensor of that dtype may replace", t.key)
-        if t.dtype in FLOAT_DTYPES or t.dtype in FP8_WEIGHT_DTYPES:
+        if t.dtype in FLOAT_DTYPES or self.dfmt.stores(t.dtype):
             return True
         return self._refuse("draft-dtype", f"{src} is {t.dtype}, not a float dtype; it cannot replace the "
                                            f"verifier's {vt} {t.key}", t.key)
@@ -270,8 +277,8 @@ class _Builder:
         if scale is None:
             return self._refuse("fp8-scale", f"FP8 draft tensor {src} has no block scale to read its values with",
                                 t.key)
-        block = self.res.block_size
-        want = scale_shape(tuple(t.shape), block) if len(t.shape) >= 2 else None
+        block = self.dfmt.block
+        want = self.dfmt.scale_shape(tuple(t.shape)) if len(t.shape) >= 2 else None
         if scale.dtype not in SCALE_DTYPES:
             return self._refuse("fp8-scale-dtype", f"{_source_of(scale)} (block scale of {src}) is {scale.dtype}; "
                                                    f"a block scale is one of {', '.join(SCALE_DTYPES)}", scale.key)
@@ -283,24 +290,25 @@ class _Builder:
 
     def _into_fp8(self, t: OutputTensor, scale: OutputTensor | None, vt: str) -> None:
         """Draft values for an FP8 verifier weight: its own FP8 bytes, re-quantized, or unquantized."""
-        vscale = scale_key(t.key, self.res.scale_suffix)
+        vscale = self.vfmt.scale_key(t.key)
         sref = self.view.ckpt.tensors.get(vscale)
         if self.req.keep_bf16 or (self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES):
             # written unquantized: the weight's scale goes, its module joins the config's ignore list
-            if t.dtype in FP8_DTYPES:
-                t = transforms.dequantize(t, scale, "BF16", self.res.block_size)
+            if self.dfmt.stores(t.dtype):
+                t = self.dfmt.decode(t, scale, "BF16")
             self.candidates[t.key] = t
             if sref is not None:
                 self.removed.append(vscale)
             return
-        if t.dtype == vt and scale is not None:  # the verifier's own FP8 format: bytes and scale as they are
+        if t.dtype == vt and scale is not None and self.dfmt.block == self.vfmt.block:
+            # the verifier's own FP8 format: bytes and scale as they are
             scale = self._verifier_scale_dtype(scale, sref)
             if scale is not None:
                 self.candidates[t.key], self.candidates[scale.key] = t, scale
                 self.scale_of[t.key] = scale.key
             return
-        if t.dtype in FP8_DTYPES:  # another FP8 format is never written as such: re-quantized from its value
-            t = transforms.dequantize(t, scale, "F32", self.res.block_size)
+        if self.dfmt.stores(t.dtype):  # another FP8 format is never written as such: re-quantized from its value
+            t = self.dfmt.decode(t, scale, "F32")
         self._requantize(t, vt, sref)
 
     def _verifier_scale_dtype(self, scale: OutputTensor, sref: TensorRef | None) -> OutputTensor | None:
@@ -328,8 +336,7 @@ class _Builder:
                                         f"{QUANT_DTYPE} with {SCALE_DTYPE} scales (--keep-bf16 writes the draft's "
                                         "values unquantized)", t.key)
             return
-        w, s = transforms.requantize(t, self.res.block_size, scale_key(t.key, self.res.scale_suffix),
-                                     pow2=self.res.power_of_two_scales)
+        w, s = self.vfmt.encode(t, t.key, pow2=self.res.power_of_two_scales)
         self.candidates[w.key], self.candidates[s.key] = w, s
         self.values[w.key] = t
         self.scale_of[w.key] = s.key
@@ -542,7 +549,7 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
     cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
-                      builder.res.block_size, builder.res.scale_suffix, builder.encoded, builder.companions)
+                      builder.vfmt, builder.dfmt, builder.encoded, builder.companions)
     report.decisions = decide(view, cand)
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from ..io.config import ConfigView
-from ..model.expert_layouts import ExpertLayout, scale_key, scale_shape
+from ..model.expert_layouts import ExpertLayout
+from ..model.quant.companions import weight_format
 from ..model.tables.loader import get_table
 from ..model.tables.resolve import Resolved, Spec, expert_specs, resolve, trunk_specs
 
@@ -131,12 +132,14 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
     tensors: dict[str, torch.Tensor] = {}
     order: list[str] = []
     zero_centred = table.norm == "zero_centred"
+    # no checkpoint to ask yet: the block format of the scheme the family table hints (model.quant.companions)
+    fmt = weight_format(hint=table.quantization) if opts.fp8 else None
     for s in specs:
         values = spec_values(_copied(s, res), opts.seed, zero_centred)
-        if opts.fp8 and s.quant:
-            q, scale = quantize_fp8_block(values, res.block_size)
-            skey = scale_key(s.key, res.scale_suffix)
-            assert tuple(scale.shape) == scale_shape(s.shape, res.block_size)
+        if fmt is not None and s.quant:
+            q, scale = quantize_fp8_block(values, fmt.block)
+            skey = fmt.scale_key(s.key)
+            assert tuple(scale.shape) == fmt.scale_shape(s.shape)
             tensors[s.key], tensors[skey] = q, scale
             order += [s.key, skey]
             if s.key in mtp_keys:

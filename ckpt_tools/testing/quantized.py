@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from ..io.config import ConfigView
+from ..model.quant.companions import weight_format
 from ..model.tables.loader import get_table
 from ..model.tables.resolve import Resolved, resolve
 from . import quantizers as q
@@ -390,11 +391,12 @@ def _fp8_block(scheme: Scheme, linears, tensors, config, res, quant) -> _Build:
     if res.table.quantization is None:
         raise ValueError(f"table {res.family} declares no block quantization; a block-FP8 fixture would be fiction")
     out = dict(tensors)
+    fmt = weight_format(hint=res.table.quantization)  # the family's hinted scheme (model.quant.companions)
     for lin in linears:
         if lin.quantized:
-            out[f"{lin.name}.weight"], out[f"{lin.name}.{res.scale_suffix}"] = q.fp8_block_ue8m0(lin.weight,
-                                                                                            res.block_size)
-    return _Build(out, _fp8_config(config, res.block_size, _fp8_exclusions(quant, linears, res)))
+            out[f"{lin.name}.weight"], out[fmt.scale_key(f"{lin.name}.weight")] = q.fp8_block_ue8m0(lin.weight,
+                                                                                               fmt.block)
+    return _Build(out, _fp8_config(config, fmt.block, _fp8_exclusions(quant, linears, res)))
 
 
 def _fp8_fp4(scheme: Scheme, linears, tensors, config, res, quant) -> _Build:

@@ -31,6 +31,12 @@ no verb branches on a scheme name. The API:
     where the list's matcher can say "everything under" (``re:^prefix\..*``, ``prefix.*``).
     ``patch.apply(files)`` returns the changed files.
 
+``weight_format(ckpt=None, hint=None) -> WeightFormat``
+    The checkpoint's *block format* (one FP8 scale companion over fixed tiles: ``fp8-block``'s
+    ``weight_scale_inv``, ``deepseek-v4``'s ``.scale``), from the scheme table its storage shows,
+    else the one it declares, else the family's hint: what the verbs ask for a weight's companions
+    (``companions(key, shape)``, ``scale_key``), its decoder (``decode``) and encoder (``encode``).
+
 ``quant_files(ckpt)`` reads the configuration files a scheme may be declared in.
 
 Adding a scheme from outside the package (docs/quantization.md "Adding a scheme"):
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .companions import Companion, WeightFormat, weight_format
 from .config import quant_files
 from .declared import Declared, declaration, declared
 from .detect import Declaration, Group, QuantScheme, detect_in, detect_scheme
@@ -53,10 +60,11 @@ from .storage import Storage, module_storage, scale_grid
 from .tables import all_schemes, get_scheme, register_scheme_dir, reload_schemes, unregister_scheme_dir
 
 __all__ = [
-    "Change", "ConfigPatch", "Declaration", "Declared", "EncodeArgs", "Group", "QuantScheme", "Storage",
+    "Change", "Companion", "ConfigPatch", "Declaration", "Declared", "EncodeArgs", "Group", "QuantScheme", "Storage",
     "all_schemes", "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries",
     "get_scheme", "module_storage", "quant_files", "register_codes", "register_encoder", "register_scheme_dir",
-    "reload_schemes", "scale_grid", "unregister_codes", "unregister_encoder", "unregister_scheme_dir",
+    "reload_schemes", "scale_grid", "unregister_codes", "unregister_encoder", "unregister_scheme_dir", "WeightFormat",
+    "weight_format",
 ]
 
 

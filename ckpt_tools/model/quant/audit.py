@@ -12,8 +12,9 @@ disk) the way its consumers read the configuration (``declared``):
   weights and fails to load, or silently reads them as quantized;
 - stored quantized must be declared quantized, by the table the tensors are stored in, with every
   companion present (scales, global scales);
-- the family's own release convention: under the family table's ``quantization.method``, or a
-  scheme storing its scales under the table's ``scale_suffix`` (DeepSeek's ``weight_scale_inv``,
+- the family's own release convention: under a declared scheme with a block format
+  (model.quant.companions, whether or not the family table hints one), or one storing its
+  scales under the name of the scheme the family table hints (DeepSeek's ``weight_scale_inv``,
   V4's ``scale``), a tensor whose ``quant`` flag the table leaves off stays unquantized in those
   releases without any exclusion (DeepSeek's BF16 ``eh_proj``: engines build it as a plain
   Linear), so it needs none.
@@ -29,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from ...dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ...dtypes import FLOAT_DTYPES
 from ...errors import InputError
-from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key
+from ..expert_layouts import ExpertGroup, ExpertLayout
+from .companions import block_format, weight_format
 from .config import QuantFiles
 from .declared import Declared, declaration
 from .detect import QuantScheme, detect_scheme
@@ -120,10 +122,10 @@ def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Store
     st = view.quantized.get(key)
     if st is None and ref is not None and ref.dtype in FLOAT_DTYPES:
         return Stored("unquantized", ref.dtype, dtype=ref.dtype)
-    if st is None and ref is not None and ref.dtype in FP8_DTYPES and \
-            scale_key(key, view.resolved.scale_suffix) in view.ckpt.tensors:
-        # the family's own block FP8 (its scale name): the fp8-* rules check its scales
-        return Stored("quantized", f"{ref.dtype} block {list(view.resolved.block_size)}", dtype=ref.dtype)
+    fmt = view.block_format
+    if st is None and ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(key) in view.ckpt.tensors:
+        # the checkpoint's block format (its scale companion): the fp8-* rules check its scales
+        return Stored("quantized", f"{ref.dtype} block {list(fmt.block)}", dtype=ref.dtype)
     if st is None:  # something only the scheme tables know
         st = module_storage(view.ckpt, scheme, key.removesuffix(".weight"), tuple(shape))
     if st.state == "quantized":
@@ -215,12 +217,12 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     fused_map = {k: list(v) for k, v in table.fused_modules.items()}
     names = {m for m, *_ in rows}
     none = Declared("excluded", None, "the configuration declares no quantization")
-    q = table.quantization
-    # the family's release scheme (the table's quantization method, or scales under the family's scale
-    # name): the table's quant flags say which modules those releases keep unquantized
-    convention = q is not None and scheme is not None and (
-        q.method in {t.scheme for t in scheme.tables}
-        or any(t.suffix == q.scale_suffix for _, f in scheme.formats() for t in f.tensors))
+    hint = weight_format(hint=table.quantization)
+    # a block-format release (a declared table with a block format, or scales under the name of the family's
+    # hinted scheme): the table's quant flags say which modules those releases keep unquantized
+    convention = scheme is not None and (
+        any(block_format(t) is not None for t in scheme.tables)
+        or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
     for module, stored, flag, expert in rows:
         d = declaration(scheme, files, module) if scheme is not None else none
         fused = () if expert else fused_names(module, fused_map, names)
@@ -245,7 +247,7 @@ def _judge(m: ModuleAudit, scheme: QuantScheme | None, result: Audit) -> None:
         what = [f"missing {k}" for k in st.storage.missing] + list(st.storage.problems)
         problem = Finding(m.module, f"stored {st.label} but incomplete: {'; '.join(what)}; engines cannot load it")
     elif scheme is None:
-        if st.dtype not in FP8_DTYPES:  # FP8 without a quantization_config is rule quant-config
+        if not weight_format().stores(st.dtype):  # FP8 without a quantization_config is rule quant-config
             problem = Finding(m.module, f"stored {st.label}, but the configuration declares no quantization: "
                                         "loaders read its packed bytes as weights")
     elif d.state == "excluded":

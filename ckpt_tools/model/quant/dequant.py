@@ -113,3 +113,49 @@ def module_outputs(ckpt: Any, storage: Storage, draft_key: str, dequant_to: str 
         extra = dict(meta) if role == "weight" else {"role": "scale"}
         out.append(copy_of(ckpt.tensors[key], f"{head}.{suffix}", {**extra, "source": [key], "quant": storage.label}))
     return out
+
+
+def decode_block(fmt: Any, w: OutputTensor, scale: OutputTensor, out_dtype: str) -> OutputTensor:
+    """A block format's weight ``w`` (any recipe: a byte copy, an expert slice, a restack) times its
+    ``scale`` companion, as ``out_dtype``: ``dequant_parts`` over the two, with ``w``'s meta kept.
+
+    ``fmt``: a companions.WeightFormat. The same checks (and messages) as the block-FP8 recipes had.
+    """
+    from ...dtypes import SCALE_DTYPES
+    from ...numeric.fp8_decode import OUT_DTYPES, check_grid
+    from .storage import Storage
+
+    if not fmt.stores(w.dtype) or len(w.shape) < 2:
+        raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
+    if out_dtype not in OUT_DTYPES:
+        raise PlanError(f"{w.key}: cannot dequantize to {out_dtype}; use one of {', '.join(OUT_DTYPES)}",
+                        rule="dequant-dtype")
+    if scale.dtype not in SCALE_DTYPES:
+        raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
+                        f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
+    check_grid(w.shape, scale.shape, fmt.block, f"{scale.key} of {w.key}: ")
+    module = w.key.removesuffix(".weight")
+    storage = Storage(module, "quantized", w.dtype, fmt.scheme, fmt.format, w.dtype,
+                      {"weight": w.key, fmt.scale_suffix: scale.key}, shape=tuple(w.shape),
+                      params={"block": list(fmt.block)})
+    t = dequant_parts(w.key, {"weight": w, fmt.scale_suffix: scale}, storage, out_dtype)
+    t.shard = w.shard
+    t.meta = {**w.meta, "dequantized_from": {"dtype": w.dtype, "scale": scale.key, "block": list(fmt.block)}}
+    return t
+
+
+def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int], weight_dtype: str,
+                       scale_dtype: str, out_dtype: str) -> Any:
+    """One whole block-format weight held in memory (numpy storage views: ``weight`` [..., rows, cols] of
+    ``weight_dtype``, ``scale`` its ``block`` grid of ``scale_dtype``) -> values in ``out_dtype`` storage,
+    by the format's decoder (``decode.decode_array``): what expert restacking dequantizes piece by piece."""
+    import numpy as np
+
+    from . import decode
+
+    spec = next(f for f in get_scheme(fmt.scheme).storage if f.name == fmt.format).decoder
+    shape = tuple(weight.shape)
+    d = decode.Decoding(spec, weight_dtype, shape, shape[-1], DTYPES[weight_dtype].nbytes(shape[-1]),
+                        (int(block[0]), int(block[1])), out_dtype)
+    values = decode.scale_values(np.ascontiguousarray(scale), scale_dtype, spec.scale.encoding, spec.scale.e8m0_top)
+    return decode.decode_array(d, weight, values)

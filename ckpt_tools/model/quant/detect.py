@@ -136,8 +136,23 @@ def _claim(table: SchemeTable, where: ConfigDef, sec: Mapping[str, Any]) -> tupl
 
 
 def _evidence_holds(table: SchemeTable, tensors: Mapping[str, Any]) -> bool:
+    """The table's ``evidence`` tensors are present, or its block format's scale companion sits next to an FP8
+    weight (a DeepSeek-V4 layout whose `.scale` tensors are F32: the companion's name is the evidence)."""
     want = [(e.suffix, set(e.dtypes)) for e in table.evidence]
-    return any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want)
+    if any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want):
+        return True
+    from ..expert_layouts import scale_key
+    from .block import block_tile
+
+    defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
+    for fmt in table.storage:
+        if block_tile(fmt, defaults) is None:
+            continue
+        suffix, scale_dtypes = fmt.tensors[0].suffix, set(fmt.tensors[0].dtypes)
+        if any(ref.dtype in fmt.weight.dtypes and (s := tensors.get(scale_key(k, suffix))) is not None
+               and s.dtype in scale_dtypes for k, ref in tensors.items()):
+            return True
+    return False
 
 
 def _declared_sections(files: QuantFiles) -> list[str]:

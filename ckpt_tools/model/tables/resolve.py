@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ...dtypes import DTYPES, lookup
 from ...errors import CkptError, InputError, TableError
 from ...io.config import ConfigView
-from ..expert_layouts import ExpertGroup, ExpertLayout, scale_key, scale_shape
+from ..expert_layouts import ExpertGroup, ExpertLayout
 from ..expr import ExprError, evaluate, names_in, render, template_names
 from .schema import PartRef, Table, TensorDef
 
@@ -60,21 +60,11 @@ class Resolved:
         return self.table.family
 
     @property
-    def block_size(self) -> tuple[int, int]:
-        q = self.table.quantization
-        return (q.block[0], q.block[1]) if q else (128, 128)
-
-    @property
     def power_of_two_scales(self) -> bool:
         """Block scales are powers of two (``scale_fmt: ue8m0``): requantization keeps them so."""
         from ...numeric.fp8 import power_of_two_scales
 
         return power_of_two_scales(self.config)
-
-    @property
-    def scale_suffix(self) -> str:
-        q = self.table.quantization
-        return q.scale_suffix if q else "weight_scale_inv"
 
     def glue_specs(self) -> list[Spec]:
         seen: dict[str, Spec] = {}
@@ -109,16 +99,6 @@ def expert_specs(group: ExpertGroup, layout: ExpertLayout | None, dtype: str) ->
         Spec(t.key, t.shape, "expert", depth=g.depth, sub=None, kind="linear", dtype=dtype, quant=g.quant,
              tag=f"experts.{t.slot}")
         for t in g.tensors()
-    ]
-
-
-def scale_specs(specs: list[Spec], resolved: Resolved) -> list[Spec]:
-    """The FP8 block-scale companion of each quantized spec."""
-    return [
-        Spec(scale_key(s.key, resolved.scale_suffix), scale_shape(s.shape, resolved.block_size), "scale",
-             depth=s.depth, kind="other", dtype="F32", optional=s.optional)
-        for s in specs
-        if s.quant
     ]
 
 

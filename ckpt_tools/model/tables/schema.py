@@ -170,12 +170,6 @@ class DetectDef(_Strict):
     model_types: list[str] = Field(default_factory=list)
 
 
-class QuantDef(_Strict):
-    method: Literal["fp8-block"] = "fp8-block"
-    block: list[int] = Field(default_factory=lambda: [128, 128])
-    scale_suffix: str = "weight_scale_inv"
-
-
 class Table(_Strict):
     family: str
     title: str
@@ -185,7 +179,10 @@ class Table(_Strict):
     config: dict[str, VarDef]
     norm: Literal["plain", "zero_centred"] = "plain"
     dtype: str = "BF16"  # default stored dtype when the config names none
-    quantization: QuantDef | None = None
+    # a quantization scheme name (mappings/quantization/<name>.yaml) whose block format fixtures and the
+    # demo write where there is no checkpoint to ask; a checkpoint's own companions come from the scheme
+    # it declares or stores (ckpt_tools.model.quant.companions)
+    quantization: str | None = None
     # Draft architectures the serving engines use for this family, e.g.
     # {sglang_nextn: <Arch>ForCausalLMNextN, vllm_mtp: <Arch>MTPModel}
     engines: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,293 @@
+"""One quantization path: a block-FP8 weight's companions come from a scheme table (model.quant.companions).
+
+The scheme the checkpoint stores (its scale companion's name) or declares decides; the family table's
+one-word ``quantization`` hint is used only where there is no checkpoint (fixtures, the demo). A family
+table without a quantization line handles block-FP8 checkpoints byte for byte as one with it, and
+DeepSeek-V4's ``.scale`` companions come from the deepseek-v4 scheme table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from ckpt_tools.errors import InputError, TableError, UsageError
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.io.config import ConfigView
+from ckpt_tools.model.mtp import open_mtp
+from ckpt_tools.model.quant.companions import Companion, block_format, weight_format
+from ckpt_tools.model.quant.tables import all_schemes
+from ckpt_tools.model.tables.loader import all_tables, get_table, mappings_dir
+
+from conftest import run_ckpt as ckpt
+
+FP8_128 = {"moe_intermediate_size": 128, "hidden_size": 128}  # experts' I a multiple of the block: scales fuse
+
+
+def raw_tensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """key -> (dtype, shape, bytes) of every safetensors file in ``path``, read from the file format itself."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        data = f.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        header.pop("__metadata__", None)
+        for k, meta in header.items():
+            start, end = meta["data_offsets"]
+            out[k] = (meta["dtype"], meta["shape"], data[8 + n + start:8 + n + end])
+    return out
+
+
+@pytest.fixture
+def unhinted(tmp_path, monkeypatch):
+    """``unhinted(family)`` -> the name of a user table that is ``family``'s without its quantization line
+    (detected by no config: pass --arch)."""
+
+    def make(family: str) -> str:
+        data = yaml.safe_load((mappings_dir() / "architectures" / f"{family}.yaml").read_text())
+        assert data.pop("quantization")
+        name = f"{family}_unhinted"
+        data["family"] = name
+        data["detect"] = {"architectures": [f"{name}ForTests"], "model_types": [name]}
+        tables = tmp_path / "tables"
+        tables.mkdir(exist_ok=True)
+        (tables / f"{name}.yaml").write_text(yaml.safe_dump(data))
+        monkeypatch.setenv("CKPT_TABLES", str(tables))
+        assert all_tables()[name].quantization is None
+        return name
+
+    return make
+
+
+def _ref(dtype: str, shape=(256, 256)):
+    return SimpleNamespace(dtype=dtype, shape=shape)
+
+
+def _ckpt(tensors: dict, config: dict | None = None):
+    return SimpleNamespace(tensors=tensors, config=ConfigView(config or {}), local_dir=None, root="mem",
+                           file_sizes={})
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def test_every_family_hint_names_a_scheme_with_a_block_format():
+    hinted = {f: t.quantization for f, t in all_tables().items() if t.quantization is not None}
+    assert hinted, "no family hints a scheme"
+    for family, scheme in hinted.items():
+        fmt = weight_format(hint=scheme)
+        assert fmt.scheme == scheme and fmt.how == "hint", family
+    assert weight_format(hint="deepseek-v4").scale_suffix == "scale"
+    assert weight_format(hint="fp8-block").scale_suffix == "weight_scale_inv"
+
+
+def test_only_single_scale_fixed_tile_fp8_formats_are_block_formats():
+    found = {name for name, t in all_schemes().items() if block_format(t) is not None}
+    # ct-fp8 / modelopt-fp8 carry an optional input_scale and per-tensor / channel tiles; FP4 / int pack codes
+    assert found == {"fp8-block", "deepseek-v4"}
+
+
+def test_a_hint_must_name_a_scheme_with_a_block_format():
+    with pytest.raises(UsageError, match="unknown quantization scheme 'no-such-scheme'"):
+        weight_format(hint="no-such-scheme")
+    with pytest.raises(InputError, match="'ct-nvfp4' has no block format") as ei:
+        weight_format(hint="ct-nvfp4")
+    assert ei.value.rule == "quant-hint"
+
+
+def test_the_old_quantization_block_is_refused(tmp_path, monkeypatch):
+    data = yaml.safe_load((mappings_dir() / "architectures" / "deepseek_v3.yaml").read_text())
+    data.update(family="old_block", quantization={"method": "fp8-block", "block": [128, 128],
+                                                   "scale_suffix": "weight_scale_inv"},
+                detect={"architectures": ["OldBlockForTests"], "model_types": ["old_block"]})
+    (tmp_path / "old_block.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.setenv("CKPT_TABLES", str(tmp_path))
+    with pytest.raises(TableError, match="field quantization"):
+        all_tables()
+
+
+def test_storage_decides_before_the_configuration_and_the_hint():
+    v3 = {"a.weight": _ref("F8_E4M3"), "a.weight_scale_inv": _ref("F32", (2, 2))}
+    v4 = {"a.weight": _ref("F8_E4M3"), "a.scale": _ref("F8_E8M0", (2, 2))}
+    declared = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 128]}}
+    assert weight_format(_ckpt(v3), hint="deepseek-v4").scheme == "fp8-block"
+    got = weight_format(_ckpt(v4), hint="fp8-block")
+    assert (got.scheme, got.scale_suffix, got.how) == ("deepseek-v4", "scale", "stored")
+    # the block the configuration declares for the stored scheme's table
+    assert weight_format(_ckpt(v3, declared)).block == (64, 128)
+    # nothing stored: the declaration, then the hint, then the default
+    assert weight_format(_ckpt({}, declared)).how == "declared"
+    assert weight_format(_ckpt({"a.weight": _ref("BF16")}), hint="deepseek-v4").how == "hint"
+    assert weight_format(_ckpt({})).scheme == "fp8-block"
+
+
+def test_companions_name_role_and_shape():
+    fmt = weight_format(hint="deepseek-v4")
+    assert fmt.companions("m.wq_b.weight", (300, 129)) == [Companion("m.wq_b.scale", "scale", (3, 2))]
+    assert fmt.companions("m.experts.gate_up_proj", (4, 256, 128)) == [
+        Companion("m.experts.gate_up_proj_scale", "scale", (4, 2, 1))]
+    assert weight_format().scale_key("x.weight") == "x.weight_scale_inv"
+
+
+# --------------------------------------------------------------------------- the verbs, byte for byte
+
+
+def test_block_fp8_without_a_quantization_line_extracts_and_fuses_the_same(make_fixture, tmp_path, unhinted):
+    src = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_128)
+    arch = unhinted("deepseek_v3")
+    view = open_mtp(Checkpoint.open(src), get_table(arch))
+    assert view.block_format.how == "stored" and view.block_format.scheme == "fp8-block"
+    assert view.complete() and not view.quantized
+    for args in ((), ("--dequant", "bf16")):
+        tag = "-".join(args) or "fp8"
+        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
+        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
+        a, b = raw_tensors(tmp_path / f"a-{tag}"), raw_tensors(tmp_path / f"b-{tag}")
+        assert a == b and a
+        assert any(k.endswith("weight_scale_inv") for k in a) == (not args)
+    ckpt("fuse-experts", src, "-o", tmp_path / "fa")
+    ckpt("fuse-experts", src, "-o", tmp_path / "fb", "--arch", arch)
+    fused = raw_tensors(tmp_path / "fa")
+    assert fused == raw_tensors(tmp_path / "fb")
+    assert "model.layers.3.mlp.experts.gate_up_proj_scale_inv" in fused
+    ckpt("unfuse-experts", tmp_path / "fb", "-o", tmp_path / "back", "--arch", arch)
+    assert raw_tensors(tmp_path / "back") == raw_tensors(src)
+
+
+def test_block_fp8_without_a_quantization_line_stitches_the_same(make_fixture, tmp_path, unhinted):
+    verifier = make_fixture("deepseek_v3", fp8=True)
+    arch = unhinted("deepseek_v3")
+    ckpt("extract", verifier, "-o", tmp_path / "draft")
+    ckpt("stitch", tmp_path / "draft", verifier, "-o", tmp_path / "a")
+    ckpt("stitch", tmp_path / "draft", verifier, "-o", tmp_path / "b", "--arch", arch)
+    a = raw_tensors(tmp_path / "a")
+    assert a == raw_tensors(tmp_path / "b") == raw_tensors(verifier)
+
+
+def test_deepseek_v4_scale_companions_come_from_its_scheme_table(make_fixture, tmp_path, unhinted):
+    src = make_fixture("deepseek_v4", fp8=True)
+    stored = raw_tensors(src)
+    scales = {k for k in stored if k.endswith(".scale")}
+    assert scales and not any(k.endswith("weight_scale_inv") for k in stored)
+    arch = unhinted("deepseek_v4")  # no hint: the `.scale` tensors alone say deepseek-v4
+    view = open_mtp(Checkpoint.open(src), get_table(arch))
+    fmt = view.block_format
+    assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
+    assert view.complete() and not view.missing_scales and not view.quantized
+    for args in ((), ("--dequant", "bf16")):
+        tag = "-".join(args) or "fp8"
+        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
+        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
+        a = raw_tensors(tmp_path / f"a-{tag}")
+        assert a == raw_tensors(tmp_path / f"b-{tag}")
+        assert {k for k in a if k.endswith(".scale")} == ({k for k in scales if k in a} if not args else set())
+        assert any(k.endswith(".scale") for k in a) == (not args)
+    manifest = json.loads((tmp_path / "b-fp8" / "ckpt_manifest.json").read_text())
+    assert manifest["source_quantization"]["scale_suffix"] == "scale"
+
+
+def test_deepseek_v4_release_layout_reads_through_its_scheme_table(tmp_path, unhinted):
+    """The release layout (UE8M0 `.scale` on FP8 weights, FP4 experts): extracted natively and dequantized the
+    same under a table that hints nothing."""
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v4", tmp_path / "v4", QuantOptions("fp8-ue8m0-fp4-experts"))
+    arch = unhinted("deepseek_v4")
+    view = open_mtp(Checkpoint.open(src), get_table(arch))
+    fmt = view.block_format
+    assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
+    assert "F8_E8M0" in fmt.scale_dtypes and view.complete()
+    for args in ((), ("--dequant", "bf16")):
+        tag = "-".join(args) or "native"
+        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
+        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
+        a = raw_tensors(tmp_path / f"a-{tag}")
+        assert a == raw_tensors(tmp_path / f"b-{tag}")
+        assert any(d == "F8_E8M0" and k.endswith(".scale") for k, (d, _, _) in a.items()) == (not args)
+
+
+@pytest.mark.parametrize("scheme", ["ct-fp8-channel", "ct-nvfp4"])
+def test_experts_of_another_scheme_are_refused_naming_the_rule(tmp_path, scheme):
+    pytest.importorskip("compressed_tensors")
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v3", tmp_path / "q", QuantOptions(scheme))
+    result = ckpt("fuse-experts", src, "-o", tmp_path / "f", code=None)
+    out = result.output
+    assert result.exit_code != 0
+    assert "[expert-quant-scheme]" in out and f"scheme table {scheme.removesuffix('-channel')}" in out
+    assert "`ckpt dequant` them first" in out and not (tmp_path / "f" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--mtp-quant", "fp8-block"]])
+def test_deepseek_v4_graft_keeps_its_scale_companions(make_fixture, tmp_path, extra):
+    """F32 `.scale` companions (a fixture, a trainer's export) say deepseek-v4 as the release's F8_E8M0 ones do:
+    the config's declaration, the stored MTP and --mtp-quant fp8-block (the target's block format) agree."""
+    from ckpt_tools.model.quant import detect_scheme
+
+    src = make_fixture("deepseek_v4", fp8=True)
+    target = make_fixture("deepseek_v4", fp8=True, drop_mtp=True)
+    assert detect_scheme(Checkpoint.open(target)).name == "deepseek-v4"
+    ckpt("graft", src, target, "-o", tmp_path / "out", *extra)
+    out, source = raw_tensors(tmp_path / "out"), raw_tensors(src)
+    mtp = {k for k in source if k.startswith("mtp.")}
+    assert any(k.endswith(".scale") for k in mtp) and not any(k.endswith("weight_scale_inv") for k in out)
+    assert {k: out[k] for k in mtp} == {k: source[k] for k in mtp}
+
+
+# --------------------------------------------------------------------------- one dequantizer
+
+
+@pytest.mark.parametrize("out_dtype,band", [("BF16", 3000), ("F16", 3000), ("F32", 1 << 20), ("BF16", 60000)])
+def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch, out_dtype, band):
+    """The verbs dequantize block-format weights with model/quant's decoder (WeightFormat.decode): byte for byte
+    what numeric.transforms' block-FP8 recipe wrote before (F32, BF16 and UE8M0 scales, stacks, edge tiles),
+    with the same plan-time checks."""
+    import numpy as np
+    import torch
+    from test_fp8 import as_fp8, random_fp8, run_plan, tensor_of, write_refs
+
+    from ckpt_tools.errors import PlanError
+    from ckpt_tools.numeric import fp8_decode, transforms
+    from ckpt_tools.stream.plan import OutputTensor
+
+    monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
+    rng = np.random.default_rng(11)
+    qa, sa = random_fp8(rng, (300, 200), (128, 128), scale_exp=(-12, 0))
+    qe, se = random_fp8(rng, (3, 130, 257), (128, 128), scale_exp=(-12, 0))
+    e8 = rng.integers(100, 130, (3, 2, 3)).astype(np.uint8)
+    refs, _ = write_refs(tmp_path / "in.safetensors", {
+        "a.weight": as_fp8(qa), "a.weight_scale_inv": torch.from_numpy(sa),
+        "b.weight_scale_inv": torch.from_numpy(sa).bfloat16(),
+        "e.weight": as_fp8(qe), "e.weight_scale_inv": torch.from_numpy(se),
+        "e8.scale": torch.from_numpy(e8).view(torch.float8_e8m0fnu),
+        "bad.weight_scale_inv": torch.ones(2, 2), "f.weight": torch.zeros(300, 200, dtype=torch.bfloat16)})
+    pairs = [("a.weight", "a.weight_scale_inv"), ("a.weight", "b.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"),
+             ("e.weight", "e8.scale")]
+    for name in ("fp8-block", "deepseek-v4"):
+        fmt = weight_format(hint=name)
+        new, old = [], []
+        for i, (w, sc) in enumerate(pairs):
+            if refs[sc].dtype not in fmt.scale_dtypes:
+                continue  # deepseek-v4 scales are F8_E8M0 or F32
+            a = fmt.decode(tensor_of(refs[w]), tensor_of(refs[sc]), out_dtype)
+            b = transforms.dequantize(tensor_of(refs[w]), tensor_of(refs[sc]), out_dtype, (128, 128))
+            assert a.meta == b.meta and a.shape == b.shape and a.dtype == b.dtype
+            new.append(OutputTensor(f"t{i}", a.dtype, a.shape, a.recipe))
+            old.append(OutputTensor(f"t{i}", b.dtype, b.shape, b.recipe))
+        got, want = run_plan(tmp_path, new, f"new-{name}"), run_plan(tmp_path, old, f"old-{name}")
+        assert got.keys() == want.keys() and got
+        for k in want:
+            assert got[k].view(torch.uint8).numpy().tobytes() == want[k].view(torch.uint8).numpy().tobytes(), k
+    fmt = weight_format()
+    w = tensor_of(refs["a.weight"])
+    for scale, dtype, rule in ((refs["bad.weight_scale_inv"], "BF16", "fp8-scale-shape"),
+                               (refs["a.weight_scale_inv"], "F8_E4M3", "dequant-dtype")):
+        with pytest.raises(PlanError, match=rule):
+            fmt.decode(w, tensor_of(scale), dtype)
+    with pytest.raises(PlanError, match="not an FP8 matrix"):
+        fmt.decode(tensor_of(refs["f.weight"]), tensor_of(refs["a.weight_scale_inv"]), "BF16")
