@@ -1,6 +1,6 @@
 """Stitch's comparison: every candidate tensor against the verifier's, one ``Decision`` per key.
 
-The planner (ops/stitch.py) builds what it would write for each verifier MTP key from the draft
+The planner (ops/stitch_plan.py) builds what it would write for each verifier MTP key from the draft
 (``Candidates``); ``decide`` compares each candidate with the verifier's tensor before anything is
 written, one pass each, and says what to do with it:
 
