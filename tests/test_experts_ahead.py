@@ -87,3 +87,23 @@ def test_dequantized_experts_are_identical_for_any_threads_and_start_ahead(make_
     submitted.clear()
     ckpt(*args, src, "-o", tmp_path / "off", "--dequant", "bf16", "--threads", 2)
     assert not submitted and tensors_of(tmp_path / "off") == written[1]
+
+
+def test_an_expert_tensor_over_the_lookahead_size_streams_on_the_writer(make_fixture, tmp_path, monkeypatch):
+    """A fused [E, 2I, H] output larger than the lookahead's ``small`` is not decoded whole on the pool: it streams
+    expert by expert as its recipe yields (memory: one expert's slab), with the same bytes."""
+    src = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_128)
+    ckpt("fuse-experts", src, "-o", tmp_path / "pooled", "--dequant", "bf16", "--threads", 2)
+    pooled = tensors_of(tmp_path / "pooled")
+    fused = [k for k in _expert_keys(tmp_path / "pooled") if k.endswith("gate_up_proj")]
+    assert fused
+    smallest = min(len(pooled[k][2]) for k in fused)
+    submitted: list[Compute] = []
+    real = lookahead.submit
+    monkeypatch.setattr(lookahead, "submit", lambda fn, r, *a, **k: submitted.append(r) or real(fn, r, *a, **k))
+    monkeypatch.setattr(writer, "lookahead", lambda tensors, window=None: lookahead.Lookahead(tensors, window,
+                                                                                              small=smallest - 1))
+    ckpt("fuse-experts", src, "-o", tmp_path / "streamed", "--dequant", "bf16", "--threads", 2)
+    assert not [r for r in submitted if any(i.endswith(("gate_proj.weight", "up_proj.weight")) and ".experts." in i
+                                            for i in r.inputs)]
+    assert tensors_of(tmp_path / "streamed") == pooled
