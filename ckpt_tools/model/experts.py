@@ -19,6 +19,12 @@ grid, so they stack, split and transpose with their weights. Joining gate and up
 scales is exact only when I is a multiple of the block; otherwise the conversion is
 refused (dequantize first). A dequantizer can be plugged in (``Dequantizer``): it gets
 one canonical FP8 piece and its scale grid and returns the values in its own dtype.
+
+Each computed tensor's recipe reads its own byte ranges into buffers of its own, so the
+writer may decode it ahead of its turn on the decoding pool (``Compute.ahead``,
+stream.lookahead: whole only when it fits the lookahead's size, else expert by expert as
+it is written); a plugged-in dequantizer other than ``BlockDequant`` keeps its recipes on
+the writing thread.
 """
 
 from __future__ import annotations
