@@ -1,6 +1,6 @@
 """FP8 block dequantization (fp8_decode, numpy) and quantization (fp8, torch) against independent oracles,
-through the interfaces the commands run: ``transforms.dequantize`` / ``transforms.requantize`` recipes
-written by the writer, and the band kernels under them.
+through the interfaces the commands run: the block-format decode recipe (``WeightFormat.decode``, model/quant's
+``decode_block``) / ``transforms.requantize`` recipes written by the writer, and the band kernels under them.
 
 The oracles here never use torch's float8 casts: e4m3 / e5m2 bytes are decoded with
 tables built from the bit layout, products are exact in float64, roundings are done
@@ -24,6 +24,7 @@ from ckpt_tools.arrays import as_bytes
 from ckpt_tools.errors import InputError, PlanError
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
+from ckpt_tools.model.quant.companions import weight_format
 from ckpt_tools.numeric import fp8, fp8_decode, transforms
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
@@ -334,7 +335,8 @@ def tensor_of(ref) -> OutputTensor:
     ],
 )
 def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
-    """transforms.dequantize (extract --dequant, stitch's comparisons) written by the writer."""
+    """The block-FP8 decode recipe the verbs plan (``WeightFormat.decode``: dequant, extract --dequant, stitch's
+    comparisons) written by the writer."""
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
     rng = np.random.default_rng(3)
     qa, sa = random_fp8(rng, (300, 200), (128, 128), scale_exp=(-12, 0))
@@ -352,10 +354,13 @@ def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band
         },
     )
     src.ranges.clear()  # header reads are done; from here on only the recipes read
-    outs = [transforms.dequantize(tensor_of(refs[w]), tensor_of(refs[s]), out_dtype, (128, 128))
+    fmt = weight_format(hint="fp8-block")
+    outs = [fmt.decode(tensor_of(refs[w]), tensor_of(refs[s]), out_dtype)
             for w, s in (("a.weight", "a.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"))]
-    e8_out = transforms.dequantize(tensor_of(refs["e.weight"]), tensor_of(refs["e8.weight_scale_inv"]), "F32",
-                                   (128, 128))
+    e8_out = fmt.decode(tensor_of(refs["e.weight"]), tensor_of(refs["e8.weight_scale_inv"]), "F32")
+    assert [o.meta["dequantized_from"] for o in (*outs, e8_out)] == [
+        {"dtype": "F8_E4M3", "scale": s, "block": [128, 128]}
+        for s in ("a.weight_scale_inv", "e.weight_scale_inv", "e8.weight_scale_inv")]
     outs.append(OutputTensor("e8.weight", "F32", e8_out.shape, e8_out.recipe))
     got = run_plan(tmp_path, outs)
     for k, qb, sc in (("a.weight", qa, sa), ("e.weight", qe, se)):
@@ -388,15 +393,16 @@ def test_dequantize_recipe_checks_at_plan_time(tmp_path):
         },
     )
     w, s = tensor_of(refs["w"]), tensor_of(refs["s"])
+    fmt = weight_format(hint="fp8-block")
     with pytest.raises(PlanError, match="fp8-scale") as e:
-        transforms.dequantize(w, tensor_of(refs["s_bad"]), "BF16", (128, 128))
+        fmt.decode(w, tensor_of(refs["s_bad"]), "BF16")
     assert "s_bad" in str(e.value)
     with pytest.raises(PlanError, match="dequant"):
-        transforms.dequantize(tensor_of(refs["b"]), s, "BF16", (128, 128))
+        fmt.decode(tensor_of(refs["b"]), s, "BF16")
     with pytest.raises(PlanError, match="dequant-dtype"):
-        transforms.dequantize(w, s, "F8_E4M3", (128, 128))
+        fmt.decode(w, s, "F8_E4M3")
     with pytest.raises(PlanError, match="fp8-scale-dtype"):
-        transforms.dequantize(w, tensor_of(refs["s_int"]), "BF16", (128, 128))
+        fmt.decode(w, tensor_of(refs["s_int"]), "BF16")
 
 
 def test_stream_worker_stops_when_the_consumer_does():

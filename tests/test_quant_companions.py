@@ -245,14 +245,14 @@ def test_deepseek_v4_graft_keeps_its_scale_companions(make_fixture, tmp_path, ex
 @pytest.mark.parametrize("out_dtype,band", [("BF16", 3000), ("F16", 3000), ("F32", 1 << 20), ("BF16", 60000)])
 def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch, out_dtype, band):
     """The verbs dequantize block-format weights with model/quant's decoder (WeightFormat.decode): byte for byte
-    what numeric.transforms' block-FP8 recipe wrote before (F32, BF16 and UE8M0 scales, stacks, edge tiles),
-    with the same plan-time checks."""
+    what numeric.fp8_decode's kernel (the former block-FP8 recipe's) computes (F32, BF16 and UE8M0 scales, stacks,
+    edge tiles), with the same plan-time checks."""
     import numpy as np
     import torch
     from test_fp8 import as_fp8, random_fp8, run_plan, tensor_of, write_refs
 
     from ckpt_tools.errors import PlanError
-    from ckpt_tools.numeric import fp8_decode, transforms
+    from ckpt_tools.numeric import fp8_decode
     from ckpt_tools.stream.plan import OutputTensor
 
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
@@ -270,19 +270,25 @@ def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch,
              ("e.weight", "e8.scale")]
     for name in ("fp8-block", "deepseek-v4"):
         fmt = weight_format(hint=name)
-        new, old = [], []
+        codes = {"a.weight": qa, "e.weight": qe}
+        scales = {"a.weight_scale_inv": (sa, "F32"), "b.weight_scale_inv": (sa, "F32"),
+                  "e.weight_scale_inv": (se, "F32"), "e8.scale": (e8, "F8_E8M0")}
+        new, want = [], {}
         for i, (w, sc) in enumerate(pairs):
             if refs[sc].dtype not in fmt.scale_dtypes:
                 continue  # deepseek-v4 scales are F8_E8M0 or F32
             a = fmt.decode(tensor_of(refs[w]), tensor_of(refs[sc]), out_dtype)
-            b = transforms.dequantize(tensor_of(refs[w]), tensor_of(refs[sc]), out_dtype, (128, 128))
-            assert a.meta == b.meta and a.shape == b.shape and a.dtype == b.dtype
+            assert a.shape == tuple(refs[w].shape) and a.dtype == out_dtype
+            assert a.meta["dequantized_from"] == {"dtype": "F8_E4M3", "scale": sc, "block": [128, 128]}
             new.append(OutputTensor(f"t{i}", a.dtype, a.shape, a.recipe))
-            old.append(OutputTensor(f"t{i}", b.dtype, b.shape, b.recipe))
-        got, want = run_plan(tmp_path, new, f"new-{name}"), run_plan(tmp_path, old, f"old-{name}")
+            sv, sdt = scales[sc]
+            if sc == "b.weight_scale_inv":  # stored as BF16: its values rounded to bfloat16, read back
+                sv = torch.from_numpy(sa).bfloat16().float().numpy()
+            want[f"t{i}"] = fp8_decode.dequant_array(codes[w], sv, (128, 128), "F8_E4M3", out_dtype, sdt).tobytes()
+        got = run_plan(tmp_path, new, f"new-{name}")
         assert got.keys() == want.keys() and got
         for k in want:
-            assert got[k].view(torch.uint8).numpy().tobytes() == want[k].view(torch.uint8).numpy().tobytes(), k
+            assert got[k].view(torch.uint8).numpy().tobytes() == want[k], k
     fmt = weight_format()
     w = tensor_of(refs["a.weight"])
     for scale, dtype, rule in ((refs["bad.weight_scale_inv"], "BF16", "fp8-scale-shape"),

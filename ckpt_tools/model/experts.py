@@ -19,6 +19,12 @@ grid, so they stack, split and transpose with their weights. Joining gate and up
 scales is exact only when I is a multiple of the block; otherwise the conversion is
 refused (dequantize first). A dequantizer can be plugged in (``Dequantizer``): it gets
 one canonical FP8 piece and its scale grid and returns the values in its own dtype.
+
+Each computed tensor's recipe reads its own byte ranges into buffers of its own, so the
+writer may decode it ahead of its turn on the decoding pool (``Compute.ahead``,
+stream.lookahead: whole only when it fits the lookahead's size, else expert by expert as
+it is written); a plugged-in dequantizer other than ``BlockDequant`` keeps its recipes on
+the writing thread.
 """
 
 from __future__ import annotations
@@ -430,6 +436,17 @@ class _Converter:
 
     # -- planning ---------------------------------------------------------------
 
+    @property
+    def _self_contained(self) -> bool:
+        """Whether each output's recipe shares no state with another recipe, so the writer may start it early
+        on the decoding pool (stream.lookahead; ``Compute.ahead``). ``_produce`` reads its own byte ranges of
+        the source (positioned reads) into buffers it allocates per call and per expert (a slab read once for
+        the pieces of one expert is local to that call); ``self.locs`` is read-only after planning. The block
+        decoder (``BlockDequant``: a frozen dataclass, model.quant's decoder with per-call state and
+        thread-local scratch) is safe on any thread; another plugged-in ``Dequantizer`` may hold state, so its
+        recipes stay on the writing thread."""
+        return self.dequant is None or isinstance(self.dequant, BlockDequant)
+
     def outputs(self) -> list[OutputTensor]:
         out: list[OutputTensor] = []
         scales = {s.weight_key: s for s in stored_tensors(self.dst, "scale", self.fmt)}
@@ -468,7 +485,8 @@ class _Converter:
         self._check_compute(d)
         op = "dequant" if self.dequant is not None else _compute_op(self._src_slab(d), d.slab)
         recipe = Compute(lambda d=d: self._produce(d), op, inputs=sources,
-                         detail={"layout": self.dst.layout.label(), "per": "expert"}, read_bytes=self._read_bytes(d))
+                         detail={"layout": self.dst.layout.label(), "per": "expert"}, read_bytes=self._read_bytes(d),
+                         ahead=self._self_contained)
         return OutputTensor(d.key, dtype, d.shape, recipe, meta=meta)
 
     def _read_bytes(self, d: Stored) -> int:

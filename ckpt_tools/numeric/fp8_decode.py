@@ -1,12 +1,12 @@
 """FP8 block dequantization in numpy: the FP8 kernel of both dequantization paths.
 
-Block-FP8 recipes stream it (``dequant_stream``, through ``transforms.dequantize``: ``extract
---dequant`` and stitch's comparisons of block-FP8 tensors), ``fuse-experts`` / ``unfuse-experts
---dequant`` use its band kernel (``dequant_array``), ``diff --dequant`` decodes runs of elements
-(``value_decoder``). The table-driven scheme decoders (``model.quant.decode``, planned by
-``model.quant.dequant``: ``ckpt dequant``, ``extract --dequant`` of the other schemes, graft,
-stitch, probe) run its ``BandDequantizer`` for FP8 codes whose lookup tables fit, and decode
-FP4 / INT codes (and larger FP8 grids) themselves, with the same arithmetic. The arithmetic
+The verbs decode through the table-driven scheme decoders (``model.quant.decode``, planned by
+``model.quant.dequant``: ``ckpt dequant``, ``extract --dequant`` (block-FP8 included, through
+``decode_block``), expert restacking (``decode_block_array``), graft, stitch, probe); they run this
+module's ``BandDequantizer`` for FP8 codes whose lookup tables fit, and decode FP4 / INT codes (and
+larger FP8 grids) themselves, with the same arithmetic. ``diff --dequant`` decodes runs of elements
+here (``value_decoder``); ``dequant_array`` / ``dequant_stream`` are the whole-array and streamed
+forms of the band kernel (tests hold the decoders to them). The arithmetic
 (``fp8`` documents the format)::
 
     W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 
 from ..arrays import as_bytes, bytes_to_numpy, bytes_to_torch, torch_threads
-from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES, SCALE_DTYPES
+from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from ..errors import PlanError
 from ..io.safetensors_io import read_bytes
 from ..stream.plan import Compute, CopyBytes, OutputTensor, Recipe
@@ -202,35 +202,6 @@ def split_columns(t: OutputTensor, pieces: list[tuple[str, int]]) -> list[Output
                                                                      {"columns": [off, off + wb]}),
                                 t.shard, dict(t.meta)))
     return out
-
-
-def dequantize(w: OutputTensor, scale: OutputTensor, dtype: str, block: tuple[int, int]) -> OutputTensor:
-    """FP8 block-quantized ``w`` times its ``scale`` grid, as ``dtype``; bands of whole tile rows."""
-    from . import fp8_decode
-
-    if w.dtype not in FP8_DTYPES or len(w.shape) < 2:
-        raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
-    if dtype not in fp8_decode.OUT_DTYPES:
-        raise PlanError(f"{w.key}: cannot dequantize to {dtype}; use one of {', '.join(fp8_decode.OUT_DTYPES)}",
-                        rule="dequant-dtype")
-    if scale.dtype not in SCALE_DTYPES:
-        raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
-                        f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
-    fp8_decode.check_grid(w.shape, scale.shape, block, f"{scale.key} of {w.key}: ")
-    src, sc = w, scale
-
-    def produce():
-        raw = bytes_to_numpy(bytearray(b"".join(recipe_bytes(sc.recipe, max(sc.nbytes, 1)))), sc.dtype, sc.shape)
-        # banded, one worker thread ahead of the writer; numpy only (no torch import)
-        yield from fp8_decode.dequant_stream(RecipeReader(src.recipe).read, tuple(src.shape), src.dtype,
-                                             fp8_decode.scale_to_f32(raw, sc.dtype), dtype, block)
-
-    meta = dict(w.meta)
-    meta["dequantized_from"] = {"dtype": w.dtype, "scale": scale.key, "block": list(block)}
-    # reading byte ranges only, it shares nothing with another recipe: the writer may start it early
-    ahead = isinstance(w.recipe, CopyBytes) and isinstance(scale.recipe, CopyBytes)
-    return OutputTensor(w.key, dtype, w.shape, Compute(produce, "dequant", _inputs(w) + _inputs(scale), ahead=ahead),
-                        w.shard, meta)
 
 
 def _inputs(t: OutputTensor) -> list[str]:
