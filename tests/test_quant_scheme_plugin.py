@@ -227,7 +227,8 @@ def test_a_table_loads_once_its_decoder_and_encoder_are_registered(toy, tmp_path
     finally:
         unregister_toy(tables)
     assert NAME not in all_schemes()
-    assert "quant-unknown" in run_ckpt("validate", toy, code=1).output
+    out = run_ckpt("validate", toy, code=1).output
+    assert "quant-unknown" in out and "register_scheme_dir" in out, out  # the refusal says how to add one
 
 
 # -- registered: every verb, no other code ------------------------------------------------------------------

@@ -223,7 +223,8 @@ def detect_in(files: QuantFiles, tensors: Mapping[str, Any] | None = None) -> Qu
         if declared:
             known = ", ".join(sorted(tables))
             raise InputError(f"{' and '.join(declared)} declare {_describe(files)}, which no quantization scheme "
-                             f"table describes (known: {known}); add one under mappings/quantization",
+                             f"table describes (known: {known}); add one under mappings/quantization, or from outside "
+                             "the package with CKPT_QUANT_TABLES or register_scheme_dir (docs/quantization.md)",
                              rule="quant-unknown")
         return None
     return QuantScheme(tuple(declarations), dict(files))
