@@ -9,6 +9,7 @@ DeepSeek-V4's ``.scale`` companions come from the deepseek-v4 scheme table.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -168,6 +169,18 @@ def test_block_fp8_without_a_quantization_line_stitches_the_same(make_fixture, t
     assert a == raw_tensors(tmp_path / "b") == raw_tensors(verifier)
 
 
+def _extracted_alike(src: Path, arch: str, tmp_path: Path):
+    """(args, tensors) of ``extract`` as stored and with ``--dequant bf16``, each the same detected and under
+    ``--arch arch`` (asserted here)."""
+    for args in ((), ("--dequant", "bf16")):
+        tag = "-".join(args) or "fp8"
+        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
+        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
+        a = raw_tensors(tmp_path / f"a-{tag}")
+        assert a == raw_tensors(tmp_path / f"b-{tag}")
+        yield args, a
+
+
 def test_deepseek_v4_scale_companions_come_from_its_scheme_table(make_fixture, tmp_path, unhinted):
     src = make_fixture("deepseek_v4", fp8=True)
     stored = raw_tensors(src)
@@ -178,12 +191,7 @@ def test_deepseek_v4_scale_companions_come_from_its_scheme_table(make_fixture, t
     fmt = view.block_format
     assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
     assert view.complete() and not view.missing_scales and not view.quantized
-    for args in ((), ("--dequant", "bf16")):
-        tag = "-".join(args) or "fp8"
-        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
-        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
-        a = raw_tensors(tmp_path / f"a-{tag}")
-        assert a == raw_tensors(tmp_path / f"b-{tag}")
+    for args, a in _extracted_alike(src, arch, tmp_path):
         assert {k for k in a if k.endswith(".scale")} == ({k for k in scales if k in a} if not args else set())
         assert any(k.endswith(".scale") for k in a) == (not args)
     manifest = json.loads((tmp_path / "b-fp8" / "ckpt_manifest.json").read_text())
@@ -201,12 +209,7 @@ def test_deepseek_v4_release_layout_reads_through_its_scheme_table(tmp_path, unh
     fmt = view.block_format
     assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
     assert "F8_E8M0" in fmt.scale_dtypes and view.complete()
-    for args in ((), ("--dequant", "bf16")):
-        tag = "-".join(args) or "native"
-        ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
-        ckpt("extract", src, "-o", tmp_path / f"b-{tag}", "--arch", arch, *args)
-        a = raw_tensors(tmp_path / f"a-{tag}")
-        assert a == raw_tensors(tmp_path / f"b-{tag}")
+    for args, a in _extracted_alike(src, arch, tmp_path):
         assert any(d == "F8_E8M0" and k.endswith(".scale") for k, (d, _, _) in a.items()) == (not args)
 
 
@@ -297,3 +300,27 @@ def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch,
             fmt.decode(w, tensor_of(scale), dtype)
     with pytest.raises(PlanError, match="not an FP8 matrix"):
         fmt.decode(tensor_of(refs["f.weight"]), tensor_of(refs["a.weight_scale_inv"]), "BF16")
+
+
+@pytest.mark.parametrize("family, exempt", [
+    ("deepseek_v3", {"model.layers.3.eh_proj", "model.layers.3.shared_head.head"}),
+    ("glm4_moe", set()),
+])
+def test_the_release_convention_needs_a_table_that_flags_quantized_modules(make_fixture, tmp_path, family, exempt):
+    """Under a declared block-FP8 config, a BF16 MTP module needs no exclusion only where the family table flags
+    which modules its quantized releases quantize and leaves this one off (DeepSeek's eh_proj and
+    shared head). A table that
+    flags none (glm4_moe) says nothing of its releases: every BF16 MTP module must be excluded."""
+    from ckpt_tools.model.quant.audit import audit
+
+    src = tmp_path / "declared"
+    shutil.copytree(make_fixture(family), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    result = audit(open_mtp(Checkpoint.open(src), get_table(family)))
+    assert result.modules
+    assert {m.module for m in result.modules if m.exempt} == exempt
+    flagged = {f.key for f in result.findings}  # modules, and fused layers named apart
+    unexcused = {m.module for m in result.modules if not m.exempt and m.stored.state == "unquantized"}
+    assert unexcused and unexcused <= flagged and not flagged & exempt

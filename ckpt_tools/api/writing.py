@@ -419,8 +419,6 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "a
     Errors are the tool's exceptions (``InputError``, ``UsageError``, ``OutputError``, ...), raised before
     anything is written whenever the inputs are at fault."""
     from ..errors import UsageError
-    from ..io.checkpoint import Checkpoint
-    from ..ops.execute import execute_and_report
     from ..ops.stitch_plan import StitchRequest, plan_stitch
     from ..stream.plan import parse_size
 
@@ -434,14 +432,8 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "a
                         update_copies=update_copies, keep_bf16=keep_bf16, arch=arch, layers=depths,
                         max_shard_size=parse_size(max_shard_size), accept_divergent=accept_divergent,
                         strip_prefix=strip_prefix, command=command, allow_invalid=allow)
-    with _progress(progress) as sink:
-        sink.phase("reading headers")
-        with Checkpoint.open(draft) as d, Checkpoint.open(verifier) as v:
-            sink.phase("planning")
-            plan, details = plan_stitch(d, v, req)
-            _planned(plan)
-            outputs = _outputs(dest, dry_run, plan_json, report, overwrite, resume)
-            execute_and_report(plan, details, outputs, allow, "stitch-report.json", sink)
+    details = _merge_and_write(plan_stitch, draft, verifier, req, "stitch-report.json", allow, progress,
+                               lambda: _outputs(dest, dry_run, plan_json, report, overwrite, resume))
     return StitchReport(details, dry_run)
 
 
@@ -452,8 +444,6 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
           allow_invalid: Sequence[str] = (), progress: bool = False) -> GraftReport:
     """``target`` (a converted checkpoint that lost its MTP) with ``source``'s MTP layers: config count and
     quantization config repaired. ``report``: also write the report there."""
-    from ..io.checkpoint import Checkpoint
-    from ..ops.execute import execute_and_report
     from ..ops.graft import GraftRequest, plan_graft
     from ..stream.plan import parse_size
 
@@ -462,12 +452,23 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
     dest = _out(out)
     req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
                        max_shard_size=parse_size(max_shard_size), command=command, allow_invalid=allow)
+    details = _merge_and_write(plan_graft, source, target, req, "graft-report.json", allow, progress,
+                               lambda: _outputs(dest, dry_run, plan_json, report, overwrite, resume))
+    return GraftReport(details, dry_run)
+
+
+def _merge_and_write(planner: Callable[[Any, Any, Any], tuple[Plan, Any]], first: Any, second: Any, request: Any,
+                     report_name: str, allow: frozenset[str], progress: bool, outputs: Callable[[], Outputs]) -> Any:
+    """stitch / graft: open both inputs, plan the output from them (``planner(first, second, request)`` -> plan and
+    the verb's report), then write it with the report as ``report_name``; returns that report."""
+    from ..io.checkpoint import Checkpoint
+    from ..ops.execute import execute_and_report
+
     with _progress(progress) as sink:
         sink.phase("reading headers")
-        with Checkpoint.open(source) as s, Checkpoint.open(target) as t:
+        with Checkpoint.open(first) as a, Checkpoint.open(second) as b:
             sink.phase("planning")
-            plan, details = plan_graft(s, t, req)
+            plan, details = planner(a, b, request)
             _planned(plan)
-            outputs = _outputs(dest, dry_run, plan_json, report, overwrite, resume)
-            execute_and_report(plan, details, outputs, allow, "graft-report.json", sink)
-    return GraftReport(details, dry_run)
+            execute_and_report(plan, details, outputs(), allow, report_name, sink)
+    return details

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -244,25 +244,28 @@ def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str,
         return kern.dequant(codes, li, r0, out=np.empty(codes.shape, dtype=numpy_storage_dtype(out_dtype)))
 
     if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
-        return _whole_stream(read, (lead, rows, cols), kern.step, block[0], out_dtype,
-                             lambda codes, li, r0, out: kern.dequant(codes, li, r0, out))
+        return whole_stream(read, (lead, rows, cols), cols, out_dtype, bands(lead, rows, block[0], kern.step),
+                            kern.dequant, lambda msg: InputError(msg, rule="fp8-stream"))
     # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
     return prefetched(lambda: ordered_map(one, raw_bands(), threads))
 
 
-def _whole_stream(read: Callable[[int], Any], dims: tuple[int, int, int], step: int, block_rows: int,
-                  out_dtype: str, kernel: Callable[[np.ndarray, int, int, np.ndarray], Any]) -> Iterator[np.ndarray]:
-    """A [lead, rows, cols] uint8 weight read at once and decoded band by band on this thread into one
-    output array (``kernel(codes, lead, r0, out)``): a small tensor on a pool thread, the same bytes."""
-    lead, rows, cols = dims
-    total = lead * rows * cols
+def whole_stream(read: Callable[[int], Any], stored: tuple[int, int, int], cols: int, out_dtype: str,
+                 band_list: Iterable[tuple[int, int, int]], kernel: Callable[[np.ndarray, int, int, np.ndarray], Any],
+                 short: Callable[[str], Exception]) -> Iterator[np.ndarray]:
+    """A weight of ``stored`` [lead, rows, row bytes] uint8 read at once and decoded band by band on this thread
+    (``kernel(raw, lead, r0, out)`` over ``band_list``) into one [lead, rows, cols] ``out_dtype`` array: a small
+    tensor on a pool thread (stream.lookahead), the same bytes as the streamed bands. ``short(message)``: the
+    error of a short read."""
+    lead, rows, row_bytes = stored
+    total = lead * rows * row_bytes
     data = read(total) if total else b""
     if len(data) != total:
-        raise InputError(f"short read: {len(data)} of {total} bytes", rule="fp8-stream")
-    codes = np.frombuffer(data, dtype=np.uint8).reshape(lead, rows, cols)
+        raise short(f"short read: {len(data)} of {total} bytes")
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(lead, rows, row_bytes)
     out = np.empty((lead, rows, cols), dtype=numpy_storage_dtype(out_dtype))
-    for li, r0, r1 in bands(lead, rows, block_rows, step):
-        kernel(codes[li, r0:r1], li, r0, out[li, r0:r1])
+    for li, r0, r1 in band_list:
+        kernel(raw[li, r0:r1], li, r0, out[li, r0:r1])
     yield out
 
 

@@ -12,7 +12,8 @@ disk) the way its consumers read the configuration (``declared``):
   weights and fails to load, or silently reads them as quantized;
 - stored quantized must be declared quantized, by the table the tensors are stored in, with every
   companion present (scales, global scales);
-- the family's own release convention: under a declared scheme with a block format
+- the family's own release convention, where the family table flags the modules its quantized
+  releases quantize (``quant``): under a declared scheme with a block format
   (model.quant.companions, whether or not the family table hints one), or one storing its
   scales under the name of the scheme the family table hints (DeepSeek's ``weight_scale_inv``,
   V4's ``scale``), a tensor whose ``quant`` flag the table leaves off stays unquantized in those
@@ -219,8 +220,10 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     none = Declared("excluded", None, "the configuration declares no quantization")
     hint = weight_format(hint=table.quantization)
     # a block-format release (a declared table with a block format, or scales under the name of the family's
-    # hinted scheme): the table's quant flags say which modules those releases keep unquantized
-    convention = scheme is not None and (
+    # hinted scheme): the table's quant flags say which modules those releases keep unquantized - where the
+    # table flags any (a table that flags none says nothing of its quantized releases: every module needs its
+    # exclusion, as the configuration's own rules say)
+    convention = scheme is not None and any(flag for _, _, flag, _ in rows) and (
         any(block_format(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
     for module, stored, flag, expert in rows:

@@ -39,7 +39,7 @@ import numpy as np
 from ...arrays import Scratch, decode_floats, numpy_storage_dtype
 from ...errors import PlanError
 from ...io.prefetch import prefetched
-from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch
+from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch, whole_stream
 from ...numeric.fp8_decode import TABLES as FP8_TABLES
 from ...parallel import decode_threads, in_pool, ordered_map, run_all
 from .schema import DecoderDef
@@ -360,24 +360,10 @@ def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.n
         return dec.decode(*band)
 
     if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
-        return _decode_whole(read, dec)
+        return whole_stream(read, (d.lead, d.rows, d.row_bytes), d.cols, d.out_dtype, dec.bands(), dec.decode,
+                            lambda msg: PlanError(msg, rule="dequant"))
     # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
     return prefetched(lambda: ordered_map(one, raw_bands(), threads))
-
-
-def _decode_whole(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
-    """The weight read at once and decoded band by band on this thread into one output array (a small
-    tensor on a pool thread): the same bytes as the streamed bands."""
-    d = dec.d
-    total = d.lead * d.rows * d.row_bytes
-    data = read(total) if total else b""
-    if len(data) != total:
-        raise PlanError(f"short read: {len(data)} of {total} bytes", rule="dequant")
-    raw = np.frombuffer(data, dtype=np.uint8).reshape(d.lead, d.rows, d.row_bytes)
-    out = np.empty((d.lead, d.rows, d.cols), dtype=numpy_storage_dtype(d.out_dtype))
-    for li, r0, r1 in dec.bands():
-        dec.decode(raw[li, r0:r1], li, r0, out[li, r0:r1])
-    yield out
 
 
 def decode_array(d: Decoding, weight: np.ndarray, scale: np.ndarray, global_scale: np.ndarray | None = None,
