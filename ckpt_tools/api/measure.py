@@ -134,7 +134,10 @@ def _check_acceptance(min_acceptance: float | None) -> None:
 def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathArg | None = None,
           max_new_tokens: int = 32, depth: int = 1, device: str = "cpu", dtype: str = "fp32",
           chain: str = "sglang", min_acceptance: float | None = None, report: PathArg | None = None,
-          arch: str | None = None, progress: bool = False) -> ProbeReport:
+          arch: str | None = None, progress: bool = False, engine: str = "transformers",
+          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+          distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
+          max_model_len: int | None = None, attention_backend: str | None = None) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
     ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
@@ -142,11 +145,15 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
     1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
     ``report``: also write the JSON report there. ``arch``: the drafts' family, as stitch's ``--arch`` (a state
-    dict in memory has no config or manifest that proves it). Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
+    dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
+    around transformers' model) or vllm (vLLM serves each MTP and counts its own acceptance; its
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``max_model_len``
+    and ``attention_backend`` pass through; drafts are stitched into hard-linked copies under ``work_dir``).
+    Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
     on a greedy mismatch or when a draft's depth-1 agreement is below ``min_acceptance``; ``InputError`` for
     a verifier or draft that cannot be used; ``UsageError`` for a bad option or a missing extra.
     """
-    from ..errors import CheckFailed
+    from ..errors import CheckFailed, UsageError
     from ..jsonutil import write_json_file
     from ..options import outside_inputs
 
@@ -155,13 +162,20 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     paths = [os.fspath(verifier), *(d for d in draft_list if isinstance(d, str))]  # inputs on disk
     if report is not None:
         outside_inputs("--report", report, paths)  # before anything is loaded
-    resolved = _probe.resolve_device(device)
-    _probe.transformers_module()  # a missing extra is one line, before anything else
-    req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
-                              None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
-                              dtype, chain, arch=arch)
-    with _display(progress) as display, _quiet_transformers(not progress):
-        result = _probe.probe(req, display.bar, display.announce)
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
+    if engine == "vllm":
+        result = _probe_vllm(verifier, draft_list, prompts, max_new_tokens, depth, device, dtype, arch, progress,
+                             tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, work_dir,
+                             max_model_len, attention_backend)
+    else:
+        resolved = _probe.resolve_device(device)
+        _probe.transformers_module()  # a missing extra is one line, before anything else
+        req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
+                                  None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
+                                  dtype, chain, arch=arch)
+        with _display(progress) as display, _quiet_transformers(not progress):
+            result = _probe.probe(req, display.bar, display.announce)
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
     if report is not None:
         write_json_file(report, out.to_json(), "--report", paths)
@@ -169,3 +183,26 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     if failed:
         raise CheckFailed("; ".join(failed), report=out)
     return out
+
+
+ENGINES = ("transformers", "vllm")
+
+
+def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, max_new_tokens: int, depth: int,
+                device: str, dtype: str, arch: str | None, progress: bool, tensor_parallel_size: int,
+                pipeline_parallel_size: int, backend: str | None, work_dir: PathArg | None,
+                max_model_len: int | None, attention_backend: str | None) -> _probe.ProbeResult:
+    """``engine="vllm"``: every MTP served by vLLM (ops/probe_vllm.py); drafts must be directories."""
+    from ..errors import UsageError
+    from ..ops import probe_vllm
+
+    if any(not isinstance(d, str) for d in drafts):
+        raise UsageError("--engine vllm serves drafts from directories (a draft in memory has no files to serve)")
+    opts = probe_vllm.VllmOptions(tensor_parallel_size, pipeline_parallel_size, backend,
+                                  None if work_dir is None else os.fspath(work_dir), max_model_len, attention_backend)
+    req = _probe.ProbeRequest(os.fspath(verifier), drafts, None if prompts is None else os.fspath(prompts),
+                              max_new_tokens, depth, device, dtype, "vllm", arch=arch)
+    probe_vllm.check_options(req, opts)
+    probe_vllm.vllm_module()  # a missing extra is one line, before anything else
+    with _display(progress) as display:
+        return probe_vllm.probe_vllm(req, opts, display.bar)

@@ -72,6 +72,8 @@ class DraftResult:
     greedy_equal: bool | None  # None: not run (transformers' generate has no MTP for this family)
     mismatch: dict | None = None  # the first prompt whose speculative output differs, and where
     prompts: list[dict] = field(default_factory=list)  # per prompt: kl, agreement (per depth), tokens_sha256
+    mean_acceptance_length: float | None = None  # tokens per verifier step as the engine counted them (vLLM)
+    num_drafts: int | None = None  # the engine's speculative steps (vLLM)
 
     def expected_accepted(self) -> float:
         """Tokens accepted per verification step for chain drafting: sum over k of prod_{j<=k} a_j."""
@@ -86,6 +88,9 @@ class DraftResult:
                "greedy_equal": self.greedy_equal, "expected_accepted": self.expected_accepted()}
         if self.mismatch is not None:
             out["mismatch"] = self.mismatch
+        if self.mean_acceptance_length is not None:
+            out["mean_acceptance_length"] = self.mean_acceptance_length
+            out["num_drafts"] = self.num_drafts
         out["prompts"] = self.prompts
         return out
 
@@ -98,7 +103,7 @@ class ProbeResult:
     chain: str = "sglang"
     loaded: str = "as stored by transformers"  # how the trunk loaded (probe_load): or "dequantized by ckpt-tools (S)"
     mtp_loaded: str = "as stored by transformers"  # how the verifier's MTP layers loaded
-    engine: str = ENGINE
+    engine: dict = field(default_factory=lambda: {"name": "transformers", "mtp": ENGINE})  # name, version, ...
     # the engine checked against transformers' MtpModel: {"implementation", "max_abs_diff"} or {"skipped": why}
     reference: dict = field(default_factory=dict)
 
@@ -532,7 +537,10 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
             drafter.name, [a / n if n else 0.0 for a, n, _ in per_depth],
             [kl / n if n else 0.0 for _, n, kl in per_depth], per_depth[0][1],
             None if drafter.reference is None else miss is None, miss, rows))
-    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, ENGINE, reference)
+    import transformers
+
+    engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}
+    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
 
 
 def reference_difference(drafter: Drafter, seq: torch.Tensor, hidden: torch.Tensor, dtype: str, where: str) -> float:
