@@ -44,6 +44,11 @@ FAMILIES = {
     "glm4_moe_gqa32": (3, "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(head_dim=32), False),
 }
 VLLM_MODEL = "glm4_moe_gqa32"
+TABLE_FAMILY = {"deepseek_v3_dense": "deepseek_v3", "glm4_moe_gqa32": "glm4_moe"}  # the variants' family tables
+
+
+def table_family(name: str) -> str:
+    return TABLE_FAMILY.get(name, name)
 # where transformers' MtpModel finds the MTP layer (its classes' hard-coded model.layers.61 / .46 patterns)
 MTP_MODEL_FAMILIES = [f for f in FAMILIES if f != VLLM_MODEL]
 MTP_PREFIX = "model.layers.61."  # DeepSeek-V3's

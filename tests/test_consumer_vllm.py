@@ -44,8 +44,60 @@ DEEPSEEK = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
             "topk_method": "noaux_tc"}
 
 
+# Real producers' outputs (transformers save_pretrained, fixtures/producers/) vLLM's CPU build serves as they are.
+PRODUCERS = ["glm4_moe", "ernie4_5_moe", "exaone_moe"]
+# Table fixtures, with the config fields vLLM 0.32 reads that the release configs carry (Hy3: expert_hidden_dim;
+# the producers' transformers 5.24 configs of Hy3 and MiMo-V2 lack first_k_dense_replace / hybrid_layer_pattern,
+# which vLLM's loaders require) at head widths its CPU attention takes.
+FIXTURES = {
+    "hy_v3": {"head_dim": 32, "expert_hidden_dim": 32},
+    "mimo_v2": {"head_dim": 32, "swa_head_dim": 32, "v_head_dim": 32, "swa_v_head_dim": 32},
+}
+# What vLLM 0.32's CPU build cannot serve here, and the reason it gives (measured on the producers' outputs): each is
+# refused as a [probe-vllm] input error, never a crash. A family whose reason goes away is to be served above.
+NOT_ON_CPU = {
+    "qwen3_next": "Unexpected head dim size",  # gated delta net kernel (bf16 only; no width 32)
+    "nemotron_h": "is_act_and_mul=False is supported only for CUDA",
+    "glm4_moe_lite": "is not supported by MLA",  # MLA width 64 + 32; the CPU kernel takes 512 + 64 only
+    "deepseek_v32": "Sparse Attention is not supported on CPU",
+    "glm_moe_dsa": "Sparse Attention is not supported on CPU",
+    "longcat_flash": "mla_scale_q_lora",  # vLLM's config reads a release field transformers does not write
+    "glm_ocr": "failed to be inspected",  # multimodal: vLLM's registry imports torchvision (none for CPU torch 2.13)
+}
+BF16_ONLY = {"qwen3_next", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "longcat_flash"}
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
+
+
+def _family_outputs(root: Path) -> dict[str, dict]:
+    """Each producer's output and table fixture vLLM serves, as it is and after extract -> stitch; the ones it cannot
+    serve here; a compressed-tensors FP8 GLM-4-MoE and its dequant output."""
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    prompts = root / "prompts256.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [10 + i, 20, 30, 40, 50, 60]}) + "\n" for i in range(6)))
+    job = dict(prompts=str(prompts), max_new_tokens=16, depth=1)
+    sources = {f: CORPUS / f"transformers-{f}" for f in PRODUCERS}
+    sources.update({f: make_checkpoint(f, root / f"fixture-{f}", FixtureOptions(config_overrides=o))
+                    for f, o in FIXTURES.items()})
+    jobs = {}
+    for family, src in sources.items():
+        api.extract(src, root / f"{family}-draft")
+        api.stitch(root / f"{family}-draft", src, root / f"{family}-roundtrip")
+        jobs[family] = dict(job, verifier=str(src))
+        jobs[f"{family}-roundtrip"] = dict(job, verifier=str(root / f"{family}-roundtrip"))
+    for family in NOT_ON_CPU:
+        jobs[f"{family}-refused"] = dict(job, verifier=str(CORPUS / f"transformers-{family}"),
+                                         dtype="bf16" if family in BF16_ONLY else "fp32")
+    quantized = make_quantized_checkpoint("glm4_moe", root / "ct-fp8", QuantOptions(scheme="ct-fp8-channel"),
+                                          FixtureOptions(config_overrides={"head_dim": 32}))
+    api.dequant(quantized, root / "ct-fp8-dequant", dtype="fp32")
+    jobs["ct-fp8-refused"] = dict(job, verifier=str(quantized))
+    jobs["ct-fp8-dequant"] = dict(job, verifier=str(root / "ct-fp8-dequant"))
+    return jobs
+
+
 def _outputs(root: Path) -> dict[str, dict]:
-    """Our outputs of the trained GLM-4-MoE, each a job for vLLM."""
+    """Our outputs of the trained GLM-4-MoE, each a job for vLLM; then every family's (``_family_outputs``)."""
     verifier, _ = probe_model.build(CACHE, probe_model.VLLM_MODEL)
     prompts = probe_model.write_prompts(root, 12, 8, seed=5)
     draft = root / "draft"
@@ -65,6 +117,7 @@ def _outputs(root: Path) -> dict[str, dict]:
         "added": dict(job, verifier=str(root / "added"), depth=DEPTH),
         "fused": dict(job, verifier=str(root / "fused"), depth=1),
         "deepseek": dict(job, verifier=str(deepseek), depth=1, dtype="bf16"),
+        **_family_outputs(root),
     }
 
 
@@ -163,3 +216,49 @@ def test_without_vllm_the_engine_is_a_usage_error(tmp_path):
         pytest.skip("vLLM is installed in this venv")
     r = ckpt("probe", str(tmp_path), "--engine", "vllm", code=2)
     assert "ckpt-tools[vllm]" in r.stderr and "missing-extra" in r.stderr
+
+
+@pytest.mark.parametrize("family", PRODUCERS + list(FIXTURES))
+def test_family_is_served_and_its_roundtrip_serves_identically(served, family):
+    """vLLM serves the family with MTP, output preserved; extract -> stitch serves the same tokens, the same drafts
+    and the same acceptance (random weights: acceptance itself is noise)."""
+    original, roundtrip = _report(served, family)["drafts"][0], _report(served, f"{family}-roundtrip")["drafts"][0]
+    assert original["greedy_equal"] is True and original["num_drafts"] > 0, original
+    for key in ("agreement", "num_drafts", "greedy_equal", "prompts"):
+        assert roundtrip[key] == original[key], key
+
+
+@pytest.mark.parametrize("family", list(NOT_ON_CPU))
+def test_what_the_cpu_build_cannot_serve_is_refused_with_vllms_reason(served, family):
+    out = served[1][f"{family}-refused"]
+    assert "error" in out, f"vLLM's CPU build now serves {family}: move it to the served families"
+    assert out["error"].startswith("InputError") and "[probe-vllm]" in out["error"], out
+    assert NOT_ON_CPU[family] in out["error"], out
+
+
+def test_dequant_output_is_served(served):
+    """A compressed-tensors FP8 (per-channel) GLM-4-MoE: vLLM's CPU build has no FP8 MoE kernel; its dequant output
+    is served with MTP, output preserved."""
+    assert "Unsupported FP8 MoE backend" in served[1]["ct-fp8-refused"]["error"]
+    dequant = _report(served, "ct-fp8-dequant")["drafts"][0]
+    assert dequant["greedy_equal"] is True and dequant["num_drafts"] > 0, dequant
+
+
+def test_gpu_path(served):
+    """Where the vLLM venv sees a GPU (a CUDA build of vLLM there): the same probe on it, tensor-parallel over every
+    GPU. CI's venv is vLLM's CPU build on a machine without one, so this skips there, saying so."""
+    python = vllm_python()
+    r = subprocess.run([str(python), "-c", "import torch; print(torch.cuda.device_count())"], env=venv_env(),
+                       capture_output=True, text=True, timeout=120)
+    gpus = int(r.stdout.strip() or 0)
+    if not gpus:
+        pytest.skip("the vLLM venv sees no GPU (CPU build, no GPU here): the GPU path (docs/probe.md) runs where "
+                    "one is present")
+    jobs, results, _ = served
+    job = jobs["roundtrip"]
+    r = subprocess.run([str(python.parent / "ckpt"), "probe", job["verifier"], "--engine", "vllm", "--device", "cuda",
+                        "--tensor-parallel-size", str(gpus), "--depth", str(DEPTH), "--prompts", job["prompts"],
+                        "--max-new-tokens", "24", "--json"], env=venv_env(), capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["drafts"][0]["greedy_equal"] is True

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ..ops import probe as _probe
@@ -192,17 +193,46 @@ def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, m
                 device: str, dtype: str, arch: str | None, progress: bool, tensor_parallel_size: int,
                 pipeline_parallel_size: int, backend: str | None, work_dir: PathArg | None,
                 max_model_len: int | None, attention_backend: str | None) -> _probe.ProbeResult:
-    """``engine="vllm"``: every MTP served by vLLM (ops/probe_vllm.py); drafts must be directories."""
+    """``engine="vllm"``: vLLM serves the verifier, and each draft stitched into a copy of it whose untouched
+    shards are hard links under ``work_dir`` (removed afterwards); ops/probe_vllm.py measures."""
     from ..errors import UsageError
-    from ..ops import probe_vllm
+    from ..ops.probe_vllm import VllmOptions, check_inputs, check_options, probe_vllm, vllm_module
 
     if any(not isinstance(d, str) for d in drafts):
         raise UsageError("--engine vllm serves drafts from directories (a draft in memory has no files to serve)")
-    opts = probe_vllm.VllmOptions(tensor_parallel_size, pipeline_parallel_size, backend,
-                                  None if work_dir is None else os.fspath(work_dir), max_model_len, attention_backend)
+    opts = VllmOptions(tensor_parallel_size, pipeline_parallel_size, backend, max_model_len, attention_backend)
     req = _probe.ProbeRequest(os.fspath(verifier), drafts, None if prompts is None else os.fspath(prompts),
                               max_new_tokens, depth, device, dtype, "vllm", arch=arch)
-    probe_vllm.check_options(req, opts)
-    probe_vllm.vllm_module()  # a missing extra is one line, before anything else
-    with _display(progress) as display:
-        return probe_vllm.probe_vllm(req, opts, display.bar)
+    check_options(req, opts)
+    vllm_module()  # a missing extra is one line, before anything else
+    check_inputs(req, opts)
+    with _stitched_drafts(verifier, drafts, arch, work_dir) as served, _display(progress) as display:
+        return probe_vllm(req, opts, served, display.bar)
+
+
+@contextlib.contextmanager
+def _stitched_drafts(verifier: PathArg, drafts: list[str], arch: str | None,
+                     work_dir: PathArg | None) -> Iterator[list[tuple[str, Path]]]:
+    """Each draft stitched into the verifier (divergent drafts too: they are measured, not shipped), in a temporary
+    directory under ``work_dir`` whose untouched shards are hard links to the verifier's."""
+    import shutil
+    import tempfile
+
+    from ..errors import OutputError
+    from .writing import stitch
+
+    if work_dir is not None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-probe-vllm-", dir=work_dir))
+    try:
+        served = []
+        for i, draft in enumerate(drafts):
+            try:
+                stitch(draft, verifier, work / f"draft-{i}", link="hardlink", accept_divergent=True, arch=arch)
+            except OutputError as e:
+                raise OutputError(f"cannot stitch draft {draft} into a hard-linked copy of the verifier under {work} "
+                                  f"({e}); give --work-dir on the verifier's filesystem") from None
+            served.append((draft, work / f"draft-{i}"))
+        yield served
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

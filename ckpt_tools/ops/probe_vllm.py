@@ -2,8 +2,8 @@
 
 The verifier is served twice or more, each time in one vLLM ``LLM``: once without speculation (plain greedy
 output, the reference), then once per MTP measured with ``speculative_config = {"method": "mtp",
-"num_speculative_tokens": depth}``: the verifier's own, and each ``--draft`` stitched into a copy of the
-verifier whose files are hard links (nothing of the verifier is copied or changed). Greedy decoding throughout.
+"num_speculative_tokens": depth}``: the verifier's own, and each draft, stitched into the verifier by the caller
+(the API stitches each ``--draft`` into a hard-linked copy). Greedy decoding throughout.
 
 Per MTP, from vLLM's own counters (``LLM.get_metrics()``, differences over that run):
 ``agreement[k]`` = ``vllm:spec_decode_num_accepted_tokens_per_pos[k]`` / ``vllm:spec_decode_num_drafts``
@@ -18,11 +18,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import InputError, UsageError
 from ..io.config import ConfigView
@@ -41,12 +40,11 @@ class VllmOptions:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # mp | ray | None (vLLM's choice)
-    work_dir: str | None = None  # where drafts are stitched into hard-linked copies of the verifier
     max_model_len: int | None = None
     attention_backend: str | None = None  # vLLM's choice unless given (e.g. CPU_MLA)
 
 
-def vllm_module():
+def vllm_module() -> Any:
     """vllm, or a UsageError (exit 2) saying how to install it."""
     try:
         import vllm
@@ -77,23 +75,31 @@ def check_options(req: ProbeRequest, opts: VllmOptions) -> None:
         raise UsageError(f"--device {req.device!r}: use cpu, cuda or auto")
 
 
-def probe_vllm(req: ProbeRequest, opts: VllmOptions, progress: Callable[[int, int], None] | None = None) -> ProbeResult:
-    """Every MTP of ``req`` served by vLLM; the result in probe's schema (see the module docstring)."""
-    check_options(req, opts)
-    vllm = vllm_module()
-    prompts = read_prompts(req.prompts)
+def check_inputs(req: ProbeRequest, opts: VllmOptions) -> Path:
+    """The verifier's directory, with the prompts checked against its vocabulary and positions (before any draft
+    is stitched or engine started)."""
     verifier = _verifier_dir(req.verifier)
     config = ConfigView.from_bytes((verifier / "config.json").read_bytes())
     check_prompts(req.prompts, config.get("vocab_size"), opts.max_model_len or config.get("max_position_embeddings"),
                   req.max_new_tokens)
+    return verifier
+
+
+def probe_vllm(req: ProbeRequest, opts: VllmOptions, drafts: list[tuple[str, Path]],
+               progress: Callable[[int, int], None] | None = None) -> ProbeResult:
+    """The verifier's own MTP and each of ``drafts`` ((name, the verifier with that draft stitched in)) served by
+    vLLM; the result in probe's schema (see the module docstring)."""
+    check_options(req, opts)
+    vllm = vllm_module()
+    verifier = check_inputs(req, opts)
+    prompts = read_prompts(req.prompts)
     text = any(isinstance(p, str) for p in prompts)
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
-    steps = 2 + len(req.drafts)
+    served = [("verifier", verifier), *drafts]
+    steps = 1 + len(served)
     if progress is not None:
         progress(0, steps)
-    with _workspace(opts.work_dir) as work, _stdout_to_stderr():
-        served = [("verifier", verifier)] + [(str(d), _stitched(d, verifier, work, i, req.arch))
-                                             for i, d in enumerate(req.drafts)]
+    with _stdout_to_stderr():
         reference, _ = _serve(vllm, verifier, None, inputs, req, opts, text)
         if progress is not None:
             progress(1, steps)
@@ -132,33 +138,6 @@ def _verifier_dir(path: str) -> Path:
     return p
 
 
-@contextlib.contextmanager
-def _workspace(work_dir: str | None) -> Iterator[Path]:
-    if work_dir is not None:
-        Path(work_dir).mkdir(parents=True, exist_ok=True)
-    d = Path(tempfile.mkdtemp(prefix="ckpt-probe-vllm-", dir=work_dir))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _stitched(draft, verifier: Path, work: Path, i: int, arch: str | None) -> Path:
-    """The verifier with ``draft`` stitched in (what vLLM serves): its untouched shards hard-linked from the
-    verifier, so the copy costs the MTP shards' bytes only. Divergent drafts are measured too."""
-    from ..api.writing import stitch
-
-    out = work / f"draft-{i}"
-    from ..errors import OutputError
-
-    try:
-        stitch(draft, verifier, out, link="hardlink", accept_divergent=True, arch=arch)
-    except OutputError as e:
-        raise OutputError(f"cannot stitch draft {draft} into a hard-linked copy of the verifier under {work} ({e}); "
-                          "give --work-dir on the verifier's filesystem") from None
-    return out
-
-
 def _serve(vllm, model: Path, depth: int | None, inputs: list, req: ProbeRequest, opts: VllmOptions,
            text: bool) -> tuple[list[list[int]], dict[str, list[float]]]:
     """Greedy outputs of ``model`` in one vLLM engine (MTP speculation at ``depth``, or none), and vLLM's
@@ -185,6 +164,9 @@ def _serve(vllm, model: Path, depth: int | None, inputs: list, req: ProbeRequest
         params = vllm.SamplingParams(temperature=0, max_tokens=req.max_new_tokens, ignore_eos=True)
         outs = llm.generate(inputs, params, use_tqdm=False)
         after = _counters(llm)
+    except Exception as e:  # a kernel of this vLLM build that cannot run the checkpoint: a refusal, not our crash
+        raise InputError(f"vLLM loaded {model} but cannot run it{'' if spec is None else ' with MTP'}: "
+                         f"{type(e).__name__}: {_first_line(e)}", rule="probe-vllm", path=str(model)) from None
     finally:
         _shutdown(llm)
     counters = {k: [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)), strict=False)] for k, v in after.items()}
@@ -253,5 +235,6 @@ def _device(device: str) -> str:
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ""
+    """The gist of vLLM's error: its first lines (a pydantic ValidationError names the field on its second)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return " | ".join(lines[:3])[:500]

@@ -32,6 +32,8 @@ def main() -> None:
             out[job["name"]] = {"report": e.report.to_json(), "failed": str(e)}
         except CkptError as e:
             out[job["name"]] = {"error": f"{type(e).__name__}: {e}"}
+        except Exception as e:  # noqa: BLE001 (a crash is recorded; the test reading it fails, naming the job)
+            out[job["name"]] = {"error": f"crash: {type(e).__name__}: {e}"}
         print(f"job {job['name']}: {sorted(out[job['name']])}", file=sys.stderr, flush=True)
     with open(sys.argv[2], "w") as f:
         json.dump(out, f, indent=1)
