@@ -359,10 +359,14 @@ def _blocks(main, res: Resolved, layer: MtpLayer, state, used: set[str], device,
                 first = e
     try:
         matches = match_trunk_layers(res, layer)
-    except InputError:
+    except InputError as e:
         if first is not None:
             raise first from None
-        raise
+        why = (f"its MTP layer has {len(layer.block_prefixes)} sub-blocks" if len(layer.block_prefixes) > 1 else
+               "its config has no MTP config (num_mtp_layers)")
+        raise InputError(f"transformers cannot build this MTP block as MtpModel does ({why}), and {e.message}; "
+                         "`ckpt probe --engine vllm` measures it where vLLM serves the family",
+                         rule=FAMILY_RULE, path=where) from None
     blocks = [_load_block(main, decoder_layers, m,
                           _fresh_layer(main, decoder_layers[m.index], m.index, device, dtype, where),
                           layer, b, state, used, device, dtype, where) for b, m in enumerate(matches)]
