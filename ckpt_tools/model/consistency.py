@@ -57,6 +57,8 @@ from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
 from .quant.companions import WeightFormat, weight_format
+from .quant.scale_values import DESCRIPTION as SCALE_VALUE_DESCRIPTION
+from .quant.scale_values import RULE as SCALE_VALUE_RULE
 from .stored_dtype import DESCRIPTION as STORED_DTYPE_DESCRIPTION
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .tables.resolve import trunk_specs
@@ -90,6 +92,7 @@ RULES: dict[str, str] = {
     "trunk-missing": "a tensor of the embedding, head, final norm or a decoder layer is absent",
     "trunk-misshaped": "a trunk tensor has another shape than the table says",
     STORED_DTYPE_RULE: STORED_DTYPE_DESCRIPTION,
+    SCALE_VALUE_RULE: SCALE_VALUE_DESCRIPTION,
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})

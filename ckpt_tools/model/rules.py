@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
 from .consistency import Problem
+from .quant.scale_values import RULE as SCALE_VALUE_RULE
+from .quant.scale_values import scale_value_problems
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .stored_dtype import stored_dtype_problems
 
@@ -142,6 +144,9 @@ RULE_SET: list[Check] = [
           lambda ctx: stored_dtype_problems(ctx.view, ctx.unknown), needs_view=True),
     Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", "quant-config"), "model", True,
           lambda ctx: c.fp8_problems(ctx.ckpt, ctx.table, ctx.view, ctx.unknown, ctx.config)),
+    # every scale of every quantized module read as values (model/quant/scale_values.py)
+    Check("scale-values", (SCALE_VALUE_RULE,), "model", True,
+          lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown)),
 ]
 
 
