@@ -96,19 +96,48 @@ def _logical_shape(tensors: Mapping[str, Any], module: str, fmt: FormatDef, wref
     return (*lead, cols * fmt.weight.pack)
 
 
-def scale_grid(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, ...]:
-    """The scale tensor's shape for a logical weight ``shape`` [..., out, in] (lead dims kept)."""
-    *lead, out, cols = shape
+def scale_tile(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, int]:
+    """[rows, cols] of one scale tile of a logical weight ``shape`` [..., out, in] (the table's granularity)."""
+    *_, out, cols = shape
     tile = evaluate(fmt.decoder.scale.granularity, {**params, "rows": out, "cols": cols})
     if not (isinstance(tile, (list, tuple)) and len(tile) == 2 and all(isinstance(x, int) and x > 0 for x in tile)):
         raise ExprError(f"granularity {fmt.decoder.scale.granularity!r} gave {tile!r}, not two positive integers")
+    return int(tile[0]), int(tile[1])
+
+
+def scale_grid(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, ...]:
+    """The scale tensor's shape for a logical weight ``shape`` [..., out, in] (lead dims kept)."""
+    *lead, out, cols = shape
+    tile = scale_tile(fmt, shape, params)
     return (*lead, -(-out // tile[0]), -(-cols // tile[1]))
 
 
-def _same_grid(actual: tuple[int, ...], want: tuple[int, ...]) -> bool:
-    """Equal up to axes of size one: a per-tensor scale is stored as [], [1] or [1, 1], a per-channel
-    one as [out, 1] (compressed-tensors) or [out] (ModelOpt)."""
-    return tuple(d for d in actual if d != 1) == tuple(d for d in want if d != 1)
+def scale_shapes(fmt: FormatDef, grid: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every shape a scale of ``grid`` [..., gr, gc] may be stored as, the canonical one first: exactly the grid
+    (channel [rows, 1], group [rows, cols / g], block [ceil(rows / b), ceil(cols / b)]); one scale per matrix
+    also as [..., 1] or [...] ([1] or [] alone); with the table's ``row_vector``, a per-row scale as [..., rows]
+    (ModelOpt per-channel). Nothing else: a transposed [1, rows] is another tensor to every loader."""
+    *lead, gr, gc = grid
+    lead = tuple(lead)
+    out = [tuple(grid)]
+    if gr == 1 and gc == 1:
+        out += [(*lead, 1), lead]
+    elif gc == 1 and fmt.decoder.scale.row_vector:
+        out.append((*lead, gr))
+    return list(dict.fromkeys(out))
+
+
+def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+    return " or ".join(str(list(s)) for s in shapes)
+
+
+def _tile_text(tile: tuple[int, int], shape: tuple[int, ...]) -> str:
+    rows, cols = shape[-2:]
+    if tile[0] >= rows and tile[1] >= cols:
+        return "one scale per matrix"
+    if tile[0] == 1 and tile[1] >= cols:
+        return "one scale per row"
+    return f"one scale per {tile[0]}x{tile[1]} tile"
 
 
 def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: FormatDef, wref: Any,
@@ -121,9 +150,10 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         problems.append(f"{wref.key} has shape {list(wref.shape)}; a {list(logical)} weight packed "
                         f"{fmt.weight.pack} per element is {[*logical[:-1], want_cols]}")
     try:
+        tile = scale_tile(fmt, logical, params)
         grid = scale_grid(fmt, logical, params)
     except ExprError as e:
-        grid = None
+        tile = grid = None
         problems.append(f"{module}: {e}")
     lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
     for t in fmt.tensors:
@@ -136,9 +166,10 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         present[t.suffix] = key
         if ref.dtype not in t.dtypes:
             problems.append(f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}")
-        elif t.suffix == fmt.decoder.scale.tensor and grid is not None and not _same_grid(ref.shape, grid):
-            problems.append(f"{key} has shape {list(ref.shape)}, expected {list(grid)} for a {list(logical)} "
-                            f"weight ({fmt.decoder.scale.granularity} tiles)")
+        elif t.suffix == fmt.decoder.scale.tensor and grid is not None \
+                and tuple(ref.shape) not in (shapes := scale_shapes(fmt, grid)):
+            problems.append(f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a "
+                            f"{list(logical)} weight ({_tile_text(tile, logical)})")
         elif t.role in ("global_scale", "input_scale") and ref.numel not in (1, lead):
             problems.append(f"{key} has shape {list(ref.shape)}, expected one value")
     try:
