@@ -242,3 +242,93 @@ def test_a_transposed_per_channel_scale_is_invalid_and_the_message_prints_the_sh
     assert "if strategy" not in msg and "granularity" not in msg, msg  # the tile formula is not the expected shape
     text = refused(ckpt("dequant", F, "-o", tmp_path / "d", code=None), "mtp-misshaped")
     assert f"expected [{rows}, 1]" in text
+
+
+# -- 5. --resume trusts only what it can prove ------------------------------------------------------------------
+
+
+def _interrupt_after(monkeypatch, calls: int, what: str) -> None:
+    import ckpt_tools.stream.writer as w
+
+    orig, left = getattr(w, what), [calls]
+
+    def interrupted(*a, **k):
+        out = orig(*a, **k)
+        left[0] -= 1
+        if left[0] == 0:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(w, what, interrupted)
+
+
+def _flip_tensor_byte(shard: Path) -> None:
+    """Change one byte of the first tensor's data: same size, same header."""
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8 + n] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def _same_files(a: Path, b: Path) -> None:
+    names = sorted(p.name for p in a.iterdir() if p.suffix == ".safetensors")
+    assert names == sorted(p.name for p in b.iterdir() if p.suffix == ".safetensors")
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+EXTRACT = ("extract", SOURCE, "--max-shard-size", "40KB")
+
+
+def test_resume_rewrites_a_finished_shard_whose_bytes_changed_after_the_run_recorded_it(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ckpt(EXTRACT[0], EXTRACT[1], "-o", ref, *EXTRACT[2:])
+    ckpt(EXTRACT[0], EXTRACT[1], "-o", out, *EXTRACT[2:])
+    (out / "model.safetensors.index.json").unlink()  # killed after the manifest, before the index
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 2
+    _flip_tensor_byte(shards[1])
+    inodes = [p.stat().st_ino for p in shards]
+    ckpt(EXTRACT[0], EXTRACT[1], "-o", out, *EXTRACT[2:], "--resume")
+    _same_files(out, ref)
+    after = [p.stat().st_ino for p in shards]
+    assert after[1] != inodes[1], "the changed shard was reused"
+    assert after[0] == inodes[0] and after[2:] == inodes[2:], "unchanged shards were rewritten"
+    ckpt("verify-manifest", out)
+
+
+def test_resume_after_an_interrupt_proves_each_finished_shard_by_its_journal(tmp_path, monkeypatch):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ckpt(EXTRACT[0], EXTRACT[1], "-o", ref, *EXTRACT[2:])
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 14, "copy_segment")
+        ckpt(EXTRACT[0], EXTRACT[1], "-o", out, *EXTRACT[2:], code=130)
+    finished = sorted(out.glob("*.safetensors"))
+    assert len(finished) >= 2 and not (out / "ckpt_manifest.json").exists()
+    journal = (out / ".ckpt-resume-journal.jsonl").read_text().splitlines()
+    # a shard is journaled once the hashes of what landed are in (the interrupt may beat the last one's)
+    journaled = {json.loads(line)["file"] for line in journal}
+    assert journaled <= {p.name for p in finished} and finished[0].name in journaled
+    _flip_tensor_byte(finished[0])
+    inodes = {p.name: p.stat().st_ino for p in finished}
+    ckpt(EXTRACT[0], EXTRACT[1], "-o", out, *EXTRACT[2:], "--resume")
+    _same_files(out, ref)
+    assert (out / finished[0].name).stat().st_ino != inodes[finished[0].name]
+    assert all((out / n).stat().st_ino == inodes[n] for n in journaled if n != finished[0].name)
+    assert not (out / ".ckpt-resume-journal.jsonl").exists()
+    ckpt("verify-manifest", out)
+
+
+def test_resume_recopies_a_whole_file_whose_bytes_changed(grafted, tmp_path, monkeypatch):
+    target = CORPUS / "llmcompressor-nvfp4a16"
+    ref, out = grafted("llmcompressor-nvfp4a16", "ct-nvfp4"), tmp_path / "out"
+    args = ("graft", SOURCE, target, "-o", out, "--mtp-quant", "ct-nvfp4")
+    with monkeypatch.context() as m:
+        _interrupt_after(m, 2, "copy_whole_file")  # both target shards copied whole, then interrupted
+        ckpt(*args, code=130)
+    copied = sorted(p for p in out.glob("model-0000*.safetensors"))
+    assert copied
+    _flip_tensor_byte(copied[0])
+    ckpt(*args, "--resume")
+    _same_files(out, ref)
+    ckpt("verify-manifest", out)
