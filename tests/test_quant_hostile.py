@@ -332,3 +332,131 @@ def test_resume_recopies_a_whole_file_whose_bytes_changed(grafted, tmp_path, mon
     ckpt(*args, "--resume")
     _same_files(out, ref)
     ckpt("verify-manifest", out)
+
+
+# -- 2. ignore / exclude entries are compiled as their consumers compile them ---------------------------------
+
+
+def edit_config(path: Path, edit, name: str = "config.json") -> None:
+    p = path / name
+    obj = json.loads(p.read_text())
+    edit(obj)
+    p.write_text(json.dumps(obj, indent=2))
+
+
+def test_a_malformed_ignore_regex_is_invalid_and_the_fixer_refuses_it(G, tmp_path):
+    bad = "re:model.layers.2.(eh_proj"
+
+    def swap(c):  # the bad regex replaces the only entry for the module
+        ignore = c["quantization_config"]["ignore"]
+        ignore[ignore.index(f"{MTP}eh_proj")] = bad
+
+    edit_config(G, swap)
+    found = rules_of(G)["quant-pattern"]
+    assert len(found) == 1 and repr(bad) in found[0]["message"] and "ignore[" in found[0]["message"], found
+    before = tree_hash(G)
+    text = refused(ckpt("validate", "--fix-quant-config", G, "-o", tmp_path / "fixed", code=None), "quant-pattern")
+    assert repr(bad) in text and not (tmp_path / "fixed").exists()
+    refused(ckpt("dequant", G, "-o", tmp_path / "d", code=None), "quant-pattern")
+    assert tree_hash(G) == before
+    # the consumer's own matcher raises on it: the rule says what loading would
+    import re
+
+    match = pytest.importorskip("compressed_tensors.utils.match")
+    with pytest.raises(re.error):
+        match.match_name(f"{MTP}eh_proj", bad)
+
+
+def test_a_target_or_modules_to_not_convert_entry_that_is_no_pattern_is_invalid(G):
+    edit_config(G, lambda c: c["quantization_config"]["config_groups"]["group_0"]["targets"].append("re:*Linear"))
+    found = rules_of(G)["quant-pattern"]
+    assert "config_groups.group_0.targets" in found[0]["message"] and "'re:*Linear'" in found[0]["message"]
+
+
+def test_a_non_string_exclude_entry_is_invalid(G):
+    """Refused where the config is read (config-field); quant-pattern's own check says the same of any list."""
+    from ckpt_tools.model.quant.patterns import entry_error
+
+    edit_config(G, lambda c: c["quantization_config"]["ignore"].append(7))
+    found = rules_of(G)["config-field"]
+    assert "quantization_config.ignore" in found[0]["message"], found
+    assert entry_error("modelopt", 7) == "is int 7, not a module name or pattern"
+    assert entry_error("modelopt", "model.layers.[1") is None  # every string is an fnmatch glob
+    assert entry_error("transformers", "(") is not None
+
+
+# -- 4. the quant-config rules cover the trunk ---------------------------------------------------------------
+
+
+def test_quantized_trunk_modules_excluded_by_a_regex_are_invalid_and_the_fixer_drops_the_entry(G, tmp_path):
+    pattern = r"re:model\.layers\.1\..*"
+    edit_config(G, lambda c: c["quantization_config"]["ignore"].append(pattern))
+    found = rules_of(G)["trunk-quant-config"]
+    keys = {p["key"] for p in found}
+    assert "model.layers.1.self_attn.q_a_proj" in keys and "model.layers.1.mlp.experts.0.down_proj" in keys, keys
+    assert all(k.startswith("model.layers.1.") for k in keys)
+    assert all("stored NVFP4" in p["message"] and "but excluded" in p["message"] for p in found)
+    refused(ckpt("dequant", G, "-o", tmp_path / "d", code=None), "trunk-quant-config")
+    fixed = tmp_path / "fixed"
+    ckpt("validate", "--fix-quant-config", G, "-o", fixed)
+    ignore = json.loads((fixed / "config.json").read_text())["quantization_config"]["ignore"]
+    assert pattern not in ignore and "model.layers.1.mlp.gate" in ignore  # what else it excluded stays excluded
+    assert problems(fixed, code=0) == []
+    _, _, _, _, _ = ref(fixed, "model.layers.1.self_attn.q_a_proj.weight_packed")
+    match = pytest.importorskip("compressed_tensors.utils.match")
+    assert not any(match.match_name("model.layers.1.self_attn.q_a_proj", e) for e in ignore)
+
+
+def test_modelopt_exclude_glob_over_a_quantized_layer_is_invalid(tmp_path):
+    src = copy(CORPUS / "modelopt-nvfp4", tmp_path / "m")
+    edit_config(src, lambda c: c["quantization"]["exclude_modules"].append("model.layers.0*"), "hf_quant_config.json")
+    found = rules_of(src)["trunk-quant-config"]
+    assert found and all(p["key"].startswith("model.layers.0.") for p in found), found
+    assert any("hf_quant_config.json" in p["message"] for p in found), found[0]["message"]
+
+
+def unquantize(path: Path, module: str) -> None:
+    """Store ``module`` as a BF16 ``weight`` in place of its packed tensors (as a tool that dequantized one layer
+    and kept the config would), index updated."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    wm = index["weight_map"]
+    shard = wm[f"{module}.weight_packed"]
+    tensors = load_file(path / shard)
+    rows, packed = tensors[f"{module}.weight_packed"].shape
+    for k in [k for k in tensors if k.startswith(module + ".")]:
+        del tensors[k]
+        del wm[k]
+    tensors[f"{module}.weight"] = torch.full((rows, packed * 2), 0.01, dtype=torch.bfloat16)
+    wm[f"{module}.weight"] = shard
+    save_file(tensors, path / shard, metadata={"format": "pt"})
+    index["metadata"].pop("total_size", None)  # report-only; not what this case is about
+    index_path.write_text(json.dumps(index))
+
+
+def test_a_float_trunk_module_the_config_targets_is_invalid(G, tmp_path):
+    module = "model.layers.0.self_attn.o_proj"
+    unquantize(G, module)
+    found = rules_of(G)["trunk-quant-config"]
+    assert [p["key"] for p in found] == [module], found
+    assert "stored unquantized (BF16) but not excluded" in found[0]["message"]
+    refused(ckpt("dequant", G, "-o", tmp_path / "d", code=None), "trunk-quant-config")
+    fixed = tmp_path / "fixed"
+    ckpt("validate", "--fix-quant-config", G, "-o", fixed)
+    assert module in json.loads((fixed / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "trunk-quant-config" not in {p["rule"] for p in problems(fixed, code=None)}
+
+
+def test_a_transposed_trunk_scale_is_invalid(tmp_path):
+    src = copy(CORPUS / "llmcompressor-fp8-dynamic", tmp_path / "t")
+    key = "model.layers.0.self_attn.o_proj.weight_scale"
+    rows = ref(src, key)[3][0]
+    reshape(src, key, [1, rows])
+    found = [p for p in problems(src) if p["rule"] == "trunk-quant-config"]
+    assert [p["key"] for p in found] == ["model.layers.0.self_attn.o_proj"], found
+    assert f"expected [{rows}, 1]" in found[0]["message"], found
+    assert "a config change cannot fix this" in found[0]["message"], found  # only the weights can
+    refused(ckpt("dequant", src, "-o", tmp_path / "d", code=None), "trunk-quant-config")
