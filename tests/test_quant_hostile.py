@@ -450,8 +450,8 @@ def test_a_float_trunk_module_the_config_targets_is_invalid(G, tmp_path):
     assert "trunk-quant-config" not in {p["rule"] for p in problems(fixed, code=None)}
 
 
-def test_a_transposed_trunk_scale_is_invalid(tmp_path):
-    src = copy(CORPUS / "llmcompressor-fp8-dynamic", tmp_path / "t")
+def test_a_transposed_trunk_scale_is_invalid(F, tmp_path):
+    src = F
     key = "model.layers.0.self_attn.o_proj.weight_scale"
     rows = ref(src, key)[3][0]
     reshape(src, key, [1, rows])
