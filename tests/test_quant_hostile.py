@@ -460,3 +460,60 @@ def test_a_transposed_trunk_scale_is_invalid(F, tmp_path):
     assert f"expected [{rows}, 1]" in found[0]["message"], found
     assert "a config change cannot fix this" in found[0]["message"], found  # only the weights can
     refused(ckpt("dequant", src, "-o", tmp_path / "d", code=None), "trunk-quant-config")
+
+
+# -- 7. smaller points -------------------------------------------------------------------------------------------
+
+
+def _reflinks_here(tmp_path: Path) -> bool:
+    import fcntl
+    import os
+
+    a, b = tmp_path / "probe-a", tmp_path / "probe-b"
+    a.write_bytes(b"x" * 4096)
+    with open(a, "rb") as src, open(b, "wb") as dst:
+        try:
+            fcntl.ioctl(dst.fileno(), 0x40049409, src.fileno())
+            return True
+        except OSError:
+            return False
+        finally:
+            os.sync()
+
+
+def test_link_reflink_never_copies_silently(tmp_path):
+    src = copy(CORPUS / "llmcompressor-nvfp4a16", tmp_path / "target")  # source and output on one filesystem
+    out = tmp_path / "out"
+    result = ckpt("graft", SOURCE, src, "-o", out, "--link", "reflink", code=None)
+    if _reflinks_here(tmp_path):
+        assert result.exit_code == 0, result.output
+        return
+    text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    assert result.exit_code == 4 and "[reflink-unsupported]" in text and "--link copy" in text, text
+    assert not (out / "model.safetensors.index.json").exists()
+
+
+def test_threads_beyond_the_cpus_are_capped_with_a_message(G, tmp_path):
+    from ckpt_tools.parallel import available_cores
+
+    result = ckpt("dequant", G, "-o", tmp_path / "d", "--threads", 100000, "--json")
+    text = result.output + (result.stderr if result.stderr_bytes is not None else "")
+    cores = available_cores()
+    assert f"--threads 100000: capped at {cores}" in text
+    assert json.loads(result.stdout)["threads"] == cores
+
+
+def test_graft_with_mtp_quant_and_mtp_dtype_encodes_the_quantizable_weights_and_casts_the_rest(tmp_path):
+    out = tmp_path / "out"
+    ckpt("graft", SOURCE, CORPUS / "llmcompressor-nvfp4a16", "-o", out, "--mtp-quant", "ct-nvfp4",
+         "--mtp-dtype", "fp32")
+    with Checkpoint.open(str(out)) as res, Checkpoint.open(str(SOURCE)) as src:
+        mtp = {k: r for k, r in res.tensors.items() if k.startswith(MTP)}
+        assert mtp[f"{MTP}self_attn.o_proj.weight_packed"].dtype == "U8"  # quantizable: encoded
+        assert f"{MTP}self_attn.o_proj.weight" not in mtp
+        assert mtp[f"{MTP}eh_proj.weight"].dtype == "F32"  # not quantizable in the release: cast
+        assert mtp[f"{MTP}enorm.weight"].dtype == "F32"
+        pinned = f"{MTP}mlp.gate.e_score_correction_bias"
+        assert mtp[pinned].dtype == src.tensors[pinned].dtype == "F32"
+    report = json.loads((out / "graft-report.json").read_text())
+    assert report["mtp_storage"] == "ct-nvfp4 for the quantizable linear weights; fp32 values for the rest"

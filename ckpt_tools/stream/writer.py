@@ -786,13 +786,15 @@ _FICLONE = 0x40049409
 WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
 
 
-def _reflink(source: LocalFile, dst_fd: int) -> bool:
-    """Share the source's extents (FICLONE); False on a filesystem without reflinks."""
+def _reflink(source: LocalFile, dst_fd: int, dst: Path) -> None:
+    """Share the source's extents (FICLONE), or refuse: ``--link reflink`` never turns into a copy unsaid."""
     try:
         fcntl.ioctl(dst_fd, _FICLONE, source.local_fd())
-        return True
-    except OSError:
-        return False  # copy_file_range may still share extents
+    except OSError as e:
+        raise OutputError(f"cannot reflink {source.name} ({e.strerror or e}): this filesystem (or this pair of "
+                          "filesystems) has no reflinks; use --link copy, or --link hardlink on the same filesystem",
+                          rule="reflink-unsupported", path=str(dst.with_name(dst.name.removeprefix(".")
+                                                                  .removesuffix(".partial")))) from None
 
 
 def source_size(path) -> int:
@@ -802,7 +804,8 @@ def source_size(path) -> int:
 
 
 def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview) -> None:
-    """Copy ``src`` to a new ``dst``: a reflink when asked and possible, else ranges of ``copy_segment``.
+    """Copy ``src`` to a new ``dst``: a reflink when asked (refused where the filesystem has none: OutputError
+    ``reflink-unsupported``), else ranges of ``copy_segment``.
 
     Exactly the size ``src`` had when opened, or an error: a source that shrinks is a ``short-read``
     (exit 3, the input named), a write that fails an OSError of the output.
@@ -810,13 +813,14 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
     source = LocalFile(src)
     try:
         with open(dst, "wb", opener=_exclusive) as fo:
-            if not (reflink and _reflink(source, fo.fileno())):
+            if reflink:
+                _reflink(source, fo.fileno(), dst)
+                progress.advance(source.size)
+            else:
                 for offset in range(0, source.size, WHOLE_FILE_STEP):
                     seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
                     copy_segment(seg, fo.fileno(), buf)
                     progress.advance(seg.length)
-            else:
-                progress.advance(source.size)
             fo.flush()
             os.fsync(fo.fileno())
     finally:
