@@ -17,14 +17,17 @@ is looked at tensor by tensor, to name the tensor and the first bad index.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from ...errors import InputError
+from ...io.safetensors_io import IO_STATS
 from ..problem import Problem
 from .schema import FormatDef, SchemeTable, TensorDef
 
@@ -63,13 +66,14 @@ class _Kind:
     dtype: str  # safetensors dtype (for the value shown)
     encoding: str = "float"
 
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.view).itemsize
 
-@dataclass(frozen=True)
-class _Piece:
-    ref: Any  # TensorRef
-    start: int  # byte offset inside the tensor
-    length: int
-    kind: _Kind
+
+# one piece read and checked: (TensorRef, byte offset inside the tensor, length, kind); tuples, not objects: a
+# release has tens of thousands of scale tensors
+_Piece = tuple
 
 
 def _candidates(tables: list[SchemeTable]) -> dict[str, list[tuple[FormatDef, TensorDef]]]:
@@ -125,6 +129,7 @@ def companions(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> l
     """Every scale / global scale / activation scale / zero point tensor of a quantized module, with its rule."""
     tensors: Mapping[str, Any] = ckpt.tensors
     cands = _candidates(_declared_first(ckpt))
+    kinds: dict[tuple[int, int, str], _Kind | None] = {}  # per (format, companion, dtype): a few distinct ones
     out = []
     for key, ref in tensors.items():
         module, _, suffix = key.rpartition(".")
@@ -134,7 +139,8 @@ def companions(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> l
         for fmt, t in options:
             w = tensors.get(f"{module}.{fmt.weight.suffix}")
             if w is not None and w.dtype in fmt.weight.dtypes and ref.dtype in t.dtypes:
-                kind = _kind(fmt, t, ref.dtype)
+                at = (id(fmt), id(t), ref.dtype)
+                kind = kinds[at] if at in kinds else kinds.setdefault(at, _kind(fmt, t, ref.dtype))
                 if kind is not None:
                     out.append((ref, kind))
                 break
@@ -144,45 +150,52 @@ def companions(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> l
 def _pieces(refs: list[tuple[Any, _Kind]]) -> Iterator[list[_Piece]]:
     """Batches of at most BATCH_BYTES of one kind (one piece may be a part of a large tensor), per source in
     offset order."""
-    by_source: dict[tuple[int, _Kind], list[tuple[Any, _Kind]]] = {}
-    for ref, kind in refs:
-        by_source.setdefault((id(ref.source), kind), []).append((ref, kind))
-    for group in by_source.values():
-        group.sort(key=lambda rk: rk[0].offset)
+    groups: dict[tuple[int, int], tuple[_Kind, list[Any]]] = {}
+    for ref, kind in refs:  # kinds are shared objects (companions): grouped by identity, no hashing of fields
+        at = (id(ref.source), id(kind))
+        (groups.get(at) or groups.setdefault(at, (kind, [])))[1].append(ref)
+    for kind, group in groups.values():
+        group.sort(key=attrgetter("offset"))
+        step = max(kind.itemsize, BATCH_BYTES // kind.itemsize * kind.itemsize)
         batch: list[_Piece] = []
         size = 0
-        for ref, kind in group:
-            item = np.dtype(kind.view).itemsize
-            step = max(item, BATCH_BYTES // item * item)
-            for start in range(0, ref.nbytes, step):
-                length = min(step, ref.nbytes - start)
+        for ref in group:
+            n = ref.nbytes
+            for start in range(0, n, step) if n > step else (0,):
+                length = min(step, n - start)
                 if batch and size + length > BATCH_BYTES:
                     yield batch
                     batch, size = [], 0
-                batch.append(_Piece(ref, start, length, kind))
+                batch.append((ref, start, length, kind))
                 size += length
         if batch:
             yield batch
 
 
 def _read(batch: list[_Piece], pool: ThreadPoolExecutor | None) -> tuple[bytearray, list[int]]:
+    """The batch's bytes, one after another, and where each piece starts."""
     at, total = [], 0
     for p in batch:
         at.append(total)
-        total += p.length
+        total += p[2]
     buf = bytearray(total)
     view = memoryview(buf)
+    source = batch[0][0].source
+    fd = source.local_fd()
 
     def one(i: int) -> None:
-        p = batch[i]
-        p.ref.source.readinto(p.ref.offset + p.start, view[at[i]:at[i] + p.length])
+        ref, start, length, _ = batch[i]
+        part = view[at[i]:at[i] + length]
+        if fd is None or os.preadv(fd, [part], ref.offset + start) != length:
+            source.readinto(ref.offset + start, part)  # remote, or a short read: the source's own path and errors
 
-    remote = batch[0].ref.source.local_fd() is None
-    if remote and pool is not None and len(batch) > 1:
+    if fd is None and pool is not None and len(batch) > 1:
         list(pool.map(one, range(len(batch))))
     else:
         for i in range(len(batch)):
             one(i)
+    if fd is not None:
+        IO_STATS.add_read(total)
     return buf, at
 
 
@@ -201,11 +214,10 @@ def _value(raw: int, kind: _Kind) -> str:
 
 
 def _problem(p: _Piece, raw: np.ndarray) -> Problem:
-    kind, ref = p.kind, p.ref
+    ref, start, _, kind = p
     bad = np.flatnonzero((raw < kind.low) | (raw > kind.high))
     local = int(bad[0])
-    item = np.dtype(kind.view).itemsize
-    flat = p.start // item + local
+    flat = start // kind.itemsize + local
     index = list(np.unravel_index(flat, ref.shape)) if ref.shape else []
     value = _value(int(raw[local]), kind)
     what = _WHAT[kind.role]
@@ -235,14 +247,14 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
     try:
         for batch in _pieces(refs):
             buf, at = _read(batch, pool)
-            if not _bad(np.frombuffer(buf, dtype=batch[0].kind.view), batch[0].kind):  # one kind per batch
+            kind = batch[0][3]  # one kind per batch
+            if not _bad(np.frombuffer(buf, dtype=kind.view), kind):
                 continue
             for p, a in zip(batch, at, strict=True):
-                raw = np.frombuffer(buf, dtype=p.kind.view, count=p.length // np.dtype(p.kind.view).itemsize,
-                                    offset=a)
-                if p.ref.key in seen or not _bad(raw, p.kind):
+                raw = np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize, offset=a)
+                if p[0].key in seen or not _bad(raw, kind):
                     continue
-                seen.add(p.ref.key)
+                seen.add(p[0].key)
                 if len(out) < MAX_DETAILED:
                     out.append(_problem(p, raw))
                 else:
