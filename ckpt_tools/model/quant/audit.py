@@ -36,7 +36,7 @@ from ...errors import InputError
 from ..expert_layouts import ExpertGroup, ExpertLayout
 from .companions import block_format, weight_format
 from .config import QuantFiles
-from .declared import Declared, declaration
+from .declared import Declared, declaration, sections_of
 from .detect import QuantScheme, detect_scheme
 from .storage import Storage, module_storage
 
@@ -226,8 +226,9 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     convention = scheme is not None and any(flag for _, _, flag, _ in rows) and (
         any(block_format(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
+    sections = sections_of(scheme, files) if scheme is not None else None  # read once for every row
     for module, stored, flag, expert in rows:
-        d = declaration(scheme, files, module) if scheme is not None else none
+        d = declaration(scheme, files, module, sections=sections) if scheme is not None else none
         fused = () if expert else fused_names(module, fused_map, names)
         result.modules.append(ModuleAudit(module, stored, d, flag, expert, convention and not flag, fused))
     for m in result.modules:

@@ -17,7 +17,6 @@ from ...dtypes import FLOAT_DTYPES
 from ..expr import ExprError, evaluate
 from .detect import QuantScheme
 from .schema import FormatDef, SchemeTable
-from .tables import all_schemes
 
 StorageState = Literal["unquantized", "quantized", "absent"]
 
@@ -149,12 +148,9 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
     if logical and (tuple(wref.shape[:-1]) != tuple(logical[:-1]) or wref.shape[-1] != want_cols):
         problems.append(f"{wref.key} has shape {list(wref.shape)}; a {list(logical)} weight packed "
                         f"{fmt.weight.pack} per element is {[*logical[:-1], want_cols]}")
-    try:
-        tile = scale_tile(fmt, logical, params)
-        grid = scale_grid(fmt, logical, params)
-    except ExprError as e:
-        tile = grid = None
-        problems.append(f"{module}: {e}")
+    tile, grid, error = _tile_grid(fmt, logical, params)
+    if error is not None:
+        problems.append(f"{module}: {error}")
     lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
     for t in fmt.tensors:
         key = f"{module}.{t.suffix}"
@@ -172,12 +168,73 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
                             f"{list(logical)} weight ({_tile_text(tile, logical)})")
         elif t.role in ("global_scale", "input_scale") and ref.numel not in (1, lead):
             problems.append(f"{key} has shape {list(ref.shape)}, expected one value")
+    return Storage(module, "quantized", wref.dtype, table.scheme, fmt.name, _label(fmt, params), present,
+                   tuple(missing), tuple(problems), logical, dict(params))
+
+
+# Pure functions of (format, shape, params), asked once per module: tens of thousands of times in a release
+# (every routed expert), with a handful of distinct answers. Keyed by the format's identity (tables are loaded
+# once) and the params' items.
+_MEMO: dict[tuple, Any] = {}
+_MEMO_MAX = 4096
+
+
+def _memo(key: tuple, compute):
     try:
-        label = fmt.label.format_map(dict(params))
-    except (KeyError, ValueError, IndexError):
-        label = fmt.label
-    return Storage(module, "quantized", wref.dtype, table.scheme, fmt.name, label, present, tuple(missing),
-                   tuple(problems), logical, dict(params))
+        return _MEMO[key]
+    except KeyError:
+        pass
+    except TypeError:  # a list-valued param (a block): not hashable as it is
+        return compute()
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    value = _MEMO[key] = compute()
+    return value
+
+
+def _params_key(params: Mapping[str, Any]) -> tuple:
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(params.items()))
+
+
+def _tile_grid(fmt: FormatDef, logical: tuple[int, ...], params: Mapping[str, Any]
+               ) -> tuple[tuple[int, int] | None, tuple[int, ...] | None, str | None]:
+    def compute():
+        try:
+            return scale_tile(fmt, logical, params), scale_grid(fmt, logical, params), None
+        except ExprError as e:
+            return None, None, str(e)
+
+    return _memo(("grid", id(fmt), tuple(logical), _params_key(params)), compute)
+
+
+def _label(fmt: FormatDef, params: Mapping[str, Any]) -> str:
+    def compute():
+        try:
+            return fmt.label.format_map(dict(params))
+        except (KeyError, ValueError, IndexError):
+            return fmt.label
+
+    return _memo(("label", id(fmt), _params_key(params)), compute)
+
+
+_CANDIDATES: dict[int, tuple[Any, Any, list, set]] = {}  # id(scheme) -> (scheme, tables, candidates, own names)
+
+
+def _candidates(scheme: QuantScheme | None) -> tuple[list[tuple[SchemeTable, FormatDef]], set[str]]:
+    """The checkpoint's own formats first, then every other table's: computed once per scheme and set of tables."""
+    from .tables import loaded_schemes
+
+    tables = loaded_schemes()
+    hit = _CANDIDATES.get(id(scheme))
+    if hit is not None and hit[0] is scheme and hit[1] is tables:
+        return hit[2], hit[3]
+    own = scheme.formats() if scheme is not None else []
+    own_names = {t.scheme for t, _ in own}
+    others = [(t, f) for t in tables.values() if t.scheme not in own_names for f in t.storage]
+    if len(_CANDIDATES) > 64:
+        _CANDIDATES.clear()
+    _CANDIDATES[id(scheme)] = (scheme, tables, own + others, own_names)
+    return own + others, own_names
 
 
 def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tuple[int, ...] | None = None,
@@ -189,11 +246,9 @@ def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tu
     ``ckpt`` needs only ``tensors`` (key -> TensorRef).
     """
     tensors = ckpt.tensors
-    own = scheme.formats() if scheme is not None else []
-    own_names = {t.scheme for t, _ in own}
-    others = [(t, f) for t in all_schemes().values() if t.scheme not in own_names for f in t.storage]
+    candidates, own_names = _candidates(scheme)
     best = None
-    for rank, (table, fmt) in enumerate(own + others):
+    for rank, (table, fmt) in enumerate(candidates):
         wref = tensors.get(f"{module}.{fmt.weight.suffix}")
         if wref is None or wref.dtype not in fmt.weight.dtypes:
             continue
