@@ -517,3 +517,17 @@ def test_graft_with_mtp_quant_and_mtp_dtype_encodes_the_quantizable_weights_and_
         assert mtp[pinned].dtype == src.tensors[pinned].dtype == "F32"
     report = json.loads((out / "graft-report.json").read_text())
     assert report["mtp_storage"] == "ct-nvfp4 for the quantizable linear weights; fp32 values for the rest"
+
+
+def test_a_nan_block_scale_of_a_deepseek_style_release_is_invalid(tmp_path):
+    """The issue's probe case stores MTP weights as DeepSeek block FP8 (``weight_scale_inv``), which no producer
+    fixture holds: the family's own release layout from the fixture generator stands in."""
+    from ckpt_tools.testing import FixtureOptions, make_checkpoint
+
+    path = make_checkpoint("deepseek_v3", tmp_path / "v3", FixtureOptions(fp8=True))
+    with Checkpoint.open(str(path)) as c:
+        key = next(k for k in sorted(c.tensors) if k.startswith("model.layers.3.") and k.endswith("weight_scale_inv"))
+    fill(path, key, struct.pack("<f", float("nan")))
+    found = rules_of(path)["quant-scale-value"]
+    assert [p["key"] for p in found] == [key] and "value NaN at index [0, 0]" in found[0]["message"]
+    refused(ckpt("dequant", path, "-o", tmp_path / "d", code=None), "quant-scale-value")
