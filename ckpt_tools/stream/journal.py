@@ -24,6 +24,7 @@ class Journal:
     def __init__(self, out: Path) -> None:
         self.path = out / JOURNAL_NAME
         self._lock = threading.Lock()
+        self._closed = False
 
     def start(self, keep: bool, manifest: dict | None = None) -> dict[str, dict]:
         """The previous run's entries (``keep``: resuming; ``manifest``: the one it wrote, if any, read first), and a
@@ -41,10 +42,17 @@ class Journal:
 
     def add(self, name: str, entry: dict) -> None:
         line = json.dumps({"file": name, **entry}) + "\n"
-        with self._lock, open(self.path, "a") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with self._lock:
+            if self._closed:
+                return  # the run finished: its journal is gone, and a late line must not bring it back
+            with open(self.path, "a") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 def from_manifest(manifest: dict | None) -> dict[str, dict]:

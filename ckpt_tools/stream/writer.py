@@ -224,6 +224,8 @@ class Writer:
             complete = True
             self._fsync_dir()
             self._remove(RESUME_NAME)  # done: nothing left to resume
+            if self._journal is not None:
+                self._journal.close()
             self._remove(JOURNAL_NAME)
         except OSError as e:
             raise self._output_error(e) from e
@@ -294,9 +296,7 @@ class Writer:
             os.close(fd)
         for key, d in digests.items():
             hasher.done_tensor(key, d)
-        if self._journal is not None:
-            self._journal.add(name, entry)
-        return True
+        return True  # its journal line was carried over (Journal.start)
 
     def _proven_file(self, f: OutputFile, final: Path, hasher: _Hasher | None) -> bool:
         """A whole file of the interrupted run still holds what it copied (journal: size and whole-file digest)."""
@@ -314,8 +314,6 @@ class Writer:
         self._stats[f.name] = file_stat(os.stat(final))
         if hasher is not None:
             hasher.done_file(f.name, landed)
-        if self._journal is not None:
-            self._journal.add(f.name, entry)
         return True
 
     def _remove_partials(self) -> None:

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
-
-import numpy as np
 
 from ...errors import InputError
 from ...io.safetensors_io import IO_STATS
@@ -34,22 +31,22 @@ from .schema import FormatDef, SchemeTable, TensorDef
 RULE = "quant-scale-value"
 DESCRIPTION = "a scale, global scale or zero point of a quantized module is NaN, Inf, zero, negative or out of range"
 BATCH_BYTES = 32 << 20  # bytes read and checked at once (memory bound of the pass)
-REMOTE_THREADS = 8  # scale tensors of a remote source read in parallel (one range request each)
 MAX_DETAILED = 100  # problems named one by one; the rest are counted in one more
 
 # Positive finite values of each float format are exactly one range of unsigned bit patterns
 # (sign clear, not zero, exponent not all ones): (unsigned view, lowest, highest) inclusive.
-_POSITIVE_FINITE: dict[str, tuple[type, int, int]] = {
-    "F64": (np.uint64, 1, 0x7FEFFFFFFFFFFFFF),
-    "F32": (np.uint32, 1, 0x7F7FFFFF),
-    "BF16": (np.uint16, 1, 0x7F7F),
-    "F16": (np.uint16, 1, 0x7BFF),
-    "F8_E4M3": (np.uint8, 1, 0x7E),  # 0x7F is NaN (no Inf)
-    "F8_E5M2": (np.uint8, 1, 0x7B),
-    "F8_E8M0": (np.uint8, 0, 0xFE),  # 2**(e - 127): never zero nor negative; 0xFF is NaN
+# (numpy dtypes as strings: a checkpoint without quantized modules never imports numpy)
+_POSITIVE_FINITE: dict[str, tuple[str, int, int]] = {
+    "F64": ("<u8", 1, 0x7FEFFFFFFFFFFFFF),
+    "F32": ("<u4", 1, 0x7F7FFFFF),
+    "BF16": ("<u2", 1, 0x7F7F),
+    "F16": ("<u2", 1, 0x7BFF),
+    "F8_E4M3": ("u1", 1, 0x7E),  # 0x7F is NaN (no Inf)
+    "F8_E5M2": ("u1", 1, 0x7B),
+    "F8_E8M0": ("u1", 0, 0xFE),  # 2**(e - 127): never zero nor negative; 0xFF is NaN
 }
-_E8M0 = (np.uint8, 0, 0xFE)  # a U8 scale the table reads as E8M0 (OCP MX); 0xFF is NaN or Inf
-_INTS = {"I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+_E8M0 = ("u1", 0, 0xFE)  # a U8 scale the table reads as E8M0 (OCP MX); 0xFF is NaN or Inf
+_INTS = {"I8": "i1", "U8": "u1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 _ROLES = ("scale", "global_scale", "input_scale", "zero_point")
 _WHAT = {"scale": "scale", "global_scale": "global scale", "input_scale": "activation scale",
          "zero_point": "zero point"}
@@ -60,7 +57,7 @@ class _Kind:
     """How one companion's raw bits are judged."""
 
     role: str
-    view: type  # numpy dtype the bytes are read as
+    view: str  # numpy dtype the bytes are read as
     low: int  # inclusive range of the valid raw values
     high: int
     dtype: str  # safetensors dtype (for the value shown)
@@ -68,7 +65,7 @@ class _Kind:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.view).itemsize
+        return int(self.view[-1])
 
 
 # one piece read and checked: (TensorRef, byte offset inside the tensor, length, kind); tuples, not objects: a
@@ -172,7 +169,7 @@ def _pieces(refs: list[tuple[Any, _Kind]]) -> Iterator[list[_Piece]]:
             yield batch
 
 
-def _read(batch: list[_Piece], pool: ThreadPoolExecutor | None) -> tuple[bytearray, list[int]]:
+def _read(batch: list[_Piece]) -> tuple[bytearray, list[int]]:
     """The batch's bytes, one after another, and where each piece starts."""
     at, total = [], 0
     for p in batch:
@@ -186,34 +183,38 @@ def _read(batch: list[_Piece], pool: ThreadPoolExecutor | None) -> tuple[bytearr
     def one(i: int) -> None:
         ref, start, length, _ = batch[i]
         part = view[at[i]:at[i] + length]
-        if fd is None or os.preadv(fd, [part], ref.offset + start) != length:
-            source.readinto(ref.offset + start, part)  # remote, or a short read: the source's own path and errors
+        if os.preadv(fd, [part], ref.offset + start) != length:
+            source.readinto(ref.offset + start, part)  # a short read: the source's own path and errors
 
-    if fd is None and pool is not None and len(batch) > 1:
-        list(pool.map(one, range(len(batch))))
-    else:
-        for i in range(len(batch)):
-            one(i)
-    if fd is not None:
-        IO_STATS.add_read(total)
+    for i in range(len(batch)):
+        one(i)
+    IO_STATS.add_read(total)
     return buf, at
 
 
-def _bad(raw: np.ndarray, kind: _Kind) -> bool:
+def _bad(raw: Any, kind: _Kind) -> bool:
     return bool(raw.size) and (int(raw.min()) < kind.low or int(raw.max()) > kind.high)
 
 
 def _value(raw: int, kind: _Kind) -> str:
+    import numpy as np
+
     if kind.encoding == "int":
         return str(raw)
+    from ...errors import PlanError
     from .decode import scale_values
 
     arr = np.array([raw], dtype=kind.view)
-    v = float(scale_values(arr, kind.dtype if kind.encoding == "float" else "U8", kind.encoding)[0])
+    try:
+        v = float(scale_values(arr, kind.dtype if kind.encoding == "float" else "U8", kind.encoding)[0])
+    except PlanError:  # a dtype the decoders do not read (F64 of a registered table): its bits
+        return f"0x{raw:0{2 * kind.itemsize}x}"
     return repr(v) if np.isfinite(v) else ("NaN" if np.isnan(v) else ("-inf" if v < 0 else "inf"))
 
 
-def _problem(p: _Piece, raw: np.ndarray) -> Problem:
+def _problem(p: _Piece, raw: Any) -> Problem:
+    import numpy as np
+
     ref, start, _, kind = p
     bad = np.flatnonzero((raw < kind.low) | (raw > kind.high))
     local = int(bad[0])
@@ -235,33 +236,33 @@ def _problem(p: _Piece, raw: np.ndarray) -> Problem:
 
 
 def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
-    """``quant-scale-value`` for every quantized module of ``ckpt`` (trunk and MTP alike)."""
-    refs = companions(ckpt, unknown)
+    """``quant-scale-value`` for every quantized module of ``ckpt`` (trunk and MTP alike) stored in local files.
+
+    A remote checkpoint (hf://, s3://) is read header-only by inspect, validate and the gate (a verb downloads
+    the shards it needs, no more), so its scales are not read here: they are checked where they are decoded
+    (``finite``: a NaN / Inf value is refused, naming the tensor and index)."""
+    refs = [(r, k) for r, k in companions(ckpt, unknown) if r.source.local_fd() is not None]
     if not refs:
         return []
+    import numpy as np
+
     out: list[Problem] = []
     seen: set[str] = set()
     extra = 0
-    remote = any(r.source.local_fd() is None for r, _ in refs)
-    pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="ckpt-scales") if remote else None
-    try:
-        for batch in _pieces(refs):
-            buf, at = _read(batch, pool)
-            kind = batch[0][3]  # one kind per batch
-            if not _bad(np.frombuffer(buf, dtype=kind.view), kind):
+    for batch in _pieces(refs):
+        buf, at = _read(batch)
+        kind = batch[0][3]  # one kind per batch
+        if not _bad(np.frombuffer(buf, dtype=kind.view), kind):
+            continue
+        for p, a in zip(batch, at, strict=True):
+            raw = np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize, offset=a)
+            if p[0].key in seen or not _bad(raw, kind):
                 continue
-            for p, a in zip(batch, at, strict=True):
-                raw = np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize, offset=a)
-                if p[0].key in seen or not _bad(raw, kind):
-                    continue
-                seen.add(p[0].key)
-                if len(out) < MAX_DETAILED:
-                    out.append(_problem(p, raw))
-                else:
-                    extra += 1
-    finally:
-        if pool is not None:
-            pool.shutdown()
+            seen.add(p[0].key)
+            if len(out) < MAX_DETAILED:
+                out.append(_problem(p, raw))
+            else:
+                extra += 1
     if extra:
         out.append(Problem(RULE, None, None, f"{extra} more scale / zero point tensor(s) with values that are not "
                                              "finite and positive (or out of range)"))
