@@ -460,6 +460,8 @@ def test_a_transposed_trunk_scale_is_invalid(F, tmp_path):
     assert f"expected [{rows}, 1]" in found[0]["message"], found
     assert "a config change cannot fix this" in found[0]["message"], found  # only the weights can
     refused(ckpt("dequant", src, "-o", tmp_path / "d", code=None), "trunk-quant-config")
+    text = refused(ckpt("validate", "--fix-quant-config", src, "-o", tmp_path / "f", code=None), "trunk-quant-config")
+    assert "need more than the config change" in text and not (tmp_path / "f").exists()
 
 
 # -- 7. smaller points -------------------------------------------------------------------------------------------

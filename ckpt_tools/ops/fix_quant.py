@@ -86,7 +86,7 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
     report = FixReport(ckpt.root, view.table.family, "nothing-to-fix", link=link, repair=repair,
                        scheme=before.scheme.name if before.scheme is not None else None)
     if repair.unfixable:
-        raise _unfixable(ckpt, repair.unfixable)
+        raise _unfixable(ckpt, repair.unfixable, _in_mtp(view))
     if not repair.changed:
         report.modules = audit_json(before)
         return None, report
@@ -129,11 +129,18 @@ def _refuse_other_problems(ckpt: Checkpoint, arch: str | None) -> None:
                      "Nothing was written", rule=first.rule, path=first.path or ckpt.root)
 
 
-def _unfixable(ckpt: Checkpoint, findings: list[Finding]) -> InputError:
+def _in_mtp(view) -> set[str]:
+    """The MTP modules of ``view`` and their parents (a fused engine name sits beside its shards)."""
+    modules = {s.key.removesuffix(".weight") for s in view.present}
+    return modules | {m.rpartition(".")[0] for m in modules}
+
+
+def _unfixable(ckpt: Checkpoint, findings: list[Finding], mtp: set[str]) -> InputError:
     shown = "; ".join(f"{f.key}: {f.message}" for f in findings[:5])
     more = f" (and {len(findings) - 5} more)" if len(findings) > 5 else ""
     return InputError(
         f"{len(findings)} module(s) need more than the config change --fix-quant-config makes ({shown}){more}. "
         f"Correct the config by hand or rewrite the weights: re-quantize them, or (MTP) {GRAFT.format(root=ckpt.root)}."
         " Nothing was written",
-        rule=RULE, path=config_path(ckpt))
+        rule=RULE if any(f.key in mtp or f.key.rpartition(".")[0] in mtp for f in findings) else TRUNK_QUANT_RULE,
+        path=config_path(ckpt))
