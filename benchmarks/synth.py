@@ -171,10 +171,14 @@ class _Pools:
             f8 = f8 ^ tweak.integers(0, 2, f8.size, dtype=np.uint8)
             f32 = f32 * (1 + 0.01 * tweak.standard_normal(f32.size)).astype(np.float32)
         self.pools = {2: bf16.tobytes(), 1: f8.tobytes(), 4: f32.tobytes()}
+        # one-byte scales (NVFP4's F8_E4M3 group scales) are positive and finite, as rule quant-scale-value
+        # requires: exponent 0b0100..0b0111, sign clear (never 0, never negative, never 0x7f)
+        self.scales8 = ((u8 & np.uint8(0x1F)) | np.uint8(0x20)).tobytes()
 
     def produce(self, key: str, dtype: str, nbytes: int):
         item = max(1, DTYPES[dtype].bits // 8)
-        pool = self.pools.get(item) or self.pools[2]
+        scale8 = item == 1 and "scale" in key.rpartition(".")[2]
+        pool = self.scales8 if scale8 else self.pools.get(item) or self.pools[2]
         mv = memoryview(pool)
         pos = (zlib.crc32(key.encode()) % (len(pool) // item)) * item
 

@@ -42,12 +42,21 @@ def available_cores() -> int:
 
 
 def check_threads(n: int | None) -> int | None:
-    """``--threads``: None (every core) or a positive count."""
+    """``--threads``: None (every core) or a positive count, capped at the cores this process may use (more
+    threads only contend; ``capped_threads`` says so on the command line)."""
     if n is None:
         return None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UsageError(f"--threads {n!r}: use a positive number of threads (default: every core)")
-    return n
+    return min(n, available_cores())
+
+
+def capped_threads(n: int | None) -> tuple[int | None, str | None]:
+    """``check_threads(n)`` and the message to show when it capped ``n`` (None when it did not)."""
+    used = check_threads(n)
+    if n is not None and used != n:
+        return used, f"--threads {n}: capped at {used}, the CPUs this process may use"
+    return used, None
 
 
 def decode_threads() -> int:

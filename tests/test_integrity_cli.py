@@ -96,8 +96,10 @@ def test_signal_stops_cleanly_and_resume_finishes(cmd, sig, verifier, draft, tmp
         in " ".join(text.split()), text
     assert "Traceback" not in text
     assert not (out / INDEX).exists() and not (out / SINGLE).exists()
-    # only the resume record stays (--resume needs it to prove the same job); no temporary file, no lock
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ckpt-resume.json"]
+    # only the resume record and journal stay (--resume needs them to prove the same job and the bytes of each
+    # finished file); no temporary file, no lock
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ckpt-resume-journal.jsonl",
+                                                                              ".ckpt-resume.json"]
     assert [tree_hash(p) for p in inputs] == hashes
 
     run_ckpt(*argv, "-o", out, "--resume")

@@ -29,11 +29,13 @@ def register(app: typer.Typer) -> None:
         out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         mtp_dtype: str = typer.Option(None, "--mtp-dtype",
                                       help="bf16 | fp32 | fp16: MTP values in this dtype (quantized ones dequantized); "
-                                           "default: as the source stores them"),
+                                           "with --mtp-quant, every MTP tensor that option does not encode; a dtype "
+                                           "the family table pins is kept; default: as the source stores them"),
         mtp_quant: str = typer.Option(None, "--mtp-quant",
                                       help="fp8-block | ct-fp8 | ct-nvfp4 | modelopt-fp8 | modelopt-nvfp4: the linear "
                                            "weights the family table marks quantizable in that scheme (a target "
-                                           "whose config declares it)"),
+                                           "whose config declares it); the other MTP tensors as --mtp-dtype says, "
+                                           "else as the source stores them"),
         link: str = typer.Option("copy", "--link",
                                  help="Untouched shards: copy | reflink | hardlink | remote (an hf:// target's "
                                       "shards stay on the Hub)"),

@@ -64,9 +64,11 @@ def _how_read(report) -> str:
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
 ARCH_HELP = "Check against this family's table instead of detecting it."
-FIX_HELP = ("Write PATH to -o OUT with only its quantization config repaired (rule mtp-quant-config: MTP modules "
-            "stored otherwise than declared); shards are copied or linked, never rewritten.")
-LINK_HELP = "With --fix-quant-config: how shards reach OUT: copy | reflink (copy where unsupported) | hardlink | remote"
+FIX_HELP = ("Write PATH to -o OUT with only its quantization config repaired (rules mtp-quant-config, "
+            "trunk-quant-config: modules stored otherwise than declared); shards are copied or linked, never "
+            "rewritten.")
+LINK_HELP = ("With --fix-quant-config: how shards reach OUT: copy | reflink (refused where the filesystem has none) | "
+             "hardlink | remote")
 
 
 def register(app: typer.Typer) -> None:

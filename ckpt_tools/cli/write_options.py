@@ -29,9 +29,21 @@ def resume_option():
     return typer.Option(False, "--resume", help="Finish an interrupted run into the same -o.")
 
 
+def _cap_threads(value: int | None) -> int | None:
+    """--threads above the CPUs available is capped, and said so on stderr."""
+    from ..parallel import capped_threads
+    from .common import err_console
+
+    used, message = capped_threads(value)
+    if message:
+        err_console().print(message, markup=False, soft_wrap=True)
+    return used
+
+
 def threads_option():
-    return typer.Option(None, "--threads", min=1,
-                        help="Threads decoding quantized weights (default: every core this process may use).")
+    return typer.Option(None, "--threads", min=1, callback=_cap_threads,
+                        help="Threads decoding quantized weights (default, and at most: every core this process "
+                             "may use).")
 
 
 def json_option():

@@ -57,6 +57,10 @@ from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
 from .quant.companions import WeightFormat, weight_format
+from .quant.patterns import DESCRIPTION as PATTERN_DESCRIPTION
+from .quant.patterns import RULE as PATTERN_RULE
+from .quant.scale_values import DESCRIPTION as SCALE_VALUE_DESCRIPTION
+from .quant.scale_values import RULE as SCALE_VALUE_RULE
 from .stored_dtype import DESCRIPTION as STORED_DTYPE_DESCRIPTION
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .tables.resolve import trunk_specs
@@ -90,6 +94,10 @@ RULES: dict[str, str] = {
     "trunk-missing": "a tensor of the embedding, head, final norm or a decoder layer is absent",
     "trunk-misshaped": "a trunk tensor has another shape than the table says",
     STORED_DTYPE_RULE: STORED_DTYPE_DESCRIPTION,
+    SCALE_VALUE_RULE: SCALE_VALUE_DESCRIPTION,
+    PATTERN_RULE: PATTERN_DESCRIPTION,
+    "trunk-quant-config": "a main-model module is stored otherwise than the quantization config declares it "
+                          "(quantized but excluded, float but targeted, scales missing or mis-shaped)",
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})
@@ -510,6 +518,30 @@ def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> lis
             continue
         out.append(Problem(RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left else fix)))
     return out
+
+
+TRUNK_QUANT_RULE = "trunk-quant-config"
+
+
+def trunk_quant_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_model: bool = False
+                         ) -> list[Problem]:
+    """``trunk-quant-config``: every linear module of the main model stored as the quantization config declares it
+    (stored quantized but excluded, stored in float but targeted, companions missing or mis-shaped)."""
+    from .quant.audit import audit_trunk
+
+    if not whole_model and is_draft(view, (s.key for s in trunk_specs(view.resolved)[0])):
+        return []
+    cfg = config_path(view.ckpt)
+    findings = audit_trunk(view).findings
+    if not findings:
+        return []
+    left = _left_by_repair(view) if any(f.fix for f in findings) else set()
+    fix = f"; `ckpt validate --fix-quant-config {view.ckpt.root} -o OUT` repairs the config"
+    stuck = "; --fix-quant-config cannot repair it: correct the quantization config by hand"
+    weights = "; a config change cannot fix this: the stored tensors are wrong (re-quantize the module)"
+    return [Problem(TRUNK_QUANT_RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left
+                                                                else fix))
+            for f in findings if not any(k.startswith(f.key + ".") for k in unknown)]
 
 
 def _left_by_repair(view: MtpView) -> set[str]:

@@ -22,6 +22,10 @@ from typing import TYPE_CHECKING
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
 from .consistency import Problem
+from .quant.patterns import RULE as PATTERN_RULE
+from .quant.patterns import pattern_problems
+from .quant.scale_values import RULE as SCALE_VALUE_RULE
+from .quant.scale_values import scale_value_problems
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .stored_dtype import stored_dtype_problems
 
@@ -133,8 +137,12 @@ RULE_SET: list[Check] = [
           lambda ctx: c.stray_problems(ctx.ckpt, ctx.holders)),
     Check("manifest", ("manifest-missing", "manifest-mismatch", "manifest-extra"), "files", False, manifest_entries),
     Check("mtp", c.MTP_RULES, "model", True, lambda ctx: c.mtp_problems(ctx.view, ctx.unknown), needs_view=True),
+    # exclusion / target entries compiled as their consumers compile them (model/quant/patterns.py)
+    Check("quant-pattern", (PATTERN_RULE,), "model", True, lambda ctx: pattern_problems(ctx.ckpt)),
     Check("mtp-quant", ("mtp-quant-config",), "model", True,
           lambda ctx: c.quant_config_problems(ctx.view, ctx.unknown), needs_view=True),
+    Check("trunk-quant", (c.TRUNK_QUANT_RULE,), "model", True,
+          lambda ctx: c.trunk_quant_problems(ctx.view, ctx.unknown, whole_model=ctx.whole_model), needs_view=True),
     Check("tied-head", ("tied-head",), "model", True, lambda ctx: c.tied_head_problems(ctx.view), needs_view=True),
     Check("trunk", c.TRUNK_RULES, "model", True,
           lambda ctx: c.trunk_problems(ctx.view, ctx.unknown, whole_model=ctx.whole_model), needs_view=True),
@@ -142,6 +150,9 @@ RULE_SET: list[Check] = [
           lambda ctx: stored_dtype_problems(ctx.view, ctx.unknown), needs_view=True),
     Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", "quant-config"), "model", True,
           lambda ctx: c.fp8_problems(ctx.ckpt, ctx.table, ctx.view, ctx.unknown, ctx.config)),
+    # every scale of every quantized module read as values (model/quant/scale_values.py)
+    Check("scale-values", (SCALE_VALUE_RULE,), "model", True,
+          lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown)),
 ]
 
 

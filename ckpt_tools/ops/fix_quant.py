@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..errors import InputError, UsageError
 from ..io.checkpoint import Checkpoint, revision_of, source_name
-from ..model.consistency import config_path
+from ..model.consistency import TRUNK_QUANT_RULE, config_path
 from ..model.mtp import choose_table, open_mtp
 from ..model.quant.audit import RULE, Finding, audit
 from ..model.quant.config import quant_files
@@ -36,6 +36,7 @@ from .carry import carried_files
 
 GRAFT = "`ckpt graft SOURCE {root} -o OUT` (SOURCE: the original release) writes the MTP layers anew"
 HINTS = {"mtp-missing": "a config repair cannot restore missing weights: " + GRAFT}
+FIXABLE = frozenset({RULE, TRUNK_QUANT_RULE})  # the rules a config change may repair (repair_view: MTP and trunk)
 # what OUT does not inherit: it gets its own index and manifest
 REWRITTEN = frozenset({"total-size", "index-metadata", "manifest-missing", "manifest-mismatch", "manifest-extra"})
 
@@ -85,7 +86,7 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
     report = FixReport(ckpt.root, view.table.family, "nothing-to-fix", link=link, repair=repair,
                        scheme=before.scheme.name if before.scheme is not None else None)
     if repair.unfixable:
-        raise _unfixable(ckpt, repair.unfixable)
+        raise _unfixable(ckpt, repair.unfixable, _in_mtp(view))
     if not repair.changed:
         report.modules = audit_json(before)
         return None, report
@@ -115,7 +116,7 @@ def _refuse_other_problems(ckpt: Checkpoint, arch: str | None) -> None:
     """OUT must pass validate and only the config changes: any other problem of the input is refused."""
     from .validate import validate
 
-    problems = [p for p in validate(ckpt, arch).problems if p.rule != RULE and p.rule not in REWRITTEN]
+    problems = [p for p in validate(ckpt, arch).problems if p.rule not in FIXABLE and p.rule not in REWRITTEN]
     if not problems:
         return
     first = problems[0]
@@ -128,10 +129,18 @@ def _refuse_other_problems(ckpt: Checkpoint, arch: str | None) -> None:
                      "Nothing was written", rule=first.rule, path=first.path or ckpt.root)
 
 
-def _unfixable(ckpt: Checkpoint, findings: list[Finding]) -> InputError:
+def _in_mtp(view) -> set[str]:
+    """The MTP modules of ``view`` and their parents (a fused engine name sits beside its shards)."""
+    modules = {s.key.removesuffix(".weight") for s in view.present}
+    return modules | {m.rpartition(".")[0] for m in modules}
+
+
+def _unfixable(ckpt: Checkpoint, findings: list[Finding], mtp: set[str]) -> InputError:
     shown = "; ".join(f"{f.key}: {f.message}" for f in findings[:5])
     more = f" (and {len(findings) - 5} more)" if len(findings) > 5 else ""
     return InputError(
-        f"{len(findings)} MTP module(s) need more than the config change --fix-quant-config makes ({shown}){more}. "
-        f"Rewrite the MTP weights instead: re-quantize them, or {GRAFT.format(root=ckpt.root)}. Nothing was written",
-        rule=RULE, path=config_path(ckpt))
+        f"{len(findings)} module(s) need more than the config change --fix-quant-config makes ({shown}){more}. "
+        f"Correct the config by hand or rewrite the weights: re-quantize them, or (MTP) {GRAFT.format(root=ckpt.root)}."
+        " Nothing was written",
+        rule=RULE if any(f.key in mtp or f.key.rpartition(".")[0] in mtp for f in findings) else TRUNK_QUANT_RULE,
+        path=config_path(ckpt))

@@ -164,8 +164,27 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
     note_allowed(plan.manifest, tgate, sgate)
     # --resume proves the same source bytes: every source tensor the MTP is read from
     taken = sorted({k for t in mtp for k in _sources(t) if k in source.tensors})
+    _require_finite(source, taken)
     record_inputs(plan, target=target, source=(source, taken))
     return plan, report
+
+
+def _require_finite(source: Checkpoint, keys: list[str]) -> None:
+    """The source's float MTP values are finite, as stitch requires of a draft (rule ``nonfinite``): graft writes
+    them, casts them or encodes them. Quantized ones are checked as they are decoded (model.quant.finite)."""
+    from .compare import count_nonfinite
+
+    bad = []
+    for k in keys:
+        ref = source.tensors[k]
+        if ref.dtype in FLOAT_DTYPES:
+            n = count_nonfinite(CopyBytes([ref.segment()]), ref.dtype, ref.shape)
+            if n:
+                bad.append(f"{k} ({n} NaN/Inf)")
+    if bad:
+        raise InputError(f"non-finite values in the source's MTP layers: {', '.join(bad[:10])}"
+                         + (f" ... and {len(bad) - 10} more" if len(bad) > 10 else ""), rule="nonfinite",
+                         path=source.root)
 
 
 def _storage_label(req: GraftRequest) -> str:

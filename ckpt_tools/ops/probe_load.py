@@ -201,11 +201,14 @@ def load(path: str, verifier: Checkpoint, config, device: str, dtype: str, devic
     import torch
 
     from ..model.quant import detect_scheme
+    from ..model.quant.scale_values import require_finite_scales
 
     torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype])
     from ..model.mtp import open_mtp
 
     cls = model_class(config)
+    # scales are values: a NaN / zero scale would measure a model that is not the checkpoint (rule quant-scale-value)
+    require_finite_scales(verifier, path)
     stray = open_mtp(verifier).extra
     if stray:
         raise refuse(path, "the MTP layers", [f"{len(stray)} stored tensor(s) in the MTP namespace the family table "

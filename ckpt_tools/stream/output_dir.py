@@ -27,7 +27,7 @@ from .plan import fingerprint_change
 
 # Files a previous run of ours may have left; --overwrite clears them before writing.
 OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json", "graft-report.json",
-                 RESUME_NAME)
+                 RESUME_NAME, ".ckpt-resume-journal.jsonl")  # journal.JOURNAL_NAME
 
 
 def _real(path: Path) -> Path:

@@ -32,6 +32,7 @@ import fcntl
 import json
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -55,6 +56,7 @@ from ..io.safetensors_io import (
     parse_header_bytes,
 )
 from . import manifest, output_dir
+from .journal import JOURNAL_NAME, Journal
 from .known_digests import KnownDigest, file_stat, same_file
 from .lookahead import lookahead
 from .output_dir import DirLock
@@ -136,6 +138,8 @@ class Writer:
         self._buf = memoryview(bytearray(COPY_CHUNK))
         self._stats: dict[str, dict[str, int]] = {}  # local shard -> its file_stats entry, taken as it landed
         self._reused: dict[str, str] = {}  # shard copied or linked whole -> the input manifest its digest came from
+        self._journal: Journal | None = None  # what each finished file holds (journal.py; local outputs)
+        self._previous: dict[str, dict] = {}  # the interrupted run's journal entries (--resume)
 
     # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
 
@@ -177,6 +181,7 @@ class Writer:
         complete = False
         try:
             if self.resume:
+                previous_manifest = self._previous_manifest()  # its digests prove finished shards (journal.py)
                 # An index or manifest from the interrupted run would claim completeness early, and its
                 # temporary files (we hold the lock: nobody is writing them) only take disk space.
                 for name in (self.plan.index_name, MANIFEST_NAME):
@@ -186,6 +191,7 @@ class Writer:
                 self._clear_previous_output()
             record = output_dir.resume_record(plan_digest, self.plan.fingerprints, self.plan.command)
             self._write_file(OutputFile(RESUME_NAME, content=record))
+            self._open_journal(previous_manifest if self.resume else None)
             shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
@@ -218,6 +224,9 @@ class Writer:
             complete = True
             self._fsync_dir()
             self._remove(RESUME_NAME)  # done: nothing left to resume
+            if self._journal is not None:
+                self._journal.close()
+            self._remove(JOURNAL_NAME)
         except OSError as e:
             raise self._output_error(e) from e
         finally:
@@ -244,6 +253,68 @@ class Writer:
 
     def _remove(self, name: str) -> None:
         (self.out / name).unlink(missing_ok=True)
+
+    def _previous_manifest(self) -> dict | None:
+        p = self.out / MANIFEST_NAME
+        if not p.is_file() or p.is_symlink():
+            return None
+        try:
+            return json.loads(p.read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return None
+
+    def _open_journal(self, manifest: dict | None = None) -> None:
+        """The journal of finished files (journal.py); with --resume, the interrupted run's entries first."""
+        self._journal = Journal(self.out)
+        self._previous = self._journal.start(keep=self.resume, manifest=manifest)
+
+    def _journal_tensors(self, name: str, size: int, keys: list[str], hasher: _Hasher) -> None:
+        """Journal shard ``name`` once the digests of what landed are in (a kill before that: it is rewritten)."""
+        journal = self._journal
+        if journal is not None:
+            hasher.when_done(keys, lambda digests: journal.add(name, {"size": size, "tensors": digests}))
+
+    def _proven_shard(self, name: str, final: Path, header: bytes, ordered: list[OutputTensor],
+                      hasher: _Hasher) -> bool:
+        """A finished shard of the interrupted run still holds what it wrote: the journal's size and tensor digests
+        match its bytes hashed again (the header check first: cheap)."""
+        entry = self._previous.get(name)
+        size = 8 + len(header) + sum(t.nbytes for t in ordered)
+        if entry is None or entry.get("size", size) != size or not isinstance(entry.get("tensors"), dict) \
+                or not self._shard_complete(final, header, ordered):
+            return False
+        digests: dict[str, str] = {}
+        fd = os.open(final, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            pos = 8 + len(header)
+            for t in ordered:
+                digests[t.key] = _hash_fd_range(fd, pos, t.nbytes)
+                if digests[t.key] != entry["tensors"].get(t.key):
+                    return False
+                pos += t.nbytes
+        finally:
+            os.close(fd)
+        for key, d in digests.items():
+            hasher.done_tensor(key, d)
+        return True  # its journal line was carried over (Journal.start)
+
+    def _proven_file(self, f: OutputFile, final: Path, hasher: _Hasher | None) -> bool:
+        """A whole file of the interrupted run still holds what it copied (journal: size and whole-file digest)."""
+        entry = self._previous.get(f.name)
+        if entry is None or not f.tensors or "whole" not in entry:
+            return False
+        try:
+            if final.stat().st_size != entry.get("size"):
+                return False
+            landed = _hash_shard_file(final)
+        except OSError:
+            return False
+        if landed[0] != entry["whole"]:
+            return False
+        self._stats[f.name] = file_stat(os.stat(final))
+        if hasher is not None:
+            hasher.done_file(f.name, landed)
+        return True
 
     def _remove_partials(self) -> None:
         output_dir.remove_partials(self.out)
@@ -303,14 +374,10 @@ class Writer:
         header, ordered = self._shard_header(name, tensors)
         final = self.out / name
         tmp = self.out / f".{name}.partial"
-        if self.resume and self._shard_complete(final, header, ordered):
-            result.skipped_shards.append(name)
-            reader = hasher.open(final)
-            pos = 8 + len(header)
+        if self.resume and self._proven_shard(name, final, header, ordered, hasher):
+            result.skipped_shards.append(name)  # its digests are the ones just proven: not hashed again
             for t in ordered:
                 result.tensor_files[t.key] = name
-                hasher.tensor(t.key, reader, pos, t.nbytes)
-                pos += t.nbytes
                 self.progress.advance(t.nbytes)
             result.files.append(name)
             self._stats[name] = file_stat(os.stat(final))
@@ -339,6 +406,7 @@ class Writer:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
+        self._journal_tensors(name, pos, [t.key for t in ordered], hasher)
         result.bytes_written += pos
         result.files.append(name)
         self._stats[name] = file_stat(os.stat(tmp))  # a rename keeps inode and mtime
@@ -405,12 +473,10 @@ class Writer:
             return
         assert f.source is not None
         if final.exists() or final.is_symlink():
-            if f.link == "hardlink" or not self.resume or final.is_symlink():
-                final.unlink()
-            else:
+            if f.link != "hardlink" and self.resume and not final.is_symlink() and self._proven_file(f, final, hasher):
                 self.progress.advance(self._moved_bytes(f))
-                self._hash_landed(f, final, hasher, None)
-                return  # resumed: a finished copy (renamed into place) is complete
+                return  # resumed: a finished copy the journal proves unchanged
+            final.unlink()
         before = self._still_described(f, hasher)
         if f.link == "hardlink":
             try:
@@ -463,11 +529,16 @@ class Writer:
         self._stats[f.name] = file_stat(os.stat(final))
         if hasher is None:
             return
+        journal, name = self._journal, f.name
         if known is not None:
             hasher.known(f.name, known, f.header)
             self._reused[f.name] = known.manifest
+            if journal is not None and known.whole:
+                journal.add(name, {"size": known.stat["size"], "whole": known.whole})
         else:
             hasher.file(f.name, final)
+            if journal is not None:
+                hasher.when_file_done(name, lambda landed: journal.add(name, {"size": landed[1], "whole": landed[0]}))
 
     @contextlib.contextmanager
     def _cleanup_on_error(self, tmp: Path, final: Path):
@@ -596,6 +667,43 @@ class _Hasher:
         if self.pool is not None:
             self._files[name] = self.pool.submit(_hash_shard_file, path)
 
+    def when_done(self, keys: list[str], callback: Callable[[dict[str, str]], None]) -> None:
+        """``callback({key: digest})`` once every tensor of ``keys`` is hashed (on the last hashing thread)."""
+        futures = {k: self._tensors[k] for k in keys if k in self._tensors}
+        if self.pool is None or len(futures) != len(keys):
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one(_f: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            with contextlib.suppress(Exception):  # a failed hash is reported by results(); no entry: rewritten
+                callback({k: f.result() for k, f in futures.items()})
+
+        if not futures:
+            callback({})
+        for f in futures.values():
+            f.add_done_callback(one)
+
+    def when_file_done(self, name: str, callback: Callable[[tuple], None]) -> None:
+        fut = self._files.get(name)
+        if fut is not None:
+            fut.add_done_callback(lambda f: f.exception() is None and callback(f.result()))
+
+    def done_tensor(self, key: str, digest: str) -> None:
+        """A tensor digest already computed (a resumed shard's proof)."""
+        fut: Future = Future()
+        fut.set_result(digest)
+        self._tensors[key] = fut
+
+    def done_file(self, name: str, landed: tuple) -> None:
+        fut: Future = Future()
+        fut.set_result(landed)
+        self._files[name] = fut
+
     def known(self, name: str, known: KnownDigest, header: Header | None) -> None:
         """A whole file whose digest its input's manifest vouches for: taken as it is, nothing read."""
         self._known[name] = (known.whole, known.stat["size"], header)
@@ -676,13 +784,15 @@ _FICLONE = 0x40049409
 WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
 
 
-def _reflink(source: LocalFile, dst_fd: int) -> bool:
-    """Share the source's extents (FICLONE); False on a filesystem without reflinks."""
+def _reflink(source: LocalFile, dst_fd: int, dst: Path) -> None:
+    """Share the source's extents (FICLONE), or refuse: ``--link reflink`` never turns into a copy unsaid."""
     try:
         fcntl.ioctl(dst_fd, _FICLONE, source.local_fd())
-        return True
-    except OSError:
-        return False  # copy_file_range may still share extents
+    except OSError as e:
+        raise OutputError(f"cannot reflink {source.name} ({e.strerror or e}): this filesystem (or this pair of "
+                          "filesystems) has no reflinks; use --link copy, or --link hardlink on the same filesystem",
+                          rule="reflink-unsupported", path=str(dst.with_name(dst.name.removeprefix(".")
+                                                                  .removesuffix(".partial")))) from None
 
 
 def source_size(path) -> int:
@@ -692,7 +802,8 @@ def source_size(path) -> int:
 
 
 def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview) -> None:
-    """Copy ``src`` to a new ``dst``: a reflink when asked and possible, else ranges of ``copy_segment``.
+    """Copy ``src`` to a new ``dst``: a reflink when asked (refused where the filesystem has none: OutputError
+    ``reflink-unsupported``), else ranges of ``copy_segment``.
 
     Exactly the size ``src`` had when opened, or an error: a source that shrinks is a ``short-read``
     (exit 3, the input named), a write that fails an OSError of the output.
@@ -700,13 +811,14 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
     source = LocalFile(src)
     try:
         with open(dst, "wb", opener=_exclusive) as fo:
-            if not (reflink and _reflink(source, fo.fileno())):
+            if reflink:
+                _reflink(source, fo.fileno(), dst)
+                progress.advance(source.size)
+            else:
                 for offset in range(0, source.size, WHOLE_FILE_STEP):
                     seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
                     copy_segment(seg, fo.fileno(), buf)
                     progress.advance(seg.length)
-            else:
-                progress.advance(source.size)
             fo.flush()
             os.fsync(fo.fileno())
     finally:

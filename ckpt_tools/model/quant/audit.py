@@ -36,7 +36,7 @@ from ...errors import InputError
 from ..expert_layouts import ExpertGroup, ExpertLayout
 from .companions import block_format, weight_format
 from .config import QuantFiles
-from .declared import Declared, declaration
+from .declared import Declared, declaration, sections_of
 from .detect import QuantScheme, detect_scheme
 from .storage import Storage, module_storage
 
@@ -145,7 +145,7 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
 
     out: list[Row] = []
     for s in view.present:
-        if s.role in ("scale", "expert") or s.kind != "linear" or not s.key.endswith(".weight"):
+        if s.role in ("scale", "expert", "trunk-expert") or s.kind != "linear" or not s.key.endswith(".weight"):
             continue
         out.append((s.key.removesuffix(".weight"), look(s.key, s.shape), s.quant, False))
     present = {s.key for s in view.present}
@@ -226,8 +226,9 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     convention = scheme is not None and any(flag for _, _, flag, _ in rows) and (
         any(block_format(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
+    sections = sections_of(scheme, files) if scheme is not None else None  # read once for every row
     for module, stored, flag, expert in rows:
-        d = declaration(scheme, files, module) if scheme is not None else none
+        d = declaration(scheme, files, module, sections=sections) if scheme is not None else none
         fused = () if expert else fused_names(module, fused_map, names)
         result.modules.append(ModuleAudit(module, stored, d, flag, expert, convention and not flag, fused))
     for m in result.modules:
@@ -304,3 +305,67 @@ def _judge_fused(result: Audit, scheme: QuantScheme | None, files: QuantFiles | 
                     result.findings.append(Finding(
                         f, f"its shards are stored {shards[0].stored.label}, but engines build the fused layer {f}, "
                            f"which is {d.state} ({d.reason})", "include", (f,)))
+
+
+@dataclass
+class TrunkModules:
+    """The main model's linear modules in the shape ``module_rows`` reads (``present``, ``quantized``, ``groups``):
+    the decoder layers the family table requires (``trunk_specs``), routed experts in the layout on disk."""
+
+    ckpt: Any
+    block_format: Any
+    present: list = field(default_factory=list)
+    quantized: dict = field(default_factory=dict)
+    expert_groups: list = field(default_factory=list)
+
+    def groups(self) -> list[ExpertGroup]:
+        return self.expert_groups
+
+
+def trunk_modules(view: MtpView) -> TrunkModules:
+    """``view``'s checkpoint's trunk linear modules, found as ``open_mtp`` finds the MTP ones."""
+    from ..mtp import QuantLookup, detect_group_layout
+    from ..tables.resolve import Spec, trunk_specs
+
+    ckpt = view.ckpt
+    keys = ckpt.tensors
+    specs, groups = trunk_specs(view.resolved)
+    out = TrunkModules(ckpt, view.block_format)
+    quant = QuantLookup(ckpt, view.block_format)
+    if view.scheme is not None:
+        quant._scheme = view.scheme  # already read
+    for g in groups:
+        lay = detect_group_layout(g, keys)
+        out.expert_groups.append(g if lay == g.layout else g.with_layout(lay))
+    found = list(specs) + [Spec(t.key, t.shape, "trunk-expert", kind="linear", quant=g.quant)
+                           for g in out.expert_groups if g.layout.per_expert for t in g.tensors()]
+    for s in found:
+        if s.kind != "linear" or not s.key.endswith(".weight"):
+            continue
+        ref = keys.get(s.key)
+        st = quant.storage(s, ref)
+        if st is not None:
+            out.quantized[s.key] = st
+            out.present.append(s)
+        elif ref is not None:
+            out.present.append(s)
+    return out
+
+
+def trunk_rows(view: MtpView, scheme: QuantScheme | None) -> list[Row]:
+    """``module_rows`` of the trunk (per-expert rows of the routed experts keep the ``expert`` flag)."""
+    return module_rows(trunk_modules(view), scheme)  # type: ignore[arg-type]  # duck-typed like an MtpView
+
+
+def audit_trunk(view: MtpView) -> Audit:
+    """``audit`` for the main model's linear modules: stored quantized but excluded, stored float but targeted,
+    incomplete or mis-shaped companions, wherever the module sits."""
+    try:
+        scheme = scheme_of(view)
+    except InputError as e:
+        if e.rule != "quant-unknown":
+            raise
+        return Audit(None, unknown=str(e))
+    if scheme is None:
+        return Audit(None)  # nothing declared: FP8 without a config is rule quant-config, packed bytes mtp/trunk rules
+    return judge(trunk_rows(view, scheme), scheme, view.table)

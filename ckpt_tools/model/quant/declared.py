@@ -77,19 +77,28 @@ def _one(decl: Declaration, sec: Mapping, module: str, fused: Fused | None, kind
     return Declared("quantized", hit, f"{where}: group {hit.name} targets it")
 
 
+Sections = list[tuple[Declaration, Mapping | None]]
+
+
+def sections_of(scheme: QuantScheme, config: QuantFiles | None = None) -> Sections:
+    """Each place ``scheme`` is declared in with its section in ``config`` (None: the files it was detected in; a
+    section removed since: None). Read once for many ``declaration`` calls over the same files."""
+    files = scheme.files if config is None else config
+    return [(decl, section(files, decl.file, decl.path)) for decl in scheme.declarations]
+
+
 def declaration(scheme: QuantScheme, config: QuantFiles | None, module: str, fused: Fused | None = None,
-                kind: str = "Linear") -> Declared:
+                kind: str = "Linear", sections: Sections | None = None) -> Declared:
     """What ``scheme`` declares for ``module`` (a checkpoint or engine module name, no ``.weight``).
 
     ``config``: the configuration files to read (file name -> JSON object), e.g. a repaired copy;
     None reads the files the scheme was detected in. ``fused``: the engine's fused layers
     (fused suffix -> shard suffixes), so a fused name is judged by its shards. ``kind``: the
-    module's class for class-name targets (``Linear``).
+    module's class for class-name targets (``Linear``). ``sections``: ``sections_of(scheme, config)``, when the
+    caller asks for many modules of the same files.
     """
-    files = scheme.files if config is None else config
     results = []
-    for decl in scheme.declarations:
-        sec = section(files, decl.file, decl.path)
+    for decl, sec in sections if sections is not None else sections_of(scheme, config):
         if sec is None:  # the place was removed: it declares nothing any more
             continue
         results.append(_one(decl, sec, module, fused, kind))

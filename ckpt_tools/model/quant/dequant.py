@@ -12,6 +12,7 @@ from ...dtypes import DTYPES
 from ...errors import PlanError
 from ...stream.plan import Compute, CopyBytes, OutputTensor
 from ..expr import ExprError, evaluate
+from .finite import finite_bands
 from .schema import FormatDef
 from .storage import Storage
 from .tables import get_scheme
@@ -79,7 +80,8 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
             zp = decode.zero_point_values(read(zt), zt.dtype, dspec.bits, dspec.offset, dspec.zero_point.packed,
                                           -(-shape[-2] // tile[0]))
         dec = decode.BandDecoder(d, scale, g, zp)
-        yield from decode.decode_stream(RecipeReader(weight.recipe).read, dec)
+        yield from finite_bands(decode.decode_stream(RecipeReader(weight.recipe).read, dec), key, shape, out_dtype,
+                                f"{storage.module} ({storage.label})", _file_of(weight))
 
     inputs = [i for t in parts.values() for i in (t.recipe.inputs if isinstance(t.recipe, Compute)
                                                    else t.meta.get("source", [t.key]))]
@@ -91,6 +93,12 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
                                                        ahead=all(isinstance(t.recipe, CopyBytes)
                                                                  for t in parts.values())),
                         weight.shard, meta)
+
+
+def _file_of(t: OutputTensor) -> str | None:
+    """The file a byte-copied tensor is read from (for the message), else None."""
+    segs = getattr(t.recipe, "segments", None)
+    return segs[0].source.name if segs else None
 
 
 def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str) -> OutputTensor:
@@ -145,7 +153,7 @@ def decode_block(fmt: Any, w: OutputTensor, scale: OutputTensor, out_dtype: str)
 
 
 def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int], weight_dtype: str,
-                       scale_dtype: str, out_dtype: str) -> Any:
+                       scale_dtype: str, out_dtype: str, what: str | None = None) -> Any:
     """One whole block-format weight held in memory (numpy storage views: ``weight`` [..., rows, cols] of
     ``weight_dtype``, ``scale`` its ``block`` grid of ``scale_dtype``) -> values in ``out_dtype`` storage,
     by the format's decoder (``decode.decode_array``): what expert restacking dequantizes piece by piece."""
@@ -158,4 +166,7 @@ def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int]
     d = decode.Decoding(spec, weight_dtype, shape, shape[-1], DTYPES[weight_dtype].nbytes(shape[-1]),
                         (int(block[0]), int(block[1])), out_dtype)
     values = decode.scale_values(np.ascontiguousarray(scale), scale_dtype, spec.scale.encoding, spec.scale.e8m0_top)
-    return decode.decode_array(d, weight, values)
+    out = decode.decode_array(d, weight, values)
+    for _ in finite_bands([out], what or "an expert weight", shape, out_dtype, f"{fmt.format} codes"):
+        pass
+    return out

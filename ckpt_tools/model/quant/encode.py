@@ -270,6 +270,14 @@ def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     return {"weight_packed": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_global_scale": g}
 
 
+def _positive(scale: torch.Tensor) -> torch.Tensor:
+    """An all-zero weight's per-tensor scale: float32 eps instead of 0 (as compressed-tensors' calculate_qparams
+    does), so no scale is zero and no group scale divides by it (rule quant-scale-value); its codes stay 0."""
+    import torch
+
+    return torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float32).eps))
+
+
 @encoder("modelopt-fp8", lambda shape, args: {"weight": ("F8_E4M3", shape), "weight_scale": ("F32", ())})
 def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """ModelOpt FP8 per tensor: ``weight_scale = amax / 448`` (float32), ``weight = e4m3(x / scale)`` with the
@@ -280,8 +288,8 @@ def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tens
     import torch
 
     x = values.to(_torch_dtype(args.model_dtype))
-    scale = (_tensor_absmax(x, args).float() / FP8_MAX).reshape(())
-    q = _e4m3(x / scale if float(scale) > 0 else x)  # a 0-d float32 scale: the quotient is in the model dtype
+    scale = _positive((_tensor_absmax(x, args).float() / FP8_MAX).reshape(()))
+    q = _e4m3(x / scale)  # a 0-d float32 scale: the quotient is in the model dtype
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
 
 
@@ -293,7 +301,7 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
 
     group = int(args.params.get("group_size") or 16)
     x = values.to(_torch_dtype(args.model_dtype))
-    ws2 = (_tensor_absmax(x, args).float() / (FP4_MAX * FP8_MAX)).reshape(())
+    ws2 = _positive((_tensor_absmax(x, args).float() / (FP4_MAX * FP8_MAX)).reshape(()))
     x = x.float()
     amax_g = x.abs().unflatten(-1, (x.shape[-1] // group, group)).amax(-1)
     s = _e4m3(amax_g / (FP4_MAX * ws2)).to(torch.float32)

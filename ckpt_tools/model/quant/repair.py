@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .audit import Audit, Finding, Row, StoredOf, audit, judge, module_rows, scheme_of
+from .audit import Audit, Finding, Row, StoredOf, audit, judge, module_rows, scheme_of, trunk_rows
 from .config import QuantFiles, dig, quant_files
 from .detect import QuantScheme, detect_in
 from .exclude import Change, ConfigPatch, exclusion_entries
@@ -119,13 +119,13 @@ def repair(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Qua
 
 
 def repair_view(view: MtpView) -> Repair:
-    """``repair`` for the MTP of an opened checkpoint, as it is stored."""
+    """``repair`` for the MTP and the trunk of an opened checkpoint, as they are stored."""
     ckpt = view.ckpt
     scheme = scheme_of(view)
     if scheme is None:
         return Repair(unfixable=list(audit(view).findings))
-    return repair(module_rows(view, scheme), scheme, view.table, quant_files(ckpt), linear_modules(ckpt.tensors),
-                  ckpt.tensors)
+    rows = module_rows(view, scheme) + trunk_rows(view, scheme)
+    return repair(rows, scheme, view.table, quant_files(ckpt), linear_modules(ckpt.tensors), ckpt.tensors)
 
 
 def repair_written(view: MtpView, files: QuantFiles, tensors: Mapping[str, Any], modules: Iterable[str],

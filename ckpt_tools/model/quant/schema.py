@@ -122,6 +122,9 @@ class ScaleDef(_Strict):
     # NaN (OCP MX, DeepSeek) or as 2**128 = inf (compressed-tensors' mxfp4 decompression)
     encoding: Literal["float", "e8m0"] = "float"
     e8m0_top: Literal["nan", "inf"] = "nan"
+    # a per-row scale (grid [rows, 1]) may also be stored as [rows] (ModelOpt per-channel); otherwise the shape
+    # is exactly the grid (storage.scale_shapes)
+    row_vector: bool = False
 
 
 class GlobalScaleDef(_Strict):

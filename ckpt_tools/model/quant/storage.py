@@ -17,7 +17,6 @@ from ...dtypes import FLOAT_DTYPES
 from ..expr import ExprError, evaluate
 from .detect import QuantScheme
 from .schema import FormatDef, SchemeTable
-from .tables import all_schemes
 
 StorageState = Literal["unquantized", "quantized", "absent"]
 
@@ -96,19 +95,48 @@ def _logical_shape(tensors: Mapping[str, Any], module: str, fmt: FormatDef, wref
     return (*lead, cols * fmt.weight.pack)
 
 
-def scale_grid(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, ...]:
-    """The scale tensor's shape for a logical weight ``shape`` [..., out, in] (lead dims kept)."""
-    *lead, out, cols = shape
+def scale_tile(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, int]:
+    """[rows, cols] of one scale tile of a logical weight ``shape`` [..., out, in] (the table's granularity)."""
+    *_, out, cols = shape
     tile = evaluate(fmt.decoder.scale.granularity, {**params, "rows": out, "cols": cols})
     if not (isinstance(tile, (list, tuple)) and len(tile) == 2 and all(isinstance(x, int) and x > 0 for x in tile)):
         raise ExprError(f"granularity {fmt.decoder.scale.granularity!r} gave {tile!r}, not two positive integers")
+    return int(tile[0]), int(tile[1])
+
+
+def scale_grid(fmt: FormatDef, shape: tuple[int, ...], params: Mapping[str, Any]) -> tuple[int, ...]:
+    """The scale tensor's shape for a logical weight ``shape`` [..., out, in] (lead dims kept)."""
+    *lead, out, cols = shape
+    tile = scale_tile(fmt, shape, params)
     return (*lead, -(-out // tile[0]), -(-cols // tile[1]))
 
 
-def _same_grid(actual: tuple[int, ...], want: tuple[int, ...]) -> bool:
-    """Equal up to axes of size one: a per-tensor scale is stored as [], [1] or [1, 1], a per-channel
-    one as [out, 1] (compressed-tensors) or [out] (ModelOpt)."""
-    return tuple(d for d in actual if d != 1) == tuple(d for d in want if d != 1)
+def scale_shapes(fmt: FormatDef, grid: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every shape a scale of ``grid`` [..., gr, gc] may be stored as, the canonical one first: exactly the grid
+    (channel [rows, 1], group [rows, cols / g], block [ceil(rows / b), ceil(cols / b)]); one scale per matrix
+    also as [..., 1] or [...] ([1] or [] alone); with the table's ``row_vector``, a per-row scale as [..., rows]
+    (ModelOpt per-channel). Nothing else: a transposed [1, rows] is another tensor to every loader."""
+    *lead, gr, gc = grid
+    lead = tuple(lead)
+    out = [tuple(grid)]
+    if gr == 1 and gc == 1:
+        out += [(*lead, 1), lead]
+    elif gc == 1 and fmt.decoder.scale.row_vector:
+        out.append((*lead, gr))
+    return list(dict.fromkeys(out))
+
+
+def _shapes_text(shapes: list[tuple[int, ...]]) -> str:
+    return " or ".join(str(list(s)) for s in shapes)
+
+
+def _tile_text(tile: tuple[int, int], shape: tuple[int, ...]) -> str:
+    rows, cols = shape[-2:]
+    if tile[0] >= rows and tile[1] >= cols:
+        return "one scale per matrix"
+    if tile[0] == 1 and tile[1] >= cols:
+        return "one scale per row"
+    return f"one scale per {tile[0]}x{tile[1]} tile"
 
 
 def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: FormatDef, wref: Any,
@@ -120,11 +148,9 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
     if logical and (tuple(wref.shape[:-1]) != tuple(logical[:-1]) or wref.shape[-1] != want_cols):
         problems.append(f"{wref.key} has shape {list(wref.shape)}; a {list(logical)} weight packed "
                         f"{fmt.weight.pack} per element is {[*logical[:-1], want_cols]}")
-    try:
-        grid = scale_grid(fmt, logical, params)
-    except ExprError as e:
-        grid = None
-        problems.append(f"{module}: {e}")
+    tile, grid, error = _tile_grid(fmt, logical, params)
+    if error is not None:
+        problems.append(f"{module}: {error}")
     lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
     for t in fmt.tensors:
         key = f"{module}.{t.suffix}"
@@ -136,17 +162,79 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         present[t.suffix] = key
         if ref.dtype not in t.dtypes:
             problems.append(f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}")
-        elif t.suffix == fmt.decoder.scale.tensor and grid is not None and not _same_grid(ref.shape, grid):
-            problems.append(f"{key} has shape {list(ref.shape)}, expected {list(grid)} for a {list(logical)} "
-                            f"weight ({fmt.decoder.scale.granularity} tiles)")
+        elif t.suffix == fmt.decoder.scale.tensor and grid is not None \
+                and tuple(ref.shape) not in (shapes := scale_shapes(fmt, grid)):
+            problems.append(f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a "
+                            f"{list(logical)} weight ({_tile_text(tile, logical)})")
         elif t.role in ("global_scale", "input_scale") and ref.numel not in (1, lead):
             problems.append(f"{key} has shape {list(ref.shape)}, expected one value")
+    return Storage(module, "quantized", wref.dtype, table.scheme, fmt.name, _label(fmt, params), present,
+                   tuple(missing), tuple(problems), logical, dict(params))
+
+
+# Pure functions of (format, shape, params), asked once per module: tens of thousands of times in a release
+# (every routed expert), with a handful of distinct answers. Keyed by the format's identity (tables are loaded
+# once) and the params' items.
+_MEMO: dict[tuple, Any] = {}
+_MEMO_MAX = 4096
+
+
+def _memo(key: tuple, compute):
     try:
-        label = fmt.label.format_map(dict(params))
-    except (KeyError, ValueError, IndexError):
-        label = fmt.label
-    return Storage(module, "quantized", wref.dtype, table.scheme, fmt.name, label, present, tuple(missing),
-                   tuple(problems), logical, dict(params))
+        return _MEMO[key]
+    except KeyError:
+        pass
+    except TypeError:  # a list-valued param (a block): not hashable as it is
+        return compute()
+    if len(_MEMO) >= _MEMO_MAX:
+        _MEMO.clear()
+    value = _MEMO[key] = compute()
+    return value
+
+
+def _params_key(params: Mapping[str, Any]) -> tuple:
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(params.items()))
+
+
+def _tile_grid(fmt: FormatDef, logical: tuple[int, ...], params: Mapping[str, Any]
+               ) -> tuple[tuple[int, int] | None, tuple[int, ...] | None, str | None]:
+    def compute():
+        try:
+            return scale_tile(fmt, logical, params), scale_grid(fmt, logical, params), None
+        except ExprError as e:
+            return None, None, str(e)
+
+    return _memo(("grid", id(fmt), tuple(logical), _params_key(params)), compute)
+
+
+def _label(fmt: FormatDef, params: Mapping[str, Any]) -> str:
+    def compute():
+        try:
+            return fmt.label.format_map(dict(params))
+        except (KeyError, ValueError, IndexError):
+            return fmt.label
+
+    return _memo(("label", id(fmt), _params_key(params)), compute)
+
+
+_CANDIDATES: dict[int, tuple[Any, Any, list, set]] = {}  # id(scheme) -> (scheme, tables, candidates, own names)
+
+
+def _candidates(scheme: QuantScheme | None) -> tuple[list[tuple[SchemeTable, FormatDef]], set[str]]:
+    """The checkpoint's own formats first, then every other table's: computed once per scheme and set of tables."""
+    from .tables import loaded_schemes
+
+    tables = loaded_schemes()
+    hit = _CANDIDATES.get(id(scheme))
+    if hit is not None and hit[0] is scheme and hit[1] is tables:
+        return hit[2], hit[3]
+    own = scheme.formats() if scheme is not None else []
+    own_names = {t.scheme for t, _ in own}
+    others = [(t, f) for t in tables.values() if t.scheme not in own_names for f in t.storage]
+    if len(_CANDIDATES) > 64:
+        _CANDIDATES.clear()
+    _CANDIDATES[id(scheme)] = (scheme, tables, own + others, own_names)
+    return own + others, own_names
 
 
 def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tuple[int, ...] | None = None,
@@ -158,11 +246,9 @@ def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tu
     ``ckpt`` needs only ``tensors`` (key -> TensorRef).
     """
     tensors = ckpt.tensors
-    own = scheme.formats() if scheme is not None else []
-    own_names = {t.scheme for t, _ in own}
-    others = [(t, f) for t in all_schemes().values() if t.scheme not in own_names for f in t.storage]
+    candidates, own_names = _candidates(scheme)
     best = None
-    for rank, (table, fmt) in enumerate(own + others):
+    for rank, (table, fmt) in enumerate(candidates):
         wref = tensors.get(f"{module}.{fmt.weight.suffix}")
         if wref is None or wref.dtype not in fmt.weight.dtypes:
             continue

@@ -66,11 +66,18 @@ def reload_schemes() -> None:
 def quant_dirs() -> list[Path]:
     """Shipped scheme tables, then ``register_scheme_dir`` directories, then ``CKPT_QUANT_TABLES`` ones
     (os.pathsep-separated)."""
-    dirs = [mappings_dir() / "quantization", *_REGISTERED]
-    for extra in os.environ.get("CKPT_QUANT_TABLES", "").split(os.pathsep):
+    return list(_dirs(tuple(_REGISTERED), os.environ.get("CKPT_QUANT_TABLES", "")))
+
+
+@lru_cache(maxsize=8)
+def _dirs(registered: tuple[Path, ...], env: str) -> tuple[Path, ...]:
+    """The same Path objects for the same settings: all_schemes runs per module (tens of thousands of times in
+    a release's gate), and building and hashing fresh paths each time was most of its cost."""
+    dirs = [mappings_dir() / "quantization", *registered]
+    for extra in env.split(os.pathsep):
         if extra.strip():
             dirs.append(Path(extra))
-    return dirs
+    return tuple(dirs)
 
 
 def _registered_codes() -> frozenset[str]:
@@ -167,9 +174,16 @@ def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
 
 def all_schemes() -> dict[str, SchemeTable]:
     """Every scheme table by name, in file order."""
+    return dict(loaded_schemes())
+
+
+def loaded_schemes() -> dict[str, SchemeTable]:
+    """``all_schemes`` without the copy: the loaded tables themselves, the same object until a registration or a
+    reload changes them (callers memoise on its identity; never modify it)."""
     from .encode import ENCODERS
 
-    return dict(_load(tuple(quant_dirs()), frozenset(ENCODERS), _registered_codes()))
+    return _load(_dirs(tuple(_REGISTERED), os.environ.get("CKPT_QUANT_TABLES", "")), frozenset(ENCODERS),
+                 _registered_codes())
 
 
 def get_scheme(name: str) -> SchemeTable:

@@ -163,6 +163,13 @@ class ObjectStoreWriter(Writer):
 
     # -- storage steps ---------------------------------------------------------------------
 
+    def _open_journal(self, manifest: dict | None = None) -> None:
+        """No local journal: the resume record's objects carry size, ETag and digests (``_kept``); an object
+        rewritten after the kill has another ETag and is written again."""
+
+    def _previous_manifest(self) -> dict | None:
+        return None
+
     def _remove(self, name: str) -> None:
         self.store.remove([name])
 

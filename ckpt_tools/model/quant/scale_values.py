@@ -1,0 +1,279 @@
+"""Scales are values: every scale, global scale and zero point of every quantized module, read and checked.
+
+A quantized weight decodes as ``(code - zero_point) * scale`` (``decode``): a scale that is NaN, Inf,
+zero or negative gives NaN / Inf / zero weights that no shape or dtype check sees; a zero point outside
+the code range is no code at all. Rule ``quant-scale-value`` (the one rule set, so validate, the gate
+and every verb): every companion a scheme table gives the role ``scale``, ``global_scale`` or
+``input_scale``, of a module whose weight the same table stores (its suffix and dtype), is finite and
+positive; every ``zero_point`` lies within the codes' range. A sparse replica (zero bytes) has zero
+scales and is invalid like any other.
+
+Cost: scales are a small part of the bytes (FP8 blocks 1/16384 of the weight, NVFP4 1/8). They are read
+in one pass, per shard in offset order, in batches of at most ``BATCH_BYTES`` (a scale tensor larger than
+that is read in pieces), each batch checked with two vectorised reductions on the raw bits (positive
+finite values of a float format are exactly a range of unsigned bit patterns); only a batch that fails
+is looked at tensor by tensor, to name the tensor and the first bad index.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
+
+from ...errors import InputError
+from ...io.safetensors_io import IO_STATS
+from ..problem import Problem
+from .schema import FormatDef, SchemeTable, TensorDef
+
+RULE = "quant-scale-value"
+DESCRIPTION = "a scale, global scale or zero point of a quantized module is NaN, Inf, zero, negative or out of range"
+BATCH_BYTES = 32 << 20  # bytes read and checked at once (memory bound of the pass)
+MAX_DETAILED = 100  # problems named one by one; the rest are counted in one more
+
+# Positive finite values of each float format are exactly one range of unsigned bit patterns
+# (sign clear, not zero, exponent not all ones): (unsigned view, lowest, highest) inclusive.
+# (numpy dtypes as strings: a checkpoint without quantized modules never imports numpy)
+_POSITIVE_FINITE: dict[str, tuple[str, int, int]] = {
+    "F64": ("<u8", 1, 0x7FEFFFFFFFFFFFFF),
+    "F32": ("<u4", 1, 0x7F7FFFFF),
+    "BF16": ("<u2", 1, 0x7F7F),
+    "F16": ("<u2", 1, 0x7BFF),
+    "F8_E4M3": ("u1", 1, 0x7E),  # 0x7F is NaN (no Inf)
+    "F8_E5M2": ("u1", 1, 0x7B),
+    "F8_E8M0": ("u1", 0, 0xFE),  # 2**(e - 127): never zero nor negative; 0xFF is NaN
+}
+_E8M0 = ("u1", 0, 0xFE)  # a U8 scale the table reads as E8M0 (OCP MX); 0xFF is NaN or Inf
+_INTS = {"I8": "i1", "U8": "u1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+_ROLES = ("scale", "global_scale", "input_scale", "zero_point")
+_WHAT = {"scale": "scale", "global_scale": "global scale", "input_scale": "activation scale",
+         "zero_point": "zero point"}
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one companion's raw bits are judged."""
+
+    role: str
+    view: str  # numpy dtype the bytes are read as
+    low: int  # inclusive range of the valid raw values
+    high: int
+    dtype: str  # safetensors dtype (for the value shown)
+    encoding: str = "float"
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.view[-1])
+
+
+# one piece read and checked: (TensorRef, byte offset inside the tensor, length, kind); tuples, not objects: a
+# release has tens of thousands of scale tensors
+_Piece = tuple
+
+
+def _candidates(tables: list[SchemeTable]) -> dict[str, list[tuple[FormatDef, TensorDef]]]:
+    """Last name component -> (format, companion) of every format that has a companion of that suffix."""
+    out: dict[str, list[tuple[FormatDef, TensorDef]]] = {}
+    for table in tables:
+        for fmt in table.storage:
+            for t in fmt.tensors:
+                if t.role in _ROLES and "." not in t.suffix:
+                    out.setdefault(t.suffix, []).append((fmt, t))
+    return out
+
+
+def _zero_range(fmt: FormatDef) -> tuple[int, int] | None:
+    """The codes' range a zero point must lie in (integer codes of ``bits``), None when not integer codes."""
+    d = fmt.decoder
+    if d.codes != "int":
+        return None
+    if d.offset == 0:  # signed codes
+        return -(1 << (d.bits - 1)), (1 << (d.bits - 1)) - 1
+    return -d.offset, (1 << d.bits) - 1 - d.offset
+
+
+def _kind(fmt: FormatDef, t: TensorDef, dtype: str) -> _Kind | None:
+    if t.role == "zero_point":
+        zr = _zero_range(fmt)
+        packed = fmt.decoder.zero_point is not None and fmt.decoder.zero_point.packed != "none"
+        if zr is None or dtype not in _INTS or packed:
+            return None  # packed zero points decode into the range whatever the bits (zero_point_values)
+        return _Kind("zero_point", _INTS[dtype], zr[0], zr[1], dtype, "int")
+    if t.role == "scale" and t.suffix == fmt.decoder.scale.tensor and fmt.decoder.scale.encoding == "e8m0" \
+            and dtype == "U8":
+        return _Kind(t.role, *_E8M0, dtype, "e8m0")
+    if dtype in _POSITIVE_FINITE:
+        return _Kind(t.role, *_POSITIVE_FINITE[dtype], dtype)
+    return None  # a dtype read another way (a U8 activation scale): no value rule known
+
+
+def _declared_first(ckpt: Any) -> list[SchemeTable]:
+    from .detect import detect_scheme
+    from .tables import all_schemes
+
+    try:
+        scheme = detect_scheme(ckpt)
+    except InputError:  # quant-unknown: reported by its own rule
+        scheme = None
+    own = list(scheme.tables) if scheme is not None else []
+    names = {t.scheme for t in own}
+    return own + [t for t in all_schemes().values() if t.scheme not in names]
+
+
+def companions(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> list[tuple[Any, _Kind]]:
+    """Every scale / global scale / activation scale / zero point tensor of a quantized module, with its rule."""
+    tensors: Mapping[str, Any] = ckpt.tensors
+    cands = _candidates(_declared_first(ckpt))
+    kinds: dict[tuple[int, int, str], _Kind | None] = {}  # per (format, companion, dtype): a few distinct ones
+    out = []
+    for key, ref in tensors.items():
+        module, _, suffix = key.rpartition(".")
+        options = cands.get(suffix)
+        if not options or key in unknown:
+            continue
+        for fmt, t in options:
+            w = tensors.get(f"{module}.{fmt.weight.suffix}")
+            if w is not None and w.dtype in fmt.weight.dtypes and ref.dtype in t.dtypes:
+                at = (id(fmt), id(t), ref.dtype)
+                kind = kinds[at] if at in kinds else kinds.setdefault(at, _kind(fmt, t, ref.dtype))
+                if kind is not None:
+                    out.append((ref, kind))
+                break
+    return out
+
+
+def _pieces(refs: list[tuple[Any, _Kind]]) -> Iterator[list[_Piece]]:
+    """Batches of at most BATCH_BYTES of one kind (one piece may be a part of a large tensor), per source in
+    offset order."""
+    groups: dict[tuple[int, int], tuple[_Kind, list[Any]]] = {}
+    for ref, kind in refs:  # kinds are shared objects (companions): grouped by identity, no hashing of fields
+        at = (id(ref.source), id(kind))
+        (groups.get(at) or groups.setdefault(at, (kind, [])))[1].append(ref)
+    for kind, group in groups.values():
+        group.sort(key=attrgetter("offset"))
+        step = max(kind.itemsize, BATCH_BYTES // kind.itemsize * kind.itemsize)
+        batch: list[_Piece] = []
+        size = 0
+        for ref in group:
+            n = ref.nbytes
+            for start in range(0, n, step) if n > step else (0,):
+                length = min(step, n - start)
+                if batch and size + length > BATCH_BYTES:
+                    yield batch
+                    batch, size = [], 0
+                batch.append((ref, start, length, kind))
+                size += length
+        if batch:
+            yield batch
+
+
+def _read(batch: list[_Piece]) -> tuple[bytearray, list[int]]:
+    """The batch's bytes, one after another, and where each piece starts."""
+    at, total = [], 0
+    for p in batch:
+        at.append(total)
+        total += p[2]
+    buf = bytearray(total)
+    view = memoryview(buf)
+    source = batch[0][0].source
+    fd = source.local_fd()
+
+    def one(i: int) -> None:
+        ref, start, length, _ = batch[i]
+        part = view[at[i]:at[i] + length]
+        if os.preadv(fd, [part], ref.offset + start) != length:
+            source.readinto(ref.offset + start, part)  # a short read: the source's own path and errors
+
+    for i in range(len(batch)):
+        one(i)
+    IO_STATS.add_read(total)
+    return buf, at
+
+
+def _bad(raw: Any, kind: _Kind) -> bool:
+    return bool(raw.size) and (int(raw.min()) < kind.low or int(raw.max()) > kind.high)
+
+
+def _value(raw: int, kind: _Kind) -> str:
+    import numpy as np
+
+    if kind.encoding == "int":
+        return str(raw)
+    from ...errors import PlanError
+    from .decode import scale_values
+
+    arr = np.array([raw], dtype=kind.view)
+    try:
+        v = float(scale_values(arr, kind.dtype if kind.encoding == "float" else "U8", kind.encoding)[0])
+    except PlanError:  # a dtype the decoders do not read (F64 of a registered table): its bits
+        return f"0x{raw:0{2 * kind.itemsize}x}"
+    return repr(v) if np.isfinite(v) else ("NaN" if np.isnan(v) else ("-inf" if v < 0 else "inf"))
+
+
+def _problem(p: _Piece, raw: Any) -> Problem:
+    import numpy as np
+
+    ref, start, _, kind = p
+    bad = np.flatnonzero((raw < kind.low) | (raw > kind.high))
+    local = int(bad[0])
+    flat = start // kind.itemsize + local
+    index = list(np.unravel_index(flat, ref.shape)) if ref.shape else []
+    value = _value(int(raw[local]), kind)
+    what = _WHAT[kind.role]
+    count = int(bad.size)
+    more = f" ({count} such values in this part of it)" if count > 1 else ""
+    if kind.role == "zero_point":
+        why = f"outside the codes' range [{kind.low}, {kind.high}]"
+        effect = "no code has that offset"
+    else:
+        why = "not finite and positive"
+        effect = ("the weights it scales decode to NaN, Inf or zero" if kind.role != "input_scale"
+                  else "activations would be divided by it")
+    return Problem(RULE, ref.file, ref.key, f"{what} value {value} at index {[int(i) for i in index]} is {why}"
+                                             f"{more}: {effect}")
+
+
+def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+    """``quant-scale-value`` for every quantized module of ``ckpt`` (trunk and MTP alike) stored in local files.
+
+    A remote checkpoint (hf://, s3://) is read header-only by inspect, validate and the gate (a verb downloads
+    the shards it needs, no more), so its scales are not read here: they are checked where they are decoded
+    (``finite``: a NaN / Inf value is refused, naming the tensor and index)."""
+    refs = [(r, k) for r, k in companions(ckpt, unknown) if r.source.local_fd() is not None]
+    if not refs:
+        return []
+    import numpy as np
+
+    out: list[Problem] = []
+    seen: set[str] = set()
+    extra = 0
+    for batch in _pieces(refs):
+        buf, at = _read(batch)
+        kind = batch[0][3]  # one kind per batch
+        if not _bad(np.frombuffer(buf, dtype=kind.view), kind):
+            continue
+        for p, a in zip(batch, at, strict=True):
+            raw = np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize, offset=a)
+            if p[0].key in seen or not _bad(raw, kind):
+                continue
+            seen.add(p[0].key)
+            if len(out) < MAX_DETAILED:
+                out.append(_problem(p, raw))
+            else:
+                extra += 1
+    if extra:
+        out.append(Problem(RULE, None, None, f"{extra} more scale / zero point tensor(s) with values that are not "
+                                             "finite and positive (or out of range)"))
+    return out
+
+
+def require_finite_scales(ckpt: Any, where: str | None = None) -> None:
+    """Refuse (InputError) a checkpoint whose scales ``scale_value_problems`` finds wrong: for callers that do not
+    run the rule set (probe loads through transformers)."""
+    problems = scale_value_problems(ckpt)
+    if problems:
+        first = problems[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputError(f"{first.key}: {first.message}{more}", rule=RULE, path=first.path or where)
