@@ -363,3 +363,15 @@ def test_prompts_the_model_cannot_take_are_refused_with_file_and_line(tmp_path, 
     with pytest.raises(InputError) as e:
         check_prompts(str(path), 128, 128, max_new)
     assert e.value.rule == "prompts" and says in str(e.value) and str(path) in str(e.value)
+
+
+def test_a_draft_that_computes_no_number_is_refused_not_reported(trained, prompts, extracted, tmp_path):
+    """Finite weights whose products overflow float32 give Inf / NaN logits: probe refuses (exit 3, naming the draft)
+    instead of reporting null (issue 32)."""
+    def overflow(tensors: dict) -> None:
+        [key] = [k for k in tensors if k.endswith("eh_proj.weight")]
+        tensors[key] = torch.full_like(tensors[key], 3e38)
+
+    huge = probe_model.edited(extracted, tmp_path / "huge", overflow)
+    r = ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4, "--draft", huge, "--json", code=3)
+    assert "[probe-nonfinite]" in r.output and str(huge) in r.output and r.stdout == ""

@@ -156,6 +156,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     """
     from ..errors import CheckFailed, UsageError
     from ..jsonutil import write_json_file
+    from ..ops.probe_numbers import check_finite
     from ..options import outside_inputs
 
     _check_acceptance(min_acceptance)
@@ -177,6 +178,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
                                   dtype, chain, arch=arch)
         with _display(progress) as display, _quiet_transformers(not progress):
             result = _probe.probe(req, display.bar, display.announce)
+    check_finite(result, os.fspath(verifier))  # a NaN is no measurement: refused, never reported
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
     if report is not None:
         write_json_file(report, out.to_json(), "--report", paths)
