@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
                                                    help="Show this family in full: its MTP prefix template, norm, "
                                                         "fusion order and why each format does or does not apply."),
                json_output: bool = typer.Option(False, "--json", help="Print JSON."),
-               probe: bool = typer.Option(False, "--probe", help="Also say which families `ckpt probe` supports "
+               probe: bool = typer.Option(False, "--probe", help="Also say which families `ckpt probe` supports, per engine (our table engine for transformers; vLLM: the table's class) "
                                                                  "(asks transformers: a few seconds).")) -> None:
         """List the architecture tables (shipped and from $CKPT_TABLES), their extract formats, and whether
         `ckpt probe` supports the family (our table engine builds its MTP layers; "+ref" when transformers'
