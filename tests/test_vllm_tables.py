@@ -49,7 +49,7 @@ def job(family: str, d: Path) -> dict:
             depths.setdefault(spec.depth or 0, []).append(spec.key)
     return {"family": family, "dir": str(d), "arch": table.vllm.architecture,
             "mtp": [sorted(depths[k]) for k in sorted(depths)], "unread": sorted(skipped),
-            "device": table.vllm.device, "dtype": table.vllm.dtype}
+            "device": table.vllm.device, "dtype": table.vllm.dtype, "stubs": list(table.vllm.stubs)}
 
 
 def build(family: str, root: Path) -> Path:

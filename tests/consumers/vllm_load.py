@@ -15,7 +15,8 @@ cannot be built on CPU). Every tensor of D is then fed, in file order, through t
   unexpected  MTP tensors of the table (``mtp``: one list per depth) that load_weights did not load into
               any parameter, over the depths vLLM builds (``depths``; ``beyond_depths`` tensors were not read)
   unread_loaded  tensors the table says vLLM skips on purpose (``unread``) that it loaded after all
-  shared_from_target  parameters the proposer takes from the target model after loading (its lm_head)
+  shared_from_target  parameters the proposer takes from the target model after loading (lm_head,
+              embed_tokens of an MTP draft), when no tensor was loaded into them
   loaded      how many parameters were loaded; ``consumed``: how many checkpoint tensors were
   error       the exception, when building or loading failed (then nothing else is reported)
 
@@ -82,6 +83,33 @@ def stub_missing_modules() -> None:
     except Exception:
         sys.modules.pop("torchvision", None)
         sys.meta_path.insert(0, _Finder())
+
+
+def _stub_cuda_stream() -> None:
+    """``torch.cuda.Stream()`` / ``torch.cuda.Event()`` in a layer's constructor (overlap at run time)."""
+    import torch
+
+    class Inert:
+        def __init__(self, *a, **k):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    torch.cuda.Stream = Inert
+    torch.cuda.Event = Inert
+
+
+# CPU stand-ins a table may ask for (``vllm.stubs``): each lets a class be BUILT on CPU where its constructor
+# reaches for a GPU-only piece; none of them touches load_weights, which is what the check runs
+STUBS = {
+    "cuda_stream": _stub_cuda_stream,
+}
+
+
+def install_stubs(names: list[str]) -> None:
+    for name in names:
+        STUBS[name]()
 
 
 def inspect_in_process() -> None:
@@ -224,6 +252,7 @@ def run_job(job: dict) -> dict:
         out["error"] = f"vLLM chose draft architecture {arch}, the table says {job['arch']}"
         return out
     device = torch.device(job.get("device", "cpu"))
+    install_stubs(job.get("stubs", []))
     with set_current_vllm_config(vcfg):
         init_distributed()
     with set_current_vllm_config(vcfg), set_default_torch_dtype(draft.dtype), device:
@@ -238,7 +267,10 @@ def run_job(job: dict) -> dict:
         missing |= set(rec.params) - set(returned)
     # the proposer replaces an MTP draft's head by the target's after loading (llm_base_proposer
     # _maybe_share_lm_head) unless the class says it has its own
+    # and its embedding (_maybe_share_embeddings)
     shared = {"lm_head.weight"} if not getattr(model, "has_own_lm_head", False) else set()
+    if not getattr(model, "has_own_embed_tokens", False):
+        shared.add("model.embed_tokens.weight")
     out["shared_from_target"] = sorted(missing & shared)
     out["missing"] = sorted(missing - shared)
     n_predict = int(getattr(draft.hf_config, "n_predict", None) or len(job["mtp"]))
