@@ -100,10 +100,33 @@ def _stub_cuda_stream() -> None:
     torch.cuda.Event = Inert
 
 
+def _stub_sparse_attention() -> None:
+    """vLLM's CPU platform refuses to pick a backend for sparse (DSA) attention: hand it CUDA's FlashMLA
+    sparse backend (its module imports on CPU), whose only GPU step when built is reserving a scratch
+    workspace: reserve nothing. A backend shapes the KV cache and the kernels, not the parameters."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.mla import flashmla_sparse
+
+    class NoWorkspace:
+        def get_simultaneous(self, *specs):
+            return [None for _ in specs]
+
+    flashmla_sparse.current_workspace_manager = NoWorkspace
+    pick = CpuPlatform.get_attn_backend_cls.__func__
+
+    def sparse(cls, selected_backend, attn_selector_config, num_heads=None):
+        if attn_selector_config.use_sparse:
+            return "vllm.v1.attention.backends.mla.flashmla_sparse.FlashMLASparseBackend"
+        return pick(cls, selected_backend, attn_selector_config, num_heads)
+
+    CpuPlatform.get_attn_backend_cls = classmethod(sparse)
+
+
 # CPU stand-ins a table may ask for (``vllm.stubs``): each lets a class be BUILT on CPU where its constructor
 # reaches for a GPU-only piece; none of them touches load_weights, which is what the check runs
 STUBS = {
     "cuda_stream": _stub_cuda_stream,
+    "sparse_attention": _stub_sparse_attention,
 }
 
 
