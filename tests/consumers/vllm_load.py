@@ -122,11 +122,41 @@ def _stub_sparse_attention() -> None:
     CpuPlatform.get_attn_backend_cls = classmethod(sparse)
 
 
+def _stub_moe_kernel() -> None:
+    """vLLM's CPU build has no fused-MoE kernel for some expert activations (non-gated relu2, clamped
+    SwiGLU) and refuses to build such experts: accept the configuration and take the CPU backend's weight
+    layout. The kernel would run at forward time; the expert parameters are the same for every backend."""
+    from vllm.model_executor.layers.fused_moe import config as moe_config
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as method
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    real = moe_config.current_platform
+
+    class AnyActivation:  # the non-gated check asks whether the platform is CUDA-like; nothing else changes
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def is_cuda_alike(self):
+            return True
+
+    moe_config.current_platform = AnyActivation()
+    select = method.select_unquantized_moe_backend
+
+    def cpu_layout(*a, **k):
+        try:
+            return select(*a, **k)
+        except NotImplementedError:
+            return UnquantizedMoeBackend.CPU, None
+
+    method.select_unquantized_moe_backend = cpu_layout
+
+
 # CPU stand-ins a table may ask for (``vllm.stubs``): each lets a class be BUILT on CPU where its constructor
 # reaches for a GPU-only piece; none of them touches load_weights, which is what the check runs
 STUBS = {
     "cuda_stream": _stub_cuda_stream,
     "sparse_attention": _stub_sparse_attention,
+    "moe_kernel": _stub_moe_kernel,
 }
 
 
@@ -291,7 +321,10 @@ def run_job(job: dict) -> dict:
     # the proposer replaces an MTP draft's head by the target's after loading (llm_base_proposer
     # _maybe_share_lm_head) unless the class says it has its own
     # and its embedding (_maybe_share_embeddings)
-    shared = {"lm_head.weight"} if not getattr(model, "has_own_lm_head", False) else set()
+    shared = set()
+    if not getattr(model, "has_own_lm_head", False):  # and every MTP layer's shared_head.head (vLLM PR #34385)
+        shared = {"lm_head.weight"} | {n for n in rec.params
+                                       if n.startswith("model.layers.") and n.endswith(".shared_head.head.weight")}
     if not getattr(model, "has_own_embed_tokens", False):
         shared.add("model.embed_tokens.weight")
     out["shared_from_target"] = sorted(missing & shared)
