@@ -26,6 +26,7 @@ was handed that tensor's storage (loaders that buffer tensors and load them late
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import sys
@@ -39,50 +40,74 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+class _Any(types.ModuleType):
+    """A module (and everything inside it) that stands for a package this build lacks: never called here."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        sub = _Any(f"{self.__name__}.{name}")
+        sub.__spec__ = importlib.machinery.ModuleSpec(sub.__name__, None)
+        setattr(self, name, sub)
+        return sub
+
+    def __call__(self, *a, **k):
+        return self
+
+    def __or__(self, other):  # type annotations such as ``tvF.InterpolationMode | int``
+        return self
+
+    __ror__ = __or__
+
+
+class _Finder:
+    """Imports of ``names`` (and their submodules) get an ``_Any``."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if any(name == n or name.startswith(n + ".") for n in self.names):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = _Any(spec.name)
+        m.__path__ = []
+        m.__version__ = "0.0.0"
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
 def stub_missing_modules() -> None:
-    """The CPU build lacks torchvision (multimodal processors import it at module level) and CUDA's flash
-    attention (imported by some families' attention modules): stand-ins that are never called here."""
-    import importlib.machinery
-
-    class _Any(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            sub = _Any(f"{self.__name__}.{name}")
-            sub.__spec__ = importlib.machinery.ModuleSpec(sub.__name__, None)
-            setattr(self, name, sub)
-            return sub
-
-        def __call__(self, *a, **k):
-            return self
-
-        def __or__(self, other):  # type annotations such as ``tvF.InterpolationMode | int``
-            return self
-
-        __ror__ = __or__
-
-    class _Finder:
-        roots = ("torchvision",)
-
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in self.roots:
-                return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            return None
-
-        def create_module(self, spec):
-            m = _Any(spec.name)
-            m.__path__ = []
-            m.__version__ = "0.0.0"
-            return m
-
-        def exec_module(self, module):
-            pass
-
+    """The CPU build lacks torchvision, which multimodal processors import at module level: a stand-in."""
     try:
         import torchvision  # noqa: F401
     except Exception:
         sys.modules.pop("torchvision", None)
-        sys.meta_path.insert(0, _Finder())
+        sys.meta_path.insert(0, _Finder("torchvision"))
+
+
+CUDA_ONLY = ("vllm.vllm_flash_attn", "vllm.third_party.deep_gemm")
+
+
+def _stub_cuda_imports() -> None:
+    """Modules only CUDA builds have (flash attention, which raises on import without its extension, and
+    DeepGEMM): some families' modules import them at module level for kernels they call at run time. Only
+    for tables that ask: a CPU code path that probes for them would otherwise think them present."""
+    for name in [n for n in sys.modules if any(n == m or n.startswith(m + ".") for m in CUDA_ONLY)]:
+        del sys.modules[name]
+    sys.meta_path.insert(0, _Finder(*CUDA_ONLY))
+    from vllm.v1.attention.backends import fa_utils
+
+    # the CUDA-only helpers fa_utils defines when flash attention is present
+    fa_utils.__getattr__ = lambda name: _Any(f"{fa_utils.__name__}.{name}")
+    from vllm.v1.attention.backends.mla.prefill import flash_attn as prefill
+
+    if prefill.flash_attn_varlen_func is None:  # the prefill backend asserts it exists when built
+        prefill.flash_attn_varlen_func = _Any("flash_attn_varlen_func")
 
 
 def _stub_cuda_stream() -> None:
@@ -157,6 +182,7 @@ STUBS = {
     "cuda_stream": _stub_cuda_stream,
     "sparse_attention": _stub_sparse_attention,
     "moe_kernel": _stub_moe_kernel,
+    "cuda_imports": _stub_cuda_imports,
 }
 
 
@@ -293,6 +319,7 @@ def run_job(job: dict) -> dict:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     out = {"family": job["family"]}
+    install_stubs(job.get("stubs", []))
     vcfg = vllm_config_for(job["dir"], job.get("dtype", "float32"))
     draft = vcfg.speculative_config.draft_model_config
     arch = draft.hf_config.architectures[0]
@@ -305,7 +332,6 @@ def run_job(job: dict) -> dict:
         out["error"] = f"vLLM chose draft architecture {arch}, the table says {job['arch']}"
         return out
     device = torch.device(job.get("device", "cpu"))
-    install_stubs(job.get("stubs", []))
     with set_current_vllm_config(vcfg):
         init_distributed()
     with set_current_vllm_config(vcfg), set_default_torch_dtype(draft.dtype), device:

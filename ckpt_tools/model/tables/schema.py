@@ -184,7 +184,8 @@ class VllmDef(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"  # the dtype the CPU layers accept
     # CPU stand-ins the load check installs (named in tests/consumers/vllm_load.py), for layers whose
     # construction needs a GPU kernel although loading does not
-    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel"]] = Field(default_factory=list)
+    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports"]] = Field(
+        default_factory=list)
     fixture: dict = Field(default_factory=dict)  # config overrides for sizes / fields vLLM's classes need
     unread: list[str] = Field(default_factory=list)  # glue roles vLLM's loader skips on purpose (say why in note)
     note: str | None = None  # why the check stops where it does; disagreements with vLLM
