@@ -205,16 +205,23 @@ def inspect_in_process() -> None:
 
 def register_plain_config(model_type: str) -> None:
     """A config class for a model type neither transformers nor vLLM ships (releases bring it as remote
-    code): a plain PretrainedConfig holding every field of config.json, which is what the remote classes
-    are for the fields vLLM reads."""
+    code): a plain PretrainedConfig holding every field of config.json, nested text / vision configs of a
+    known model type built as those, which is what the remote classes are for the fields vLLM reads."""
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
     if model_type in CONFIG_MAPPING or model_type in _CONFIG_REGISTRY:
         return
-    cls = type(f"Plain_{model_type}_Config", (PretrainedConfig,), {"model_type": model_type})
+
+    def __init__(self, **kwargs):
+        for name in ("text_config", "vision_config"):
+            sub = kwargs.get(name)
+            if isinstance(sub, dict) and sub.get("model_type") in CONFIG_MAPPING:
+                kwargs[name] = CONFIG_MAPPING[sub["model_type"]](**sub)
+        PretrainedConfig.__init__(self, **kwargs)
+
+    cls = type(f"Plain_{model_type}_Config", (PretrainedConfig,), {"model_type": model_type, "__init__": __init__})
     AutoConfig.register(model_type, cls)
 
 
