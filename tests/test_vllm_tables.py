@@ -106,6 +106,7 @@ def test_vllm_loader_takes_every_mtp_tensor(family, reports):
     assert rep["arch"] == table.vllm.architecture
     assert rep["registry"] == table.vllm.cls
     assert rep["missing"] == [], f"{family}: vLLM parameters no tensor was loaded into: {rep['missing']}"
+    assert rep["partial"] == [], f"{family}: vLLM parameters left partly unloaded: {rep['partial']}"
     assert rep["unexpected"] == [], f"{family}: MTP tensors vLLM's loader did not take: {rep['unexpected']}"
     assert rep["unread_loaded"] == [], f"{family}: vllm.unread names tensors vLLM does load: {rep['unread_loaded']}"
     assert rep["loaded"] > 0 and rep["consumed"] > 0

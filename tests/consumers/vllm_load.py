@@ -12,6 +12,7 @@ cannot be built on CPU). Every tensor of D is then fed, in file order, through t
   arch        the draft architecture vLLM's speculative config chose; ``registry``: its registry entry
   class       the class instantiated (module.Class)
   missing     parameters of the draft that no checkpoint tensor was loaded into
+  partial     parameters a tensor was loaded into that still hold unloaded elements (CPU runs)
   unexpected  MTP tensors of the table (``mtp``: one list per depth) that load_weights did not load into
               any parameter, over the depths vLLM builds (``depths``; ``beyond_depths`` tensors were not read)
   unread_loaded  tensors the table says vLLM skips on purpose (``unread``) that it loaded after all
@@ -250,9 +251,16 @@ def vllm_config_for(ckpt_dir: str, dtype: str):
 
 
 class Recorder:
-    """Which parameters a weight loader ran for, and while which checkpoint tensor was current."""
+    """Which parameters took a value, and from which checkpoint tensor.
 
-    def __init__(self, model):
+    Two witnesses: a parameter's weight loader ran (while a tensor was current, or handed a tensor's
+    storage: loaders that buffer tensors and load them later), or - on CPU, where every floating
+    parameter starts as NaN - a parameter lost NaNs while a tensor was current (loaders that copy into a
+    parameter directly)."""
+
+    def __init__(self, model, watch_values: bool):
+        import torch
+
         self.model = model
         self.params = dict(model.named_parameters())
         self.by_id = {id(p): n for n, p in self.params.items()}
@@ -260,6 +268,23 @@ class Recorder:
         self.current: str | None = None
         self.consumed: set[str] = set()
         self.storage: dict[int, str] = {}
+        self.watched = {n: p for n, p in self.params.items() if watch_values and p.is_floating_point()}
+        with torch.no_grad():
+            for p in self.watched.values():
+                p.fill_(float("nan"))
+        self.nans = self._nans()
+
+    def _nans(self) -> dict[str, int]:
+        return {n: int(p.isnan().sum()) for n, p in self.watched.items()}
+
+    def _settle(self) -> None:
+        """Parameters that took values while the current tensor was being loaded."""
+        now = self._nans()
+        changed = [n for n, c in now.items() if c < self.nans[n]]
+        self.loaded.update(changed)
+        if changed and self.current is not None:
+            self.consumed.add(self.current)
+        self.nans = now
 
     def note(self, param, tensors) -> None:
         name = self.by_id.get(id(param))
@@ -299,6 +324,7 @@ class Recorder:
             self.storage[_storage(t)] = key
             self.current = key
             yield key, t
+            self._settle()
         self.current = None
 
 
@@ -344,7 +370,7 @@ def run_job(job: dict) -> dict:
     with set_current_vllm_config(vcfg), set_default_torch_dtype(draft.dtype), device:
         model = initialize_model(vcfg, model_config=draft)
     out["class"] = f"{type(model).__module__}.{type(model).__qualname__}"
-    rec = Recorder(model)
+    rec = Recorder(model, watch_values=device.type == "cpu")
     rec.install()
     with set_current_vllm_config(vcfg):
         returned = model.load_weights(rec.feed(checkpoint_tensors(job["dir"])))
@@ -362,6 +388,8 @@ def run_job(job: dict) -> dict:
         shared.add("model.embed_tokens.weight")
     out["shared_from_target"] = sorted(missing & shared)
     out["missing"] = sorted(missing - shared)
+    # loaded, yet part of it never received a value (CPU runs: parameters start as NaN)
+    out["partial"] = sorted(n for n, c in rec.nans.items() if c and n not in missing)
     n_predict = int(getattr(draft.hf_config, "n_predict", None) or len(job["mtp"]))
     out["depths"] = n_predict
     served = {k for depth in job["mtp"][:n_predict] for k in depth}
