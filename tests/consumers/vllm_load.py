@@ -388,8 +388,12 @@ def run_job(job: dict) -> dict:
         shared.add("model.embed_tokens.weight")
     out["shared_from_target"] = sorted(missing & shared)
     out["missing"] = sorted(missing - shared)
-    # loaded, yet part of it never received a value (CPU runs: parameters start as NaN)
-    out["partial"] = sorted(n for n, c in rec.nans.items() if c and n not in missing)
+    # loaded, yet part of it never received a value (CPU runs: parameters start as NaN); a packed module
+    # with a padding shard (packed_modules_mapping names it with a leading "_") keeps its padding rows
+    padded = {fused for fused, shards in (getattr(model, "packed_modules_mapping", None) or {}).items()
+              if any(str(s).startswith("_") for s in shards)}
+    out["partial"] = sorted(n for n, c in rec.nans.items()
+                            if c and n not in missing and not any(f".{p}." in n for p in padded))
     n_predict = int(getattr(draft.hf_config, "n_predict", None) or len(job["mtp"]))
     out["depths"] = n_predict
     served = {k for depth in job["mtp"][:n_predict] for k in depth}
