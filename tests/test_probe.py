@@ -344,3 +344,22 @@ def test_missing_extras_are_named(trained, monkeypatch, tmp_path):
     for args in (["probe", trained], ["probe", trained, "--json"], ["tables", "--probe"]):
         r = ckpt(*args, code=2)
         assert "[missing-extra]" in r.output and "transformers" in r.output and "ckpt-tools[probe]" in r.output
+
+
+# -- prompts the model cannot take are refused, naming the file and the line (issue 32, item 6) -------------------
+
+
+@pytest.mark.parametrize(("ids", "max_new", "says"), [
+    ([5, 2**64], 4, "line 2: expected"),  # past int64: refused as it is read, not an overflow inside torch
+    ([5, 128], 4, "line 2: token id 128 is outside the vocabulary (0 <= id < 128)"),
+    ([5] * 120, 16, "line 2: 120 prompt tokens + --max-new-tokens 16 exceed the model's 128 positions"),
+])
+def test_prompts_the_model_cannot_take_are_refused_with_file_and_line(tmp_path, ids, max_new, says):
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.ops.probe import check_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"input_ids": [3, 4]}) + "\n" + json.dumps({"input_ids": ids}) + "\n")
+    with pytest.raises(InputError) as e:
+        check_prompts(str(path), 128, 128, max_new)
+    assert e.value.rule == "prompts" and says in str(e.value) and str(path) in str(e.value)

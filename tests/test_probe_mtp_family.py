@@ -80,7 +80,7 @@ def test_probe_measures_the_trained_layer_its_swapped_fusion_and_its_speculators
 
     # the engine measures alone: transformers' MtpModel builds no Qwen3-Next MTP, generate has no drafter for it
     v = m["verifier"]
-    assert report["engine"] == "ckpt-tools table engine"
+    assert report["engine"]["mtp"] == "ckpt-tools table engine"
     assert set(report["reference"]) == {"skipped"} and "MtpModel" in report["reference"]["skipped"]
     assert v["greedy_equal"] is None
     assert v["positions"] == PROMPTS * NEW_TOKENS

@@ -380,7 +380,7 @@ def measured(report: dict) -> dict:
 
     from ckpt_tools.ops.probe import ENGINE
 
-    assert report["engine"] == ENGINE, report
+    assert report["engine"]["mtp"] == ENGINE, report
     [mine] = report["drafts"]
     assert mine["name"] == "verifier" and mine["positions"] >= 1, mine
     assert all(0.0 <= a <= 1.0 for a in mine["agreement"]) and len(mine["agreement"]) == 1, mine

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from ..ops import probe as _probe
@@ -134,7 +135,10 @@ def _check_acceptance(min_acceptance: float | None) -> None:
 def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathArg | None = None,
           max_new_tokens: int = 32, depth: int = 1, device: str = "cpu", dtype: str = "fp32",
           chain: str = "sglang", min_acceptance: float | None = None, report: PathArg | None = None,
-          arch: str | None = None, progress: bool = False) -> ProbeReport:
+          arch: str | None = None, progress: bool = False, engine: str = "transformers",
+          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+          distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
+          max_model_len: int | None = None, attention_backend: str | None = None) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
     ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
@@ -142,11 +146,15 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
     1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
     ``report``: also write the JSON report there. ``arch``: the drafts' family, as stitch's ``--arch`` (a state
-    dict in memory has no config or manifest that proves it). Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
+    dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
+    around transformers' model) or vllm (vLLM serves each MTP and counts its own acceptance; its
+    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``max_model_len``
+    and ``attention_backend`` pass through; drafts are stitched into hard-linked copies under ``work_dir``).
+    Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
     on a greedy mismatch or when a draft's depth-1 agreement is below ``min_acceptance``; ``InputError`` for
     a verifier or draft that cannot be used; ``UsageError`` for a bad option or a missing extra.
     """
-    from ..errors import CheckFailed
+    from ..errors import CheckFailed, UsageError
     from ..jsonutil import write_json_file
     from ..options import outside_inputs
 
@@ -155,13 +163,20 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     paths = [os.fspath(verifier), *(d for d in draft_list if isinstance(d, str))]  # inputs on disk
     if report is not None:
         outside_inputs("--report", report, paths)  # before anything is loaded
-    resolved = _probe.resolve_device(device)
-    _probe.transformers_module()  # a missing extra is one line, before anything else
-    req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
-                              None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
-                              dtype, chain, arch=arch)
-    with _display(progress) as display, _quiet_transformers(not progress):
-        result = _probe.probe(req, display.bar, display.announce)
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
+    if engine == "vllm":
+        result = _probe_vllm(verifier, draft_list, prompts, max_new_tokens, depth, device, dtype, arch, progress,
+                             tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, work_dir,
+                             max_model_len, attention_backend)
+    else:
+        resolved = _probe.resolve_device(device)
+        _probe.transformers_module()  # a missing extra is one line, before anything else
+        req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
+                                  None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
+                                  dtype, chain, arch=arch)
+        with _display(progress) as display, _quiet_transformers(not progress):
+            result = _probe.probe(req, display.bar, display.announce)
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
     if report is not None:
         write_json_file(report, out.to_json(), "--report", paths)
@@ -169,3 +184,55 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     if failed:
         raise CheckFailed("; ".join(failed), report=out)
     return out
+
+
+ENGINES = ("transformers", "vllm")
+
+
+def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, max_new_tokens: int, depth: int,
+                device: str, dtype: str, arch: str | None, progress: bool, tensor_parallel_size: int,
+                pipeline_parallel_size: int, backend: str | None, work_dir: PathArg | None,
+                max_model_len: int | None, attention_backend: str | None) -> _probe.ProbeResult:
+    """``engine="vllm"``: vLLM serves the verifier, and each draft stitched into a copy of it whose untouched
+    shards are hard links under ``work_dir`` (removed afterwards); ops/probe_vllm.py measures."""
+    from ..errors import UsageError
+    from ..ops.probe_vllm import VllmOptions, check_inputs, check_options, probe_vllm, vllm_module
+
+    if any(not isinstance(d, str) for d in drafts):
+        raise UsageError("--engine vllm serves drafts from directories (a draft in memory has no files to serve)")
+    opts = VllmOptions(tensor_parallel_size, pipeline_parallel_size, backend, max_model_len, attention_backend)
+    req = _probe.ProbeRequest(os.fspath(verifier), drafts, None if prompts is None else os.fspath(prompts),
+                              max_new_tokens, depth, device, dtype, "vllm", arch=arch)
+    check_options(req, opts)
+    vllm_module()  # a missing extra is one line, before anything else
+    check_inputs(req, opts)
+    with _stitched_drafts(verifier, drafts, arch, work_dir) as served, _display(progress) as display:
+        return probe_vllm(req, opts, served, display.bar)
+
+
+@contextlib.contextmanager
+def _stitched_drafts(verifier: PathArg, drafts: list[str], arch: str | None,
+                     work_dir: PathArg | None) -> Iterator[list[tuple[str, Path]]]:
+    """Each draft stitched into the verifier (divergent drafts too: they are measured, not shipped), in a temporary
+    directory under ``work_dir`` whose untouched shards are hard links to the verifier's."""
+    import shutil
+    import tempfile
+
+    from ..errors import OutputError
+    from .writing import stitch
+
+    if work_dir is not None:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="ckpt-probe-vllm-", dir=work_dir))
+    try:
+        served = []
+        for i, draft in enumerate(drafts):
+            try:
+                stitch(draft, verifier, work / f"draft-{i}", link="hardlink", accept_divergent=True, arch=arch)
+            except OutputError as e:
+                raise OutputError(f"cannot stitch draft {draft} into a hard-linked copy of the verifier under {work} "
+                                  f"({e}); give --work-dir on the verifier's filesystem") from None
+            served.append((draft, work / f"draft-{i}"))
+        yield served
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -32,6 +32,22 @@ def register(app: typer.Typer) -> None:
             help="Exit 1 when the depth-1 agreement of a draft (of the verifier's own MTP when no --draft) is below."),
         arch: str = typer.Option(None, "--arch", help="The drafts' family when their files do not prove it "
                                                       "(a trainer's output without config.json), as stitch's --arch."),
+        engine: str = typer.Option(
+            "transformers", "--engine",
+            help="transformers (our table engine around transformers' model: agreement, KL, per prompt) or vllm "
+                 "(vLLM serves each MTP and counts its own acceptance; needs the extra ckpt-tools[vllm])."),
+        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="--engine vllm: GPUs per stage."),
+        pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size",
+                                                   help="--engine vllm: pipeline stages (e.g. nodes)."),
+        distributed_executor_backend: str = typer.Option(
+            None, "--distributed-executor-backend", help="--engine vllm: mp (one node) or ray (several nodes)."),
+        work_dir: Path = typer.Option(
+            None, "--work-dir", help="--engine vllm: where each --draft is stitched into a hard-linked copy of the "
+                                     "verifier (default: the system temp directory; same filesystem as the verifier)."),
+        max_model_len: int = typer.Option(None, "--max-model-len",
+                                          help="--engine vllm: vLLM's context length (default: the config's)."),
+        attention_backend: str = typer.Option(None, "--attention-backend",
+                                              help="--engine vllm: vLLM's attention backend (e.g. CPU_MLA)."),
         json_output: bool = json_option(),
         report_file: Path = report_option(),
     ) -> None:
@@ -48,7 +64,11 @@ def register(app: typer.Typer) -> None:
                 report = api.probe(verifier, drafts=drafts, prompts=prompts, max_new_tokens=max_new_tokens,
                                    depth=depth, device=device, dtype=dtype, chain=chain,
                                    min_acceptance=min_acceptance, report=report_file, arch=arch,
-                                   progress=not json_output)
+                                   progress=not json_output, engine=engine,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   pipeline_parallel_size=pipeline_parallel_size,
+                                   distributed_executor_backend=distributed_executor_backend, work_dir=work_dir,
+                                   max_model_len=max_model_len, attention_backend=attention_backend)
         except CheckFailed as e:  # measured, and a check failed: the report as for a pass, each failure, exit 1
             _show(e.report, json_output, depth)
             for line in e.report.failures():
@@ -117,8 +137,15 @@ def _render(result, depth: int) -> None:
     for col in ("E[accepted]/step", "positions", "greedy equal"):
         t.add_column(col)
     for d in result.drafts:
-        cells = [c for a, kl in zip(d.agreement, d.kl, strict=True) for c in (f"{a:.3f}", f"{kl:.4f}")]
+        kls = d.kl or [None] * len(d.agreement)  # vLLM measures no distribution
+        cells = [c for a, kl in zip(d.agreement, kls, strict=True)
+                 for c in (f"{a:.3f}", "-" if kl is None else f"{kl:.4f}")]
         t.add_row(d.name, *cells, f"{d.expected_accepted():.3f}", str(d.positions), "yes" if d.greedy_equal else "NO")
     out_console().print(t)
     loaded = result.loaded if result.loaded == result.mtp_loaded else f"{result.loaded}; MTP {result.mtp_loaded}"
     out_console().print(f"verifier loaded {loaded}", markup=False, soft_wrap=True)
+    for d in result.drafts:
+        if d.mean_acceptance_length is not None:
+            out_console().print(f"{d.name}: mean acceptance length {d.mean_acceptance_length:.3f} over {d.num_drafts} "
+                                f"draft(s) ({result.engine.get('name')} {result.engine.get('version')})",
+                                markup=False, soft_wrap=True)

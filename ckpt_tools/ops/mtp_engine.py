@@ -5,17 +5,18 @@ One MTP depth, as the family table describes it (``mtp`` section) and the servin
     e = embed(token)                      the trunk's embedding (a glue ``embed`` with ``copy_of``
                                           is a copy of it; one without is the layer's own)
     x = fusion(cat(enorm(e), hnorm(h)))   ``concat_order``: embed_first, or hidden_first
-    x = block_1(x) ... block_n(x)         each sub-block is a copy of the trunk decoder layer whose
-                                          tensors have the same names and parts (found by matching
-                                          the table's trunk and MTP block specs), loaded with the
-                                          MTP tensors through the main model's own weight conversions
+    x = block_1(x) ... block_n(x)         the family's decoder-layer class built at the MTP index from
+                                          transformers' MTP config (``get_mtp_config``: MtpModel's and
+                                          vLLM's way, so the config decides dense or MoE); failing
+                                          that, a copy of the trunk layer with the same tensors. Loaded
+                                          with the MTP tensors through the main model's own conversions
     x = final_norm(x)                     when the table names one
     logits = head(x)                      the trunk's head, or the layer's own (no ``copy_of``)
 
 The norms are copies of the trunk's final norm module (its class, eps and convention); the table's
 ``norm`` convention is checked against it (a zero weight leaves a zero-centred norm the identity
 of a plain RMS norm, and a plain one all zeros). Nothing here names a family: a family whose MTP
-block matches no trunk layer, or whose glue has a role this step has no place for, is refused
+block can be built neither way, or whose glue has a role this step has no place for, is refused
 (``probe-family``) with the reason.
 
 The object offers what ``probe.chain_logits`` uses of transformers' ``MtpModel`` (``forward_layer``,
@@ -48,10 +49,12 @@ GLUE_ROLES = ("embed_norm", "hidden_norm", "fusion", "final_norm", "embed", "hea
 
 @dataclass
 class TrunkMatch:
-    """The trunk decoder layer an MTP sub-block copies: its index and checkpoint key prefix."""
+    """The trunk decoder layer an MTP sub-block stands in for while it loads, and whose rotary inputs it takes: its
+    index and checkpoint key prefix; ``layer_type``: the sub-block's own (its mask), when the MTP config gives one."""
 
     index: int
     prefix: str
+    layer_type: str | None = None
 
 
 def block_signature(specs: list[Spec], groups, prefix: str) -> tuple[frozenset[str], frozenset[str]]:
@@ -240,7 +243,6 @@ def build(main, verifier: Checkpoint, tensors: Mapping[str, OutputTensor], schem
     template = final_norm_module(main, res, where)
     check_norm_convention(template, res.table.norm, res.family, where)
     layers, heads, trunks = [], [], []
-    decoder_layers = main.get_decoder().layers
     layer_types = getattr(main.config.get_text_config(), "layer_types", None)
     used: set[str] = set()
     for layer in res.layers:
@@ -249,9 +251,7 @@ def build(main, verifier: Checkpoint, tensors: Mapping[str, OutputTensor], schem
         if missing:
             raise InputError(f"MTP depth {layer.depth}: no {missing[0]} tensor ({layer.glue.get(missing[0])})",
                              rule=RULE, path=where)
-        matches = match_trunk_layers(res, layer)
-        blocks = [_load_block(main, decoder_layers, m, layer, b, state, used, device, torch_dtype, where)
-                  for b, m in enumerate(matches)]
+        blocks, matches = _blocks(main, res, layer, state, used, device, torch_dtype, where)
         norms = {r: _norm(template, state, glue[r].key, device, torch_dtype) for r in
                  ("embed_norm", "hidden_norm", "final_norm") if r in glue}
         fusion = _linear(state, glue["fusion"].key, device, torch_dtype)
@@ -263,7 +263,8 @@ def build(main, verifier: Checkpoint, tensors: Mapping[str, OutputTensor], schem
             raise InputError(f"MTP depth {layer.depth} has its own embedding ({glue['embed'].key}); the engine "
                              "drafts with the trunk's", rule=FAMILY_RULE, path=where)
         used.update(glue[r].key for r in ("embed", "head") if r in glue)  # copies: the engines take the trunk's
-        kinds = [layer_types[m.index] if layer_types and m.index < len(layer_types) else None for m in matches]
+        kinds = [m.layer_type if m.layer_type is not None else layer_types[m.index]
+                 if layer_types and m.index < len(layer_types) else None for m in matches]
         layers.append(TableMtpLayer(norms["embed_norm"], norms["hidden_norm"], fusion, blocks,
                                     norms.get("final_norm"), res.table.mtp.concat_order == "hidden_first", kinds))
         heads.append(head)
@@ -323,11 +324,67 @@ def _linear(state, key: str, device: str, dtype) -> nn.Linear:
     return out
 
 
-def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int, state, used: set[str], device,
-                dtype, where) -> nn.Module:
-    """A fresh float layer of trunk layer ``match``'s class holding sub-block ``b``'s tensors, loaded through
-    ``main``'s own (float) weight conversions (fused experts and renames as for the trunk): it stands in for the
-    trunk layer while the renamed tensors load, and every parameter of it must be filled, every tensor taken."""
+def mtp_layer_config(main):
+    """transformers' config for the MTP layers (``get_mtp_config``, as ``MtpModel`` builds them: index-specific
+    fields such as ``layer_types`` and ``first_k_dense_replace`` replaced by the MTP's), without its quantization
+    config; None when the family's config has none (no ``num_mtp_layers``)."""
+    try:
+        return unquantized_config(main.config).get_mtp_config()
+    except (AttributeError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _blocks(main, res: Resolved, layer: MtpLayer, state, used: set[str], device, dtype,
+            where) -> tuple[list[nn.Module], list[TrunkMatch]]:
+    """The sub-blocks of one MTP layer, loaded, and the trunk slot each stands in for.
+
+    As the engines build them first: the decoder-layer class at MTP index ``depth`` from the MTP config
+    (one sub-block). When that cannot be built, or its parameters are not the stored tensors, each
+    sub-block is a copy of the trunk layer with the same tensors; when neither works, the first reason."""
+    decoder_layers = main.get_decoder().layers
+    config = mtp_layer_config(main) if len(layer.block_prefixes) == 1 else None
+    first: InputError | None = None
+    if config is not None:
+        slot = _slot(main, res, config, layer.depth)
+        try:
+            block = type(decoder_layers[-1])(config, layer.depth).to(device=device, dtype=dtype)
+        except Exception as e:  # a class that cannot be built at that index: the fallback decides
+            first = InputError(f"transformers' {type(decoder_layers[-1]).__name__} cannot be built at MTP index "
+                               f"{layer.depth}: {type(e).__name__}: {e}", rule=FAMILY_RULE, path=where)
+        else:
+            try:
+                return [_load_block(main, decoder_layers, slot, block, layer, 0, state, used, device, dtype,
+                                    where)], [slot]
+            except InputError as e:
+                first = e
+    try:
+        matches = match_trunk_layers(res, layer)
+    except InputError:
+        if first is not None:
+            raise first from None
+        raise
+    blocks = [_load_block(main, decoder_layers, m,
+                          _fresh_layer(main, decoder_layers[m.index], m.index, device, dtype, where),
+                          layer, b, state, used, device, dtype, where) for b, m in enumerate(matches)]
+    return blocks, matches
+
+
+def _slot(main, res: Resolved, config, depth: int) -> TrunkMatch:
+    """The trunk layer an MTP block built from the MTP config stands in for: the first of the MTP layer's own type
+    (its rotary inputs are that type's), else the last (the class ``MtpModel`` takes)."""
+    prefixes = trunk_prefixes(res)
+    kinds = getattr(config, "layer_types", None)
+    kind = kinds[depth] if kinds and depth < len(kinds) else None
+    trunk_kinds = getattr(main.config.get_text_config(), "layer_types", None) or []
+    index = next((i for i, k in enumerate(trunk_kinds) if kind is not None and k == kind), len(prefixes) - 1)
+    return TrunkMatch(index, prefixes[index], kind)
+
+
+def _load_block(main, decoder_layers, match: TrunkMatch, block: nn.Module, layer: MtpLayer, b: int, state,
+                used: set[str], device, dtype, where) -> nn.Module:
+    """``block`` (a fresh float decoder layer) holding sub-block ``b``'s tensors, loaded through ``main``'s own
+    (float) weight conversions (fused experts and renames as for the trunk): it stands in for trunk layer
+    ``match`` while the renamed tensors load, and every parameter of it must be filled, every tensor taken."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -339,7 +396,6 @@ def _load_block(main, decoder_layers, match: TrunkMatch, layer: MtpLayer, b: int
     keys = [k for k in state if k.startswith(bprefix) and k not in glue and not any(k.startswith(p) for p in longer)]
     renamed = {match.prefix + k[len(bprefix):]: Lazy(lambda t=state[k]: materialize(t)) for k in keys}
     original = decoder_layers[match.index]
-    block = _fresh_layer(main, original, match.index, device, dtype, where)
     path = next(name for name, module in main.named_modules() if module is original) + "."
     # the model's conversions without a quantizer's changes: the block is float (a quantized trunk linearizes
     # experts, and the conversions its quantizer adds expect packed tensors)

@@ -72,6 +72,8 @@ class DraftResult:
     greedy_equal: bool | None  # None: not run (transformers' generate has no MTP for this family)
     mismatch: dict | None = None  # the first prompt whose speculative output differs, and where
     prompts: list[dict] = field(default_factory=list)  # per prompt: kl, agreement (per depth), tokens_sha256
+    mean_acceptance_length: float | None = None  # tokens per verifier step as the engine counted them (vLLM)
+    num_drafts: int | None = None  # the engine's speculative steps (vLLM)
 
     def expected_accepted(self) -> float:
         """Tokens accepted per verification step for chain drafting: sum over k of prod_{j<=k} a_j."""
@@ -86,6 +88,9 @@ class DraftResult:
                "greedy_equal": self.greedy_equal, "expected_accepted": self.expected_accepted()}
         if self.mismatch is not None:
             out["mismatch"] = self.mismatch
+        if self.mean_acceptance_length is not None:
+            out["mean_acceptance_length"] = self.mean_acceptance_length
+            out["num_drafts"] = self.num_drafts
         out["prompts"] = self.prompts
         return out
 
@@ -98,7 +103,7 @@ class ProbeResult:
     chain: str = "sglang"
     loaded: str = "as stored by transformers"  # how the trunk loaded (probe_load): or "dequantized by ckpt-tools (S)"
     mtp_loaded: str = "as stored by transformers"  # how the verifier's MTP layers loaded
-    engine: str = ENGINE
+    engine: dict = field(default_factory=lambda: {"name": "transformers", "mtp": ENGINE})  # name, version, ...
     # the engine checked against transformers' MtpModel: {"implementation", "max_abs_diff"} or {"skipped": why}
     reference: dict = field(default_factory=dict)
 
@@ -112,30 +117,52 @@ class ProbeResult:
 
 def read_prompts(path: str | None) -> list[str | list[int]]:
     """JSONL (``{"prompt": text}`` or ``{"input_ids": [...]}`` per line) or a text file (one prompt a line)."""
+    return [p for _, p in read_prompt_lines(path)]
+
+
+def check_prompts(path: str | None, vocab_size: int | None, positions: int | None, max_new_tokens: int) -> None:
+    """Token ids within 0 <= id < vocab_size, and prompt + ``max_new_tokens`` within the model's positions
+    (``[prompts]`` errors naming the file and line): an id past the vocabulary or the positions would fail
+    inside the model, or run for minutes on a length the model was never made for."""
+    for line, prompt in read_prompt_lines(path):
+        if not isinstance(prompt, list):
+            continue
+        if vocab_size:
+            bad = next((i for i in prompt if i >= vocab_size), None)
+            if bad is not None:
+                raise InputError(f"line {line}: token id {bad} is outside the vocabulary (0 <= id < {vocab_size})",
+                                 rule="prompts", path=path)
+        if positions and len(prompt) + max_new_tokens > positions:
+            raise InputError(f"line {line}: {len(prompt)} prompt tokens + --max-new-tokens {max_new_tokens} exceed "
+                             f"the model's {positions} positions (max_position_embeddings)", rule="prompts", path=path)
+
+
+def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
+    """``read_prompts`` with each prompt's line number (0 for the built-in prompts)."""
     if path is None:
-        return ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+        return [(0, p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read prompts: {e}", rule="prompts", path=str(p)) from e
-    prompts: list[str | list[int]] = []
+    prompts: list[tuple[int, str | list[int]]] = []
     jsonl = p.suffix == ".jsonl"
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if not jsonl:
-            prompts.append(line)
+            prompts.append((n, line))
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"line {n} is not JSON: {e.msg}", rule="prompts", path=str(p)) from e
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
+            prompts.append((n, obj["prompt"]))
         elif (isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and obj["input_ids"]
-              and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in obj["input_ids"])):
-            prompts.append(list(obj["input_ids"]))
+              and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in obj["input_ids"])):
+            prompts.append((n, list(obj["input_ids"])))
         else:
             raise InputError(f'line {n}: expected {{"prompt": text}} or {{"input_ids": [ints]}}', rule="prompts",
                              path=str(p))
@@ -481,6 +508,9 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     device_map(device)  # a missing extra is said before anything is read
     prompts = read_prompts(req.prompts)
     config = verifier_config(req.verifier)
+    text_config = config.get_text_config()
+    check_prompts(req.prompts, getattr(text_config, "vocab_size", None),
+                  getattr(text_config, "max_position_embeddings", None), req.max_new_tokens)
     with Checkpoint.open(req.verifier) as verifier:
         require_mtp(verifier)
         need = check_memory(verifier, req.dtype, len(req.drafts))
@@ -532,7 +562,10 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
             drafter.name, [a / n if n else 0.0 for a, n, _ in per_depth],
             [kl / n if n else 0.0 for _, n, kl in per_depth], per_depth[0][1],
             None if drafter.reference is None else miss is None, miss, rows))
-    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, ENGINE, reference)
+    import transformers
+
+    engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}
+    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
 
 
 def reference_difference(drafter: Drafter, seq: torch.Tensor, hidden: torch.Tensor, dtype: str, where: str) -> float:
