@@ -13,6 +13,7 @@ Serving with speculative decoding is tests/test_consumer_vllm.py's.
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from ckpt_tools.model.tables.loader import all_tables
 from ckpt_tools.testing import FixtureOptions, make_checkpoint
 
 SCRIPT = Path(__file__).resolve().parent / "consumers" / "vllm_load.py"
+SERVING = Path(__file__).resolve().parent / "test_consumer_vllm.py"  # issue 31's serving module
 FAMILIES = sorted(n for n, t in all_tables().items() if t.kind == "mtp")
 BROKEN = "glm4_moe"  # the family whose checkpoint gets one MTP tensor renamed (the check must see it)
 
@@ -142,3 +144,24 @@ def test_no_names_only_family_is_one_vllm_loads_on_cpu(reports):
         assert table.vllm is not None, family
         if table.vllm.check == "names":
             assert "error" in reports[family], family
+
+
+def served_by_the_serving_module() -> set[str]:
+    """Families tests/test_consumer_vllm.py serves: its PRODUCERS and FIXTURES, and the families it builds with
+    make_checkpoint (read from its source: importing it would start its fixtures' imports)."""
+    tree = ast.parse(SERVING.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("PRODUCERS", "FIXTURES") for t in node.targets):
+            items = node.value.elts if isinstance(node.value, ast.List) else node.value.keys
+            out |= {e.value for e in items if isinstance(e, ast.Constant)}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "make_checkpoint" and node.args:
+            if isinstance(node.args[0], ast.Constant):
+                out.add(node.args[0].value)
+    return out
+
+
+def test_served_means_the_serving_module_serves_it():
+    """``check: served`` exactly for the families the serving module (issue 31) serves with speculative decoding."""
+    served = {n for n, t in all_tables().items() if t.kind == "mtp" and t.vllm.check == "served"}
+    assert served == served_by_the_serving_module() & set(FAMILIES)
