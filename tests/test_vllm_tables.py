@@ -45,7 +45,7 @@ def job(family: str, d: Path) -> dict:
     depths: dict[int, list[str]] = {}
     skipped = []
     for spec in view.present:
-        if spec.role in unread:
+        if spec.role in unread or spec.sub in unread:
             skipped.append(spec.key)
         else:
             depths.setdefault(spec.depth or 0, []).append(spec.key)
