@@ -152,12 +152,13 @@ def served_by_the_serving_module() -> set[str]:
     tree = ast.parse(SERVING.read_text())
     out: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") in ("PRODUCERS", "FIXTURES") for t in node.targets):
+        named = {getattr(t, "id", "") for t in node.targets} if isinstance(node, ast.Assign) else set()
+        if named & {"PRODUCERS", "FIXTURES"}:
             items = node.value.elts if isinstance(node.value, ast.List) else node.value.keys
             out |= {e.value for e in items if isinstance(e, ast.Constant)}
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "make_checkpoint" and node.args:
-            if isinstance(node.args[0], ast.Constant):
-                out.add(node.args[0].value)
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "make_checkpoint" and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            out.add(node.args[0].value)
     return out
 
 
