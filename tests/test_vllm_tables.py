@@ -166,3 +166,19 @@ def test_served_means_the_serving_module_serves_it():
     """``check: served`` exactly for the families the serving module (issue 31) serves with speculative decoding."""
     served = {n for n, t in all_tables().items() if t.kind == "mtp" and t.vllm.check == "served"}
     assert served == served_by_the_serving_module() & set(FAMILIES)
+
+
+def test_ckpt_tables_names_each_familys_vllm_class_and_check_level():
+    """Acceptance, as the user sees it: `ckpt tables --json` lists at least 30 MTP families, each with the vLLM
+    class its table names and a check level; `ckpt tables FAMILY` prints them."""
+    from conftest import run_ckpt
+
+    rows = json.loads(run_ckpt("tables", "--json").stdout)
+    mtp = {r["family"]: r["vllm"] for r in rows if r["kind"] == "mtp"}
+    assert len(mtp) >= 30
+    for family, v in mtp.items():
+        table = all_tables()[family]
+        assert (v["class"], v["architecture"], v["check"]) == (table.vllm.cls, table.vllm.architecture,
+                                                               table.vllm.check)
+    out = run_ckpt("tables", "hy_v4").stdout
+    assert "vllm.models.hy_v4.HYV4MTP (HYV4MTPModel), checked: loaded" in " ".join(out.split())
