@@ -250,3 +250,20 @@ def test_expert_names_survive_same_layout_same_prefix():
     assert g.key("gate", 2) == "mtp.0.ffn.experts.2.w1.weight"
     assert g.with_layout(g.layout, prefix=g.prefix).key("up", 1) == "mtp.0.ffn.experts.1.w3.weight"
     assert g.with_layout(ExpertLayout("fused")).key("gate_up") == "mtp.0.ffn.experts.gate_up_proj"
+
+
+# --------------------------------------------------------------------------- block tensors from the root
+
+
+def test_a_part_tensor_with_a_leading_slash_lives_at_the_root_once(make_fixture):
+    """qwen4_exp's top-level mtp.fc_* / mixer tensors: a part tensor keyed '/...' is placed from the root (not
+    under the MTP layer prefix), listed with depth 0 only (its part's ``when: i == 0``), and a checkpoint with
+    more depths declared than present does not count it past the declared count."""
+    t = get_table("qwen4_exp")
+    res = resolve(t, ConfigView(fixture_config("qwen4_exp", {"mtp_num_hidden_layers": 2})))
+    keys = [[s.key for s in layer.block] for layer in res.layers]
+    assert "mtp.fc_embedding.weight" in keys[0] and not any(k.startswith("mtp.layers.0.mtp.") for k in keys[0])
+    assert not any("fc_embedding" in k for k in keys[1])
+    assert all(k.startswith("mtp.layers.1.") for k in keys[1])
+    view = open_mtp(Checkpoint.open(make_fixture("qwen4_exp")))
+    assert "mtp.fc_embedding.weight" in view.keys() and view.beyond == [] and view.extra == []

@@ -828,7 +828,8 @@ PART_B_FUSE_CASES = [
     pytest.param("pangu_ultra_moe", "model.layers.3.mlp.experts.gate_up_proj", id="pangu_ultra_moe"),
     pytest.param("bailing_moe", "model.layers.4.mlp.experts.gate_up_proj", id="bailing_moe"),
     pytest.param("deepseek_v4", "mtp.0.ffn.experts.gate_up_proj", id="deepseek_v4-w1w2w3"),
-    pytest.param("minimax_m3", "language_model.model.mtp.layers.0.block_sparse_moe.experts.gate_up_proj",
+    pytest.param("minimax_m3",
+                 "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts.gate_up_proj",
                  id="minimax_m3-w1w2w3"),
 ]
 

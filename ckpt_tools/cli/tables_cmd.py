@@ -14,11 +14,14 @@ def register(app: typer.Typer) -> None:
                                                    help="Show this family in full: its MTP prefix template, norm, "
                                                         "fusion order and why each format does or does not apply."),
                json_output: bool = typer.Option(False, "--json", help="Print JSON."),
-               probe: bool = typer.Option(False, "--probe", help="Also say which families `ckpt probe` supports "
-                                                                 "(asks transformers: a few seconds).")) -> None:
-        """List the architecture tables (shipped and from $CKPT_TABLES), their extract formats, and whether
-        `ckpt probe` supports the family (our table engine builds its MTP layers; "+ref" when transformers'
-        MtpModel does too, the reference probe checks the engine against)."""
+               probe: bool = typer.Option(False, "--probe", help="Also say which families `ckpt probe` supports, "
+                                                                 "per engine: our table engine (transformers) and "
+                                                                 "vLLM's MTP class (asks transformers: a few "
+                                                                 "seconds).")) -> None:
+        """List the architecture tables (shipped and from $CKPT_TABLES), their extract formats, vLLM's MTP class
+        for each family with the level it was checked at (served / loaded / names), and whether `ckpt probe`
+        supports the family (our table engine builds its MTP layers; "+ref" when transformers' MtpModel does
+        too, the reference probe checks the engine against)."""
         from ..ops.tables_info import tables_info
         from .tables_render import render_family, render_tables
 

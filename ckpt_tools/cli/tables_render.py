@@ -7,11 +7,19 @@ from .layout import Col, print_table
 
 # the MTP prefix templates and the longest architecture names leave first: the family view has them
 COLUMNS = (Col("family", "id"), Col("kind", "id"), Col("title", drop=2), Col("formats", "ids"),
-           Col("architectures / model_type", "ids", drop=3), Col("MTP prefix", "id", drop=4))
+           Col("vLLM MTP class (check)", "ids", drop=1), Col("architectures / model_type", "ids", drop=3),
+           Col("MTP prefix", "id", drop=4))
+
+
+def _vllm_cell(r: dict) -> str:
+    v = r.get("vllm")
+    return f"{v['class'].rsplit('.', 1)[-1]} ({v['check']})" if v else "-"
 
 
 def _probe_cell(r: dict) -> str:
-    return ("yes+ref" if r["probe_reference"] else "yes") if r["probe"] else "-"
+    ours = ("yes+ref" if r["probe_reference"] else "yes") if r["probe"] else "-"
+    v = r.get("vllm")
+    return f"{ours} / vllm {v['check']}" if v else ours
 
 
 def render_tables(rows: list[dict], probe: bool) -> None:
@@ -22,7 +30,7 @@ def render_tables(rows: list[dict], probe: bool) -> None:
     cells = []
     for r in rows:
         ok = [f for f, why in r["formats"].items() if why == "ok"]
-        cells.append([r["family"], r["kind"], r["title"] or "", ", ".join(ok) or "-",
+        cells.append([r["family"], r["kind"], r["title"] or "", ", ".join(ok) or "-", _vllm_cell(r),
                       ", ".join(r["architectures"] + r["model_types"]), r["mtp_prefix"],
                       *((_probe_cell(r),) if probe else ())])
     dropped = print_table(con, cols, cells, title="architecture tables")
@@ -46,9 +54,17 @@ def render_family(r: dict) -> None:
               ("model types", ", ".join(r["model_types"]) or "-"), ("MTP prefix", r["mtp_prefix"]),
               ("norm", r["norm"]), ("fusion input", str(r["concat_order"]).replace("_", "-"))]
     fields += [("formats" if i == 0 else "", f"{name}: {why}") for i, (name, why) in enumerate(r["formats"].items())]
+    v = r.get("vllm")
+    if v:
+        fields.append(("vLLM", f"{v['class']} ({v['architecture']}), checked: {v['check']}"
+                               + (f", {v['depths']} depth(s) built" if "depths" in v else "")))
+        if "note" in v:
+            fields.append(("", v["note"]))
     if "probe" in r:
         fields.append(("probe", (f"yes{' (checked against transformers MtpModel)' if r['probe_reference'] else ''}"
                                  if r["probe"] else f"no ({r.get('probe_reason', '')})")))
+        for engine, what in r.get("probe_engines", {}).items():
+            fields.append(("", f"{engine}: {what or '-'}"))
     for name, value in fields:
         t.add_row(name, Text(value))
     con.print(t)

@@ -38,10 +38,10 @@ def family_support(table) -> Support:
     try:
         config = transformers.AutoConfig.for_model(fixture.pop("model_type", None), **fixture)
         cls = model_class(config)
-    except (ValueError, KeyError, TypeError) as e:
-        return Support(False, f"transformers has no model for it ({str(e).splitlines()[0][:120]})")
     except InputError as e:
         return Support(False, e.message)
+    except Exception as e:  # any refusal of transformers' config class (its validators raise their own types)
+        return Support(False, f"transformers has no model for it ({_first_line(e)})")
     reference = bool(getattr(config.get_text_config(), "num_mtp_layers", None))
     unplaced = sorted(set(table.mtp.glue) - set(GLUE_ROLES))
     if unplaced:
@@ -50,10 +50,25 @@ def family_support(table) -> Support:
         res = resolve(table, ConfigView(dict(table.fixture)), mtp_count=1)
         for layer in res.layers:
             match_trunk_layers(res, layer)
-        with torch.device("meta"):
-            main = cls(copy.deepcopy(config))
+        main = _meta_model(cls, config)
         norm = final_norm_module(main, res, None).to_empty(device="cpu")
         check_norm_convention(norm, table.norm, table.family, None)
     except InputError as e:
         return Support(False, e.message, reference)
     return Support(True, "", reference)
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+
+
+def _meta_model(cls, config):
+    """The family's transformers model on the meta device; one whose class cannot be built from the fixture config
+    (a composite config its text model reads as flat, say) is a family probe does not support, not a crash of
+    the whole listing."""
+    try:
+        with torch.device("meta"):
+            return cls(copy.deepcopy(config))
+    except Exception as e:
+        raise InputError(f"transformers cannot build its model from the table's fixture config ({_first_line(e)})",
+                         rule="probe-family") from None

@@ -32,11 +32,24 @@ def _count(table, cfg: ConfigView) -> int:
 
 def _probe_support(table) -> dict:
     """``probe``: whether our engine builds the family's MTP; ``probe_reference``: whether transformers' MtpModel
-    does too (probe then checks the engine against it); ``probe_reason``: why not."""
+    does too (probe then checks the engine against it); ``probe_reason``: why not. ``probe_engines``: per serving
+    engine, the class that would run the family's MTP (transformers: our table engine; vLLM: the table's class)."""
     from .probe_families import family_support  # imports transformers (and torch): only for --probe
 
     s = family_support(table)
-    return {"probe": s.engine, "probe_reference": s.reference, **({"probe_reason": s.reason} if s.reason else {})}
+    engines = {"transformers": "ckpt table engine" + (" + MtpModel" if s.reference else "") if s.engine else None,
+               "vllm": f"{table.vllm.cls} ({table.vllm.check})" if table.vllm is not None else None}
+    return {"probe": s.engine, "probe_reference": s.reference, **({"probe_reason": s.reason} if s.reason else {}),
+            "probe_engines": engines}
+
+
+def _vllm(table) -> dict | None:
+    """vLLM's draft for the family, from the table's ``vllm`` section: its class and how far it was checked."""
+    v = table.vllm
+    if v is None:
+        return None
+    return {"architecture": v.architecture, "class": v.cls, "check": v.check,
+            **({"depths": v.depths} if v.depths is not None else {}), **({"note": v.note} if v.note else {})}
 
 
 def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
@@ -72,6 +85,8 @@ def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
             "norm": table.norm,
             "concat_order": table.mtp.concat_order,
             "formats": formats,
+            # vLLM's MTP class for the family and the check level (served / loaded / names)
+            "vllm": _vllm(table),
             # `ckpt probe`: our engine builds the MTP of the table's fixture config (and MtpModel too?)
             **(_probe_support(table) if probe else {}),
         })

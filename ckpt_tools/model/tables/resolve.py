@@ -289,8 +289,10 @@ def part_specs(
                 t = item.tensor
                 if not _cond(t.when, env, t.key):
                     continue
-                sub = _render(t.key, env)
-                specs.append(_spec(t, env, prefix + sub, role, dtype, sub=sub, **kw))
+                # a leading '/' places the tensor from the root (one shared by every depth, listed with one)
+                sub = _render(t.key.removeprefix("/"), env)
+                key = sub if t.key.startswith("/") else prefix + sub
+                specs.append(_spec(t, env, key, role, dtype, sub=sub, **kw))
             else:
                 ex = item.experts
                 assert ex is not None

@@ -165,6 +165,45 @@ class MtpDef(_Strict):
         return v
 
 
+VLLM_CHECKS = ("served", "loaded", "names")
+
+
+class VllmDef(_Strict):
+    """How vLLM serves the family's MTP layers, and how far a test checked it (tests/test_vllm_tables.py).
+
+    ``check``: ``served`` (a tiny checkpoint serves with speculative decoding on vLLM's CPU build),
+    ``loaded`` (its MTP class's ``load_weights`` takes every MTP tensor and leaves no parameter unloaded),
+    ``names`` (only the key names were read from vLLM's loader: say why in ``note``).
+    """
+
+    architecture: str  # the draft architecture vLLM's speculative config picks (registry key)
+    cls: str = Field(alias="class")  # registry module and class, e.g. glm4_moe_mtp.Glm4MoeMTP
+    check: Literal["served", "loaded", "names"]
+    depths: int | None = None  # MTP depths vLLM builds when fewer than the checkpoint has
+    device: Literal["cpu", "meta"] = "cpu"  # where the load check builds the class
+    dtype: Literal["float32", "bfloat16"] = "float32"  # the dtype the CPU layers accept
+    # CPU stand-ins the load check installs (named in tests/consumers/vllm_load.py), for layers whose
+    # construction needs a GPU kernel although loading does not
+    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports"]] = Field(
+        default_factory=list)
+    fixture: dict = Field(default_factory=dict)  # config overrides for sizes / fields vLLM's classes need
+    # what vLLM's loader skips on purpose (say why in the note and the header): glue roles, or block tensor keys
+    # relative to the block (e.g. attention.g_proj.weight)
+    unread: list[str] = Field(default_factory=list)
+    note: str | None = None  # why the check stops where it does; disagreements with vLLM
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _names_say_why(self):
+        if self.check == "names" and not self.note:
+            raise ValueError("vllm.check: names needs a note saying why the loader does not run")
+        bad = sorted(u for u in self.unread if u not in GLUE_ROLES and "." not in u)
+        if bad:
+            raise ValueError(f"vllm.unread: {bad} is neither a glue role ({list(GLUE_ROLES)}) nor a tensor key")
+        return self
+
+
 class DetectDef(_Strict):
     architectures: list[str] = Field(default_factory=list)
     model_types: list[str] = Field(default_factory=list)
@@ -190,6 +229,7 @@ class Table(_Strict):
     # SGLang stacked_params_mapping): fused name -> the module names it packs, e.g. {qkv_proj: [q_proj,
     # k_proj, v_proj]}. Quantization exclusions must name both spellings (ckpt_tools.model.quant.audit).
     fused_modules: dict[str, list[str]] = Field(default_factory=dict)
+    vllm: VllmDef | None = None  # vLLM's MTP class for the family and the level it was checked at
     demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
@@ -210,6 +250,13 @@ class Table(_Strict):
                 d = {"keys": d}
             out[name] = d
         return out
+
+    @model_validator(mode="after")
+    def _vllm_engine(self):
+        named = self.engines.get("vllm_mtp")
+        if self.vllm is not None and named is not None and named != self.vllm.architecture:
+            raise ValueError(f"engines.vllm_mtp {named!r} and vllm.architecture {self.vllm.architecture!r} differ")
+        return self
 
     @field_validator("fused_modules")
     @classmethod
