@@ -262,3 +262,68 @@ def test_gpu_path(served):
                        timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["drafts"][0]["greedy_equal"] is True
+
+
+# -- graft into real quantizers' outputs: vLLM's own loader takes the MTP layers written into them ------------------
+
+# (target in fixtures/producers, graft option): the quantizers' outputs are DeepSeek-V3 at an MLA width vLLM's CPU
+# attention does not run (kv_lora_rank 64), so these are load checks (tests/consumers/vllm_load.py: vLLM builds its
+# DeepSeekMTP with the target's quantization config and feeds every tensor through its load_weights).
+GRAFTS = {
+    "fp8-dynamic-ct-fp8": ("llmcompressor-fp8-dynamic", {"mtp_quant": "ct-fp8"}),
+    "fp8-dynamic-bf16": ("llmcompressor-fp8-dynamic", {"mtp_dtype": "bf16"}),
+    "fp8-block-bf16": ("llmcompressor-fp8-block", {"mtp_dtype": "bf16"}),
+    "nvfp4a16-bf16": ("llmcompressor-nvfp4a16", {"mtp_dtype": "bf16"}),
+    "w4a16-bf16": ("llmcompressor-w4a16", {"mtp_dtype": "bf16"}),
+    "modelopt-fp8-bf16": ("modelopt-fp8", {"mtp_dtype": "bf16"}),
+}
+# what vLLM's CPU build cannot build, with its reason (our graft of these is checked by compressed-tensors and
+# transformers in test_producers / test_quant_hostile)
+GRAFTS_NOT_ON_CPU = {
+    "fp8-block-ct-fp8": ("llmcompressor-fp8-block", {"mtp_quant": "ct-fp8"},
+                         "not divisible by weight quantization block_n"),  # the tiny fixture is narrower than a block
+    "nvfp4a16-ct-nvfp4": ("llmcompressor-nvfp4a16", {"mtp_quant": "ct-nvfp4"}, "Marlin FP4 not available"),
+    "modelopt-nvfp4-bf16": ("modelopt-nvfp4", {"mtp_dtype": "bf16"}, "NVFP4 linear layer"),
+}
+# Parameters vLLM creates for a ModelOpt checkpoint that no checkpoint stores: its attention's KV-cache scales (left
+# at 1.0 when none is stored; the producer's trunk stores none either), and the quantized MTP head's scales (the
+# proposer replaces that head with the target's lm_head after loading).
+VLLM_DEFAULTS = ("attn.k_scale", "attn.v_scale", "attn.q_scale", "attn.prob_scale",
+                 "shared_head.head.input_scale", "shared_head.head.weight_scale")
+
+
+@pytest.fixture(scope="module")
+def graft_loads(tmp_path_factory) -> dict[str, dict]:
+    from test_vllm_tables import SCRIPT as LOAD_SCRIPT
+    from test_vllm_tables import job
+
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm-graft")
+    jobs = []
+    for name, (target, option, *_) in {**GRAFTS, **GRAFTS_NOT_ON_CPU}.items():
+        out = root / name
+        api.graft(CORPUS / "transformers-deepseek_v3", CORPUS / target, out, **option)
+        config = json.loads((out / "config.json").read_text())
+        config["topk_method"] = "noaux_tc"  # as the release says (transformers does not write it back)
+        (out / "config.json").write_text(json.dumps(config))
+        dtype = "bfloat16" if target.startswith("modelopt") else "float32"  # vLLM's ModelOpt takes no float32
+        jobs.append({**job("deepseek_v3", out), "family": name, "dtype": dtype})
+    r = subprocess.run([str(python), str(LOAD_SCRIPT), "--jobs", json.dumps(jobs)], cwd=root,
+                       env={**venv_env(), "VLLM_LOAD_TMP": str(root)}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {rep["family"]: rep for rep in map(json.loads, filter(None, r.stdout.splitlines()))
+            if isinstance(rep, dict) and "family" in rep}
+
+
+@pytest.mark.parametrize("name", list(GRAFTS))
+def test_graft_into_a_quantizers_output_loads_in_vllm(graft_loads, name):
+    rep = graft_loads[name]
+    assert "error" not in rep, rep
+    assert [m for m in rep["missing"] if not m.endswith(VLLM_DEFAULTS)] == [] and rep["partial"] == [], rep
+    assert rep["unexpected"] == [] and rep["consumed"] > 0, rep
+
+
+@pytest.mark.parametrize("name", list(GRAFTS_NOT_ON_CPU))
+def test_graft_vllms_cpu_build_cannot_load_says_why(graft_loads, name):
+    rep = graft_loads[name]
+    assert GRAFTS_NOT_ON_CPU[name][2] in rep.get("error", ""), f"vLLM's CPU build now loads {name}: {rep}"
