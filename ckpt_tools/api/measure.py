@@ -148,7 +148,8 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
     ``report``: also write the JSON report there; ``plot``: draw acceptance (and KL) per depth into that PNG
     (needs the ``plot`` extra, matplotlib). The report names what was measured: the digest of each MTP's
-    checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256. ``arch``: the drafts' family, as stitch's ``--arch`` (a state
+    checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256.
+    ``arch``: the drafts' family, as stitch's ``--arch`` (a state
     dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
     around transformers' model) or vllm (vLLM serves each MTP and counts its own acceptance; its
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``max_model_len``

@@ -25,6 +25,7 @@ from ..errors import CkptError, InputError, UsageError
 from ..io.artefacts import LOCK_NAME, MANIFEST_NAME
 from ..io.hub import HubPushError, HubRef, call, get_api
 from ..model.model_card import gather, read_json, render
+from . import probe_evidence
 
 CARD_NAME = "README.md"
 STITCH_REPORT = "stitch-report.json"
@@ -49,6 +50,11 @@ class PushRequest:
     card: str = "keep"  # keep | overwrite
     command: str = "ckpt push"
     allow_invalid: frozenset[str] = frozenset()  # validate rules pushed anyway (--allow-invalid); the card lists them
+    probe_report: Path | None = None  # --probe-report (default: probe-report.json in the folder, when there)
+    probe_plot: Path | None = None  # --probe-plot (default: the plot the report names, beside it)
+    # vLLM's speculative method for the card's command: the API passes probe_vllm's, so the card shows the command
+    # `ckpt probe --engine vllm` runs (None: no vLLM command)
+    vllm_method: str | None = None
 
 
 @dataclass
@@ -249,9 +255,12 @@ def plan_push(req: PushRequest) -> PushPlan:
     if remote_files:
         req = _base_for_remote_files(req, remote_files)
     stitch_report = read_json(folder / STITCH_REPORT)
+    evidence, outside = probe_evidence.find(folder, req.probe_report, req.probe_plot)
+    files.update(outside)  # a report and plot from elsewhere travel with the checkpoint
     card: bytes | None = None
     facts = gather(req.repo_id, folder, manifest=manifest, stitch_report=stitch_report, validation=validation,
-                   base=req.base.repo_id if req.base else None)
+                   base=req.base.repo_id if req.base else None, probe=evidence)
+    facts.vllm_method = req.vllm_method
     if CARD_NAME in files and req.card == "keep":
         card_action = "kept"
     else:
