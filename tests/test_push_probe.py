@@ -107,6 +107,8 @@ def test_push_a_probed_draft_card_carries_the_reports_numbers_the_plot_and_the_s
     assert got["probe-report.json"] == measured["report"].read_bytes()
     assert got["probe-plot.png"] == measured["plot"].read_bytes()
     assert {o["path"] for o in plan["operations"] if o["op"] == "add"} >= {"probe-report.json", "probe-plot.png"}
+    assert plan["probe"] == {"report": "probe-report.json", "plot": "probe-plot.png", "measured": [
+        str(measured["draft"])], "tensors_sha256": measured["json"]["drafts"][1]["tensors"]["sha256"]}
     card, text = card_of(hub, "me/draft")
     report = measured["json"]
     assert metrics_of(card) == expected_metrics(report["drafts"][1])  # the draft's numbers, not the verifier's
@@ -130,7 +132,9 @@ def test_push_a_probed_verifier_with_its_report_inside(hub, measured, tmp_path):
     shutil.copytree(measured["verifier"], d)
     shutil.copy(measured["report"], d / "probe-report.json")
     shutil.copy(measured["plot"], d / "p.png")  # the name the report gives, beside it
-    ckpt("push", d, "me/verifier")
+    r = ckpt("push", d, "me/verifier")
+    assert "probe report: probe-report.json (measured these tensors as verifier), plot p.png" in " ".join(
+        r.output.split())
     card, text = card_of(hub, "me/verifier")
     assert metrics_of(card) == expected_metrics(measured["json"]["drafts"][0])
     assert "![acceptance per depth](p.png)" in text

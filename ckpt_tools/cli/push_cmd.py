@@ -33,6 +33,11 @@ def render(plan, result) -> None:
     if v is not None:
         con.print("validation: " + ("[green]ok[/]" if v.ok else f"[red]{len(v.problems)} problem(s)[/] (--force)"))
     con.print(f"model card: {plan.card_action}")
+    probe = plan.to_json()["probe"]
+    if probe is not None:
+        con.print(f"probe report: {escape(probe['report'])} (measured these tensors as "
+                  f"{escape(', '.join(map(str, probe['measured'])))})" + (f", plot {escape(probe['plot'])}"
+                                                                        if probe["plot"] else ""), soft_wrap=True)
     for note in plan.notes:
         con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     con.print(

@@ -112,6 +112,7 @@ class PushPlan:
             "base": None if req.base is None else {"repo_id": req.base.repo_id, "revision": req.base.rev,
                                                    "commit": self.base_commit},
             "card": self.card_action,
+            "probe": _probe_json(self.card_facts),
             "validation": None if v is None else {"ok": bool(v.ok), "problems": [str(p) for p in v.problems]},
             "operations": [o.to_json(req.base) for o in self.ops],
             "counts": {k: self.count(k) for k in ("add", "copy", "delete", "unchanged")},
@@ -119,6 +120,15 @@ class PushPlan:
             "bytes_copied_server_side": self.copy_bytes,
             "notes": self.notes,
         }
+
+
+def _probe_json(facts: object | None) -> dict | None:
+    """The probe report the card carries: where it goes in the repository and which of its MTPs are these files."""
+    ev = getattr(facts, "probe", None)
+    if ev is None:
+        return None
+    return {"report": ev.report_path, "plot": ev.plot_path, "tensors_sha256": ev.digest,
+            "measured": [ev.report["drafts"][i].get("name") for i in ev.matched]}
 
 
 # ---------------------------------------------------------------------------
