@@ -95,6 +95,12 @@ def test_the_tensors_digest_is_the_same_with_or_without_a_manifest_and_sees_a_ch
     shutil.copytree(measured["draft"], copy)  # new inodes: the manifest's digests are not taken over
     plain = tensors_digest(copy)
     assert plain.from_manifest == 0 and plain.sha256 == with_manifest.sha256
+    import torch
+    from safetensors.torch import load_file
+
+    (tmp_path / "bin").mkdir()  # the same tensors in another format: the same digest
+    torch.save(load_file(next(measured["draft"].glob("*.safetensors"))), tmp_path / "bin" / "pytorch_model.bin")
+    assert tensors_digest(tmp_path / "bin").sha256 == with_manifest.sha256
     swapped = probe_model.edited(measured["draft"], tmp_path / "swapped", probe_model.swap_eh_proj_halves)
     assert tensors_digest(swapped).sha256 != with_manifest.sha256
 

@@ -187,7 +187,6 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
         with _display(progress) as display, _quiet_transformers(not progress):
             result = _probe.probe(req, display.bar, display.announce)
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
-    _name_what_was_measured(out, verifier, draft_list, prompts, device, dtype, max_new_tokens)
     if plot is not None:
         from ..ops.probe_plot import draw
 
@@ -202,21 +201,6 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
 
 
 ENGINES = ("transformers", "vllm")
-
-
-def _name_what_was_measured(out: ProbeReport, verifier: PathArg, drafts: list[Any], prompts: PathArg | None,
-                            device: str, dtype: str, max_new_tokens: int) -> None:
-    """The digest of the tensors of each checkpoint measured (the verifier's own MTP: the verifier's; a draft in
-    memory has none), and the conditions, so that ``ckpt push`` can tell a report of other files."""
-    from ..ops.tensors_digest import tensors_digest
-
-    sources: list[Any] = [verifier, *drafts]
-    for entry, source in zip(out.drafts, sources, strict=True):
-        entry.tensors = tensors_digest(source).to_json() if isinstance(source, (str, os.PathLike)) else None
-    out.dtype = dtype
-    out.device = device if device != "auto" or out.engine.get("name") == "vllm" else _probe.resolve_device(device)
-    out.max_new_tokens = max_new_tokens
-    out.prompts_sha256 = _probe.prompts_sha256(None if prompts is None else os.fspath(prompts))
 
 
 def _relative(plot: PathArg, report: PathArg | None) -> str:
@@ -244,7 +228,8 @@ def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, m
     vllm_module()  # a missing extra is one line, before anything else
     check_inputs(req, opts)
     with _stitched_drafts(verifier, drafts, arch, work_dir) as served, _display(progress) as display:
-        return probe_vllm(req, opts, served, display.bar)
+        result = probe_vllm(req, opts, served, display.bar)
+    return _probe.name_measured(result, req)  # the drafts' own files, not the stitched copies served
 
 
 @contextlib.contextmanager

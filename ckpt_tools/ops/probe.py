@@ -108,7 +108,7 @@ class ProbeResult:
     engine: dict = field(default_factory=lambda: {"name": "transformers", "mtp": ENGINE})  # name, version, ...
     # the engine checked against transformers' MtpModel: {"implementation", "max_abs_diff"} or {"skipped": why}
     reference: dict = field(default_factory=dict)
-    # what was measured, so that a report can be matched to the files it describes (the API fills these)
+    # what was measured, so that a report can be matched to the files it describes (name_measured fills these)
     dtype: str | None = None
     device: str | None = None
     max_new_tokens: int | None = None
@@ -584,7 +584,24 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     import transformers
 
     engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}
-    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
+    result = ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
+    result.device = device
+    return name_measured(result, req)
+
+
+def name_measured(result: ProbeResult, req: ProbeRequest) -> ProbeResult:
+    """``result`` naming what it measured, so that ``ckpt push`` can tell a report of other files: the digest of
+    the tensors of each MTP's checkpoint (the verifier's own MTP: the verifier's; a draft in memory has none), and
+    the conditions (dtype, device, tokens per prompt, the prompts file's sha256)."""
+    from .tensors_digest import tensors_digest
+
+    for entry, source in zip(result.drafts, [req.verifier, *req.drafts], strict=True):
+        entry.tensors = None if isinstance(source, Mapping) else tensors_digest(source).to_json()
+    result.dtype = req.dtype
+    result.device = result.device or req.device
+    result.max_new_tokens = req.max_new_tokens
+    result.prompts_sha256 = prompts_sha256(req.prompts)
+    return result
 
 
 def reference_difference(drafter: Drafter, seq: torch.Tensor, hidden: torch.Tensor, dtype: str, where: str) -> float:
