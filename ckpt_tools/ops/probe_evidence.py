@@ -24,6 +24,7 @@ PLOT_NAME = "probe-plot.png"
 def find(folder: Path, report: Path | None, plot: Path | None) -> tuple[ProbeEvidence | None, dict[str, Path]]:
     """The evidence for the card (None without a report) and the files outside ``folder`` to upload with it
     (path in the repository -> local file)."""
+    found = report is None
     if report is None:
         report = folder / REPORT_NAME
         if not report.is_file():
@@ -38,7 +39,8 @@ def find(folder: Path, report: Path | None, plot: Path | None) -> tuple[ProbeEvi
         measured = "; ".join(f"{d.get('name')}: {(d.get('tensors') or {}).get('sha256') or 'no digest'}"
                              for d in data["drafts"])
         raise InputError(f"the probe report measured other tensors ({measured}) than {folder} holds (sha256 "
-                         f"{digest.sha256} over its {digest.tensors} tensors): probe these files again",
+                         f"{digest.sha256} over its {digest.tensors} tensors): probe these files again"
+                         + (f" (or remove {REPORT_NAME} from the directory)" if found else ""),
                          rule="probe-report-stale", path=str(report))
     uploads: dict[str, Path] = {}
     report_path = _in_repo(folder, report, REPORT_NAME, uploads)
