@@ -219,3 +219,11 @@ def test_without_a_report_the_card_has_no_eval_results(hub, measured, tmp_path):
     card, text = card_of(hub, "me/plain")
     assert not card.data.eval_results and "Measured acceptance" not in text
     assert os.path.basename(measured["plot"]) not in text
+
+
+def test_a_kept_readme_is_said_to_lack_the_numbers(hub, measured, tmp_path):
+    d = tmp_path / "draft"
+    shutil.copytree(measured["draft"], d)
+    (d / "README.md").write_text("# my own card\n")
+    r = ckpt("push", d, "me/own", "--probe-report", measured["report"], "--dry-run", "--json")
+    assert any("probe report's numbers are not in the card" in n for n in json.loads(r.stdout)["notes"])

@@ -332,6 +332,9 @@ def plan_push(req: PushRequest) -> PushPlan:
     for path in sorted(remote):
         if path not in files and path != CARD_NAME and _STALE_RE.fullmatch(path):
             ops.append(Op("delete", path, remote[path].size))
+    if evidence is not None and card_action == "kept":
+        notes.append(f"the folder's {CARD_NAME} is kept, so the probe report's numbers are not in the card "
+                     "(--card overwrite writes them)")
     if exists and req.private and private is False:
         notes.append(f"{req.repo_id} exists and is public: --private only applies when the repository is created")
     return PushPlan(req, ops, card, card_action, exists, private, branch_exists, head, base_commit, validation,
