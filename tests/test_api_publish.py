@@ -50,7 +50,7 @@ def test_the_cli_calls_the_public_function(monkeypatch, tmp_path):
     assert [str(a) for a in args] == [str(tmp_path), "org/name"]
     assert kwargs == {"revision": "dev", "private": True, "create_pr": True, "message": "msg", "base": "org/base@v1",
                       "dry_run": True, "force": True, "card": "overwrite", "allow_invalid": ("index-empty",),
-                      "progress": False}
+                      "progress": False, "probe_report": None, "probe_plot": None}
 
 
 def _without_commit(out: dict[str, Any], repo: str) -> dict[str, Any]:

@@ -138,14 +138,18 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
           arch: str | None = None, progress: bool = False, engine: str = "transformers",
           tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
           distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
-          max_model_len: int | None = None, attention_backend: str | None = None) -> ProbeReport:
+          max_model_len: int | None = None, attention_backend: str | None = None,
+          plot: PathArg | None = None) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
     ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
 
     The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
     1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
-    ``report``: also write the JSON report there. ``arch``: the drafts' family, as stitch's ``--arch`` (a state
+    ``report``: also write the JSON report there; ``plot``: draw acceptance (and KL) per depth into that PNG
+    (needs the ``plot`` extra, matplotlib). The report names what was measured: the digest of each MTP's
+    checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256.
+    ``arch``: the drafts' family, as stitch's ``--arch`` (a state
     dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
     around transformers' model) or vllm (vLLM serves each MTP and counts its own acceptance; its
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``max_model_len``
@@ -164,6 +168,11 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     paths = [os.fspath(verifier), *(d for d in draft_list if isinstance(d, str))]  # inputs on disk
     if report is not None:
         outside_inputs("--report", report, paths)  # before anything is loaded
+    if plot is not None:
+        from ..ops.probe_plot import matplotlib_pyplot
+
+        outside_inputs("--plot", plot, paths)
+        matplotlib_pyplot()  # a missing extra is one line, before anything is measured
     if engine not in ENGINES:
         raise UsageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
     if engine == "vllm":
@@ -180,6 +189,11 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
             result = _probe.probe(req, display.bar, display.announce)
     check_finite(result, os.fspath(verifier))  # a NaN is no measurement: refused, never reported
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
+    if plot is not None:
+        from ..ops.probe_plot import draw
+
+        draw(out.to_json(), plot)
+        out.plot = _relative(plot, report)
     if report is not None:
         write_json_file(report, out.to_json(), "--report", paths)
     failed = out.failures()
@@ -189,6 +203,13 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
 
 
 ENGINES = ("transformers", "vllm")
+
+
+def _relative(plot: PathArg, report: PathArg | None) -> str:
+    """The plot's path as the report records it: relative to the report's directory (they travel together)."""
+    if report is None:
+        return os.fspath(plot)
+    return os.path.relpath(Path(plot).resolve(), Path(report).resolve().parent)
 
 
 def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, max_new_tokens: int, depth: int,
@@ -209,7 +230,8 @@ def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, m
     vllm_module()  # a missing extra is one line, before anything else
     check_inputs(req, opts)
     with _stitched_drafts(verifier, drafts, arch, work_dir) as served, _display(progress) as display:
-        return probe_vllm(req, opts, served, display.bar)
+        result = probe_vllm(req, opts, served, display.bar)
+    return _probe.name_measured(result, req)  # the drafts' own files, not the stitched copies served
 
 
 @contextlib.contextmanager

@@ -74,16 +74,21 @@ def _hub_bars(progress: bool) -> Iterator[None]:
 def push(source: PathArg, repo_id: str, *, revision: str | None = None, private: bool = False,
          create_pr: bool = False, message: str | None = None, base: str | None = None, dry_run: bool = False,
          force: bool = False, card: str = "keep", allow_invalid: Sequence[str] = (),
-         progress: bool = False) -> PushReport:
+         progress: bool = False, probe_report: PathArg | None = None,
+         probe_plot: PathArg | None = None) -> PushReport:
     """Validate ``source`` (refused on problems unless ``force`` or their rules are in ``allow_invalid``),
     generate its model card (``card``: keep the folder's README.md | overwrite) and publish it to ``repo_id``
     (ORG/NAME; ``revision`` a branch, created if missing). ``base``: a repository (ORG/NAME[@REV]) whose
-    byte-identical files are copied server-side instead of uploaded. The token comes from HF_TOKEN or
+    byte-identical files are copied server-side instead of uploaded. ``probe_report``: a ``ckpt probe`` report
+    (default: probe-report.json in ``source``) whose numbers the card carries; it must name ``source``'s tensors'
+    digest (else ``InputError`` rule probe-report-stale); ``probe_plot``: its plot (default: the one beside it).
+    The token comes from HF_TOKEN or
     ``hf auth login``. Hub failures are ``OutputError`` (exit 4), a missing base ``InputError``."""
     from pathlib import Path
 
     from ..errors import UsageError
     from ..ops import push as _push
+    from ..ops.probe_vllm import SPEC_METHOD
     from .writing import _allow, _command
 
     command = _command(push, (source, repo_id), locals())
@@ -94,7 +99,9 @@ def push(source: PathArg, repo_id: str, *, revision: str | None = None, private:
     base_ref = _repo(base, "--base") if base else None
     req = _push.PushRequest(Path(source), target.repo_id, revision=revision, private=private, create_pr=create_pr,
                             message=message, base=base_ref, dry_run=dry_run, force=force, card=card,
-                            command=command, allow_invalid=allow)
+                            command=command, allow_invalid=allow,
+                            probe_report=None if probe_report is None else Path(probe_report),
+                            probe_plot=None if probe_plot is None else Path(probe_plot), vllm_method=SPEC_METHOD)
     with _hub_bars(progress):
         plan, result = _push.push(req)
     return PushReport(plan, result)

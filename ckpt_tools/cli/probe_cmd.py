@@ -50,6 +50,9 @@ def register(app: typer.Typer) -> None:
                                               help="--engine vllm: vLLM's attention backend (e.g. CPU_MLA)."),
         json_output: bool = json_option(),
         report_file: Path = report_option(),
+        plot: Path = typer.Option(None, "--plot", metavar="FILE.png",
+                                  help="Draw acceptance per depth of every MTP measured (and KL) into this PNG; "
+                                       "needs the extra ckpt-tools[plot]."),
     ) -> None:
         """Measure that the MTP layers draft: teacher-forced agreement with the verifier's greedy tokens per depth,
         KL to its distribution, and that generate(use_mtp=True) equals plain greedy. Exit 1 on a greedy mismatch
@@ -68,7 +71,7 @@ def register(app: typer.Typer) -> None:
                                    tensor_parallel_size=tensor_parallel_size,
                                    pipeline_parallel_size=pipeline_parallel_size,
                                    distributed_executor_backend=distributed_executor_backend, work_dir=work_dir,
-                                   max_model_len=max_model_len, attention_backend=attention_backend)
+                                   max_model_len=max_model_len, attention_backend=attention_backend, plot=plot)
         except CheckFailed as e:  # measured, and a check failed: the report as for a pass, each failure, exit 1
             _show(e.report, json_output, depth)
             for line in e.report.failures():

@@ -33,6 +33,11 @@ def render(plan, result) -> None:
     if v is not None:
         con.print("validation: " + ("[green]ok[/]" if v.ok else f"[red]{len(v.problems)} problem(s)[/] (--force)"))
     con.print(f"model card: {plan.card_action}")
+    probe = plan.to_json()["probe"]
+    if probe is not None:
+        con.print(f"probe report: {escape(probe['report'])} (measured these tensors as "
+                  f"{escape(', '.join(map(str, probe['measured'])))})" + (f", plot {escape(probe['plot'])}"
+                                                                        if probe["plot"] else ""), soft_wrap=True)
     for note in plan.notes:
         con.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     con.print(
@@ -73,6 +78,13 @@ def register(app: typer.Typer) -> None:
                                       "the generated card."),
         json_output: bool = typer.Option(False, "--json", help="Print the plan and result as JSON."),
         allow_invalid: list[str] = allow_invalid_option(),
+        probe_report: Path | None = typer.Option(
+            None, "--probe-report", metavar="FILE",
+            help="A `ckpt probe --report` of these files whose acceptance the card shows (default: "
+                 "probe-report.json in DIR); refused when it measured other tensors."),
+        probe_plot: Path | None = typer.Option(
+            None, "--probe-plot", metavar="FILE.png",
+            help="The probe's plot to upload and show (default: the `ckpt probe --plot` beside the report)."),
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
         from .. import api
@@ -83,7 +95,8 @@ def register(app: typer.Typer) -> None:
         with invoked():
             report = api.push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
                               message=message, base=base, dry_run=dry_run, force=force, card=card,
-                              allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
+                              allow_invalid=tuple(allow_invalid or ()), progress=not json_output,
+                              probe_report=probe_report, probe_plot=probe_plot)
         if json_output:
             emit_json(report.to_json())
         else:

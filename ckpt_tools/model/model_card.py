@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..io.config import ConfigView
+from .card_probe import ProbeEvidence, eval_results, markdown
 
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DRAFT_KINDS = ("mtp-draft", "draft")
@@ -40,6 +41,9 @@ class CardFacts:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # validate's notes (e.g. per-layer copies left out)
     stitch_summary: dict | None = None
+    engines: dict[str, str] = field(default_factory=dict)  # the family table's serving engines (``engines:``)
+    probe: ProbeEvidence | None = None  # a probe report of these tensors (ops.probe_evidence)
+    vllm_method: str | None = None  # vLLM's speculative method, as ckpt probe --engine vllm passes it (ops sets it)
 
 
 def _sources(manifest: dict) -> list[dict]:
@@ -66,23 +70,24 @@ def _sources(manifest: dict) -> list[dict]:
     return out
 
 
-def _mtp_facts(config: ConfigView | None) -> tuple[str | None, int]:
-    """(family, MTP depth) from the tables; (model_type, 1) when no table matches."""
+def _mtp_facts(config: ConfigView | None) -> tuple[str | None, int, dict[str, str]]:
+    """(family, MTP depth, the table's serving engines) from the tables; (model_type, 1, {}) when no table
+    matches."""
     if config is None or not config.raw:
-        return None, 1
+        return None, 1, {}
     try:
         from .tables.loader import detect_table
         from .tables.resolve import resolve
 
         table = detect_table(config)
-        return table.family, max(resolve(table, config).mtp_count, 1)
+        return table.family, max(resolve(table, config).mtp_count, 1), dict(table.engines)
     except Exception:  # an unknown family still gets a card
         types = config.model_types() if hasattr(config, "model_types") else []
-        return (types[0] if types else None), 1
+        return (types[0] if types else None), 1, {}
 
 
 def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: dict | None,
-           validation=None, base: str | None = None) -> CardFacts:
+           validation=None, base: str | None = None, probe: ProbeEvidence | None = None) -> CardFacts:
     manifest = manifest or {}
     config = None
     if (folder / "config.json").is_file():
@@ -90,7 +95,7 @@ def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: 
             config = ConfigView.from_bytes((folder / "config.json").read_bytes(), str(folder / "config.json"))
         except Exception:
             config = None
-    family, depth = _mtp_facts(config)
+    family, depth, engines = _mtp_facts(config)
     family = manifest.get("family") or family
     kind = str(manifest.get("kind") or ("stitched" if stitch_report is not None else "checkpoint"))
     if stitch_report is not None and kind == "checkpoint":
@@ -127,6 +132,8 @@ def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: 
         facts.notes = [f"`{n.key}`: {n.message}" for n in getattr(validation, "notes", [])]
     if stitch_report is not None:
         facts.stitch_summary = _stitch_summary(stitch_report)
+    facts.engines = engines
+    facts.probe = probe
     return facts
 
 
@@ -145,29 +152,50 @@ def _stitch_summary(report: dict) -> dict:
     return counts
 
 
+# The family table's ``engines:`` keys (mtp-layouts.md 1.9) that say an engine has a draft class for the family's
+# own MTP layers; SGLang selects those classes with the NEXTN algorithm (for NextN and MTP classes alike).
+VLLM_KEYS = ("vllm_mtp",)
+SGLANG_KEYS = ("sglang_nextn", "sglang_mtp")
+SGLANG_ALGORITHM = "NEXTN"
+
+
+def speculative_tokens(f: CardFacts) -> int:
+    """N of the serving commands: the depth the probe report measured for these tensors, else the config's MTP
+    count."""
+    return f.probe.depth if f.probe is not None and f.probe.matched else f.mtp_count
+
+
 def serving_snippets(f: CardFacts) -> list[tuple[str, str]]:
-    """(title, shell command) pairs to serve the pushed checkpoint with MTP speculative decoding."""
-    k = f.mtp_count
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+    """(title, shell command) pairs to serve the pushed checkpoint with MTP speculative decoding, for the engines
+    the family table lists (``engines:``); ``f.vllm_method`` is the method ``ckpt probe --engine vllm`` passes."""
+    k = speculative_tokens(f)
+    vllm = f.vllm_method is not None and any(key in f.engines for key in VLLM_KEYS)
+    sglang = any(key in f.engines for key in SGLANG_KEYS)
+    steps = (f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+    out: list[tuple[str, str]] = []
     if f.kind in DRAFT_KINDS:
         verifier = f.base_model[0] if f.base_model else "<verifier-repo>"
-        draft_spec = json.dumps({"method": "mtp", "model": f.repo_id, "num_speculative_tokens": k})
-        return [
-            ("vLLM (this draft next to its verifier)",
-             f"vllm serve {verifier} \\\n  --speculative-config '{draft_spec}'"),
-            ("SGLang (this draft as the NextN draft model)",
-             f"python -m sglang.launch_server --model-path {verifier} \\\n"
-             f"  --speculative-algorithm EAGLE --speculative-draft-model-path {f.repo_id} \\\n"
-             f"  --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
-            ("vLLM, after stitching the draft back into the verifier (`ckpt stitch`)",
-             f"vllm serve ./stitched --speculative-config '{spec}'"),
-        ]
-    return [
-        ("vLLM", f"vllm serve {f.repo_id} \\\n  --speculative-config '{spec}'"),
-        ("SGLang", f"python -m sglang.launch_server --model-path {f.repo_id} \\\n"
-                   f"  --speculative-algorithm EAGLE --speculative-num-steps {k} \\\n"
-                   f"  --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
-    ]
+        if vllm:
+            draft_spec = json.dumps({"method": f.vllm_method, "model": f.repo_id, "num_speculative_tokens": k})
+            out.append(("vLLM (this draft next to its verifier)",
+                        f"vllm serve {verifier} \\\n  --speculative-config '{draft_spec}'"))
+        if sglang:
+            out.append(("SGLang (this draft as the NextN draft model)",
+                        f"python -m sglang.launch_server --model-path {verifier} \\\n"
+                        f"  --speculative-algorithm {SGLANG_ALGORITHM} --speculative-draft-model-path {f.repo_id} "
+                        f"\\\n  {steps}"))
+        if vllm:
+            spec = json.dumps({"method": f.vllm_method, "num_speculative_tokens": k})
+            out.append(("vLLM, after stitching the draft back into the verifier (`ckpt stitch`)",
+                        f"vllm serve ./stitched --speculative-config '{spec}'"))
+        return out
+    if vllm:
+        spec = json.dumps({"method": f.vllm_method, "num_speculative_tokens": k})
+        out.append(("vLLM", f"vllm serve {f.repo_id} \\\n  --speculative-config '{spec}'"))
+    if sglang:
+        out.append(("SGLang", f"python -m sglang.launch_server --model-path {f.repo_id} \\\n"
+                              f"  --speculative-algorithm {SGLANG_ALGORITHM} {steps}"))
+    return out
 
 
 _DESCRIPTIONS = {
@@ -184,7 +212,9 @@ def render(f: CardFacts) -> str:
     """The README.md text: YAML metadata (ModelCardData), description, provenance, validation, serving."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    extra = {"base_model_relation": f.base_model_relation} if f.base_model_relation else {}
+    extra: dict = {"base_model_relation": f.base_model_relation} if f.base_model_relation else {}
+    if f.probe is not None:  # model-index needs a model name
+        extra.update(model_name=f.repo_id.split("/")[-1], eval_results=eval_results(f.probe))
     data = ModelCardData(
         base_model=(f.base_model[0] if len(f.base_model) == 1 else f.base_model) or None,
         library_name=None if f.kind in DRAFT_KINDS else "transformers",
@@ -226,9 +256,14 @@ def render(f: CardFacts) -> str:
             lines.append(f"- ... and {len(f.problems) - 20} more")
     if f.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in f.notes]
+    if f.probe is not None:
+        lines += [""] + markdown(f.probe)
     lines += ["", "## Serving with MTP speculative decoding", ""]
-    for title, cmd in serving_snippets(f):
+    snippets = serving_snippets(f)
+    for title, cmd in snippets:
         lines += [f"{title}:", "", "```bash", cmd, "```", ""]
+    if not snippets:
+        lines.append("The family's table lists no serving engine with a draft class for its MTP layers.")
     content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n"
     return str(ModelCard(content))
 

@@ -74,6 +74,7 @@ class DraftResult:
     prompts: list[dict] = field(default_factory=list)  # per prompt: kl, agreement (per depth), tokens_sha256
     mean_acceptance_length: float | None = None  # tokens per verifier step as the engine counted them (vLLM)
     num_drafts: int | None = None  # the engine's speculative steps (vLLM)
+    tensors: dict | None = None  # the digest of the measured checkpoint's tensors (tensors_digest); None: in memory
 
     def expected_accepted(self) -> float:
         """Tokens accepted per verification step for chain drafting: sum over k of prod_{j<=k} a_j."""
@@ -91,6 +92,7 @@ class DraftResult:
         if self.mean_acceptance_length is not None:
             out["mean_acceptance_length"] = self.mean_acceptance_length
             out["num_drafts"] = self.num_drafts
+        out["tensors"] = self.tensors
         out["prompts"] = self.prompts
         return out
 
@@ -106,11 +108,19 @@ class ProbeResult:
     engine: dict = field(default_factory=lambda: {"name": "transformers", "mtp": ENGINE})  # name, version, ...
     # the engine checked against transformers' MtpModel: {"implementation", "max_abs_diff"} or {"skipped": why}
     reference: dict = field(default_factory=dict)
+    # what was measured, so that a report can be matched to the files it describes (name_measured fills these)
+    dtype: str | None = None
+    device: str | None = None
+    max_new_tokens: int | None = None
+    prompts_sha256: str | None = None  # of the prompts file's bytes (of the built-in prompts' lines without one)
+    plot: str | None = None  # the plot drawn with the report (--plot), relative to the report's directory
 
     def to_json(self) -> dict:
         return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
                 "needed_bytes": self.needed_bytes, "chain": self.chain, "loaded": self.loaded,
-                "mtp_loaded": self.mtp_loaded, "engine": self.engine, "reference": self.reference}
+                "mtp_loaded": self.mtp_loaded, "engine": self.engine, "reference": self.reference,
+                "dtype": self.dtype, "device": self.device, "max_new_tokens": self.max_new_tokens,
+                "prompts_sha256": self.prompts_sha256, "plot": self.plot}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -137,10 +147,19 @@ def check_prompts(path: str | None, vocab_size: int | None, positions: int | Non
                              f"the model's {positions} positions (max_position_embeddings)", rule="prompts", path=path)
 
 
+BUILTIN_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
+
+
+def prompts_sha256(path: str | None) -> str:
+    """sha256 of the prompts file's bytes; without one, of the built-in prompts as a text file (a line each)."""
+    data = "".join(p + "\n" for p in BUILTIN_PROMPTS).encode() if path is None else Path(path).read_bytes()
+    return hashlib.sha256(data).hexdigest()
+
+
 def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
     """``read_prompts`` with each prompt's line number (0 for the built-in prompts)."""
     if path is None:
-        return [(0, p) for p in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+        return [(0, p) for p in BUILTIN_PROMPTS]
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -565,7 +584,24 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     import transformers
 
     engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}
-    return ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
+    result = ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
+    result.device = device
+    return name_measured(result, req)
+
+
+def name_measured(result: ProbeResult, req: ProbeRequest) -> ProbeResult:
+    """``result`` naming what it measured, so that ``ckpt push`` can tell a report of other files: the digest of
+    the tensors of each MTP's checkpoint (the verifier's own MTP: the verifier's; a draft in memory has none), and
+    the conditions (dtype, device, tokens per prompt, the prompts file's sha256)."""
+    from .tensors_digest import tensors_digest
+
+    for entry, source in zip(result.drafts, [req.verifier, *req.drafts], strict=True):
+        entry.tensors = None if isinstance(source, Mapping) else tensors_digest(source).to_json()
+    result.dtype = req.dtype
+    result.device = result.device or req.device
+    result.max_new_tokens = req.max_new_tokens
+    result.prompts_sha256 = prompts_sha256(req.prompts)
+    return result
 
 
 def reference_difference(drafter: Drafter, seq: torch.Tensor, hidden: torch.Tensor, dtype: str, where: str) -> float:

