@@ -144,7 +144,7 @@ def _serve(vllm, model: Path, depth: int | None, inputs: list, req: ProbeRequest
            text: bool) -> tuple[list[list[int]], dict[str, list[float]]]:
     """Greedy outputs of ``model`` in one vLLM engine (MTP speculation at ``depth``, or none), and vLLM's
     speculative-decoding counters over that run."""
-    spec = None if depth is None else {"method": "mtp", "num_speculative_tokens": depth}
+    spec = None if depth is None else {"method": SPEC_METHOD, "num_speculative_tokens": depth}
     kwargs = dict(model=str(model), skip_tokenizer_init=not text, dtype=_dtype(req.dtype), enforce_eager=True,
                   disable_log_stats=False, speculative_config=spec, seed=0,
                   tensor_parallel_size=opts.tensor_parallel_size, pipeline_parallel_size=opts.pipeline_parallel_size)
