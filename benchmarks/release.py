@@ -192,7 +192,7 @@ def build(out: str | os.PathLike, nomtp: bool = False) -> Path:
     names = [shard_name(i) for i in range(len(shards))]
     weight_map: dict[str, str] = {}
     total = 0
-    for name, entries in zip(names, shards):
+    for name, entries in zip(names, shards, strict=True):
         total += write_shard(out / name, entries)
         weight_map.update((e[0], name) for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

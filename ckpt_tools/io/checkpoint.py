@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import InputError
+from ..gcpause import gc_paused
 from .artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from .config import ConfigView
 from .readers import Reader, for_file, for_object, read_weights
@@ -82,6 +83,7 @@ class Checkpoint:
                    digests={"config.json": sha256_of(data)})
 
     @classmethod
+    @gc_paused()  # ~92,000 references and header entries at release scale: no cycles to look for
     def _open_dir(cls, d: Path, single: str | None = None, *, problems: _Problems | None = None,
                   index: dict | None = None, renamed: dict[str, Path] | None = None) -> Checkpoint:
         """Directory ``d`` (only its file ``single`` when given): config, index, shard headers, manifest.
@@ -430,28 +432,30 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
     tensors: dict[str, TensorRef] = {}
     shard_keys: dict[str, list[str]] = {}
     for name, h in headers.items():
-        refs = refs_from_header(sources[name], h)
-        shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
+        shard_keys[name] = _in_file_order(h)
         if index is None:
-            for k, r in refs.items():
+            for k, r in refs_from_header(sources[name], h).items():
                 tensors.setdefault(k, r)
     if index is not None:
         for key, shard in index["weight_map"].items():
-            ref = _ref_in(headers, sources, shard, key)
-            if ref is not None:
-                tensors[key] = ref
-            elif strict and shard in headers:
+            h = headers.get(shard)
+            info = h.tensors.get(key) if h is not None else None
+            if info is not None:
+                tensors[key] = TensorRef(sources[shard], key, info.dtype, info.shape, h.data_start + info.begin,
+                                         info.end - info.begin)
+            elif strict and h is not None:
                 raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
                                  path=index_path)
     return tensors, shard_keys
 
 
-def _ref_in(headers, sources, shard: str, key: str) -> TensorRef | None:
-    h = headers.get(shard)
-    if h is None or key not in h.tensors:
-        return None
-    info = h.tensors[key]
-    return TensorRef(sources[shard], key, info.dtype, info.shape, h.data_start + info.begin, info.nbytes)
+def _in_file_order(h: Header) -> list[str]:
+    """The header's keys by offset (writers store them so: then no sort)."""
+    keys = list(h.tensors)
+    begins = [info.begin for info in h.tensors.values()]
+    if all(a <= b for a, b in zip(begins, begins[1:], strict=False)):
+        return keys
+    return sorted(keys, key=lambda k: h.tensors[k].begin)
 
 
 SMALL_FILE_LIMIT = 256 << 20  # config, index, manifest: read whole; real ones are KBs to a few MB
