@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..model.consistency import note_allowed
 from ..model.gate import require_consistent
-from ..model.quant import Storage, detect_scheme, module_storage
+from ..model.quant import Storage, detect_scheme
 from ..model.quant.config import SIDE_FILES
 from ..model.quant.dequant import dequant_module
-from ..model.quant.tables import all_schemes
+from ..model.quant.storage import storage_lookup
+from ..model.quant.tables import all_schemes, schemes_now
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
 from .carry import carried_files
@@ -79,6 +81,7 @@ def quantized_modules(ckpt: Checkpoint, scheme, keys: list[str]) -> dict[str, St
                 by_dtype.setdefault(dt, set()).add(f.weight.suffix)
     found: dict[str, Storage] = {}
     seen: set[str] = set()
+    lookup = storage_lookup(scheme)
     for key in keys:
         for suffix in by_dtype.get(ckpt.tensors[key].dtype, ()):
             if not key.endswith("." + suffix):
@@ -87,7 +90,7 @@ def quantized_modules(ckpt: Checkpoint, scheme, keys: list[str]) -> dict[str, St
             if module in seen:
                 continue
             seen.add(module)
-            st = module_storage(ckpt, scheme, module)
+            st = lookup(ckpt, module)
             if st.quantized:
                 found[st.tensors[next(iter(st.tensors))]] = st
     return found
@@ -103,6 +106,7 @@ def _visible_keys(ckpt: Checkpoint) -> list[str]:
     return out
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
     out_dtype = dtype_arg(req.dtype, "--dtype")
     if out_dtype not in OUT_DTYPES:
@@ -133,12 +137,13 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
                          "mappings/quantization/", rule="not-quantized", path=ckpt.root)
 
     first_key = {st.all_keys()[0]: st for st in chosen.values()}
+    tables = schemes_now()
     tensors: list[OutputTensor] = []
     dropped: list[str] = []
     for k in keys:
         st = first_key.get(k)
         if st is not None:
-            t = dequant_module(ckpt, st, f"{st.module}.weight", out_dtype)
+            t = dequant_module(ckpt, st, f"{st.module}.weight", out_dtype, tables)
             t.shard = None  # sharded anew by size: the output is larger than the input
             tensors.append(t)
         elif k in companions:

@@ -59,6 +59,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import InputError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint
 from ..model.consistency import REPORT_ONLY, absent_notes, renamed_format
 from ..model.gate import check
@@ -285,6 +286,7 @@ def _sorted(d: dict[str, dict]) -> dict[str, dict]:
     return dict(sorted(d.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str | None = None,
                        allow: frozenset[str] = frozenset()) -> InspectReport:
     """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection.

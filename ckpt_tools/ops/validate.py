@@ -61,6 +61,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CkptError, InputError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, open_lenient
 from ..model import consistency, rules
 from ..model.consistency import Problem, config_path
@@ -131,6 +132,7 @@ def bare_message(e: CkptError) -> str:
     return s
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | None = None, *,
              pending: PendingOutput | None = None) -> ValidationReport:
     """Check a checkpoint (a local path, an ``hf://`` URL or an opened ``Checkpoint``).

@@ -64,7 +64,7 @@ class Compute:
 Recipe = CopyBytes | Compute
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a plan may hold one per tensor of a release (92,000)
 class OutputTensor:
     key: str
     dtype: str

@@ -61,6 +61,7 @@ def unregister_scheme_dir(path: str | os.PathLike) -> None:
 def reload_schemes() -> None:
     """Forget the loaded tables: the next ``all_schemes`` reads every directory again."""
     _load.cache_clear()
+    _LAST.clear()
 
 
 def quant_dirs() -> list[Path]:
@@ -165,15 +166,31 @@ def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
     return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
 
 
+# (what decides the tables, the tables): planning a release asks once per quantized module (46,000 times), and
+# building the directory list (paths hashed for the cache) cost more than the lookup it guards
+_LAST: list[tuple[tuple, dict[str, SchemeTable]]] = []
+
+
+def schemes_now() -> dict[str, SchemeTable]:
+    """``all_schemes`` without the copy: the same dict while the tables in force are the same (do not modify)."""
+    encode = sys.modules.get(f"{__package__}.encode")
+    if encode is None:
+        from . import encode
+    key = (os.environ.get("CKPT_QUANT_TABLES"), tuple(_REGISTERED), tuple(encode.ENCODERS), _registered_codes())
+    if _LAST and _LAST[0][0] == key:
+        return _LAST[0][1]
+    tables = _load(tuple(quant_dirs()), frozenset(encode.ENCODERS), key[3])
+    _LAST[:] = [(key, tables)]
+    return tables
+
+
 def all_schemes() -> dict[str, SchemeTable]:
     """Every scheme table by name, in file order."""
-    from .encode import ENCODERS
-
-    return dict(_load(tuple(quant_dirs()), frozenset(ENCODERS), _registered_codes()))
+    return dict(schemes_now())
 
 
 def get_scheme(name: str) -> SchemeTable:
-    schemes = all_schemes()
+    schemes = schemes_now()
     if name not in schemes:
         raise UsageError(f"unknown quantization scheme {name!r}; known: {', '.join(sorted(schemes))}",
                          rule="unknown-scheme")
