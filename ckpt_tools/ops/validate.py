@@ -59,6 +59,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import CkptError, InputError
 from ..gcpause import gc_paused
@@ -66,7 +67,9 @@ from ..io.checkpoint import Checkpoint, open_lenient
 from ..model import consistency, rules
 from ..model.consistency import Problem, config_path
 from ..model.mtp import choose_table, open_mtp
-from ..stream.writer import PendingOutput
+
+if TYPE_CHECKING:
+    from ..stream.writer import PendingOutput
 
 VALID_FORMATS = rules.VALID_FORMATS
 FILE_RULES = rules.OPEN_RULES  # rules that come from opening files (recognised on a strict, remote open)
