@@ -18,7 +18,7 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -162,9 +162,12 @@ class TensorInfo(NamedTuple):
 class Header:
     source_name: str
     header_len: int
-    tensors: dict[str, TensorInfo]
+    tensors: Mapping[str, TensorInfo]
     metadata: dict[str, str] | None
     sha256: str = ""  # of the header JSON bytes as read: part of an input's fingerprint
+    # read from a source (read_header): its entries as references into it, which ``tensors`` is a view of (one
+    # object per tensor: a release's checkpoint references are these same 92,000 objects)
+    refs: dict[str, TensorRef] | None = field(default=None, compare=False, repr=False)
 
     @property
     def data_start(self) -> int:
@@ -239,8 +242,9 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v <= MAX_NUMEL
 
 
-def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Header:
-    """Validate header JSON ``raw`` (without the 8-byte length) of a file of ``file_size`` bytes."""
+def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: ByteSource | None = None) -> Header:
+    """Validate header JSON ``raw`` (without the 8-byte length) of a file of ``file_size`` bytes (``src``: the
+    file it was read from, whose tensor references the header then holds)."""
 
     def fail(rule: str, msg: str) -> HeaderError:
         return HeaderError(msg, rule=rule, path=name)
@@ -268,11 +272,46 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str) -> Hea
             if not isinstance(v, str):
                 raise fail("metadata-not-string", f"__metadata__[{k!r}] is {type(v).__name__}, not a string")
 
-    tensors = _entries_fast(obj)
-    if tensors is None:
-        tensors = _entries_strict(obj, fail)
-    _check_coverage(tensors, file_size - 8 - header_len, fail)
-    return Header(name, header_len, tensors, metadata, hashlib.sha256(raw).hexdigest())
+    data_len = file_size - 8 - header_len
+    fast = _entries_fast(obj, src, 8 + header_len)
+    refs = None
+    if fast is None:
+        tensors: Mapping[str, TensorInfo] = _entries_strict(obj, fail)
+        _check_coverage(tensors, data_len, fail)
+    else:
+        entries, end = fast
+        if src is not None:
+            refs, tensors = entries, _InfoView(entries, 8 + header_len)
+        else:
+            tensors = entries
+        if end is None:  # not stored in offset order: the sorting check names what is wrong, if anything
+            _check_coverage(tensors, data_len, fail)
+        else:
+            _check_end(end, data_len, fail)
+    return Header(name, header_len, tensors, metadata, hashlib.sha256(raw).hexdigest(), refs)
+
+
+class _InfoView(Mapping):
+    """A header's entries (``TensorInfo``, offsets relative to the data section) seen through its references."""
+
+    __slots__ = ("_refs", "_base")
+
+    def __init__(self, refs: dict[str, TensorRef], base: int) -> None:
+        self._refs, self._base = refs, base
+
+    def __getitem__(self, key: str) -> TensorInfo:
+        r = self._refs[key]
+        begin = r.offset - self._base
+        return TensorInfo(r.dtype, r.shape, begin, begin + r.nbytes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._refs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
 
 
 def _load_fast(text: str) -> dict | None:
@@ -310,12 +349,16 @@ def _load_strict(text: str, fail) -> object:
 _BITS = {name: dt.bits for name, dt in DTYPES.items()}
 
 
-def _entries_fast(obj: dict) -> dict[str, TensorInfo] | None:
+def _entries_fast(obj: dict, src: ByteSource | None = None, base: int = 0) -> tuple[dict, int | None] | None:
     """The entries of a well-formed header, checked with a few operations per entry and the integer checks
-    done once over all of them; None at the first doubt, for ``_entries_strict`` to name the rule broken."""
-    tensors: dict[str, TensorInfo] = {}
+    done once over all of them; None at the first doubt, for ``_entries_strict`` to name the rule broken.
+
+    The entries are TensorInfos, or with ``src`` TensorRefs into it (``base``: where its data section starts);
+    with them the end of the data they cover when they are stored in offset order without holes (else None)."""
+    tensors: dict = {}
     numbers: list[list] = []
     prod = math.prod
+    expected: int | None = 0
     try:
         for key, entry in obj.items():
             if type(entry) is not dict or len(entry) != 3:
@@ -332,14 +375,18 @@ def _entries_fast(obj: dict) -> dict[str, TensorInfo] | None:
                 return None
             numbers.append(shape)
             numbers.append(offs)
-            tensors[key] = TensorInfo(dtype_name, tuple(shape), begin, end)
+            if src is None:
+                tensors[key] = TensorInfo(dtype_name, tuple(shape), begin, end)
+            else:
+                tensors[key] = TensorRef(src, key, dtype_name, tuple(shape), base + begin, end - begin)
+            expected = end if begin == expected else None
     except (KeyError, TypeError, ValueError, OverflowError):
         return None
     flat = list(itertools.chain.from_iterable(numbers))
     # every dimension and offset a JSON integer in [0, 2**64) (not a float, bool or string)
     if flat and (set(map(type, flat)) != {int} or min(flat) < 0 or max(flat) > MAX_NUMEL):
         return None
-    return tensors
+    return tensors, expected
 
 
 def _entries_strict(obj: dict, fail) -> dict[str, TensorInfo]:
@@ -427,7 +474,7 @@ def read_header(src: ByteSource) -> Header:
     if 8 + n > size:
         raise HeaderError(f"header length {n} runs past the end of the {size}-byte file", rule="header-length",
                           path=src.name)
-    return parse_header_bytes(read_bytes(src, 8, n), size, src.name)
+    return parse_header_bytes(read_bytes(src, 8, n), size, src.name, src)
 
 
 # ---------------------------------------------------------------------------
@@ -476,6 +523,8 @@ class TensorRef:
 
 
 def refs_from_header(src: ByteSource, header: Header) -> dict[str, TensorRef]:
+    if header.refs is not None and all(r.source is src for r in itertools.islice(header.refs.values(), 1)):
+        return dict(header.refs)
     base = header.data_start
     return {
         key: TensorRef(src, key, info.dtype, info.shape, base + info.begin, info.nbytes)

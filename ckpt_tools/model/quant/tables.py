@@ -76,9 +76,10 @@ def quant_dirs() -> list[Path]:
 
 def _registered_codes() -> frozenset[str]:
     """Code kinds added with decode.register_codes. Registering imports decode, so a decode module not yet
-    imported has none (not importing it here keeps numpy out of every command's start)."""
+    imported has none (not importing it here keeps numpy out of every command's start), nor has one another
+    thread is still importing (the first dequantized tensor imports it on a decoding thread)."""
     decode = sys.modules.get(f"{__package__}.decode")
-    return frozenset(decode.REGISTERED_CODES) if decode is not None else frozenset()
+    return frozenset(getattr(decode, "REGISTERED_CODES", ()))
 
 
 def _errors(err: ValidationError) -> str:
@@ -173,9 +174,8 @@ _LAST: list[tuple[tuple, dict[str, SchemeTable]]] = []
 
 def schemes_now() -> dict[str, SchemeTable]:
     """``all_schemes`` without the copy: the same dict while the tables in force are the same (do not modify)."""
-    encode = sys.modules.get(f"{__package__}.encode")
-    if encode is None:
-        from . import encode
+    from . import encode  # waits for another thread still importing it
+
     key = (os.environ.get("CKPT_QUANT_TABLES"), tuple(_REGISTERED), tuple(encode.ENCODERS), _registered_codes())
     if _LAST and _LAST[0][0] == key:
         return _LAST[0][1]
