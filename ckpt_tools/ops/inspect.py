@@ -55,8 +55,11 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..errors import InputError
 from ..gcpause import gc_paused
@@ -182,9 +185,14 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
 
     whole = _stats()
     whole_dtypes: dict[str, dict] = {}
-    for ref in ckpt.tensors.values():
-        _add(whole, ref.numel, ref.nbytes)
-        _add(whole_dtypes.setdefault(ref.dtype, _stats()), ref.numel, ref.nbytes)
+    # by kind of tensor (a release's 92,000 tensors come in ~50 dtype x shape kinds), then summed per kind
+    kinds = Counter(map(attrgetter("dtype", "shape", "nbytes"), ckpt.tensors.values()))
+    for (dtype, shape, nbytes), n in kinds.items():  # in order of first appearance, as the dtypes were listed
+        numel = math.prod(shape)
+        for stats in (whole, whole_dtypes.setdefault(dtype, _stats())):
+            stats["tensors"] += n
+            stats["params"] += n * numel
+            stats["bytes"] += n * nbytes
     whole["shards"] = len(ckpt.shard_keys)  # safetensors shards, or the files a draft reader read
 
     mtp = _stats()
