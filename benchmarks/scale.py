@@ -41,6 +41,19 @@ CASES = (
 )
 
 
+# The fixed cost of each verb (issue 34, item 2: <= 0.30 s; `ckpt inspect` <= 0.25 s): the same commands on the
+# tiny DeepSeek-V3 fixture checkpoints (bf16, and block FP8 for dequant), where nothing but start-up is left.
+FIXED = (
+    Case("--help", ("--help",), 0.30),
+    Case("inspect", ("inspect", "{tiny}"), 0.25),
+    Case("validate", ("validate", "{tiny}"), 0.30),
+    Case("diff", ("diff", "{tiny}", "{tiny}"), 0.30),
+    Case("extract --dry-run", ("extract", "{tiny}", "-o", "{out}", "--dry-run"), 0.30),
+    Case("dequant --dry-run", ("dequant", "{tiny_fp8}", "-o", "{out}", "--dry-run"), 0.30),
+    Case("graft --dry-run", ("graft", "{tiny}", "{tiny_nomtp}", "-o", "{out}", "--dry-run"), 0.30),
+)
+
+
 def ckpt_argv() -> list[str]:
     exe = Path(sys.executable).parent / "ckpt"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_tools"]
@@ -54,15 +67,31 @@ def build_inputs(workdir: Path) -> tuple[Path, Path]:
     return src, nomtp
 
 
+def tiny_inputs(workdir: Path) -> dict[str, Path]:
+    """The tiny fixture checkpoints of the fixed-cost cases (made with the test suite's generator)."""
+    from ckpt_tools.testing.fixtures import FixtureOptions, make_checkpoint
+
+    out = {}
+    for name, opts in (("tiny", FixtureOptions()), ("tiny_fp8", FixtureOptions(fp8=True)),
+                       ("tiny_nomtp", FixtureOptions(drop_mtp=True))):
+        d = workdir / name
+        if not (d / "config.json").exists():
+            make_checkpoint("deepseek_v3", d, opts)
+        out[name] = d
+    return out
+
+
 def measure(workdir: Path, runs: int = 5, cases: tuple[Case, ...] = CASES,
             log=lambda _m: None) -> dict[str, list[Sample]]:
     """Every case ``runs`` times, alternating; samples per case."""
     src, nomtp = build_inputs(workdir)
-    out = workdir / "out"
+    paths = {"src": src, "nomtp": nomtp, "out": workdir / "out"}
+    if any("{tiny" in a for c in cases for a in c.argv):
+        paths.update(tiny_inputs(workdir))
     samples: dict[str, list[Sample]] = {c.name: [] for c in cases}
     for r in range(runs):
         for c in cases:
-            argv = [a.format(src=src, nomtp=nomtp, out=out) for a in c.argv]
+            argv = [a.format(**paths) for a in c.argv]
             s = run(ckpt_argv() + argv, log=workdir / "logs" / f"{c.name.replace(' ', '_')}.{r}.log",
                     timeout=300.0)
             samples[c.name].append(s)
@@ -71,6 +100,7 @@ def measure(workdir: Path, runs: int = 5, cases: tuple[Case, ...] = CASES,
 
 
 def summary(samples: dict[str, list[Sample]], cases: tuple[Case, ...] = CASES) -> list[dict]:
+    """Medians (min-max) per case, against its target."""
     rows = []
     for c in cases:
         ss = samples[c.name]
@@ -89,8 +119,8 @@ def summary(samples: dict[str, list[Sample]], cases: tuple[Case, ...] = CASES) -
     return rows
 
 
-def markdown(rows: list[dict], load: str) -> str:
-    lines = [f"Load average (1, 5, 15 min) at start: {load}", "",
+def markdown(rows: list[dict], load: str, title: str = "release scale") -> str:
+    lines = [f"{title}; load average (1, 5, 15 min) at start: {load}", "",
              "| command | wall s, median (min-max) | CPU s | peak RSS MiB | target | meets |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -108,9 +138,13 @@ def main(args) -> int:
 
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     args.workdir.mkdir(parents=True, exist_ok=True)
-    samples = measure(args.workdir, args.runs, log=lambda m: print(m, file=sys.stderr, flush=True))
-    rows = summary(samples)
-    md = markdown(rows, load)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    rows = summary(measure(args.workdir, args.runs, log=log))
+    md = markdown(rows, load, "Planning at release scale (sparse DeepSeek-V3 replica: 163 shards, 91,991 tensors)")
+    fixed = summary(measure(args.workdir, args.runs, FIXED, log=log), FIXED)
+    md += "\n" + markdown(fixed, " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+                          "Fixed cost (tiny DeepSeek-V3 fixture checkpoints)")
+    rows += fixed
     sys.stdout.write(md)
     if args.markdown:
         args.markdown.write_text(md)
