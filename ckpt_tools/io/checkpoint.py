@@ -440,16 +440,20 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
         # the headers' own references (read_header makes them), else made here from their entries
         refs = {name: h.refs if h.refs is not None else refs_from_header(sources[name], h)
                 for name, h in headers.items()}
+        # the weight map again, keyed by the headers' own key strings: the index's copies of the 92,000 names of
+        # a release (~7 MB) are then freed
+        weight_map: dict[str, str] = {}
         for key, shard in index["weight_map"].items():  # 92,000 times for a release: nothing but lookups
             in_shard = refs.get(shard)
-            if in_shard is None:
-                continue
-            ref = in_shard.get(key)
+            ref = in_shard.get(key) if in_shard is not None else None
             if ref is not None:
-                tensors[key] = ref
-            elif strict:
+                tensors[ref.key] = ref
+                key = ref.key
+            elif strict and in_shard is not None:
                 raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
                                  path=index_path)
+            weight_map[key] = shard
+        index["weight_map"] = weight_map
     return tensors, shard_keys
 
 
