@@ -432,7 +432,7 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
     tensors: dict[str, TensorRef] = {}
     shard_keys: dict[str, list[str]] = {}
     for name, h in headers.items():
-        shard_keys[name] = _in_file_order(h)
+        shard_keys[name] = h.in_offset_order()
         if index is None:
             for k, r in refs_from_header(sources[name], h).items():
                 tensors.setdefault(k, r)
@@ -455,15 +455,6 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
             weight_map[key] = shard
         index["weight_map"] = weight_map
     return tensors, shard_keys
-
-
-def _in_file_order(h: Header) -> list[str]:
-    """The header's keys by offset (writers store them so: then no sort)."""
-    keys = list(h.tensors)
-    begins = [info.begin for info in h.tensors.values()]
-    if all(a <= b for a, b in zip(begins, begins[1:], strict=False)):
-        return keys
-    return sorted(keys, key=lambda k: h.tensors[k].begin)
 
 
 SMALL_FILE_LIMIT = 256 << 20  # config, index, manifest: read whole; real ones are KBs to a few MB

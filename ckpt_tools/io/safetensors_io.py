@@ -173,6 +173,22 @@ class Header:
     def data_start(self) -> int:
         return 8 + self.header_len
 
+    @property
+    def data_bytes(self) -> int:
+        """The bytes its tensors span (without making an entry per tensor when the references are there)."""
+        entries = self.refs if self.refs is not None else self.tensors
+        return sum(e.nbytes for e in entries.values())
+
+    def in_offset_order(self) -> list[str]:
+        """Its keys by offset (writers store them so: then no sort)."""
+        entries = self.refs if self.refs is not None else self.tensors
+        begins = [e.offset if self.refs is not None else e.begin for e in entries.values()]
+        if all(a <= b for a, b in zip(begins, begins[1:], strict=False)):
+            return list(entries)
+        order = sorted(range(len(begins)), key=begins.__getitem__)  # stable: ties keep their order
+        keys = list(entries)
+        return [keys[i] for i in order]
+
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
     out: dict = {}

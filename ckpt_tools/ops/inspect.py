@@ -262,7 +262,7 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
             "mtp_tensors": by_shard[name]["tensors"],
             "mtp_bytes": by_shard[name]["bytes"],
             "tensors": len(keys),
-            "bytes": sum(i.nbytes for i in h.tensors.values()) if h else sum(ckpt.tensors[k].nbytes for k in keys),
+            "bytes": h.data_bytes if h else sum(ckpt.tensors[k].nbytes for k in keys),
         })
 
     status = {
