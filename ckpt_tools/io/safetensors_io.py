@@ -497,9 +497,12 @@ def read_header(src: ByteSource) -> Header:
 # Tensor references
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A tensor inside a source file: where its bytes are, and what they mean."""
+class TensorRef(NamedTuple):
+    """A tensor inside a source file: where its bytes are, and what they mean.
+
+    A tuple (immutable, no per-instance dict): a release has 92,000 of them, and a tuple is the cheapest
+    object to make (``_replace`` makes a renamed copy).
+    """
 
     source: ByteSource
     key: str
