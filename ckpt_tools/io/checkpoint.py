@@ -440,9 +440,10 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
         # the headers' own references (read_header makes them), else made here from their entries
         refs = {name: h.refs if h.refs is not None else refs_from_header(sources[name], h)
                 for name, h in headers.items()}
-        # the weight map again, keyed by the headers' own key strings: the index's copies of the 92,000 names of
-        # a release (~7 MB) are then freed
+        # the weight map again, keyed by the headers' own key strings and naming each file with one string (json
+        # made one per entry): the index's copies of a release's 92,000 names and file names (~14 MB) are freed
         weight_map: dict[str, str] = {}
+        names = {name: name for name in headers}
         for key, shard in index["weight_map"].items():  # 92,000 times for a release: nothing but lookups
             in_shard = refs.get(shard)
             ref = in_shard.get(key) if in_shard is not None else None
@@ -452,7 +453,7 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
             elif strict and in_shard is not None:
                 raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
                                  path=index_path)
-            weight_map[key] = shard
+            weight_map[key] = names.get(shard, shard)
         index["weight_map"] = weight_map
     return tensors, shard_keys
 
@@ -497,9 +498,6 @@ def parse_index(data: bytes, where: str) -> dict:
         for k, v in wm.items():
             if not isinstance(v, str):
                 raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=where)
-    # json makes a string per value: a release's 92,000 entries name 163 files (one string each, ~7 MB less)
-    names: dict[str, str] = {}
-    index["weight_map"] = {k: names.setdefault(v, v) for k, v in wm.items()}
     meta = index.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise InputError("index metadata must be an object", rule="index-json", path=where)
