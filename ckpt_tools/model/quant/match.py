@@ -87,8 +87,9 @@ def _combined(matcher: str, patterns: tuple[str, ...]) -> tuple[frozenset[str], 
         sources = [p[3:] for p in patterns if p.startswith("re:")]
         suffixes = ()
     own = [(p, f"(?:{p}){_BOUNDARY}" if transformers else p) for p in sources]
-    own = [(p, full) for p, full in own if _regex(full) is not None]
-    alone = [full for p, full in own if _regex(p) is None or _UNSAFE.search(p)]
+    # a module name (letters, digits, _ . - /) is a valid regex of its own: only the others are compiled to check
+    own = [(p, full) for p, full in own if _PLAIN.match(p) or _regex(full) is not None]
+    alone = [full for p, full in own if not _PLAIN.match(p) and (_regex(p) is None or _UNSAFE.search(p))]
     together = [p for p, full in own if full not in alone]
     rx = None
     if together:
@@ -103,6 +104,7 @@ def _combined(matcher: str, patterns: tuple[str, ...]) -> tuple[frozenset[str], 
     return exact, rx, suffixes
 
 
+_PLAIN = re.compile(r"[\w.\-/]*\Z")
 _UNSAFE = re.compile(r"\\[1-9]|\(\?P|\(\?\(|\(\?[aiLmsux-]")  # backreference, named group, conditional, flags
 
 
