@@ -29,15 +29,24 @@ class Case:
     max_rss: int | None = None  # bytes
 
 
+def _zero_scales() -> tuple[str, ...]:
+    """The replica's scales are holes (zeros): where a rule reads every scale's values (quant-scale-value) it finds
+    them all wrong, so the verbs that refuse on it are let through (the reading is still done, and timed)."""
+    from ckpt_tools.model.rules import known_rules
+
+    return ("--allow-invalid", "quant-scale-value") if "quant-scale-value" in known_rules() else ()
+
+
 # Issue 34, item 1: inspect / validate / extract --dry-run <= 1 s; dequant / graft --dry-run <= 2 s, < 200 MiB.
+_Z = _zero_scales()
 CASES = (
     Case("inspect", ("inspect", "{src}"), 1.0),
     Case("validate", ("validate", "{src}"), 1.0),
-    Case("extract --dry-run", ("extract", "{src}", "-o", "{out}", "--dry-run"), 1.0),
-    Case("dequant --dry-run", ("dequant", "{src}", "-o", "{out}", "--dry-run"), 2.0, 200 * MIB),
-    Case("dequant --only-mtp --dry-run", ("dequant", "{src}", "-o", "{out}", "--only-mtp", "--dry-run"), 2.0,
+    Case("extract --dry-run", ("extract", "{src}", "-o", "{out}", "--dry-run", *_Z), 1.0),
+    Case("dequant --dry-run", ("dequant", "{src}", "-o", "{out}", "--dry-run", *_Z), 2.0, 200 * MIB),
+    Case("dequant --only-mtp --dry-run", ("dequant", "{src}", "-o", "{out}", "--only-mtp", "--dry-run", *_Z), 2.0,
          200 * MIB),
-    Case("graft --dry-run", ("graft", "{src}", "{nomtp}", "-o", "{out}", "--dry-run"), 2.0, 200 * MIB),
+    Case("graft --dry-run", ("graft", "{src}", "{nomtp}", "-o", "{out}", "--dry-run", *_Z), 2.0, 200 * MIB),
 )
 
 

@@ -29,7 +29,7 @@ from ..model.quant import Storage, detect_scheme
 from ..model.quant.config import SIDE_FILES
 from ..model.quant.dequant import dequant_module
 from ..model.quant.storage import storage_lookup
-from ..model.quant.tables import all_schemes, schemes_now
+from ..model.quant.tables import all_schemes, loaded_schemes
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
 from .add_mtp import CarriedShards, mtp_into, require_indexed
@@ -153,7 +153,7 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
                          "mappings/quantization/", rule="not-quantized", path=ckpt.root)
 
     first_key = {st.all_keys()[0]: st for st in chosen.values()}
-    tables = schemes_now()
+    tables = loaded_schemes()
     tensors: list[OutputTensor] = []
     dropped: list[str] = []
     for k in scope_keys if req.link is not None else keys:  # --link: the rest stays in the carried shards

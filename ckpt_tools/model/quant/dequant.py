@@ -14,7 +14,7 @@ from ...stream.plan import Compute, CopyBytes, OutputTensor
 from ..expr import ExprError, evaluate
 from .schema import FormatDef
 from .storage import Storage
-from .tables import get_scheme, schemes_now
+from .tables import get_scheme, loaded_schemes
 
 
 def format_of(storage: Storage) -> FormatDef:
@@ -30,7 +30,7 @@ _ALIKE_TABLES: list[object] = [None]
 
 def _format_and_tile(storage: Storage, shape: tuple[int, ...],
                      tables: dict | None = None) -> tuple[FormatDef, tuple[int, int]]:
-    tables = tables if tables is not None else schemes_now()
+    tables = tables if tables is not None else loaded_schemes()
     if _ALIKE_TABLES[0] is not tables or len(_ALIKE) > 1024:
         _ALIKE.clear()
         _ALIKE_TABLES[0] = tables
@@ -72,20 +72,20 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
     fmt, tile = _format_and_tile(storage, shape)
     inputs = [i for t in parts.values() for i in (t.recipe.inputs if isinstance(t.recipe, Compute)
                                                    else t.meta.get("source", [t.key]))]
-    recipe = DequantRecipe(storage, fmt, tile, out_dtype, inputs, sum(t.nbytes for t in parts.values()),
+    recipe = DequantRecipe(key, storage, fmt, tile, out_dtype, inputs, sum(t.nbytes for t in parts.values()),
                            all(isinstance(t.recipe, CopyBytes) for t in parts.values()), parts=parts)
     return OutputTensor(key, out_dtype, shape, recipe, parts[fmt.weight.suffix].shard, recipe.meta())
 
 
 def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables: dict | None = None) -> OutputTensor:
     """``dequant_parts`` over the module's tensors as the checkpoint stores them (byte copies, made when the
-    tensor is produced: a release's plan holds 46,000 of these). ``tables``: ``schemes_now()``, when the caller
+    tensor is produced: a release's plan holds 46,000 of these). ``tables``: ``loaded_schemes()``, when the caller
     plans many modules."""
     _require_complete(storage)
     shape = tuple(storage.shape or ())
     fmt, tile = _format_and_tile(storage, shape, tables)
     inputs = list(storage.tensors.values())
-    recipe = DequantRecipe(storage, fmt, tile, out_dtype, inputs, sum(ckpt.tensors[k].nbytes for k in inputs),
+    recipe = DequantRecipe(key, storage, fmt, tile, out_dtype, inputs, sum(ckpt.tensors[k].nbytes for k in inputs),
                            True, ckpt=ckpt)
     return OutputTensor(key, out_dtype, shape, recipe, None, recipe.meta())
 
@@ -101,9 +101,10 @@ class DequantRecipe(Compute):
     """The Compute recipe of one dequantized module: its stored parts (``parts``, or byte copies of ``ckpt``'s
     tensors made when produced) decoded band by band into ``out_dtype``."""
 
-    def __init__(self, storage: Storage, fmt: FormatDef, tile: tuple[int, int], out_dtype: str, inputs: list[str],
-                 read_bytes: int, ahead: bool, *, parts: dict[str, OutputTensor] | None = None,
+    def __init__(self, key: str, storage: Storage, fmt: FormatDef, tile: tuple[int, int], out_dtype: str,
+                 inputs: list[str], read_bytes: int, ahead: bool, *, parts: dict[str, OutputTensor] | None = None,
                  ckpt: Any = None) -> None:
+        self.key = key  # the output tensor's name
         self.op = "dequant"
         self.inputs = inputs
         self.read_bytes = read_bytes

@@ -18,7 +18,7 @@ from ...dtypes import FLOAT_DTYPES
 from ..expr import ExprError, evaluate
 from .detect import QuantScheme
 from .schema import FormatDef, SchemeTable
-from .tables import schemes_now
+from .tables import loaded_schemes
 
 StorageState = Literal["unquantized", "quantized", "absent"]
 
@@ -42,8 +42,8 @@ class _Memo:
 _LAST: list[_Memo] = []
 
 
-def _memo(scheme: QuantScheme | None) -> _Memo:
-    tables = schemes_now()
+def _scheme_memo(scheme: QuantScheme | None) -> _Memo:
+    tables = loaded_schemes()
     if _LAST and _LAST[0].scheme is scheme and _LAST[0].tables is tables:
         return _LAST[0]
     own = scheme.formats() if scheme is not None else []
@@ -90,7 +90,7 @@ class Storage:
 
 def _params(scheme: QuantScheme | None, table: SchemeTable, module: str, fused,
             memo: _Memo | None = None) -> dict[str, Any]:
-    memo = memo or _memo(scheme)
+    memo = memo or _scheme_memo(scheme)
     if table.scheme in memo.params:
         return dict(memo.params[table.scheme])
     defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
@@ -200,13 +200,13 @@ def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tu
     weight shape when the caller knows it (the family table does), for the companion checks.
     ``ckpt`` needs only ``tensors`` (key -> TensorRef).
     """
-    return _storage_in(_memo(scheme), scheme, ckpt, module, shape, fused)
+    return _storage_in(_scheme_memo(scheme), scheme, ckpt, module, shape, fused)
 
 
 def storage_lookup(scheme: QuantScheme | None) -> Callable[..., Storage]:
     """``module_storage`` with ``scheme`` and the tables in force looked up once: ``lookup(ckpt, module,
     shape=None, fused=None)``, for loops over every module of a checkpoint (do not keep it across table changes)."""
-    return partial(_storage_in, _memo(scheme), scheme)
+    return partial(_storage_in, _scheme_memo(scheme), scheme)
 
 
 def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,

@@ -172,8 +172,9 @@ def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
 _LAST: list[tuple[tuple, dict[str, SchemeTable]]] = []
 
 
-def schemes_now() -> dict[str, SchemeTable]:
-    """``all_schemes`` without the copy: the same dict while the tables in force are the same (do not modify)."""
+def loaded_schemes() -> dict[str, SchemeTable]:
+    """``all_schemes`` without the copy: the loaded tables themselves, the same object while the tables in force
+    are the same (callers memoise on its identity; never modify it)."""
     from . import encode  # waits for another thread still importing it
 
     key = (os.environ.get("CKPT_QUANT_TABLES"), tuple(_REGISTERED), tuple(encode.ENCODERS), _registered_codes())
@@ -186,11 +187,11 @@ def schemes_now() -> dict[str, SchemeTable]:
 
 def all_schemes() -> dict[str, SchemeTable]:
     """Every scheme table by name, in file order."""
-    return dict(schemes_now())
+    return dict(loaded_schemes())
 
 
 def get_scheme(name: str) -> SchemeTable:
-    schemes = schemes_now()
+    schemes = loaded_schemes()
     if name not in schemes:
         raise UsageError(f"unknown quantization scheme {name!r}; known: {', '.join(sorted(schemes))}",
                          rule="unknown-scheme")
