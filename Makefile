@@ -88,3 +88,10 @@ PRODUCERS_VENVS ?= .venvs-producers
 producers: producers-base producers-transformers producers-llmcompressor producers-modelopt producers-trainers
 
 .PHONY: install demo test venvs speculators-venv speculators-venv-or-skip vllm-venv vllm-venv-or-skip producers
+
+# Planning at release scale (issue 34): inspect, validate and the --dry-run verbs on a sparse replica of the
+# DeepSeek-V3 release (163 shards, 91,991 tensors, a few MB on disk; nothing downloaded); medians, peak RSS.
+bench-scale: $(VENV)/.installed
+	$(PY) -m benchmarks scale --runs 5
+
+.PHONY: bench-scale

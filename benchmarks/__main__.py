@@ -1,5 +1,7 @@
 """``python -m benchmarks run [--size 1GB,4GB] [--own-sizes 1GB,3GB] [--verbs ...] [--runs 3] [--json FILE]``.
 
+``python -m benchmarks scale [--runs 5]`` times planning on a sparse replica of the DeepSeek-V3 release.
+
 ``python -m benchmarks table FILE.json [--markdown]`` prints a saved result again.
 """
 
@@ -43,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds per child process (default 900)")
     r.add_argument("--quiet", action="store_true", help="no per-run log lines")
     sub.add_parser("list", help="list the verbs that can be benchmarked")
+    sc = sub.add_parser("scale", help="planning at release scale: read-only and --dry-run commands on a sparse "
+                                      "replica of the DeepSeek-V3 release (163 shards, 91,991 tensors)")
+    sc.add_argument("--runs", type=int, default=5, help="runs per command (median, min, max); default 5")
+    sc.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ckpt-bench-scale",
+                    help="where the replica (a few MB on disk) goes (default: $TMPDIR/ckpt-bench-scale)")
+    sc.add_argument("--json", type=Path, help="write the results here")
+    sc.add_argument("--markdown", type=Path, help="write the table as Markdown here")
     t = sub.add_parser("table", help="print the tables of saved JSON results (several files: merged by size)")
     t.add_argument("files", type=Path, nargs="+")
     t.add_argument("--markdown", action="store_true", help="print Markdown instead of rich tables")
@@ -58,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report.print_rich(results)
         return 0
+
+    if args.cmd == "scale":
+        from . import scale
+
+        return scale.main(args)
 
     from .runner import default_verbs, parse_size, run
     from .verbs import VERBS

@@ -117,6 +117,40 @@ def test_only_mtp_decodes_the_mtp_and_excludes_it_in_the_config(make_fixture, tm
     run_ckpt("validate", tmp_path / "out")  # the audit (mtp-quant-config) agrees with the repaired config
 
 
+@pytest.mark.parametrize("link", ["hardlink", "copy"])
+def test_only_mtp_with_link_carries_the_shards_without_mtp_whole(make_fixture, tmp_path, link):
+    """--link: shards holding no MTP tensor are carried whole (hard-linked: the same inode), the MTP layers go
+    into new shards decoded, the same tensors as without --link; the output validates and its manifest verifies."""
+    src = make_fixture("deepseek_v3", fp8=True)
+    run_ckpt("dequant", src, "-o", tmp_path / "plain", "--only-mtp")
+    out = tmp_path / "linked"
+    r = run_ckpt("dequant", src, "-o", out, "--only-mtp", "--link", link, "--json")
+    wm = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    without_mtp = sorted(set(wm.values()) - {f for k, f in wm.items() if k.startswith(MTP)})
+    assert without_mtp and all((out / n).exists() for n in without_mtp)
+    same_inode = [(out / n).stat().st_ino == (src / n).stat().st_ino for n in without_mtp]
+    assert all(same_inode) if link == "hardlink" else not any(same_inode)
+    assert all((out / n).read_bytes() == (src / n).read_bytes() for n in without_mtp)
+    assert any(p.name.startswith("model-mtp") for p in out.glob("*.safetensors"))
+    plain, linked = _tensors(tmp_path / "plain"), _tensors(out)
+    assert sorted(plain) == sorted(linked) and all(same_bits(linked[k], v) for k, v in plain.items())
+    assert _config(out) == _config(tmp_path / "plain")
+    report = json.loads(r.stdout)
+    assert report["link"] == link and report["linked_shards"] == len(without_mtp) and report["new_shards"]
+    run_ckpt("validate", out)
+    run_ckpt("verify-manifest", out)
+
+
+def test_link_needs_only_mtp_and_a_known_mode(make_fixture, tmp_path):
+    src = make_fixture("deepseek_v3", fp8=True)
+    r = run_ckpt("dequant", src, "-o", tmp_path / "a", "--link", "hardlink", code=2)
+    assert "--only-mtp" in r.output and not (tmp_path / "a").exists()
+    r = run_ckpt("dequant", src, "-o", tmp_path / "b", "--only-mtp", "--link", "symlink", code=2)
+    assert not (tmp_path / "b").exists()
+    r = run_ckpt("dequant", src, "-o", tmp_path / "c", "--only-mtp", "--link", "remote", code=2)
+    assert "hf://" in r.output and not (tmp_path / "c").exists()
+
+
 def test_refusals_name_their_rule(make_fixture, tmp_path):
     src = make_fixture("deepseek_v3", fp8=True)
     r = run_ckpt("dequant", make_fixture("deepseek_v3"), "-o", tmp_path / "a", code=3)

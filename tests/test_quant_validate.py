@@ -338,3 +338,24 @@ def test_inspect_names_the_quantized_storage(build):
     assert rep["quantization"]["scheme"] == "modelopt-nvfp4"
     assert {m["stored"]["label"] for m in rep["mtp_quant"]["modules"]} == {"BF16"}
     assert all(m["declared"]["state"] == "excluded" for m in rep["mtp_quant"]["modules"])
+
+
+def test_a_pattern_list_matches_as_its_patterns_do_one_by_one():
+    """match_any combines a list into one regex: the same verdict as match_one over each pattern, for plain
+    names, regexes, suffixes, patterns that do not compile, backreferences, inline flags and unbalanced ones."""
+    import random
+
+    from ckpt_tools.model.quant.match import match_any, match_one
+
+    pool = ["model.layers.61.self_attn.o_proj", "lm_head", "re:.*mlp\\.gate$", "model\\.embed", "(a)\\1", "(?i)head",
+            "x[", "a)|(b", "re:model\\.layers\\.6[0-9]\\..*", "re:(?P<n>x)", "mlp.experts", "re:[", "layers.61"]
+    names = ["model.layers.61.self_attn.o_proj", "model.layers.61.self_attn.o_proj_x", "lm_head",
+             "model.layers.3.mlp.gate", "model.embed_tokens", "aa", "HEAD", "foo.lm_head", "x[", "a", "b", "x",
+             "model.layers.62.mlp.experts.0.up_proj", "model.layers.61.mlp.experts"]
+    rng = random.Random(0)
+    for _ in range(300):
+        patterns = rng.sample(pool, rng.randint(4, len(pool)))
+        for matcher in ("transformers", "compressed-tensors", "quark"):
+            for n in names:
+                assert match_any(matcher, n, patterns) == any(match_one(matcher, n, p) for p in patterns), \
+                    (matcher, n, patterns)

@@ -73,6 +73,36 @@ def test_reading_and_copying_a_bf16_checkpoint_import_no_numeric_library(make_fi
     assert imported(tmp_path, (*HEAVY, "yaml"), "verify-manifest", out, cache_dir=warm) == []
 
 
+# What each read-only verb must not import: libraries it does not need (diff compares values with numpy, the
+# others read headers and bytes only), and the operations of the other verbs (a verb's module imports its own).
+WRITERS = ("ckpt_tools.ops.extract", "ckpt_tools.ops.stitch_plan", "ckpt_tools.ops.graft", "ckpt_tools.ops.dequant",
+           "ckpt_tools.ops.experts", "ckpt_tools.ops.init_draft", "ckpt_tools.ops.push", "ckpt_tools.ops.probe",
+           "ckpt_tools.ops.fix_quant", "ckpt_tools.stream.writer", "ckpt_tools.stream.execute")
+READERS = {"inspect": "ckpt_tools.ops.inspect", "validate": "ckpt_tools.ops.validate", "diff": "ckpt_tools.ops.diff",
+           "verify-manifest": "ckpt_tools.ops.verify"}
+NOT_IMPORTED = {
+    verb: (*HEAVY, "transformers", *WRITERS, *(m for v, m in READERS.items() if v != verb))
+    for verb in READERS
+}
+NOT_IMPORTED["diff"] = tuple(m for m in NOT_IMPORTED["diff"] if m != "numpy")
+
+
+@pytest.mark.parametrize("verb", sorted(NOT_IMPORTED))
+def test_a_read_only_verb_imports_neither_heavy_libraries_nor_other_verbs(verb, make_fixture, tmp_path):
+    src = make_fixture("deepseek_v3")
+    out = tmp_path / "extracted"
+    warm = tmp_path / "cache"
+    if verb == "verify-manifest":  # needs an output of ours (its manifest)
+        from ckpt_tools.cli import app
+
+        assert CliRunner().invoke(app, ["extract", str(src), "-o", str(out)]).exit_code == 0
+    args = {"inspect": [src], "validate": [src], "diff": [src, src], "verify-manifest": [out]}[verb]
+    imported(tmp_path, HEAVY, verb, *args, cache_dir=warm)  # fills the parsed-table cache
+    watched = NOT_IMPORTED[verb]
+    assert READERS[verb] in imported(tmp_path, (READERS[verb],), verb, *args, cache_dir=warm)  # the probe works
+    assert imported(tmp_path, watched, verb, *args, cache_dir=warm) == [], verb
+
+
 @pytest.fixture
 def fresh_expressions(monkeypatch):
     """Every expression vetted and compiled anew; the list of compiled expression texts."""

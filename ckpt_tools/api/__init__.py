@@ -12,11 +12,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports each verb on first use
+    from .diffing import diff as diff
+    from .inspecting import inspect as inspect
     from .measure import probe as probe
     from .publish import push as push
-    from .reading import diff as diff
-    from .reading import inspect as inspect
-    from .reading import validate as validate
+    from .validating import validate as validate
     from .writing import dequant as dequant
     from .writing import extract as extract
     from .writing import fuse_experts as fuse_experts
@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports e
 
 # public name -> module (under ckpt_tools.api) that defines it
 _WHERE = {
-    "inspect": "reading",
-    "validate": "reading",
-    "diff": "reading",
+    "inspect": "inspecting",
+    "validate": "validating",
+    "diff": "diffing",
     "extract": "writing",
     "stitch": "writing",
     "graft": "writing",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from ..stream.progress import Progress
@@ -22,3 +22,12 @@ def progress_sink(progress: bool) -> Progress:
     from ..stream.progress import progress_for
 
     return progress_for(json_output=not progress)
+
+
+_R = TypeVar("_R", bound=Report)
+
+
+def as_public(cls: type[_R], report: object, **extra: Any) -> _R:
+    """The ops report ``report`` as the public subclass ``cls`` (the same field values)."""
+    own = {f.name for f in fields(cls)} - set(extra)
+    return cls(**{name: getattr(report, name) for name in own if hasattr(report, name)}, **extra)

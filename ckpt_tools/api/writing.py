@@ -211,8 +211,9 @@ class DequantReport(Report):
         if self.written is None:
             return {**self.dequant.summary(), "plan": self.dequant.plan.to_json()}
         s = self.dequant.summary()
-        return {**self.written.to_json(), **{k: s[k] for k in ("family", "scheme", "dtype", "scope", "modules",
-                                                                "storage", "dropped_tensors", "still_quantized")},
+        keep = ("family", "scheme", "dtype", "scope", "modules", "storage", "dropped_tensors", "still_quantized",
+                "link", "linked_shards", "rewritten_shards", "new_shards")
+        return {**self.written.to_json(), **{k: s[k] for k in keep if k in s},
                 "threads": self.threads, "validation": self.validation}
 
 
@@ -371,12 +372,13 @@ def unfuse_experts(source: PathArg, out: PathArg | None, *, to: str = "per-exper
 
 
 def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_mtp: bool = False,
-            arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+            link: str | None = None, arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
             plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
             threads: int | None = None, allow_invalid: Sequence[str] = (), progress: bool = False) -> DequantReport:
     """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded to ``dtype`` (bf16 |
-    fp16 | fp32), scales dropped, everything else copied; ``threads`` decode (None: every core). ``out``
-    may be None for a dry run."""
+    fp16 | fp32), scales dropped, everything else copied; ``threads`` decode (None: every core). ``link``
+    (with ``only_mtp``): the shards holding no MTP tensor copied or linked whole (copy | reflink | hardlink |
+    remote), the decoded MTP layers in new shards. ``out`` may be None for a dry run."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
     from ..ops.dequant import DequantRequest, plan_dequant
@@ -392,7 +394,7 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_m
         raise UsageError("dequant needs -o OUT (or --dry-run)")
     dest = _out(out)
     req = DequantRequest(dtype=dtype, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
-                         command=command, allow_invalid=allow)
+                         command=command, allow_invalid=allow, link=link)
     with _progress(progress) as sink, use_threads(threads):
         sink.phase("reading headers")
         with Checkpoint.open(source) as ckpt:

@@ -31,6 +31,10 @@ def _render(report, console) -> None:
                   f"{', '.join(s['files']) or '-'}", soft_wrap=True)
     if s["still_quantized"]:
         console.print(f"{s['still_quantized']} quantized module(s) outside the MTP layers stay as stored")
+    if "link" in s:
+        console.print(f"--link {s['link']}: {s['linked_shards']} shard(s) without MTP tensors carried whole; "
+                      f"rewritten without them: {', '.join(s['rewritten_shards']) or '-'}; MTP layers into "
+                      f"{', '.join(s['new_shards'])}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -42,6 +46,11 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("bf16", "--dtype", help=DTYPE_HELP),
         only_mtp: bool = typer.Option(False, "--only-mtp",
                                       help="Decode the MTP layers only; the rest is copied and stays quantized."),
+        link: str = typer.Option(None, "--link",
+                                 help="With --only-mtp: the shards holding no MTP tensor carried whole, copy | "
+                                      "reflink | hardlink | remote (an hf:// source's shards stay on the Hub); the "
+                                      "decoded MTP layers go into new model-mtp* shards. Without --link every "
+                                      "tensor is copied into new shards (a release's whole trunk)."),
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
         threads: int = threads_option(),
@@ -56,7 +65,8 @@ def register(app: typer.Typer) -> None:
         from .. import api
 
         with invoked():
-            report = api.dequant(src, out, dtype=dtype, only_mtp=only_mtp, arch=arch, max_shard_size=max_shard_size,
+            report = api.dequant(src, out, dtype=dtype, only_mtp=only_mtp, link=link, arch=arch,
+                                 max_shard_size=max_shard_size,
                                  dry_run=dry_run, plan_json=plan_json, overwrite=overwrite, resume=resume,
                                  threads=threads, allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
         if json_output:

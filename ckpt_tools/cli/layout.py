@@ -124,13 +124,12 @@ def _stacked(console, key_header: str, cols: list[Col], rows: list[list[str]], w
     if title:
         console.print(Text(title, style="bold"))
     console.print(Text(key_header, style="bold"))
-    if sub:
-        for line in _cells(sub, [c.header for c in sub], widths):
-            console.print(Text(line, style="bold"), overflow="fold")
+    lines = [Text(line, style="bold") for line in (_cells(sub, [c.header for c in sub], widths) if sub else [])]
     for r in rows:
-        console.print(Text(r[0]), overflow="fold")
-        for line in _cells(sub, r[1:], widths):
-            console.print(Text(line), overflow="fold")  # wider than the console only in the last resort
+        lines.append(Text(r[0]))
+        lines += [Text(line) for line in _cells(sub, r[1:], widths)]  # wider than the console only in the last resort
+    if lines:  # one print: a release's dry run lists ~1,600 tensors, and each print costs rich a terminal probe
+        console.print(Text("\n").join(lines), overflow="fold")
 
 
 def _cells(cols: list[Col], cells: list[str], widths: list[int]) -> list[str]:

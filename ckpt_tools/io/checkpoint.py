@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..errors import InputError
+from ..gcpause import gc_paused
 from .artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from .config import ConfigView
 from .readers import Reader, for_file, for_object, read_weights
@@ -82,6 +83,7 @@ class Checkpoint:
                    digests={"config.json": sha256_of(data)})
 
     @classmethod
+    @gc_paused()  # ~92,000 references and header entries at release scale: no cycles to look for
     def _open_dir(cls, d: Path, single: str | None = None, *, problems: _Problems | None = None,
                   index: dict | None = None, renamed: dict[str, Path] | None = None) -> Checkpoint:
         """Directory ``d`` (only its file ``single`` when given): config, index, shard headers, manifest.
@@ -430,28 +432,30 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
     tensors: dict[str, TensorRef] = {}
     shard_keys: dict[str, list[str]] = {}
     for name, h in headers.items():
-        refs = refs_from_header(sources[name], h)
-        shard_keys[name] = sorted(refs, key=lambda k: refs[k].offset)
+        shard_keys[name] = h.in_offset_order()
         if index is None:
-            for k, r in refs.items():
+            for k, r in refs_from_header(sources[name], h).items():
                 tensors.setdefault(k, r)
     if index is not None:
-        for key, shard in index["weight_map"].items():
-            ref = _ref_in(headers, sources, shard, key)
+        # the headers' own references (read_header makes them), else made here from their entries
+        refs = {name: h.refs if h.refs is not None else refs_from_header(sources[name], h)
+                for name, h in headers.items()}
+        # the weight map again, keyed by the headers' own key strings and naming each file with one string (json
+        # made one per entry): the index's copies of a release's 92,000 names and file names (~14 MB) are freed
+        weight_map: dict[str, str] = {}
+        names = {name: name for name in headers}
+        for key, shard in index["weight_map"].items():  # 92,000 times for a release: nothing but lookups
+            in_shard = refs.get(shard)
+            ref = in_shard.get(key) if in_shard is not None else None
             if ref is not None:
-                tensors[key] = ref
-            elif strict and shard in headers:
+                tensors[ref.key] = ref
+                key = ref.key
+            elif strict and in_shard is not None:
                 raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
                                  path=index_path)
+            weight_map[key] = names.get(shard, shard)
+        index["weight_map"] = weight_map
     return tensors, shard_keys
-
-
-def _ref_in(headers, sources, shard: str, key: str) -> TensorRef | None:
-    h = headers.get(shard)
-    if h is None or key not in h.tensors:
-        return None
-    info = h.tensors[key]
-    return TensorRef(sources[shard], key, info.dtype, info.shape, h.data_start + info.begin, info.nbytes)
 
 
 SMALL_FILE_LIMIT = 256 << 20  # config, index, manifest: read whole; real ones are KBs to a few MB
@@ -489,9 +493,11 @@ def parse_index(data: bytes, where: str) -> dict:
         raise InputError(f"index is not valid JSON: {e}", rule="index-json", path=where) from None
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise InputError("index must be an object with a 'weight_map' object", rule="index-json", path=where)
-    for k, v in index["weight_map"].items():
-        if not isinstance(v, str):
-            raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=where)
+    wm = index["weight_map"]
+    if not all(type(v) is str for v in wm.values()):
+        for k, v in wm.items():
+            if not isinstance(v, str):
+                raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=where)
     meta = index.get("metadata")
     if meta is not None and not isinstance(meta, dict):
         raise InputError("index metadata must be an object", rule="index-json", path=where)

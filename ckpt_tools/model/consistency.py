@@ -454,7 +454,8 @@ def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, un
     """Every F8 weight has its scale, of the block shape; FP8 tensors present <=> quant_method fp8."""
     out: list[Problem] = []
     fmt = view.block_format if view is not None else weight_format(ckpt, table.quantization if table else None)
-    fp8 = [k for k, r in ckpt.tensors.items() if fmt.stores(r.dtype)]
+    stored = fmt.weight_dtypes  # what fmt.stores accepts, without a call per tensor
+    fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in stored]
     qc = ckpt.config.get("quantization_config") if cfg else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if cfg is not None:

@@ -152,9 +152,9 @@ def _beyond(ckpt: Checkpoint, table: Table, count: int) -> list[str]:
     declared = resolve(table, ckpt.config, mtp_count=count)
     declared_glue = {s.key for s in declared.glue_specs()}
     glue = {s.key for s in probe.glue_specs()} - declared_glue
-    prefixes = [p for layer in probe.layers[count:] for p in [layer.prefix, *layer.block_prefixes]]
+    prefixes = tuple(p for layer in probe.layers[count:] for p in [layer.prefix, *layer.block_prefixes])
     for key in ckpt.tensors:
-        if key in glue or any(key.startswith(p) for p in prefixes):
+        if key in glue or key.startswith(prefixes):  # one C call per key: every prefix at once
             found.append(key)
     return sorted(found)
 
@@ -196,10 +196,9 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
                     view.misshaped.append((scale, tuple(sref.shape)))
                 view.present.append(scale)
     prefixes, glue = _namespace(res)
+    starts = tuple(prefixes)
     for key in keys:
-        if key in expected_keys:
-            continue
-        if key in glue or any(key.startswith(p) for p in prefixes):
+        if (key.startswith(starts) or key in glue) and key not in expected_keys:
             view.extra.append(key)
     view.extra.sort()
     view.beyond = _beyond(ckpt, table, res.mtp_count)

@@ -96,7 +96,7 @@ def rename(ckpt: Checkpoint, prefix: str) -> Checkpoint:
     still describe the files as stored.
     """
     n = len(prefix)
-    tensors = {k[n:]: dataclasses.replace(ref, key=k[n:]) for k, ref in ckpt.tensors.items()}
+    tensors = {k[n:]: ref._replace(key=k[n:]) for k, ref in ckpt.tensors.items()}
     shard_keys = {name: [k[n:] for k in keys] for name, keys in ckpt.shard_keys.items()}
     return dataclasses.replace(ckpt, tensors=tensors, shard_keys=shard_keys)
 

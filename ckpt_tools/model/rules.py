@@ -93,7 +93,7 @@ def index_metadata(ctx: Context) -> list[Problem]:
         return [Problem("index-metadata", where, None, "index has no 'metadata' object (transformers reads "
                                                        "index['metadata']); write {\"metadata\": {\"total_size\": N}}")]
     if "total_size" in meta and not ctx.unreadable:
-        total = sum(info.nbytes for h in ckpt.headers.values() for info in h.tensors.values())
+        total = sum(h.data_bytes for h in ckpt.headers.values())
         ts = meta["total_size"]
         if not isinstance(ts, int) or isinstance(ts, bool) or ts != total:
             return [Problem("total-size", where, None,

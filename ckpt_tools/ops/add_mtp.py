@@ -1,10 +1,12 @@
 """MTP layers added to a verifier that stores none (stitch --mode add, graft): the view of the MTP it
 will have (``virtual_view``), the plan that writes them into new shards beside its own
-(``mtp_into``), and the refusal of a verifier whose shards cannot be copied whole (``require_indexed``).
+(``mtp_into``; dequant --only-mtp --link writes its decoded MTP layers the same way), and the refusal of a
+verifier whose shards cannot be copied whole (``require_indexed``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import InputError, PlanError, UsageError
@@ -16,6 +18,16 @@ from .carry import carried_files, untouched_file
 
 if TYPE_CHECKING:
     from .stitch_report import StitchReport
+
+
+@dataclass
+class CarriedShards:
+    """What ``mtp_into`` did with the verifier's shards (a stitch or graft report records the same fields)."""
+
+    copied_tensors: int = 0  # tensors outside the MTP layers, carried byte for byte
+    rewritten_shards: list[str] = field(default_factory=list)  # shards written again without the dropped tensors
+    new_shards: list[str] = field(default_factory=list)  # the model-mtp* shards
+    linked_files: list[str] = field(default_factory=list)  # shards copied or linked whole (--link)
 
 
 def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
@@ -30,7 +42,7 @@ def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
 
 
 def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[OutputFile], link: str,
-             max_shard_size: int, command: str, inputs, manifest: dict, report: StitchReport,
+             max_shard_size: int, command: str, inputs, manifest: dict, report: StitchReport | CarriedShards,
              drop: frozenset[str] = frozenset()) -> Plan:
     """The verifier with ``mtp`` written into new ``model-mtp*`` shards (stitch add mode, graft).
 

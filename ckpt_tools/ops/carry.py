@@ -30,14 +30,19 @@ def untouched_file(verifier: Checkpoint, shard: str, link: str, tensors: dict[st
 def check_inputs(link: str, verifier: Checkpoint, other: Checkpoint, roles: tuple[str, str] = ("verifier", "draft")
                  ) -> None:
     """--link against the verifier (the checkpoint whose shards are carried), and two distinct inputs."""
+    check_link(link, verifier, roles[0])
+    if other.local_dir is not None and verifier.local_dir is not None and \
+            other.local_dir.resolve() == verifier.local_dir.resolve():
+        raise UsageError(f"the {roles[1]} and the {roles[0]} are the same directory")
+
+
+def check_link(link: str, carried: Checkpoint, role: str) -> None:
+    """--link against the checkpoint whose untouched shards are carried (``role`` names it in messages)."""
     if link == "symlink":  # removed: links out of the output fail our own shard-path rule
         raise UsageError("--link symlink was removed: a symlinked output is not self-contained and every verb "
                          "refuses shards that resolve outside the checkpoint; use --link hardlink or --link reflink "
                          "(the same space saving)")
     if link not in LINK_MODES:
         raise UsageError(f"--link {link!r}: use one of {', '.join(LINK_MODES)}")
-    if link == "remote" and verifier.local_dir is not None:
-        raise UsageError(f"--link remote needs an hf:// {roles[0]} (its untouched shards stay on the Hub)")
-    if other.local_dir is not None and verifier.local_dir is not None and \
-            other.local_dir.resolve() == verifier.local_dir.resolve():
-        raise UsageError(f"the {roles[1]} and the {roles[0]} are the same directory")
+    if link == "remote" and carried.local_dir is not None:
+        raise UsageError(f"--link remote needs an hf:// {role} (its untouched shards stay on the Hub)")

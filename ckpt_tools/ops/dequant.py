@@ -21,16 +21,19 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..dtypes import FP8_DTYPES
 from ..errors import InputError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..model.consistency import note_allowed
 from ..model.gate import require_consistent
-from ..model.quant import Storage, detect_scheme, module_storage
+from ..model.quant import Storage, detect_scheme
 from ..model.quant.config import SIDE_FILES
 from ..model.quant.dequant import dequant_module
-from ..model.quant.tables import all_schemes
+from ..model.quant.storage import storage_lookup
+from ..model.quant.tables import all_schemes, loaded_schemes
 from ..stream.fingerprint import record_inputs
 from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
-from .carry import carried_files
+from .add_mtp import CarriedShards, mtp_into, require_indexed
+from .carry import carried_files, check_link
 from .out_dtype import DTYPE_NAMES, dtype_arg
 
 OUT_DTYPES = ("BF16", "F16", "F32")  # what the decoders write (numeric.fp8_decode.OUT_DTYPES)
@@ -44,6 +47,9 @@ class DequantRequest:
     max_shard_size: int = 5 * 10**9
     command: str = "ckpt dequant"
     allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
+    # --link (with only_mtp): the shards holding no MTP tensor carried whole (copy | reflink | hardlink | remote),
+    # the decoded MTP layers in new model-mtp* shards; None: every tensor written again into new shards
+    link: str | None = None
 
 
 @dataclass
@@ -56,6 +62,8 @@ class DequantPlan:
     modules: dict[str, str] = field(default_factory=dict)  # module -> storage label, of those dequantized
     dropped: list[str] = field(default_factory=list)  # companions not written (scales, shapes, ...)
     still_quantized: int = 0  # quantized modules left as stored (--only-mtp)
+    carried: CarriedShards | None = None  # --link: the source's shards carried whole, rewritten, and the new ones
+    link: str | None = None
 
     def summary(self) -> dict:
         labels: dict[str, int] = {}
@@ -66,7 +74,10 @@ class DequantPlan:
             "scope": self.scope, "modules": len(self.modules), "storage": dict(sorted(labels.items())),
             "dropped_tensors": len(self.dropped), "still_quantized": self.still_quantized,
             "tensors": len(self.plan.tensors), "total_bytes": self.plan.total_bytes,
-            "files": [f.name for f in self.plan.files],
+            "files": [f.name for f in self.plan.files if not (self.carried and f.name in self.carried.linked_files)],
+            **({"link": self.link, "linked_shards": len(self.carried.linked_files),
+                "rewritten_shards": self.carried.rewritten_shards, "new_shards": self.carried.new_shards}
+               if self.carried is not None else {}),
         }
 
 
@@ -79,6 +90,7 @@ def quantized_modules(ckpt: Checkpoint, scheme, keys: list[str]) -> dict[str, St
                 by_dtype.setdefault(dt, set()).add(f.weight.suffix)
     found: dict[str, Storage] = {}
     seen: set[str] = set()
+    lookup = storage_lookup(scheme)
     for key in keys:
         for suffix in by_dtype.get(ckpt.tensors[key].dtype, ()):
             if not key.endswith("." + suffix):
@@ -87,7 +99,7 @@ def quantized_modules(ckpt: Checkpoint, scheme, keys: list[str]) -> dict[str, St
             if module in seen:
                 continue
             seen.add(module)
-            st = module_storage(ckpt, scheme, module)
+            st = lookup(ckpt, module)
             if st.quantized:
                 found[st.tensors[next(iter(st.tensors))]] = st
     return found
@@ -103,11 +115,19 @@ def _visible_keys(ckpt: Checkpoint) -> list[str]:
     return out
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
     out_dtype = dtype_arg(req.dtype, "--dtype")
     if out_dtype not in OUT_DTYPES:
         raise UsageError(f"--dtype {req.dtype!r}: use bf16, fp16 or fp32")
+    if req.link is not None:
+        if not req.only_mtp:
+            raise UsageError("--link goes with --only-mtp: without it every shard holding a quantized module is "
+                             "written again")
+        check_link(req.link, ckpt, "source")
     gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
+    if req.link is not None:
+        require_indexed(gate, ckpt, "dequant --link")
     view, table = gate.view, gate.table
     scheme = detect_scheme(ckpt)  # a declared quantization no table describes: InputError quant-unknown
     keys = _visible_keys(ckpt)
@@ -133,12 +153,13 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
                          "mappings/quantization/", rule="not-quantized", path=ckpt.root)
 
     first_key = {st.all_keys()[0]: st for st in chosen.values()}
+    tables = loaded_schemes()
     tensors: list[OutputTensor] = []
     dropped: list[str] = []
-    for k in keys:
+    for k in scope_keys if req.link is not None else keys:  # --link: the rest stays in the carried shards
         st = first_key.get(k)
         if st is not None:
-            t = dequant_module(ckpt, st, f"{st.module}.weight", out_dtype)
+            t = dequant_module(ckpt, st, f"{st.module}.weight", out_dtype, tables)
             t.shard = None  # sharded anew by size: the output is larger than the input
             tensors.append(t)
         elif k in companions:
@@ -166,11 +187,20 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
         "still_quantized": left,
         "tool_version": __version__,
     }
-    plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
-                              manifest=note_allowed(manifest, gate)), source=ckpt)
+    carried = None
+    if req.link is None:
+        plan = Plan(req.command, tensors, files, max_shard_size=req.max_shard_size,
+                    manifest=note_allowed(manifest, gate))
+    else:  # the shards without MTP tensors whole, those with some rewritten without them, the MTP in new shards
+        carried = CarriedShards()
+        plan = mtp_into(ckpt, tensors, files[:len(names)], req.link, req.max_shard_size, req.command, [],
+                        note_allowed(manifest, gate), carried, drop=frozenset(scope_keys))
+        side = {n.lower() for n in SIDE_FILES}
+        plan.files = [f for f in plan.files if not (left == 0 and f.name.lower() in side and f.name not in names)]
+    record_inputs(plan, source=ckpt)
     return DequantPlan(plan, table.family, scheme.name if scheme is not None else None, out_dtype,
                        "mtp" if req.only_mtp else "all", {st.module: st.label for st in chosen.values()},
-                       dropped, left)
+                       dropped, left, carried, req.link)
 
 
 def _refuse_undecodable(ckpt: Checkpoint, keys: list[str]) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..errors import InputError, PlanError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, source_name
 from ..model.consistency import note_allowed
 from ..model.expert_layouts import ExpertGroup, ExpertLayout
@@ -158,6 +159,7 @@ def _present(group: ExpertGroup, keys) -> bool:
     return any(k.startswith(heads) for k in keys)
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
     table, res = gate.table, gate.view.resolved

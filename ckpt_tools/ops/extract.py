@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..model.consistency import MTP_RULES, note_allowed
 from ..model.formats import Correspondence, correspond, get_format, verifier_name_of
@@ -46,6 +47,7 @@ class ExtractRequest:
     allow_invalid: frozenset[str] = frozenset()  # consistency rules the user lets through (--allow-invalid)
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if req.drop_mtp:
         return plan_trunk(ckpt, req)
@@ -143,6 +145,7 @@ def _quant_info(view: MtpView) -> dict:
 DROP_MTP_REPAIRS = {rule: "--drop-mtp drops every MTP-namespace tensor" for rule in MTP_RULES}
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid, waive=DROP_MTP_REPAIRS)
     view, table = gate.view, gate.table

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..model.consistency import MTP_RULES, count_field, note_allowed
 from ..model.gate import require_consistent
@@ -96,6 +97,7 @@ class _Piece:
     values: Callable[[str], OutputTensor] | None  # dtype -> the tensor's values in that dtype
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tuple[Plan, GraftReport]:
     if req.mtp_dtype is not None and req.mtp_dtype not in MTP_DTYPES:
         raise UsageError(f"--mtp-dtype {req.mtp_dtype!r}: use one of {', '.join(MTP_DTYPES)}")

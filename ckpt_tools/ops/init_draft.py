@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..errors import InputError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, revision_of, source_name
 from ..io.config import ConfigView
 from ..io.safetensors_io import TensorRef
@@ -286,6 +287,7 @@ def _shared_source(spec: Spec, res: Resolved, target: Checkpoint) -> TensorRef |
     return target.tensors.get(shared.key) if shared is not None else None
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
     check_request(req)
     gate = require_consistent(target, arch=req.arch, allow=req.allow_invalid, waive=INIT_IGNORES)

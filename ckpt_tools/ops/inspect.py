@@ -55,10 +55,14 @@ renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..errors import InputError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint
 from ..model.consistency import REPORT_ONLY, absent_notes, renamed_format
 from ..model.gate import check
@@ -181,9 +185,14 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
 
     whole = _stats()
     whole_dtypes: dict[str, dict] = {}
-    for ref in ckpt.tensors.values():
-        _add(whole, ref.numel, ref.nbytes)
-        _add(whole_dtypes.setdefault(ref.dtype, _stats()), ref.numel, ref.nbytes)
+    # by kind of tensor (a release's 92,000 tensors come in ~50 dtype x shape kinds), then summed per kind
+    kinds = Counter(map(attrgetter("dtype", "shape", "nbytes"), ckpt.tensors.values()))
+    for (dtype, shape, nbytes), n in kinds.items():  # in order of first appearance, as the dtypes were listed
+        numel = math.prod(shape)
+        for stats in (whole, whole_dtypes.setdefault(dtype, _stats())):
+            stats["tensors"] += n
+            stats["params"] += n * numel
+            stats["bytes"] += n * nbytes
     whole["shards"] = len(ckpt.shard_keys)  # safetensors shards, or the files a draft reader read
 
     mtp = _stats()
@@ -253,7 +262,7 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
             "mtp_tensors": by_shard[name]["tensors"],
             "mtp_bytes": by_shard[name]["bytes"],
             "tensors": len(keys),
-            "bytes": sum(i.nbytes for i in h.tensors.values()) if h else sum(ckpt.tensors[k].nbytes for k in keys),
+            "bytes": h.data_bytes if h else sum(ckpt.tensors[k].nbytes for k in keys),
         })
 
     status = {
@@ -285,6 +294,7 @@ def _sorted(d: dict[str, dict]) -> dict[str, dict]:
     return dict(sorted(d.items(), key=lambda kv: -kv[1]["bytes"]))
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def inspect_checkpoint(path_or_ckpt: str | os.PathLike | Checkpoint, arch: str | None = None,
                        allow: frozenset[str] = frozenset()) -> InspectReport:
     """Open (headers only) and describe the MTP layers of a checkpoint; ``arch`` overrides detection.

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from .. import __version__
 from ..dtypes import DTYPES, FLOAT_DTYPES, SCALE_DTYPES
 from ..errors import InputError, PlanError, UsageError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..model.consistency import count_field, note_allowed
 from ..model.expert_layouts import ExpertGroup
@@ -359,6 +360,7 @@ def _source_of(t: OutputTensor) -> str:
     return ", ".join(src[:3]) + (" ..." if len(src) > 3 else "") if isinstance(src, list) else str(src)
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")

@@ -59,13 +59,17 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import CkptError, InputError
+from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, open_lenient
 from ..model import consistency, rules
 from ..model.consistency import Problem, config_path
 from ..model.mtp import choose_table, open_mtp
-from ..stream.writer import PendingOutput
+
+if TYPE_CHECKING:
+    from ..stream.writer import PendingOutput
 
 VALID_FORMATS = rules.VALID_FORMATS
 FILE_RULES = rules.OPEN_RULES  # rules that come from opening files (recognised on a strict, remote open)
@@ -131,6 +135,7 @@ def bare_message(e: CkptError) -> str:
     return s
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | None = None, *,
              pending: PendingOutput | None = None) -> ValidationReport:
     """Check a checkpoint (a local path, an ``hf://`` URL or an opened ``Checkpoint``).

@@ -8,7 +8,8 @@ A fingerprint proves identity without reading tensor data the plan does not read
 * ``side_files``: the sha256 of config.json, the index and the manifest as read;
 * ``other_files``: size and mtime of the non-weight files an output may carry (stat only);
 * ``tensors`` (drafts only): the number and combined BLAKE3 digest of the tensors the plan takes
-  from it - read anyway to be compared, so proving them costs no extra seek.
+  from it - read anyway to be compared, so proving them costs no extra seek. Computed when the plan
+  is written (``Plan.settle_fingerprints``), never for a dry run.
 
 ``record_inputs`` puts them in ``Plan.fingerprints`` (the writer's resume record and the
 manifest carry them; ``--resume`` refuses when any differs) and describes the shards an output
@@ -32,8 +33,12 @@ from .plan import Plan
 HASH_THREADS = 2  # reads and hashlib release the GIL
 
 
-def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = ()) -> dict:
-    """The identity of ``ckpt`` (see the module docstring); ``tensor_keys``: tensors taken from it."""
+def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = (), *, plan: Plan | None = None) -> dict:
+    """The identity of ``ckpt`` (see the module docstring); ``tensor_keys``: tensors taken from it.
+
+    With ``plan``, the tensors' digest (which reads their bytes) is left to ``plan.settle_fingerprints``,
+    which runs when the plan is written: a ``--dry-run`` of a release's 15 GB MTP layer reads nothing.
+    """
     lfs = getattr(ckpt, "lfs_sha256", {})
     files: dict[str, dict] = {}
     for name, header in ckpt.headers.items():
@@ -50,7 +55,15 @@ def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = ()) -> dict:
                 "other_files": _other_files(ckpt)}
     keys = sorted(set(tensor_keys))
     if keys:
-        fp["tensors"] = {"count": len(keys), digest.MANIFEST_ALGO: tensors_digest([ckpt.tensors[k] for k in keys])}
+        refs = [ckpt.tensors[k] for k in keys]
+
+        def settle() -> None:
+            fp["tensors"] = {"count": len(refs), digest.MANIFEST_ALGO: tensors_digest(refs)}
+
+        if plan is None:
+            settle()
+        else:
+            plan.pending_fingerprints.append(settle)
     return fp
 
 
@@ -100,7 +113,7 @@ def record_inputs(plan: Plan, **roles: Checkpoint | tuple[Checkpoint, Iterable[s
     """
     for role, what in roles.items():
         ckpt, keys = what if isinstance(what, tuple) else (what, ())
-        plan.fingerprints[role] = fingerprint(ckpt, keys)
+        plan.fingerprints[role] = fingerprint(ckpt, keys, plan=plan)
         local = Path(ckpt.root) if ckpt.local_dir is not None else None  # a directory, or a lone config.json
         if local is not None and local not in plan.inputs:
             plan.inputs.append(local)

@@ -39,7 +39,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
         "version": __version__,
         "command": plan.command,
         **plan.manifest,
-        "inputs": plan.fingerprints,
+        "inputs": plan.settle_fingerprints(),
         "plan": plan_digest,
         "files": {},
         "tensors": {},

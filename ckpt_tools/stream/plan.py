@@ -64,7 +64,7 @@ class Compute:
 Recipe = CopyBytes | Compute
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a plan may hold one per tensor of a release (92,000)
 class OutputTensor:
     key: str
     dtype: str
@@ -121,9 +121,17 @@ class Plan:
     index_name: str = "model.safetensors.index.json"
     # role ("source", "verifier", "draft", "target") -> what the input was when planned (see fingerprint.py)
     fingerprints: dict[str, dict] = field(default_factory=dict)
+    # parts of ``fingerprints`` that read tensor bytes, computed only when the plan is written (or digested)
+    pending_fingerprints: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         schedule_reads(self.tensors)
+
+    def settle_fingerprints(self) -> dict[str, dict]:
+        """``fingerprints`` complete: the deferred tensor digests computed (once)."""
+        while self.pending_fingerprints:
+            self.pending_fingerprints.pop(0)()
+        return self.fingerprints
 
     @property
     def total_bytes(self) -> int:
@@ -212,7 +220,7 @@ class Plan:
                         "index": self.index_name},
             "files": files,
             "manifest": self.manifest,
-            "inputs": self.fingerprints,
+            "inputs": self.settle_fingerprints(),
             "tool": __version__,
         }
         out = {name: _sha256_json(v) for name, v in parts.items()}

@@ -189,7 +189,7 @@ class Writer:
                 self._remove_partials()
             elif self.overwrite:
                 self._clear_previous_output()
-            record = output_dir.resume_record(plan_digest, self.plan.fingerprints, self.plan.command)
+            record = output_dir.resume_record(plan_digest, self.plan.settle_fingerprints(), self.plan.command)
             self._write_file(OutputFile(RESUME_NAME, content=record))
             self._open_journal(previous_manifest if self.resume else None)
             shards = self.plan.shards()

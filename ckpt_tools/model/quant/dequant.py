@@ -12,15 +12,34 @@ from ...dtypes import DTYPES
 from ...errors import PlanError
 from ...stream.plan import Compute, CopyBytes, OutputTensor
 from ..expr import ExprError, evaluate
-from .finite import finite_bands
 from .schema import FormatDef
 from .storage import Storage
-from .tables import get_scheme
+from .tables import get_scheme, loaded_schemes
 
 
 def format_of(storage: Storage) -> FormatDef:
     table = get_scheme(storage.scheme or "")
     return next(f for f in table.storage if f.name == storage.format)
+
+
+# (format, shape, params) -> (format definition, tile), for the tables in force: a release's 46,000 modules
+# come in a handful of shapes, each evaluated once
+_ALIKE: dict[tuple, tuple[FormatDef, tuple[int, int]]] = {}
+_ALIKE_TABLES: list[object] = [None]
+
+
+def _format_and_tile(storage: Storage, shape: tuple[int, ...],
+                     tables: dict | None = None) -> tuple[FormatDef, tuple[int, int]]:
+    tables = tables if tables is not None else loaded_schemes()
+    if _ALIKE_TABLES[0] is not tables or len(_ALIKE) > 1024:
+        _ALIKE.clear()
+        _ALIKE_TABLES[0] = tables
+    key = (storage.scheme, storage.format, shape, repr(sorted(storage.params.items())))
+    hit = _ALIKE.get(key)
+    if hit is None:
+        fmt = format_of(storage)
+        hit = _ALIKE[key] = (fmt, tile_of(fmt, shape, dict(storage.params)))
+    return hit
 
 
 def tile_of(fmt: FormatDef, shape: tuple[int, ...], params: dict[str, Any]) -> tuple[int, int]:
@@ -45,65 +64,97 @@ def stored_tensors(ckpt: Any, storage: Storage) -> dict[str, OutputTensor]:
 
 
 def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, out_dtype: str) -> OutputTensor:
-    """``key`` (the unquantized weight's name) as ``out_dtype`` values, from the module's stored ``parts``."""
-    from ...arrays import bytes_to_numpy
-    from ...numeric.transforms import RecipeReader, recipe_bytes
-    from . import decode
+    """``key`` (the unquantized weight's name) as ``out_dtype`` values, from the module's stored ``parts``.
 
+    Nothing numeric is imported until the tensor is produced: planning (and ``--dry-run``) needs no numpy."""
+    _require_complete(storage)
+    shape = tuple(storage.shape or ())
+    fmt, tile = _format_and_tile(storage, shape)
+    inputs = [i for t in parts.values() for i in (t.recipe.inputs if isinstance(t.recipe, Compute)
+                                                   else t.meta.get("source", [t.key]))]
+    recipe = DequantRecipe(key, storage, fmt, tile, out_dtype, inputs, sum(t.nbytes for t in parts.values()),
+                           all(isinstance(t.recipe, CopyBytes) for t in parts.values()), parts=parts)
+    return OutputTensor(key, out_dtype, shape, recipe, parts[fmt.weight.suffix].shard, recipe.meta())
+
+
+def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables: dict | None = None) -> OutputTensor:
+    """``dequant_parts`` over the module's tensors as the checkpoint stores them (byte copies, made when the
+    tensor is produced: a release's plan holds 46,000 of these). ``tables``: ``loaded_schemes()``, when the caller
+    plans many modules."""
+    _require_complete(storage)
+    shape = tuple(storage.shape or ())
+    fmt, tile = _format_and_tile(storage, shape, tables)
+    inputs = list(storage.tensors.values())
+    recipe = DequantRecipe(key, storage, fmt, tile, out_dtype, inputs, sum(ckpt.tensors[k].nbytes for k in inputs),
+                           True, ckpt=ckpt)
+    return OutputTensor(key, out_dtype, shape, recipe, None, recipe.meta())
+
+
+def _require_complete(storage: Storage) -> None:
     if not storage.complete:
         raise PlanError(f"{storage.module}: cannot dequantize {storage.label}: "
                         + "; ".join([f"missing {k}" for k in storage.missing] + list(storage.problems)),
                         rule="dequant")
-    fmt = format_of(storage)
-    dspec = fmt.decoder
-    weight = parts[fmt.weight.suffix]
-    shape = tuple(storage.shape or ())
-    tile = tile_of(fmt, shape, dict(storage.params))
-    d = decode.Decoding(dspec, weight.dtype, shape, weight.shape[-1], DTYPES[weight.dtype].nbytes(weight.shape[-1]),
-                        tile, out_dtype)
-    small = {s: parts[s] for s in (dspec.scale.tensor, dspec.global_scale and dspec.global_scale.tensor,
-                                   dspec.zero_point and dspec.zero_point.tensor) if s and s in parts}
 
-    def read(t: OutputTensor):
-        return bytes_to_numpy(bytearray(b"".join(recipe_bytes(t.recipe, max(t.nbytes, 1)))), t.dtype, t.shape)
 
-    def produce():
-        sc = small[dspec.scale.tensor]
+class DequantRecipe(Compute):
+    """The Compute recipe of one dequantized module: its stored parts (``parts``, or byte copies of ``ckpt``'s
+    tensors made when produced) decoded band by band into ``out_dtype``."""
+
+    def __init__(self, key: str, storage: Storage, fmt: FormatDef, tile: tuple[int, int], out_dtype: str,
+                 inputs: list[str], read_bytes: int, ahead: bool, *, parts: dict[str, OutputTensor] | None = None,
+                 ckpt: Any = None) -> None:
+        self.key = key  # the output tensor's name
+        self.op = "dequant"
+        self.inputs = inputs
+        self.read_bytes = read_bytes
+        self.ahead = ahead
+        self.storage, self.fmt, self.tile, self.out_dtype = storage, fmt, tile, out_dtype
+        self._parts, self._ckpt = parts, ckpt
+
+    @property
+    def detail(self) -> dict:  # type: ignore[override]
+        return {"from": self.storage.label, "to": self.out_dtype, "tile": list(self.tile)}
+
+    def meta(self) -> dict:
+        st = self.storage
+        return {"source": self.inputs, "dequantized_from": {"scheme": st.scheme, "format": st.format,
+                                                            "label": st.label, "tensors": sorted(st.tensors)}}
+
+    def produce(self):  # type: ignore[override]
+        from ...arrays import bytes_to_numpy
+        from ...numeric.transforms import RecipeReader, recipe_bytes
+        from . import decode
+        from .finite import finite_bands  # numpy: imported when a tensor is produced, never while planning
+
+        parts = self._parts if self._parts is not None else stored_tensors(self._ckpt, self.storage)
+        dspec, shape, tile = self.fmt.decoder, tuple(self.storage.shape or ()), self.tile
+        weight = parts[self.fmt.weight.suffix]
+
+        def read(t: OutputTensor):
+            return bytes_to_numpy(bytearray(b"".join(recipe_bytes(t.recipe, max(t.nbytes, 1)))), t.dtype, t.shape)
+
+        d = decode.Decoding(dspec, weight.dtype, shape, weight.shape[-1],
+                            DTYPES[weight.dtype].nbytes(weight.shape[-1]), tile, self.out_dtype)
+        sc = parts[dspec.scale.tensor]
         scale = decode.scale_values(read(sc), sc.dtype, dspec.scale.encoding, dspec.scale.e8m0_top)
         g = None
         if dspec.global_scale is not None:
-            gt = small[dspec.global_scale.tensor]
+            gt = parts[dspec.global_scale.tensor]
             g = decode.scale_values(read(gt), gt.dtype)
         zp = None
-        if dspec.zero_point is not None and dspec.zero_point.tensor in small:
-            zt = small[dspec.zero_point.tensor]
+        if dspec.zero_point is not None and dspec.zero_point.tensor in parts:
+            zt = parts[dspec.zero_point.tensor]
             zp = decode.zero_point_values(read(zt), zt.dtype, dspec.bits, dspec.offset, dspec.zero_point.packed,
                                           -(-shape[-2] // tile[0]))
         dec = decode.BandDecoder(d, scale, g, zp)
-        yield from finite_bands(decode.decode_stream(RecipeReader(weight.recipe).read, dec), key, shape, out_dtype,
-                                f"{storage.module} ({storage.label})", _file_of(weight))
-
-    inputs = [i for t in parts.values() for i in (t.recipe.inputs if isinstance(t.recipe, Compute)
-                                                   else t.meta.get("source", [t.key]))]
-    meta = {"source": inputs, "dequantized_from": {"scheme": storage.scheme, "format": storage.format,
-                                                   "label": storage.label, "tensors": sorted(storage.tensors)}}
-    detail = {"from": storage.label, "to": out_dtype, "tile": list(tile)}
-    return OutputTensor(key, out_dtype, shape, Compute(produce, "dequant", inputs, detail,
-                                                       read_bytes=sum(t.nbytes for t in parts.values()),
-                                                       ahead=all(isinstance(t.recipe, CopyBytes)
-                                                                 for t in parts.values())),
-                        weight.shard, meta)
-
+        yield from finite_bands(decode.decode_stream(RecipeReader(weight.recipe).read, dec), self.key, shape,
+                                self.out_dtype, f"{self.storage.module} ({self.storage.label})", _file_of(weight))
 
 def _file_of(t: OutputTensor) -> str | None:
     """The file a byte-copied tensor is read from (for the message), else None."""
     segs = getattr(t.recipe, "segments", None)
     return segs[0].source.name if segs else None
-
-
-def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str) -> OutputTensor:
-    """``dequant_parts`` over the module's tensors as the checkpoint stores them."""
-    return dequant_parts(key, stored_tensors(ckpt, storage), storage, out_dtype)
 
 
 def module_outputs(ckpt: Any, storage: Storage, draft_key: str, dequant_to: str | None,
@@ -160,6 +211,7 @@ def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int]
     import numpy as np
 
     from . import decode
+    from .finite import finite_bands
 
     spec = next(f for f in get_scheme(fmt.scheme).storage if f.name == fmt.format).decoder
     shape = tuple(weight.shape)

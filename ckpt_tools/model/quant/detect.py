@@ -139,7 +139,10 @@ def _evidence_holds(table: SchemeTable, tensors: Mapping[str, Any]) -> bool:
     """The table's ``evidence`` tensors are present, or its block format's scale companion sits next to an FP8
     weight (a DeepSeek-V4 layout whose `.scale` tensors are F32: the companion's name is the evidence)."""
     want = [(e.suffix, set(e.dtypes)) for e in table.evidence]
-    if any(k.endswith(suffix) and ref.dtype in dtypes for k, ref in tensors.items() for suffix, dtypes in want):
+    suffixes = tuple(suffix for suffix, _ in want)
+    # names first (one C call per key), dtypes only of the names that match
+    if suffixes and any(k.endswith(suffix) and tensors[k].dtype in dtypes
+                        for k in tensors if k.endswith(suffixes) for suffix, dtypes in want):
         return True
     from ..expert_layouts import scale_key
     from .block import block_tile
@@ -149,10 +152,21 @@ def _evidence_holds(table: SchemeTable, tensors: Mapping[str, Any]) -> bool:
         if block_tile(fmt, defaults) is None:
             continue
         suffix, scale_dtypes = fmt.tensors[0].suffix, set(fmt.tensors[0].dtypes)
-        if any(ref.dtype in fmt.weight.dtypes and (s := tensors.get(scale_key(k, suffix))) is not None
-               and s.dtype in scale_dtypes for k, ref in tensors.items()):
-            return True
+        # the scales present, then their weights (a release holds ~46,000 weights and no or all scales)
+        for s_key in (k for k in tensors if k.endswith(suffix) and tensors[k].dtype in scale_dtypes):
+            w_key = _weight_of(s_key, suffix)
+            ref = tensors.get(w_key) if w_key is not None else None
+            if ref is not None and ref.dtype in fmt.weight.dtypes and scale_key(w_key, suffix) == s_key:
+                return True
     return False
+
+
+def _weight_of(scale: str, suffix: str) -> str | None:
+    """The weight key whose ``scale_key(weight, suffix)`` may be ``scale`` (verified by the caller)."""
+    if scale.endswith("." + suffix):
+        return scale[: -len(suffix)] + "weight"
+    tail = "_" + suffix.removeprefix("weight_")
+    return scale[: -len(tail)] if scale.endswith(tail) else None
 
 
 def _declared_sections(files: QuantFiles) -> list[str]:

@@ -27,6 +27,7 @@ import re
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 from functools import lru_cache
+from typing import Any
 
 Fused = Mapping[str, Iterable[str]]  # fused suffix -> shard suffixes (vLLM packed_modules_mapping)
 
@@ -59,7 +60,62 @@ def match_one(matcher: str, name: str, pattern: str) -> bool:
 
 
 def match_any(matcher: str, name: str, patterns: Iterable[str]) -> bool:
-    return any(match_one(matcher, name, p) for p in patterns)
+    """Does any of ``patterns`` name ``name``? The same answer as ``match_one`` over each, from one combined
+    matcher per pattern list (a repaired config lists ~800 modules, each checked against all of them)."""
+    patterns = tuple(patterns)
+    if len(patterns) < 4 or matcher not in ("compressed-tensors", "quark", "transformers"):
+        return any(match_one(matcher, name, p) for p in patterns)
+    exact, rx, suffixes = _combined(matcher, patterns)
+    return name in exact or (rx is not None and rx.match(name) is not None) or name.endswith(suffixes)
+
+
+@lru_cache(maxsize=64)
+def _combined(matcher: str, patterns: tuple[str, ...]) -> tuple[frozenset[str], Any, tuple[str, ...]]:
+    """(names matched exactly, one regex matching where any pattern's regex does, suffixes any name may end with).
+
+    The regex is the alternation of the patterns' own regexes, each in a group of its own (``re.match`` of an
+    alternation matches when one alternative does: the engine tries each); a pattern that does not compile
+    matches nothing, as in ``match_one``. Patterns that could change meaning inside an alternation
+    (backreferences, named groups, conditionals, inline flags) keep a regex each, tried in turn."""
+    transformers = matcher == "transformers"
+    if transformers:
+        exact: frozenset[str] = frozenset()
+        sources = list(patterns)
+        suffixes = patterns
+    else:  # compressed-tensors, quark: "re:" patterns are regexes, the rest exact names
+        exact = frozenset(p for p in patterns if not p.startswith("re:"))
+        sources = [p[3:] for p in patterns if p.startswith("re:")]
+        suffixes = ()
+    own = [(p, f"(?:{p}){_BOUNDARY}" if transformers else p) for p in sources]
+    # a module name (letters, digits, _ . - /) is a valid regex of its own: only the others are compiled to check
+    own = [(p, full) for p, full in own if _PLAIN.match(p) or _regex(full) is not None]
+    alone = [full for p, full in own if not _PLAIN.match(p) and (_regex(p) is None or _UNSAFE.search(p))]
+    together = [p for p, full in own if full not in alone]
+    rx = None
+    if together:
+        body = "|".join(f"(?:{p})" for p in together)
+        try:
+            rx = re.compile(f"(?:{body}){_BOUNDARY}" if transformers else body)
+        except re.error:  # e.g. an inline flag that is only allowed at the start: one regex each
+            alone += [f"(?:{p}){_BOUNDARY}" if transformers else p for p in together]
+            rx = None
+    if alone:
+        rx = _Either(rx, [_regex(full) for full in alone])
+    return exact, rx, suffixes
+
+
+_PLAIN = re.compile(r"[\w.\-/]*\Z")
+_UNSAFE = re.compile(r"\\[1-9]|\(\?P|\(\?\(|\(\?[aiLmsux-]")  # backreference, named group, conditional, flags
+
+
+class _Either:
+    """``.match`` that succeeds when any of several compiled regexes matches."""
+
+    def __init__(self, first: re.Pattern | None, rest: list) -> None:
+        self.all = [r for r in (first, *rest) if r is not None]
+
+    def match(self, name: str):
+        return next((m for r in self.all if (m := r.match(name)) is not None), None)
 
 
 def shards_of(name: str, fused: Fused | None) -> list[str] | None:

@@ -9,19 +9,57 @@ does not declare is still recognised (and reported as such).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from ...dtypes import FLOAT_DTYPES
 from ..expr import ExprError, evaluate
 from .detect import QuantScheme
 from .schema import FormatDef, SchemeTable
+from .tables import loaded_schemes
 
 StorageState = Literal["unquantized", "quantized", "absent"]
 
 
-@dataclass(frozen=True)
+@dataclass
+class _Memo:
+    """What ``module_storage`` derives from the scheme and the tables alone, once per scheme rather than once
+    per module (a release has 46,000 quantized modules)."""
+
+    scheme: QuantScheme | None
+    tables: dict[str, SchemeTable]
+    own_names: set[str]
+    candidates: list[tuple[SchemeTable, FormatDef]]  # the declared scheme's formats first, then every other
+    suffixes: tuple[str, ...]  # every tensor name a candidate (or a float weight) may use, after "{module}."
+    per_module: bool  # some table's parameters depend on the module's name (several declared groups)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # table -> params, when not per module
+    # what the modules stored alike are stored as (see module_storage): their tensors' dtypes and shapes -> Storage
+    alike: dict[tuple, Storage] = field(default_factory=dict)
+
+
+_LAST: list[_Memo] = []
+
+
+def _scheme_memo(scheme: QuantScheme | None) -> _Memo:
+    tables = loaded_schemes()
+    if _LAST and _LAST[0].scheme is scheme and _LAST[0].tables is tables:
+        return _LAST[0]
+    own = scheme.formats() if scheme is not None else []
+    own_names = {t.scheme for t, _ in own}
+    others = [(t, f) for t in tables.values() if t.scheme not in own_names for f in t.storage]
+    candidates = own + others
+    suffixes = dict.fromkeys(["weight", *(s for _, f in candidates for s in (f.weight.suffix,
+                                                                               *(t.suffix for t in f.tensors)))])
+    per_module = scheme is not None and any(
+        len({repr(sorted(g.params.items())) for d in scheme.declarations for g in (*d.groups, *d.modules.values())
+             if g.table is t}) > 1 for t in scheme.tables)
+    _LAST[:] = [_Memo(scheme, tables, own_names, candidates, tuple(suffixes), per_module)]
+    return _LAST[0]
+
+
+@dataclass(frozen=True, slots=True)  # slots: one per quantized module, 46,000 in a release
 class Storage:
     """What module ``module`` is stored as."""
 
@@ -50,13 +88,19 @@ class Storage:
         return list(self.tensors.values())
 
 
-def _params(scheme: QuantScheme | None, table: SchemeTable, module: str, fused) -> dict[str, Any]:
+def _params(scheme: QuantScheme | None, table: SchemeTable, module: str, fused,
+            memo: _Memo | None = None) -> dict[str, Any]:
+    memo = memo or _scheme_memo(scheme)
+    if table.scheme in memo.params:
+        return dict(memo.params[table.scheme])
     defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
     if scheme is None or table.scheme not in {t.scheme for t in scheme.tables}:
-        return defaults
+        memo.params[table.scheme] = defaults
+        return dict(defaults)
     groups = [g for d in scheme.declarations for g in (*d.groups, *d.modules.values()) if g.table is table]
     if len({repr(sorted(g.params.items())) for g in groups}) == 1:
-        return {**defaults, **groups[0].params}  # one parameter set: no need to match the module's names
+        memo.params[table.scheme] = {**defaults, **groups[0].params}  # one parameter set: the same for every module
+        return dict(memo.params[table.scheme])
     from .declared import declaration
 
     group = declaration(scheme, None, module, fused).group
@@ -217,24 +261,10 @@ def _label(fmt: FormatDef, params: Mapping[str, Any]) -> str:
     return _memo(("label", id(fmt), _params_key(params)), compute)
 
 
-_CANDIDATES: dict[int, tuple[Any, Any, list, set]] = {}  # id(scheme) -> (scheme, tables, candidates, own names)
-
-
 def _candidates(scheme: QuantScheme | None) -> tuple[list[tuple[SchemeTable, FormatDef]], set[str]]:
-    """The checkpoint's own formats first, then every other table's: computed once per scheme and set of tables."""
-    from .tables import loaded_schemes
-
-    tables = loaded_schemes()
-    hit = _CANDIDATES.get(id(scheme))
-    if hit is not None and hit[0] is scheme and hit[1] is tables:
-        return hit[2], hit[3]
-    own = scheme.formats() if scheme is not None else []
-    own_names = {t.scheme for t, _ in own}
-    others = [(t, f) for t in tables.values() if t.scheme not in own_names for f in t.storage]
-    if len(_CANDIDATES) > 64:
-        _CANDIDATES.clear()
-    _CANDIDATES[id(scheme)] = (scheme, tables, own + others, own_names)
-    return own + others, own_names
+    """The checkpoint's own formats first, then every other table's (once per scheme and set of tables)."""
+    memo = _scheme_memo(scheme)
+    return memo.candidates, memo.own_names
 
 
 def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tuple[int, ...] | None = None,
@@ -245,14 +275,55 @@ def module_storage(ckpt: Any, scheme: QuantScheme | None, module: str, shape: tu
     weight shape when the caller knows it (the family table does), for the companion checks.
     ``ckpt`` needs only ``tensors`` (key -> TensorRef).
     """
+    return _storage_in(_scheme_memo(scheme), scheme, ckpt, module, shape, fused)
+
+
+def storage_lookup(scheme: QuantScheme | None) -> Callable[..., Storage]:
+    """``module_storage`` with ``scheme`` and the tables in force looked up once: ``lookup(ckpt, module,
+    shape=None, fused=None)``, for loops over every module of a checkpoint (do not keep it across table changes)."""
+    return partial(_storage_in, _scheme_memo(scheme), scheme)
+
+
+def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,
+                shape: tuple[int, ...] | None = None, fused: Any = None) -> Storage:
     tensors = ckpt.tensors
-    candidates, own_names = _candidates(scheme)
+    alike = None
+    if not memo.per_module:
+        # Modules whose tensors have the same dtypes and shapes are stored alike (the parameters being the same
+        # for all): one look at the tables per pattern, not per module (a release has 46,000 such modules).
+        refs = [tensors.get(f"{module}.{s}") for s in memo.suffixes]
+        alike = (shape, *(None if r is None else (r.dtype, r.shape) for r in refs))
+        st = memo.alike.get(alike)
+        if st is not None:
+            keys = {s: r.key for s, r in zip(memo.suffixes, refs, strict=True) if r is not None}
+            return Storage(module, st.state, st.dtype, st.scheme, st.format, st.label,
+                           {s: keys[s] for s in st.tensors}, (), (), st.shape, st.params)
+    st = _module_storage(tensors, memo, scheme, module, shape, fused)
+    if alike is not None and _reusable(st, memo):
+        memo.alike[alike] = st
+    return st
+
+
+def _reusable(st: Storage, memo: _Memo) -> bool:
+    """Whether ``st`` holds for every module stored alike: nothing in it names this module's tensors (no
+    missing companion, no problem) and nothing was read from its values (a ``shape`` companion)."""
+    if st.missing or st.problems:
+        return False
+    if st.format is None:
+        return True
+    fmt = next(f for t, f in memo.candidates if t.scheme == st.scheme and f.name == st.format)
+    return all(t.role != "shape" for t in fmt.tensors)
+
+
+def _module_storage(tensors: Mapping[str, Any], memo: _Memo, scheme: QuantScheme | None, module: str,
+                    shape: tuple[int, ...] | None, fused: Any) -> Storage:
+    own_names = memo.own_names
     best = None
-    for rank, (table, fmt) in enumerate(candidates):
+    for rank, (table, fmt) in enumerate(memo.candidates):
         wref = tensors.get(f"{module}.{fmt.weight.suffix}")
         if wref is None or wref.dtype not in fmt.weight.dtypes:
             continue
-        params = _params(scheme, table, module, fused)
+        params = _params(scheme, table, module, fused, memo)
         companions = sum(f"{module}.{t.suffix}" in tensors for t in fmt.tensors)
         key = (table.scheme in own_names, _applies(fmt, params), companions, -rank)
         if best is None or key > best[0]:

@@ -61,6 +61,7 @@ def unregister_scheme_dir(path: str | os.PathLike) -> None:
 def reload_schemes() -> None:
     """Forget the loaded tables: the next ``all_schemes`` reads every directory again."""
     _load.cache_clear()
+    _LAST.clear()
 
 
 def quant_dirs() -> list[Path]:
@@ -82,9 +83,10 @@ def _dirs(registered: tuple[Path, ...], env: str) -> tuple[Path, ...]:
 
 def _registered_codes() -> frozenset[str]:
     """Code kinds added with decode.register_codes. Registering imports decode, so a decode module not yet
-    imported has none (not importing it here keeps numpy out of every command's start)."""
+    imported has none (not importing it here keeps numpy out of every command's start), nor has one another
+    thread is still importing (the first dequantized tensor imports it on a decoding thread)."""
     decode = sys.modules.get(f"{__package__}.decode")
-    return frozenset(decode.REGISTERED_CODES) if decode is not None else frozenset()
+    return frozenset(getattr(decode, "REGISTERED_CODES", ()))
 
 
 def _errors(err: ValidationError) -> str:
@@ -172,22 +174,31 @@ def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
     return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
 
 
+# (what decides the tables, the tables): planning a release asks once per quantized module (46,000 times), and
+# building the directory list (paths hashed for the cache) cost more than the lookup it guards
+_LAST: list[tuple[tuple, dict[str, SchemeTable]]] = []
+
+
+def loaded_schemes() -> dict[str, SchemeTable]:
+    """``all_schemes`` without the copy: the loaded tables themselves, the same object while the tables in force
+    are the same (callers memoise on its identity; never modify it)."""
+    from . import encode  # waits for another thread still importing it
+
+    key = (os.environ.get("CKPT_QUANT_TABLES"), tuple(_REGISTERED), tuple(encode.ENCODERS), _registered_codes())
+    if _LAST and _LAST[0][0] == key:
+        return _LAST[0][1]
+    tables = _load(tuple(quant_dirs()), frozenset(encode.ENCODERS), key[3])
+    _LAST[:] = [(key, tables)]
+    return tables
+
+
 def all_schemes() -> dict[str, SchemeTable]:
     """Every scheme table by name, in file order."""
     return dict(loaded_schemes())
 
 
-def loaded_schemes() -> dict[str, SchemeTable]:
-    """``all_schemes`` without the copy: the loaded tables themselves, the same object until a registration or a
-    reload changes them (callers memoise on its identity; never modify it)."""
-    from .encode import ENCODERS
-
-    return _load(_dirs(tuple(_REGISTERED), os.environ.get("CKPT_QUANT_TABLES", "")), frozenset(ENCODERS),
-                 _registered_codes())
-
-
 def get_scheme(name: str) -> SchemeTable:
-    schemes = all_schemes()
+    schemes = loaded_schemes()
     if name not in schemes:
         raise UsageError(f"unknown quantization scheme {name!r}; known: {', '.join(sorted(schemes))}",
                          rule="unknown-scheme")

@@ -1,0 +1,105 @@
+"""``validate`` as a function (``ckpt validate``; its one writing mode, ``fix_quant_config=True``): see
+``reading`` for the reading verbs' common contract."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, overload
+
+from ..errors import CheckFailed, UsageError
+from ..ops import validate as _validate
+from .report import Report, as_public, progress_sink
+
+if TYPE_CHECKING:
+    from .fixing import FixQuantConfigReport
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass
+class ValidateReport(_validate.ValidationReport, Report):
+    """``ckpt validate --json``: every problem with its rule, file and key (``ok`` is true when there is none)."""
+
+
+# -- validate --------------------------------------------------------------------------------------------------
+
+
+@overload
+def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[False] = False,
+             out: None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             progress: bool = False) -> ValidateReport: ...
+@overload
+def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[True],
+             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             progress: bool = False) -> FixQuantConfigReport: ...
+@overload
+def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
+             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             progress: bool = False) -> ValidateReport | FixQuantConfigReport: ...
+def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
+             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             progress: bool = False) -> ValidateReport | FixQuantConfigReport:
+    """Check format, index and config-vs-tensor rules; every problem, with rule, file and key.
+
+    Raises ``CheckFailed`` (its ``report`` a ``ValidateReport``) when there is a problem; ``InputError`` when
+    ``path`` is not a checkpoint at all. ``fix_quant_config=True``: write ``path`` to ``out`` (a directory or
+    ``s3://bucket/prefix``) with only its quantization config repaired (shards copied or linked by ``link``:
+    copy | reflink | hardlink | remote) and OUT validated; ``dry_run`` computes the change and writes nothing;
+    ``overwrite`` replaces OUT. Returns a ``FixQuantConfigReport`` (``status`` ``nothing-to-fix`` writes nothing).
+    """
+    from ..model.tables.loader import all_tables
+
+    if arch is not None and arch not in all_tables():
+        raise UsageError(f"--arch {arch!r}: unknown family; known: {', '.join(sorted(all_tables()))}")
+    if fix_quant_config:
+        return _fix_quant_config(path, arch, out, link, dry_run, overwrite, progress)
+    for flag, given in (("-o", out is not None), ("--dry-run", dry_run), ("--overwrite", overwrite),
+                        ("--link", link != "copy")):
+        if given:
+            raise UsageError(f"{flag} goes with --fix-quant-config")
+    report = as_public(ValidateReport, _validate.validate(path, arch))
+    if not report.ok:
+        raise CheckFailed(f"{len(report.problems)} problem(s): {', '.join(sorted(report.rules()))}",
+                          report=report, path=report.root)
+    return report
+
+
+def _fix_quant_config(path: PathLike, arch: str | None, out_arg: PathLike | None, link: str, dry_run: bool,
+                      overwrite: bool, progress: bool) -> FixQuantConfigReport:
+    """Plan, write (unless ``dry_run``) and validate OUT."""
+    from ..io.checkpoint import Checkpoint
+    from ..ops import fix_quant as _fix
+    from ..options import outside_inputs
+    from ..stream.execute import execute
+    from ..stream.targets import output_location
+    from ..stream.writer import PendingOutput
+    from .fixing import FixQuantConfigReport
+
+    if out_arg is None and not dry_run:
+        raise UsageError("--fix-quant-config needs -o OUT (or --dry-run)")
+    out = output_location(os.fspath(out_arg)) if out_arg is not None else None
+    with Checkpoint.open(path) as ckpt:
+        if isinstance(out, Path) and ckpt.local_dir is not None:  # a URL: the object-store writer checks
+            outside_inputs("-o", out, [ckpt.local_dir])  # also when nothing is written: the same answer either way
+        plan, report = _fix.plan_fix(ckpt, arch=arch, link=link, command=_fix_command(path, arch, out, link))
+        if plan is not None and not dry_run:
+            assert out is not None
+
+            def check(where: Path, pending: PendingOutput) -> None:  # OUT must pass validate, mtp-quant-config too
+                report.validation = _validate.validate_output(where, arch=arch, pending=pending)
+
+            execute(plan, out, overwrite=overwrite, progress=progress_sink(progress), check=check)
+            report.out, report.written = str(out), True
+    return as_public(FixQuantConfigReport, report)
+
+
+def _fix_command(path: PathLike, arch: str | None, out: object, link: str) -> str:
+    """The command the manifest records: the call as its command line (a library call has no argv of its own)."""
+    words = ["ckpt", "validate", "--fix-quant-config", os.fspath(path)]
+    words += ["-o", str(out)] if out is not None else ["--dry-run"]
+    words += ["--arch", arch] if arch else []
+    words += ["--link", link] if link != "copy" else []
+    return shlex.join(words)
