@@ -453,7 +453,8 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
     allow = _allow(allow_invalid)
     dest = _out(out)
     req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
-                       max_shard_size=parse_size(max_shard_size), command=command, allow_invalid=allow)
+                       max_shard_size=parse_size(max_shard_size), command=command, allow_invalid=allow,
+                       check_values=not dry_run)
     details = _merge_and_write(plan_graft, source, target, req, "graft-report.json", allow, progress,
                                lambda: _outputs(dest, dry_run, plan_json, report, overwrite, resume))
     return GraftReport(details, dry_run)
