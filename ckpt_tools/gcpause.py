@@ -3,9 +3,9 @@
 Opening a release builds ~92,000 header entries and tensor references (plus the parsed JSON they come
 from): the collector's young-generation passes and its full passes over the growing heap cost ~20% of
 opening, and find nothing (headers hold no reference cycles). Reference counting frees everything as
-usual meanwhile. When the block ends, what it built is moved out of the collector's generations
-(``gc.freeze``: it lives as long as the checkpoint, and rescanning it would only move the cost to the
-next phase of the command); then the collector resumes as it was.
+usual meanwhile. When the block ends the collector resumes as it was. Nothing is frozen (``gc.freeze``):
+in a long-lived process (the Python API, a fuzzer) a frozen cycle, such as a refused input's exception
+and its traceback, would never be collected.
 """
 
 from __future__ import annotations
@@ -23,5 +23,4 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if was:
-            gc.freeze()
             gc.enable()
