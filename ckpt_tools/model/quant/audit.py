@@ -200,12 +200,9 @@ def audit(view: MtpView, files: QuantFiles | None = None) -> Audit:
     ``files``: configuration files to judge instead of the checkpoint's (file name -> JSON object),
     e.g. a repaired copy.
     """
-    try:
-        scheme = scheme_of(view)
-    except InputError as e:
-        if e.rule != "quant-unknown":
-            raise
-        return Audit(None, unknown=str(e))
+    scheme = _scheme_or_unknown(view)
+    if isinstance(scheme, Audit):
+        return scheme
     if scheme is None and not view.quantized and not any(
             view.ckpt.tensors[k].dtype not in FLOAT_DTYPES for _, k in view.stored() if k in view.ckpt.tensors):
         return Audit(None)  # nothing declared, nothing quantized: the common unquantized checkpoint
@@ -357,15 +354,22 @@ def trunk_rows(view: MtpView, scheme: QuantScheme | None) -> list[Row]:
     return module_rows(trunk_modules(view), scheme)  # type: ignore[arg-type]  # duck-typed like an MtpView
 
 
-def audit_trunk(view: MtpView) -> Audit:
-    """``audit`` for the main model's linear modules: stored quantized but excluded, stored float but targeted,
-    incomplete or mis-shaped companions, wherever the module sits."""
+def _scheme_or_unknown(view: MtpView) -> QuantScheme | Audit | None:
+    """The checkpoint's declared scheme, or an Audit that says the declaration names no known scheme."""
     try:
-        scheme = scheme_of(view)
+        return scheme_of(view)
     except InputError as e:
         if e.rule != "quant-unknown":
             raise
         return Audit(None, unknown=str(e))
+
+
+def audit_trunk(view: MtpView) -> Audit:
+    """``audit`` for the main model's linear modules: stored quantized but excluded, stored float but targeted,
+    incomplete or mis-shaped companions, wherever the module sits."""
+    scheme = _scheme_or_unknown(view)
+    if isinstance(scheme, Audit):
+        return scheme
     if scheme is None:
         return Audit(None)  # nothing declared: FP8 without a config is rule quant-config, packed bytes mtp/trunk rules
     return judge(trunk_rows(view, scheme), scheme, view.table)
