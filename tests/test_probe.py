@@ -375,3 +375,20 @@ def test_a_draft_that_computes_no_number_is_refused_not_reported(trained, prompt
     huge = probe_model.edited(extracted, tmp_path / "huge", overflow)
     r = ckpt("probe", trained, "--prompts", prompts, "--max-new-tokens", 4, "--draft", huge, "--json", code=3)
     assert "[probe-nonfinite]" in r.output and str(huge) in r.output and r.stdout == ""
+
+
+def test_vllm_mismatch_position_counts_generated_tokens_whatever_the_prompt():
+    """vLLM's engine compares generations (a text prompt's length is known only from vLLM's tokenization); counters are
+    differences over the run; per position acceptance is over drafts."""
+    from ckpt_tools.ops.probe_vllm import Sequence, _result
+
+    ref = [Sequence([7, 8, 9], [1, 2, 3, 4]), Sequence([5], [6, 6])]
+    out = [Sequence([7, 8, 9], [1, 2, 3, 4]), Sequence([5], [6, 7])]
+    r = _result("d", 2, ref, out, {"num_drafts": [4.0], "num_accepted_tokens": [6.0],
+                                   "num_accepted_tokens_per_pos": [4.0, 2.0]})
+    assert r.mismatch == {"prompt": 1, "position": 1} and r.greedy_equal is False
+    assert r.agreement == [1.0, 0.5] and r.mean_acceptance_length == 2.5 and r.num_drafts == 4
+    assert [p["greedy_equal"] for p in r.prompts] == [True, False]
+    assert r.prompts[0]["tokens_sha256"] == probe_ops.tokens_sha256([7, 8, 9, 1, 2, 3, 4])
+    with pytest.raises(InputError, match="drafted nothing"):
+        _result("d", 1, ref, ref, {"num_drafts": [0.0]})

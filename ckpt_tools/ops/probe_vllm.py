@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import InputError, UsageError
 from ..io.config import ConfigView
@@ -35,6 +35,13 @@ SPEC_METHOD = "mtp"
 # the CPU build reserves this fraction of host memory for its KV cache by default (0.92): far more than a probe
 # needs, and more than a machine running anything else has
 CPU_MEMORY_FRACTION = 0.2
+
+
+class Sequence(NamedTuple):
+    """One prompt's token ids as vLLM saw them (tokenized by vLLM for text prompts) and its greedy generation."""
+
+    prompt: list[int]
+    generated: list[int]
 
 
 @dataclass
@@ -108,7 +115,7 @@ def probe_vllm(req: ProbeRequest, opts: VllmOptions, drafts: list[tuple[str, Pat
         results = []
         for n, (name, model) in enumerate(served):
             outputs, counters = _serve(vllm, model, req.depth, inputs, req, opts, text)
-            results.append(_result(name, req.depth, reference, outputs, counters, prompts))
+            results.append(_result(name, req.depth, reference, outputs, counters))
             if progress is not None:
                 progress(2 + n, steps)
     info = engine_info()
@@ -141,7 +148,7 @@ def _verifier_dir(path: str) -> Path:
 
 
 def _serve(vllm, model: Path, depth: int | None, inputs: list, req: ProbeRequest, opts: VllmOptions,
-           text: bool) -> tuple[list[list[int]], dict[str, list[float]]]:
+           text: bool) -> tuple[list[Sequence], dict[str, list[float]]]:
     """Greedy outputs of ``model`` in one vLLM engine (MTP speculation at ``depth``, or none), and vLLM's
     speculative-decoding counters over that run."""
     spec = None if depth is None else {"method": SPEC_METHOD, "num_speculative_tokens": depth}
@@ -172,7 +179,7 @@ def _serve(vllm, model: Path, depth: int | None, inputs: list, req: ProbeRequest
     finally:
         _shutdown(llm)
     counters = {k: [a - b for a, b in zip(v, before.get(k, [0.0] * len(v)), strict=False)] for k, v in after.items()}
-    return [list(o.prompt_token_ids or []) + list(o.outputs[0].token_ids) for o in outs], counters
+    return [Sequence(list(o.prompt_token_ids or []), list(o.outputs[0].token_ids)) for o in outs], counters
 
 
 def _counters(llm) -> dict[str, list[float]]:
@@ -195,8 +202,8 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
-def _result(name: str, depth: int, reference: list[list[int]], outputs: list[list[int]],
-            counters: dict[str, list[float]], prompts: list) -> DraftResult:
+def _result(name: str, depth: int, reference: list[Sequence], outputs: list[Sequence],
+            counters: dict[str, list[float]]) -> DraftResult:
     drafts = (counters.get("num_drafts") or [0.0])[0]
     accepted = (counters.get("num_accepted_tokens") or [0.0])[0]
     per_pos = counters.get("num_accepted_tokens_per_pos") or [0.0] * depth
@@ -205,17 +212,13 @@ def _result(name: str, depth: int, reference: list[list[int]], outputs: list[lis
                          rule="probe-vllm", path=name)
     mismatch = None
     for i, (a, b) in enumerate(zip(reference, outputs, strict=True)):
-        if a != b:
-            mismatch = {"prompt": i, "position": first_difference(a, b) - _prompt_len(prompts[i], a)}
+        if a.generated != b.generated:
+            mismatch = {"prompt": i, "position": first_difference(a.generated, b.generated)}
             break
-    rows = [{"tokens_sha256": tokens_sha256(a), "greedy_equal": a == b}
+    rows = [{"tokens_sha256": tokens_sha256(a.prompt + a.generated), "greedy_equal": a.generated == b.generated}
             for a, b in zip(reference, outputs, strict=True)]
     return DraftResult(name, [p / drafts for p in per_pos[:depth]], [], int(drafts), mismatch is None, mismatch, rows,
                        mean_acceptance_length=1 + accepted / drafts, num_drafts=int(drafts))
-
-
-def _prompt_len(prompt, tokens: list[int]) -> int:
-    return len(prompt) if isinstance(prompt, list) else 0
 
 
 def _dtype(dtype: str) -> str:
