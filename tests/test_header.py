@@ -66,6 +66,10 @@ CASES = [
     ("bad-shape", file_bytes({"a": entry("F32", [-2], [0, 8])}, EIGHT), True),
     ("bad-shape", file_bytes({"a": entry("F32", [2.0], [0, 8])}, EIGHT), True),
     ("bad-shape", file_bytes({"a": entry("BOOL", [True], [0, 1])}, b"\0"), True),
+    # found by the coverage-guided fuzzer: a list (or string) among big dimensions, which an integer product
+    # would repeat into petabytes before any type check
+    ("bad-shape", file_bytes({"a": entry("F64", [24444444, [3], 44444444], [0, 8])}, EIGHT), True),
+    ("bad-shape", file_bytes({"a": entry("F64", [10**9, "x"], [0, 8])}, EIGHT), True),
     ("bad-offsets", file_bytes({"a": entry("F32", [2], [8, 0])}, EIGHT), True),
     ("misaligned", file_bytes({"a": entry("F4", [3], [0, 2])}, b"\0\0"), True),
     ("size-mismatch", file_bytes({"a": entry("F32", [3], [0, 8])}, EIGHT), True),

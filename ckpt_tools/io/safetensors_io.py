@@ -385,6 +385,10 @@ def _entries_fast(obj: dict, src: ByteSource | None = None, base: int = 0) -> tu
             bits = _BITS.get(dtype_name) if type(dtype_name) is str else None
             if bits is None:
                 return None
+            # a float product first: it raises on a list or string among the dimensions, where the integer
+            # product would build it repeated (a [big, [3], big] shape asked for petabytes)
+            if prod(shape, start=1.0) > MAX_NUMEL:
+                return None
             numel = prod(shape)
             begin, end = offs
             if numel > MAX_NUMEL or (numel * bits) % 8 or end - begin != numel * bits // 8 or begin > end:
