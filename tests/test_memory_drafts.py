@@ -241,13 +241,14 @@ def test_probe_measures_a_mapping_like_the_saved_draft(tmp_path):
     import probe_model
 
     from ckpt_tools.ops import probe as probe_ops
+    from ckpt_tools.ops.stitch_plan import mapped_draft
 
     trained, _ = probe_model.build(Path(tempfile.gettempdir()) / "ckpt-tools-test-cache")
     prompts = probe_model.write_prompts(tmp_path, 2, 6, seed=7)
     ckpt("extract", trained, "-o", tmp_path / "draft")
     state = load_file(tmp_path / "draft" / "model.safetensors")
     req = probe_ops.ProbeRequest(str(trained), [str(tmp_path / "draft"), state], str(prompts), max_new_tokens=8,
-                                 arch="deepseek_v3")
+                                 arch="deepseek_v3", map_draft=mapped_draft)
     own, disk, memory = probe_ops.probe(req).to_json()["drafts"]
     assert memory["name"] == ROOT
     # the same measurement; only a draft on disk is named by its tensors' digest (a mapping has no files to push)

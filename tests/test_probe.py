@@ -298,10 +298,11 @@ def test_asking_transformers_about_a_family_leaves_the_cached_table_alone():
     import copy
 
     from ckpt_tools.model.tables.loader import all_tables
+    from ckpt_tools.ops.probe_families import probe_row
     from ckpt_tools.ops.tables_info import tables_info
 
     before = {k: copy.deepcopy(t.fixture) for k, t in all_tables().items()}
-    tables_info(probe=True)
+    tables_info(probe_support=probe_row)
     assert {k: t.fixture for k, t in all_tables().items()} == before
 
 

@@ -75,11 +75,25 @@ def test_reading_and_copying_a_bf16_checkpoint_import_no_numeric_library(make_fi
 
 # What each read-only verb must not import: libraries it does not need (diff compares values with numpy, the
 # others read headers and bytes only), and the operations of the other verbs (a verb's module imports its own).
-WRITERS = ("ckpt_tools.ops.extract", "ckpt_tools.ops.stitch_plan", "ckpt_tools.ops.graft", "ckpt_tools.ops.dequant",
-           "ckpt_tools.ops.experts", "ckpt_tools.ops.init_draft", "ckpt_tools.ops.push", "ckpt_tools.ops.probe",
-           "ckpt_tools.ops.fix_quant", "ckpt_tools.stream.writer", "ckpt_tools.stream.execute")
-READERS = {"inspect": "ckpt_tools.ops.inspect", "validate": "ckpt_tools.ops.validate", "diff": "ckpt_tools.ops.diff",
-           "verify-manifest": "ckpt_tools.ops.verify"}
+WRITERS = (
+    "ckpt_tools.ops.extract",
+    "ckpt_tools.ops.stitch_plan",
+    "ckpt_tools.ops.graft",
+    "ckpt_tools.ops.dequant",
+    "ckpt_tools.ops.experts",
+    "ckpt_tools.ops.init_draft",
+    "ckpt_tools.ops.push",
+    "ckpt_tools.ops.probe",
+    "ckpt_tools.ops.fix_quant",
+    "ckpt_tools.stream.writer",
+    "ckpt_tools.stream.execute",
+)
+READERS = {
+    "inspect": "ckpt_tools.ops.inspect",
+    "validate": "ckpt_tools.ops.validate",
+    "diff": "ckpt_tools.ops.diff",
+    "verify-manifest": "ckpt_tools.ops.verify",
+}
 NOT_IMPORTED = {
     verb: (*HEAVY, "transformers", *WRITERS, *(m for v, m in READERS.items() if v != verb))
     for verb in READERS

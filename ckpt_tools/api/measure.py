@@ -182,9 +182,11 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     else:
         resolved = _probe.resolve_device(device)
         _probe.transformers_module()  # a missing extra is one line, before anything else
+        from ..ops.stitch_plan import mapped_draft
+
         req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
                                   None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
-                                  dtype, chain, arch=arch)
+                                  dtype, chain, arch=arch, map_draft=mapped_draft)
         with _display(progress) as display, _quiet_transformers(not progress):
             result = _probe.probe(req, display.bar, display.announce)
     check_finite(result, os.fspath(verifier))  # a NaN is no measurement: refused, never reported

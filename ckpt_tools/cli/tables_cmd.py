@@ -25,7 +25,12 @@ def register(app: typer.Typer) -> None:
         from ..ops.tables_info import tables_info
         from .tables_render import render_family, render_tables
 
-        rows = tables_info(probe=probe, family=family)
+        support = None
+        if probe:
+            from ..ops.probe_families import probe_row  # imports transformers (and torch): only for --probe
+
+            support = probe_row
+        rows = tables_info(family=family, probe_support=support)
         if json_output:
             emit_json(rows if family is None else rows[0])
         elif family is None:

@@ -7,7 +7,7 @@ verifier whose shards cannot be copied whole (``require_indexed``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import InputError, PlanError, UsageError
 from ..io.checkpoint import Checkpoint
@@ -16,8 +16,14 @@ from ..model.tables.resolve import resolve, trunk_specs
 from ..stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from .carry import carried_files, untouched_file
 
-if TYPE_CHECKING:
-    from .stitch_report import StitchReport
+
+class ShardRecord(Protocol):
+    """Where ``mtp_into`` records what it did with the shards: ``CarriedShards``, or a stitch / graft report."""
+
+    copied_tensors: int
+    rewritten_shards: list[str]
+    new_shards: list[str]
+    linked_files: list[str]
 
 
 @dataclass
@@ -42,7 +48,7 @@ def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
 
 
 def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[OutputFile], link: str,
-             max_shard_size: int, command: str, inputs, manifest: dict, report: StitchReport | CarriedShards,
+             max_shard_size: int, command: str, inputs, manifest: dict, report: ShardRecord,
              drop: frozenset[str] = frozenset()) -> Plan:
     """The verifier with ``mtp`` written into new ``model-mtp*`` shards (stitch add mode, graft).
 

@@ -48,6 +48,8 @@ ENGINE = "ckpt-tools table engine"
 REFERENCE = "transformers MtpModel"
 # the engine's depth-1 logits may differ from MtpModel's by float rounding only (same weights, same modules)
 REFERENCE_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+# (draft, verifier, arch, command) -> the draft's tensors in the verifier's MTP names (stitch's OutputTensors)
+DraftMapper = Callable[[Checkpoint, Checkpoint, "str | None", str], list]
 
 
 @dataclass
@@ -61,6 +63,9 @@ class ProbeRequest:
     dtype: str = "fp32"
     chain: str = "sglang"
     arch: str | None = None  # the drafts' family, asserted as stitch's --arch (a mapping names none)
+    # a draft's tensors in the verifier's MTP names: stitch's correspondence (``stitch_plan.mapped_draft``),
+    # given by the caller so that probe imports no other verb; needed only when there are drafts
+    map_draft: DraftMapper | None = None
 
 
 @dataclass
@@ -318,8 +323,8 @@ class Drafter:
     reference: Any = None
 
 
-def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, arch: str | None = None,
-              dtype: str = "fp32", device: str = "cpu") -> Drafter:
+def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, map_draft: DraftMapper,
+              arch: str | None = None, dtype: str = "fp32", device: str = "cpu") -> Drafter:
     """The draft's weights, mapped onto the verifier's MTP names by stitch's correspondence (in memory), in the
     engine (and in an MtpModel where the verifier has one).
 
@@ -328,22 +333,21 @@ def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, arc
     tensors are the mapping's, and the verifier's own for the files the mapping leaves untouched.
     """
     from . import mtp_engine, probe_load
-    from .stitch_plan import StitchRequest, plan_stitch
 
     with Checkpoint.open(draft_path) as d:
         where = d.root
-        plan, _ = plan_stitch(d, verifier, StitchRequest(accept_divergent=True, arch=arch, command="ckpt probe"))
-        rewritten = {t.shard for t in plan.tensors if t.shard}
+        mapped = map_draft(d, verifier, arch, "ckpt probe")
+        rewritten = {t.shard for t in mapped if t.shard}
         own = probe_load.stored_tensors(verifier)
         kept = {k for shard, keys in verifier.shard_keys.items() if shard not in rewritten for k in keys}
         state = {k: t for k, t in own.items() if k in kept and loaded.mtp_keys.search(k)}
-        state.update({t.key: t for t in plan.tensors if loaded.mtp_keys.search(t.key)})
+        state.update({t.key: t for t in mapped if loaded.mtp_keys.search(t.key)})
         engine, _ = mtp_engine.build(main, verifier, state, loaded.scheme, dtype, device, where)
         reference = None
         if loaded.reference is not None:
             regex = loaded.reference_regex
             ref_state = {k: t for k, t in own.items() if k in kept and regex.search(k)}
-            ref_state.update({t.key: t for t in plan.tensors if regex.search(t.key)})
+            ref_state.update({t.key: t for t in mapped if regex.search(t.key)})
             reference, _ = probe_load.load_mtp(main, ref_state, regex, loaded.scheme, dtype, device, where)
     return Drafter(draft_name(draft_path), engine, reference)
 
@@ -510,6 +514,12 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
+def _mapper(req: ProbeRequest) -> DraftMapper:
+    if req.map_draft is None:
+        raise TypeError("ProbeRequest.map_draft is needed to measure drafts (stitch_plan.mapped_draft)")
+    return req.map_draft
+
+
 def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
           announce: Callable[[int, int], None] | None = None) -> ProbeResult:
     """``announce(needed_bytes, available_bytes)`` is called before the weights load (available 0: unknown)."""
@@ -538,7 +548,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
         loaded = load_verifier(req.verifier, config, device, req.dtype, verifier)
         main = loaded.main
         models = [Drafter("verifier", loaded.mtp, loaded.reference)] + [
-            draft_mtp(main, loaded, verifier, p, req.arch, req.dtype, device) for p in req.drafts]
+            draft_mtp(main, loaded, verifier, p, _mapper(req), req.arch, req.dtype, device) for p in req.drafts]
     reference = {"implementation": REFERENCE, "max_abs_diff": 0.0} if loaded.reference is not None else {
         "skipped": loaded.reference_note}
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None

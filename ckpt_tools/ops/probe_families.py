@@ -72,3 +72,14 @@ def _meta_model(cls, config):
     except Exception as e:
         raise InputError(f"transformers cannot build its model from the table's fixture config ({_first_line(e)})",
                          rule="probe-family") from None
+
+
+def probe_row(table) -> dict:
+    """``probe``: whether our engine builds the family's MTP; ``probe_reference``: whether transformers' MtpModel
+    does too (probe then checks the engine against it); ``probe_reason``: why not. ``probe_engines``: per serving
+    engine, the class that would run the family's MTP (transformers: our table engine; vLLM: the table's class)."""
+    s = family_support(table)
+    engines = {"transformers": "ckpt table engine" + (" + MtpModel" if s.reference else "") if s.engine else None,
+               "vllm": f"{table.vllm.cls} ({table.vllm.check})" if table.vllm is not None else None}
+    return {"probe": s.engine, "probe_reference": s.reference, **({"probe_reason": s.reason} if s.reason else {}),
+            "probe_engines": engines}

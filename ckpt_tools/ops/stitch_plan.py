@@ -361,6 +361,13 @@ def _source_of(t: OutputTensor) -> str:
 
 
 @gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
+def mapped_draft(draft: Checkpoint, verifier: Checkpoint, arch: str | None, command: str) -> list[OutputTensor]:
+    """The draft's tensors in the verifier's MTP names, layouts and dtypes, as stitch would write them (divergence
+    accepted): how probe measures a draft without writing it."""
+    plan, _ = plan_stitch(draft, verifier, StitchRequest(accept_divergent=True, arch=arch, command=command))
+    return plan.tensors
+
+
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from ..errors import CkptError
 from ..io.checkpoint import Checkpoint
 from ..io.config import ConfigView
@@ -30,19 +33,6 @@ def _count(table, cfg: ConfigView) -> int:
         return 1
 
 
-def _probe_support(table) -> dict:
-    """``probe``: whether our engine builds the family's MTP; ``probe_reference``: whether transformers' MtpModel
-    does too (probe then checks the engine against it); ``probe_reason``: why not. ``probe_engines``: per serving
-    engine, the class that would run the family's MTP (transformers: our table engine; vLLM: the table's class)."""
-    from .probe_families import family_support  # imports transformers (and torch): only for --probe
-
-    s = family_support(table)
-    engines = {"transformers": "ckpt table engine" + (" + MtpModel" if s.reference else "") if s.engine else None,
-               "vllm": f"{table.vllm.cls} ({table.vllm.check})" if table.vllm is not None else None}
-    return {"probe": s.engine, "probe_reference": s.reference, **({"probe_reason": s.reason} if s.reason else {}),
-            "probe_engines": engines}
-
-
 def _vllm(table) -> dict | None:
     """vLLM's draft for the family, from the table's ``vllm`` section: its class and how far it was checked."""
     v = table.vllm
@@ -52,9 +42,10 @@ def _vllm(table) -> dict | None:
             **({"depths": v.depths} if v.depths is not None else {}), **({"note": v.note} if v.note else {})}
 
 
-def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
-    """``probe``: also say whether `ckpt probe` supports each family (asks transformers: ~2.5 s, ~280 MB).
-    ``family``: that family only (a UsageError naming the known ones when no table has that name)."""
+def tables_info(family: str | None = None, probe_support: Callable[[Any], dict] | None = None) -> list[dict]:
+    """``family``: that family only (a UsageError naming the known ones when no table has that name).
+    ``probe_support``: the fields saying whether `ckpt probe` supports a table's family (the probe room's
+    ``probe_row``, passed in by the caller so that listing tables never imports probe)."""
     tables = all_tables()
     if family is not None and family not in tables:
         from ..errors import UsageError
@@ -88,6 +79,6 @@ def tables_info(probe: bool = False, family: str | None = None) -> list[dict]:
             # vLLM's MTP class for the family and the check level (served / loaded / names)
             "vllm": _vllm(table),
             # `ckpt probe`: our engine builds the MTP of the table's fixture config (and MtpModel too?)
-            **(_probe_support(table) if probe else {}),
+            **(probe_support(table) if probe_support is not None else {}),
         })
     return rows
