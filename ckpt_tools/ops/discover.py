@@ -1,21 +1,15 @@
 """`ckpt inspect --discover`: a draft architecture table for a checkpoint no table describes.
 
-Reads the config and the safetensors headers (plus one small norm tensor), then
+From the config and the safetensors headers (plus one small norm tensor): the MTP tensors are the keys
+with an ``mtp`` / ``nextn`` name part and the decoder-layer keys at or beyond the config's layer count;
+they are grouped into depths by the index after the MTP prefix (an index-less key is shared by every
+depth; a depth spanning several physical sub-layers becomes several sub-blocks); glue roles come from
+common names (``GLUE_NAMES``), everything else goes into block parts, routed experts recognised in
+every layout of ``model.expert_layouts``. The result is a YAML table (``mappings/architectures/``
+schema) with the facts names cannot tell marked ``VERIFY``.
 
-1. finds the MTP tensors: keys with an ``mtp`` / ``nextn`` name part, and keys of the
-   decoder-layer container at indices at or beyond the config's layer count;
-2. groups them into depths by the numeric index after the MTP prefix (an index-less
-   key such as ``mtp.fc.weight`` is shared by every depth). When the config's MTP count
-   divides the number of indices, each depth spans several physical sub-layers (one per
-   character of a hybrid pattern) and becomes several sub-blocks;
-3. names the glue tensors' roles from common naming conventions (``GLUE_NAMES``) and puts
-   everything else into block parts, routed experts recognised by ``.experts.{e}.`` or
-   fused 3-D names;
-4. writes a YAML table (``mappings/architectures/`` schema) with the facts it could not read
-   from names marked ``VERIFY``.
-
-Only generic naming conventions are used - no family knowledge. The draft is a start:
-the trunk, the fixture and the fusion input order must be filled in by hand.
+Only generic naming conventions are used, no family knowledge; the trunk, the fixture and the fusion
+input order are filled in by hand.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """`ckpt probe`: measure that an MTP draft drafts, on the user's prompts, before anyone serves it.
 
-The verifier's trunk is loaded with transformers; its MTP layers are built by our table-driven
-engine (``mtp_engine``: the family table's glue around the family's own transformers decoder layer),
-for every family whose MTP block is made like one of its trunk layers. Where transformers' own
-``MtpModel`` loads the same layers, it is loaded too: the engine's depth-1 logits are checked
-against it on every prompt (``reference``), and it drafts the ``generate(use_mtp=True)`` run whose
-output must equal greedy decoding (``greedy_equal``; null where there is no MtpModel).
+The verifier's trunk is loaded with transformers; its MTP layers are built by the table-driven engine
+(``mtp_engine``). Where transformers' own ``MtpModel`` loads the same layers, the engine's depth-1 logits
+are checked against it (``reference``) and it drafts a ``generate(use_mtp=True)`` run that must equal
+greedy decoding (``greedy_equal``).
 
-For each prompt the verifier generates greedily, then runs ONE teacher-forced forward pass over
-prompt + generation; its last hidden states and logits are shared by every MTP compared (the
-verifier's own, then each ``--draft``).
-
-Depth k is chained as the serving engines chain a draft (``chain_logits``; sources and commits
-there); the sequence is the verifier's own greedy output, so the token fed at each depth is the
-one an accepted draft would have proposed. Each prediction is scored against the verifier's greedy
-token at that position (agreement) and its distribution (KL from the verifier's next-token
-distribution to the draft's).
-
-A draft is mapped onto the verifier's MTP names in memory with stitch's correspondence
-(``plan_stitch``; nothing is written) and loaded into a copy of the MTP module.
+Per prompt the verifier generates greedily, then runs one teacher-forced pass over prompt + generation
+whose hidden states and logits every compared MTP shares (the verifier's own, then each ``--draft``,
+mapped onto the verifier's MTP names in memory with stitch's correspondence). Depth k is chained as the
+serving engines chain a draft (``chain_logits``); each prediction is scored against the verifier's greedy
+token (agreement) and distribution (KL).
 """
 
 from __future__ import annotations
