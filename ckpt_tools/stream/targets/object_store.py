@@ -30,7 +30,7 @@ from ...io import digest
 from ...io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from ...io.safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
 from .. import manifest
-from ..output_dir import OUR_ARTEFACTS
+from ..output_dir import OUR_ARTEFACTS, read_record
 from ..plan import OutputFile, OutputTensor, Plan
 from ..writer import FileDigest, PendingOutput, Writer, WriteResult, source_size
 from .lock import ObjectLock
@@ -130,15 +130,7 @@ class ObjectStoreWriter(Writer):
         self._abort_stale_uploads()
 
     def _previous_record(self) -> dict | None:
-        for name in (RESUME_NAME, MANIFEST_NAME):
-            raw = self.store.cat(name)
-            try:
-                record = json.loads(raw) if raw else None
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(record, dict) and isinstance(record.get("plan"), dict):
-                return record
-        return None
+        return read_record(self.store.cat)
 
     def _check_resume(self, plan_digest: dict[str, str]) -> None:
         super()._check_resume(plan_digest)  # the same job, or a refusal naming what differs
