@@ -21,12 +21,7 @@ def strict(obj: Any) -> Any:
     if _is_numpy(obj):  # numpy scalars and arrays: their Python values
         return strict(obj.tolist())
     if isinstance(obj, float):
-        v = float(obj)
-        if math.isnan(v):
-            return None
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return v
+        return json_float(obj)
     if isinstance(obj, (str, int, bool)) or obj is None:
         return obj
     if isinstance(obj, dict):
@@ -36,6 +31,16 @@ def strict(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset)):
         return sorted((strict(v) for v in obj), key=repr)
     return str(obj)
+
+
+def json_float(v: float) -> float | str | None:
+    """A float as strict JSON holds it: NaN -> null, +-inf -> "inf" / "-inf", any other its value."""
+    v = float(v)
+    if math.isnan(v):
+        return None
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
 
 
 def dumps_strict(obj: Any, **kw: Any) -> str:

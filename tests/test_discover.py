@@ -84,6 +84,9 @@ def test_discovery_recovers_the_mtp_tensors_of_every_family(family, make_fixture
     ("glm4_moe", {"with_optional": False}),
     ("deepseek_v4", {"expert_layout": "fused"}),
     ("qwen3_next", {"expert_layout": "fused-transposed"}),
+    ("qwen3_next", {"expert_layout": "stacked-transposed"}),
+    ("deepseek_v3", {"expert_layout": "stacked"}),
+    ("nemotron_h", {"expert_layout": "stacked-transposed"}),  # non-gated: up and down only
 ])
 def test_discovery_groups_depths_sub_layers_and_expert_layouts(family, options, make_fixture, tmp_path):
     path = make_fixture(family, **options)
@@ -92,6 +95,9 @@ def test_discovery_groups_depths_sub_layers_and_expert_layouts(family, options, 
     assert (coverage, wrong, missed, invented) == (1.0, [], [], [])
     depths = {d for d in found.depth_of.values() if d is not None}
     assert len(depths) == resolve(table, Checkpoint.open(path).config).mtp_count
+    if "expert_layout" in options:  # the stored layout is recognised as an expert group, not as loose tensors
+        groups = [item.experts for items in table.parts.values() for item in items if item.experts is not None]
+        assert groups and {g.layout for g in groups} == {options["expert_layout"]}
 
 
 def test_nemotron_sub_layers_become_sub_blocks_with_glue_on_first_and_last(make_fixture, tmp_path):

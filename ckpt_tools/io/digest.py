@@ -1,20 +1,15 @@
 """Content digests: BLAKE3 for what the manifest vouches for, sha256 where a consumer needs it.
 
-Every byte an output holds is hashed into its manifest, so the digest's speed bounds the
-writer's. Measured on this project's 2-core VMs: sha256 (OpenSSL, SHA-NI) 1.1 GB/s a core,
-BLAKE3 4.8 GB/s on one thread and 7.8 GB/s on two. The manifest therefore records
-``blake3``; ``sha256`` stays where a consumer compares it (the Hub's LFS oid of a file, and
-manifests written by earlier versions), and ``verify-manifest`` checks either.
+Every byte an output holds is hashed into its manifest, so the digest's speed bounds the writer's:
+on 2-core VMs sha256 runs 1.1 GB/s a core, BLAKE3 4.8 GB/s on one thread and 7.8 GB/s on two.
+The manifest therefore records ``blake3``; ``sha256`` stays where a consumer compares it (the Hub's
+LFS oid, manifests of earlier versions), and ``verify-manifest`` checks either.
 
-Two environment knobs reproduce the older writer, so that a benchmark can measure the
-hashing change before and after in one run (BENCHMARKS.md, ``extract-drop-mtp-tmpfs*``):
-
-- ``CKPT_MANIFEST_DIGEST``: ``blake3`` (default) or ``sha256``, the manifest's algorithm;
-- ``CKPT_HASH_THREADS``: threads hashing beside the copies (default 2); ``0`` hashes each
-  tensor inline, on the writing thread, after it is written.
-
-They are read when used (``MANIFEST_ALGO`` is a module attribute computed on access), so a
-bad value is a usage error of the command that meets it, not a traceback at import.
+Two environment knobs reproduce the older writer, for before/after benchmarks:
+``CKPT_MANIFEST_DIGEST`` (``blake3``, the default, or ``sha256``) and ``CKPT_HASH_THREADS`` (threads
+hashing beside the copies, default 2; ``0`` hashes each tensor inline after it is written). They are
+read when used (``MANIFEST_ALGO`` is computed on access), so a bad value is a usage error, not a
+traceback at import.
 """
 
 from __future__ import annotations

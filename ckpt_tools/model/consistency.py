@@ -1,45 +1,11 @@
 """The consistency gate: whether a checkpoint can be used safely, decided before anything is planned.
 
-Every verb that reads a checkpoint calls ``require_consistent`` (``validate`` and
-``verify-manifest`` are the checkers and only report; ``inspect``, the diagnostic, calls ``check``
-and lists the problems as findings). It refuses, with exit code 3, a
-checkpoint that breaks one of the rules below, naming the first problem's file, key and rule,
-how many others there are, and the two ways on: ``ckpt validate PATH`` lists them all,
-``--allow-invalid RULE`` proceeds anyway. ``validate`` reports exactly these rules (plus
-its report-only ones): both run the checks of one rule set, ``rules.RULE_SET``.
-
-Rules that refuse a checkpoint (``RULES``):
-
-- index and files: ``index-empty`` (an index whose ``weight_map`` is empty), ``unindexed-shard``
-  (a ``.safetensors`` file beside the index, or beside a lone ``model.safetensors``, that no index
-  entry names and that holds tensors no indexed shard holds: its tensors are invisible to
-  loaders, and every output would silently lack them), ``unindexed-key`` (a shard holds a key the
-  index does not map to it; outputs never carry such keys), ``duplicate-tensor`` (a key held by
-  two files), ``single-file-shadows-index``. A shard the index names that is missing, a key the
-  index maps to a shard that lacks it, a shard name leaving the directory and every header rule
-  are refused when the checkpoint is opened (``Checkpoint.open``), before the gate runs.
-- config vs tensors (needs the family's table): ``mtp-missing``, ``mtp-misshaped``,
-  ``mtp-beyond``, ``mtp-extra``, ``fp8-scale-missing``, ``fp8-scale-shape``, ``quant-config``,
-  ``mtp-quant-config`` (each MTP module stored as the quantization config declares it, see
-  ``quant.audit``), ``tied-head``, ``stored-dtype`` (a tensor whose dtype the release fixes, table
-  ``dtype_fixed``, stored in another: ``stored_dtype``); config values of the wrong type are refused
-  while the table is resolved (``config-field``, see ``tables.resolve``).
-- a complete trunk: ``trunk-missing`` / ``trunk-misshaped``: the shared embedding, final norm and
-  head (unless tied), and every decoder layer's required tensors per the table (``trunk_specs``),
-  routed experts in whatever layout is on disk. Optional tensors may be absent; FP8 scales are
-  checked by the fp8 rules for every weight. An MTP draft is exempt, except where a verb needs a
-  whole model (stitch's verifier): its manifest says ``kind: mtp-draft``, or it holds no tensor of
-  the main model at all (``is_draft``). Embedding, norm and head without a decoder layer is a
-  trunk missing its layers, not a draft.
-
-Report-only rules (``validate`` lists them, no verb refuses): ``total-size``, ``index-metadata``
-and ``metadata-format`` (every output writes its own index, metadata and headers), and the
-``manifest-*`` rules (a manifest records what a run wrote; a finetuned draft differs from it
-by design).
-
-Notes (``absent_notes``; ``validate`` lists them, ``ok`` stays true): ``copy-absent``, an optional
-per-layer embed / head copy the MTP layer leaves out (its engines take the trunk's tensor), and
-``optional-absent`` for any other optional tensor.
+``require_consistent`` refuses (exit 3) a checkpoint that breaks a refusing rule, naming the first
+problem's file, key and rule, how many others there are, and the two ways on (``ckpt validate PATH``
+lists them all; ``--allow-invalid RULE`` proceeds anyway); ``check`` returns the problems instead.
+The rules are the refusing checks of the one rule set (``model.rules.RULE_SET``); this module holds
+their checks: index and files, config vs tensors, a complete trunk (an MTP draft exempt, ``is_draft``),
+and the notes for optional tensors left out (``absent_notes``). docs/integrity.md lists every rule.
 """
 
 from __future__ import annotations

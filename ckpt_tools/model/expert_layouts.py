@@ -1,20 +1,17 @@
 """Names and shapes of routed-expert tensors in every layout found in the wild.
 
-A group of E experts, each with gate/up ``[I, H]`` and down ``[H, I]`` (``nn.Linear``
-``[out, in]``), can be stored as:
+A group of E experts, each with gate/up ``[I, H]`` and down ``[H, I]`` (``nn.Linear`` ``[out, in]``):
 
-===================  ==========================================================  =========
-layout               tensors                                                      order
-===================  ==========================================================  =========
-per-expert           ``P.{e}.gate_proj.weight`` ``[I,H]``, ``up_proj``, ``down_proj`` ``[H,I]``
-fused                ``P.gate_up_proj`` ``[E,2I,H]``, ``P.down_proj`` ``[E,H,I]``   gate then up blocks
-stacked              ``P.gate_proj.weight`` ``[E,I,H]``, ``up``, ``down`` ``[E,H,I]``
-stacked-transposed   ``P_gate_proj`` ``[E,H,I]``, ``P_up_proj``, ``P_down_proj`` ``[E,I,H]``
-fused-transposed     ``P.gate_up_proj`` ``[E,H,2I]``, ``P.down_proj`` ``[E,I,H]``   blocked or interleaved
-===================  ==========================================================  =========
+==================  ====================================================================  ==========
+per-expert          ``P.{e}.gate_proj.weight`` ``[I,H]``, ``up_proj``, ``down_proj`` ``[H,I]``
+fused               ``P.gate_up_proj`` ``[E,2I,H]``, ``P.down_proj`` ``[E,H,I]``           gate, up
+stacked             ``P.gate_proj.weight`` ``[E,I,H]``, ``up``, ``down`` ``[E,H,I]``
+stacked-transposed  ``P_gate_proj`` ``[E,H,I]``, ``P_up_proj``, ``P_down_proj`` ``[E,I,H]``
+fused-transposed    ``P.gate_up_proj`` ``[E,H,2I]``, ``P.down_proj`` ``[E,I,H]``    blocked/interleaved
+==================  ====================================================================  ==========
 
-Non-gated groups (Nemotron-H) have no gate: fused layouts then hold ``P.up_proj``.
-Tables may override the key templates of the layout a family ships.
+Non-gated groups (Nemotron-H) have no gate: fused layouts then hold ``P.up_proj``. Tables may override
+the key templates of the layout a family ships.
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """Converting routed experts between layouts: the one place that knows how they are stored.
 
-Every layout of ``expert_layouts`` is described the same way: each stored tensor is,
-per expert, a *slab* made of one or more *pieces* (the canonical ``nn.Linear``
-matrices ``gate [I, H]``, ``up [I, H]``, ``down [H, I]``), possibly transposed, joined
-along rows (``fused``: gate rows then up rows), columns (``fused-transposed``) or
-interleaved columns (gpt-oss). Stacked tensors hold the E slabs one after another.
+Every layout of ``expert_layouts`` is described the same way: each stored tensor is, per expert, a
+*slab* of one or more *pieces* (``gate [I, H]``, ``up [I, H]``, ``down [H, I]``), possibly transposed,
+joined along rows (``fused``), columns (``fused-transposed``) or interleaved columns (gpt-oss).
+Stacked tensors hold the E slabs one after another. A target slab whose pieces are contiguous byte
+ranges of the source in the same orientation is ``CopyBytes`` (any dtype, FP8 included); any other is
+a ``Compute`` recipe moving one expert's slab at a time as unsigned-integer views (no arithmetic).
 
-A conversion then writes each target tensor expert by expert:
-
-* when the target slab is the same slab in the source, or its pieces are contiguous
-  byte ranges of the source in the same orientation, the recipe is ``CopyBytes``
-  (pure concatenation / slicing, valid for any dtype including FP8);
-* otherwise a ``Compute`` recipe yields one expert's slab per chunk, moving data as
-  unsigned-integer numpy views (no arithmetic, no float conversions).
-
-FP8 block scales (``weight_scale_inv``) are pieces too: their grid is the weight's
-grid, so they stack, split and transpose with their weights. Joining gate and up
-scales is exact only when I is a multiple of the block; otherwise the conversion is
-refused (dequantize first). A dequantizer can be plugged in (``Dequantizer``): it gets
-one canonical FP8 piece and its scale grid and returns the values in its own dtype.
-
-Each computed tensor's recipe reads its own byte ranges into buffers of its own, so the
-writer may decode it ahead of its turn on the decoding pool (``Compute.ahead``,
-stream.lookahead: whole only when it fits the lookahead's size, else expert by expert as
-it is written); a plugged-in dequantizer other than ``BlockDequant`` keeps its recipes on
-the writing thread.
+FP8 block scales are pieces too: they stack, split and transpose with their weights. Joining gate and
+up scales is exact only when I is a multiple of the block; otherwise the conversion is refused. A
+``Dequantizer`` may decode the pieces on the way. Computed recipes read into buffers of their own, so
+the writer may decode them ahead of their turn (``Compute.ahead``).
 """
 
 from __future__ import annotations
@@ -59,7 +45,7 @@ class Dequantizer(Protocol):
     def __call__(self, weight: np.ndarray, scale: np.ndarray, block: tuple[int, int], weight_dtype: str,
                  scale_dtype: str) -> np.ndarray:
         """One ``[out, in]`` piece: FP8 codes and its scale grid (numpy storage views of ``weight_dtype`` /
-        ``scale_dtype``) -> its values, same shape, as ``numeric.numpy_storage_dtype(self.dtype)``."""
+        ``scale_dtype``) -> its values, same shape, as ``ckpt_tools.arrays.numpy_storage_dtype``."""
         ...
 
 

@@ -119,6 +119,14 @@ def render(template: str, env: Mapping[str, object]) -> str:
     return _FIELD.sub(lambda m: _field(m.group(1), env), template)
 
 
+def render_key(template: str, prefix: str, env: Mapping[str, object]) -> str:
+    """A tensor key from its template: under ``prefix``, or from the root when the template starts with '/'
+    (a tensor shared by every depth, or outside the layer's namespace)."""
+    if template.startswith("/"):
+        return render(template[1:], env)
+    return prefix + render(template, env)
+
+
 def _field(text: str, env: Mapping[str, object]) -> str:
     if text in env and text.isidentifier():  # a bare variable ({e}, {l}, {i}): no parsing needed
         return str(env[text])

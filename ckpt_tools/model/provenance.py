@@ -1,20 +1,14 @@
 """Does a draft belong to this verifier? The evidence a draft carries about the model it came from.
 
-Stitch refuses a draft unless it proves its family, because same-shaped tensors of another
-model stitch without a complaint and give a verifier whose drafts are never accepted.
-Evidence, first found wins:
+Same-shaped tensors of another model stitch without a complaint and give drafts that are never
+accepted, so a draft must prove its family. Evidence, first found wins: its ``ckpt_manifest.json``
+``family``; else the config fields its format names as evidence (``evidence:`` in
+mappings/formats/*.yaml: ``model_type`` / ``architectures``, speculators'
+``transformer_layer_config.model_type`` and ``speculators_config.verifier.architectures``).
 
-1. the draft's ``ckpt_manifest.json`` ``family`` (our extract / init-draft write it);
-2. the config fields its format names as evidence (``evidence:`` in mappings/formats/*.yaml):
-   ``model_type`` / ``architectures`` (top level and ``text_config``) for drafts that keep
-   the source config (native, sglang-nextn); ``transformer_layer_config.model_type`` and
-   ``speculators_config.verifier.architectures`` for speculators drafts as trainers save them.
-
-A name is the verifier's when the verifier's table detects it (architectures, model types,
-engine draft architectures) or the verifier's own config carries it (a nested text model
-type). Any other name is a draft of another model (rule ``wrong-family``); a draft without
-any evidence is refused too (``draft-unproven``: AngelSpec's MTP config names no target
-model). ``--arch FAMILY`` asserts the family and skips this check.
+A name is the verifier's when its table detects it or its own config carries it. Any other name is
+a draft of another model (``wrong-family``); no evidence at all is ``draft-unproven``.
+``--arch FAMILY`` asserts the family and skips this check.
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
 """FP8 block quantization (DeepSeek style): the format, its config, and the quantizer (torch).
 
-The two backends of block FP8, and who runs them:
+A quantized ``X.weight`` is ``F8_E4M3`` ``[..., out, in]`` with ``X.weight_scale_inv`` of
+``[..., ceil(out/br), ceil(in/bc)]`` (block ``br x bc``, usually 128 x 128; edge tiles partial).
+Dequantization (numpy, ``fp8_decode``) is ``W = float32(Q) * scale_inv[r // br, c // bc]``, then one
+round-to-nearest-even cast. Quantization (``quantize``), per block::
 
-- dequantization is numpy, in ``fp8_decode`` (``extract --dequant``, ``unfuse-experts --dequant``,
-  stitch's comparisons, ``diff --dequant``, the scheme decoders in ``quant``);
-- quantization is torch, here (``quantize``), run one band at a time by ``transforms.requantize``
-  (stitch and graft re-quantizing MTP weights) and whole by the test fixtures.
+    s = max(float32(amax / 448), 2**-126)     (a true division; zero and tiny blocks get 2**-126)
+    Q = e4m3_rne(clamp(W / s, -448, 448))      (NaN / Inf inputs raise)
 
-Format (checkpoint-engineering.md section 3): a quantized ``X.weight`` is ``F8_E4M3``
-``[..., out, in]`` with a companion ``X.weight_scale_inv`` of ``[..., ceil(out/br),
-ceil(in/bc)]`` (block ``br x bc``, usually 128 x 128). Edge tiles are partial.
-
-Dequantization, as DeepSeek's ``weight_dequant`` kernel and transformers'
-``Fp8Dequantize`` do it::
-
-    W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)
-
-then one cast (round to nearest even) to the output dtype.
-
-Quantization (``quantize``), per block::
-
-    s = float32(amax / 448)         (a true division, not amax * (1/448))
-    Q = e4m3_rne(clamp(W / s, -448, 448))
-
-Scales are floored at the smallest normal float32, ``s = max(fl(amax / 448), 2**-126)``,
-so all-zero blocks get ``2**-126`` (finite, never NaN or Inf) and so do blocks too tiny
-for a normal scale; every ``Q * s`` then stays exact. One rule rather than "1.0 for
-zero blocks" (transformers' and our fixtures' choice) because a tiny block can round
-to all-zero codes: with a special value for zero blocks it would come back from
-``quantize(dequantize(...))`` with a different scale. NaN or Inf inputs raise.
-
-Why ``amax / 448`` rather than transformers' ``1 / (448 / amax)``: with a scale
-``s = fl(amax / 448)`` the round trip is a fixed point, ``quantize(dequantize(Q, s))
-== (Q, s)`` byte for byte. The block's largest element is ``fl(448 * s)`` after
-dequantization, and ``fl(fl(448 * s) / 448) == s`` holds for every float32 of the
-form ``fl(x / 448)`` (checked exhaustively over a whole binade in tests/test_fp8.py;
-powers of two commute with everything, so one binade covers all normal scales). The
-other elements come back to the same e4m3 value because ``fl(fl(q * s) / s)`` is
-within 2**-22 relative of ``q``, far below half an e4m3 step.
-
-A band of whole block rows is quantized by ``block_scales`` (the scale grid rows) and then
-``quantize_with`` (the codes): the split lets the scale recipe and the weight recipe of one
-tensor share one grid instead of quantizing twice. torch is imported by those functions only:
-the config helpers are read by runs that never quantize.
+With ``s = fl(amax / 448)`` (not transformers' ``1 / (448 / amax)``) the round trip is a fixed point:
+``quantize(dequantize(Q, s)) == (Q, s)`` byte for byte (tests/test_fp8.py checks a whole binade).
+``block_scales`` (the scale grid) and ``quantize_with`` (the codes) split one band's work so a weight
+and its scale share one grid. torch is imported inside those functions only.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
-"""FP8 block dequantization in numpy: the FP8 kernel of both dequantization paths.
+"""FP8 block dequantization in numpy: the band kernel the scheme decoders run for FP8 codes.
 
-The verbs decode through the table-driven scheme decoders (``model.quant.decode``, planned by
-``model.quant.dequant``: ``ckpt dequant``, ``extract --dequant`` (block-FP8 included, through
-``decode_block``), expert restacking (``decode_block_array``), graft, stitch, probe); they run this
-module's ``BandDequantizer`` for FP8 codes whose lookup tables fit, and decode FP4 / INT codes (and
-larger FP8 grids) themselves, with the same arithmetic. ``diff --dequant`` decodes runs of elements
-here (``value_decoder``); ``dequant_array`` / ``dequant_stream`` are the whole-array and streamed
-forms of the band kernel (tests hold the decoders to them). The arithmetic
-(``fp8`` documents the format)::
+The arithmetic (``fp8`` documents the format)::
 
     W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)
 
 then one round-to-nearest-even cast to the output dtype, as DeepSeek's kernel and transformers'
 ``Fp8Dequantize`` compute it (tests/test_fp8.py holds it to a float64 oracle and to transformers).
-numpy rather than torch: importing torch costs 1.5-2.5 s on a small machine, more than
-dequantizing a 4 GB checkpoint's MTP layer takes, and nothing else on the extract path needs torch.
+numpy, not torch: importing torch costs more than dequantizing an MTP layer takes.
 
-Every e4m3 / e5m2 value is exact in float32, and an element's result depends on its code
-and its block's scale alone: each block gets a 256-entry table of finished output values,
-and a band of codes is decoded with one table lookup per element (see BandDequantizer).
+Every e4m3 / e5m2 value is exact in float32 and an element's result depends on its code and its
+block's scale alone: each block gets a 256-entry table of finished output values, and a band is
+decoded with one lookup per element (``BandDequantizer``). ``value_decoder`` decodes runs of elements;
+``dequant_array`` / ``dequant_stream`` are the whole-array and streamed forms of the band kernel.
 """
 
 from __future__ import annotations

@@ -7,13 +7,14 @@ normals in C order, scaled by ``std`` in float32, then cast to the stored dtype 
 generator continues where the previous band stopped, so the bytes do not depend on the
 band size, the output sharding or the order tensors are written in.
 
-``InitSource`` exposes a set of initialised tensors as a read-only byte source (the same
-interface as a local file), so that every recipe built for real checkpoints - renames,
-expert re-layouts, half swaps - applies unchanged to tensors that exist only as recipes.
+``InitSource`` lays initialised tensors end to end as a read-only byte source (the draft readers'
+``TensorFile``), so that every recipe built for real checkpoints - renames, expert re-layouts, half
+swaps - applies unchanged to tensors that exist only as recipes.
 """
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtypes import DTYPES, torch_dtype
+from ..io.readers.base import TensorFile
 from .fp8_decode import encode
 
 METHODS = ("normal", "zeros", "ones")
@@ -130,62 +132,37 @@ def values(recipe: InitRecipe) -> np.ndarray:
     return t.numpy().reshape(recipe.shape)
 
 
-class InitSource:
-    """Initialised tensors laid end to end as one virtual, read-only byte source.
+class _Streams:
+    """The open normal streams of a set of tensors, least recently read out first: memory is one band plus a
+    constant, and reading a tensor forward (what copies, re-layouts and casts do) continues its stream."""
 
-    ``readinto`` generates the bytes it is asked for; reading a tensor forward (what copies,
-    re-layouts and casts do) continues its stream, reading backwards restarts it. At most
-    ``MAX_STREAMS`` streams stay open, so memory is one band plus a constant.
-    """
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self._open: OrderedDict[int, _Stream] = OrderedDict()
 
-    MAX_STREAMS = 64
+    def at(self, recipe: InitRecipe, elem: int) -> _Stream:
+        """``recipe``'s stream positioned at element ``elem`` (reading backwards restarts it)."""
+        s = self._open.pop(id(recipe), None)
+        if s is None or s.pos > elem:
+            s = _Stream(recipe)
+        s.skip_to(elem)
+        self._open[id(recipe)] = s
+        while len(self._open) > self.most:
+            self._open.popitem(last=False)
+        return s
 
-    def __init__(self, recipes: list[InitRecipe], name: str = "<init>") -> None:
-        self.name = name
-        self.recipes = list(recipes)
-        self.offsets: list[int] = []
-        pos = 0
-        for r in self.recipes:
-            self.offsets.append(pos)
-            pos += r.nbytes
-        self._size = pos
-        self._streams: OrderedDict[int, _Stream] = OrderedDict()
 
-    @property
-    def size(self) -> int:
-        return self._size
+class _InitPart:
+    """One initialised tensor's bytes, generated when read (a ``Part`` of a ``TensorFile``)."""
 
-    def local_fd(self) -> int | None:
-        return None
+    def __init__(self, recipe: InitRecipe, streams: _Streams) -> None:
+        self.recipe = recipe
+        self.nbytes = recipe.nbytes
+        self._streams = streams
 
-    def offset_of(self, index: int) -> int:
-        return self.offsets[index]
-
-    def recipe_at(self, offset: int) -> InitRecipe | None:
-        """The (non-empty) tensor that starts at ``offset``, if any."""
-        import bisect
-
-        i = bisect.bisect_right(self.offsets, offset) - 1
-        return self.recipes[i] if i >= 0 and self.offsets[i] == offset else None
-
-    def readinto(self, offset: int, buf: memoryview) -> None:
-        import bisect
-
-        if offset < 0 or offset + len(buf) > self._size:
-            raise ValueError(f"{self.name}: read of {len(buf)} bytes at {offset} is outside {self._size} bytes")
-        out = memoryview(buf).cast("B")
-        done = 0
-        while done < len(out):
-            at = offset + done
-            i = bisect.bisect_right(self.offsets, at) - 1
-            lo = at - self.offsets[i]
-            n = min(len(out) - done, self.recipes[i].nbytes - lo)
-            self._fill(i, lo, out[done:done + n])
-            done += n
-
-    def _fill(self, i: int, lo: int, out: memoryview) -> None:
-        """Bytes [lo, lo + len(out)) of tensor ``i``."""
-        recipe = self.recipes[i]
+    def readinto(self, lo: int, out: memoryview) -> None:
+        """Bytes [lo, lo + len(out)) of the tensor."""
+        recipe = self.recipe
         size = recipe.itemsize
         first = lo // size
         last = -(-(lo + len(out)) // size)
@@ -194,7 +171,7 @@ class InitSource:
         elem = first
         while elem < last:
             k = min(BAND_ELEMS, last - elem)
-            chunk = self._stream(i, elem).take(k) if recipe.method == "normal" else _constant(recipe, k)
+            chunk = self._streams.at(recipe, elem).take(k) if recipe.method == "normal" else _constant(recipe, k)
             raw = memoryview(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))[skip:]
             take = min(len(raw), len(out) - pos)
             out[pos:pos + take] = raw[:take]
@@ -202,12 +179,21 @@ class InitSource:
             skip = 0
             elem += k
 
-    def _stream(self, i: int, elem: int) -> _Stream:
-        s = self._streams.pop(i, None)
-        if s is None or s.pos > elem:
-            s = _Stream(self.recipes[i])
-        s.skip_to(elem)
-        self._streams[i] = s
-        while len(self._streams) > self.MAX_STREAMS:
-            self._streams.popitem(last=False)
-        return s
+
+class InitSource(TensorFile):
+    """Initialised tensors laid end to end as one virtual, read-only byte source, generated when read."""
+
+    MAX_STREAMS = 64
+
+    def __init__(self, recipes: list[InitRecipe], name: str = "<init>") -> None:
+        self.recipes = list(recipes)
+        streams = _Streams(self.MAX_STREAMS)
+        super().__init__(name, [_InitPart(r, streams) for r in self.recipes])
+
+    def offset_of(self, index: int) -> int:
+        return self.starts[index]
+
+    def recipe_at(self, offset: int) -> InitRecipe | None:
+        """The (non-empty) tensor that starts at ``offset``, if any."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        return self.recipes[i] if i >= 0 and self.starts[i] == offset else None

@@ -1,5 +1,5 @@
-"""Arithmetic on planned tensors, streamed in bands: casts, FP8 dequantization, half swaps,
-column-wise joins and splits.
+"""Arithmetic on planned tensors, streamed in bands: casts, block-FP8 requantization, half swaps,
+column-wise joins and splits (decoding a quantized weight is ``model.quant.dequant``'s).
 
 Each function takes an ``OutputTensor`` (whatever its recipe: byte copies or a
 computation) and returns a new one whose recipe reads the input recipe's bytes band by

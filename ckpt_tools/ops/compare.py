@@ -23,6 +23,7 @@ import numpy as np
 from ..arrays import Scratch, decode_floats
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from ..io.safetensors_io import TensorRef
+from ..jsonutil import json_float
 from ..stream.plan import CopyBytes, Recipe
 
 CHUNK_ELEMS = 1 << 20  # elements per chunk when comparing bytes or counting NaN/Inf
@@ -59,20 +60,11 @@ class TensorDiff:
         for k, v in asdict(self).items():
             if v is None or (k in _COUNTS and v == 0):
                 continue
-            out[k] = json_number(v) if isinstance(v, float) else v
+            out[k] = json_float(v) if isinstance(v, float) else v
         return out
 
 
 _COUNTS = ("nonfinite", "nan_count", "inf_count")
-
-
-def json_number(v: float) -> float | str | None:
-    """A float as strict JSON allows it: NaN -> null, +-inf -> "inf" / "-inf"."""
-    if math.isnan(v):
-        return None
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return v
 
 
 def recipe_of(ref: TensorRef) -> Recipe:
@@ -275,5 +267,5 @@ def _sum_squares(x: np.ndarray, out: np.ndarray) -> float:
     return float(out.sum(dtype=np.float64))
 
 
-__all__ = ["Cancelled", "TensorDiff", "compare", "count_nonfinite", "decode_floats", "json_number", "recipe_of",
+__all__ = ["Cancelled", "TensorDiff", "compare", "count_nonfinite", "decode_floats", "recipe_of",
            "FP8_DTYPES"]

@@ -1,21 +1,15 @@
 """`ckpt inspect --discover`: a draft architecture table for a checkpoint no table describes.
 
-Reads the config and the safetensors headers (plus one small norm tensor), then
+From the config and the safetensors headers (plus one small norm tensor): the MTP tensors are the keys
+with an ``mtp`` / ``nextn`` name part and the decoder-layer keys at or beyond the config's layer count;
+they are grouped into depths by the index after the MTP prefix (an index-less key is shared by every
+depth; a depth spanning several physical sub-layers becomes several sub-blocks); glue roles come from
+common names (``GLUE_NAMES``), everything else goes into block parts, routed experts recognised in
+every layout of ``model.expert_layouts``. The result is a YAML table (``mappings/architectures/``
+schema) with the facts names cannot tell marked ``VERIFY``.
 
-1. finds the MTP tensors: keys with an ``mtp`` / ``nextn`` name part, and keys of the
-   decoder-layer container at indices at or beyond the config's layer count;
-2. groups them into depths by the numeric index after the MTP prefix (an index-less
-   key such as ``mtp.fc.weight`` is shared by every depth). When the config's MTP count
-   divides the number of indices, each depth spans several physical sub-layers (one per
-   character of a hybrid pattern) and becomes several sub-blocks;
-3. names the glue tensors' roles from common naming conventions (``GLUE_NAMES``) and puts
-   everything else into block parts, routed experts recognised by ``.experts.{e}.`` or
-   fused 3-D names;
-4. writes a YAML table (``mappings/architectures/`` schema) with the facts it could not read
-   from names marked ``VERIFY``.
-
-Only generic naming conventions are used - no family knowledge. The draft is a start:
-the trunk, the fixture and the fusion input order must be filled in by hand.
+Only generic naming conventions are used, no family knowledge; the trunk, the fixture and the fusion
+input order are filled in by hand.
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ import yaml
 from ..errors import InputError, OutputError, UsageError
 from ..io.checkpoint import Checkpoint
 from ..io.config import ConfigView
+from ..model.expert_layouts import DEFAULT_KEYS, LAYOUT_NAMES, ExpertLayout
 from ..model.quant.companions import WeightFormat, weight_format
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
@@ -349,10 +344,42 @@ def _is_glue(f: Found, glue_src: dict[str, Found], geo: _Depths) -> bool:
 # 3. experts and tensor entries
 
 
+# Routed experts are recognised by the key templates of every layout (expert_layouts.DEFAULT_KEYS), under a
+# prefix ending in ``experts``; per-expert groups also by Mixtral's w1 / w3 / w2 names.
 _PER_EXPERT = re.compile(r"^(?P<p>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
-_FUSED = re.compile(r"^(?P<p>(?:.*\.)?experts)\.(?P<name>gate_up_proj|up_proj|down_proj|gate_proj)(?P<w>\.weight)?$")
-_SLOT_NAMES = {"gate": ("gate_proj.weight", "w1.weight"), "up": ("up_proj.weight", "w3.weight"),
-               "down": ("down_proj.weight", "w2.weight")}
+_PER_EXPERT_ALIASES = {"gate": "w1.weight", "up": "w3.weight", "down": "w2.weight"}
+_SLOT_NAMES = {slot: (template.removeprefix("{P}.{e}."), _PER_EXPERT_ALIASES[slot])
+               for slot, template in DEFAULT_KEYS["per-expert"].items()}
+_STACKED_LAYOUTS = [name for name in LAYOUT_NAMES if name != "per-expert"]
+_TAILS = {template.removeprefix("{P}") for name in _STACKED_LAYOUTS for template in DEFAULT_KEYS[name].values()}
+_STACKED = re.compile(r"^(?P<p>(?:.*\.)?experts)(?P<tail>" + "|".join(map(re.escape, sorted(_TAILS))) + ")$")
+
+
+def _slots(layout: str, gated: bool) -> tuple[str, ...]:
+    """The tensors of a stacked group: a fused one joins gate and up, a non-gated one has neither gate slot."""
+    if not gated:
+        return ("up", "down")
+    return ("gate_up", "down") if "gate_up" in DEFAULT_KEYS[layout] else ("gate", "up", "down")
+
+
+def _stacked_layout(tails: dict[str, tuple[int, ...]], hidden: int | None) -> tuple[str, bool, int, int] | None:
+    """(layout, gated, hidden, inter) of the stacked group whose key tails (-> shapes) are ``tails``, or None.
+
+    fused and fused-transposed share their names: the hidden size tells them apart ([E, H, I] down is fused)."""
+    for layout in _STACKED_LAYOUTS:
+        for gated in (True, False):
+            keys = {DEFAULT_KEYS[layout][slot].removeprefix("{P}"): slot for slot in _slots(layout, gated)}
+            if set(keys) != set(tails):
+                continue
+            shape = {slot: tails[tail] for tail, slot in keys.items()}
+            _, d1, d2 = shape["down"]
+            first = shape["gate_up" if "gate_up" in shape else "up"]
+            transposed = ExpertLayout(layout).transposed
+            if layout in ("fused", "fused-transposed"):
+                transposed = hidden is not None and first[1] == hidden and d2 == hidden
+                layout = "fused-transposed" if transposed else "fused"
+            return (layout, gated, d2, d1) if transposed else (layout, gated, d1, d2)
+    return None
 
 
 def _experts(rel: dict[str, tuple[tuple[int, ...], str]], hidden: int | None) -> tuple[list[dict], set[str]]:
@@ -385,30 +412,19 @@ def _experts(rel: dict[str, tuple[tuple[int, ...], str]], hidden: int | None) ->
             entry["names"] = {s: "{P}.{e}." + n for s, n in names.items()}
         groups.append(entry)
         used |= {f"{p}.{e}.{r}" for e in experts for r in rests}
-    fused: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = defaultdict(dict)
+    stacked: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = defaultdict(dict)
     for key, (shape, _) in rel.items():
-        m = _FUSED.match(key)
+        m = _STACKED.match(key)
         if m and len(shape) == 3 and key not in used:
-            fused[m["p"]][m["name"]] = (key, shape)
-    for p, byname in fused.items():
-        down = byname.get("down_proj")
-        if down is None:
+            stacked[m["p"]][m["tail"]] = (key, shape)
+    for p, bytail in stacked.items():
+        found = _stacked_layout({t: shape for t, (_, shape) in bytail.items()}, hidden)
+        if found is None:
             continue
-        e, d1, d2 = down[1]
-        if "gate_up_proj" in byname and len(byname) == 2:
-            _, s = byname["gate_up_proj"]
-            transposed = hidden is not None and s[1] == hidden and d2 == hidden
-            layout, gated, inter = ("fused-transposed" if transposed else "fused"), True, (d1 if transposed else d2)
-        elif "up_proj" in byname and len(byname) == 2 and not byname["up_proj"][0].endswith(".weight"):
-            transposed = hidden is not None and byname["up_proj"][1][1] == hidden and d2 == hidden
-            layout, gated, inter = ("fused-transposed" if transposed else "fused"), False, (d1 if transposed else d2)
-        elif {"gate_proj", "up_proj"} <= set(byname) and len(byname) == 3:
-            layout, gated, inter = "stacked", True, d2
-        else:
-            continue
-        hid = d2 if layout == "fused-transposed" else d1
-        groups.append({"prefix": p, "count": e, "hidden": hid, "inter": inter, "layout": layout, "gated": gated})
-        used |= {k for k, _ in byname.values()}
+        layout, gated, hid, inter = found
+        count = next(iter(bytail.values()))[1][0]
+        groups.append({"prefix": p, "count": count, "hidden": hid, "inter": inter, "layout": layout, "gated": gated})
+        used |= {k for k, _ in bytail.values()}
     return groups, used
 
 

@@ -1,19 +1,11 @@
 """`ckpt validate --fix-quant-config SRC -o OUT`: only the quantization config repaired.
 
-For a checkpoint whose MTP weights are all there but mis-declared (rule ``mtp-quant-config``:
-a BF16 module not excluded, exclusions written for names engines do not match, a quantized module
-excluded), OUT is SRC with config.json and, for ModelOpt, hf_quant_config.json changed as
-``quant.repair.repair_view`` says; every shard and every other file is copied or linked whole,
-never rewritten (the same ``OutputFile`` entries and writer as stitch and graft).
+For a checkpoint whose MTP weights are all there but mis-declared (rule ``mtp-quant-config``), OUT is
+SRC with config.json and, for ModelOpt, hf_quant_config.json changed as ``quant.repair.repair_view``
+says; every shard and every other file is copied or linked whole, never rewritten.
 
-Refused (InputError, exit 3, nothing written):
-
-- the input breaks another rule: ``mtp-missing`` (the config declares MTP the files do not hold;
-  the message names ``ckpt graft``), or any other rule of the gate;
-- a finding no configuration change repairs (a module missing its scales, shards of one fused
-  layer stored differently, a module a per-module list would have to name with a scheme of its
-  own): rule ``mtp-quant-config``, naming each module, with ``ckpt graft`` as the way on.
-
+Refused (InputError, exit 3, nothing written): an input that breaks another rule (``mtp-missing`` names
+``ckpt graft``), or a finding no configuration change repairs (``mtp-quant-config``, each module named).
 Nothing to repair is not an error: ``FixReport.status`` is ``nothing-to-fix`` and no plan is made.
 """
 

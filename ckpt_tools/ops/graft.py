@@ -1,24 +1,15 @@
 """Plans for `ckpt graft SOURCE TARGET`: a converted checkpoint gets its MTP layers back from the release.
 
-Quantizers drop MTP (or keep part of it, or keep it in a form the config misdeclares). The
-original release (SOURCE, or any checkpoint of the family that ships MTP) still has it. OUT is
-TARGET with SOURCE's MTP layers:
-
-- the families match (table detection) and SOURCE's MTP tensors have the names and shapes
-  TARGET's config gives them (rule ``source-mismatch``): hidden size, vocabulary, experts, layers;
-- each MTP tensor is written as SOURCE stores it (byte copies), or ``--mtp-dtype`` casts /
-  dequantizes float values, or ``--mtp-quant SCHEME`` writes the linear weights the family table marks
-  quantizable in that scheme (into a TARGET whose config declares it): ``fp8-block`` through the family
-  table's block FP8, every other scheme through the encoder its table names (model/quant/encode.py);
-  experts follow TARGET's trunk layout (a byte-level restack when SOURCE ships another);
-- every MTP tensor TARGET holds (a mangled MTP) is dropped, the shards holding them rewritten
-  without them; every other shard is copied or linked whole (``add_mtp.mtp_into``, as stitch --mode add);
-- config.json declares SOURCE's MTP count and the quantization config (config.json and
-  hf_quant_config.json) is repaired so each engine loads each MTP module as stored
-  (``output_config.repair_config``: quant.repair, exact entries, fused names included).
+Quantizers drop MTP (or keep part of it, or misdeclare it); the original release still has it. OUT is
+TARGET with SOURCE's MTP layers: the families match and SOURCE's MTP tensors have the names and shapes
+TARGET's config gives them (``source-mismatch``); each MTP tensor is written as SOURCE stores it, or
+cast / dequantized (``--mtp-dtype``), or encoded in TARGET's scheme (``--mtp-quant``); experts follow
+TARGET's trunk layout; MTP tensors TARGET holds are dropped, every other shard copied or linked whole;
+config.json declares SOURCE's MTP count and the quantization config is repaired so each engine loads
+each MTP module as stored.
 
 TARGET's MTP rules (mtp-missing, mtp-quant-config, ...) are what graft repairs, so the gate waives
-them; every other inconsistency of either input is refused as in every verb.
+them; every other inconsistency of either input is refused.
 """
 
 from __future__ import annotations

@@ -1,56 +1,11 @@
 """`ckpt inspect`: what a checkpoint's MTP layers are made of, to the byte.
 
-``inspect_checkpoint(path_or_ckpt, arch=None)`` returns an ``InspectReport``; the CLI
-renders it with rich, ``ckpt demo`` and other commands reuse it. Built on
-``mtp.open_mtp``: reads headers only.
-
-``InspectReport.to_json()`` - the ``ckpt inspect --json`` output - has these stable keys:
-
-- ``path``, ``family``, ``title``, ``table_source`` (``"detected"`` or ``"arch"``),
-  ``norm`` (``plain`` | ``zero_centred``), ``concat_order`` (``embed_first`` | ``hidden_first``),
-  ``dtype`` (the model dtype the table resolved), ``mtp_layers`` (declared count) and
-  ``count_field`` (the config key declaring it, or null);
-- ``quantization``: null (nothing declared), or ``{quant_method, weight_block_size, scale_suffix}`` from
-  config.json plus ``scheme`` (the detected scheme, ``quant.detect_scheme``: table names joined by ``+``),
-  ``schemes`` (``[{scheme, title}]``) and ``declared_in`` (``file:section`` of each place declaring it);
-- ``mtp_quant``: null for an unquantized checkpoint, else the per-MTP-module audit (``quant.audit``,
-  rule ``mtp-quant-config``) as ``quant.report.audit_json`` gives it: ``{scheme, schemes, declared_in,
-  ok, unknown, modules, findings}``; each module ``{module, stored{state, label, scheme, dtype},
-  declared{state, reason, group?, scheme?, entry?}, expert, exempt, fused, ok, problem}`` (``entry``: the
-  exclusion entry that excludes it, ``{where: "file:field", pattern, exact}``, or null);
-- ``totals``: ``{"checkpoint": T, "mtp": T}`` with ``T = {tensors, params, bytes, shards}``;
-  params count every element of every tensor (FP8 scales included), bytes are tensor data
-  bytes (numel x itemsize, headers excluded), shards the number of files involved;
-- ``roles``: role -> ``{tensors, params, bytes, keys}`` for the MTP tensors present, roles in
-  this order when present: embed_norm, hidden_norm, fusion, fusion_embed, fusion_hidden,
-  final_norm, embed, head (per-layer copies), block, experts, fp8_scales;
-- ``layers``: per depth ``{depth, prefix, tensors, params, bytes}``; tensors shared by every
-  depth (``depth: null``) come last when the family has them;
-- ``experts``: per routed-expert group ``{prefix, depth, count, hidden, inter, gated, quant, stored,
-  layout_shipped, layout, tensors, params, bytes}``, all of it what is stored: ``layout`` the layout
-  detected from the keys on disk, ``quant`` true when its stored tensors are quantized (their dtypes and
-  scale companions, ``quant.audit.experts_stored``) and ``stored`` how (``"BF16"``, ``"F8_E4M3 block
-  [128, 128]"``, a scheme table's label; null when none of its tensors is stored);
-  ``layout_shipped`` is only the family table's default layout, no claim about this checkpoint; the
-  sizes count the expert weights, their FP8 scales are under ``fp8_scales``;
-- ``shards``: the files holding MTP tensors, ``{name, mtp_tensors, mtp_bytes, tensors, bytes}``;
-- ``dtypes``: ``{"mtp": D, "checkpoint": D}`` with ``D = {dtype: {tensors, params, bytes}}``;
-- ``fp8``: ``{weights, scales, scale_suffix, block}`` over the MTP tensors;
-- ``tensors``: every MTP tensor present, ``{key, role, depth, dtype, shape, params, bytes, shard}``
-  plus ``scale`` (the companion's key) on FP8 weights;
-- ``status``: ``{complete, missing, misshaped, missing_scales, extra, beyond, optional_absent}``;
-  missing entries are ``{key, role, depth, shape}``, misshaped ``{key, expected, actual}``, the
-  others lists of keys;
-- ``reader`` (``safetensors``, or the draft reader: ``torch``, ``dcp``) and ``reader_notes`` (what it
-  unwrapped or ignored);
-- ``findings``: every problem the consistency gate refuses this checkpoint for (the rules
-  ``ckpt validate`` reports, ``consistency.RULES``: ``mtp-missing``, ``trunk-missing``,
-  ``mtp-quant-config``, ``unindexed-shard`` ...), ``{rule, path, key, message}``; empty when other
-  verbs accept it. inspect itself never refuses a checkpoint it can read and classify;
-- ``notes``: what validate notes without calling it wrong (``copy-absent``, ``optional-absent``,
-  ``mtp-none``), ``{rule, path, key, message}``;
-- ``allowed_invalid``: never present (inspect lets every problem through; ``--allow-invalid`` changes
-  nothing).
+``inspect_checkpoint(path_or_ckpt, arch=None)`` returns an ``InspectReport`` built from the headers
+only (``mtp.open_mtp``): family and table, MTP tensors by role and depth, totals, routed-expert groups
+as stored, shards, dtypes, FP8 scales, the quantization audit per MTP module, and every problem the
+consistency gate would refuse the checkpoint for, as findings: inspect never refuses a checkpoint it
+can read and classify. ``InspectReport.to_json()`` is the ``ckpt inspect --json`` output; its keys are
+in docs/verbs.md, "inspect --json".
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
-"""A table-driven MTP step around the family's own transformers decoder layer (probe's engine).
+"""A table-driven MTP step around the family's own transformers decoder layer.
 
-One MTP depth, as the family table describes it (``mtp`` section) and the serving engines run it:
+One MTP depth, as the family table describes it (``mtp`` section) and the serving engines run it::
 
-    e = embed(token)                      the trunk's embedding (a glue ``embed`` with ``copy_of``
-                                          is a copy of it; one without is the layer's own)
+    e = embed(token)                      the trunk's embedding, or the layer's own
     x = fusion(cat(enorm(e), hnorm(h)))   ``concat_order``: embed_first, or hidden_first
-    x = block_1(x) ... block_n(x)         the family's decoder-layer class built at the MTP index from
-                                          transformers' MTP config (``get_mtp_config``: MtpModel's and
-                                          vLLM's way, so the config decides dense or MoE); failing
-                                          that, a copy of the trunk layer with the same tensors. Loaded
-                                          with the MTP tensors through the main model's own conversions
+    x = block_1(x) ... block_n(x)         the family's decoder-layer class built from transformers' MTP
+                                          config (else a copy of the trunk layer), loaded through the
+                                          main model's own conversions
     x = final_norm(x)                     when the table names one
-    logits = head(x)                      the trunk's head, or the layer's own (no ``copy_of``)
+    logits = head(x)                      the trunk's head, or the layer's own
 
-The norms are copies of the trunk's final norm module (its class, eps and convention); the table's
-``norm`` convention is checked against it (a zero weight leaves a zero-centred norm the identity
-of a plain RMS norm, and a plain one all zeros). Nothing here names a family: a family whose MTP
-block can be built neither way, or whose glue has a role this step has no place for, is refused
-(``probe-family``) with the reason.
-
-The object offers what ``probe.chain_logits`` uses of transformers' ``MtpModel`` (``forward_layer``,
-``_project_to_logits``, ``layers[i].post_norm`` / ``use_post_norm``, ``create_masks_for_mtp_layer``,
-``config``), so both engines are measured by the same code, and tests compare them.
+The norms are copies of the trunk's final norm (its ``norm`` convention checked). Nothing here names a
+family: a block that cannot be built, or a glue role with no place here, is refused (``probe-family``).
+The object offers what transformers' ``MtpModel`` offers ``probe.chain_logits``, so both are measured alike.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """`ckpt probe`: measure that an MTP draft drafts, on the user's prompts, before anyone serves it.
 
-The verifier's trunk is loaded with transformers; its MTP layers are built by our table-driven
-engine (``mtp_engine``: the family table's glue around the family's own transformers decoder layer),
-for every family whose MTP block is made like one of its trunk layers. Where transformers' own
-``MtpModel`` loads the same layers, it is loaded too: the engine's depth-1 logits are checked
-against it on every prompt (``reference``), and it drafts the ``generate(use_mtp=True)`` run whose
-output must equal greedy decoding (``greedy_equal``; null where there is no MtpModel).
+The verifier's trunk is loaded with transformers; its MTP layers are built by the table-driven engine
+(``mtp_engine``). Where transformers' own ``MtpModel`` loads the same layers, the engine's depth-1 logits
+are checked against it (``reference``) and it drafts a ``generate(use_mtp=True)`` run that must equal
+greedy decoding (``greedy_equal``).
 
-For each prompt the verifier generates greedily, then runs ONE teacher-forced forward pass over
-prompt + generation; its last hidden states and logits are shared by every MTP compared (the
-verifier's own, then each ``--draft``).
-
-Depth k is chained as the serving engines chain a draft (``chain_logits``; sources and commits
-there); the sequence is the verifier's own greedy output, so the token fed at each depth is the
-one an accepted draft would have proposed. Each prediction is scored against the verifier's greedy
-token at that position (agreement) and its distribution (KL from the verifier's next-token
-distribution to the draft's).
-
-A draft is mapped onto the verifier's MTP names in memory with stitch's correspondence
-(``plan_stitch``; nothing is written) and loaded into a copy of the MTP module.
+Per prompt the verifier generates greedily, then runs one teacher-forced pass over prompt + generation
+whose hidden states and logits every compared MTP shares (the verifier's own, then each ``--draft``,
+mapped onto the verifier's MTP names in memory with stitch's correspondence). Depth k is chained as the
+serving engines chain a draft (``chain_logits``); each prediction is scored against the verifier's greedy
+token (agreement) and distribution (KL).
 """
 
 from __future__ import annotations
@@ -486,9 +477,32 @@ def _pre_norm(mtp, on: bool) -> Iterator[None]:
         layer.use_post_norm = was
 
 
+@dataclass
+class DepthCounts:
+    """At one depth: the predictions that agree with the verifier's greedy token, the positions scored and the
+    KL summed over them; one prompt's, or added up over prompts."""
+
+    agree: int = 0
+    positions: int = 0
+    kl: float = 0.0
+
+    def add(self, other: DepthCounts) -> None:
+        self.agree += other.agree
+        self.positions += other.positions
+        self.kl += other.kl
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / self.positions if self.positions else 0.0
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / self.positions if self.positions else 0.0
+
+
 def score(mtp, seq: torch.Tensor, prompt_len: int, logits: torch.Tensor, hidden: torch.Tensor, depth: int,
-          chain: str = "sglang") -> list[tuple[int, int, float]]:
-    """Per depth: (agreeing positions, positions, summed KL) over the generated tokens."""
+          chain: str = "sglang") -> list[DepthCounts]:
+    """Per depth, the counts over the generated tokens."""
     drafts = chain_logits(mtp, seq, hidden, depth, chain)
     length = seq.shape[1]
     out = []
@@ -496,14 +510,14 @@ def score(mtp, seq: torch.Tensor, prompt_len: int, logits: torch.Tensor, hidden:
         first = max(prompt_len - k - 1, 0)  # seq[t + k + 1] generated, not prompt
         last = length - k - 1  # exclusive: seq[t + k + 1] must exist
         if k > len(drafts) or last <= first:
-            out.append((0, 0, 0.0))
+            out.append(DepthCounts())
             continue
         d = drafts[k - 1][first:last]
         v = logits[0, first + k:last + k]
         agree = int((d.argmax(-1) == v.argmax(-1)).sum())
         lv, ld = v.log_softmax(-1), d.log_softmax(-1)
         kl = float((lv.exp() * (lv - ld)).sum(-1).sum())
-        out.append((agree, last - first, kl))
+        out.append(DepthCounts(agree, last - first, kl))
     return out
 
 
@@ -552,7 +566,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     reference = {"implementation": REFERENCE, "max_abs_diff": 0.0} if loaded.reference is not None else {
         "skipped": loaded.reference_note}
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
-    sums = [[[0, 0, 0.0] for _ in range(req.depth)] for _ in models]
+    totals = [[DepthCounts() for _ in range(req.depth)] for _ in models]  # per MTP, per depth, over prompts
     mismatch: list[dict | None] = [None for _ in models]
     per_prompt: list[list[dict]] = [[] for _ in models]
     if progress is not None:
@@ -570,13 +584,10 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
                 if drafter.reference is not None:
                     diff = reference_difference(drafter, greedy, hidden, req.dtype, req.verifier)
                     reference["max_abs_diff"] = max(reference["max_abs_diff"], diff)
-                for k, (agree, n, kl) in enumerate(scores):
-                    sums[m][k][0] += agree
-                    sums[m][k][1] += n
-                    sums[m][k][2] += kl
-                per_prompt[m].append({"kl": [kl / n if n else 0.0 for _, n, kl in scores],
-                                      "agreement": [a / n if n else 0.0 for a, n, _ in scores],
-                                      "positions": scores[0][1], "tokens_sha256": digest})
+                for total, counts in zip(totals[m], scores, strict=True):
+                    total.add(counts)
+                per_prompt[m].append({"kl": [c.mean_kl for c in scores], "agreement": [c.agreement for c in scores],
+                                      "positions": scores[0].positions, "tokens_sha256": digest})
                 if mismatch[m] is None and drafter.reference is not None:
                     with mtp_for_generate(drafter.reference):
                         spec = main.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False, use_mtp=True)
@@ -586,10 +597,9 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
             if progress is not None:
                 progress(i + 1, len(prompts))
     results = []
-    for drafter, per_depth, miss, rows in zip(models, sums, mismatch, per_prompt, strict=True):
+    for drafter, per_depth, miss, rows in zip(models, totals, mismatch, per_prompt, strict=True):
         results.append(DraftResult(
-            drafter.name, [a / n if n else 0.0 for a, n, _ in per_depth],
-            [kl / n if n else 0.0 for _, n, kl in per_depth], per_depth[0][1],
+            drafter.name, [c.agreement for c in per_depth], [c.mean_kl for c in per_depth], per_depth[0].positions,
             None if drafter.reference is None else miss is None, miss, rows))
     import transformers
 

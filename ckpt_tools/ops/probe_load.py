@@ -1,24 +1,14 @@
 """Loading probe's verifier so that every stored tensor is used as stored, or refusing.
 
-transformers skips a quantization config it has no quantizer for (ModelOpt's ``quant_method:
-modelopt`` in 5.24: "Unknown quantization type ... we will skip the quantization") and then loads
-FP8 codes as if they were values, dropping every ``weight_scale`` as an unexpected key; its
-``MtpModel.from_pretrained`` never applies a quantizer at all and ignores unexpected keys. A
-measurement of such a model is a number from a model that is not the checkpoint. So:
-
-- the trunk loads through transformers only when its config declares no quantization (and no
-  tensor is stored quantized), or declares one transformers builds a quantizer for; its loading
-  info must show no missing, unexpected (other than the MTP keys, loaded below), mismatched or
-  unconverted keys;
-- otherwise (and for the MTP layers always) the stored tensors go through ``probe_state.float_state``:
-  float tensors as stored, quantized modules dequantized by our scheme decoders, into a model built
-  from the config without its quantization config; the same loading-info checks apply;
-- anything else is refused (exit 3, rule ``probe-load``) naming the cause and the first keys.
-
-Which tensors are the MTP layers is the family table's answer (``open_mtp``), not transformers' key
-patterns: the MTP is built by our table-driven engine (``mtp_engine``). Where transformers' own
-``MtpModel`` can load the same tensors it is loaded too, as the reference the engine is checked
-against and the drafter of ``generate(use_mtp=True)``.
+transformers skips a quantization config it has no quantizer for and then loads FP8 codes as values,
+dropping their scales; ``MtpModel.from_pretrained`` applies no quantizer at all. A measurement of such a
+model is not the checkpoint's. So the trunk loads through transformers only when nothing is quantized or
+transformers builds the declared quantizer, and its loading info must show no missing, unexpected,
+mismatched or unconverted key; otherwise (and for the MTP layers always) the stored tensors go through
+``probe_state.float_state`` (floats as stored, quantized modules decoded by our scheme decoders) into a
+model built without its quantization config, under the same checks. Anything else is refused (exit 3,
+``probe-load``) naming the cause and the first keys. Which tensors are the MTP layers is the family
+table's answer (``open_mtp``).
 """
 
 from __future__ import annotations

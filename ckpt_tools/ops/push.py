@@ -237,16 +237,28 @@ class _Unvalidated:
     ok: bool = False
 
 
-def plan_push(req: PushRequest) -> PushPlan:
-    folder = req.folder
-    if not folder.is_dir():
-        raise InputError("no such directory", path=str(folder))
+@dataclass
+class _Card:
+    """The model card the push writes (``data`` None: the folder's own is kept) and what it was built from."""
+
+    data: bytes | None
+    action: str  # generated | kept | overwritten
+    facts: object
+    evidence: object | None  # the probe report the card cites
+
+
+def _check_request(req: PushRequest) -> None:
+    if not req.folder.is_dir():
+        raise InputError("no such directory", path=str(req.folder))
     if req.card not in ("keep", "overwrite"):
         raise UsageError(f"--card {req.card!r}: expected keep or overwrite")
-    _refuse_if_being_written(folder)
+    _refuse_if_being_written(req.folder)
 
+
+def _validation(req: PushRequest) -> object:
+    """``ckpt validate`` on the folder; its problems refuse the push unless allowed (--allow-invalid, --force)."""
     try:
-        validation = run_validation(folder)
+        validation = run_validation(req.folder)
     except CkptError as e:  # not a checkpoint at all: still pushable with --force, and said so on the card
         if not req.force:
             raise
@@ -257,88 +269,129 @@ def plan_push(req: PushRequest) -> PushPlan:
         more = f"\n  ... and {len(blocking) - 10} more" if len(blocking) > 10 else ""
         raise InputError(f"ckpt validate found {len(blocking)} problem(s); refusing to push (--allow-invalid "
                          f"RULE or --force pushes anyway, and the card lists the problems):\n  {shown}{more}",
-                         rule="invalid-checkpoint", path=str(folder))
+                         rule="invalid-checkpoint", path=str(req.folder))
+    return validation
 
-    files = local_files(folder)
-    manifest = read_json(folder / MANIFEST_NAME)
-    remote_files = _remote_files(manifest)
-    if remote_files:
-        req = _base_for_remote_files(req, remote_files)
+
+def _card(req: PushRequest, files: dict[str, Path], manifest: dict | None, validation: object) -> _Card:
+    """The card to write; ``files`` gains the probe report and plot from elsewhere and loses a replaced card."""
+    folder = req.folder
     stitch_report = read_json(folder / STITCH_REPORT)
     evidence, outside = probe_evidence.find(folder, req.probe_report, req.probe_plot)
     files.update(outside)  # a report and plot from elsewhere travel with the checkpoint
-    card: bytes | None = None
     facts = gather(req.repo_id, folder, manifest=manifest, stitch_report=stitch_report, validation=validation,
                    base=req.base.repo_id if req.base else None, probe=evidence)
     facts.vllm_method = req.vllm_method
     if CARD_NAME in files and req.card == "keep":
-        card_action = "kept"
-    else:
-        card_action = "overwritten" if CARD_NAME in files else "generated"
-        card = render(facts).encode()
-        files.pop(CARD_NAME, None)
+        return _Card(None, "kept", facts, evidence)
+    action = "overwritten" if CARD_NAME in files else "generated"
+    files.pop(CARD_NAME, None)
+    return _Card(render(facts).encode(), action, facts, evidence)
 
-    api = get_api()
-    exists, private, branch_exists, head, remote = _target_state(api, req)
-    base_commit = None
-    base_by_size: dict[int, list] = {}
-    same_repo = req.base is not None and req.base.repo_id == req.repo_id
-    if req.base is not None:
-        base = req.base
-        # The base is an input: its failures are input errors (exit 3), like any hf:// source.
-        binfo = call(lambda: api.model_info(base.repo_id, revision=base.revision), ref=base,
-                     what=f"looking up the base {base}")
-        base_commit = binfo.sha
-        for e in _tree(api, base, base_commit, f"listing the base {base}", False).values():
-            if e.lfs is not None and (same_repo or e.xet_hash):
-                base_by_size.setdefault(e.size, []).append(e)
 
-    ops: list[Op] = []
-    notes: list[str] = []
+def _base_files(api, req: PushRequest) -> tuple[str | None, dict[int, list]]:
+    """(commit, LFS files by size) of --base: the files a server-side copy can publish."""
+    base = req.base
+    if base is None:
+        return None, {}
+    same_repo = base.repo_id == req.repo_id
+    # The base is an input: its failures are input errors (exit 3), like any hf:// source.
+    binfo = call(lambda: api.model_info(base.repo_id, revision=base.revision), ref=base,
+                 what=f"looking up the base {base}")
+    by_size: dict[int, list] = {}
+    for e in _tree(api, base, binfo.sha, f"listing the base {base}", False).values():
+        if e.lfs is not None and (same_repo or e.xet_hash):
+            by_size.setdefault(e.size, []).append(e)
+    return binfo.sha, by_size
+
+
+def _file_ops(files: dict[str, Path], remote: dict, base_by_size: dict[int, list]) -> list[Op]:
+    """Per local file: unchanged on the target, a server-side copy of a base file, or an upload."""
     # Identity is proven by sha256; hash (in parallel) only files whose size matches a remote or base file.
     need = [p for n, p in files.items() if (n in remote and remote[n].lfs is not None and
                                             remote[n].size == p.stat().st_size) or p.stat().st_size in base_by_size]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         hashes: dict[Path, str] = dict(zip(need, pool.map(sha256_file, need), strict=True))
+    ops: list[Op] = []
     for path, local in files.items():
         size = local.stat().st_size
         r = remote.get(path)
         if r is not None and _same_content(local, r, hashes):
             ops.append(Op("unchanged", path, size, local))
             continue
-        candidates = base_by_size.get(size, [])
-        if candidates:
-            if local not in hashes:
-                hashes[local] = sha256_file(local)
-            match = [e for e in candidates if e.lfs.sha256 == hashes[local]]
-            if match:
-                src = next((e for e in match if e.path == path), match[0])
-                ops.append(Op("copy", path, size, local, src=src.path))
-                continue
-        ops.append(Op("add", path, size, local))
+        src = _base_copy(local, path, base_by_size.get(size, []), hashes)
+        ops.append(Op("copy", path, size, local, src=src) if src else Op("add", path, size, local))
+    return ops
+
+
+def _base_copy(local: Path, path: str, candidates: list, hashes: dict[Path, str]) -> str | None:
+    """The base file (same path preferred) whose LFS sha256 is ``local``'s, or None."""
+    if not candidates:
+        return None
+    if local not in hashes:
+        hashes[local] = sha256_file(local)
+    match = [e for e in candidates if e.lfs.sha256 == hashes[local]]
+    if not match:
+        return None
+    return next((e for e in match if e.path == path), match[0]).path
+
+
+def _remote_file_ops(req: PushRequest, remote_files: dict[str, tuple[HubRef, str]], remote: dict,
+                     base_by_size: dict[int, list]) -> list[Op]:
+    """Shards a stitch left on the Hub: only a server-side copy from the base can publish them."""
+    ops: list[Op] = []
     for path, (ref, src) in sorted(remote_files.items()):
-        # a shard the stitch left on the Hub: only a server-side copy can publish it
         entry = next((e for es in base_by_size.values() for e in es if e.path == src), None)
         if entry is None:
             raise InputError(f"{path} was left on the Hub in {ref} but the base has no LFS file {src}",
-                             rule="remote-file", path=str(folder))
+                             rule="remote-file", path=str(req.folder))
         r = remote.get(path)
         same = r is not None and r.lfs is not None and r.lfs.sha256 == entry.lfs.sha256
         ops.append(Op("unchanged" if same else "copy", path, entry.size, None, src=src))
-    if card is not None:
-        r = remote.get(CARD_NAME)
-        same = r is not None and r.lfs is None and r.blob_id == _git_blob_sha1_bytes(card)
-        ops.append(Op("unchanged" if same else "add", CARD_NAME, len(card)))
-    for path in sorted(remote):
-        if path not in files and path != CARD_NAME and _STALE_RE.fullmatch(path):
-            ops.append(Op("delete", path, remote[path].size))
-    if evidence is not None and card_action == "kept":
+    return ops
+
+
+def _card_op(card: bytes, remote: dict) -> Op:
+    r = remote.get(CARD_NAME)
+    same = r is not None and r.lfs is None and r.blob_id == _git_blob_sha1_bytes(card)
+    return Op("unchanged" if same else "add", CARD_NAME, len(card))
+
+
+def _stale_deletes(files: dict[str, Path], remote: dict) -> list[Op]:
+    """The target's checkpoint files the folder no longer has: deleted so two shardings never mix."""
+    return [Op("delete", path, remote[path].size) for path in sorted(remote)
+            if path not in files and path != CARD_NAME and _STALE_RE.fullmatch(path)]
+
+
+def _notes(req: PushRequest, card: _Card, exists: bool, private: bool | None) -> list[str]:
+    notes: list[str] = []
+    if card.evidence is not None and card.action == "kept":
         notes.append(f"the folder's {CARD_NAME} is kept, so the probe report's numbers are not in the card "
                      "(--card overwrite writes them)")
     if exists and req.private and private is False:
         notes.append(f"{req.repo_id} exists and is public: --private only applies when the repository is created")
-    return PushPlan(req, ops, card, card_action, exists, private, branch_exists, head, base_commit, validation,
-                    facts, notes)
+    return notes
+
+
+def plan_push(req: PushRequest) -> PushPlan:
+    _check_request(req)
+    validation = _validation(req)
+    files = local_files(req.folder)
+    manifest = read_json(req.folder / MANIFEST_NAME)
+    remote_files = _remote_files(manifest)
+    if remote_files:
+        req = _base_for_remote_files(req, remote_files)
+    card = _card(req, files, manifest, validation)
+
+    api = get_api()
+    exists, private, branch_exists, head, remote = _target_state(api, req)
+    base_commit, base_by_size = _base_files(api, req)
+    ops = _file_ops(files, remote, base_by_size) + _remote_file_ops(req, remote_files, remote, base_by_size)
+    if card.data is not None:
+        ops.append(_card_op(card.data, remote))
+    ops += _stale_deletes(files, remote)
+    return PushPlan(req, ops, card.data, card.action, exists, private, branch_exists, head, base_commit, validation,
+                    card.facts, _notes(req, card, exists, private))
 
 
 # ---------------------------------------------------------------------------

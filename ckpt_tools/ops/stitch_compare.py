@@ -1,20 +1,12 @@
 """Stitch's comparison: every candidate tensor against the verifier's, one ``Decision`` per key.
 
-The planner (ops/stitch_plan.py) builds what it would write for each verifier MTP key from the draft
-(``Candidates``); ``decide`` compares each candidate with the verifier's tensor before anything is
-written, one pass each, and says what to do with it:
-
-- ``identical``: the same bytes, or (an FP8 verifier weight) the draft's values are its dequantized
-  values: the verifier's own bytes are written, so an untouched round trip reproduces its files;
-- ``replace``: the draft's tensor goes in (cast to the verifier's dtype, or as the request stores it);
-- ``requantize``: block FP8 re-quantized from the draft's values (the weight and its scale);
-- ``add``: the verifier has no such tensor; ``remove``: the output leaves the verifier's tensor out.
-
-Values are compared, not storage: an FP8 verifier weight is dequantized (numpy, ``fp8_decode``) in
-the draft's precision and compared with the draft's values as they were before re-quantization; its
-block scale follows the weight. NaN / Inf in what would be written is an error. ``judge`` then
-refuses a replaced tensor that diverges beyond what finetuning does (``DIVERGENCE``) unless
-``--accept-divergent``.
+``decide`` compares each candidate (what the draft would write for a verifier MTP key) with the
+verifier's tensor before anything is written, and says what to do: ``identical`` (same bytes, or an
+FP8 verifier weight whose dequantized values are the draft's: the verifier's bytes are written, so an
+untouched round trip reproduces its files), ``replace``, ``requantize`` (block FP8 from the draft's
+values), ``add`` or ``remove``. Values are compared, not storage: an FP8 verifier weight is dequantized
+in the draft's precision. NaN / Inf in what would be written is an error; ``judge`` refuses a replaced
+tensor that diverges beyond what finetuning does (``DIVERGENCE``) unless ``--accept-divergent``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
-"""The stitch plan: a (finetuned) draft back into its verifier, exactly. Two verbs use it: ``ckpt stitch``
-(``api.writing.stitch`` writes the plan) and ``ckpt probe`` (loads the stitched MTP tensors in memory).
+"""The stitch plan: a (finetuned) draft back into its verifier, exactly.
 
-The draft's format gives the same correspondence extract used, run backwards: each
-verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer index,
-expert layout and dtype. Before anything is written the draft has to pass a gate:
+The draft's format gives the correspondence extract used, run backwards: each verifier MTP tensor is
+rebuilt from the draft in the verifier's own name, layer index, expert layout and dtype. Before
+anything is written the draft must prove its family (``provenance.prove_family``), follow the dtype
+policy (``_Builder``: floats replace floats, FP8 weights keep the verifier's FP8 format and scales,
+integer / bool / complex tensors are refused) and pass the comparison (``stitch_compare.decide``,
+``stitch_compare.judge``).
 
-- it proves it belongs to the verifier's family (``provenance.prove_family``);
-- its dtypes follow the policy in ``_Builder`` (floats replace floats, FP8 weights keep the
-  verifier's FP8 format and scales, integer / bool / complex tensors are refused);
-- every candidate is compared with the verifier's tensor (``stitch_compare.decide``, one
-  ``Decision`` per key): byte- or value-identical ones are copied from the verifier (so an
-  untouched round trip reproduces the verifier's files), NaN / Inf is an error, and a replaced
-  tensor that diverges beyond what finetuning does (``DIVERGENCE``) stops the stitch unless
-  ``--accept-divergent`` (``stitch_compare.judge``).
-
-Replace mode rewrites only the shards that hold changed tensors (keeping their names
-and tensor order); every other file is copied or linked. Add mode puts the MTP tensors
-into new shards next to a verifier that has none, and updates index and config.
+Replace mode rewrites only the shards holding changed tensors (names and tensor order kept); every
+other file is copied or linked. Add mode puts the MTP tensors into new shards next to a verifier that
+has none, and updates index and config.
 """
 
 from __future__ import annotations

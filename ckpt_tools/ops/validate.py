@@ -1,56 +1,14 @@
 """`ckpt validate`: every problem a checkpoint has, each with its rule, file and key.
 
 The checks are the consistency gate's own: validate runs every check of the one rule set
-(``model.rules.RULE_SET``), the gate the ones that refuse, so what validate calls valid no verb
-refuses for the same reason (except a verb needing a whole model, e.g. stitch's verifier, given an
-MTP draft: see the ``draft`` note). Three groups of checks run, and none stops at the first problem:
+(``model.rules.RULE_SET``), the gate the ones that refuse, so what validate calls valid no verb refuses
+for the same reason (but a verb needing a whole model given an MTP draft: the ``draft`` note). Nothing
+stops at the first problem: the safetensors format of every shard (the strict reader's rules), the index
+against the files, then config against tensors and a complete trunk (docs/integrity.md lists every
+rule). Notes (``copy-absent``, ``optional-absent``, ``draft``) are not problems: ``ok`` stays true.
 
-1. **Format** - every shard obeys the safetensors rules enforced by the strict reader
-   (``safetensors_io``): ``header-length``, ``header-too-large``, ``header-json``,
-   ``header-not-object``, ``duplicate-key``, ``metadata-not-string``, ``tensor-entry``,
-   ``unknown-dtype``, ``bad-shape``, ``bad-offsets``, ``misaligned``, ``size-mismatch``,
-   ``overlap``, ``offsets-not-contiguous``, ``past-end``, ``trailing-bytes``; a shard that
-   cannot be opened is ``unreadable-shard``. ``metadata-format``: a ``__metadata__`` whose
-   ``format`` is not pt/tf/flax/mlx (transformers 4.x ``load_state_dict`` refuses such a
-   file; 5.x no longer looks); a file without ``__metadata__`` is fine.
-2. **Index and files** - ``index-json`` (unparsable index), ``index-metadata`` (no
-   ``metadata`` object: transformers reads ``index["metadata"]``), ``total-size``
-   (``metadata.total_size`` differs from the sum of tensor bytes), ``shard-path`` (a shard
-   name that is absolute, has ``..`` or links outside the checkpoint; the Hugging Face
-   cache layout is allowed), ``missing-shard``, ``index-key-missing`` (the index maps a
-   key to a shard that does not hold it), ``unindexed-key`` (a shard holds a key the index
-   does not map to it), ``duplicate-tensor`` (a key held by two files - two indexed
-   shards, or an indexed shard and a stale ``.safetensors`` file beside it),
-   ``no-index`` (several ``.safetensors`` files and no index), ``single-file-shadows-index``
-   (``model.safetensors`` next to an index that references other files: transformers
-   loads the lone file and ignores the index).
-3. **Config vs tensors** (needs config.json and a table): ``config-json``, ``no-config``,
-   ``unknown-family``, ``ambiguous-family``, ``config-field`` - reported once, when the
-   config cannot be read or matched; then ``mtp-missing`` and ``mtp-misshaped`` (the config
-   declares MTP layers: every tensor of every depth, every expert, must be present with
-   its shape), ``mtp-beyond`` (MTP tensors past the declared count, e.g. count 0 with MTP
-   weights present), ``mtp-extra`` (unexpected tensors inside the MTP namespace),
-   ``fp8-scale-missing`` / ``fp8-scale-shape`` (every F8 weight needs its
-   ``weight_scale_inv`` of shape ``[.., ceil(rows/b0), ceil(cols/b1)]``, the block from
-   ``quantization_config.weight_block_size``, else the table, else 128x128),
-   ``quant-config`` (FP8 tensors present <=> ``quantization_config.quant_method: fp8``;
-   other FP8-capable methods such as compressed-tensors use their own scale names and are
-   accepted as they are), ``tied-head`` (``tie_word_embeddings`` ties the head while the
-   checkpoint ships the head tensor the table drops when tied), ``stored-dtype`` (a tensor whose
-   dtype the release fixes, table ``dtype_fixed``, stored in another; model/stored_dtype.py).
-
-   Then ``trunk-missing`` / ``trunk-misshaped``: the embedding, final norm, head (unless tied) and
-   every decoder layer the table requires. Only an MTP draft is exempt: its manifest says
-   ``kind: mtp-draft``, or it holds no tensor of the main model at all. A checkpoint holding the
-   embedding, norm or head but no decoder layer is a trunk without its layers, not a draft.
-
-Notes are not problems (``ok`` stays true): ``copy-absent`` / ``optional-absent``, an optional
-MTP tensor the checkpoint leaves out - a per-layer embed / head copy whose engines take the
-trunk's tensor (``consistency.absent_notes``); ``draft``, the trunk rules were not applied because
-the checkpoint is an MTP draft.
-
-Public API: ``validate(path_or_checkpoint, arch=None) -> ValidationReport``. ``validate``
-raises ``InputError`` (exit 3) only when the path is not a checkpoint at all.
+``validate(path_or_checkpoint, arch=None) -> ValidationReport`` raises ``InputError`` (exit 3) only when
+the path is not a checkpoint at all.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Input fingerprints: what each input of a plan was when it was planned.
 
-A fingerprint proves identity without reading tensor data the plan does not read:
+A fingerprint proves identity without reading tensor data the plan does not read: ``root`` (the
+absolute path, or ``hf://org/repo@commit``); ``files`` (per shard its size, mtime, the sha256 of its
+header bytes, the Hub's LFS sha256); ``side_files`` (sha256 of config.json, index, manifest);
+``other_files`` (size and mtime of the non-weight files); ``tensors`` (drafts only: the count and
+combined BLAKE3 of the tensors the plan takes, computed when the plan is written, never for a dry run).
 
-* ``root``: the checkpoint's absolute path, or ``hf://org/repo@commit``;
-* ``files``: per shard its size, its mtime (local files), the sha256 of its header bytes
-  as read, and for Hub files the LFS sha256 the Hub reports;
-* ``side_files``: the sha256 of config.json, the index and the manifest as read;
-* ``other_files``: size and mtime of the non-weight files an output may carry (stat only);
-* ``tensors`` (drafts only): the number and combined BLAKE3 digest of the tensors the plan takes
-  from it - read anyway to be compared, so proving them costs no extra seek. Computed when the plan
-  is written (``Plan.settle_fingerprints``), never for a dry run.
-
-``record_inputs`` puts them in ``Plan.fingerprints`` (the writer's resume record and the
-manifest carry them; ``--resume`` refuses when any differs) and describes the shards an output
-copies whole from an input: their header, and the digest the input's own manifest holds for them.
+``record_inputs`` puts them in ``Plan.fingerprints`` (``--resume`` refuses when any differs) and
+describes the shards an output copies whole: their header, and the digest the input's manifest holds.
 """
 
 from __future__ import annotations

@@ -187,14 +187,27 @@ def finished_files(out: Path) -> list[str]:
 
 
 def previous_record(out: Path) -> dict | None:
-    """What the interrupted run was doing: its resume record, else the manifest of a finished run."""
-    for name in (RESUME_NAME, MANIFEST_NAME):
+    """What the interrupted run in ``out`` was doing (``read_record`` over the local files)."""
+    def read(name: str) -> bytes | None:
         p = out / name
         if not p.is_file() or p.is_symlink():
-            continue
+            return None
         try:
-            record = json.loads(p.read_bytes())
-        except (OSError, ValueError, RecursionError):
+            return p.read_bytes()
+        except OSError:
+            return None
+
+    return read_record(read)
+
+
+def read_record(read: Callable[[str], bytes | None]) -> dict | None:
+    """What an interrupted run was doing: its resume record, else the manifest of a finished run; ``read(name)``
+    gives an output file's bytes (None: not there). A file that is not a record is no record."""
+    for name in (RESUME_NAME, MANIFEST_NAME):
+        raw = read(name)
+        try:
+            record = json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and isinstance(record.get("plan"), dict):
             return record

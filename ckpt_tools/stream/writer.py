@@ -1,27 +1,16 @@
 """The one streaming writer: executes any plan, shard by shard, atomically.
 
-Per output shard: write the header, stream each recipe's bytes (kernel copies for
-byte ranges, chunks for computed tensors), fsync, rename from a hidden temporary
-name. Non-tensor files follow, then the manifest, then the caller's check (``ckpt
-validate`` on the output as it will be), and the completion marker last
-(``model.safetensors.index.json``, or the lone ``model.safetensors``): a crash or a
-failed check leaves no marker, so an incomplete output is obviously incomplete.
+Per output shard: write the header, stream each recipe's bytes (kernel copies for byte ranges, chunks
+for computed tensors), fsync, rename from a hidden temporary name. Non-tensor files follow, then the
+manifest, then the caller's check, and the completion marker last (``model.safetensors.index.json``,
+or the lone ``model.safetensors``): a crash or a failed check leaves no marker.
 
-Before the first shard a resume record (``.ckpt-resume.json``: the plan's digest and
-its input fingerprints) is written; ``--resume`` continues only a run whose record
-equals the new plan's, so a finished shard of another job is never reused. The lock, the
-checks on ``-o``, the record and the resume rule are ``output_dir``'s.
-
-The manifest accounts for every tensor of the output: a digest (BLAKE3, see ``digest``) per
-tensor written, and the whole-file digest of each shard copied or linked as it is - all hashed from the
-bytes that landed in the output, on hasher threads beside the copies, but for a shard whose input's own
-manifest provably describes it (``known_digests``: its digest is taken over). ``manifest`` builds it
-and the index from what landed; this module writes them.
-
-Memory stays bounded by one computed chunk; copied bytes never enter Python.
-
-An object-store output (``-o s3://bucket/prefix``) runs this same writer with its storage steps
-(lock, uploads, copies, removals, the check's view of the output) replaced: ``targets.object_store``.
+A resume record (the plan's digest and its input fingerprints) is written before the first shard;
+``--resume`` continues only a run whose record equals the new plan's (``output_dir``). The manifest holds
+a BLAKE3 digest per tensor written and the whole-file digest of each shard copied or linked, hashed from
+the bytes that landed, on hasher threads beside the copies (or taken over from an input's manifest that
+provably describes the shard, ``known_digests``). Memory stays bounded by one computed chunk; copied
+bytes never enter Python. An object-store output replaces the storage steps (``targets.object_store``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """Tiny quantized checkpoints made from the BF16 fixtures, stored as the real quantizers store them.
 
-``make_quantized_checkpoint(family, out, QuantOptions(scheme=...))`` writes the family's BF16
-fixture (``make_checkpoint``, experts per expert as quantizers save them), then quantizes its
-Linear weights with the scheme's producer (``quantizers``: compressed-tensors' own compressors,
-ModelOpt's layout, DeepSeek's block FP8) and writes the quantization config the tool writes.
+``make_quantized_checkpoint(family, out, QuantOptions(scheme=...))`` writes the family's BF16 fixture,
+quantizes its Linear weights with the scheme's producer (``quantizers``) and writes the quantization
+config the tool writes. Quantized, as real recipes do: every Linear weight of trunk and MTP except the
+LM head and its copies, routers, vision towers, modules whose width the scheme's group does not divide,
+and what the scheme keeps in BF16; routers and skipped modules are excluded the way each tool writes it.
 
-Which modules are quantized, as real recipes do: every Linear weight of the trunk and MTP
-(attention, dense and shared MLPs, routed experts, the MTP fusion), except the LM head and its
-per-layer copies, routers, vision towers, modules whose input width the scheme's group does not
-divide, and whatever the scheme keeps in BF16 (``Scheme.keep_bf16``; the block-FP8 scheme
-follows the table's ``quant`` flags instead). Routers and skipped modules appear in the
-exclusion list the way each tool writes it.
-
-How MTP is stored (``QuantOptions.mtp``) and how the config declares it (``mtp_exclude``) build
-the failure modes seen in public trackers:
-
-- ``mtp="dropped"``: the quantizer lost MTP; ``mtp_count="kept"`` leaves the config declaring
-  it (also: a config that declares MTP with no MTP weights), ``"zero"`` sets the count to 0;
-- ``mtp="bf16"`` with ``mtp_exclude="blocks"`` (only the MTP layer prefix: ModelOpt's
-  ``mtp.layers.0*``, which misses ``mtp.fc``) or ``"no-fusion"`` (every MTP module but the
-  fusion ``eh_proj`` / ``fc``): part of a BF16 MTP is not excluded;
-- ``mtp_exclude="fused"``: entries use the engines' fused names (``qkv_proj``,
-  ``gate_up_proj``, ``...experts``) where the checkpoint has the unfused ones;
-  ``"partial"``: only the first shard of a fused group (``q_proj`` without ``k_proj`` / ``v_proj``);
-- ``mtp="quantized"`` with an exclusion (``"exact"`` / ``"pattern"``): stored quantized, excluded;
-- ``drop_keys``: remove tensors after quantization (fnmatch patterns), e.g. a missing scale.
-
-Defaults per mode: quantized MTP is not excluded, BF16 MTP is excluded by exact module names
-(what compressed-tensors' ``QuantizationConfig.from_pretrained`` writes), dropped MTP is not
-mentioned.
+``QuantOptions`` builds the failure modes seen in public trackers: MTP dropped (the config still
+declaring it, or its count 0), stored BF16 but only partly excluded (``mtp_exclude="blocks"``,
+``"no-fusion"``), excluded under the engines' fused names or only a fused group's first shard, stored
+quantized but excluded, tensors removed after quantization (``drop_keys``). Defaults: quantized MTP not
+excluded, BF16 MTP excluded by exact names, dropped MTP not mentioned.
 """
 
 from __future__ import annotations

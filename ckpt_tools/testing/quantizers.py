@@ -1,26 +1,13 @@
 """Quantize tiny fixture weights the way real tools store them.
 
-Each producer takes ``{module name: BF16 weight [out, in]}`` (the modules to quantize) and
-returns the tensors the tool writes for them, keyed by full checkpoint name. Where a library
-exists its own code does the work:
-
-- compressed-tensors (the library vLLM loads with): modules are built as ``nn.Linear``, the
-  scheme is attached with ``apply_quantization_config``, weight observers are the memoryless
-  min-max ones llm-compressor uses (``calculate_qparams`` / ``generate_gparam``), and
-  ``ModelCompressor.from_pretrained_model(...).compress_model`` compresses, as llm-compressor's
-  save does. ``ModelCompressor.update_config`` then writes ``quantization_config`` itself.
-- ModelOpt NVFP4 is compressed-tensors NVFP4 renamed by the inverse of compressed-tensors'
-  own ``ModelOptNvfp4Converter`` (``weight_packed`` -> ``weight``, ``weight_global_scale`` ->
-  ``weight_scale_2 = 1 / global``, ``input_global_scale`` -> ``input_scale = 1 / global``);
-  ModelOpt writes its per-tensor scales as 0-d F32 (``amax / 2688`` for NVFP4,
-  ``amax / 448`` for FP8).
-- DeepSeek-style block FP8 with UE8M0 scales (V3.1 / V3.2: F32 ``weight_scale_inv`` whose
-  values are powers of two, ``scale_fmt: ue8m0``) and the V4 release layout (F8_E4M3 with
-  F8_E8M0 128x128 ``.scale``; routed experts FP4 e2m1 packed two per byte in I8, low
-  nibble first, with per-32 F8_E8M0 ``.scale``) have no quantizer library; the FP4 codes and
-  MX exponents come from compressed-tensors' MXFP4 compressor, which is the same OCP MX math.
-
-Imports of compressed-tensors are lazy: the core install does not need it.
+Each producer takes ``{module name: BF16 weight [out, in]}`` and returns the tensors the tool writes,
+keyed by full checkpoint name. Where a library exists its own code does the work: compressed-tensors
+(``apply_quantization_config``, llm-compressor's min-max observers, ``ModelCompressor`` compresses and
+writes ``quantization_config``); ModelOpt NVFP4 is compressed-tensors NVFP4 renamed by the inverse of
+``ModelOptNvfp4Converter``, with 0-d F32 per-tensor scales. DeepSeek block FP8 with UE8M0 scales
+(V3.1 / V3.2) and the V4 layout (F8_E8M0 128x128 ``.scale``; experts FP4 e2m1 in I8 with per-32 scales)
+have no quantizer library: their FP4 codes and MX exponents come from compressed-tensors' MXFP4
+compressor (the same OCP MX math). compressed-tensors is imported lazily.
 """
 
 from __future__ import annotations

@@ -163,12 +163,15 @@ class Deferred:
 
 
 class TensorFile:
-    """One input file (or DCP folder) as a read-only ByteSource: its tensors' bytes end to end.
+    """Tensors' bytes laid end to end as one read-only ByteSource: an input file (or DCP folder) of a draft
+    reader, or tensors that exist only as recipes (``numeric.init_values.InitSource``).
 
-    Like ``init_values.InitSource``: offsets are virtual, so there is no file descriptor to copy from.
+    Offsets are virtual, so there is no file descriptor to copy from. ``files`` are the local files the parts
+    read (closed with it), ``cache`` the loaded tensors they share (cleared with it).
     """
 
-    def __init__(self, name: str, parts: list[Part], files: list[LocalFile], cache: TensorCache) -> None:
+    def __init__(self, name: str, parts: list[Part], files: list[LocalFile] | None = None,
+                 cache: TensorCache | None = None) -> None:
         self.name = name
         self.parts = parts
         self.starts: list[int] = []
@@ -177,7 +180,7 @@ class TensorFile:
             self.starts.append(pos)
             pos += p.nbytes
         self._size = pos
-        self._files = files
+        self._files = files or []
         self._cache = cache
 
     @property
@@ -207,7 +210,8 @@ class TensorFile:
             done += n
 
     def close(self) -> None:
-        self._cache.clear()
+        if self._cache is not None:
+            self._cache.clear()
         for f in self._files:
             f.close()
 

@@ -1,20 +1,15 @@
 """torch distributed checkpoints (DCP), read in one process, without a process group.
 
-A DCP folder holds ``.metadata`` - a pickle of DCP's ``Metadata``: each key's dtype, shape and chunks,
-and where each chunk's bytes are - and ``*.distcp`` files. DCP itself reads ``.metadata`` with plain
-``pickle.load``; here it goes through an unpickler that resolves only DCP's metadata classes, torch
-dtypes, ``torch.Size`` and paths. Each chunk is a ``torch.save`` archive at an offset of a ``.distcp``
-file: a tensor whose chunks split only its first axis (one process, or FSDP's row shards) is read as
-byte ranges of those archives' storage records; any other (split along another axis, stored through a
-transform, non-contiguous, big-endian) is loaded on first read with ``torch.distributed.checkpoint.load``
-(``no_dist=True``) for that one key, into the bounded cache.
+A DCP folder holds ``.metadata`` (a pickle of each key's dtype, shape and chunks), read through an
+unpickler that resolves only DCP's metadata classes, torch dtypes, ``torch.Size`` and paths, and
+``*.distcp`` files of ``torch.save`` archives. A tensor whose chunks split only its first axis is read
+as byte ranges of those archives; any other is loaded on first read with
+``torch.distributed.checkpoint.load`` (``no_dist=True``) for that one key, into the bounded cache.
 
-Only model tensors are listed. Non-tensor entries (DCP "bytes" items: counters, RNG states) are never
-unpickled; optimizer, scheduler and other training-state entries are ignored. A training step folder
-(AngelSpec's ``iter_0000100/``) is read through its ``model/`` sub-folder, and a run's root through the step its
-``latest_checkpointed_iteration.txt`` names; the step's ``optimizer/``,
-``lr_scheduler/``, ``rng.pt`` and ``meta.json`` are ignored. Keys are reported as stored - AngelSpec's
-are ``model_state.model.draft_model.<module key>`` - and prefixes are left to the format layer.
+Only model tensors are listed: non-tensor entries are never unpickled, optimizer and other training
+state is ignored. A training step folder (AngelSpec's ``iter_0000100/``) is read through its
+``model/`` sub-folder, a run's root through the step ``latest_checkpointed_iteration.txt`` names.
+Keys are reported as stored; prefixes are the format layer's.
 """
 
 from __future__ import annotations

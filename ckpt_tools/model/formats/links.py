@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ...errors import InputError, UsageError
 from ..expert_layouts import ExpertGroup, ExpertLayout
-from ..expr import render
+from ..expr import render, render_key
 from ..mtp import MtpView
 from ..tables.resolve import MtpLayer, Spec
 from .supports import check_expressible
@@ -57,12 +57,6 @@ class Correspondence:
         for e in self.experts:
             out += [t.key for t in e.draft.tensors()]
         return out
-
-
-def _key(template: str, prefix: str, env: dict) -> str:
-    if template.startswith("/"):
-        return render(template[1:], env)
-    return prefix + render(template, env)
 
 
 def correspond(
@@ -131,7 +125,7 @@ class _Naming:
         """Where --with-embed / --with-head put the shared tensor (None: already carried)."""
         if template is None or role in fmt.drop_roles:
             raise UsageError(f"format {fmt.name} cannot carry the {role}; drop --with-{role}")
-        return _key(template, "", {"i": 0})
+        return render_key(template, "", {"i": 0})
 
 
 class _Reprefix(_Naming):
@@ -189,7 +183,7 @@ class _Roles(_Naming):
         if template is None:
             raise InputError(f"format {fmt.name} has no place for the {role} tensor {spec.key}",
                              rule="format-unsupported")
-        return _key(template, self.prefix, self.env)
+        return render_key(template, self.prefix, self.env)
 
     def block(self, spec: Spec) -> str:
         return self.block_out + self.fmt.tag_renames.get(spec.tag or "", spec.sub or "")
@@ -258,7 +252,7 @@ def _joined_fusion(fmt: Format, halves: dict[str, Spec], order: str, prefix: str
                          rule="shape-mismatch")
     shape = (*parts[0].shape[:-1], sum(s.shape[-1] for s in parts))
     first = parts[0]
-    spec = Spec(_key(fmt.glue["fusion"], prefix, env), shape, "fusion", depth=first.depth, kind=first.kind,
+    spec = Spec(render_key(fmt.glue["fusion"], prefix, env), shape, "fusion", depth=first.depth, kind=first.kind,
                 dtype=first.dtype, quant=first.quant)
     return TensorLink(spec.key, first.key, spec, False, shape, columns=parts)
 

@@ -1,28 +1,15 @@
 """Per MTP module: how it is stored versus what the quantization configuration declares.
 
-``audit(view, files=None)`` judges every MTP linear module of an ``MtpView`` (glue, block, per-layer
-head copy, each routed expert under the per-expert name engines probe, whatever the layout on
-disk) the way its consumers read the configuration (``declared``):
+``audit(view, files=None)`` judges every MTP linear module (glue, block, head copies, each routed
+expert under the per-expert name engines probe, whatever the layout on disk) the way its consumers
+read the configuration (``declared``): stored unquantized must be excluded, by its checkpoint name and,
+for a shard of a layer the engines fuse (the table's ``fused_modules``), under the fused name too;
+stored quantized must be declared quantized by the table it is stored in, with every companion
+present. Under the family's own release convention (a block format, or the scheme the family table
+hints) a tensor the table's ``quant`` flag leaves off needs no exclusion (DeepSeek's BF16 ``eh_proj``).
 
-- stored unquantized (a float ``weight``) must be excluded, by its checkpoint name (transformers,
-  compressed-tensors) and, for a shard of a layer the engines fuse (the family table's
-  ``fused_modules``, e.g. ``qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``), under the fused name
-  as well: vLLM expands the fused name into its shards only when the model class declares the
-  mapping, SGLang matches the layer name; otherwise the engine builds a quantized layer for BF16
-  weights and fails to load, or silently reads them as quantized;
-- stored quantized must be declared quantized, by the table the tensors are stored in, with every
-  companion present (scales, global scales);
-- the family's own release convention, where the family table flags the modules its quantized
-  releases quantize (``quant``): under a declared scheme with a block format
-  (model.quant.companions, whether or not the family table hints one), or one storing its
-  scales under the name of the scheme the family table hints (DeepSeek's ``weight_scale_inv``,
-  V4's ``scale``), a tensor whose ``quant`` flag the table leaves off stays unquantized in those
-  releases without any exclusion (DeepSeek's BF16 ``eh_proj``: engines build it as a plain
-  Linear), so it needs none.
-
-Each disagreement is a ``Finding`` with the change that repairs it (``exclude`` these names,
-``include`` these names) or none when only the weights can fix it. The rule is
-``mtp-quant-config`` (consistency gate); ``repair`` turns findings into a configuration patch.
+Each disagreement is a ``Finding`` (rule ``mtp-quant-config``) with the change that repairs it
+(``exclude`` / ``include`` these names), or none when only the weights can fix it.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """A checkpoint's block-scaled weights: which tensors travel with a weight, and how they decode.
 
-Every verb that copies, renames, restacks, dequantizes or re-quantizes a block-scaled FP8 weight
-asks here (``weight_format``) instead of carrying its own suffix, block and dtype set. The answer
-is a scheme table's storage format (``mappings/quantization/*.yaml``), chosen in this order:
+``weight_format`` answers, for a checkpoint, with a scheme table's storage format instead of a
+hard-coded suffix, block and dtype set, chosen in this order: the block format its storage shows (an
+FP8 weight beside a block format's scale tensor, with the block the configuration declares); else
+the declared scheme's block format; else the family table's hint (``quantization: <scheme>``); else
+``DEFAULT_SCHEME``.
 
-1. the block format its storage shows: an FP8 weight next to a block format's scale tensor
-   (the companion's name tells the tables apart, DeepSeek-V4's ``.scale`` from DeepSeek-V3's
-   ``weight_scale_inv``), with the parameters (block) the configuration declares for that table;
-   fixtures and trainer drafts often declare nothing;
-2. else the scheme the checkpoint's configuration declares (``detect_scheme``), when one of its
-   formats is a *block format* (below);
-3. else the scheme the family table names as its hint (``quantization: <scheme>``), used where
-   there is no configuration to ask (fixture generation, the demo);
-4. else ``DEFAULT_SCHEME``.
-
-A block format (``block.block_tile``) is one whose weight holds one FP8 code per element, with one
-companion (the scale) over a fixed tile whatever the matrix shape, and nothing else (no global
-scale, zero point or optional tensor): what a verb can rename, slice per expert and re-stack byte
-for byte. Every other format is read through ``module_storage`` / ``dequant_module``. The decoder
-is model/quant's (``dequant_parts`` / ``decode.decode_array``, over numeric.fp8_decode's kernel);
-the encoder is numeric.transforms' streaming block-FP8 recipe (numeric.fp8.quantize, the kernel of
-the fp8-block table's ``encoder``).
+A block format (``block.block_tile``) holds one FP8 code per element and one scale companion over a
+fixed tile, nothing else: what can be renamed, sliced per expert and restacked byte for byte. Every
+other format goes through ``module_storage`` / ``dequant_module``.
 """
 
 from __future__ import annotations

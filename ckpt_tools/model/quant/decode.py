@@ -3,27 +3,15 @@
 Every shipped scheme decodes the same way (schema.DecoderDef)::
 
     W[r, c] = fl32( (value(code[r, c]) - zero_point[tile]) * s[tile] )       one float32 rounding
-    s       = scale[tile]              (exact widening of F32 / BF16 / F16 / F8_E4M3 / E8M0)
-            | fl32(scale[tile] / g)    (compressed-tensors NVFP4: one more rounding)
-            | fl32(scale[tile] * g)    (ModelOpt NVFP4)
+    s       = scale[tile] | fl32(scale[tile] / g) (compressed-tensors NVFP4) | fl32(scale[tile] * g) (ModelOpt)
 
-then one round-to-nearest-even cast to the output dtype (bf16 / f16 / f32). That is what the
-reference implementations compute: compressed-tensors' ``_dequantize`` multiplies in the scale's
-dtype, which is exact in float32 for every code (an e4m3, e2m1 or int code has at most 9
-significant bits, a BF16 scale 8) and so equals one float32 product rounded once to BF16;
-with a float32 scale (NVFP4's ``scale / global_scale``, ModelOpt, DeepSeek) it computes in
-float32 and casts. ``value(code)`` is exact in float32 for every code kind.
+then one round-to-nearest-even cast to the output dtype, as the reference implementations compute
+(an e4m3, e2m1 or int code has at most 9 significant bits, so the product is exact in float32).
 
-Codes: ``e4m3`` / ``e5m2`` (one per byte), ``e2m1`` (two per byte, low nibble first), ``int``
-(4 bits: two per byte, low nibble first; 8 bits: one per byte; stored unsigned with ``offset``,
-or signed when the offset is 0). Packed containers (I32 words of compressed-tensors' pack
-format) are read as their little-endian bytes: element i sits at bit ``i * bits``, so the byte
-stream is the code stream. Each byte becomes its codes' float32 values with one table lookup.
-
-Scale tiles: ``[tr, tc]`` elements share one scale (group: [1, g]; channel: [1, cols]; tensor:
-[rows, cols]; block: [br, bc]); edge tiles are partial. Large FP8 tiles use fp8_decode's
-per-block tables (one lookup per element, fastest); everything else expands the scale along
-the band.
+Codes: ``e4m3`` / ``e5m2`` (one per byte), ``e2m1`` and 4-bit ``int`` (two per byte, low nibble
+first), 8-bit ``int`` (unsigned with ``offset``, or signed). Packed I32 containers are read as their
+little-endian bytes. Scale tiles ``[tr, tc]`` (group, channel, tensor, block) may be partial at the
+edges; large FP8 tiles use fp8_decode's per-block tables, everything else expands the scale per band.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """Encoders: float values into one storage format's tensors, the inverse of ``decode`` (torch, CPU).
 
-A scheme table's storage format names its encoder (``encoder: ct-nvfp4``); ``ENCODERS`` maps that
-name to one function ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` (``register_encoder``
-adds one from outside the package, with its ``Layout``). Each reproduces the
-producer that writes the format, operation for operation, so its bytes are the producer's:
+A scheme table's storage format names its encoder (``encoder: ct-nvfp4``); ``ENCODERS`` maps that name
+to ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` (``register_encoder`` adds one, with its
+``Layout``). Each reproduces its producer operation for operation, so its bytes are the producer's:
+``ct-fp8`` / ``ct-nvfp4`` (compressed-tensors as llm-compressor runs it: min-max observer in the
+model's dtype, then the format's compressor), ``fp8-block`` (DeepSeek block FP8,
+``numeric.fp8.quantize``), ``modelopt-fp8`` / ``modelopt-nvfp4`` (ModelOpt's export).
 
-- ``ct-fp8`` / ``ct-nvfp4``: compressed-tensors 0.20.1 as llm-compressor runs it: a min-max observer
-  over the weight *in the model's dtype* (``calculate_qparams``, ``generate_gparam``), then the
-  format's compressor (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``: ``quantize`` then
-  ``pack_fp4_to_uint8``). Held byte for byte to the library's own functions and to llm-compressor's
-  outputs in fixtures/producers (tests/test_quant_encode.py).
-- ``fp8-block``: DeepSeek block FP8 (``numeric.fp8.quantize``), for block-FP8 storage a scheme table
-  describes (the family tables' own block FP8 still goes through stitch's and graft's block-FP8 path);
-- ``modelopt-fp8`` / ``modelopt-nvfp4``: ModelOpt's export (per-tensor ``amax / 448``; NVFP4
-  ``weight_scale_2 = amax / (6 * 448)``, group scales ``amax_g / (6 * weight_scale_2)`` in F8_E4M3),
-  held to the ModelOpt fixtures.
-
-The per-tensor quantity (NVFP4's global scale, ModelOpt's amax) of a shard of an engine-fused layer is
-the group's (``EncodeArgs.group_absmax``): llm-compressor gives gate/up and q_a/kv_a one global scale
-(the shards' minimum), ModelOpt one amax, because vLLM loads the fused layer with one.
-
-The compute dtype is what the producer saw: compressed-tensors' FP8 scale is stored in the dtype
-its observer computed in (the model's), so that dtype is read off the stored scale; NVFP4 computes
-in the model dtype (``EncodeArgs.model_dtype``). Activation scales (``input_scale``,
-``input_global_scale``) come from calibration, not from the weight: encoders do not write them.
+A shard of an engine-fused layer takes the group's per-tensor quantity (``EncodeArgs.group_absmax``),
+as the producers do for a layer vLLM loads with one scale. The compute dtype is the producer's (read off
+the stored scale, or ``EncodeArgs.model_dtype``). Activation scales come from calibration: encoders do
+not write them.
 """
 
 from __future__ import annotations

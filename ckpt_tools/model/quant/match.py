@@ -1,24 +1,15 @@
 """Module-name matching, exactly as each consumer of a quantization config does it.
 
-- ``compressed-tensors`` (``compressed_tensors.utils.match.match_name``; vLLM
-  ``compressed_tensors/utils.py`` ``should_ignore_layer``): a pattern starting with ``re:`` is a
-  regex applied with ``re.match`` (anchored at the start only), anything else must equal the name.
-  A class-name target (``Linear``) matches every linear layer (vLLM: a substring of the layer's
-  class name); only targets, never ignore entries, are read as class names here.
-- ``quark`` (vLLM ``quark/utils.py``): the same rules as compressed-tensors.
-- ``modelopt``: ``exclude_modules`` / ``ignore`` entries are fnmatch globs (ModelOpt's own
-  loader; vLLM and SGLang accept more, e.g. substrings, so a name these globs exclude is excluded
-  for every one of them).
-- ``transformers`` (``quantizers_utils.should_convert_module``, transformers 5.24):
-  ``modules_to_not_convert`` entries are regexes matched from the start up to a module boundary,
-  or a suffix of the name.
+- ``compressed-tensors`` and ``quark``: ``re:`` patterns are ``re.match`` regexes (anchored at the
+  start), anything else must equal the name; a class-name target (``Linear``) matches every linear layer.
+- ``modelopt``: ``exclude_modules`` / ``ignore`` entries are fnmatch globs.
+- ``transformers``: ``modules_to_not_convert`` entries are regexes matched from the start up to a
+  module boundary, or a suffix of the name.
 - ``exact``: the name itself (vLLM fp8 ``ignored_layers``).
 
-Fused modules. Engines build one layer for several checkpoint modules (vLLM/SGLang
-``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``). Such a layer
-is excluded when a pattern names the fused module itself (compressed-tensors: only an exact
-entry does, as in vLLM), else when every shard is excluded; shards that disagree are a
-``conflict`` (vLLM refuses to load: "all shards of fused layers must have the same precision").
+Fused modules (vLLM/SGLang ``packed_modules_mapping``: ``qkv_proj`` <- ``q_proj``, ``k_proj``,
+``v_proj``): excluded when a pattern names the fused module (compressed-tensors: only an exact entry),
+else when every shard is excluded; shards that disagree are a ``conflict`` (vLLM refuses to load).
 """
 
 from __future__ import annotations

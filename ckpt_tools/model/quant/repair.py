@@ -1,19 +1,11 @@
 """Repairing a quantization configuration so it declares every MTP module as stored.
 
-``repair(rows, scheme, table, files, modules)`` turns the ``audit`` findings that a configuration
-change can fix into changes of the files the scheme is declared in, until the audit passes:
-
-- a module stored unquantized (and the engines' fused layers it is a shard of) gets exact
-  exclusion entries in every exclusion list of every place the scheme is declared in, in the form
-  each list's consumers match (``exclusion_entries``), and leaves per-module lists of quantized
-  layers (ModelOpt ``quantized_layers``);
-- a module stored quantized but excluded loses the entries that exclude it: an exact entry is
-  dropped; a pattern (``re:``, a glob) is dropped and replaced by exact entries for the other
-  modules of the checkpoint it excluded, so nothing else changes.
-
-Findings only the weights can fix (missing scales, shards of one fused layer stored differently,
-a module a per-module list would have to name with a scheme of its own) are returned as
-``unfixable``; the caller refuses. Files are never rewritten beyond the listed changes.
+``repair(rows, scheme, table, files, modules)`` turns the ``audit`` findings a configuration change can
+fix into changes of the files the scheme is declared in: a module stored unquantized (and the fused
+layers it is a shard of) gets exact exclusion entries in every exclusion list, in the form each list's
+consumers match, and leaves per-module lists of quantized layers; a module stored quantized but
+excluded loses its exact entry, or the pattern excluding it is replaced by exact entries for the
+other modules it excluded. Findings only the weights can fix are returned as ``unfixable``.
 """
 
 from __future__ import annotations

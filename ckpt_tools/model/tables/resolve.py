@@ -11,7 +11,7 @@ from ...dtypes import DTYPES, lookup
 from ...errors import CkptError, InputError, TableError
 from ...io.config import ConfigView
 from ..expert_layouts import ExpertGroup, ExpertLayout
-from ..expr import ExprError, evaluate, names_in, render, template_names
+from ..expr import ExprError, evaluate, names_in, render, render_key, template_names
 from .schema import PartRef, Table, TensorDef
 
 
@@ -270,10 +270,11 @@ def _spec(t: TensorDef, env: dict, key: str, role: str, dtype: str, **kw) -> Spe
 
 
 def _absolute(template: str, prefix: str, env: dict) -> str:
-    """Render a key: relative to ``prefix``, or from the root when it starts with '/'."""
-    if template.startswith("/"):
-        return _render(template[1:], env)
-    return prefix + _render(template, env)
+    """``render_key``, its expression errors named as a table's."""
+    try:
+        return render_key(template, prefix, env)
+    except ExprError as e:
+        raise _EvalFailed(f"key {template!r}: {e}", template, env, template=True) from None
 
 
 def part_specs(

@@ -1,26 +1,15 @@
 """The writer into an object store: ``writer.Writer`` with its storage steps replaced.
 
-The plan, the order (shards, files, manifest, check, index last), the manifest and the resume
-proof are the local writer's; what differs is how bytes land:
+The plan, the order (shards, files, manifest, check, index last), the manifest and the resume proof are
+the local writer's; what differs is how bytes land: a shard streams into a multipart upload in parts of
+``PART_SIZE``, completed only when every byte is in; a whole file of a source in the same store is a
+server-side copy; small files are single PUTs, the index last; the lock is a conditional put
+(``lock.ObjectLock``); the resume record holds each finished object's size, ETag and digests, and
+``--resume`` keeps an object whose size and ETag still match.
 
-* a shard is streamed from the plan into a multipart upload (header, then each tensor in
-  order), in parts of ``PART_SIZE``: memory holds a part or two, nothing is staged on disk;
-  the upload is completed only when every byte is in, so a failed shard never appears;
-* a whole file of a source in the same store is a server-side copy (S3 ``CopyObject``, or
-  ``UploadPartCopy`` above 5 GB: fsspec's ``copy``), never a download and upload; a local
-  file is uploaded the same way as a shard;
-* small files (config, manifest, reports, index) are single PUTs; the index goes last;
-* the lock is an object created by a conditional put (``lock.ObjectLock``);
-* the resume record holds, per finished object, its size, ETag and digests: ``--resume``
-  keeps an object whose size and ETag still match and writes the rest.
-
-The check (``ckpt validate``) runs on a local mirror of the prefix as it stands: every
-shard's header as read back from the store, its true size (sparse), the small files: what
-the check reads of a local output, without downloading tensor bytes.
-
-Digests: tensors and uploaded files are hashed from the bytes as they are streamed into the
-upload (the transport's checksums cover the way into the store); server-side copies are not
-downloaded to be hashed, so the manifest records their size and source, no digest.
+The check runs on a local mirror of the prefix (headers read back, true sizes, the small files), without
+downloading tensor bytes. Tensors and uploaded files are hashed as they stream; server-side copies are
+not downloaded to be hashed: the manifest records their size and source.
 """
 
 from __future__ import annotations
@@ -41,7 +30,7 @@ from ...io import digest
 from ...io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from ...io.safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
 from .. import manifest
-from ..output_dir import OUR_ARTEFACTS
+from ..output_dir import OUR_ARTEFACTS, read_record
 from ..plan import OutputFile, OutputTensor, Plan
 from ..writer import FileDigest, PendingOutput, Writer, WriteResult, source_size
 from .lock import ObjectLock
@@ -141,15 +130,7 @@ class ObjectStoreWriter(Writer):
         self._abort_stale_uploads()
 
     def _previous_record(self) -> dict | None:
-        for name in (RESUME_NAME, MANIFEST_NAME):
-            raw = self.store.cat(name)
-            try:
-                record = json.loads(raw) if raw else None
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(record, dict) and isinstance(record.get("plan"), dict):
-                return record
-        return None
+        return read_record(self.store.cat)
 
     def _check_resume(self, plan_digest: dict[str, str]) -> None:
         super()._check_resume(plan_digest)  # the same job, or a refusal naming what differs
