@@ -353,7 +353,6 @@ def _source_of(t: OutputTensor) -> str:
     return ", ".join(src[:3]) + (" ..." if len(src) > 3 else "") if isinstance(src, list) else str(src)
 
 
-@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def mapped_draft(draft: Checkpoint, verifier: Checkpoint, arch: str | None, command: str) -> list[OutputTensor]:
     """The draft's tensors in the verifier's MTP names, layouts and dtypes, as stitch would write them (divergence
     accepted): how probe measures a draft without writing it."""
@@ -361,6 +360,7 @@ def mapped_draft(draft: Checkpoint, verifier: Checkpoint, arch: str | None, comm
     return plan.tensors
 
 
+@gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")
