@@ -11,8 +11,9 @@ scales and is invalid like any other.
 Cost: scales are a small part of the bytes (FP8 blocks 1/16384 of the weight, NVFP4 1/8). They are read
 in one pass, per shard in offset order, in batches of at most ``BATCH_BYTES`` (a scale tensor larger than
 that is read in pieces), each batch checked with two vectorised reductions on the raw bits (positive
-finite values of a float format are exactly a range of unsigned bit patterns); only a batch that fails
-is looked at tensor by tensor, to name the tensor and the first bad index.
+finite values of a float format are exactly a range of unsigned bit patterns); in a batch that fails,
+one ``reduceat`` finds the tensors holding a bad value, and only the first ``MAX_DETAILED`` are looked
+at one by one, to name the tensor and the first bad index (the rest are counted).
 """
 
 from __future__ import annotations
@@ -196,6 +197,18 @@ def _bad(raw: Any, kind: _Kind) -> bool:
     return bool(raw.size) and (int(raw.min()) < kind.low or int(raw.max()) > kind.high)
 
 
+def _failing(raw: Any, at: list[int], kind: _Kind) -> list[int]:
+    """Indices of the pieces (starting at byte offsets ``at`` in ``raw``'s buffer) holding a value out of range."""
+    import numpy as np
+
+    bad = np.append((raw < kind.low) | (raw > kind.high), False)  # one past the end: an empty last piece
+    starts = np.asarray(at, dtype=np.int64) // kind.itemsize
+    any_bad = np.logical_or.reduceat(bad, starts)
+    # reduceat gives an empty piece (start == next start) the element at its start: only pieces with values count
+    lengths = np.diff(np.append(starts, raw.size))
+    return np.flatnonzero(any_bad & (lengths > 0)).tolist()
+
+
 def _value(raw: int, kind: _Kind) -> str:
     import numpy as np
 
@@ -252,15 +265,20 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
     for batch in _pieces(refs):
         buf, at = _read(batch)
         kind = batch[0][3]  # one kind per batch
-        if not _bad(np.frombuffer(buf, dtype=kind.view), kind):
+        whole = np.frombuffer(buf, dtype=kind.view)
+        if not _bad(whole, kind):
             continue
-        for p, a in zip(batch, at, strict=True):
-            raw = np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize, offset=a)
-            if p[0].key in seen or not _bad(raw, kind):
+        # the pieces holding a bad value, found in one pass over the batch (a replica's scales are all zero: every
+        # piece fails, and only the first MAX_DETAILED are looked at one by one)
+        for i in _failing(whole, at, kind):
+            p = batch[i]
+            key = p[0].key
+            if key in seen:  # another piece of a tensor larger than a batch
                 continue
-            seen.add(p[0].key)
+            seen.add(key)
             if len(out) < MAX_DETAILED:
-                out.append(_problem(p, raw))
+                out.append(_problem(p, np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize,
+                                                     offset=at[i])))
             else:
                 extra += 1
     if extra:
