@@ -3,8 +3,8 @@
 typer (0.2x) converts every parameter's value through a pydantic ``TypeAdapter``: importing pydantic
 and building the adapters costs 60-80 ms per run, a quarter of a read-only verb's fixed cost, to turn
 a ``str`` into a ``str``. ``install()`` wraps typer's ``build_runtime_param`` so that parameters of
-type ``str``, ``list[str]``, ``bool``, ``int``, ``float`` and ``Path`` (without a custom parser,
-bounds or file opening) are converted here, as typer's adapters convert them; any value these do not
+type ``str``, ``list[str]``, ``bool``, ``int``, ``float`` (within their bounds) and ``Path`` (without a
+custom parser, clamping or file opening) are converted here, as typer's adapters convert them; any value these do not
 take as it is (``"12x"`` for an int, a string for a bool) goes to typer's own adapter, so its messages
 and its rules stay the ones the user sees. Where typer has no such hook (another version), nothing
 changes.
@@ -48,10 +48,11 @@ def _kind(descriptor: Any) -> str | None:
     info = descriptor.parameter_info
     if descriptor.file_annotation is not None or getattr(info, "parser", None) is not None:
         return None
-    if any(getattr(info, a, None) is not None for a in ("min", "max", "click_type", "path_type")) \
-            or getattr(info, "clamp", False):
+    if any(getattr(info, a, None) is not None for a in ("click_type", "path_type")) or getattr(info, "clamp", False):
         return None
     ann = descriptor.annotation
+    if (getattr(info, "min", None) is not None or getattr(info, "max", None) is not None) and ann not in (int, float):
+        return None
     if ann is str:
         return "str"
     if ann == list[str]:
@@ -83,10 +84,11 @@ def _plain_class(base: type) -> type:
                 return list(value)
             if k == "bool" and isinstance(value, bool):
                 return value
-            if k == "int" and isinstance(value, str) and _INT.match(value):
-                return int(value)
-            if k == "float" and isinstance(value, str) and _FLOAT.match(value):
-                return float(value)
+            if k in ("int", "float") and isinstance(value, str) and (_INT if k == "int" else _FLOAT).match(value):
+                number = int(value) if k == "int" else float(value)
+                low, high = self.parameter_info.min, self.parameter_info.max
+                if (low is None or number >= low) and (high is None or number <= high):
+                    return number
             if k == "path" and isinstance(value, str) and value:
                 from typer._param_types import coerce_cli_path
 

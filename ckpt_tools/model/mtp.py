@@ -22,10 +22,10 @@ from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout
 from .quant.companions import WeightFormat, weight_format
 from .tables.loader import detect_table, get_table
 from .tables.resolve import Resolved, Spec, resolve
-from .tables.schema import Table
 
 if TYPE_CHECKING:
     from .quant import QuantScheme, Storage
+    from .tables.schema import Table
 
 
 @dataclass

@@ -19,11 +19,15 @@ model). ``--arch FAMILY`` asserts the family and skips this check.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
-from .formats import Format
 from .tables.loader import all_tables
-from .tables.schema import Table
+
+if TYPE_CHECKING:
+    from .formats import Format
+    from .tables.schema import Table
 
 OVERRIDE = "--arch FAMILY asserts the draft's family and overrides this check"
 

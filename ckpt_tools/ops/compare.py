@@ -16,7 +16,6 @@ positions where both sides are finite.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from ..arrays import Scratch, decode_floats
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from ..io.safetensors_io import TensorRef
 from ..stream.plan import CopyBytes, Recipe
+from .tensor_diff import TensorDiff, json_number  # noqa: F401 - re-exported: compare's result
 
 CHUNK_ELEMS = 1 << 20  # elements per chunk when comparing bytes or counting NaN/Inf
 STATS_CHUNK_ELEMS = 1 << 16  # elements per statistics chunk: its temporaries stay in the CPU cache
@@ -32,47 +32,6 @@ _RESCALE_ABOVE = 2.0**480  # float64 squares of larger values overflow: such chu
 
 class Cancelled(Exception):
     """A comparison stopped because its ``stop`` event was set (the caller is failing anyway)."""
-
-
-@dataclass
-class TensorDiff:
-    key: str
-    status: str  # unchanged | replaced | added | removed | dtype-changed | shape-changed
-    dtype_a: str | None = None
-    dtype_b: str | None = None
-    shape_a: list | None = None
-    shape_b: list | None = None
-    max_abs: float | None = None  # NaN when a position holds NaN, inf when one side is infinite
-    rel_l2: float | None = None  # over the positions where both sides are finite
-    cosine: float | None = None  # idem
-    norm_a: float | None = None  # L2 norms over those positions
-    norm_b: float | None = None
-    nonfinite: int = 0  # NaN / Inf count on the B side (the written side in stitch)
-    nan_count: int = 0  # positions where either side is NaN
-    inf_count: int = 0  # positions where either side is infinite (and neither is NaN)
-    divergent: str | None = None  # stitch: why this replaced tensor looks like another tensor, not a finetune
-    unjudged: str | None = None  # stitch: why the divergence check could not judge this tensor
-
-    def to_json(self) -> dict:
-        """Strict JSON: a NaN statistic is null (its positions are in nan_count), infinities are "inf" / "-inf"."""
-        out = {}
-        for k, v in asdict(self).items():
-            if v is None or (k in _COUNTS and v == 0):
-                continue
-            out[k] = json_number(v) if isinstance(v, float) else v
-        return out
-
-
-_COUNTS = ("nonfinite", "nan_count", "inf_count")
-
-
-def json_number(v: float) -> float | str | None:
-    """A float as strict JSON allows it: NaN -> null, +-inf -> "inf" / "-inf"."""
-    if math.isnan(v):
-        return None
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return v
 
 
 def recipe_of(ref: TensorRef) -> Recipe:

@@ -69,7 +69,7 @@ from ..model.gate import check
 from ..model.mtp import MtpView
 from ..model.quant.audit import Audit, audit, experts_stored
 from ..model.quant.report import audit_json
-from ..model.tables.schema import GLUE_ROLES
+from ..model.tables.roles import GLUE_ROLES
 
 ROLE_ORDER = (*GLUE_ROLES, "block", "experts", "fp8_scales")
 _ROLE_NAME = {"expert": "experts", "scale": "fp8_scales"}

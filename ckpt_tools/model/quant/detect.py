@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from .config import CONFIG, HF_QUANT, QuantFiles, dig, quant_files, section
-from .schema import ConfigDef, FormatDef, SchemeTable
 from .tables import all_schemes
+
+if TYPE_CHECKING:
+    from .schema import ConfigDef, FormatDef, SchemeTable
 
 
 @dataclass(frozen=True)

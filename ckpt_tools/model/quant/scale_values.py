@@ -22,12 +22,14 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from ...io.safetensors_io import IO_STATS
 from ..problem import Problem
-from .schema import FormatDef, SchemeTable, TensorDef
+
+if TYPE_CHECKING:
+    from .schema import FormatDef, SchemeTable, TensorDef
 
 RULE = "quant-scale-value"
 DESCRIPTION = "a scale, global scale or zero point of a quantized module is NaN, Inf, zero, negative or out of range"
