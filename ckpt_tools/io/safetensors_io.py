@@ -557,7 +557,7 @@ def refs_from_header(src: ByteSource, header: Header) -> dict[str, TensorRef]:
 # Byte-range copies
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a plan holds one per copied tensor (92,000 for a release)
 class Segment:
     """``length`` bytes of ``source`` starting at absolute ``offset``."""
 

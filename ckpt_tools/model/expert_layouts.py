@@ -173,6 +173,12 @@ def _group_columns(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[tuple[int
     return tuple(r[0] for r in rows), tuple(r[1] for r in rows)
 
 
+def forget_group_tensors() -> None:
+    """Drop the memoised tensors of every group (after a pass over a whole trunk: tens of thousands of keys)."""
+    _group_tensors.cache_clear()
+    _group_columns.cache_clear()
+
+
 class ExpertTensor(NamedTuple):  # a tuple: built tens of thousands of times per checkpoint, cheaply
     key: str
     shape: tuple[int, ...]

@@ -30,7 +30,7 @@ from .known_digests import KnownDigest
 Chunk = Any  # bytes-like, numpy array or torch tensor; see numeric.as_bytes
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one per copied tensor of a plan (92,000 for a release's trunk)
 class CopyBytes:
     segments: list[Segment]
     op: str = "copy"  # copy | concat | slice, for display only

@@ -182,6 +182,14 @@ def _stored_alike(ckpt: Any, fmt: Any, quantized: dict, keys: tuple[str, ...]) -
 _DTYPE = attrgetter("dtype")
 
 
+def forget_group_keys() -> None:
+    """Drop the memoised keys of expert groups (``ExpertGroup.tensors`` / ``columns``, ``_weights``)."""
+    from ..expert_layouts import forget_group_tensors
+
+    _group_weights.cache_clear()
+    forget_group_tensors()
+
+
 def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf | None = None) -> list[Row]:
     """(module, stored, quant flag, expert) of every MTP linear module present.
 
@@ -471,4 +479,7 @@ def audit_trunk(view: MtpView) -> Audit:
         return scheme
     if scheme is None:
         return Audit(None)  # nothing declared: FP8 without a config is rule quant-config, packed bytes mtp/trunk rules
-    return judge(trunk_rows(view, scheme), scheme, view.table, every_module=False)
+    try:
+        return judge(trunk_rows(view, scheme), scheme, view.table, every_module=False)
+    finally:  # a release's trunk has 46,000 expert keys: not kept past its audit (the verb plans after it)
+        forget_group_keys()

@@ -203,12 +203,11 @@ def _failing(raw: Any, at: list[int], kind: _Kind) -> list[int]:
     """Indices of the pieces (starting at byte offsets ``at`` in ``raw``'s buffer) holding a value out of range."""
     import numpy as np
 
-    bad = np.append((raw < kind.low) | (raw > kind.high), False)  # one past the end: an empty last piece
+    bad = raw < kind.low
+    bad |= raw > kind.high  # two masks of the batch at most (a quarter of its bytes each for F32 scales)
     starts = np.asarray(at, dtype=np.int64) // kind.itemsize
-    any_bad = np.logical_or.reduceat(bad, starts)
-    # reduceat gives an empty piece (start == next start) the element at its start: only pieces with values count
-    lengths = np.diff(np.append(starts, raw.size))
-    return np.flatnonzero(any_bad & (lengths > 0)).tolist()
+    pieces = np.flatnonzero(np.diff(starts, append=raw.size) > 0)  # empty pieces hold nothing to judge
+    return pieces[np.logical_or.reduceat(bad, starts[pieces])].tolist() if pieces.size else []
 
 
 def _value(raw: int, kind: _Kind) -> str:
