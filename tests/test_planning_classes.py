@@ -192,3 +192,18 @@ def test_values_convert_as_typer_converts_them(make_fixture, tmp_path, monkeypat
     ours = _run(args, typer_own=False, monkeypatch=monkeypatch)
     assert ours == _run(args, typer_own=True, monkeypatch=monkeypatch)
     assert (ours[0] == 0) == (threads == "2")
+
+
+@pytest.mark.parametrize("dtype", sorted(scale_values._POSITIVE_FINITE))
+def test_small_batches_are_judged_without_numpy_as_numpy_judges_them(dtype):
+    kind = scale_values._Kind("scale", *scale_values._POSITIVE_FINITE[dtype], dtype)
+    rng = np.random.default_rng(0)
+    width = np.dtype(kind.view)
+    edges = [kind.low, kind.high, max(kind.low - 1, 0), min(kind.high + 1, np.iinfo(width).max)]
+    for values in ([kind.low, kind.high], [kind.high + 1], [0], edges,
+                   rng.integers(kind.low, kind.high, 1000, endpoint=True, dtype=width),
+                   rng.integers(0, np.iinfo(width).max, 1000, dtype=width)):
+        buf = bytearray(np.asarray(values, dtype=width).tobytes())
+        assert scale_values._fine_small(buf, kind) == (not scale_values._bad(np.frombuffer(buf, width), kind))
+    big = bytearray((scale_values.SMALL_VALUES + 1) * width.itemsize)  # numpy's to judge, whatever it holds
+    assert not scale_values._fine_small(big, kind)

@@ -19,6 +19,7 @@ at one by one, to name the tensor and the first bad index (the rest are counted)
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
@@ -195,6 +196,23 @@ def _read(batch: list[_Piece]) -> tuple[bytearray, list[int]]:
     return buf, at
 
 
+# a small batch is judged without numpy (a small quantized checkpoint's read-only verbs then need none): its raw
+# values through a memoryview of the native unsigned / signed type of the same size, where that is little-endian
+_NATIVE = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "i1": "b", "<i2": "h", "<i4": "i", "<i8": "q"}
+SMALL_VALUES = 1 << 16  # values judged one by one at most (a few ms)
+
+
+def _fine_small(buf: bytearray, kind: _Kind) -> bool:
+    """True when ``buf`` is small and every value of it is in range; False when numpy must judge (or name) it."""
+    code = _NATIVE.get(kind.view)
+    if code is None or len(buf) > SMALL_VALUES * kind.itemsize or (kind.itemsize > 1 and sys.byteorder != "little"):
+        return False
+    values = memoryview(buf).cast(code)
+    if values.itemsize != kind.itemsize:
+        return False
+    return not len(values) or (kind.low <= min(values) and max(values) <= kind.high)
+
+
 def _bad(raw: Any, kind: _Kind) -> bool:
     return bool(raw.size) and (int(raw.min()) < kind.low or int(raw.max()) > kind.high)
 
@@ -258,14 +276,16 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
     refs = [(r, k) for r, k in companions(ckpt, unknown) if r.source.local_fd() is not None]
     if not refs:
         return []
-    import numpy as np
-
     out: list[Problem] = []
     seen: set[str] = set()
     extra = 0
     for batch in _pieces(refs):
         buf, at = _read(batch)
         kind = batch[0][3]  # one kind per batch
+        if _fine_small(buf, kind):
+            continue
+        import numpy as np
+
         whole = np.frombuffer(buf, dtype=kind.view)
         if not _bad(whole, kind):
             continue
