@@ -56,8 +56,8 @@ def _build(path: Path, data: object) -> Format:
 
 @lru_cache(maxsize=1)
 def all_formats() -> dict[str, Format]:
-    # parsed once into the tables' cache (checked on every load, like the architecture tables): most runs
-    # then never import yaml
+    # checked once into the tables' cache, like the architecture tables: most runs then import neither yaml nor
+    # pydantic
     return table_cache.load_tables((formats_dir(),), _parse, _build, lambda f: f.name, CACHE_PREFIX, code=_CODE)
 
 
