@@ -6,7 +6,7 @@ A format maps canonical MTP roles to names; ``links`` resolves it against a veri
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,12 +93,19 @@ def all_wrappers() -> list[str]:
 
 
 def _by_keys(keys: Collection[str], strip_prefix: str | None) -> Format | None:
-    listed = list(keys)
-    have = set(listed)
+    # a checkpoint's tensors (a mapping) answer membership as they are: no copy of a release's 92,000 keys
+    have = keys if isinstance(keys, (Mapping, set, frozenset)) else set(keys)
+    listed: list[str] | None = None
     for fmt in all_formats().values():
         marks = fmt.detect.keys if fmt.detect else []
-        prefixes = [strip_prefix] if strip_prefix is not None else ["", *peel(listed, wrappers_of(fmt)[0])]
-        if marks and any(all(p + m in have for m in marks) for p in prefixes):
+        if not marks:
+            continue
+        if strip_prefix is not None:
+            prefixes = [strip_prefix]
+        else:
+            listed = list(keys) if listed is None else listed
+            prefixes = ["", *peel(listed, wrappers_of(fmt)[0])]
+        if any(all(p + m in have for m in marks) for p in prefixes):
             return fmt
     return None
 

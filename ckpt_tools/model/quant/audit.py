@@ -479,7 +479,4 @@ def audit_trunk(view: MtpView) -> Audit:
         return scheme
     if scheme is None:
         return Audit(None)  # nothing declared: FP8 without a config is rule quant-config, packed bytes mtp/trunk rules
-    try:
-        return judge(trunk_rows(view, scheme), scheme, view.table, every_module=False)
-    finally:  # a release's trunk has 46,000 expert keys: not kept past its audit (the verb plans after it)
-        forget_group_keys()
+    return judge(trunk_rows(view, scheme), scheme, view.table, every_module=False)
