@@ -149,13 +149,16 @@ def _block(dtype: str, block: tuple[int, int]) -> Stored:
 
 
 def _weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The ``.weight`` keys of a per-expert group and their module names."""
+    """The keys of a per-expert group and their module names, when every key is a ``.weight`` (else none: such a
+    group is looked at key by key)."""
     return _group_weights(group)
 
 
 @lru_cache(maxsize=512)
 def _group_weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    keys = tuple(k for k in group.columns()[0] if k.endswith(".weight"))
+    keys = group.columns()[0]
+    if not all(k.endswith(".weight") for k in keys):
+        return (), ()
     return keys, tuple(k[:-7] for k in keys)
 
 
