@@ -187,7 +187,8 @@ def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
 
 # what checks a scheme table: an edit to any of it misses the cache
 _CODE = (*(Path(__file__).with_name(n) for n in ("schema.py", "tables.py")),
-         Path(__file__).parent.parent / "tables" / "plain.py", Path(__file__).parent.parent / "expr.py")
+         Path(__file__).parent.parent / "tables" / "plain.py", Path(__file__).parent.parent / "expr.py",
+         Path(__file__).parents[2] / "dtypes.py")
 
 
 # (what decides the tables, the tables): planning a release asks once per quantized module (46,000 times), and
