@@ -2,8 +2,8 @@
 
 A verb pays for the libraries it imports. numpy, torch and huggingface_hub cost 0.1-1 s each and
 reading, checking or copying a bf16 checkpoint needs none of them, so those verbs must not import them
-(diff, stitch, init-draft, probe and the numeric conversions do, lazily). With the parsed tables cached,
-yaml is not needed either.
+(diff of differing values, stitch, init-draft, probe and the numeric conversions do, lazily). With the checked
+tables cached, yaml and pydantic are not needed either.
 """
 
 from __future__ import annotations
@@ -68,13 +68,29 @@ def test_reading_and_copying_a_bf16_checkpoint_import_no_numeric_library(make_fi
     for args in (["inspect", src], ["validate", src], ["tables"]):
         assert imported(tmp_path, (*HEAVY, "yaml"), *args, cache_dir=warm) == [], args
     out = tmp_path / "draft"
-    # extract may shard its output with huggingface_hub's splitter; it needs no numpy or torch for bf16
-    assert set(imported(tmp_path, (*HEAVY, "yaml"), "extract", src, "-o", out, cache_dir=warm)) <= {"huggingface_hub"}
-    assert imported(tmp_path, (*HEAVY, "yaml"), "verify-manifest", out, cache_dir=warm) == []
+    assert imported(tmp_path, (*HEAVY, *CHECKERS), "extract", src, "-o", out, cache_dir=warm) == []
+    assert imported(tmp_path, (*HEAVY, *CHECKERS), "verify-manifest", out, cache_dir=warm) == []
 
 
-# What each read-only verb must not import: libraries it does not need (diff compares values with numpy, the
-# others read headers and bytes only), and the operations of the other verbs (a verb's module imports its own).
+# With the checked tables cached (model/tables/plain.py) no run parses YAML or checks a table with pydantic, and
+# the command line converts its values without typer's pydantic adapters (cli/coerce.py).
+CHECKERS = ("yaml", "pydantic", "typer._adapters")
+
+
+def test_dry_runs_of_a_bf16_checkpoint_import_no_numeric_library_and_no_checker(make_fixture, tmp_path):
+    src, target = make_fixture("deepseek_v3"), make_fixture("deepseek_v3", drop_mtp=True)
+    warm = tmp_path / "cache"
+    imported(tmp_path, HEAVY, "inspect", src, cache_dir=warm)  # fills the table caches
+    out = tmp_path / "out"
+    # graft splits its new MTP shards with huggingface_hub's splitter
+    assert imported(tmp_path, (*HEAVY, *CHECKERS), "extract", src, "-o", out, "--dry-run", cache_dir=warm) == []
+    assert set(imported(tmp_path, (*HEAVY, *CHECKERS), "graft", src, target, "-o", out, "--dry-run",
+                        cache_dir=warm)) <= {"huggingface_hub"}
+
+
+# What each read-only verb must not import: libraries it does not need (diff compares values with numpy only where
+# the bytes differ: the test diffs a checkpoint with itself; the others read headers and bytes only), and the
+# operations of the other verbs (a verb's module imports its own).
 WRITERS = (
     "ckpt_tools.ops.extract",
     "ckpt_tools.ops.stitch_plan",
@@ -95,10 +111,9 @@ READERS = {
     "verify-manifest": "ckpt_tools.ops.verify",
 }
 NOT_IMPORTED = {
-    verb: (*HEAVY, "transformers", *WRITERS, *(m for v, m in READERS.items() if v != verb))
+    verb: (*HEAVY, "transformers", *CHECKERS, *WRITERS, *(m for v, m in READERS.items() if v != verb))
     for verb in READERS
 }
-NOT_IMPORTED["diff"] = tuple(m for m in NOT_IMPORTED["diff"] if m != "numpy")
 
 
 @pytest.mark.parametrize("verb", sorted(NOT_IMPORTED))

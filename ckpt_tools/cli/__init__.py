@@ -8,7 +8,10 @@ import sys
 
 import typer
 
+from . import coerce
 from .common import STATE
+
+coerce.install()  # plain values converted without typer's pydantic adapters (cli/coerce.py)
 
 SETTINGS = dict(
     name="ckpt",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from .expr import render
@@ -114,22 +115,35 @@ class ExpertGroup:
 
     def tensors(self) -> list[ExpertTensor]:
         """Every tensor of this group in its layout, in a stable order."""
+        return list(_group_tensors(self))
+
+    def columns(self) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+        """The keys and the shapes of ``tensors()`` as two tuples (for C-level passes over a whole group)."""
+        return _group_columns(self)
+
+    def _slots(self) -> list[tuple[str, str, tuple[int, int], str | None, str]]:
+        """Per projection of a per-expert layout: (slot, key template, shape, head, tail); head + str(e) + tail is
+        the key when the template's only field is ``{e}`` (thousands of keys per layer: filled by concatenation)."""
+        H, I = self.hidden, self.inter
+        slots = []
+        for p in self.projections():
+            template = self._template(p)
+            head, _, tail = template.partition("{e}")
+            simple = template.count("{") == 1 and template != head
+            slots.append((p, template, (H, I) if p == "down" else (I, H), head if simple else None, tail))
+        return slots
+
+    def _per_expert_keys(self) -> list[tuple[str, tuple[int, int], str, int]]:
+        slots = self._slots()
+        return [(head + str(e) + tail if head is not None else render(template, {"e": e}), shape, p, e)
+                for e in range(self.count) for p, template, shape, head, tail in slots]
+
+    def _tensors(self) -> list[ExpertTensor]:
         E, H, I = self.count, self.hidden, self.inter
         lay = self.layout
         out: list[ExpertTensor] = []
         if lay.per_expert:
-            # thousands of keys per layer: a template whose only field is {e} is filled by concatenation
-            slots = []
-            for p in self.projections():
-                template = self._template(p)
-                head, _, tail = template.partition("{e}")
-                simple = template.count("{") == 1 and template != head
-                slots.append((p, template, (H, I) if p == "down" else (I, H), head if simple else None, tail))
-            for e in range(E):
-                for p, template, shape, head, tail in slots:
-                    key = head + str(e) + tail if head is not None else render(template, {"e": e})
-                    out.append(ExpertTensor(key, shape, p, e))
-            return out
+            return [ExpertTensor(*row) for row in self._per_expert_keys()]
         t = lay.transposed
         if lay.fused:
             if self.gated:
@@ -141,6 +155,25 @@ class ExpertGroup:
                 out.append(ExpertTensor(self.key(p), (E, H, I) if t else (E, I, H), p, None))
         out.append(ExpertTensor(self.key("down"), (E, I, H) if t else (E, H, I), "down", None))
         return out
+
+
+@lru_cache(maxsize=512)
+def _group_tensors(group: ExpertGroup) -> tuple[ExpertTensor, ...]:
+    """``group.tensors()``, made once per group (a release's trunk has 58 groups of 768, asked for several times
+    while a checkpoint is classified and audited)."""
+    return tuple(group._tensors())
+
+
+@lru_cache(maxsize=512)
+def _group_columns(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    rows = group._per_expert_keys() if group.layout.per_expert else _group_tensors(group)
+    return tuple(r[0] for r in rows), tuple(r[1] for r in rows)
+
+
+def forget_group_tensors() -> None:
+    """Drop the memoised tensors of every group (after a pass over a whole trunk: tens of thousands of keys)."""
+    _group_tensors.cache_clear()
+    _group_columns.cache_clear()
 
 
 class ExpertTensor(NamedTuple):  # a tuple: built tens of thousands of times per checkpoint, cheaply

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from ..dtypes import FLOAT_DTYPES
@@ -21,10 +22,10 @@ from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout
 from .quant.companions import WeightFormat, weight_format
 from .tables.loader import detect_table, get_table
 from .tables.resolve import Resolved, Spec, resolve
-from .tables.schema import Table
 
 if TYPE_CHECKING:
     from .quant import QuantScheme, Storage
+    from .tables.schema import Table
 
 
 @dataclass
@@ -97,6 +98,9 @@ class MtpView:
                              + (" ..." if len(problems) > 20 else ""), rule="mtp-incomplete")
 
 
+_SHAPE = attrgetter("shape")
+
+
 def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
     """The layout whose tensors are on disk; the shipped layout when nothing matches."""
     candidates = [group.layout] + [ExpertLayout(n) for n in LAYOUT_NAMES if n != group.layout.name]
@@ -104,7 +108,9 @@ def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
     if hasattr(keys, "get"):
         for lay in candidates:
             g = group if lay == group.layout else group.with_layout(lay)
-            if all(tuple(getattr(keys.get(t.key), "shape", ())) == t.shape for t in g.tensors()):
+            names, shapes = g.columns()
+            refs = list(map(keys.get, names))  # one C-level pass per group (768 tensors a layer in a release)
+            if None not in refs and tuple(map(tuple, map(_SHAPE, refs))) == shapes:
                 return lay
     best, best_hits = group.layout, -1
     stored = _stored_weight_suffixes()

@@ -13,11 +13,15 @@ a draft of another model (``wrong-family``); no evidence at all is ``draft-unpro
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
-from .formats import Format
 from .tables.loader import all_tables
-from .tables.schema import Table
+
+if TYPE_CHECKING:
+    from .formats import Format
+    from .tables.schema import Table
 
 OVERRIDE = "--arch FAMILY asserts the draft's family and overrides this check"
 

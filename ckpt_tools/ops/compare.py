@@ -16,15 +16,16 @@ positions where both sides are finite.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..arrays import Scratch, decode_floats
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
 from ..io.safetensors_io import TensorRef
-from ..jsonutil import json_float
 from ..stream.plan import CopyBytes, Recipe
+from .tensor_diff import TensorDiff  # noqa: F401 - re-exported: compare's result
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where values are compared: byte-identical tensors need none
 
 CHUNK_ELEMS = 1 << 20  # elements per chunk when comparing bytes or counting NaN/Inf
 STATS_CHUNK_ELEMS = 1 << 16  # elements per statistics chunk: its temporaries stay in the CPU cache
@@ -33,38 +34,6 @@ _RESCALE_ABOVE = 2.0**480  # float64 squares of larger values overflow: such chu
 
 class Cancelled(Exception):
     """A comparison stopped because its ``stop`` event was set (the caller is failing anyway)."""
-
-
-@dataclass
-class TensorDiff:
-    key: str
-    status: str  # unchanged | replaced | added | removed | dtype-changed | shape-changed
-    dtype_a: str | None = None
-    dtype_b: str | None = None
-    shape_a: list | None = None
-    shape_b: list | None = None
-    max_abs: float | None = None  # NaN when a position holds NaN, inf when one side is infinite
-    rel_l2: float | None = None  # over the positions where both sides are finite
-    cosine: float | None = None  # idem
-    norm_a: float | None = None  # L2 norms over those positions
-    norm_b: float | None = None
-    nonfinite: int = 0  # NaN / Inf count on the B side (the written side in stitch)
-    nan_count: int = 0  # positions where either side is NaN
-    inf_count: int = 0  # positions where either side is infinite (and neither is NaN)
-    divergent: str | None = None  # stitch: why this replaced tensor looks like another tensor, not a finetune
-    unjudged: str | None = None  # stitch: why the divergence check could not judge this tensor
-
-    def to_json(self) -> dict:
-        """Strict JSON: a NaN statistic is null (its positions are in nan_count), infinities are "inf" / "-inf"."""
-        out = {}
-        for k, v in asdict(self).items():
-            if v is None or (k in _COUNTS and v == 0):
-                continue
-            out[k] = json_float(v) if isinstance(v, float) else v
-        return out
-
-
-_COUNTS = ("nonfinite", "nan_count", "inf_count")
 
 
 def recipe_of(ref: TensorRef) -> Recipe:
@@ -96,6 +65,8 @@ def compare(key: str, a_dtype: str, a_shape, a: Recipe, b_dtype: str, b_shape, b
 
 def count_nonfinite(recipe: Recipe, dtype: str, shape) -> int:
     """NaN and Inf values a float tensor's recipe produces (0 for other dtypes)."""
+    import numpy as np
+
     from ..numeric.transforms import RecipeReader
 
     if dtype not in FLOAT_DTYPES:
@@ -132,6 +103,8 @@ def _check(stop) -> None:
 def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str, shape, decode_a, decode_b,
                 with_a: bool, stop=None) -> None:
     """Second pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics."""
+    import numpy as np
+
     from ..numeric.transforms import RecipeReader
 
     numel = math.prod(shape)
@@ -188,6 +161,8 @@ class _Acc:
         self._scratch = Scratch()
 
     def add(self, a: np.ndarray, b: np.ndarray) -> None:
+        import numpy as np
+
         a, b = a.reshape(-1), b.reshape(-1)
         work = np.result_type(a.dtype, b.dtype, np.float32)
         diff, square = self._buffers(work, a.size)
@@ -204,6 +179,8 @@ class _Acc:
         self.pairs += a.size
 
     def _careful(self, a: np.ndarray, b: np.ndarray) -> None:
+        import numpy as np
+
         a, b = a.astype(np.float64), b.astype(np.float64)
         nan = np.isnan(a) | np.isnan(b)
         inf = (np.isinf(a) | np.isinf(b)) & ~nan
@@ -238,6 +215,7 @@ class _Acc:
         self.shift = shift
 
     def _buffers(self, dtype: np.dtype, n: int) -> tuple[np.ndarray, np.ndarray]:
+
         return self._scratch.take("diff", n, dtype), self._scratch.take("square", n, dtype)
 
     def result(self) -> tuple[float, float | None, float | None, float | None, float | None]:
@@ -263,6 +241,8 @@ def _ldexp(x: float, e: int) -> float:
 
 
 def _sum_squares(x: np.ndarray, out: np.ndarray) -> float:
+    import numpy as np
+
     np.multiply(x, x, out=out)
     return float(out.sum(dtype=np.float64))
 

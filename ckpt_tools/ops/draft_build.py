@@ -4,14 +4,19 @@ layouts and dtypes (``draft_tensors``) and its config.json (``build_draft_config
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
 from ..errors import UsageError
-from ..model.formats import Correspondence, Format, draft_config, format_env, verifier_name_of
+from ..model.formats import Correspondence, draft_config, format_env, verifier_name_of
 from ..model.mtp import MtpView
 from ..numeric import transforms
 from ..stream.plan import CopyBytes, OutputTensor
 from .out_dtype import DTYPE_NAMES, finish_tensor
 from .output_config import set_count
+
+if TYPE_CHECKING:
+    from ..model.formats import Format
 
 
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None

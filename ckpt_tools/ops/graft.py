@@ -31,9 +31,9 @@ from ..stream.fingerprint import record_inputs
 from ..stream.plan import CopyBytes, OutputTensor, Plan
 from .add_mtp import mtp_into, require_indexed, virtual_view
 from .carry import check_inputs
-from .compare import TensorDiff
 from .output_config import config_files, repair_config, set_count
 from .stitch_report import StitchReport
+from .tensor_diff import TensorDiff
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
 BLOCK_FP8 = "fp8-block"  # the target's block format (model.quant.companions: its scheme table's scale companion, block)

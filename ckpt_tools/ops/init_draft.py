@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..errors import InputError, UsageError
@@ -31,12 +32,11 @@ from ..io.safetensors_io import TensorRef
 from ..model.consistency import MTP_RULES, note_allowed
 from ..model.expert_layouts import ExpertLayout
 from ..model.expr import evaluate, render
-from ..model.formats import Correspondence, Format, correspond, get_format
+from ..model.formats import Correspondence, correspond, get_format
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView, detect_group_layout
 from ..model.quant.companions import WeightFormat, weight_format
 from ..model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
-from ..model.tables.schema import Table
 from ..numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ..options import MAX_SEED, int_in_range, positive_finite
 from ..stream.fingerprint import record_inputs
@@ -45,6 +45,10 @@ from .carry import carried_files
 from .draft_build import build_draft_config, draft_tensors
 from .out_dtype import dtype_arg
 from .output_config import set_count
+
+if TYPE_CHECKING:
+    from ..model.formats import Format
+    from ..model.tables.schema import Table
 
 DEFAULT_STD = 0.02
 

@@ -24,7 +24,7 @@ from ..model.gate import check
 from ..model.mtp import MtpView
 from ..model.quant.audit import Audit, audit, experts_stored
 from ..model.quant.report import audit_json
-from ..model.tables.schema import GLUE_ROLES
+from ..model.tables.roles import GLUE_ROLES
 
 ROLE_ORDER = (*GLUE_ROLES, "block", "experts", "fp8_scales")
 _ROLE_NAME = {"expert": "experts", "scale": "fp8_scales"}
@@ -135,92 +135,143 @@ def _quantization(ckpt: Checkpoint, view: MtpView, result: Audit) -> dict | None
 def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport:
     """The report for an already classified checkpoint."""
     ckpt = view.ckpt
-    res = view.resolved
-    source_name = {id(src): name for name, src in ckpt.sources.items()}
+    whole, whole_dtypes = _checkpoint_totals(ckpt)
+    tally = _tally_mtp(view)
+    quant = audit(view)  # per MTP module: stored as what, declared as what
+    table = view.table
+    return InspectReport(
+        path=ckpt.root, family=table.family, title=table.title, table_source=table_source, norm=table.norm,
+        concat_order=table.mtp.concat_order, dtype=view.resolved.dtype, mtp_layers=view.count,
+        count_field=_count_field(view), quantization=_quantization(ckpt, view, quant),
+        mtp_quant=audit_json(quant) if quant.modules or quant.scheme is not None or quant.unknown else None,
+        totals={"checkpoint": whole, "mtp": tally.mtp}, roles=tally.ordered_roles(), layers=_layers(view, tally),
+        experts=_experts(view), shards=_shards(ckpt, tally), dtypes={"mtp": _sorted(tally.dtypes),
+                                                                     "checkpoint": _sorted(whole_dtypes)},
+        fp8=tally.fp8, tensors=tally.tensors, status=_status(view), view=view, reader=ckpt.reader,
+        reader_notes=list(ckpt.reader_notes),
+    )
 
+
+def _checkpoint_totals(ckpt: Checkpoint) -> tuple[dict, dict[str, dict]]:
+    """Tensors, params, bytes and shards of the whole checkpoint, and per dtype."""
     whole = _stats()
-    whole_dtypes: dict[str, dict] = {}
+    by_dtype: dict[str, dict] = {}
     # by kind of tensor (a release's 92,000 tensors come in ~50 dtype x shape kinds), then summed per kind
     kinds = Counter(map(attrgetter("dtype", "shape", "nbytes"), ckpt.tensors.values()))
     for (dtype, shape, nbytes), n in kinds.items():  # in order of first appearance, as the dtypes were listed
         numel = math.prod(shape)
-        for stats in (whole, whole_dtypes.setdefault(dtype, _stats())):
+        for stats in (whole, by_dtype.setdefault(dtype, _stats())):
             stats["tensors"] += n
             stats["params"] += n * numel
             stats["bytes"] += n * nbytes
     whole["shards"] = len(ckpt.shard_keys)  # safetensors shards, or the files a draft reader read
+    return whole, by_dtype
 
-    mtp = _stats()
-    roles: dict[str, dict] = {}
-    mtp_dtypes: dict[str, dict] = {}
-    by_depth: dict[int | None, dict] = {}
-    by_shard: dict[str, dict] = {}
-    tensors: list[dict] = []
+
+@dataclass
+class _MtpTally:
+    """The MTP tensors stored, summed by role, dtype, depth and shard, with one entry each."""
+
+    mtp: dict = field(default_factory=_stats)
+    roles: dict[str, dict] = field(default_factory=dict)
+    dtypes: dict[str, dict] = field(default_factory=dict)
+    by_depth: dict[int | None, dict] = field(default_factory=dict)
+    by_shard: dict[str, dict] = field(default_factory=dict)
+    tensors: list[dict] = field(default_factory=list)
+    fp8: dict = field(default_factory=dict)
+
+    def add(self, role: str, depth: int | None, dtype: str, shard: str, numel: int, nbytes: int) -> None:
+        _add(self.mtp, numel, nbytes)
+        _add(self.roles.setdefault(role, {**_stats(), "keys": []}), numel, nbytes)
+        _add(self.dtypes.setdefault(dtype, _stats()), numel, nbytes)
+        _add(self.by_depth.setdefault(depth, _stats()), numel, nbytes)
+        _add(self.by_shard.setdefault(shard, _stats()), numel, nbytes)
+
+    def ordered_roles(self) -> dict[str, dict]:
+        ordered = {r: self.roles[r] for r in ROLE_ORDER if r in self.roles}
+        ordered.update({r: v for r, v in self.roles.items() if r not in ordered})
+        return ordered
+
+
+def _tally_mtp(view: MtpView) -> _MtpTally:
+    """Every MTP tensor stored (a quantized weight counts every tensor it is stored as), one entry each."""
+    ckpt = view.ckpt
+    source_name = {id(src): name for name, src in ckpt.sources.items()}
     fmt = view.block_format  # the checkpoint's block format (model.quant.companions)
-    fp8 = {"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)}
-    for s, key in view.stored():  # a quantized weight (quant scheme tables) counts every tensor it is stored as
+    tally = _MtpTally(fp8={"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)})
+    for s, key in view.stored():
         ref = ckpt.tensors[key]
         role = _ROLE_NAME.get(s.role, s.role)
         numel, nbytes = ref.numel, ref.nbytes
-        _add(mtp, numel, nbytes)
-        r = roles.setdefault(role, {**_stats(), "keys": []})
-        _add(r, numel, nbytes)
-        r["keys"].append(key)
-        _add(mtp_dtypes.setdefault(ref.dtype, _stats()), numel, nbytes)
-        _add(by_depth.setdefault(s.depth, _stats()), numel, nbytes)
         shard = source_name.get(id(ref.source)) or ckpt.shard_of(key)
-        _add(by_shard.setdefault(shard, _stats()), numel, nbytes)
+        tally.add(role, s.depth, ref.dtype, shard, numel, nbytes)
+        tally.roles[role]["keys"].append(key)
         entry = {"key": key, "role": role, "depth": s.depth, "dtype": ref.dtype, "shape": list(ref.shape),
                  "params": numel, "bytes": nbytes, "shard": shard}
         if s.key in view.quantized:
             entry["stored_as"] = view.quantized[s.key].label
         elif fmt.stores(ref.dtype):
             entry["scale"] = fmt.scale_key(s.key)
-            fp8["weights"] += 1
+            tally.fp8["weights"] += 1
         if role == "fp8_scales":
-            fp8["scales"] += 1
-        tensors.append(entry)
-    mtp["shards"] = len(by_shard)
+            tally.fp8["scales"] += 1
+        tally.tensors.append(entry)
+    tally.mtp["shards"] = len(tally.by_shard)
+    return tally
 
-    layers = [
-        {"depth": layer.depth, "prefix": layer.prefix, **by_depth.get(layer.depth, _stats())}
-        for layer in res.layers
-    ]
-    if None in by_depth:
-        layers.append({"depth": None, "prefix": None, **by_depth[None]})
 
-    experts = []
+def _layers(view: MtpView, tally: _MtpTally) -> list[dict]:
+    """Per MTP depth; the tensors every depth shares last (depth None)."""
+    out = [{"depth": layer.depth, "prefix": layer.prefix, **tally.by_depth.get(layer.depth, _stats())}
+           for layer in view.resolved.layers]
+    if None in tally.by_depth:
+        out.append({"depth": None, "prefix": None, **tally.by_depth[None]})
+    return out
+
+
+def _experts(view: MtpView) -> list[dict]:
+    """Per routed-expert group, in the layout on disk: what is stored and how."""
+    ckpt = view.ckpt
     stored_as: dict[str, list[str]] = {}  # logical key -> the tensors it is stored as (weight_packed + scales ...)
     for s, key in view.stored():
         stored_as.setdefault(s.key, []).append(key)
-    for g in view.groups():  # in the layout on disk
-        table_layout = next((x.layout for x in res.experts() if x.prefix == g.prefix), g.layout)
+    out = []
+    for g in view.groups():
+        table_layout = next((x.layout for x in view.resolved.experts() if x.prefix == g.prefix), g.layout)
         st = _stats()
         for t in g.tensors():
             for key in stored_as.get(t.key, ()):
                 ref = ckpt.tensors[key]
                 _add(st, ref.numel, ref.nbytes)
         stored = experts_stored(view, g)  # from the stored dtypes and companions, not the table's quant flag
-        experts.append({
+        out.append({
             "prefix": g.prefix, "depth": g.depth, "count": g.count, "hidden": g.hidden, "inter": g.inter,
             "gated": g.gated, "quant": stored is not None and stored.state == "quantized",
             "stored": stored.label if stored is not None else None,
             "layout_shipped": table_layout.label(), "layout": g.layout.label(), **st,
         })
+    return out
 
-    shards = []
-    for name in sorted(by_shard):
+
+def _shards(ckpt: Checkpoint, tally: _MtpTally) -> list[dict]:
+    """The files holding MTP tensors: their MTP share and their whole."""
+    out = []
+    for name in sorted(tally.by_shard):
         keys = ckpt.shard_keys.get(name, [])
         h = ckpt.headers.get(name)
-        shards.append({
+        out.append({
             "name": name,
-            "mtp_tensors": by_shard[name]["tensors"],
-            "mtp_bytes": by_shard[name]["bytes"],
+            "mtp_tensors": tally.by_shard[name]["tensors"],
+            "mtp_bytes": tally.by_shard[name]["bytes"],
             "tensors": len(keys),
             "bytes": h.data_bytes if h else sum(ckpt.tensors[k].nbytes for k in keys),
         })
+    return out
 
-    status = {
+
+def _status(view: MtpView) -> dict:
+    """Complete or not, and what is missing, mis-shaped, extra or beyond the declared count."""
+    return {
         "complete": view.complete(),
         "missing": [{"key": s.key, "role": _ROLE_NAME.get(s.role, s.role), "depth": s.depth, "shape": list(s.shape)}
                     for s in view.missing],
@@ -230,19 +281,6 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         "beyond": list(view.beyond),
         "optional_absent": [s.key for s in view.optional_absent],
     }
-    quant = audit(view)  # per MTP module: stored as what, declared as what
-    ordered_roles = {r: roles[r] for r in ROLE_ORDER if r in roles}
-    ordered_roles.update({r: v for r, v in roles.items() if r not in ordered_roles})
-    table = view.table
-    return InspectReport(
-        path=ckpt.root, family=table.family, title=table.title, table_source=table_source, norm=table.norm,
-        concat_order=table.mtp.concat_order, dtype=res.dtype, mtp_layers=view.count,
-        count_field=_count_field(view), quantization=_quantization(ckpt, view, quant),
-        mtp_quant=audit_json(quant) if quant.modules or quant.scheme is not None or quant.unknown else None,
-        totals={"checkpoint": whole, "mtp": mtp}, roles=ordered_roles, layers=layers, experts=experts,
-        shards=shards, dtypes={"mtp": _sorted(mtp_dtypes), "checkpoint": _sorted(whole_dtypes)}, fp8=fp8,
-        tensors=tensors, status=status, view=view, reader=ckpt.reader, reader_notes=list(ckpt.reader_notes),
-    )
 
 
 def _sorted(d: dict[str, dict]) -> dict[str, dict]:

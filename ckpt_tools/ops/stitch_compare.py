@@ -23,7 +23,7 @@ from ..errors import InputError
 from ..model.quant.companions import WeightFormat
 from ..numeric import transforms
 from ..stream.plan import Compute, CopyBytes, OutputTensor
-from .compare import TensorDiff, compare, count_nonfinite
+from .tensor_diff import TensorDiff
 
 if TYPE_CHECKING:
     from ..io.checkpoint import Checkpoint
@@ -108,6 +108,8 @@ def decide(view: MtpView, cand: Candidates) -> list[Decision]:
 
 def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
     """One candidate against the verifier: values compared, status and dtypes as written."""
+    from .compare import compare, count_nonfinite  # numpy: a report that compares nothing (graft) needs none
+
     vref = view.ckpt.tensors.get(key)
     encoded = cand.encoded.get(key)
     stored = encoded or view.quantized.get(key)

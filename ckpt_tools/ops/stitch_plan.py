@@ -24,7 +24,7 @@ from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ..model.consistency import count_field, note_allowed
 from ..model.expert_layouts import ExpertGroup
-from ..model.formats import Correspondence, Format, correspond, detect_format, get_format, wrappers_of
+from ..model.formats import Correspondence, correspond, detect_format, get_format, wrappers_of
 from ..model.gate import require_consistent
 from ..model.mtp import MtpView, choose_table, detect_group_layout
 from ..model.prefixes import Unwrapped, unwrap
@@ -45,6 +45,7 @@ from .stitch_report import StitchReport
 
 if TYPE_CHECKING:
     from ..io.safetensors_io import TensorRef
+    from ..model.formats import Format
 
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .compare import TensorDiff
 from .stitch_compare import DIVERGENCE, Decision
+from .tensor_diff import TensorDiff
 
 
 @dataclass

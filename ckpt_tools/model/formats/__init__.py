@@ -7,16 +7,12 @@ half swaps, column joins - each invertible); ``templates``: the draft's config.j
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .links import FUSION_HALVES, Correspondence, ExpertLink, TensorLink, correspond
 from .supports import check_expressible, format_env
 from .table import (
     CACHE_PREFIX,
-    ConfigCheck,
-    ConfigRecipe,
-    DetectRule,
-    FieldRequirement,
-    Format,
-    Supports,
     all_formats,
     all_wrappers,
     detect_format,
@@ -25,6 +21,16 @@ from .table import (
     wrappers_of,
 )
 from .templates import draft_config, template_env, verifier_name_of
+
+if TYPE_CHECKING:
+    from .models import ConfigCheck, ConfigRecipe, DetectRule, FieldRequirement, Format, Supports
+
+
+def __getattr__(name: str) -> Any:
+    """The schema's classes (``models``), imported when asked for: runs read checked tables as plain records."""
+    from . import table
+
+    return getattr(table, name)
 
 __all__ = [
     "CACHE_PREFIX", "FUSION_HALVES", "ConfigCheck", "ConfigRecipe", "Correspondence", "DetectRule", "ExpertLink",

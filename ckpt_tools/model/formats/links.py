@@ -10,6 +10,7 @@ fusion slot (inverse: split at the halves' widths, ``TensorLink.columns``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ...errors import InputError, UsageError
 from ..expert_layouts import ExpertGroup, ExpertLayout
@@ -17,7 +18,9 @@ from ..expr import render, render_key
 from ..mtp import MtpView
 from ..tables.resolve import MtpLayer, Spec
 from .supports import check_expressible
-from .table import Format
+
+if TYPE_CHECKING:
+    from .table import Format
 
 
 @dataclass

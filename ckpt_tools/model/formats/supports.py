@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ...errors import InputError, TableError
 from ..expr import ExprError, evaluate, names_in
 from ..mtp import MtpView
-from .table import Format
+
+if TYPE_CHECKING:
+    from .table import Format
 
 
 def check_expressible(fmt: Format, view: MtpView, layers: list[int]) -> None:

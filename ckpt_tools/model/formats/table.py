@@ -1,4 +1,4 @@
-"""Draft format tables (mappings/formats/): the model, loading, and recognising a draft's format.
+"""Draft format tables (mappings/formats/): loading, and recognising a draft's format (the schema: ``models``).
 
 A format maps canonical MTP roles to names; ``links`` resolves it against a verifier's MTP view,
 ``supports`` says whether it can express a family at all, ``templates`` fills its config.json.
@@ -6,105 +6,29 @@ A format maps canonical MTP roles to names; ``links`` resolves it against a veri
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import TYPE_CHECKING, Any
 
 from ...errors import TableError, UsageError
 from ..prefixes import WRAPPERS, peel
 from ..tables import cache as table_cache
 from ..tables.loader import _parse, mappings_dir
 
+if TYPE_CHECKING:
+    from .models import Format
 
-class FieldRequirement(BaseModel):
-    """Config fields (dotted paths in ``config.set``) whose source value must be known when ``when`` holds.
-
-    The consumer builds its model from them and has a default of its own for each; writing no
-    value would let that default (another model's) decide silently, so the family is refused.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    fields: list[str]
-    when: str | None = None  # condition over the format environment (format_env)
-    reason: str = ""
+# the schema's classes (formats/models.py), imported when asked for: a run reads the checked tables as plain records
+_MODELS = ("FieldRequirement", "ConfigCheck", "Supports", "DetectRule", "ConfigRecipe", "Format")
 
 
-class ConfigCheck(BaseModel):
-    """A condition over the format environment the consumer's model needs (refused with ``reason``)."""
+def __getattr__(name: str) -> Any:
+    if name in _MODELS:
+        from . import models
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    expr: str
-    reason: str
-    when: str | None = None
-
-
-class Supports(BaseModel):
-    """What a format's consumer can load. An unmet condition refuses the family, with ``reason``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    model_types: list[str] = Field(default_factory=list)
-    # block tensor names (after tag renames) the consumer's layer must find, and the only ones it takes
-    block_requires: list[str] = Field(default_factory=list)
-    block_allows: list[str] = Field(default_factory=list)  # regular expressions
-    reason: str = ""
-    # glue roles the consumer's layer always has: a family without one cannot round-trip
-    glue_requires: list[str] = Field(default_factory=list)
-    glue_reason: str = ""
-    config_requires: list[FieldRequirement] = Field(default_factory=list)
-    config_checks: list[ConfigCheck] = Field(default_factory=list)
-
-
-class DetectRule(BaseModel):
-    """How stitch recognises a draft of this format from its config.json."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    config_equals: dict = Field(default_factory=dict)  # every key must have this value
-    architecture_suffix: str | None = None
-    # draft keys (after wrapper prefixes) that mark this format when no config or manifest says
-    # (a trainer's DCP step folder has neither): every one must be present
-    keys: list[str] = Field(default_factory=list)
-
-
-class ConfigRecipe(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    base: Literal["source", "none"] = "source"
-    set: dict = Field(default_factory=dict)
-
-
-class Format(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    title: str
-    rename: Literal["native", "reprefix", "roles"]
-    max_layers: int | None = None
-    layer_prefix: str = ""
-    glue: dict[str, str] = Field(default_factory=dict)
-    embed: str | None = None  # where --with-embed puts the embedding (roles formats)
-    head: str | None = None
-    block_prefix: str = ""
-    tag_renames: dict[str, str] = Field(default_factory=dict)
-    expert_layout: str | None = None  # None: keep the verifier's layout
-    expert_prefix: str | None = None  # relative to the block prefix; None: the family's own
-    concat_order: Literal["embed_first", "hidden_first"] | None = None  # None: keep the family's
-    norm: Literal["plain", "zero_centred", "family"] = "family"
-    drop_roles: list[str] = Field(default_factory=list)
-    requires_engine: str | None = None
-    carry_files: bool = False  # copy tokenizer / generation config / other non-weight files
-    detect: DetectRule | None = None
-    # config.json fields (dotted paths) naming the model a draft of this format came from:
-    # stitch's proof that the draft belongs to the verifier (see provenance.py)
-    evidence: list[str] = Field(default_factory=list)
-    ignore_keys: list[str] = Field(default_factory=list)  # draft keys stitch skips on purpose (with reason)
-    # wrapper prefixes this format's trainer puts on keys, beyond the generic ones (prefixes.WRAPPERS)
-    strip_prefixes: list[str] = Field(default_factory=list)
-    supports: Supports = Field(default_factory=Supports)
-    config: ConfigRecipe = Field(default_factory=ConfigRecipe)
-    # named constant tables the config template reads (e.g. a consumer's per-model-type defaults);
-    # their "{expr}" leaves are filled over the same environment first
-    tables: dict[str, dict] = Field(default_factory=dict)
+        return getattr(models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 CACHE_PREFIX = "formats-"
@@ -115,6 +39,11 @@ def formats_dir() -> Path:
 
 
 def _build(path: Path, data: object) -> Format:
+    from pydantic import ValidationError
+
+    from ..tables.plain import to_plain
+    from .models import Format
+
     try:
         fmt = Format.model_validate(data)
     except ValidationError as e:
@@ -122,14 +51,18 @@ def _build(path: Path, data: object) -> Format:
         raise TableError(msgs, path=str(path)) from None
     if fmt.name != path.stem:
         raise TableError(f"field name: {fmt.name!r} must match the file name {path.stem!r}", path=str(path))
-    return fmt
+    return to_plain(fmt)
 
 
 @lru_cache(maxsize=1)
 def all_formats() -> dict[str, Format]:
-    # parsed once into the tables' cache (checked on every load, like the architecture tables): most runs
-    # then never import yaml
-    return table_cache.load_tables((formats_dir(),), _parse, _build, lambda f: f.name, CACHE_PREFIX)
+    # checked once into the tables' cache, like the architecture tables: most runs then import neither yaml nor
+    # pydantic
+    return table_cache.load_tables((formats_dir(),), _parse, _build, lambda f: f.name, CACHE_PREFIX, code=_CODE)
+
+
+_CODE = tuple(Path(__file__).with_name(n) for n in ("table.py", "models.py")) + (
+    Path(__file__).parent.parent / "tables" / "plain.py",)
 
 
 def get_format(name: str) -> Format:
@@ -160,12 +93,19 @@ def all_wrappers() -> list[str]:
 
 
 def _by_keys(keys: Collection[str], strip_prefix: str | None) -> Format | None:
-    listed = list(keys)
-    have = set(listed)
+    # a checkpoint's tensors (a mapping) answer membership as they are: no copy of a release's 92,000 keys
+    have = keys if isinstance(keys, (Mapping, set, frozenset)) else set(keys)
+    listed: list[str] | None = None
     for fmt in all_formats().values():
         marks = fmt.detect.keys if fmt.detect else []
-        prefixes = [strip_prefix] if strip_prefix is not None else ["", *peel(listed, wrappers_of(fmt)[0])]
-        if marks and any(all(p + m in have for m in marks) for p in prefixes):
+        if not marks:
+            continue
+        if strip_prefix is not None:
+            prefixes = [strip_prefix]
+        else:
+            listed = list(keys) if listed is None else listed
+            prefixes = ["", *peel(listed, wrappers_of(fmt)[0])]
+        if any(all(p + m in have for m in marks) for p in prefixes):
             return fmt
     return None
 

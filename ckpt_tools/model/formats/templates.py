@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import re
+from typing import TYPE_CHECKING
 
 from ...errors import TableError
 from ..expr import ExprError, evaluate
-from .table import Format
+
+if TYPE_CHECKING:
+    from .table import Format
 
 _HUB_CACHE = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 

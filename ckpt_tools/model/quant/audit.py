@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from ...dtypes import FLOAT_DTYPES
@@ -23,7 +25,7 @@ from ...errors import InputError
 from ..expert_layouts import ExpertGroup, ExpertLayout
 from .companions import block_format, weight_format
 from .config import QuantFiles
-from .declared import Declared, declaration, sections_of
+from .declared import Declared, Declarer, declaration
 from .detect import QuantScheme, detect_scheme
 from .storage import Storage, module_storage
 
@@ -109,16 +111,73 @@ def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Store
     ref = view.ckpt.tensors.get(key)
     st = view.quantized.get(key)
     if st is None and ref is not None and ref.dtype in FLOAT_DTYPES:
-        return Stored("unquantized", ref.dtype, dtype=ref.dtype)
+        return _plain(ref.dtype)
     fmt = view.block_format
     if st is None and ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(key) in view.ckpt.tensors:
         # the checkpoint's block format (its scale companion): the fp8-* rules check its scales
-        return Stored("quantized", f"{ref.dtype} block {list(fmt.block)}", dtype=ref.dtype)
+        return _block(ref.dtype, fmt.block)
     if st is None:  # something only the scheme tables know
         st = module_storage(view.ckpt, scheme, key.removesuffix(".weight"), tuple(shape))
     if st.state == "quantized":
         return Stored("quantized", st.label, st.scheme, st, st.dtype)
     return Stored("unquantized", st.label, None, st, st.dtype)
+
+
+# one shared description per dtype (a release has 46,000 modules stored a handful of ways): the trunk audit
+# judges each distinct (stored, declared) pair once
+@lru_cache(maxsize=64)
+def _plain(dtype: str) -> Stored:
+    return Stored("unquantized", dtype, dtype=dtype)
+
+
+@lru_cache(maxsize=64)
+def _block(dtype: str, block: tuple[int, int]) -> Stored:
+    return Stored("quantized", f"{dtype} block {list(block)}", dtype=dtype)
+
+
+def _weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The keys of a per-expert group and their module names, when every key is a ``.weight`` (else none: such a
+    group is looked at key by key)."""
+    return _group_weights(group)
+
+
+@lru_cache(maxsize=512)
+def _group_weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    keys = group.columns()[0]
+    if not all(k.endswith(".weight") for k in keys):
+        return (), ()
+    return keys, tuple(k[:-7] for k in keys)
+
+
+def _stored_alike(ckpt: Any, fmt: Any, quantized: dict, keys: tuple[str, ...]) -> Stored | None:
+    """The one description of weights ``keys`` when all are present in one dtype, float or the checkpoint's block
+    format with every scale beside them (a release's routed experts, 768 a layer); None: ask per key."""
+    tensors = ckpt.tensors
+    refs = list(map(tensors.get, keys))
+    if not refs or None in refs or not quantized.keys().isdisjoint(keys):
+        return None
+    dtypes = set(map(_DTYPE, refs))
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    if dtype in FLOAT_DTYPES:
+        return _plain(dtype)
+    if fmt.stores(dtype):
+        suffix = fmt.scale_suffix
+        if all(map(tensors.__contains__, [k[:-6] + suffix for k in keys])):
+            return _block(dtype, fmt.block)
+    return None
+
+
+_DTYPE = attrgetter("dtype")
+
+
+def forget_group_keys() -> None:
+    """Drop the memoised keys of expert groups (``ExpertGroup.tensors`` / ``columns``, ``_weights``)."""
+    from ..expert_layouts import forget_group_tensors
+
+    _group_weights.cache_clear()
+    forget_group_tensors()
 
 
 def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf | None = None) -> list[Row]:
@@ -135,12 +194,16 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
         if s.role in ("scale", "expert", "trunk-expert") or s.kind != "linear" or not s.key.endswith(".weight"):
             continue
         out.append((s.key.removesuffix(".weight"), look(s.key, s.shape), s.quant, False))
-    present = {s.key for s in view.present}
+    present = view.present_keys() if isinstance(view, TrunkModules) else {s.key for s in view.present}
     for g in view.groups():
         if g.layout.per_expert:
-            for t in g.tensors():
-                if t.key in present:
-                    out.append((t.key.removesuffix(".weight"), look(t.key, t.shape), g.quant, True))
+            alike = None if stored_of is not None else _stored_alike(view.ckpt, view.block_format, view.quantized,
+                                                                     _weights(g)[0])
+            if alike is not None:  # every weight present, stored one way
+                out += [(m, alike, g.quant, True) for m in _weights(g)[1]]
+                continue
+            out += [(t.key[:-7] if t.key.endswith(".weight") else t.key, look(t.key, t.shape), g.quant, True)
+                    for t in g.tensors() if t.key in present]
             continue
         # fused / stacked experts: engines still probe (and exclude) them per expert
         whole = experts_stored(view, g, look)
@@ -196,8 +259,12 @@ def audit(view: MtpView, files: QuantFiles | None = None) -> Audit:
     return judge(module_rows(view, scheme), scheme, view.table, files)
 
 
-def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: QuantFiles | None = None) -> Audit:
-    """``audit`` over modules described directly (``rows``), e.g. the MTP a verb is about to write."""
+def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: QuantFiles | None = None, *,
+          every_module: bool = True) -> Audit:
+    """``audit`` over modules described directly (``rows``), e.g. the MTP a verb is about to write.
+
+    ``every_module=False``: ``modules`` keeps only the modules that disagree or are a fused layer's shards (the
+    findings are the same; the trunk rule needs no more)."""
     result = Audit(scheme)
     fused_map = {k: list(v) for k, v in table.fused_modules.items()}
     names = {m for m, *_ in rows}
@@ -210,13 +277,26 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     convention = scheme is not None and any(flag for _, _, flag, _ in rows) and (
         any(block_format(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
-    sections = sections_of(scheme, files) if scheme is not None else None  # read once for every row
+    declare = Declarer(scheme, files) if scheme is not None else None  # one answer per combination of matches
+    shards = {s for v in fused_map.values() for s in v}
+    # modules stored and declared alike (shared Stored / Declared objects) are judged once: a release's 46,000
+    # trunk modules come in a handful of such classes; a class that disagrees is judged module by module (the
+    # findings name each module)
+    fine: dict[tuple[int, int, bool], bool] = {}
     for module, stored, flag, expert in rows:
-        d = declaration(scheme, files, module, sections=sections) if scheme is not None else none
-        fused = () if expert else fused_names(module, fused_map, names)
-        result.modules.append(ModuleAudit(module, stored, d, flag, expert, convention and not flag, fused))
-    for m in result.modules:
+        d = declare(module) if declare is not None else none
+        fused = () if expert or module.rpartition(".")[2] not in shards else fused_names(module, fused_map, names)
+        exempt = convention and not flag
+        at = (id(stored), id(d), exempt)
+        if not every_module and not fused and fine.get(at):
+            continue
+        m = ModuleAudit(module, stored, d, flag, expert, exempt, fused)
+        result.modules.append(m)
+        if fine.get(at):
+            continue
+        before = len(result.findings)
         _judge(m, scheme, result)
+        fine[at] = len(result.findings) == before
     _judge_fused(result, scheme, files, fused_map)
     return result
 
@@ -294,22 +374,28 @@ def _judge_fused(result: Audit, scheme: QuantScheme | None, files: QuantFiles | 
 @dataclass
 class TrunkModules:
     """The main model's linear modules in the shape ``module_rows`` reads (``present``, ``quantized``, ``groups``):
-    the decoder layers the family table requires (``trunk_specs``), routed experts in the layout on disk."""
+    the decoder layers the family table requires (``trunk_specs``), routed experts in the layout on disk.
+    ``present`` holds the specs of the modules outside routed experts; ``expert_keys`` the routed experts' weights
+    found (46,000 in a release: keys, not a spec each)."""
 
     ckpt: Any
     block_format: Any
     present: list = field(default_factory=list)
     quantized: dict = field(default_factory=dict)
     expert_groups: list = field(default_factory=list)
+    expert_keys: set = field(default_factory=set)
 
     def groups(self) -> list[ExpertGroup]:
         return self.expert_groups
+
+    def present_keys(self) -> set[str]:
+        return self.expert_keys | {s.key for s in self.present}
 
 
 def trunk_modules(view: MtpView) -> TrunkModules:
     """``view``'s checkpoint's trunk linear modules, found as ``open_mtp`` finds the MTP ones."""
     from ..mtp import QuantLookup, detect_group_layout
-    from ..tables.resolve import Spec, trunk_specs
+    from ..tables.resolve import trunk_specs
 
     ckpt = view.ckpt
     keys = ckpt.tensors
@@ -321,9 +407,7 @@ def trunk_modules(view: MtpView) -> TrunkModules:
     for g in groups:
         lay = detect_group_layout(g, keys)
         out.expert_groups.append(g if lay == g.layout else g.with_layout(lay))
-    found = list(specs) + [Spec(t.key, t.shape, "trunk-expert", kind="linear", quant=g.quant)
-                           for g in out.expert_groups if g.layout.per_expert for t in g.tensors()]
-    for s in found:
+    for s in specs:
         if s.kind != "linear" or not s.key.endswith(".weight"):
             continue
         ref = keys.get(s.key)
@@ -333,6 +417,32 @@ def trunk_modules(view: MtpView) -> TrunkModules:
             out.present.append(s)
         elif ref is not None:
             out.present.append(s)
+    # routed experts: float, or the checkpoint's block format with its scale, told apart inline (QuantLookup's
+    # first test); the rest asks the scheme tables
+    fmt = view.block_format
+    suffix, block_dtypes = fmt.scale_suffix, fmt.weight_dtypes
+    found = out.expert_keys
+    for g in out.expert_groups:
+        if not g.layout.per_expert:
+            continue
+        if _stored_alike(ckpt, fmt, out.quantized, _weights(g)[0]) is not None:
+            found.update(_weights(g)[0])
+            continue
+        for t in g.tensors():
+            key = t.key
+            if not key.endswith(".weight"):
+                continue
+            ref = keys.get(key)
+            if ref is not None and (ref.dtype in FLOAT_DTYPES or (ref.dtype in block_dtypes and key[:-6] + suffix
+                                                                  in keys)):
+                found.add(key)
+                continue
+            st = quant.storage(t, ref)
+            if st is not None:
+                out.quantized[key] = st
+                found.add(key)
+            elif ref is not None:
+                found.add(key)
     return out
 
 
@@ -359,4 +469,4 @@ def audit_trunk(view: MtpView) -> Audit:
         return scheme
     if scheme is None:
         return Audit(None)  # nothing declared: FP8 without a config is rule quant-config, packed bytes mtp/trunk rules
-    return judge(trunk_rows(view, scheme), scheme, view.table)
+    return judge(trunk_rows(view, scheme), scheme, view.table, every_module=False)

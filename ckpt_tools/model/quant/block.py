@@ -10,10 +10,12 @@ it without importing the decoders.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..expr import ExprError, evaluate
-from .schema import FormatDef
+
+if TYPE_CHECKING:
+    from .schema import FormatDef
 
 FP8_CODES = ("fp8", "e4m3", "e5m2")
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from ..expert_layouts import scale_key
 from .block import block_tile
-from .schema import SchemeTable
 from .tables import all_schemes, get_scheme
+
+if TYPE_CHECKING:
+    from .schema import SchemeTable
 
 DEFAULT_SCHEME = "fp8-block"  # the block format of a checkpoint that declares, stores and hints nothing
 

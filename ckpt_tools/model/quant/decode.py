@@ -20,7 +20,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,7 +30,9 @@ from ...io.prefetch import prefetched
 from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch, whole_stream
 from ...numeric.fp8_decode import TABLES as FP8_TABLES
 from ...parallel import decode_threads, in_pool, ordered_map, run_all
-from .schema import DecoderDef
+
+if TYPE_CHECKING:
+    from .schema import DecoderDef
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                 dtype=np.float32)

@@ -6,15 +6,17 @@ are read whole. Memory stays at one band of the weight plus its scales, whatever
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...dtypes import DTYPES
 from ...errors import PlanError
 from ...stream.plan import Compute, CopyBytes, OutputTensor
 from ..expr import ExprError, evaluate
-from .schema import FormatDef
 from .storage import Storage
 from .tables import get_scheme, loaded_schemes
+
+if TYPE_CHECKING:
+    from .schema import FormatDef
 
 
 def format_of(storage: Storage) -> FormatDef:

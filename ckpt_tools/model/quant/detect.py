@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from .config import CONFIG, HF_QUANT, QuantFiles, dig, quant_files, section
-from .schema import ConfigDef, FormatDef, SchemeTable
 from .tables import all_schemes
+
+if TYPE_CHECKING:
+    from .schema import ConfigDef, FormatDef, SchemeTable
 
 
 @dataclass(frozen=True)
@@ -254,5 +256,23 @@ def detect_scheme(ckpt: Any) -> QuantScheme | None:
 
     Reads config.json ``quantization_config`` (``text_config`` first) and ``hf_quant_config.json``.
     InputError (rule ``quant-unknown``) when quantization is declared but no table describes it.
+
+    Asked by several rules of one gate (the evidence scans every key of a release), so the answer is kept on
+    ``ckpt`` while its tensors and configuration and the tables in force stay the same objects.
     """
-    return detect_in(quant_files(ckpt), ckpt.tensors)
+    from .tables import loaded_schemes
+
+    at = (id(loaded_schemes()), id(ckpt.tensors), len(ckpt.tensors), id(ckpt.config), id(ckpt.config.raw))
+    memo = getattr(ckpt, "_detected_scheme", None)
+    if memo is None or memo[0] != at:
+        try:
+            memo = (at, detect_in(quant_files(ckpt), ckpt.tensors), None)
+        except InputError as e:
+            memo = (at, None, e)
+        try:
+            ckpt._detected_scheme = memo
+        except AttributeError:  # a checkpoint-like object that keeps no attributes: asked again next time
+            pass
+    if memo[2] is not None:
+        raise memo[2]
+    return memo[1]

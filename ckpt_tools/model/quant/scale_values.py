@@ -11,22 +11,26 @@ scales and is invalid like any other.
 Cost: scales are a small part of the bytes (FP8 blocks 1/16384 of the weight, NVFP4 1/8). They are read
 in one pass, per shard in offset order, in batches of at most ``BATCH_BYTES`` (a scale tensor larger than
 that is read in pieces), each batch checked with two vectorised reductions on the raw bits (positive
-finite values of a float format are exactly a range of unsigned bit patterns); only a batch that fails
-is looked at tensor by tensor, to name the tensor and the first bad index.
+finite values of a float format are exactly a range of unsigned bit patterns); in a batch that fails,
+one ``reduceat`` finds the tensors holding a bad value, and only the first ``MAX_DETAILED`` are looked
+at one by one, to name the tensor and the first bad index (the rest are counted).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from ...io.safetensors_io import IO_STATS
 from ..problem import Problem
-from .schema import FormatDef, SchemeTable, TensorDef
+
+if TYPE_CHECKING:
+    from .schema import FormatDef, SchemeTable, TensorDef
 
 RULE = "quant-scale-value"
 DESCRIPTION = "a scale, global scale or zero point of a quantized module is NaN, Inf, zero, negative or out of range"
@@ -192,8 +196,36 @@ def _read(batch: list[_Piece]) -> tuple[bytearray, list[int]]:
     return buf, at
 
 
+# a small batch is judged without numpy (a small quantized checkpoint's read-only verbs then need none): its raw
+# values through a memoryview of the native unsigned / signed type of the same size, where that is little-endian
+_NATIVE = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "i1": "b", "<i2": "h", "<i4": "i", "<i8": "q"}
+SMALL_VALUES = 1 << 16  # values judged one by one at most (a few ms)
+
+
+def _fine_small(buf: bytearray, kind: _Kind) -> bool:
+    """True when ``buf`` is small and every value of it is in range; False when numpy must judge (or name) it."""
+    code = _NATIVE.get(kind.view)
+    if code is None or len(buf) > SMALL_VALUES * kind.itemsize or (kind.itemsize > 1 and sys.byteorder != "little"):
+        return False
+    values = memoryview(buf).cast(code)
+    if values.itemsize != kind.itemsize:
+        return False
+    return not len(values) or (kind.low <= min(values) and max(values) <= kind.high)
+
+
 def _bad(raw: Any, kind: _Kind) -> bool:
     return bool(raw.size) and (int(raw.min()) < kind.low or int(raw.max()) > kind.high)
+
+
+def _failing(raw: Any, at: list[int], kind: _Kind) -> list[int]:
+    """Indices of the pieces (starting at byte offsets ``at`` in ``raw``'s buffer) holding a value out of range."""
+    import numpy as np
+
+    bad = raw < kind.low
+    bad |= raw > kind.high  # two masks of the batch at most (a quarter of its bytes each for F32 scales)
+    starts = np.asarray(at, dtype=np.int64) // kind.itemsize
+    pieces = np.flatnonzero(np.diff(starts, append=raw.size) > 0)  # empty pieces hold nothing to judge
+    return pieces[np.logical_or.reduceat(bad, starts[pieces])].tolist() if pieces.size else []
 
 
 def _value(raw: int, kind: _Kind) -> str:
@@ -244,23 +276,30 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
     refs = [(r, k) for r, k in companions(ckpt, unknown) if r.source.local_fd() is not None]
     if not refs:
         return []
-    import numpy as np
-
     out: list[Problem] = []
     seen: set[str] = set()
     extra = 0
     for batch in _pieces(refs):
         buf, at = _read(batch)
         kind = batch[0][3]  # one kind per batch
-        if not _bad(np.frombuffer(buf, dtype=kind.view), kind):
+        if _fine_small(buf, kind):
             continue
-        for p, a in zip(batch, at, strict=True):
-            raw = np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize, offset=a)
-            if p[0].key in seen or not _bad(raw, kind):
+        import numpy as np
+
+        whole = np.frombuffer(buf, dtype=kind.view)
+        if not _bad(whole, kind):
+            continue
+        # the pieces holding a bad value, found in one pass over the batch (a replica's scales are all zero: every
+        # piece fails, and only the first MAX_DETAILED are looked at one by one)
+        for i in _failing(whole, at, kind):
+            p = batch[i]
+            key = p[0].key
+            if key in seen:  # another piece of a tensor larger than a batch
                 continue
-            seen.add(p[0].key)
+            seen.add(key)
             if len(out) < MAX_DETAILED:
-                out.append(_problem(p, raw))
+                out.append(_problem(p, np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize,
+                                                     offset=at[i])))
             else:
                 extra += 1
     if extra:

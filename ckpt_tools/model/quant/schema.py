@@ -21,6 +21,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..tables.plain import SchemeParams
+
 Scalar = str | int | float | bool | None
 MATCHERS = ("compressed-tensors", "quark", "modelopt", "transformers", "exact")
 CODES = ("fp8", "e4m3", "e5m2", "e2m1", "int")
@@ -182,7 +184,7 @@ class FormatDef(_Strict):
         return self
 
 
-class SchemeTable(_Strict):
+class SchemeTable(_Strict, SchemeParams):
     scheme: str
     title: str
     notes: str | None = None
@@ -191,9 +193,7 @@ class SchemeTable(_Strict):
     evidence: list[EvidenceDef] = Field(default_factory=list)
     storage: list[FormatDef]
 
-    @property
-    def params(self) -> set[str]:
-        return {p for d in self.declared_in for p in d.params}
+    # ``params`` (SchemeParams): every parameter name its declarations read
 
     @field_validator("storage")
     @classmethod

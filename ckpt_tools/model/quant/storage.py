@@ -12,13 +12,15 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...dtypes import FLOAT_DTYPES
 from ..expr import ExprError, evaluate
 from .detect import QuantScheme
-from .schema import FormatDef, SchemeTable
 from .tables import loaded_schemes
+
+if TYPE_CHECKING:
+    from .schema import FormatDef, SchemeTable
 
 StorageState = Literal["unquantized", "quantized", "absent"]
 

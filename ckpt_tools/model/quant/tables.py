@@ -2,7 +2,8 @@
 
 Tables are checked against ``schema.SchemeTable`` and their expressions against the names they
 may use; an error names the file and the field. Parsed YAML is cached like the architecture
-tables (``tables.cache``, its own entry); the checks run on every load.
+tables (``tables.cache``, its own entry, keyed by the encoders and code kinds too): a run with the tables
+unchanged reads them back checked, as plain records, without parsing or checking them again.
 
 A scheme from outside the package is one more directory of tables: ``register_scheme_dir(path)``
 (or ``CKPT_QUANT_TABLES``, os.pathsep-separated), read after the shipped tables, so a table there
@@ -19,16 +20,18 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from ...dtypes import DTYPES
 from ...errors import TableError, UsageError
 from ..expr import ExprError, names_in
 from ..tables import cache
 from ..tables.loader import _parse, mappings_dir
-from .schema import CODES, SchemeTable
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from .schema import SchemeTable
 
 CACHE_PREFIX = "quant-"
 SHAPE_VARS = frozenset({"rows", "cols"})  # the logical weight matrix, for granularity expressions
@@ -97,6 +100,8 @@ def _errors(err: ValidationError) -> str:
 
 def _check(table: SchemeTable, path: Path) -> None:
     """Dtypes are safetensors dtypes; expressions use only ``out``, ``in`` and declared params."""
+    from .schema import CODES
+
     known = SHAPE_VARS | table.params
 
     def expr(text: str | None, where: str) -> None:
@@ -157,6 +162,11 @@ def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
     data = _parse(path) if data is None else data
     if not isinstance(data, dict):
         raise TableError("a scheme table must be a YAML mapping", path=str(path))
+    from pydantic import ValidationError
+
+    from ..tables.plain import to_plain
+    from .schema import SchemeTable
+
     try:
         table = SchemeTable.model_validate(data)
     except ValidationError as e:
@@ -164,14 +174,21 @@ def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
     if table.scheme != path.stem:
         raise TableError(f"field scheme: {table.scheme!r} must match the file name {path.stem!r}", path=str(path))
     _check(table, path)
-    return table
+    return to_plain(table)  # what runs read (and the cache holds): the checked fields, without pydantic
 
 
 @lru_cache(maxsize=4)
 def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
           codes: frozenset[str] = frozenset()) -> dict[str, SchemeTable]:
     # ``encoders``, ``codes``: the encoders and registered code kinds the tables were checked against (key only)
-    return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX)
+    return cache.load_tables(dirs, _parse, load_scheme, lambda t: t.scheme, CACHE_PREFIX, code=_CODE,
+                             extra=[sorted(encoders), sorted(codes)])
+
+
+# what checks a scheme table: an edit to any of it misses the cache
+_CODE = (*(Path(__file__).with_name(n) for n in ("schema.py", "tables.py")),
+         Path(__file__).parent.parent / "tables" / "plain.py", Path(__file__).parent.parent / "expr.py",
+         Path(__file__).parents[2] / "dtypes.py")
 
 
 # (what decides the tables, the tables): planning a release asks once per quantized module (46,000 times), and

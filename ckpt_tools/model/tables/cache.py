@@ -1,14 +1,14 @@
-"""A per-user cache of parsed table files (YAML -> plain data, stored as JSON).
+"""A per-user cache of checked tables (YAML -> checked plain records, stored as JSON).
 
-Parsing the YAML of every table costs 0.1-0.3 s, paid by every command; reading the same
-data back from one JSON file takes milliseconds. Only the parsing is cached: every table
-is still checked (schema and names) on every run, so a damaged or edited cache cannot
-smuggle in a table that would be refused. An entry is keyed by the path and content hash
-of every table file and the tool version, so editing a table simply misses; each set of table
-directories keeps one entry. Location:
-``CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpt-tools``, else ``~/.cache/ckpt-tools``;
-``CKPT_CACHE_DIR=off`` disables it. Files owned by another user, or writable by others,
-are not read.
+Parsing the YAML of every table costs 0.1-0.3 s and checking it with the schemas (pydantic) 0.1 s more,
+paid by every command; reading the checked tables back from one JSON file takes milliseconds. An entry
+holds the tables as they were after every check of their loader (schema, names, expressions) passed, as
+plain records (``plain``); it is keyed by the path and content hash of every table file, the content of
+the code that checks them and the tool version, so editing a table or its schema simply misses (and the
+files are checked again); each set of table directories keeps one entry. Location: ``CKPT_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/ckpt-tools``, else ``~/.cache/ckpt-tools``; ``CKPT_CACHE_DIR=off`` disables it.
+Files owned by another user, or writable by others, are not read: an entry is trusted as the installed
+code is, so only its owner may have written it.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ def cache_dir() -> Path | None:
     return Path(base) / "ckpt-tools"
 
 
-def _entry(files: list[Path], prefix: str = PREFIX) -> Path | None:
+def _entry(files: list[Path], prefix: str = PREFIX, code: tuple[Path, ...] = (), extra: Any = None) -> Path | None:
     from ... import __version__
 
     root = cache_dir()
     if root is None:
         return None
-    key: list[Any] = [__version__]
-    for f in files:  # contents, not modification times: those tick coarser than a quick edit
+    key: list[Any] = [__version__, extra]
+    for f in (*files, *code):  # contents, not modification times: those tick coarser than a quick edit
         key.append([str(f.resolve()), hashlib.sha256(f.read_bytes()).hexdigest()])
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
     return root / f"{_place_prefix(files, prefix)}{digest}.json"
@@ -54,33 +54,41 @@ def _place_prefix(files: list[Path], prefix: str) -> str:
     return f"{prefix}{hashlib.sha256(json.dumps(dirs).encode()).hexdigest()[:8]}-"
 
 
-def load(files: list[Path], prefix: str = PREFIX) -> dict[str, Any] | None:
-    """The parsed data of exactly these table files ({str(path): data}), or None. ``prefix``: one
-    cache entry per kind of table (architectures, quantization schemes)."""
+def load(files: list[Path], prefix: str = PREFIX, code: tuple[Path, ...] = (), extra: Any = None
+         ) -> dict[str, Any] | None:
+    """The checked tables of exactly these table files ({name: table}), or None. ``prefix``: one cache entry per
+    kind of table (architectures, quantization schemes, formats); ``code``: the modules that check them;
+    ``extra``: anything else their checks depend on (JSON)."""
+    from .plain import loads
+
     try:
-        path = _entry(files, prefix)
+        path = _entry(files, prefix, code, extra)
         if path is None:
             return None
         with open(path, encoding="utf-8") as fh:
             st = os.fstat(fh.fileno())
             if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
                 return None
-            data = json.load(fh)
-        if not isinstance(data, dict) or sorted(data) != sorted(str(f) for f in files):
+            data = loads(fh.read())
+        if not isinstance(data, dict) or data.get("files") != [str(f) for f in files] \
+                or not isinstance(data.get("tables"), dict):
             return None
-        return data
-    except Exception:  # a missing, stale or damaged entry means parsing the YAML again
+        return data["tables"]
+    except Exception:  # a missing, stale or damaged entry means checking the YAML again
         return None
 
 
-def store(files: list[Path], parsed: dict[str, Any], prefix: str = PREFIX) -> None:
-    """Save the parsed data (atomically), replacing older entries. Data that JSON would change
-    (non-string keys, dates, ...) is not cached; failures cost speed, never correctness."""
+def store(files: list[Path], tables: dict[str, Any], prefix: str = PREFIX, code: tuple[Path, ...] = (),
+          extra: Any = None) -> None:
+    """Save the checked tables (atomically), replacing older entries. Tables that JSON would change
+    (non-string keys, dates, ...) are not cached; failures cost speed, never correctness."""
+    from .plain import dumps
+
     try:
-        text = json.dumps(parsed)
-        if json.loads(text) != parsed:
+        text = dumps({"files": [str(f) for f in files], "tables": tables})
+        if text is None:
             return
-        path = _entry(files, prefix)
+        path = _entry(files, prefix, code, extra)
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,19 +108,21 @@ def store(files: list[Path], parsed: dict[str, Any], prefix: str = PREFIX) -> No
 
 
 def load_tables(dirs: tuple[Path, ...], parse: Callable[[Path], Any], build: Callable[[Path, Any], T],
-                name_of: Callable[[T], str], prefix: str = PREFIX) -> dict[str, T]:
-    """Every ``*.yaml`` of ``dirs`` built into a table, by name (later directories override earlier
-    ones). YAML parsing is most of the cost, so the parsed data is cached; ``build`` checks run on every
-    load, and only data whose tables all passed them is stored."""
+                name_of: Callable[[T], str], prefix: str = PREFIX, code: tuple[Path, ...] = (),
+                extra: Any = None) -> dict[str, T]:
+    """Every ``*.yaml`` of ``dirs`` built into a checked table, by name (later directories override earlier
+    ones). ``build(path, data)`` checks one file's parsed YAML and returns its table as plain records
+    (``plain.to_plain``); the tables are cached only when every file passed, and a hit neither parses nor checks
+    (``code``, ``extra``: what the checks depend on besides the files, part of the entry's key)."""
     files = [p for d in dirs if d.is_dir() for p in sorted(d.glob("*.yaml"))]
-    parsed = load(files, prefix)
-    fresh = parsed is None
-    if fresh:
-        parsed = {str(p): parse(p) for p in files}
+    cached = load(files, prefix, code, extra)
+    # every loader names a table after its file: an entry that disagrees is not what was stored (checked again)
+    if cached is not None and list(cached) == list(dict.fromkeys(p.stem for p in files)) \
+            and all(name_of(t) == name for name, t in cached.items()):
+        return cached
     out: dict[str, T] = {}
     for p in files:
-        t = build(p, parsed[str(p)])
+        t = build(p, parse(p))
         out[name_of(t)] = t
-    if fresh:
-        store(files, parsed, prefix)
+    store(files, out, prefix, code, extra)
     return out

@@ -6,16 +6,18 @@ import functools
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError, TableError, UsageError
 from ...io.config import ConfigView
 from ..expr import ExprError, names_in, template_names
 from . import cache
 from .resolve import typed_value
-from .schema import Table
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from .schema import Table
 
 _UNPARSED = object()
 # i: MTP depth, l: trunk layer, j / item: position and element of a repeated MTP sub-block
@@ -146,6 +148,11 @@ def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
         data = _parse(path)
     if not isinstance(data, dict):
         raise TableError("a table must be a YAML mapping", path=str(path))
+    from pydantic import ValidationError
+
+    from .plain import to_plain
+    from .schema import Table
+
     try:
         table = Table.model_validate(data)
     except ValidationError as e:
@@ -153,12 +160,17 @@ def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
     if table.family != path.stem:
         raise TableError(f"field family: {table.family!r} must match the file name {path.stem!r}", path=str(path))
     _check_names(table, path)
-    return table
+    return to_plain(table)  # what runs read (and the cache holds): the checked fields, without pydantic
 
 
 @lru_cache(maxsize=8)
 def _load_dirs(dirs: tuple[Path, ...]) -> dict[str, Table]:
-    return cache.load_tables(dirs, _parse, load_table, lambda t: t.family)
+    return cache.load_tables(dirs, _parse, load_table, lambda t: t.family, code=_CODE)
+
+
+# what checks an architecture table: an edit to any of it misses the cache
+_HERE = Path(__file__).parent
+_CODE = (*(_HERE / n for n in ("schema.py", "loader.py", "plain.py", "resolve.py")), _HERE.parent / "expr.py")
 
 
 def all_tables() -> dict[str, Table]:

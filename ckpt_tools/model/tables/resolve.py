@@ -6,13 +6,16 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ...dtypes import DTYPES, lookup
 from ...errors import CkptError, InputError, TableError
 from ...io.config import ConfigView
 from ..expert_layouts import ExpertGroup, ExpertLayout
 from ..expr import ExprError, evaluate, names_in, render, render_key, template_names
-from .schema import PartRef, Table, TensorDef
+
+if TYPE_CHECKING:
+    from .schema import PartRef, Table, TensorDef
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-GLUE_ROLES = (
-    "embed_norm",  # norm on the token embedding
-    "hidden_norm",  # norm on the previous hidden state
-    "fusion",  # [H, 2H] projection of the concatenated pair
-    "fusion_embed",  # [H, H] embedding half, for families with two projections
-    "fusion_hidden",  # [H, H] hidden half
-    "final_norm",  # norm before the (shared or own) head
-    "embed",  # per-layer copy of the token embedding
-    "head",  # per-layer copy (or own) LM head
-)
+from .plain import VarKind
+from .roles import GLUE_ROLES
 
 TENSOR_KINDS = ("linear", "norm", "bias", "embedding", "router", "other")
 EXPERT_LAYOUTS = ("per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed")
@@ -31,10 +23,9 @@ class _Strict(BaseModel):
 
 
 VAR_TYPES = ("count", "int", "number", "bool", "str", "list", "seq", "any")
-_DEFAULT_TYPES = ((bool, "bool"), (int, "count"), (float, "number"), (str, "str"), (list, "list"))
 
 
-class VarDef(_Strict):
+class VarDef(_Strict, VarKind):
     """Where a config variable comes from: the first of ``keys`` present wins.
 
     Dotted keys reach into nested objects (``mtp_config.num_nextn_predict_layers``);
@@ -51,15 +42,7 @@ class VarDef(_Strict):
     default: int | float | bool | str | list | None = None
     required: bool = True
     type: Literal["count", "int", "number", "bool", "str", "list", "seq", "any"] | None = None
-
-    @property
-    def kind(self) -> str:
-        if self.type is not None:
-            return self.type
-        for py, name in _DEFAULT_TYPES:
-            if isinstance(self.default, py):
-                return name
-        return "count"
+    # ``kind`` (VarKind): ``type``, else the default's type
 
 
 class TensorDef(_Strict):
