@@ -1,19 +1,17 @@
 """Scales are values: every scale, global scale and zero point of every quantized module, read and checked.
 
-A quantized weight decodes as ``(code - zero_point) * scale`` (``decode``): a scale that is NaN, Inf,
-zero or negative gives NaN / Inf / zero weights that no shape or dtype check sees; a zero point outside
-the code range is no code at all. Rule ``quant-scale-value`` (the one rule set, so validate, the gate
-and every verb): every companion a scheme table gives the role ``scale``, ``global_scale`` or
-``input_scale``, of a module whose weight the same table stores (its suffix and dtype), is finite and
-positive; every ``zero_point`` lies within the codes' range. A sparse replica (zero bytes) has zero
-scales and is invalid like any other.
+A quantized weight decodes as ``(code - zero_point) * scale`` (``decode``): a NaN, Inf, zero or negative
+scale gives weights no shape or dtype check sees, and a zero point outside the code range is no code.
+Rule ``quant-scale-value`` (the one rule set, so validate, the gate and every verb): every companion a
+scheme table gives the role ``scale``, ``global_scale`` or ``input_scale``, of a module whose weight the
+same table stores, is finite and positive; every ``zero_point`` lies within the codes' range. A sparse
+replica (zero bytes) has zero scales and is invalid like any other.
 
 Cost: scales are a small part of the bytes (FP8 blocks 1/16384 of the weight, NVFP4 1/8). They are read
-in one pass, per shard in offset order, in batches of at most ``BATCH_BYTES`` (a scale tensor larger than
-that is read in pieces), each batch checked with two vectorised reductions on the raw bits (positive
-finite values of a float format are exactly a range of unsigned bit patterns); in a batch that fails,
-one ``reduceat`` finds the tensors holding a bad value, and only the first ``MAX_DETAILED`` are looked
-at one by one, to name the tensor and the first bad index (the rest are counted).
+in one pass, per shard in offset order, in batches of at most ``BATCH_BYTES``, each checked with two
+vectorised reductions on the raw bits (positive finite floats are a range of unsigned bit patterns); in a
+failing batch one ``reduceat`` finds the tensors with a bad value, and only the first ``MAX_DETAILED``
+are looked at one by one to name the tensor and the first bad index (the rest are counted).
 """
 
 from __future__ import annotations
