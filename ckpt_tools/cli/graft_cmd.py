@@ -32,7 +32,9 @@ def register(app: typer.Typer) -> None:
                                            "with --mtp-quant, every MTP tensor that option does not encode; a dtype "
                                            "the family table pins is kept; default: as the source stores them"),
         mtp_quant: str = typer.Option(None, "--mtp-quant",
-                                      help="fp8-block | ct-fp8 | ct-nvfp4 | modelopt-fp8 | modelopt-nvfp4: the linear "
+                                      help="SCHEME: any quantization scheme table whose storage format names an "
+                                           "encoder (mappings/quantization/*.yaml and registered tables; another "
+                                           "name is refused with the list): the linear "
                                            "weights the family table marks quantizable in that scheme (a target "
                                            "whose config declares it); the other MTP tensors as --mtp-dtype says, "
                                            "else as the source stores them"),

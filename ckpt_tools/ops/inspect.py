@@ -203,9 +203,12 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
     tensors: list[dict] = []
     fmt = view.block_format  # the checkpoint's block format (model.quant.companions)
     fp8 = {"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)}
+    block_scales: set[str] = set()  # counted under fp8_scales, not with their weights' experts
     for s, key in view.stored():  # a quantized weight (quant scheme tables) counts every tensor it is stored as
         ref = ckpt.tensors[key]
-        role = _ROLE_NAME.get(s.role, s.role)
+        st = view.quantized.get(s.key)
+        block = st is not None and (st.scheme, st.format) == (fmt.scheme, fmt.format)  # the block format's tensors
+        role = "fp8_scales" if block and key != s.key else _ROLE_NAME.get(s.role, s.role)
         numel, nbytes = ref.numel, ref.nbytes
         _add(mtp, numel, nbytes)
         r = roles.setdefault(role, {**_stats(), "keys": []})
@@ -217,13 +220,17 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         _add(by_shard.setdefault(shard, _stats()), numel, nbytes)
         entry = {"key": key, "role": role, "depth": s.depth, "dtype": ref.dtype, "shape": list(ref.shape),
                  "params": numel, "bytes": nbytes, "shard": shard}
-        if s.key in view.quantized:
-            entry["stored_as"] = view.quantized[s.key].label
-        elif fmt.stores(ref.dtype):
+        if block and key == s.key:  # a block-format weight: its one scale companion, counted under fp8
+            entry["scale"] = st.tensors[fmt.scale_suffix]
+            fp8["weights"] += 1
+        elif st is None and fmt.stores(ref.dtype):  # stacked experts: one tensor per group, its scale beside it
             entry["scale"] = fmt.scale_key(s.key)
             fp8["weights"] += 1
+        elif st is not None and not block:
+            entry["stored_as"] = st.label
         if role == "fp8_scales":
             fp8["scales"] += 1
+            block_scales.add(key)
         tensors.append(entry)
     mtp["shards"] = len(by_shard)
 
@@ -237,7 +244,8 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
     experts = []
     stored_as: dict[str, list[str]] = {}  # logical key -> the tensors it is stored as (weight_packed + scales ...)
     for s, key in view.stored():
-        stored_as.setdefault(s.key, []).append(key)
+        if key not in block_scales:
+            stored_as.setdefault(s.key, []).append(key)
     for g in view.groups():  # in the layout on disk
         table_layout = next((x.layout for x in res.experts() if x.prefix == g.prefix), g.layout)
         st = _stats()

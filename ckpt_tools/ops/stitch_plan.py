@@ -22,10 +22,9 @@ into new shards next to a verifier that has none, and updates index and config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..dtypes import DTYPES, FLOAT_DTYPES, SCALE_DTYPES
+from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
@@ -49,9 +48,6 @@ from .carry import carried_files, check_inputs, untouched_file
 from .output_config import config_files, repair_config, set_count
 from .stitch_compare import Candidates, Decision, decide, judge
 from .stitch_report import StitchReport
-
-if TYPE_CHECKING:
-    from ..io.safetensors_io import TensorRef
 
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
@@ -125,8 +121,7 @@ class _Builder:
         self.misshaped: list[str] = []
         self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
-        self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
-        self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
+        self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
         self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
         self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
@@ -206,35 +201,35 @@ class _Builder:
             self._finish(t, scale, None)
 
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
-        """Give ``t`` the verifier's dtype (cast, dequantize, requantize, or keep FP8 bytes) and record it."""
+        """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
+        its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
+        tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
+        ``--keep-bf16`` / ``--dtype draft`` asks, goes in as float values in place of the stored tensors, and
+        the config excludes the module."""
+        stored = self._stored(t, spec)
         vt = _dtype_of(self.view, t.key, spec)
-        # stored by a scheme table's format: encoded in it when the table names an encoder; otherwise (int4,
-        # ...) the draft's values go in unquantized, in place of the stored tensors, and the config excludes it
-        stored = None if self.add else self.view.quantized.get(t.key)
         if stored is not None:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
+        elif self.add and self.vfmt.stores(vt):
+            vt = "BF16"  # add mode writes the MTP layers unquantized (and the ignore list says so)
         if spec is not None:
             t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
-        if not self._admit(t, vt) or (self.dfmt.stores(t.dtype) and not self._scale_fits(t, scale)):
+        if not self._admit(t, vt):
             return
-        if stored is not None and self._encodes(stored):  # written in the verifier's own storage format
-            if self.dfmt.stores(t.dtype):
-                t = self.dfmt.decode(t, scale, "F32")
-            self._encode(t, stored, spec)
+        if stored is not None and self._encodes(stored, t):  # written in the verifier's own storage format
+            values = self._values(t, scale, "F32")
+            if values is not None:
+                self._encode(values, stored, spec)
             return
-        if self.vfmt.stores(vt):
-            if not self.add:
-                self._into_fp8(t, scale, vt)
-                return
-            vt = "BF16"  # add mode writes the MTP layers unquantized (and the ignore list says so)
         if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
             self.candidates[t.key] = t
             return
         fixed = spec is not None and spec.dtype_fixed  # the release fixes it: the verifier's (rule stored-dtype)
         target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES and not fixed else vt
-        if self.dfmt.stores(t.dtype):
-            t = self.dfmt.decode(t, scale, target)
-        elif target != t.dtype:
+        t = self._values(t, scale, target)
+        if t is None:
+            return
+        if target != t.dtype:
             t = transforms.cast(t, target)
         if stored is not None:
             self.removed += [k for k in stored.all_keys() if k != t.key]
@@ -242,10 +237,36 @@ class _Builder:
                 self.placed[stored.all_keys()[0]] = t.key
         self.candidates[t.key] = t
 
-    def _encodes(self, stored: Storage) -> bool:
-        """The verifier's storage format has an encoder and the request keeps the verifier's storage."""
+    def _stored(self, t: OutputTensor, spec: Spec | None) -> Storage | None:
+        """How the verifier stores ``t``'s module when quantized (None: float, or add mode): its view's storage,
+        or for a stacked experts tensor (no module of its own) its block format's (``WeightFormat.storage``)."""
+        if self.add:
+            return None
+        stored = self.view.quantized.get(t.key)
+        vref = self.view.ckpt.tensors.get(t.key)
+        if stored is None and vref is not None and self.vfmt.stores(vref.dtype):
+            stored = self.vfmt.storage(t.key, tuple(vref.shape), self.view.ckpt.tensors)
+        return stored
+
+    def _values(self, t: OutputTensor, scale: OutputTensor | None, dtype: str) -> OutputTensor | None:
+        """``t`` as float values: a weight in the draft's block format decoded with its scale as ``dtype`` (a scale
+        the decoder refuses, by dtype or grid, is a refusal naming it); any other tensor as it is."""
+        if not self.dfmt.stores(t.dtype):
+            return t
+        if scale is None:
+            return None  # recorded as missing (``_draft_scale``): the draft does not fit
+        try:
+            return self.dfmt.decode(t, scale, dtype)
+        except PlanError as e:
+            self._refuse(e.rule or "fp8-scale", f"{e.message} (draft {_source_of(scale)})", scale.key)
+            return None
+
+    def _encodes(self, stored: Storage, t: OutputTensor) -> bool:
+        """The verifier's storage format has an encoder and the request keeps the verifier's storage (not
+        ``--keep-bf16``, nor ``--dtype draft`` with a float draft tensor)."""
+        draft_float = self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES
         return encodable(stored, self.res.dtype, self.view.ckpt.tensors) is not None and not self.req.keep_bf16 \
-            and self.req.dtype != "draft"
+            and not draft_float
 
     def _encode(self, t: OutputTensor, stored: Storage, spec: Spec | None) -> None:
         """The draft's values encoded as the verifier stores the module (its scheme table's encoder);
@@ -271,76 +292,6 @@ class _Builder:
             return True
         return self._refuse("draft-dtype", f"{src} is {t.dtype}, not a float dtype; it cannot replace the "
                                            f"verifier's {vt} {t.key}", t.key)
-
-    def _scale_fits(self, t: OutputTensor, scale: OutputTensor | None) -> bool:
-        """An FP8 draft weight's block scale: present, a scale dtype, the grid its shape and block need."""
-        src = _source_of(t)
-        if scale is None:
-            return self._refuse("fp8-scale", f"FP8 draft tensor {src} has no block scale to read its values with",
-                                t.key)
-        block = self.dfmt.block
-        want = self.dfmt.scale_shape(tuple(t.shape)) if len(t.shape) >= 2 else None
-        if scale.dtype not in SCALE_DTYPES:
-            return self._refuse("fp8-scale-dtype", f"{_source_of(scale)} (block scale of {src}) is {scale.dtype}; "
-                                                   f"a block scale is one of {', '.join(SCALE_DTYPES)}", scale.key)
-        if want is None or tuple(scale.shape) != want:
-            return self._refuse("fp8-scale-shape", f"{_source_of(scale)} (block scale of {src}) has shape "
-                                                   f"{list(scale.shape)}; a {list(t.shape)} weight in "
-                                                   f"{list(block)} blocks needs {list(want or ())}", scale.key)
-        return True
-
-    def _into_fp8(self, t: OutputTensor, scale: OutputTensor | None, vt: str) -> None:
-        """Draft values for an FP8 verifier weight: its own FP8 bytes, re-quantized, or unquantized."""
-        vscale = self.vfmt.scale_key(t.key)
-        sref = self.view.ckpt.tensors.get(vscale)
-        if self.req.keep_bf16 or (self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES):
-            # written unquantized: the weight's scale goes, its module joins the config's ignore list
-            if self.dfmt.stores(t.dtype):
-                t = self.dfmt.decode(t, scale, "BF16")
-            self.candidates[t.key] = t
-            if sref is not None:
-                self.removed.append(vscale)
-            return
-        if t.dtype == vt and scale is not None and self.dfmt.block == self.vfmt.block:
-            # the verifier's own FP8 format: bytes and scale as they are
-            scale = self._verifier_scale_dtype(scale, sref)
-            if scale is not None:
-                self.candidates[t.key], self.candidates[scale.key] = t, scale
-                self.scale_of[t.key] = scale.key
-            return
-        if self.dfmt.stores(t.dtype):  # another FP8 format is never written as such: re-quantized from its value
-            t = self.dfmt.decode(t, scale, "F32")
-        self._requantize(t, vt, sref)
-
-    def _verifier_scale_dtype(self, scale: OutputTensor, sref: TensorRef | None) -> OutputTensor | None:
-        """The draft's scale in the verifier's scale dtype: as it is, widened exactly, or refused."""
-        if sref is None or scale.dtype == sref.dtype:
-            return scale
-        floats = scale.dtype in FLOAT_DTYPES and sref.dtype in FLOAT_DTYPES
-        if floats and DTYPES[scale.dtype].bits < DTYPES[sref.dtype].bits:
-            return transforms.cast(scale, sref.dtype)  # every value of the narrower float is exact in the wider
-        self._refuse("fp8-scale-dtype", f"{_source_of(scale)} is {scale.dtype}; the verifier's {sref.key} is "
-                                        f"{sref.dtype} (only a narrower float scale is converted, exactly)", sref.key)
-        return None
-
-    def _requantize(self, t: OutputTensor, vt: str, sref: TensorRef | None) -> None:
-        """Block-FP8 quantization of draft values (per-block amax / 448, round-to-nearest-even e4m3).
-
-        ``stitch_compare.decide`` compares the values with the verifier's dequantized ones first: equal
-        values keep the verifier's FP8 bytes and scale exactly.
-        """
-        from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
-
-        if vt != QUANT_DTYPE or (sref is not None and sref.dtype != SCALE_DTYPE):
-            self._refuse("draft-dtype", f"{t.key}: the verifier stores {vt} weights with "
-                                        f"{sref.dtype if sref else '?'} scales, and re-quantizing writes "
-                                        f"{QUANT_DTYPE} with {SCALE_DTYPE} scales (--keep-bf16 writes the draft's "
-                                        "values unquantized)", t.key)
-            return
-        w, s = self.vfmt.encode(t, t.key, pow2=self.res.power_of_two_scales)
-        self.candidates[w.key], self.candidates[s.key] = w, s
-        self.values[w.key] = t
-        self.scale_of[w.key] = s.key
 
     def _refuse(self, rule: str, problem: str, key: str) -> bool:
         self.refusals.setdefault(rule, []).append(problem)
@@ -550,8 +501,8 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
-    cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
-                      builder.vfmt, builder.dfmt, builder.encoded, builder.companions)
+    cand = Candidates(builder.candidates, builder.values, builder.removed, builder.vfmt, builder.encoded,
+                      builder.companions)
     report.decisions = decide(view, cand)
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]

@@ -18,21 +18,23 @@ A block format (``block.block_tile``) is one whose weight holds one FP8 code per
 companion (the scale) over a fixed tile whatever the matrix shape, and nothing else (no global
 scale, zero point or optional tensor): what a verb can rename, slice per expert and re-stack byte
 for byte. Every other format is read through ``module_storage`` / ``dequant_module``. The decoder
-is model/quant's (``dequant_parts`` / ``decode.decode_array``, over numeric.fp8_decode's kernel);
-the encoder is numeric.transforms' streaming block-FP8 recipe (numeric.fp8.quantize, the kernel of
-the fp8-block table's ``encoder``).
+is model/quant's (``dequant_parts`` / ``decode.decode_array``, over numeric.fp8_decode's kernel), the
+encoder the one its table names (``encode.STREAMS``). A per-module weight in a block format is a
+``Storage`` like any other (``module_storage``); ``WeightFormat.storage`` names a stacked experts
+tensor the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InputError
 from ..expert_layouts import scale_key
 from .block import block_tile
 from .schema import SchemeTable
+from .storage import Storage
 from .tables import all_schemes, get_scheme
 
 DEFAULT_SCHEME = "fp8-block"  # the block format of a checkpoint that declares, stores and hints nothing
@@ -58,6 +60,8 @@ class WeightFormat:
     scale_dtypes: tuple[str, ...]
     block: tuple[int, int]
     how: str  # "declared" | "stored" | "hint" | "default": where the answer came from
+    weight_suffix: str = "weight"
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the table's, as the config declares
 
     def stores(self, dtype: str | None) -> bool:
         """Whether a weight of ``dtype`` is quantized in this format (needs its companions)."""
@@ -93,11 +97,16 @@ class WeightFormat:
         return value_decoder(weight.dtype, grid, tuple(weight.shape), self.block, f"{scale.key} of {weight.key}: ",
                              scale.file)
 
-    def encode(self, t: Any, weight_key: str | None = None, pow2: bool = False) -> tuple[Any, Any]:
-        """``t`` (a float OutputTensor) as this format: (weight, scale), streamed band by band."""
-        from ...numeric import transforms
-
-        return transforms.requantize(t, self.block, self.scale_key(weight_key or t.key), pow2)
+    def storage(self, weight_key: str, shape: tuple[int, ...], tensors: Mapping[str, Any]) -> Storage:
+        """A weight of this format as a module ``Storage`` (its scale companion under the table's suffix), for a
+        stacked experts tensor that ``module_storage`` cannot name: what the encoders and decoders take."""
+        skey = self.scale_key(weight_key)
+        ref = tensors.get(weight_key)
+        return Storage(weight_key.removesuffix(".weight"), "quantized", ref.dtype if ref is not None else None,
+                       self.scheme, self.format, f"{self.format} {list(self.block)}",
+                       {self.weight_suffix: weight_key, self.scale_suffix: skey},
+                       () if skey in tensors else (skey,), shape=tuple(shape),
+                       params={**self.params, "block": list(self.block)})
 
 
 def block_format(table: SchemeTable, params: Mapping[str, Any] | None = None, how: str = "declared"
@@ -111,7 +120,7 @@ def block_format(table: SchemeTable, params: Mapping[str, Any] | None = None, ho
         if tile is None:
             continue
         return WeightFormat(table.scheme, fmt.name, frozenset(fmt.weight.dtypes), d.scale.tensor,
-                            tuple(fmt.tensors[0].dtypes), tile, how)
+                            tuple(fmt.tensors[0].dtypes), tile, how, fmt.weight.suffix, dict(params))
     return None
 
 

@@ -10,8 +10,9 @@ producer that writes the format, operation for operation, so its bytes are the p
   format's compressor (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``: ``quantize`` then
   ``pack_fp4_to_uint8``). Held byte for byte to the library's own functions and to llm-compressor's
   outputs in fixtures/producers (tests/test_quant_encode.py).
-- ``fp8-block``: DeepSeek block FP8 (``numeric.fp8.quantize``), for block-FP8 storage a scheme table
-  describes (the family tables' own block FP8 still goes through stitch's and graft's block-FP8 path);
+- ``fp8-block``: DeepSeek block FP8, the one block encoder (``fp8-block`` and ``deepseek-v4`` name it): streamed
+  (``STREAMS``: ``numeric.transforms.requantize``, one block row at a time), its scale companion named by the
+  table, powers of two under ``scale_fmt: ue8m0`` or where the scales are F8_E8M0;
 - ``modelopt-fp8`` / ``modelopt-nvfp4``: ModelOpt's export (per-tensor ``amax / 448``; NVFP4
   ``weight_scale_2 = amax / (6 * 448)``, group scales ``amax_g / (6 * weight_scale_2)`` in F8_E4M3),
   held to the ModelOpt fixtures.
@@ -38,6 +39,8 @@ from ...errors import PlanError
 if TYPE_CHECKING:
     import torch
 
+    from ...stream.plan import OutputTensor
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 
@@ -54,13 +57,19 @@ class EncodeArgs:
     # dtype, so exact as a float): producers give the shards one per-tensor scale from it, because vLLM
     # loads a fused layer with one (llm-compressor's fused global scale, ModelOpt's synced amax)
     group_absmax: float | None = None
+    # role -> suffix of the storage format being written (the table's names: ``weight``, ``scale`` ...)
+    suffixes: Mapping[str, str] = field(default_factory=dict)
 
 
 Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
 # (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
 Layout = Callable[[tuple[int, int], EncodeArgs], dict[str, tuple[str, tuple[int, ...]]]]
+# values (a planned tensor, any recipe), args, {suffix: output key} -> {suffix: planned tensor}: an encoder that
+# streams the values in bands instead of holding one matrix (block FP8 of a release's largest weights)
+Stream = Callable[["OutputTensor", EncodeArgs, Mapping[str, str]], dict[str, "OutputTensor"]]
 ENCODERS: dict[str, Encoder] = {}
 LAYOUTS: dict[str, Layout] = {}
+STREAMS: dict[str, Stream] = {}
 
 
 def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
@@ -70,15 +79,19 @@ def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
     return register
 
 
-def register_encoder(name: str, fn: Encoder, layout: Layout) -> Encoder:
+def register_encoder(name: str, fn: Encoder, layout: Layout, stream: Stream | None = None) -> Encoder:
     """Add encoder ``name`` (what a scheme table's ``encoder: name`` writes with) from outside the package:
     ``fn(values [rows, cols] float, EncodeArgs) -> {suffix: tensor}``, and ``layout((rows, cols), EncodeArgs)
     -> {suffix: (safetensors dtype, shape)}``, what ``fn`` writes, known before any value is read. A name
     already taken is refused (two encoders must not claim one name); the scheme tables are checked again
-    against the new set on the next ``tables.all_schemes``."""
+    against the new set on the next ``tables.all_schemes``. ``stream(values OutputTensor, EncodeArgs, {suffix:
+    key}) -> {suffix: OutputTensor}``, when given, is what stitch and graft plan with instead of ``fn`` (the
+    values read in bands rather than whole)."""
     if name in ENCODERS:
         raise ValueError(f"an encoder named {name!r} is already registered")
     ENCODERS[name], LAYOUTS[name] = fn, layout
+    if stream is not None:  # what planning uses instead of ``fn``: the values read in bands, not whole
+        STREAMS[name] = stream
     return fn
 
 
@@ -86,6 +99,7 @@ def unregister_encoder(name: str) -> None:
     """Remove encoder ``name`` (a table that names it is refused from the next ``tables.all_schemes``)."""
     ENCODERS.pop(name, None)
     LAYOUTS.pop(name, None)
+    STREAMS.pop(name, None)
 
 
 def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -310,20 +324,71 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
     return {"weight": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_scale_2": ws2}
 
 
+def _block(args: EncodeArgs) -> tuple[int, int]:
+    block = args.params.get("block")
+    if not block:
+        raise PlanError("block FP8 without a block (weight_block_size null: one per-tensor scale) has no encoder",
+                        rule="quant-encode")
+    return int(block[0]), int(block[1])
+
+
+def _scale_suffix(args: EncodeArgs) -> str:
+    """The scale companion's name, from the scheme table (``weight_scale_inv``, DeepSeek-V4's ``scale``)."""
+    if "scale" not in args.suffixes:
+        raise PlanError("the block FP8 encoder needs the table's scale suffix (EncodeArgs.suffixes)",
+                        rule="quant-encode")
+    return args.suffixes["scale"]
+
+
+def _block_scale_dtype(args: EncodeArgs) -> str:
+    """F32 scales, or F8_E8M0 where the reference stores them so (powers of two, which E8M0 holds exactly)."""
+    return "F8_E8M0" if args.dtypes.get(_scale_suffix(args)) == "F8_E8M0" else "F32"
+
+
 def _fp8_block_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    br, bc = args.params.get("block") or (128, 128)
-    return {"weight": ("F8_E4M3", shape), "weight_scale_inv": ("F32", (-(-shape[0] // br), -(-shape[1] // bc)))}
+    br, bc = _block(args)
+    return {args.suffixes.get("weight", "weight"): ("F8_E4M3", shape),
+            _scale_suffix(args): (_block_scale_dtype(args), (-(-shape[0] // br), -(-shape[1] // bc)))}
 
 
-@encoder("fp8-block", _fp8_block_layout)
-def fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
-    """DeepSeek block FP8: ``numeric.fp8.quantize`` (F32 ``amax / 448`` per block, e4m3 codes; its round trip
-    through the decoder is a fixed point)."""
-    from ...numeric.fp8 import quantize
+def fp8_block_stream(values: OutputTensor, args: EncodeArgs, keys: Mapping[str, str]) -> dict[str, OutputTensor]:
+    """DeepSeek block FP8, streamed: ``numeric.transforms.requantize`` (F32 ``amax / 448`` per block, e4m3 codes,
+    the round trip through the decoder a fixed point), its scale named by the table (``keys``: suffix -> key);
+    powers of two under ``scale_fmt: ue8m0`` or F8_E8M0 scales."""
+    from ...numeric import transforms
 
-    block = args.params.get("block") or (128, 128)
-    q, scale = quantize(values, (int(block[0]), int(block[1])))
-    return {"weight": q, "weight_scale_inv": scale}
+    wsfx, ssfx = args.suffixes.get("weight", "weight"), _scale_suffix(args)
+    e8m0 = _block_scale_dtype(args) == "F8_E8M0"
+    pow2 = e8m0 or str(args.params.get("scale_fmt") or "").lower() == "ue8m0"
+    w, s = transforms.requantize(values, _block(args), keys[ssfx], pow2, "F8_E8M0" if e8m0 else "F32")
+    w.key = keys[wsfx]
+    return {wsfx: w, ssfx: s}
+
+
+def _fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """``fp8_block_stream`` over one in-memory matrix (its outputs read back as tensors)."""
+    return run_stream(fp8_block_stream, values, args)
+
+
+def run_stream(stream: Stream, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """A streamed encoder run over an in-memory matrix: the same recipes, their bytes read back as tensors."""
+    from ...arrays import bytes_to_torch
+    from ...dtypes import from_torch
+    from ...numeric.transforms import recipe_bytes
+    from ...stream.plan import Compute, OutputTensor
+
+    src = OutputTensor("values", from_torch(values.dtype), tuple(values.shape),
+                       Compute(lambda: iter([values.contiguous()]), "values", []))
+    outs = stream(src, args, {sfx: sfx for sfx in layout_of_stream(values.shape, args)})
+    return {sfx: bytes_to_torch(bytearray(b"".join(recipe_bytes(t.recipe, max(t.nbytes, 1)))), t.dtype,
+                                tuple(t.shape)) for sfx, t in outs.items()}
+
+
+def layout_of_stream(shape, args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return _fp8_block_layout((int(shape[-2]), int(shape[-1])), args)
+
+
+ENCODERS["fp8-block"], LAYOUTS["fp8-block"], STREAMS["fp8-block"] = _fp8_block, _fp8_block_layout, fp8_block_stream
 
 
 def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
