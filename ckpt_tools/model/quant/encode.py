@@ -400,3 +400,6 @@ def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dic
         return enc(values, args)
     parts = [enc(m, args) for m in values.reshape(math.prod(lead), rows, cols)]
     return {k: torch.stack([p[k] for p in parts]).reshape(*lead, *parts[0][k].shape) for k in parts[0]}
+
+
+from . import encode_int  # noqa: E402, F401  the integer encoders register themselves (ct-int8, ct-pack)

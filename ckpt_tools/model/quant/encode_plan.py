@@ -108,7 +108,7 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
     dtypes = {suffix: refs[key].dtype for suffix, key in storage.tensors.items()} if refs is not None else {}
     args = EncodeArgs(dict(storage.params), dtypes, model_dtype, suffixes=suffixes(storage))
     layout = layout_of(name, tuple(values.shape), args)
-    wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale")}
+    wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale", "shape")}
     streamed = _streamed(name, values, storage, args, layout, wanted)
     shared = _Shared(values, get_encoder(name), args, set(layout) & wanted & set(storage.tensors), group)
     out: dict[str, OutputTensor] = {}
