@@ -153,7 +153,7 @@ def _stored(tensors: Mapping[str, Any]) -> WeightFormat | None:
     return None
 
 
-def _config_params(table: SchemeTable, ckpt: Any) -> dict[str, Any] | None:
+def config_params(table: SchemeTable, ckpt: Any) -> dict[str, Any] | None:
     """The parameters ``ckpt``'s configuration gives ``table`` where a place of it holds (None: none does)."""
     from .config import dig, quant_files, section
     from .detect import _holds, _params
@@ -175,7 +175,7 @@ def weight_format(ckpt: Any = None, hint: str | None = None) -> WeightFormat:
     if ckpt is not None:
         stored = _stored(ckpt.tensors)
         if stored is not None:
-            params = _config_params(get_scheme(stored.scheme), ckpt)
+            params = config_params(get_scheme(stored.scheme), ckpt)
             return stored if params is None else block_format(get_scheme(stored.scheme), params, "stored") or stored
         found = _declared(ckpt)
         if found is not None:
