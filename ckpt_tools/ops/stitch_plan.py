@@ -22,6 +22,7 @@ into new shards next to a verifier that has none, and updates index and config.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..dtypes import FLOAT_DTYPES
@@ -48,6 +49,10 @@ from .carry import carried_files, check_inputs, untouched_file
 from .output_config import config_files, repair_config, set_count
 from .stitch_compare import Candidates, Decision, decide, judge
 from .stitch_report import StitchReport
+
+if TYPE_CHECKING:
+    from ..model.consistency import Gate
+    from ..model.tables.schema import Table
 
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
@@ -313,6 +318,43 @@ def _source_of(t: OutputTensor) -> str:
 
 @gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
+    """The stitch of ``draft`` into ``verifier``, in named steps: both inputs gated, the mode chosen, the draft's
+    tensors built in the verifier's names and storage, what the draft leaves out accounted for, every candidate
+    compared with the verifier's tensor, then the plan of the mode."""
+    setup = _gated(draft, verifier, req)
+    mode, view, layers = _choose_mode(setup, req)
+    builder, unwrapped = _build(setup, view, mode, layers, req)
+    draft = unwrapped.ckpt  # from here on, the draft's keys are the format's names
+    report = StitchReport(mode, setup.fmt.name, setup.table.family, provenance=setup.provenance,
+                          draft=_how_read(unwrapped))
+    _check_draft(draft, setup.fmt, builder, report, view, req.allow_partial)
+    builder.raise_refusals()
+    _account(builder, view, setup.vgate.view if mode == "replace" else None, report, req)
+    _decide(builder, view, report)
+    report.exempt = judge(report.decisions, {k: t.meta.get("kind") for k, t in builder.candidates.items()}, draft,
+                          req.accept_divergent)
+    plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
+    note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
+    return plan, report
+
+
+@dataclass
+class _Setup:
+    """The gated inputs: the verifier's family table, the draft's format, how the family was proved."""
+
+    draft: Checkpoint
+    verifier: Checkpoint
+    table: Table
+    fmt: Format
+    provenance: str
+    draft_gate: Gate
+    vgate: Gate
+
+
+def _gated(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> _Setup:
+    """The request checked, the family and the draft's format found, and both inputs through the consistency gate
+    (the draft: its index and files; the verifier: every rule, as a whole model)."""
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")
     check_inputs(req.link, verifier, draft)
@@ -320,15 +362,18 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     fmt = (detect_format(draft.config.raw, draft.manifest, draft.tensors, req.strip_prefix) if req.format == "auto"
            else get_format(req.format))
     provenance = f"asserted with --arch {req.arch}" if req.arch else prove_family(draft, fmt, table, verifier)
-    # mode selection: never a silent switch. Both inputs pass the consistency gate first (the draft: its
-    # index and files; the verifier: every rule, as a whole model); auto mode only picks what the
-    # verifier's config and tensors agree on.
     if req.mode not in ("auto", "replace", "add"):
         raise UsageError(f"--mode {req.mode!r}: use replace, add or auto")
     draft_gate = require_consistent(draft, scope="files", allow=req.allow_invalid, role="draft")
     vgate = require_consistent(verifier, table, allow=req.allow_invalid, scope="model", role="verifier",
                                waive=ADD_REPAIRS if req.mode == "add" else None, hints=STITCH_HINTS)
-    declared = vgate.view
+    return _Setup(draft, verifier, table, fmt, provenance, draft_gate, vgate)
+
+
+def _choose_mode(setup: _Setup, req: StitchRequest) -> tuple[str, MtpView, list[int]]:
+    """(mode, the verifier's MTP view to write into, the verifier depths the draft's layers map to). Never a silent
+    switch: auto mode only picks what the verifier's config and tensors agree on."""
+    declared, draft, fmt = setup.vgate.view, setup.draft, setup.fmt
     mode = req.mode
     if mode == "auto":  # declared and absent gets here only with --allow-invalid mtp-missing: add them
         mode = "replace" if declared.count > 0 and declared.present else "add"
@@ -336,28 +381,31 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         if declared.count == 0:
             raise UsageError("the verifier declares no MTP layers; use --mode add")
         declared.require_complete()
-        view = declared
-        layers = _draft_layers(draft, fmt, req, view.count)
-    elif mode == "add":
-        require_indexed(vgate, verifier, "add mode")
-        held = [s.key for s in declared.present] + declared.beyond + declared.extra
-        if held:
-            raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
-                             "mode would leave beside the new ones: use --mode replace (with "
-                             f"{count_field(declared)} set to the layers it holds), or drop them first with "
-                             "`ckpt extract --drop-mtp`", rule="mtp-exists", path=verifier.root)
-        layers = _draft_layers(draft, fmt, req, _draft_count(draft, fmt, table))
-        count = max(layers) + 1 if layers else 0
-        if layers != list(range(count)):
-            raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
-        view = virtual_view(verifier, table, count)
+        return mode, declared, _draft_layers(draft, fmt, req, declared.count)
+    require_indexed(setup.vgate, setup.verifier, "add mode")
+    held = [s.key for s in declared.present] + declared.beyond + declared.extra
+    if held:
+        raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
+                         "mode would leave beside the new ones: use --mode replace (with "
+                         f"{count_field(declared)} set to the layers it holds), or drop them first with "
+                         "`ckpt extract --drop-mtp`", rule="mtp-exists", path=setup.verifier.root)
+    layers = _draft_layers(draft, fmt, req, _draft_count(draft, fmt, setup.table))
+    count = max(layers) + 1 if layers else 0
+    if layers != list(range(count)):
+        raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
+    return mode, virtual_view(setup.verifier, setup.table, count), layers
 
+
+def _build(setup: _Setup, view: MtpView, mode: str, layers: list[int], req: StitchRequest
+           ) -> tuple[_Builder, Unwrapped]:
+    """Every verifier MTP tensor the draft supplies, built in the verifier's names and storage (``_Builder``);
+    add mode also fills the per-layer copies the release requires from the verifier's own shared tensors."""
     # replace: per-layer embed/head copies stay the verifier's unless --update-copies;
     # add: whatever the format carries (native drafts bring them), the rest is filled below
     copies = None if mode == "add" else req.update_copies
-    corr = correspond(fmt, view, layers, with_embed=copies, with_head=copies)
-    unwrapped = _unwrap(draft, corr, req)
-    draft = unwrapped.ckpt  # from here on, the draft's keys are the format's names
+    corr = correspond(setup.fmt, view, layers, with_embed=copies, with_head=copies)
+    unwrapped = _unwrap(setup.draft, corr, req)
+    draft = unwrapped.ckpt
     shared_keys = {s.key for s in view.resolved.shared.values()}
     corr.tensors = [t for t in corr.tensors if t.verifier_key not in shared_keys]
     fill: list[Spec] = []
@@ -372,10 +420,14 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         src = _shared_source(view, spec)
         builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
                                                     meta={"source": ["verifier:" + src.key], "role": spec.role})
-    report = StitchReport(mode, fmt.name, table.family, provenance=provenance, draft=_how_read(unwrapped))
-    _check_draft(draft, fmt, builder, report, view, req.allow_partial)
-    builder.raise_refusals()
-    mtp_keys = set(declared.keys()) if mode == "replace" else set()
+    return builder, unwrapped
+
+
+def _account(builder: _Builder, view: MtpView, declared: MtpView | None, report: StitchReport,
+             req: StitchRequest) -> None:
+    """What the draft leaves out of the verifier's MTP (``declared``: replace mode's view): per-layer copies kept
+    or absent (never invented), and any other tensor refused unless --allow-partial keeps the verifier's."""
+    mtp_keys = set(declared.keys()) if declared is not None else set()
     copies = {k for k in mtp_keys if _is_copy(k, view)}
     report.kept_copies = sorted(copies - set(builder.candidates))
     # never invented: a copy the verifier does not have is written only when the draft brings it (add mode)
@@ -388,13 +440,6 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
                              + ", ".join(absent[:15]) + (" ..." if len(absent) > 15 else "")
                              + " (pass --allow-partial to keep the verifier's)", rule="missing-tensor")
         report.kept_from_verifier = absent
-    _decide(builder, view, report)
-    report.exempt = judge(report.decisions, {k: t.meta.get("kind") for k, t in builder.candidates.items()}, draft,
-                          req.accept_divergent)
-    plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
-    note_allowed(plan.manifest, draft_gate, vgate)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
-    return plan, report
 
 
 def _unwrap(draft: Checkpoint, corr: Correspondence, req: StitchRequest) -> Unwrapped:
