@@ -132,6 +132,19 @@ def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
     assert named == set(ENCODERS)
 
 
+def test_the_docs_scheme_list_says_which_tables_have_an_encoder():
+    """docs/quantization.md's table of schemes: one row per shipped table, its encoder column naming the encoders
+    the table's storage formats name (empty when none: what graft --mtp-quant and stitch cannot write)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| [^|]+ \| ([^|]*)\|$", text, flags=re.M))
+    assert set(rows) == set(all_schemes()), sorted(set(rows) ^ set(all_schemes()))
+    for name, cell in rows.items():
+        want = {f.encoder for f in all_schemes()[name].storage if f.encoder}
+        assert set(re.findall(r"`([\w-]+)`", cell)) == want, (name, cell)
+
+
 # -- the real producers' outputs, MTP restored by graft --mtp-quant, then a finetuned draft stitched in ---------
 
 MTP = "model.layers.2."  # the DeepSeek-V3 base fixture's MTP layer

@@ -6,8 +6,9 @@ verifier MTP tensor is rebuilt from the draft in the verifier's own name, layer 
 expert layout and dtype. Before anything is written the draft has to pass a gate:
 
 - it proves it belongs to the verifier's family (``provenance.prove_family``);
-- its dtypes follow the policy in ``_Builder`` (floats replace floats, FP8 weights keep the
-  verifier's FP8 format and scales, integer / bool / complex tensors are refused);
+- its dtypes follow the policy in ``_Builder`` (floats replace floats, a quantized verifier weight is
+  written in the verifier's storage by its scheme table's encoder, integer / bool / complex tensors are
+  refused);
 - every candidate is compared with the verifier's tensor (``stitch_compare.decide``, one
   ``Decision`` per key): byte- or value-identical ones are copied from the verifier (so an
   untouched round trip reproduces the verifier's files), NaN / Inf is an error, and a replaced
@@ -102,14 +103,13 @@ def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
 class _Builder:
     """Turns correspondence links into verifier-named candidate tensors built from the draft.
 
-    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64,
-    or FP8 weights with their block scales) replace float tensors, whatever ``--dtype``;
-    a non-float verifier tensor is replaced only by one of its own dtype; an FP8 verifier
-    weight keeps its exact FP8 format (a draft in another FP8 format is re-quantized from
-    its value) and its scale keeps the verifier's dtype (a narrower float scale is widened,
-    exactly) and the shape its block grid needs. What the verifier stores unquantized
-    instead (``--keep-bf16``, or ``--dtype draft`` with a float draft) drops the scale,
-    and the config's ignore list says so. Violations are collected and raised together.
+    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64, or weights in
+    the draft's block format, read as values with their scales) replace float tensors, whatever ``--dtype``;
+    a non-float verifier tensor is replaced only by one of its own dtype. A verifier weight stored quantized
+    (any scheme table's format, block FP8 included) is written in that storage by the encoder its table
+    names; what it cannot write (no encoder, another scale dtype), ``--keep-bf16`` or ``--dtype draft`` with
+    a float draft goes in unquantized instead, its companions dropped, and the config's ignore list says so.
+    Violations are collected and raised together.
     """
 
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):

@@ -34,14 +34,16 @@ no verb branches on a scheme name. The API:
 ``weight_format(ckpt=None, hint=None) -> WeightFormat``
     The checkpoint's *block format* (one FP8 scale companion over fixed tiles: ``fp8-block``'s
     ``weight_scale_inv``, ``deepseek-v4``'s ``.scale``), from the scheme table its storage shows,
-    else the one it declares, else the family's hint: what the verbs ask for a weight's companions
-    (``companions(key, shape)``, ``scale_key``), its decoder (``decode``) and encoder (``encode``).
+    else the one it declares, else the family's hint: how a stacked experts tensor (no module of its
+    own) carries its scale (``companions(key, shape)``, ``scale_key``, ``decode``, ``storage``). A
+    per-module weight in a block format is a ``Storage`` like every other scheme's.
 
 ``quant_files(ckpt)`` reads the configuration files a scheme may be declared in.
 
 Adding a scheme from outside the package (docs/quantization.md "Adding a scheme"):
 ``register_scheme_dir(path)`` reads the tables in ``path`` too; ``register_encoder(name, fn, layout)``
-adds the encoder a table's ``encoder:`` names (stitch and graft write the scheme with it); decoding is
+adds the encoder a table's ``encoder:`` names (stitch and graft write the scheme with it; a table may name
+a shipped one, as a block scheme naming ``fp8-block``); decoding is
 the table's own ``decoder:`` data, over the code kinds built in or added with ``register_codes(name,
 values)``. ``unregister_scheme_dir`` / ``unregister_encoder`` / ``unregister_codes`` undo them.
 """

@@ -13,6 +13,8 @@ producer that writes the format, operation for operation, so its bytes are the p
 - ``fp8-block``: DeepSeek block FP8, the one block encoder (``fp8-block`` and ``deepseek-v4`` name it): streamed
   (``STREAMS``: ``numeric.transforms.requantize``, one block row at a time), its scale companion named by the
   table, powers of two under ``scale_fmt: ue8m0`` or where the scales are F8_E8M0;
+- ``ct-int8`` / ``ct-pack``: compressed-tensors' int-quantized and pack-quantized compressors (symmetric
+  weights; ``encode_int``), held to llm-compressor's W8A8 and W4A16 outputs;
 - ``modelopt-fp8`` / ``modelopt-nvfp4``: ModelOpt's export (per-tensor ``amax / 448``; NVFP4
   ``weight_scale_2 = amax / (6 * 448)``, group scales ``amax_g / (6 * weight_scale_2)`` in F8_E4M3),
   held to the ModelOpt fixtures.
