@@ -26,6 +26,7 @@ PRESETS = {
     "FP8_BLOCK": ("ct-fp8", {"strategy": "block", "block": [128, 128]}),
     "NVFP4A16": ("ct-nvfp4", {"group_size": 16}),
     "NVFP4": ("ct-nvfp4", {"group_size": 16}),
+    "MXFP4": ("ct-mxfp4", {"group_size": 32}),
     "W8A8": ("ct-int8", {"strategy": "channel", "symmetric": True}),
     "W8A16:32": ("ct-pack", {"strategy": "group", "group_size": 32, "num_bits": 8, "symmetric": True}),
     "W4A16:32": ("ct-pack", {"strategy": "group", "group_size": 32, "num_bits": 4, "symmetric": True}),
@@ -289,7 +290,7 @@ def test_mtp_quant_refuses_a_scheme_without_an_encoder_and_calibrated_targets(tm
     from conftest import run_ckpt
 
     base = CORPUS / "transformers-deepseek_v3"
-    r = run_ckpt("graft", base, CORPUS / "llmcompressor-w4a16", "-o", tmp_path / "o", "--mtp-quant", "ct-mxfp4",
+    r = run_ckpt("graft", base, CORPUS / "llmcompressor-w4a16", "-o", tmp_path / "o", "--mtp-quant", "quark-mxfp4",
                  code=2)
     assert "[mtp-quant-scheme]" in r.output and "no encoder" in r.output
     # the list is every table that names an encoder

@@ -5,7 +5,7 @@ name to one function ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` (
 adds one from outside the package, with its ``Layout``). Each reproduces the
 producer that writes the format, operation for operation, so its bytes are the producer's:
 
-- ``ct-fp8`` / ``ct-nvfp4``: compressed-tensors 0.20.1 as llm-compressor runs it: a min-max observer
+- ``ct-fp8`` / ``ct-nvfp4`` / ``ct-mxfp4``: compressed-tensors 0.20.1 as llm-compressor runs it: a min-max observer
   over the weight *in the model's dtype* (``calculate_qparams``, ``generate_gparam``), then the
   format's compressor (``FloatQuantizationCompressor``, ``NVFP4PackedCompressor``: ``quantize`` then
   ``pack_fp4_to_uint8``). Held byte for byte to the library's own functions and to llm-compressor's
@@ -286,6 +286,50 @@ def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     return {"weight_packed": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_global_scale": g}
 
 
+def _round_to_power_2(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``round_to_power_2`` for e2m1 elements: the exponent bits of ``x`` after adding half of
+    the bits below e2m1's one mantissa bit (so 1.75 * 2**k rounds up to 2**(k+1)), the rest cleared."""
+    import torch
+
+    if x.dtype == torch.bfloat16:
+        bits, mantissa, width = x.view(torch.int16).to(torch.int32) & 0xFFFF, 7, 8
+    elif x.dtype == torch.float32:
+        bits, mantissa, width = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, 23, 8
+    else:
+        raise PlanError(f"MXFP4 scales from {x.dtype} values have no encoder (BF16, F32)", rule="quant-encode")
+    mask = ((1 << (width + 1)) - 1) << mantissa
+    out = (bits + (1 << (mantissa - 2))) & mask
+    return out.to(torch.int16).view(torch.bfloat16) if x.dtype == torch.bfloat16 else out.to(torch.int32).view(x.dtype)
+
+
+def _mxfp4_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    group = int(args.params.get("group_size") or 32)
+    if group != 32 or shape[1] % 32:
+        raise PlanError(f"MXFP4 is e2m1 codes in groups of 32 columns; got group {group}, {shape[1]} columns",
+                        rule="quant-encode")
+    return {"weight_packed": ("U8", (shape[0], shape[1] // 2)), "weight_scale": ("U8", (shape[0], shape[1] // 32))}
+
+
+@encoder("ct-mxfp4", _mxfp4_layout)
+def ct_mxfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """compressed-tensors MXFP4 (MXFP4PackedCompressor): per 32 values, the E8M0 exponent
+    ``127 + floor(log2(round_to_power_2(absmax))) - 2`` (clamped to a byte; an all-zero group's scale
+    ``2**-127``), codes ``cast_to_fp4(clamp(x / scale, -6, 6))`` in the model dtype, packed as NVFP4's."""
+    import torch
+
+    _mxfp4_layout(tuple(values.shape), args)
+    dtype = _torch_dtype(args.model_dtype)
+    x = values.to(dtype)
+    m = _absmax(*_tile_minmax(x, (1, 32)))
+    e = 127 + torch.floor(torch.log2(_round_to_power_2(m))) - 2  # in the model dtype, as the observer computes
+    e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8)
+    scale = (2.0 ** (e.to(torch.int32) - 127).to(torch.float)).to(dtype)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    packed = _fp4_codes(x, scale, 32)
+    return {"weight_packed": packed, "weight_scale": (127 + torch.floor(torch.log2(scale)).to(torch.int32)).to(
+        torch.uint8)}
+
+
 def _positive(scale: torch.Tensor) -> torch.Tensor:
     """An all-zero weight's per-tensor scale: float32 eps instead of 0 (as compressed-tensors' calculate_qparams
     does), so no scale is zero and no group scale divides by it (rule quant-scale-value); its codes stay 0."""
@@ -369,11 +413,12 @@ def fp8_block_stream(values: OutputTensor, args: EncodeArgs, keys: Mapping[str, 
 
 def _fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """``fp8_block_stream`` over one in-memory matrix (its outputs read back as tensors)."""
-    return run_stream(fp8_block_stream, values, args)
+    return run_stream(fp8_block_stream, _fp8_block_layout, values, args)
 
 
-def run_stream(stream: Stream, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
-    """A streamed encoder run over an in-memory matrix: the same recipes, their bytes read back as tensors."""
+def run_stream(stream: Stream, layout: Layout, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """A streamed encoder run over an in-memory matrix: the same recipes, their bytes read back as tensors (the one
+    implementation serves both: nothing encodes block FP8 another way)."""
     from ...arrays import bytes_to_torch
     from ...dtypes import from_torch
     from ...numeric.transforms import recipe_bytes
@@ -381,13 +426,9 @@ def run_stream(stream: Stream, values: torch.Tensor, args: EncodeArgs) -> dict[s
 
     src = OutputTensor("values", from_torch(values.dtype), tuple(values.shape),
                        Compute(lambda: iter([values.contiguous()]), "values", []))
-    outs = stream(src, args, {sfx: sfx for sfx in layout_of_stream(values.shape, args)})
+    outs = stream(src, args, {sfx: sfx for sfx in layout((int(values.shape[-2]), int(values.shape[-1])), args)})
     return {sfx: bytes_to_torch(bytearray(b"".join(recipe_bytes(t.recipe, max(t.nbytes, 1)))), t.dtype,
                                 tuple(t.shape)) for sfx, t in outs.items()}
-
-
-def layout_of_stream(shape, args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    return _fp8_block_layout((int(shape[-2]), int(shape[-1])), args)
 
 
 ENCODERS["fp8-block"], LAYOUTS["fp8-block"], STREAMS["fp8-block"] = _fp8_block, _fp8_block_layout, fp8_block_stream
