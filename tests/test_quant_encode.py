@@ -133,6 +133,13 @@ def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
     assert named == set(ENCODERS)
 
 
+def test_graft_help_lists_every_table_with_an_encoder():
+    from ckpt_tools.cli.graft_cmd import MTP_QUANTS
+    from ckpt_tools.ops.graft import mtp_quants
+
+    assert MTP_QUANTS.split(" | ") == list(mtp_quants())
+
+
 def test_the_docs_scheme_list_says_which_tables_have_an_encoder():
     """docs/quantization.md's table of schemes: one row per shipped table, its encoder column naming the encoders
     the table's storage formats name (empty when none: what graft --mtp-quant and stitch cannot write)."""
