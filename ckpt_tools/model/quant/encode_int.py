@@ -8,6 +8,7 @@ zero), then ``_quantize`` (``round(clamp(x / scale, q_min, q_max))`` in that dty
 group of 32, little-endian I32 words) with the true shape in ``weight_shape``. Held byte for byte to the
 library's compressors and to llm-compressor's outputs in fixtures/producers (tests/test_quant_encode.py).
 Asymmetric weights (zero points) have no encoder here: they are refused with rule ``quant-encode``.
+Registered by ``encode`` (``ENCODERS``), under the names the tables use.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import PlanError
-from .encode import EncodeArgs, _absmax, _expand, _tile_minmax, _torch_dtype, encoder
+from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax, _torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -85,20 +86,19 @@ def pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(words).view(np.int32))
 
 
-def _int8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def int8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     _bits(args, 8)
     return {"weight": ("I8", shape), "weight_scale": (args.dtypes.get("weight_scale", args.model_dtype),
                                                       _grid(args, shape))}
 
 
-@encoder("ct-int8", _int8_layout)
 def ct_int8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors int-quantized INT8 (IntQuantizationCompressor): I8 codes and ``weight_scale``."""
     q, scale = _codes(values, args, _bits(args, 8))
     return {"weight": q.contiguous(), "weight_scale": scale}
 
 
-def _pack_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def pack_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     bits = _bits(args, 4)
     rows, cols = shape
     return {"weight_packed": ("I32", (rows, -(-cols * bits // 32))),
@@ -106,7 +106,6 @@ def _pack_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[st
             "weight_shape": (args.dtypes.get("weight_shape", "I64"), (2,))}
 
 
-@encoder("ct-pack", _pack_layout)
 def ct_pack(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors pack-quantized INT4 / INT8 (PackedQuantizationCompressor): packed I32 codes,
     ``weight_scale`` and ``weight_shape``."""
