@@ -619,17 +619,30 @@ def test_requantize_refuses_nonfinite_when_producing(tmp_path):
 # Config
 
 
-def test_config_helpers():
+def test_weight_block_size_is_read_once_by_the_scheme_table():
+    """``weight_block_size`` and ``scale_fmt`` are the block table's declared parameters (model/quant/detect, the
+    one reader): a list is the tile, absent is 128x128, an explicit null one per-tensor scale (transformers'
+    FineGrainedFP8: a scalar weight_scale_inv) - for the audit, the storage check and the encoder alike."""
+    from types import SimpleNamespace
+
+    from ckpt_tools.model.quant.block_audit import declared_block
+    from ckpt_tools.model.quant.companions import config_params, weight_format
+    from ckpt_tools.model.quant.tables import get_scheme
+
+    fmt = weight_format(hint="fp8-block")
+    table = get_scheme("fp8-block")
+
+    def ckpt(qc):
+        return SimpleNamespace(config=ConfigView({"text_config": {"hidden_size": 8}, "quantization_config": qc}),
+                               local_dir=None, root="x")
+
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 128]}
-    assert fp8.block_size({"quantization_config": qc}) == (64, 128)
-    nested = ConfigView({"text_config": {"hidden_size": 8}, "quantization_config": qc})
-    assert fp8.block_size(nested) == (64, 128) and not fp8.power_of_two_scales(nested)
-    assert fp8.power_of_two_scales({"quantization_config": {**qc, "scale_fmt": "UE8M0"}})
-    assert fp8.block_size({"quantization_config": {"quant_method": "fp8"}}) == (128, 128)
-    assert fp8.block_size({}) == (128, 128)
-    for bad in (None, [128], [0, 128], [128.0, 128], "128"):
-        with pytest.raises(InputError, match="fp8-block-size"):
-            fp8.block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": bad}})
+    assert declared_block(ckpt(qc), fmt) == ((64, 128), True)
+    assert config_params(table, ckpt(qc))["scale_fmt"] is None
+    assert config_params(table, ckpt({**qc, "scale_fmt": "UE8M0"}))["scale_fmt"] == "UE8M0"
+    assert declared_block(ckpt({"quant_method": "fp8"}), fmt) == ((128, 128), True)
+    assert declared_block(ckpt({**qc, "weight_block_size": None}), fmt) == (None, True)
+    assert declared_block(ckpt({"quant_method": "compressed-tensors"}), fmt) == ((128, 128), False)
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (3, 130, 257)])

@@ -117,12 +117,14 @@ def test_decisions_say_what_is_written_and_why(make_fixture, tmp_path):
     assert by_key[key].stats.status == "replaced" and key in by_key[key + "_scale_inv"].reason
     others = {d.action for k, d in by_key.items() if k not in (key, key + "_scale_inv")}
     assert others == {"identical"}
-    assert "FP8 weight dequantized" in by_key["model.layers.3.mlp.experts.0.up_proj.weight"].reason
+    assert "the verifier's FP8 block [128, 128] decoded: its bytes are kept" in \
+        by_key["model.layers.3.mlp.experts.0.up_proj.weight"].reason
     kept = {d.key: d for d in stitch(draft, verifier, tmp_path / "o", dry_run=True, keep_bf16=True).details.decisions}
     removed = {k for k, d in kept.items() if d.action == "remove"}
     assert removed and all(k.endswith("_scale_inv") and kept[k[: -len("_scale_inv")]].action == "replace"
                            for k in removed)
-    assert "written as BF16 where the verifier has F8_E4M3" in kept[key.replace("q_b", "kv_b")].reason
+    assert "written as BF16 where the verifier stores FP8 block [128, 128], as the request asks (--keep-bf16" in \
+        kept[key.replace("q_b", "kv_b")].reason
 
 
 def test_keep_bf16_writes_unquantized_mtp_and_says_so_in_the_config(make_fixture, tmp_path):

@@ -142,7 +142,11 @@ def test_block_fp8_without_a_quantization_line_extracts_and_fuses_the_same(make_
     arch = unhinted("deepseek_v3")
     view = open_mtp(Checkpoint.open(src), get_table(arch))
     assert view.block_format.how == "stored" and view.block_format.scheme == "fp8-block"
-    assert view.complete() and not view.quantized
+    # every FP8 linear is a quantized module like any other scheme's, its scale named by the table
+    fp8 = {s.key for s in view.present if view.ckpt.tensors[s.key].dtype == "F8_E4M3"}
+    assert view.complete() and fp8 and set(view.quantized) == fp8
+    assert all(st.scheme == "fp8-block" and set(st.tensors) == {"weight", "weight_scale_inv"}
+               for st in view.quantized.values())
     for args in ((), ("--dequant", "bf16")):
         tag = "-".join(args) or "fp8"
         ckpt("extract", src, "-o", tmp_path / f"a-{tag}", *args)
@@ -190,7 +194,9 @@ def test_deepseek_v4_scale_companions_come_from_its_scheme_table(make_fixture, t
     view = open_mtp(Checkpoint.open(src), get_table(arch))
     fmt = view.block_format
     assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
-    assert view.complete() and not view.missing_scales and not view.quantized
+    assert view.complete() and not view.missing_scales
+    assert view.quantized and all(st.scheme == "deepseek-v4" and set(st.tensors) == {"weight", "scale"}
+                                  for st in view.quantized.values())
     for args, a in _extracted_alike(src, arch, tmp_path):
         assert {k for k in a if k.endswith(".scale")} == ({k for k in scales if k in a} if not args else set())
         assert any(k.endswith(".scale") for k in a) == (not args)
@@ -226,10 +232,10 @@ def test_experts_of_another_scheme_are_refused_naming_the_rule(tmp_path, scheme)
     assert "`ckpt dequant` them first" in out and not (tmp_path / "f" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("extra", [[], ["--mtp-quant", "fp8-block"]])
+@pytest.mark.parametrize("extra", [[], ["--mtp-quant", "deepseek-v4"]])
 def test_deepseek_v4_graft_keeps_its_scale_companions(make_fixture, tmp_path, extra):
     """F32 `.scale` companions (a fixture, a trainer's export) say deepseek-v4 as the release's F8_E8M0 ones do:
-    the config's declaration, the stored MTP and --mtp-quant fp8-block (the target's block format) agree."""
+    the config's declaration, the stored MTP and --mtp-quant deepseek-v4 (its table's encoder) agree."""
     from ckpt_tools.model.quant import detect_scheme
 
     src = make_fixture("deepseek_v4", fp8=True)

@@ -17,7 +17,8 @@ from ckpt_tools.model.quant.tables import all_schemes
 pytest.importorskip("compressed_tensors", reason="compressed-tensors comes with the test extra")
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
-DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32",
+          torch.int8: "I8"}
 # compressed-tensors preset -> (our encoder, the params its table reads off the config)
 PRESETS = {
     "FP8": ("ct-fp8", {"strategy": "tensor"}),
@@ -25,6 +26,10 @@ PRESETS = {
     "FP8_BLOCK": ("ct-fp8", {"strategy": "block", "block": [128, 128]}),
     "NVFP4A16": ("ct-nvfp4", {"group_size": 16}),
     "NVFP4": ("ct-nvfp4", {"group_size": 16}),
+    "MXFP4": ("ct-mxfp4", {"group_size": 32}),
+    "W8A8": ("ct-int8", {"strategy": "channel", "symmetric": True}),
+    "W8A16:32": ("ct-pack", {"strategy": "group", "group_size": 32, "num_bits": 8, "symmetric": True}),
+    "W4A16:32": ("ct-pack", {"strategy": "group", "group_size": 32, "num_bits": 4, "symmetric": True}),
 }
 
 
@@ -54,9 +59,8 @@ def test_ct_encoders_equal_compressed_tensors_own_compression(preset, dtype):
 
     name, params = PRESETS[preset]
     weights = _weights(dtype)
-    if preset == "FP8_BLOCK":  # compressed-tensors pads edge blocks; every shape here is fine
-        pass
-    lib, _ = ct_compress(weights, ct_scheme(preset), [])
+    lib_name, _, group = preset.partition(":")  # W4A16:32 - the preset with group size 32 (every width here fits)
+    lib, _ = ct_compress(weights, ct_scheme(lib_name, int(group) if group else None), [])
     for module, w in weights.items():
         want = {k.split(".", 1)[1]: v for k, v in lib.items() if k.startswith(module + ".")}
         dtypes = {s: DTYPES.get(v.dtype, "F8_E4M3") for s, v in want.items()}
@@ -80,6 +84,9 @@ PRODUCED = {
     "llmcompressor-fp8-dynamic": ("ct-fp8", {"strategy": "channel"}, None),
     "llmcompressor-fp8-block": ("ct-fp8", {"strategy": "block", "block": [128, 128]}, None),
     "llmcompressor-nvfp4a16": ("ct-nvfp4", {"group_size": 16}, "weight_global_scale"),
+    "llmcompressor-w8a8": ("ct-int8", {"strategy": "channel", "symmetric": True}, None),
+    "llmcompressor-w4a16": ("ct-pack", {"strategy": "group", "group_size": 32, "num_bits": 4, "symmetric": True},
+                            None),
     "modelopt-fp8": ("modelopt-fp8", {"algo": "FP8"}, "weight_scale"),
     "modelopt-nvfp4": ("modelopt-nvfp4", {"group_size": 16}, "weight_scale_2"),
 }
@@ -105,7 +112,9 @@ def test_encoders_reproduce_the_real_producers_outputs(fixture):
         if not key.endswith(".weight") or set(stored) <= {"weight"}:
             continue  # not quantized by the producer (norms, embeddings, the router, the head)
         dtypes = {s: DTYPES.get(v.dtype, "?") for s, v in stored.items()}
-        rule = next(f.shared_scale for f in all_schemes()[name].storage if f.encoder == name)
+        # the table's names for what the format stores (an encoder reads its scale suffix from them)
+        fmt = next(f for f in all_schemes()[name].storage if f.encoder == name and set(stored) >= {f.weight.suffix})
+        rule = fmt.shared_scale
         group = group_absmax(base, module, fused) if rule == "fused" or (
             rule == "experts" and ".mlp.experts." in module) else None
         got = ENCODERS[name](w, EncodeArgs(params, dtypes, "BF16", group))
@@ -124,10 +133,31 @@ def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
     assert named == set(ENCODERS)
 
 
+def test_graft_help_lists_every_table_with_an_encoder():
+    from ckpt_tools.cli.graft_cmd import MTP_QUANTS
+    from ckpt_tools.ops.graft import mtp_quants
+
+    assert MTP_QUANTS.split(" | ") == list(mtp_quants())
+
+
+def test_the_docs_scheme_list_says_which_tables_have_an_encoder():
+    """docs/quantization.md's table of schemes: one row per shipped table, its encoder column naming the encoders
+    the table's storage formats name (empty when none: what graft --mtp-quant and stitch cannot write)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w-]+)` \| [^|]+ \| ([^|]*)\|$", text, flags=re.M))
+    assert set(rows) == set(all_schemes()), sorted(set(rows) ^ set(all_schemes()))
+    for name, cell in rows.items():
+        want = {f.encoder for f in all_schemes()[name].storage if f.encoder}
+        assert set(re.findall(r"`([\w-]+)`", cell)) == want, (name, cell)
+
+
 # -- the real producers' outputs, MTP restored by graft --mtp-quant, then a finetuned draft stitched in ---------
 
 MTP = "model.layers.2."  # the DeepSeek-V3 base fixture's MTP layer
-GRAFTED = {"llmcompressor-nvfp4a16": "ct-nvfp4", "llmcompressor-fp8-dynamic": "ct-fp8"}
+GRAFTED = {"llmcompressor-nvfp4a16": "ct-nvfp4", "llmcompressor-fp8-dynamic": "ct-fp8",
+           "llmcompressor-w8a8": "ct-int8", "llmcompressor-w4a16": "ct-pack"}
 
 
 def _stored_modules(path: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -206,6 +236,39 @@ def test_graft_mtp_quant_then_stitch_writes_compressed_tensors_own_bytes(fixture
     assert run_ckpt("validate", out).exit_code == 0
 
 
+@pytest.mark.parametrize("fixture", ["llmcompressor-w8a8", "llmcompressor-w4a16"])
+def test_compressed_tensors_decompresses_the_grafted_mtp_to_the_source_within_rounding(fixture, tmp_path):
+    """The real producers' W8A8 (int-quantized) and W4A16 (pack-quantized) checkpoints, their MTP grafted back with
+    --mtp-quant in the trunk's scheme: compressed-tensors' own decompression (the compressor the config names) of
+    every quantizable MTP linear is the source's BF16 weight within the scheme's rounding, half a step of its
+    scale: |w - source| <= scale / 2 (plus the BF16 roundings the library makes: 2**-7 of |w|); every weight
+    moved, none beyond."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from conftest import run_ckpt
+
+    base, target, out = CORPUS / "transformers-deepseek_v3", CORPUS / fixture, tmp_path / "grafted"
+    run_ckpt("graft", base, target, "-o", out, "--mtp-quant", GRAFTED[fixture])
+    qc = QuantizationConfig.model_validate(__import__("json").loads((out / "config.json").read_text())
+                                           ["quantization_config"])
+    scheme = next(iter(qc.config_groups.values()))
+    comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
+    source = _load_dir(base)
+    stored = _stored_modules(out)
+    assert len(stored) >= 20, sorted(stored)  # attention, eh_proj and the experts of the MTP layer
+    for module, parts in stored.items():
+        got = comp.decompress(dict(parts), scheme)["weight"].float()
+        want = source[module + ".weight"].float()
+        assert got.shape == want.shape, module
+        scale = parts["weight_scale"].float()
+        step = scale.repeat_interleave(want.shape[1] // scale.shape[1], dim=1) if scale.shape[1] > 1 else scale
+        err = (got - want).abs()
+        # half a step, plus the BF16 roundings of the quotient x / scale and of the product code * scale
+        assert bool((err <= step / 2 + want.abs() * 2**-7).all()), (module, float((err - step / 2).max()))
+        assert float(err.max()) > 0, module  # rounded, not copied
+
+
 def _ct_builds_quantized_exactly(out: Path) -> None:
     import json
 
@@ -234,9 +297,15 @@ def test_mtp_quant_refuses_a_scheme_without_an_encoder_and_calibrated_targets(tm
     from conftest import run_ckpt
 
     base = CORPUS / "transformers-deepseek_v3"
-    r = run_ckpt("graft", base, CORPUS / "llmcompressor-w4a16", "-o", tmp_path / "o", "--mtp-quant", "ct-pack",
+    r = run_ckpt("graft", base, CORPUS / "llmcompressor-w4a16", "-o", tmp_path / "o", "--mtp-quant", "quark-mxfp4",
                  code=2)
-    assert "[mtp-quant-scheme]" in r.output and "no encoder" in r.output and "ct-nvfp4" in r.output
+    assert "[mtp-quant-scheme]" in r.output and "no encoder" in r.output
+    # the list is every table that names an encoder
+    from ckpt_tools.ops.graft import mtp_quants
+
+    encoded = sorted(n for n, t in all_schemes().items() if any(f.encoder for f in t.storage))
+    assert list(mtp_quants()) == encoded and {"ct-int8", "ct-pack", "fp8-block", "deepseek-v4"} <= set(encoded)
+    assert all(n in r.output for n in encoded)
     r = run_ckpt("graft", base, CORPUS / "modelopt-fp8", "-o", tmp_path / "o", "--mtp-quant", "modelopt-fp8", code=3)
     assert "[mtp-quant-calibration]" in r.output and "input_scale" in r.output
     assert not (tmp_path / "o").exists()
@@ -256,7 +325,9 @@ def test_encoders_invert_their_decoders_and_keep_their_layout(name):
     params = {"fp8-block": {"block": [128, 128]}, "ct-fp8": {"strategy": "channel"}, "ct-nvfp4": {"group_size": 16},
               "modelopt-fp8": {"algo": "FP8"}, "modelopt-nvfp4": {"group_size": 16}}[name]
     w = (torch.randn(160, 256, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
-    args = EncodeArgs(params, {}, "BF16")
+    # the stored names come from the table (fp8-block's scale is weight_scale_inv because its table says so)
+    args = EncodeArgs(params, {}, "BF16", suffixes={"weight": fmt.weight.suffix, **{t.role: t.suffix
+                                                                                     for t in fmt.tensors}})
 
     def decoded(x: torch.Tensor) -> torch.Tensor:
         enc = ENCODERS[name](x, args)

@@ -10,7 +10,8 @@ MTP) quantized that way then works in every verb with no other change to the too
 scheme, ``validate`` accepts it and refuses a missing companion, ``dequant`` writes exactly the decoded
 floats, ``stitch`` writes a changed MTP in the toy storage (the encoder's bytes) and keeps an unchanged one
 byte for byte, ``graft --mtp-quant toy-int8`` writes the release's MTP in it. Unregistered, the scheme is
-unknown (rule ``quant-unknown``).
+unknown (rule ``quant-unknown``). A block scheme (FP8 codes, one scale per tile) needs the table alone: the shipped
+block encoder and the e4m3 decoder write and read it under the scale name and tile its table gives.
 """
 
 from __future__ import annotations
@@ -357,3 +358,124 @@ def test_graft_writes_the_release_mtp_with_the_registered_encoder(toy_scheme, re
         else:  # the fusion (eh_proj) is not marked quantizable: written as the release stores it, and excluded
             assert same_bits(got[f"{m}.weight"], src[f"{m}.weight"]) and m in ignore, m
     run_ckpt("validate", out)
+
+
+# -- a block scheme is one table too: the shipped block encoder, the scale named by the table ---------------
+
+BLOCK = "toy-block"
+BLOCK_SCALE = "weight_tile_scale"  # neither fp8-block's weight_scale_inv nor DeepSeek-V4's scale
+BLOCK_TABLE = f"""\
+scheme: {BLOCK}
+title: toy block FP8 with its own scale name
+declared_in:
+  - file: config.json
+    section: quantization_config
+    match: {{quant_method: [{BLOCK}]}}
+    exclude:
+      - {{field: ignore, matcher: exact, create: true}}
+    params:
+      block: {{keys: [weight_block_size], default: [64, 64]}}
+storage:
+  - name: tiles
+    label: "FP8 tiles {{block}}"
+    weight: {{suffix: weight, dtypes: [F8_E4M3]}}
+    tensors:
+      - {{suffix: {BLOCK_SCALE}, role: scale, dtypes: [F32]}}
+    encoder: fp8-block
+    decoder:
+      codes: e4m3
+      scale: {{tensor: {BLOCK_SCALE}, granularity: "block"}}
+"""
+BLOCK_ARGS = EncodeArgs({"block": [64, 64]}, suffixes={"weight": "weight", "scale": BLOCK_SCALE})
+
+
+@pytest.fixture
+def block_scheme(tmp_path_factory):
+    """Only a table: its encoder (fp8-block, the streamed block requantizer) and its decoder (e4m3 codes times
+    the tile's scale) are the shipped ones; the scale's name and the tile size are the table's."""
+    tables = tmp_path_factory.mktemp("block-tables")
+    (tables / f"{BLOCK}.yaml").write_text(BLOCK_TABLE)
+    register_scheme_dir(tables)
+    try:
+        yield get_scheme(BLOCK)
+    finally:
+        unregister_scheme_dir(tables)
+
+
+def block_quantize(src: Path, dst: Path, drop_mtp: bool = False) -> Path:
+    """``src`` with every quantizable linear in the toy block storage (the shipped encoder run in memory, the scale
+    under the table's name), the config declaring the scheme; ``drop_mtp``: the MTP layer left out, as a quantizer
+    that loses it writes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "ckpt_manifest.json"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map: dict[str, str] = {}
+    ignore: list[str] = []
+    for shard in sorted({*index["weight_map"].values()}):
+        out: dict[str, torch.Tensor] = {}
+        for k, t in load_file(src / shard).items():
+            if drop_mtp and k.startswith(MTP):
+                continue
+            if _quantizable(k, t):
+                module = k.removesuffix(".weight")
+                out.update({f"{module}.{s}": v for s, v in ENCODERS["fp8-block"](t, BLOCK_ARGS).items()})
+            else:
+                out[k] = t
+                if k.endswith(".weight") and t.dim() == 2:
+                    ignore.append(k.removesuffix(".weight"))
+        save_file(out, dst / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, shard))
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    index["metadata"]["total_size"] = sum(v.numel() * v.element_size() for v in tensors_of(dst).values())
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": BLOCK, "ignore": sorted(ignore)}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def test_a_block_scheme_table_alone_works_for_graft_and_stitch(block_scheme, release, tmp_path):
+    """graft --mtp-quant toy-block writes the release's MTP with the scale named as the table says, byte for byte
+    the encoder's; the MTP extracted from it stitches back byte-identical, and a finetuned one is written in the
+    same storage. While the table is registered, --mtp-quant lists it; unregistered, it refuses it."""
+    from ckpt_tools.ops.graft import mtp_quants
+
+    assert BLOCK in mtp_quants()
+    target = block_quantize(release, tmp_path / "target", drop_mtp=True)
+    grafted = tmp_path / "grafted"
+    run_ckpt("graft", release, target, "-o", grafted, "--mtp-quant", BLOCK)
+    src, got = tensors_of(release), tensors_of(grafted)
+    encoded = sorted(k.removesuffix("." + BLOCK_SCALE) for k in got if k.startswith(MTP) and k.endswith(BLOCK_SCALE))
+    assert len(encoded) >= 15 and not any(k.endswith(("weight_scale_inv", ".scale")) for k in got)
+    for m in encoded:
+        for s, t in ENCODERS["fp8-block"](src[f"{m}.weight"], BLOCK_ARGS).items():
+            assert same_bits(got[f"{m}.{s}"], t), (m, s)
+    run_ckpt("validate", grafted)
+
+    draft, back, out = tmp_path / "draft", tmp_path / "back", tmp_path / "out"
+    run_ckpt("extract", grafted, "-o", draft, "--dequant", "bf16")
+    run_ckpt("stitch", draft, grafted, "-o", back)
+    for f in sorted(grafted.glob("*.safetensors")) + [grafted / "config.json"]:
+        assert (back / f.name).read_bytes() == f.read_bytes(), f.name
+    from safetensors.torch import load_file, save_file
+
+    for f in draft.glob("*.safetensors"):
+        t = load_file(f)
+        save_file({k: (v * 1.01).to(v.dtype) if v.is_floating_point() and v.dim() == 2 else v for k, v in t.items()},
+                  f, metadata={"format": "pt"})
+    run_ckpt("stitch", draft, grafted, "-o", out)
+    d, c = tensors_of(draft), tensors_of(out)
+    for m in encoded:
+        for s, t in ENCODERS["fp8-block"](d[f"{m}.weight"], BLOCK_ARGS).items():
+            assert same_bits(c[f"{m}.{s}"], t), (m, s)
+    assert (out / "config.json").read_bytes() == (grafted / "config.json").read_bytes()
+    run_ckpt("validate", out)
+
+
+def test_an_unregistered_block_table_is_not_an_mtp_quant(release, tmp_path):
+    from ckpt_tools.ops.graft import mtp_quants
+
+    assert BLOCK not in mtp_quants()
+    res = run_ckpt("graft", release, release, "-o", tmp_path / "o", "--mtp-quant", BLOCK, code=2)
+    assert "[mtp-quant-scheme]" in res.output and "no scheme table" in res.output

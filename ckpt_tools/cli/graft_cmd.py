@@ -19,6 +19,14 @@ from .write_options import (
     say_shards_written,
 )
 
+# the scheme tables whose storage names an encoder (ops.graft.mtp_quants(); tests/test_quant_encode.py keeps this
+# list equal to the shipped tables', read without loading them at start-up)
+MTP_QUANTS = " | ".join(("ct-fp8", "ct-int8", "ct-mxfp4", "ct-nvfp4", "ct-pack", "deepseek-v4", "fp8-block",
+                         "modelopt-fp8", "modelopt-nvfp4"))
+MTP_QUANT_HELP = (f"{MTP_QUANTS} (every scheme table whose storage names an encoder, registered ones included): "
+                  "the linear weights the family table marks quantizable in that scheme (a target whose config "
+                  "declares it); the other MTP tensors as --mtp-dtype says, else as the source stores them")
+
 
 def register(app: typer.Typer) -> None:
     @app.command("graft")
@@ -32,10 +40,7 @@ def register(app: typer.Typer) -> None:
                                            "with --mtp-quant, every MTP tensor that option does not encode; a dtype "
                                            "the family table pins is kept; default: as the source stores them"),
         mtp_quant: str = typer.Option(None, "--mtp-quant",
-                                      help="fp8-block | ct-fp8 | ct-nvfp4 | modelopt-fp8 | modelopt-nvfp4: the linear "
-                                           "weights the family table marks quantizable in that scheme (a target "
-                                           "whose config declares it); the other MTP tensors as --mtp-dtype says, "
-                                           "else as the source stores them"),
+                                      help=MTP_QUANT_HELP),
         link: str = typer.Option("copy", "--link",
                                  help="Untouched shards: copy | reflink | hardlink | remote (an hf:// target's "
                                       "shards stay on the Hub)"),

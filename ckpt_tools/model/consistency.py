@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING
 from ..errors import InputError, UsageError
 from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from ..io.safetensors_io import LocalFile, read_header
-from .expert_layouts import scale_key, scale_shape
 from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
-from .quant.companions import WeightFormat, weight_format
+from .quant.companions import weight_format
 from .quant.patterns import DESCRIPTION as PATTERN_DESCRIPTION
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.scale_values import DESCRIPTION as SCALE_VALUE_DESCRIPTION
@@ -403,66 +402,6 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
                                f"shape {list(ref.shape)}, but the {res.family} table expects {list(s.shape)} "
                                "for this config"))
     return out
-
-
-def block_size(qc: object, fmt: WeightFormat) -> tuple[int, int] | None:
-    """Scale block (rows, cols); None means one per-tensor scale."""
-    if isinstance(qc, dict) and "weight_block_size" in qc:
-        b = qc["weight_block_size"]
-        if b is None:
-            return None
-        if isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b):
-            return (b[0], b[1])
-    return fmt.block
-
-
-def fp8_problems(ckpt: Checkpoint, table: Table | None, view: MtpView | None, unknown: set[str],
-                 cfg: str | None) -> list[Problem]:
-    """Every F8 weight has its scale, of the block shape; FP8 tensors present <=> quant_method fp8."""
-    out: list[Problem] = []
-    fmt = view.block_format if view is not None else weight_format(ckpt, table.quantization if table else None)
-    stored = fmt.weight_dtypes  # what fmt.stores accepts, without a call per tensor
-    fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in stored]
-    qc = ckpt.config.get("quantization_config") if cfg else None
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if cfg is not None:
-        if method is None and ckpt.local_dir is not None and (ckpt.local_dir / "hf_quant_config.json").is_file():
-            return out  # declared in ModelOpt's side file, with its own scale names (quant scheme tables)
-        if fp8 and method is None:
-            out.append(Problem("quant-config", cfg, min(fp8),
-                               f"{len(fp8)} FP8 tensor(s) (e.g. this one) but config.json has no quantization_config "
-                               "with quant_method 'fp8'; loaders would read the FP8 bytes as the model dtype"))
-        elif method == "fp8" and not fp8 and not unknown:
-            out.append(Problem("quant-config", cfg, None,
-                               "quantization_config says quant_method 'fp8' but no tensor is FP8; remove "
-                               "quantization_config"))
-        if method not in (None, "fp8"):
-            return out  # another method (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
-    suffix = fmt.scale_suffix
-    block = block_size(qc, fmt)
-    grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> scale shape (few distinct shapes)
-    tensors = ckpt.tensors
-    found: list[tuple[str, Problem]] = []
-    for k in fp8:
-        # scale_key's common case inlined: tens of thousands of weights in a large FP8 release
-        skey = k[:-6] + suffix if k.endswith(".weight") else scale_key(k, suffix)
-        ref = tensors[k]
-        sref = tensors.get(skey)
-        if sref is None:
-            if skey not in unknown:
-                found.append((k, Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")))
-            continue
-        if block is None:
-            want = None if sref.shape in ((), (1,)) else "[] (one per-tensor scale)"
-        elif len(ref.shape) < 2:
-            continue  # block scales are defined for matrices (and stacks of them) only
-        else:
-            want_shape = grids.get(ref.shape) or grids.setdefault(ref.shape, scale_shape(ref.shape, block))
-            want = None if sref.shape == want_shape else (f"{list(want_shape)} (block {block[0]}x{block[1]} over "
-                                                          f"{list(ref.shape)})")
-        if want is not None:
-            found.append((k, Problem("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")))
-    return out + [p for _, p in sorted(found, key=lambda kp: kp[0])]
 
 
 def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:

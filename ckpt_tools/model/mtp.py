@@ -1,11 +1,11 @@
 """The MTP view of a checkpoint: which tensors its table expects, which are present.
 
-Shared by inspect, validate, extract and stitch. Expert layouts are detected from the
-header (a checkpoint may have been fused or unfused since release); FP8 weights bring
-their block-scale companions into the MTP set. A linear weight stored another way (a
-quantization scheme table's format: ``weight_packed`` + scales, FP4 in U8 ...) stays in
-``present`` under its logical key and is described in ``quantized`` (ckpt_tools.model.quant);
-``keys()`` / ``stored()`` give the tensors actually stored.
+Expert layouts are detected from the header (a checkpoint may have been fused or unfused since
+release). A linear weight stored quantized, in any scheme table's format (block FP8 with its
+``weight_scale_inv``, ``weight_packed`` + scales, FP4 in U8 ...), stays in ``present`` under its
+logical key and is described in ``quantized`` (ckpt_tools.model.quant), companions included;
+``keys()`` / ``stored()`` give the tensors actually stored. Stacked experts (one tensor for a
+group) have no module of their own: a block-FP8 stack brings its scale into ``present`` beside it.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
         if tuple(ref.shape) != tuple(s.shape):
             view.misshaped.append((s, tuple(ref.shape)))
         view.present.append(s)
-        if fmt.stores(ref.dtype):
+        if fmt.stores(ref.dtype):  # stacked experts ([E, out, in], no .weight module): the block scale beside them
             (c,) = fmt.companions(s.key, s.shape)
             skey, sshape = c.key, c.shape
             expected_keys.add(skey)
@@ -213,8 +213,8 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
 
 
 class QuantLookup:
-    """Storage of linear weights the block-FP8 path does not describe, with the scheme read lazily
-    (a checkpoint whose MTP weights are all float or block FP8 never reads it)."""
+    """How each quantized linear weight is stored (``module_storage``), the scheme read lazily: a checkpoint
+    whose weights are all float never reads it."""
 
     def __init__(self, ckpt: Checkpoint, fmt: WeightFormat) -> None:
         self.ckpt = ckpt
@@ -226,13 +226,13 @@ class QuantLookup:
         return None if self._scheme is _UNREAD else self._scheme  # type: ignore[return-value]
 
     def storage(self, s, ref) -> Storage | None:
-        """How ``s`` (a Spec or ExpertTensor) is stored, when a quantization scheme table describes it;
-        None for float weights, the checkpoint's block format with its scale, and anything no table describes
-        (reported as missing or mis-shaped, as before)."""
+        """How ``s`` (a Spec or ExpertTensor) is stored, when a quantization scheme table describes it, block
+        formats included (FP8 with ``weight_scale_inv`` or ``.scale``); None for float weights, a stacked
+        experts tensor (no module of its own: its block scale travels with it, ``WeightFormat``) and anything no
+        table describes (reported as missing or mis-shaped)."""
         if getattr(s, "kind", "linear") != "linear" or not s.key.endswith(".weight"):
             return None
-        if ref is not None and (ref.dtype in FLOAT_DTYPES or (
-                self.fmt.stores(ref.dtype) and self.fmt.scale_key(s.key) in self.ckpt.tensors)):
+        if ref is not None and ref.dtype in FLOAT_DTYPES:
             return None
         from .quant import detect_scheme, module_storage
 

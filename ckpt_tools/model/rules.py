@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
 from .consistency import Problem
+from .quant.block_audit import block_problems
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.patterns import pattern_problems
 from .quant.scale_values import RULE as SCALE_VALUE_RULE
@@ -56,6 +57,15 @@ class Context:
     table: Table | None = None
     whole_model: bool = False  # the trunk rules apply even to a checkpoint without a decoder layer
     config: str | None = None  # config.json's path when it is present and readable (the quant-config rule)
+
+
+def _block_format(ctx: Context):
+    """The checkpoint's block format: its view's, else the one it stores or declares (the table's hint)."""
+    from .quant.companions import weight_format
+
+    if ctx.view is not None:
+        return ctx.view.block_format
+    return weight_format(ctx.ckpt, ctx.table.quantization if ctx.table else None)
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ RULE_SET: list[Check] = [
     Check("stored-dtype", (STORED_DTYPE_RULE,), "model", True,
           lambda ctx: stored_dtype_problems(ctx.view, ctx.unknown), needs_view=True),
     Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", "quant-config"), "model", True,
-          lambda ctx: c.fp8_problems(ctx.ckpt, ctx.table, ctx.view, ctx.unknown, ctx.config)),
+          lambda ctx: block_problems(ctx.ckpt, _block_format(ctx), ctx.unknown, ctx.config)),
     # every scale of every quantized module read as values (model/quant/scale_values.py)
     Check("scale-values", (SCALE_VALUE_RULE,), "model", True,
           lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown)),

@@ -11,7 +11,8 @@ round-to-nearest-even cast. Quantization (``quantize``), per block::
 With ``s = fl(amax / 448)`` (not transformers' ``1 / (448 / amax)``) the round trip is a fixed point:
 ``quantize(dequantize(Q, s)) == (Q, s)`` byte for byte (tests/test_fp8.py checks a whole binade).
 ``block_scales`` (the scale grid) and ``quantize_with`` (the codes) split one band's work so a weight
-and its scale share one grid. torch is imported inside those functions only.
+and its scale share one grid. torch is imported inside those functions only. The block and ``scale_fmt``
+a checkpoint declares are its scheme table's parameters (model/quant), not read here.
 """
 
 from __future__ import annotations
@@ -27,37 +28,10 @@ if TYPE_CHECKING:
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FLT_MIN = 2.0**-126  # smallest normal float32: floor of every block scale (all-zero blocks included)
 DEFAULT_BLOCK = (128, 128)
-QUANT_DTYPE = "F8_E4M3"
-SCALE_DTYPE = "F32"
 
 
 # ---------------------------------------------------------------------------
-# Config
-
-
-def _quant_config(config: Any) -> dict | None:
-    get = getattr(config, "get", None)
-    qc = get("quantization_config") if get is not None else None
-    return qc if isinstance(qc, dict) else None
-
-
-def block_size(config: Any) -> tuple[int, int]:
-    """``quantization_config.weight_block_size`` as (rows, cols); 128 x 128 when absent.
-
-    An explicit ``null`` means per-tensor FP8 (transformers' reading), which is not
-    block quantization, so it is refused rather than guessed.
-    """
-    qc = _quant_config(config)
-    if qc is None or "weight_block_size" not in qc:
-        return DEFAULT_BLOCK
-    return _check_block(qc["weight_block_size"], "quantization_config.weight_block_size")
-
-
-def power_of_two_scales(config: Any) -> bool:
-    """``quantization_config.scale_fmt: ue8m0`` (DeepSeek-V3.1 / V3.2): every block scale is a power of
-    two, which engines may take as UE8M0 (DeepGEMM's scale format); a requantized weight must keep that."""
-    qc = _quant_config(config)
-    return qc is not None and str(qc.get("scale_fmt", "")).lower() == "ue8m0"
+# Shapes
 
 
 def _check_block(block: Any, what: str = "block") -> tuple[int, int]:

@@ -103,7 +103,7 @@ def cast(t: OutputTensor, dtype: str) -> OutputTensor:
                 n = len(buf) // DTYPES[src.dtype].nbytes(1)
                 yield bytes_to_torch(buf, src.dtype, (n,)).to(torch_dtype(dtype))
 
-    return OutputTensor(t.key, dtype, t.shape, Compute(produce, "cast", _inputs(t), {"from": t.dtype, "to": dtype}),
+    return OutputTensor(t.key, dtype, t.shape, Compute(produce, "cast", inputs_of(t), {"from": t.dtype, "to": dtype}),
                         t.shard, dict(t.meta))
 
 
@@ -125,7 +125,7 @@ def swap_halves(t: OutputTensor) -> OutputTensor:
             out[:, half:] = a[:, :half]
             yield out
 
-    return OutputTensor(t.key, t.dtype, t.shape, Compute(produce, "swap-halves", _inputs(t)), t.shard, dict(t.meta))
+    return OutputTensor(t.key, t.dtype, t.shape, Compute(produce, "swap-halves", inputs_of(t)), t.shard, dict(t.meta))
 
 
 def _column_layout(shapes: list[tuple[int, ...]], dtype: str, what: str) -> tuple[tuple[int, ...], list[int]]:
@@ -174,7 +174,7 @@ def concat_columns(parts: list[OutputTensor], key: str) -> OutputTensor:
                       for r, w in zip(readers, widths, strict=True)]
             yield np.ascontiguousarray(np.concatenate(pieces, axis=1))
 
-    inputs = [k for t in parts for k in _inputs(t)]
+    inputs = [k for t in parts for k in inputs_of(t)]
     meta = {"source": inputs, "joined_columns": [t.key for t in parts]}
     return OutputTensor(key, dtype, shape, Compute(produce, "concat-columns", inputs), parts[0].shard, meta)
 
@@ -198,22 +198,25 @@ def split_columns(t: OutputTensor, pieces: list[tuple[str, int]]) -> list[Output
                 band = np.frombuffer(reader.read(n * total), dtype=np.uint8).reshape(n, total)
                 yield np.ascontiguousarray(band[:, off:off + wb])
 
-        out.append(OutputTensor(key, t.dtype, (*lead, width), Compute(produce, "split-columns", _inputs(t),
+        out.append(OutputTensor(key, t.dtype, (*lead, width), Compute(produce, "split-columns", inputs_of(t),
                                                                      {"columns": [off, off + wb]}),
                                 t.shard, dict(t.meta)))
     return out
 
 
-def _inputs(t: OutputTensor) -> list[str]:
+def inputs_of(t: OutputTensor) -> list[str]:
+    """The source keys a planned tensor is read from: its computation's inputs, else its ``source`` meta, else
+    its own key (a byte copy of a stored tensor)."""
     r = t.recipe
     if isinstance(r, Compute):
         return list(r.inputs)
     return list(t.meta.get("source", [])) or [t.key]
 
 
-def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str,
-               pow2: bool = False) -> tuple[OutputTensor, OutputTensor]:
-    """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its F32 ``weight_scale_inv`` grid.
+def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str, pow2: bool = False,
+               scale_dtype: str = "F32") -> tuple[OutputTensor, OutputTensor]:
+    """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its scale grid ``scale_key`` (F32, or F8_E8M0:
+    the biased exponents of power-of-two scales, ``pow2`` required), the fp8-block encoder (model.quant.encode).
 
     The two recipes share one ``_ScaleGrid``: the grid is computed once, by whichever recipe runs
     first (the writer puts F32 scales before F8 weights in a shard), and the weights are then divided
@@ -233,13 +236,22 @@ def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str,
             for values, scale in shared.bands():
                 yield fp8.quantize_with(values, scale, block)
 
+    if scale_dtype not in ("F32", "F8_E8M0") or (scale_dtype == "F8_E8M0" and not pow2):
+        raise PlanError(f"{t.key}: block scales are written as F32, or F8_E8M0 when powers of two; not {scale_dtype}",
+                        rule="quant-encode")
+
     def scales():
-        yield shared.grid()
+        g = shared.grid()
+        if scale_dtype == "F8_E8M0":  # a power of two 2**(e - 127) is its float32 biased exponent e: the E8M0 byte
+            import torch
+
+            g = ((g.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+        yield g
 
     meta = dict(t.meta, quantized={"block": list(block), **({"scale_fmt": "ue8m0"} if pow2 else {})})
-    w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", _inputs(t)), t.shard, meta)
-    s = OutputTensor(scale_key, "F32", grid, Compute(scales, "quantize-scale", _inputs(t)), t.shard,
-                     {"role": "scale", "source": _inputs(t)})
+    w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", inputs_of(t)), t.shard, meta)
+    s = OutputTensor(scale_key, scale_dtype, grid, Compute(scales, "quantize-scale", inputs_of(t)), t.shard,
+                     {"role": "scale", "source": inputs_of(t)})
     return w, s
 
 

@@ -36,7 +36,6 @@ from .stitch_report import StitchReport
 from .tensor_diff import TensorDiff
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
-BLOCK_FP8 = "fp8-block"  # the target's block format (model.quant.companions: its scheme table's scale companion, block)
 # graft drops every MTP-namespace tensor of the target and writes the source's: what is wrong there is repaired
 GRAFT_REPAIRS = {**{rule: "graft replaces every MTP tensor of the target with the source's" for rule in MTP_RULES},
                  "mtp-quant-config": "graft writes the quantization config for the MTP it writes"}
@@ -218,38 +217,32 @@ def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
 
 
 def mtp_quants() -> tuple[str, ...]:
-    """The schemes ``--mtp-quant`` writes: block FP8 (the target's block format), and every scheme table whose storage
-    format names an encoder (model/quant/encode.py)."""
+    """The schemes ``--mtp-quant`` writes: every scheme table a storage format of which names an encoder
+    (model/quant/encode.py), registered ones included."""
     from ..model.quant import all_schemes
 
-    encoded = sorted(n for n, t in all_schemes().items() if n != BLOCK_FP8 and any(f.encoder for f in t.storage))
-    return (BLOCK_FP8, *encoded)
+    return tuple(sorted(n for n, t in all_schemes().items() if any(f.encoder for f in t.storage)))
 
 
 def _require_declared(target: Checkpoint, scheme_name: str):
     """--mtp-quant SCHEME writes that scheme's storage: the target's config must declare it, and (a scheme written
     by its encoder) its trunk modules must not carry calibrated activation scales graft cannot compute."""
     from ..model.quant import detect_scheme, get_scheme
-    from ..model.quant.companions import block_format
 
     scheme = detect_scheme(target)
-    # block FP8 is written in the target's own block format (model.quant.companions): any declared table with one
-    fits = scheme is not None and (any(block_format(t) is not None for t in scheme.tables) if scheme_name == BLOCK_FP8
-                                   else scheme_name in {t.scheme for t in scheme.tables})
-    if not fits:
+    if scheme is None or scheme_name not in {t.scheme for t in scheme.tables}:
         what = "declares no quantization" if scheme is None else \
             "declares " + ", ".join(sorted(t.title for t in scheme.tables))
         raise InputError(f"--mtp-quant {scheme_name} writes {get_scheme(scheme_name).title}, but the target's "
                          f"quantization config {what}, which cannot declare it; --mtp-dtype bf16 or the source's "
                          "own storage (no option) fit it", rule="mtp-quant-config", path=target.root)
-    if scheme_name != BLOCK_FP8:
-        acts = {t.suffix for f in get_scheme(scheme_name).storage for t in f.tensors if t.role == "input_scale"}
-        held = sorted(k for k in target.tensors if k.rpartition(".")[2] in acts)
-        if held:
-            raise InputError(f"--mtp-quant {scheme_name}: the target's modules carry calibrated activation scales "
-                             f"(e.g. {held[0]}), which come from running the model on data, not from the weights; "
-                             "graft cannot compute them for the MTP (--mtp-dtype bf16 writes it unquantized)",
-                             rule="mtp-quant-calibration", path=target.root)
+    acts = {t.suffix for f in get_scheme(scheme_name).storage for t in f.tensors if t.role == "input_scale"}
+    held = sorted(k for k in target.tensors if k.rpartition(".")[2] in acts)
+    if held:
+        raise InputError(f"--mtp-quant {scheme_name}: the target's modules carry calibrated activation scales "
+                         f"(e.g. {held[0]}), which come from running the model on data, not from the weights; "
+                         "graft cannot compute them for the MTP (--mtp-dtype bf16 writes it unquantized)",
+                         rule="mtp-quant-calibration", path=target.root)
     return scheme
 
 
@@ -293,14 +286,13 @@ class _Grafter:
 
     def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
         fmt = self.sview.block_format
-        if fmt.stores(t.dtype) and scale is not None:  # the source's block format
-            return _Piece([t, scale], self._fp8_stored(t.dtype, fmt), lambda dtype: fmt.decode(t, scale, dtype))
+        if fmt.stores(t.dtype) and scale is not None:  # stacked experts in the source's block format
+            st = fmt.storage(t.key, tuple(t.shape), {t.key: t, scale.key: scale})
+            return _Piece([t, scale], Stored("quantized", st.label, fmt.scheme, st, t.dtype),
+                          lambda dtype: fmt.decode(t, scale, dtype))
         if t.dtype in FLOAT_DTYPES:
             return _Piece([t], Stored("unquantized", t.dtype, dtype=t.dtype), lambda dtype: transforms.cast(t, dtype))
         return _Piece([t], None, None)
-
-    def _fp8_stored(self, dtype: str, fmt) -> Stored:
-        return Stored("quantized", f"{dtype} block {list(fmt.block)}", fmt.scheme, dtype=dtype)
 
     def _restack(self, sg, tg) -> None:
         """Experts restacked byte for byte into the target's layout (FP8 scales with them)."""
@@ -324,42 +316,25 @@ class _Grafter:
         """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""
         req = self.req
         if req.mtp_quant and quantizable and piece.values is not None and len(piece.tensors[0].shape) >= 2:
-            piece = self._fp8(key, piece) if req.mtp_quant == BLOCK_FP8 else self._encoded(key, piece, expert)
+            piece = self._encoded(key, piece, expert)
         elif req.mtp_dtype and piece.values is not None and not (pinned and piece.stored.state == "unquantized"):
             dtype = MTP_DTYPES[req.mtp_dtype]
             t = piece.values(dtype)
             piece = _Piece([t], Stored("unquantized", dtype, dtype=dtype), piece.values)
         self.pieces[key] = piece
 
-    def _fp8(self, key: str, piece: _Piece) -> _Piece:
-        from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
-
-        res, fmt = self.out_view.resolved, self.out_view.block_format
-        block, skey = fmt.block, fmt.scale_key(key)
-        w, *rest = piece.tensors
-        if w.dtype == QUANT_DTYPE and len(rest) == 1 and rest[0].dtype == SCALE_DTYPE and \
-                tuple(self.sview.block_format.block) == tuple(block) and rest[0].key == skey and \
-                self.sview.resolved.power_of_two_scales >= res.power_of_two_scales:
-            return piece  # already the target's block FP8 (and scale format): the source's bytes
-        values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values("F32")
-        qw, qs = fmt.encode(values, key, pow2=res.power_of_two_scales)
-        qw.meta.setdefault("source", _sources(w))
-        return _Piece([qw, qs], self._fp8_stored(QUANT_DTYPE, fmt), piece.values)
-
-
     def _encoded(self, key: str, piece: _Piece, expert: bool) -> _Piece:
         """The weight in the requested scheme's storage, written by the encoder its table names, with the
-        parameters the target's config declares for the module (group size, strategy, block)."""
+        parameters the target's config declares for the module (group size, strategy, block); the source's own
+        tensors where it already stores the weight so (same table, format, parameters and dtypes)."""
+        from ..model.expert_layouts import scale_key
         from ..model.quant import get_scheme
+        from ..model.quant.block import block_tile
         from ..model.quant.encode import EncodeArgs, layout_of
         from ..model.quant.encode_plan import FusedGroups, encode_module
         from ..model.quant.storage import Storage, params_for
 
         name, w = self.req.mtp_quant or "", piece.tensors[0]
-        if len(w.shape) != 2:
-            raise UsageError(f"{key}: --mtp-quant {name} writes one Linear per weight; the target's trunk stores "
-                             f"these experts stacked {list(w.shape)} (a per-expert target, or --mtp-dtype bf16)",
-                             rule="mtp-quant-stacked")
         table = get_scheme(name)
         module = key.removesuffix(".weight")
         params = params_for(self.declared, table, module)
@@ -367,17 +342,38 @@ class _Grafter:
         if fmt is None:
             raise UsageError(f"{key}: {table.title} with {dict(params)} has no storage format with an encoder",
                              rule="mtp-quant-scheme")
+        shape = piece.stored.storage.shape if piece.stored is not None and piece.stored.storage else w.shape
+        if len(shape) != 2 and block_tile(fmt, params) is None:  # a block format's scale grid stacks as its weight
+            raise UsageError(f"{key}: --mtp-quant {name} writes one Linear per weight; the target's trunk stores "
+                             f"these experts stacked {list(shape)} (a per-expert target, or --mtp-dtype bf16)",
+                             rule="mtp-quant-stacked")
         label = fmt.label.format_map(dict(params))
         dtype = self.out_view.resolved.dtype
-        written = layout_of(fmt.encoder or "", tuple(w.shape), EncodeArgs(params, {}, dtype))  # weight first
-        st = Storage(module, "quantized", fmt.weight.dtypes[0], name, fmt.name, label,
-                     {sfx: f"{module}.{sfx}" for sfx in written}, shape=tuple(w.shape), params=params)
+        suffixes = {"weight": fmt.weight.suffix, **{t.role: t.suffix for t in fmt.tensors}}
+        written = layout_of(fmt.encoder or "", tuple(shape), EncodeArgs(params, {}, dtype, suffixes=suffixes))
+        if _already(piece, name, fmt, params, written):
+            return piece  # the source stores it in this very format: its bytes
+        # a stacked experts tensor has no module: its companions are named off its key (gate_up_proj_scale_inv)
+        keys = {sfx: f"{module}.{sfx}" if key.endswith(".weight") else key if sfx == fmt.weight.suffix
+                else scale_key(key, sfx) for sfx in written}
+        st = Storage(module, "quantized", fmt.weight.dtypes[0], name, fmt.name, label, keys, shape=tuple(shape),
+                     params=params)
         values = w if piece.stored is not None and piece.stored.state == "unquantized" else piece.values(dtype)
         if self.fused is None:
             self.fused = FusedGroups(self.out_view.table.fused_modules, dtype)
         outs = list(encode_module(values, st, dtype, group=self.fused.join(module, values, st, expert)).values())
         outs[0].meta.setdefault("source", _sources(w))
         return _Piece(outs, Stored("quantized", label, name, st, fmt.weight.dtypes[0]), piece.values)
+
+
+def _already(piece: _Piece, scheme: str, fmt, params, written) -> bool:
+    """``piece`` is stored in ``scheme``'s format ``fmt`` with ``params``, its tensors the dtypes the encoder writes."""
+    st = piece.stored.storage if piece.stored is not None else None
+    if st is None or (st.scheme, st.format) != (scheme, fmt.name):
+        return False
+    dtypes = {sfx: t.dtype for sfx, t in zip(st.tensors, piece.tensors, strict=False)}
+    same = {k: v for k, v in st.params.items() if k in params} == {k: params[k] for k in st.params if k in params}
+    return same and all(dtypes.get(sfx) == dt for sfx, (dt, _) in written.items())
 
 
 def _applies(when: str | None, params) -> bool:

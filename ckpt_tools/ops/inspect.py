@@ -145,7 +145,7 @@ def inspect_view(view: MtpView, table_source: str = "detected") -> InspectReport
         count_field=_count_field(view), quantization=_quantization(ckpt, view, quant),
         mtp_quant=audit_json(quant) if quant.modules or quant.scheme is not None or quant.unknown else None,
         totals={"checkpoint": whole, "mtp": tally.mtp}, roles=tally.ordered_roles(), layers=_layers(view, tally),
-        experts=_experts(view), shards=_shards(ckpt, tally), dtypes={"mtp": _sorted(tally.dtypes),
+        experts=_experts(view, tally), shards=_shards(ckpt, tally), dtypes={"mtp": _sorted(tally.dtypes),
                                                                      "checkpoint": _sorted(whole_dtypes)},
         fp8=tally.fp8, tensors=tally.tensors, status=_status(view), view=view, reader=ckpt.reader,
         reader_notes=list(ckpt.reader_notes),
@@ -179,6 +179,7 @@ class _MtpTally:
     by_shard: dict[str, dict] = field(default_factory=dict)
     tensors: list[dict] = field(default_factory=list)
     fp8: dict = field(default_factory=dict)
+    block_scales: set[str] = field(default_factory=set)  # counted under fp8_scales, not with their weights' experts
 
     def add(self, role: str, depth: int | None, dtype: str, shard: str, numel: int, nbytes: int) -> None:
         _add(self.mtp, numel, nbytes)
@@ -201,20 +202,26 @@ def _tally_mtp(view: MtpView) -> _MtpTally:
     tally = _MtpTally(fp8={"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)})
     for s, key in view.stored():
         ref = ckpt.tensors[key]
-        role = _ROLE_NAME.get(s.role, s.role)
+        st = view.quantized.get(s.key)
+        block = st is not None and (st.scheme, st.format) == (fmt.scheme, fmt.format)  # the block format's tensors
+        role = "fp8_scales" if block and key != s.key else _ROLE_NAME.get(s.role, s.role)
         numel, nbytes = ref.numel, ref.nbytes
         shard = source_name.get(id(ref.source)) or ckpt.shard_of(key)
         tally.add(role, s.depth, ref.dtype, shard, numel, nbytes)
         tally.roles[role]["keys"].append(key)
         entry = {"key": key, "role": role, "depth": s.depth, "dtype": ref.dtype, "shape": list(ref.shape),
                  "params": numel, "bytes": nbytes, "shard": shard}
-        if s.key in view.quantized:
-            entry["stored_as"] = view.quantized[s.key].label
-        elif fmt.stores(ref.dtype):
+        if block and key == s.key:  # a block-format weight: its one scale companion, counted under fp8
+            entry["scale"] = st.tensors[fmt.scale_suffix]
+            tally.fp8["weights"] += 1
+        elif st is None and fmt.stores(ref.dtype):  # stacked experts: one tensor per group, its scale beside it
             entry["scale"] = fmt.scale_key(s.key)
             tally.fp8["weights"] += 1
+        elif st is not None and not block:
+            entry["stored_as"] = st.label
         if role == "fp8_scales":
             tally.fp8["scales"] += 1
+            tally.block_scales.add(key)
         tally.tensors.append(entry)
     tally.mtp["shards"] = len(tally.by_shard)
     return tally
@@ -229,12 +236,13 @@ def _layers(view: MtpView, tally: _MtpTally) -> list[dict]:
     return out
 
 
-def _experts(view: MtpView) -> list[dict]:
+def _experts(view: MtpView, tally: _MtpTally) -> list[dict]:
     """Per routed-expert group, in the layout on disk: what is stored and how."""
     ckpt = view.ckpt
     stored_as: dict[str, list[str]] = {}  # logical key -> the tensors it is stored as (weight_packed + scales ...)
     for s, key in view.stored():
-        stored_as.setdefault(s.key, []).append(key)
+        if key not in tally.block_scales:
+            stored_as.setdefault(s.key, []).append(key)
     out = []
     for g in view.groups():
         table_layout = next((x.layout for x in view.resolved.experts() if x.prefix == g.prefix), g.layout)

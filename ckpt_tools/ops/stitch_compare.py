@@ -1,12 +1,13 @@
 """Stitch's comparison: every candidate tensor against the verifier's, one ``Decision`` per key.
 
 ``decide`` compares each candidate (what the draft would write for a verifier MTP key) with the
-verifier's tensor before anything is written, and says what to do: ``identical`` (same bytes, or an
-FP8 verifier weight whose dequantized values are the draft's: the verifier's bytes are written, so an
-untouched round trip reproduces its files), ``replace``, ``requantize`` (block FP8 from the draft's
-values), ``add`` or ``remove``. Values are compared, not storage: an FP8 verifier weight is dequantized
-in the draft's precision. NaN / Inf in what would be written is an error; ``judge`` refuses a replaced
-tensor that diverges beyond what finetuning does (``DIVERGENCE``) unless ``--accept-divergent``.
+verifier's tensor before anything is written, and says what to do: ``identical`` (same bytes, or a
+quantized verifier weight whose decoded values are the draft's: the verifier's bytes are written, so an
+untouched round trip reproduces its files), ``replace``, ``requantize`` (encoded from the draft's values
+by the verifier's scheme table's encoder), ``add`` or ``remove``. Values are compared, not storage: a
+quantized verifier weight is decoded in the draft's precision. NaN / Inf in what would be written is an
+error; ``judge`` refuses a replaced tensor that diverges beyond what finetuning does (``DIVERGENCE``)
+unless ``--accept-divergent``.
 """
 
 from __future__ import annotations
@@ -75,11 +76,9 @@ class Candidates:
     """What the planner would write for the verifier's MTP keys, before comparison."""
 
     tensors: Mapping[str, OutputTensor]  # verifier key -> the tensor built from the draft
-    values: Mapping[str, OutputTensor]  # re-quantized FP8 weight -> the draft's values it is quantized from
-    scale_of: Mapping[str, str]  # FP8 weight -> the key of its scale candidate (compared and kept with it)
+    values: Mapping[str, OutputTensor]  # encoded weight -> the draft's values it is encoded from
     removed: list[str]  # verifier keys the output leaves out
-    fmt: WeightFormat  # the verifier's block format (model.quant.companions): its scale companions and decoder
-    draft_fmt: WeightFormat  # the draft's (an FP8 candidate kept as the draft stores it)
+    fmt: WeightFormat  # the verifier's block format: a stacked experts tensor's scale companion and decoder
     encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
 
@@ -88,12 +87,12 @@ def decide(view: MtpView, cand: Candidates) -> list[Decision]:
     """One decision per key (sorted): every candidate compared with the verifier's tensor on GATE_THREADS
     threads owned here, block scales following their weights, then the keys the output removes.
     NaN / Inf in anything that would be written is refused (rule nonfinite)."""
-    companions = set(cand.scale_of.values()) | {k for ks in cand.companions.values() for k in ks}
+    companions = {k for ks in cand.companions.values() for k in ks}
     jobs = [(k, t) for k, t in cand.tensors.items() if k not in companions]
     with torch_threads(load=any(_uses_torch(t) for _, t in jobs)):  # before the gate's threads start
         diffs = _in_parallel(lambda item, stop: _probe(cand, view, *item, stop), jobs)
     decisions = {d.key: _decision(d, cand, view) for d in diffs}
-    follow = [*cand.scale_of.items(), *((w, k) for w, ks in cand.companions.items() for k in ks)]
+    follow = [(w, k) for w, ks in cand.companions.items() for k in ks]
     for wkey, skey in follow:
         decisions[skey] = _follow(decisions[wkey], skey, view.ckpt.tensors.get(skey), cand.tensors[skey])
     bad = [f"{k} ({d.stats.nonfinite} NaN/Inf)" for k, d in decisions.items() if d.stats.nonfinite]
@@ -136,8 +135,6 @@ def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> 
         return TensorDiff(key, "added", None, t.dtype, None, list(t.shape),
                           nonfinite=count_nonfinite(t.recipe, t.dtype, t.shape))
     b = cand.values.get(key, t)
-    if cand.draft_fmt.stores(b.dtype):
-        b = cand.draft_fmt.decode(b, cand.tensors[cand.scale_of[key]], "F32")
     a_dtype, a = vref.dtype, CopyBytes([vref.segment()])
     if cand.fmt.stores(vref.dtype):  # the verifier's value, in the precision of the draft's
         a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"
@@ -161,8 +158,7 @@ def _decision(d: TensorDiff, cand: Candidates, view: MtpView) -> Decision:
         return Decision(key, "add", "the verifier has no such tensor", d)
     encoded = cand.encoded.get(key)
     if d.status == "unchanged":
-        why = ("the draft's values are the verifier's FP8 weight dequantized" if cand.fmt.stores(d.dtype_a)
-               else f"the draft's values are the verifier's {encoded.label} decoded" if encoded is not None
+        why = (f"the draft's values are the verifier's {encoded.label} decoded" if encoded is not None
                else "the same bytes as the verifier's")
         return Decision(key, "identical", why + ": its bytes are kept", d)
     if encoded is not None:
@@ -170,10 +166,11 @@ def _decision(d: TensorDiff, cand: Candidates, view: MtpView) -> Decision:
                                            "from the draft's", d)
     stored = view.quantized.get(key)
     if stored is not None:
-        return Decision(key, "replace", f"the verifier stores it as {stored.label}, which stitch does not write: "
-                                        "the draft's values go in unquantized", d)
-    if key in cand.values:
-        return Decision(key, "requantize", "the values differ: block FP8 re-quantized from the draft's", d)
+        from ..model.quant.encode_plan import encodable
+
+        why = ("as the request asks (--keep-bf16 or --dtype draft)" if encodable(stored) is not None
+               else "a format stitch does not write: the draft's values go in unquantized")
+        return Decision(key, "replace", f"written as {d.dtype_b} where the verifier stores {stored.label}, {why}", d)
     if d.status == "dtype-changed":
         return Decision(key, "replace", f"written as {d.dtype_b} where the verifier has {d.dtype_a}", d)
     return Decision(key, "replace", "the values differ" if d.status == "replaced" else f"{d.status}", d)

@@ -3,9 +3,9 @@
 The draft's format gives the correspondence extract used, run backwards: each verifier MTP tensor is
 rebuilt from the draft in the verifier's own name, layer index, expert layout and dtype. Before
 anything is written the draft must prove its family (``provenance.prove_family``), follow the dtype
-policy (``_Builder``: floats replace floats, FP8 weights keep the verifier's FP8 format and scales,
-integer / bool / complex tensors are refused) and pass the comparison (``stitch_compare.decide``,
-``stitch_compare.judge``).
+policy (``_Builder``: floats replace floats, a quantized verifier weight is written in its storage by
+its scheme table's encoder, integer / bool / complex tensors are refused) and pass the comparison
+(``stitch_compare.decide``, ``stitch_compare.judge``).
 
 Replace mode rewrites only the shards holding changed tensors (names and tensor order kept); every
 other file is copied or linked. Add mode puts the MTP tensors into new shards next to a verifier that
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import __version__
-from ..dtypes import DTYPES, FLOAT_DTYPES, SCALE_DTYPES
+from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError, PlanError, UsageError
 from ..gcpause import gc_paused
 from ..io.checkpoint import Checkpoint, raw_header, revision_of, source_name
@@ -44,8 +44,9 @@ from .stitch_compare import Candidates, Decision, decide, judge
 from .stitch_report import StitchReport
 
 if TYPE_CHECKING:
-    from ..io.safetensors_io import TensorRef
+    from ..model.consistency import Gate
     from ..model.formats import Format
+    from ..model.tables.schema import Table
 
 # --mode add writes every MTP tensor and sets the count to the draft's; a verifier holding any is refused
 ADD_REPAIRS = {"mtp-missing": "--mode add adds the MTP layers and sets the count to the draft's"}
@@ -95,14 +96,13 @@ def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
 class _Builder:
     """Turns correspondence links into verifier-named candidate tensors built from the draft.
 
-    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64,
-    or FP8 weights with their block scales) replace float tensors, whatever ``--dtype``;
-    a non-float verifier tensor is replaced only by one of its own dtype; an FP8 verifier
-    weight keeps its exact FP8 format (a draft in another FP8 format is re-quantized from
-    its value) and its scale keeps the verifier's dtype (a narrower float scale is widened,
-    exactly) and the shape its block grid needs. What the verifier stores unquantized
-    instead (``--keep-bf16``, or ``--dtype draft`` with a float draft) drops the scale,
-    and the config's ignore list says so. Violations are collected and raised together.
+    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64, or weights in
+    the draft's block format, read as values with their scales) replace float tensors, whatever ``--dtype``;
+    a non-float verifier tensor is replaced only by one of its own dtype. A verifier weight stored quantized
+    (any scheme table's format, block FP8 included) is written in that storage by the encoder its table
+    names; what it cannot write (no encoder, another scale dtype), ``--keep-bf16`` or ``--dtype draft`` with
+    a float draft goes in unquantized instead, its companions dropped, and the config's ignore list says so.
+    Violations are collected and raised together.
     """
 
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):
@@ -119,8 +119,7 @@ class _Builder:
         self.misshaped: list[str] = []
         self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
-        self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
-        self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
+        self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
         self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
         self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
@@ -200,35 +199,35 @@ class _Builder:
             self._finish(t, scale, None)
 
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
-        """Give ``t`` the verifier's dtype (cast, dequantize, requantize, or keep FP8 bytes) and record it."""
+        """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
+        its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
+        tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
+        ``--keep-bf16`` / ``--dtype draft`` asks, goes in as float values in place of the stored tensors, and
+        the config excludes the module."""
+        stored = self._stored(t, spec)
         vt = _dtype_of(self.view, t.key, spec)
-        # stored by a scheme table's format: encoded in it when the table names an encoder; otherwise (int4,
-        # ...) the draft's values go in unquantized, in place of the stored tensors, and the config excludes it
-        stored = None if self.add else self.view.quantized.get(t.key)
         if stored is not None:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
+        elif self.add and self.vfmt.stores(vt):
+            vt = "BF16"  # add mode writes the MTP layers unquantized (and the ignore list says so)
         if spec is not None:
             t.meta["kind"] = spec.kind  # the divergence check leaves norms alone
-        if not self._admit(t, vt) or (self.dfmt.stores(t.dtype) and not self._scale_fits(t, scale)):
+        if not self._admit(t, vt):
             return
-        if stored is not None and self._encodes(stored):  # written in the verifier's own storage format
-            if self.dfmt.stores(t.dtype):
-                t = self.dfmt.decode(t, scale, "F32")
-            self._encode(t, stored, spec)
+        if stored is not None and self._encodes(stored, t):  # written in the verifier's own storage format
+            values = self._values(t, scale, "F32")
+            if values is not None:
+                self._encode(values, stored, spec)
             return
-        if self.vfmt.stores(vt):
-            if not self.add:
-                self._into_fp8(t, scale, vt)
-                return
-            vt = "BF16"  # add mode writes the MTP layers unquantized (and the ignore list says so)
         if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
             self.candidates[t.key] = t
             return
         fixed = spec is not None and spec.dtype_fixed  # the release fixes it: the verifier's (rule stored-dtype)
         target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES and not fixed else vt
-        if self.dfmt.stores(t.dtype):
-            t = self.dfmt.decode(t, scale, target)
-        elif target != t.dtype:
+        t = self._values(t, scale, target)
+        if t is None:
+            return
+        if target != t.dtype:
             t = transforms.cast(t, target)
         if stored is not None:
             self.removed += [k for k in stored.all_keys() if k != t.key]
@@ -236,10 +235,36 @@ class _Builder:
                 self.placed[stored.all_keys()[0]] = t.key
         self.candidates[t.key] = t
 
-    def _encodes(self, stored: Storage) -> bool:
-        """The verifier's storage format has an encoder and the request keeps the verifier's storage."""
+    def _stored(self, t: OutputTensor, spec: Spec | None) -> Storage | None:
+        """How the verifier stores ``t``'s module when quantized (None: float, or add mode): its view's storage,
+        or for a stacked experts tensor (no module of its own) its block format's (``WeightFormat.storage``)."""
+        if self.add:
+            return None
+        stored = self.view.quantized.get(t.key)
+        vref = self.view.ckpt.tensors.get(t.key)
+        if stored is None and vref is not None and self.vfmt.stores(vref.dtype):
+            stored = self.vfmt.storage(t.key, tuple(vref.shape), self.view.ckpt.tensors)
+        return stored
+
+    def _values(self, t: OutputTensor, scale: OutputTensor | None, dtype: str) -> OutputTensor | None:
+        """``t`` as float values: a weight in the draft's block format decoded with its scale as ``dtype`` (a scale
+        the decoder refuses, by dtype or grid, is a refusal naming it); any other tensor as it is."""
+        if not self.dfmt.stores(t.dtype):
+            return t
+        if scale is None:
+            return None  # recorded as missing (``_draft_scale``): the draft does not fit
+        try:
+            return self.dfmt.decode(t, scale, dtype)
+        except PlanError as e:
+            self._refuse(e.rule or "fp8-scale", f"{e.message} (draft {_source_of(scale)})", scale.key)
+            return None
+
+    def _encodes(self, stored: Storage, t: OutputTensor) -> bool:
+        """The verifier's storage format has an encoder and the request keeps the verifier's storage (not
+        ``--keep-bf16``, nor ``--dtype draft`` with a float draft tensor)."""
+        draft_float = self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES
         return encodable(stored, self.res.dtype, self.view.ckpt.tensors) is not None and not self.req.keep_bf16 \
-            and self.req.dtype != "draft"
+            and not draft_float
 
     def _encode(self, t: OutputTensor, stored: Storage, spec: Spec | None) -> None:
         """The draft's values encoded as the verifier stores the module (its scheme table's encoder);
@@ -265,76 +290,6 @@ class _Builder:
             return True
         return self._refuse("draft-dtype", f"{src} is {t.dtype}, not a float dtype; it cannot replace the "
                                            f"verifier's {vt} {t.key}", t.key)
-
-    def _scale_fits(self, t: OutputTensor, scale: OutputTensor | None) -> bool:
-        """An FP8 draft weight's block scale: present, a scale dtype, the grid its shape and block need."""
-        src = _source_of(t)
-        if scale is None:
-            return self._refuse("fp8-scale", f"FP8 draft tensor {src} has no block scale to read its values with",
-                                t.key)
-        block = self.dfmt.block
-        want = self.dfmt.scale_shape(tuple(t.shape)) if len(t.shape) >= 2 else None
-        if scale.dtype not in SCALE_DTYPES:
-            return self._refuse("fp8-scale-dtype", f"{_source_of(scale)} (block scale of {src}) is {scale.dtype}; "
-                                                   f"a block scale is one of {', '.join(SCALE_DTYPES)}", scale.key)
-        if want is None or tuple(scale.shape) != want:
-            return self._refuse("fp8-scale-shape", f"{_source_of(scale)} (block scale of {src}) has shape "
-                                                   f"{list(scale.shape)}; a {list(t.shape)} weight in "
-                                                   f"{list(block)} blocks needs {list(want or ())}", scale.key)
-        return True
-
-    def _into_fp8(self, t: OutputTensor, scale: OutputTensor | None, vt: str) -> None:
-        """Draft values for an FP8 verifier weight: its own FP8 bytes, re-quantized, or unquantized."""
-        vscale = self.vfmt.scale_key(t.key)
-        sref = self.view.ckpt.tensors.get(vscale)
-        if self.req.keep_bf16 or (self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES):
-            # written unquantized: the weight's scale goes, its module joins the config's ignore list
-            if self.dfmt.stores(t.dtype):
-                t = self.dfmt.decode(t, scale, "BF16")
-            self.candidates[t.key] = t
-            if sref is not None:
-                self.removed.append(vscale)
-            return
-        if t.dtype == vt and scale is not None and self.dfmt.block == self.vfmt.block:
-            # the verifier's own FP8 format: bytes and scale as they are
-            scale = self._verifier_scale_dtype(scale, sref)
-            if scale is not None:
-                self.candidates[t.key], self.candidates[scale.key] = t, scale
-                self.scale_of[t.key] = scale.key
-            return
-        if self.dfmt.stores(t.dtype):  # another FP8 format is never written as such: re-quantized from its value
-            t = self.dfmt.decode(t, scale, "F32")
-        self._requantize(t, vt, sref)
-
-    def _verifier_scale_dtype(self, scale: OutputTensor, sref: TensorRef | None) -> OutputTensor | None:
-        """The draft's scale in the verifier's scale dtype: as it is, widened exactly, or refused."""
-        if sref is None or scale.dtype == sref.dtype:
-            return scale
-        floats = scale.dtype in FLOAT_DTYPES and sref.dtype in FLOAT_DTYPES
-        if floats and DTYPES[scale.dtype].bits < DTYPES[sref.dtype].bits:
-            return transforms.cast(scale, sref.dtype)  # every value of the narrower float is exact in the wider
-        self._refuse("fp8-scale-dtype", f"{_source_of(scale)} is {scale.dtype}; the verifier's {sref.key} is "
-                                        f"{sref.dtype} (only a narrower float scale is converted, exactly)", sref.key)
-        return None
-
-    def _requantize(self, t: OutputTensor, vt: str, sref: TensorRef | None) -> None:
-        """Block-FP8 quantization of draft values (per-block amax / 448, round-to-nearest-even e4m3).
-
-        ``stitch_compare.decide`` compares the values with the verifier's dequantized ones first: equal
-        values keep the verifier's FP8 bytes and scale exactly.
-        """
-        from ..numeric.fp8 import QUANT_DTYPE, SCALE_DTYPE
-
-        if vt != QUANT_DTYPE or (sref is not None and sref.dtype != SCALE_DTYPE):
-            self._refuse("draft-dtype", f"{t.key}: the verifier stores {vt} weights with "
-                                        f"{sref.dtype if sref else '?'} scales, and re-quantizing writes "
-                                        f"{QUANT_DTYPE} with {SCALE_DTYPE} scales (--keep-bf16 writes the draft's "
-                                        "values unquantized)", t.key)
-            return
-        w, s = self.vfmt.encode(t, t.key, pow2=self.res.power_of_two_scales)
-        self.candidates[w.key], self.candidates[s.key] = w, s
-        self.values[w.key] = t
-        self.scale_of[w.key] = s.key
 
     def _refuse(self, rule: str, problem: str, key: str) -> bool:
         self.refusals.setdefault(rule, []).append(problem)
@@ -363,6 +318,43 @@ def mapped_draft(draft: Checkpoint, verifier: Checkpoint, arch: str | None, comm
 
 @gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause
 def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> tuple[Plan, StitchReport]:
+    """The stitch of ``draft`` into ``verifier``, in named steps: both inputs gated, the mode chosen, the draft's
+    tensors built in the verifier's names and storage, what the draft leaves out accounted for, every candidate
+    compared with the verifier's tensor, then the plan of the mode."""
+    setup = _gated(draft, verifier, req)
+    mode, view, layers = _choose_mode(setup, req)
+    builder, unwrapped = _build(setup, view, mode, layers, req)
+    draft = unwrapped.ckpt  # from here on, the draft's keys are the format's names
+    report = StitchReport(mode, setup.fmt.name, setup.table.family, provenance=setup.provenance,
+                          draft=_how_read(unwrapped))
+    _check_draft(draft, setup.fmt, builder, report, view, req.allow_partial)
+    builder.raise_refusals()
+    _account(builder, view, setup.vgate.view if mode == "replace" else None, report, req)
+    _decide(builder, view, report)
+    report.exempt = judge(report.decisions, {k: t.meta.get("kind") for k, t in builder.candidates.items()}, draft,
+                          req.accept_divergent)
+    plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
+    note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
+    return plan, report
+
+
+@dataclass
+class _Setup:
+    """The gated inputs: the verifier's family table, the draft's format, how the family was proved."""
+
+    draft: Checkpoint
+    verifier: Checkpoint
+    table: Table
+    fmt: Format
+    provenance: str
+    draft_gate: Gate
+    vgate: Gate
+
+
+def _gated(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> _Setup:
+    """The request checked, the family and the draft's format found, and both inputs through the consistency gate
+    (the draft: its index and files; the verifier: every rule, as a whole model)."""
     if req.dtype not in ("verifier", "draft"):
         raise UsageError(f"--dtype {req.dtype!r}: use verifier or draft")
     check_inputs(req.link, verifier, draft)
@@ -370,15 +362,18 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     fmt = (detect_format(draft.config.raw, draft.manifest, draft.tensors, req.strip_prefix) if req.format == "auto"
            else get_format(req.format))
     provenance = f"asserted with --arch {req.arch}" if req.arch else prove_family(draft, fmt, table, verifier)
-    # mode selection: never a silent switch. Both inputs pass the consistency gate first (the draft: its
-    # index and files; the verifier: every rule, as a whole model); auto mode only picks what the
-    # verifier's config and tensors agree on.
     if req.mode not in ("auto", "replace", "add"):
         raise UsageError(f"--mode {req.mode!r}: use replace, add or auto")
     draft_gate = require_consistent(draft, scope="files", allow=req.allow_invalid, role="draft")
     vgate = require_consistent(verifier, table, allow=req.allow_invalid, scope="model", role="verifier",
                                waive=ADD_REPAIRS if req.mode == "add" else None, hints=STITCH_HINTS)
-    declared = vgate.view
+    return _Setup(draft, verifier, table, fmt, provenance, draft_gate, vgate)
+
+
+def _choose_mode(setup: _Setup, req: StitchRequest) -> tuple[str, MtpView, list[int]]:
+    """(mode, the verifier's MTP view to write into, the verifier depths the draft's layers map to). Never a silent
+    switch: auto mode only picks what the verifier's config and tensors agree on."""
+    declared, draft, fmt = setup.vgate.view, setup.draft, setup.fmt
     mode = req.mode
     if mode == "auto":  # declared and absent gets here only with --allow-invalid mtp-missing: add them
         mode = "replace" if declared.count > 0 and declared.present else "add"
@@ -386,28 +381,31 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         if declared.count == 0:
             raise UsageError("the verifier declares no MTP layers; use --mode add")
         declared.require_complete()
-        view = declared
-        layers = _draft_layers(draft, fmt, req, view.count)
-    elif mode == "add":
-        require_indexed(vgate, verifier, "add mode")
-        held = [s.key for s in declared.present] + declared.beyond + declared.extra
-        if held:
-            raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
-                             "mode would leave beside the new ones: use --mode replace (with "
-                             f"{count_field(declared)} set to the layers it holds), or drop them first with "
-                             "`ckpt extract --drop-mtp`", rule="mtp-exists", path=verifier.root)
-        layers = _draft_layers(draft, fmt, req, _draft_count(draft, fmt, table))
-        count = max(layers) + 1 if layers else 0
-        if layers != list(range(count)):
-            raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
-        view = virtual_view(verifier, table, count)
+        return mode, declared, _draft_layers(draft, fmt, req, declared.count)
+    require_indexed(setup.vgate, setup.verifier, "add mode")
+    held = [s.key for s in declared.present] + declared.beyond + declared.extra
+    if held:
+        raise InputError(f"the verifier already holds {len(held)} MTP tensor(s) (e.g. {held[0]}), which add "
+                         "mode would leave beside the new ones: use --mode replace (with "
+                         f"{count_field(declared)} set to the layers it holds), or drop them first with "
+                         "`ckpt extract --drop-mtp`", rule="mtp-exists", path=setup.verifier.root)
+    layers = _draft_layers(draft, fmt, req, _draft_count(draft, fmt, setup.table))
+    count = max(layers) + 1 if layers else 0
+    if layers != list(range(count)):
+        raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
+    return mode, virtual_view(setup.verifier, setup.table, count), layers
 
+
+def _build(setup: _Setup, view: MtpView, mode: str, layers: list[int], req: StitchRequest
+           ) -> tuple[_Builder, Unwrapped]:
+    """Every verifier MTP tensor the draft supplies, built in the verifier's names and storage (``_Builder``);
+    add mode also fills the per-layer copies the release requires from the verifier's own shared tensors."""
     # replace: per-layer embed/head copies stay the verifier's unless --update-copies;
     # add: whatever the format carries (native drafts bring them), the rest is filled below
     copies = None if mode == "add" else req.update_copies
-    corr = correspond(fmt, view, layers, with_embed=copies, with_head=copies)
-    unwrapped = _unwrap(draft, corr, req)
-    draft = unwrapped.ckpt  # from here on, the draft's keys are the format's names
+    corr = correspond(setup.fmt, view, layers, with_embed=copies, with_head=copies)
+    unwrapped = _unwrap(setup.draft, corr, req)
+    draft = unwrapped.ckpt
     shared_keys = {s.key for s in view.resolved.shared.values()}
     corr.tensors = [t for t in corr.tensors if t.verifier_key not in shared_keys]
     fill: list[Spec] = []
@@ -422,10 +420,14 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
         src = _shared_source(view, spec)
         builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
                                                     meta={"source": ["verifier:" + src.key], "role": spec.role})
-    report = StitchReport(mode, fmt.name, table.family, provenance=provenance, draft=_how_read(unwrapped))
-    _check_draft(draft, fmt, builder, report, view, req.allow_partial)
-    builder.raise_refusals()
-    mtp_keys = set(declared.keys()) if mode == "replace" else set()
+    return builder, unwrapped
+
+
+def _account(builder: _Builder, view: MtpView, declared: MtpView | None, report: StitchReport,
+             req: StitchRequest) -> None:
+    """What the draft leaves out of the verifier's MTP (``declared``: replace mode's view): per-layer copies kept
+    or absent (never invented), and any other tensor refused unless --allow-partial keeps the verifier's."""
+    mtp_keys = set(declared.keys()) if declared is not None else set()
     copies = {k for k in mtp_keys if _is_copy(k, view)}
     report.kept_copies = sorted(copies - set(builder.candidates))
     # never invented: a copy the verifier does not have is written only when the draft brings it (add mode)
@@ -438,13 +440,6 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
                              + ", ".join(absent[:15]) + (" ..." if len(absent) > 15 else "")
                              + " (pass --allow-partial to keep the verifier's)", rule="missing-tensor")
         report.kept_from_verifier = absent
-    _decide(builder, view, report)
-    report.exempt = judge(report.decisions, {k: t.meta.get("kind") for k, t in builder.candidates.items()}, draft,
-                          req.accept_divergent)
-    plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
-    note_allowed(plan.manifest, draft_gate, vgate)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
-    return plan, report
 
 
 def _unwrap(draft: Checkpoint, corr: Correspondence, req: StitchRequest) -> Unwrapped:
@@ -551,8 +546,8 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
-    cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
-                      builder.vfmt, builder.dfmt, builder.encoded, builder.companions)
+    cand = Candidates(builder.candidates, builder.values, builder.removed, builder.vfmt, builder.encoded,
+                      builder.companions)
     report.decisions = decide(view, cand)
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]

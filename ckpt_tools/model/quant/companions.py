@@ -8,18 +8,20 @@ the declared scheme's block format; else the family table's hint (``quantization
 
 A block format (``block.block_tile``) holds one FP8 code per element and one scale companion over a
 fixed tile, nothing else: what can be renamed, sliced per expert and restacked byte for byte. Every
-other format goes through ``module_storage`` / ``dequant_module``.
+other format goes through ``module_storage`` / ``dequant_module``. A per-module weight in a block format is
+a ``Storage`` like any other; ``WeightFormat.storage`` names a stacked experts tensor the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
 from ..expert_layouts import scale_key
 from .block import block_tile
+from .storage import Storage
 from .tables import all_schemes, get_scheme
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ class WeightFormat:
     scale_dtypes: tuple[str, ...]
     block: tuple[int, int]
     how: str  # "declared" | "stored" | "hint" | "default": where the answer came from
+    weight_suffix: str = "weight"
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the table's, as the config declares
 
     def stores(self, dtype: str | None) -> bool:
         """Whether a weight of ``dtype`` is quantized in this format (needs its companions)."""
@@ -83,11 +87,16 @@ class WeightFormat:
         return value_decoder(weight.dtype, grid, tuple(weight.shape), self.block, f"{scale.key} of {weight.key}: ",
                              scale.file)
 
-    def encode(self, t: Any, weight_key: str | None = None, pow2: bool = False) -> tuple[Any, Any]:
-        """``t`` (a float OutputTensor) as this format: (weight, scale), streamed band by band."""
-        from ...numeric import transforms
-
-        return transforms.requantize(t, self.block, self.scale_key(weight_key or t.key), pow2)
+    def storage(self, weight_key: str, shape: tuple[int, ...], tensors: Mapping[str, Any]) -> Storage:
+        """A weight of this format as a module ``Storage`` (its scale companion under the table's suffix), for a
+        stacked experts tensor that ``module_storage`` cannot name: what the encoders and decoders take."""
+        skey = self.scale_key(weight_key)
+        ref = tensors.get(weight_key)
+        return Storage(weight_key.removesuffix(".weight"), "quantized", ref.dtype if ref is not None else None,
+                       self.scheme, self.format, f"{self.format} {list(self.block)}",
+                       {self.weight_suffix: weight_key, self.scale_suffix: skey},
+                       () if skey in tensors else (skey,), shape=tuple(shape),
+                       params={**self.params, "block": list(self.block)})
 
 
 def block_format(table: SchemeTable, params: Mapping[str, Any] | None = None, how: str = "declared"
@@ -101,7 +110,7 @@ def block_format(table: SchemeTable, params: Mapping[str, Any] | None = None, ho
         if tile is None:
             continue
         return WeightFormat(table.scheme, fmt.name, frozenset(fmt.weight.dtypes), d.scale.tensor,
-                            tuple(fmt.tensors[0].dtypes), tile, how)
+                            tuple(fmt.tensors[0].dtypes), tile, how, fmt.weight.suffix, dict(params))
     return None
 
 
@@ -134,7 +143,7 @@ def _stored(tensors: Mapping[str, Any]) -> WeightFormat | None:
     return None
 
 
-def _config_params(table: SchemeTable, ckpt: Any) -> dict[str, Any] | None:
+def config_params(table: SchemeTable, ckpt: Any) -> dict[str, Any] | None:
     """The parameters ``ckpt``'s configuration gives ``table`` where a place of it holds (None: none does)."""
     from .config import dig, quant_files, section
     from .detect import _holds, _params
@@ -156,7 +165,7 @@ def weight_format(ckpt: Any = None, hint: str | None = None) -> WeightFormat:
     if ckpt is not None:
         stored = _stored(ckpt.tensors)
         if stored is not None:
-            params = _config_params(get_scheme(stored.scheme), ckpt)
+            params = config_params(get_scheme(stored.scheme), ckpt)
             return stored if params is None else block_format(get_scheme(stored.scheme), params, "stored") or stored
         found = _declared(ckpt)
         if found is not None:

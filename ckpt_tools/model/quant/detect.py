@@ -107,8 +107,18 @@ def _params(where: ConfigDef, *scopes: Mapping[str, Any]) -> dict[str, Any]:
             if found is not None:
                 value = found
                 break
+            if p.null_is_value and any(_holds_null(s, key) for s in scopes):
+                value = None
+                break
         out[name] = value
     return out
+
+
+def _holds_null(scope: Mapping[str, Any], dotted: str) -> bool:
+    """``scope`` has ``dotted`` with an explicit null."""
+    parent, _, leaf = dotted.rpartition(".")
+    obj = dig(scope, parent)
+    return isinstance(obj, dict) and leaf in obj and obj[leaf] is None
 
 
 def _claim(table: SchemeTable, where: ConfigDef, sec: Mapping[str, Any]) -> tuple[list[Group], dict[str, Group]]:

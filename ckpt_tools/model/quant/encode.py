@@ -3,9 +3,10 @@
 A scheme table's storage format names its encoder (``encoder: ct-nvfp4``); ``ENCODERS`` maps that name
 to ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` (``register_encoder`` adds one, with its
 ``Layout``). Each reproduces its producer operation for operation, so its bytes are the producer's:
-``ct-fp8`` / ``ct-nvfp4`` (compressed-tensors as llm-compressor runs it: min-max observer in the
-model's dtype, then the format's compressor), ``fp8-block`` (DeepSeek block FP8,
-``numeric.fp8.quantize``), ``modelopt-fp8`` / ``modelopt-nvfp4`` (ModelOpt's export).
+``ct-fp8`` / ``ct-nvfp4`` / ``ct-mxfp4`` / ``ct-int8`` / ``ct-pack`` (compressed-tensors as llm-compressor
+runs it), ``modelopt-fp8`` / ``modelopt-nvfp4`` (ModelOpt's export), and ``fp8-block``, the one block
+encoder, streamed a block row at a time (``STREAMS``: ``numeric.transforms.requantize``), its scale
+companion named by the table.
 
 A shard of an engine-fused layer takes the group's per-tensor quantity (``EncodeArgs.group_absmax``),
 as the producers do for a layer vLLM loads with one scale. The compute dtype is the producer's (read off
@@ -17,37 +18,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...errors import PlanError
+from . import encode_int
+from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax, _torch_dtype
 
 if TYPE_CHECKING:
     import torch
+
+    from ...stream.plan import OutputTensor
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
 
 
-@dataclass(frozen=True)
-class EncodeArgs:
-    """What an encoder needs besides the values: the module's declared params (strategy, group_size,
-    block, algo), the dtype each stored tensor has (suffix -> safetensors dtype) and the model's dtype."""
-
-    params: Mapping[str, Any] = field(default_factory=dict)
-    dtypes: Mapping[str, str] = field(default_factory=dict)
-    model_dtype: str = "BF16"
-    # max |value| over the engines' fused group the module is a shard of (gate/up, q_a/kv_a; in the model
-    # dtype, so exact as a float): producers give the shards one per-tensor scale from it, because vLLM
-    # loads a fused layer with one (llm-compressor's fused global scale, ModelOpt's synced amax)
-    group_absmax: float | None = None
-
-
 Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
 # (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
 Layout = Callable[[tuple[int, int], EncodeArgs], dict[str, tuple[str, tuple[int, ...]]]]
+# values (a planned tensor, any recipe), args, {suffix: output key} -> {suffix: planned tensor}: an encoder that
+# streams the values in bands instead of holding one matrix (block FP8 of a release's largest weights)
+Stream = Callable[["OutputTensor", EncodeArgs, Mapping[str, str]], dict[str, "OutputTensor"]]
 ENCODERS: dict[str, Encoder] = {}
 LAYOUTS: dict[str, Layout] = {}
+STREAMS: dict[str, Stream] = {}
 
 
 def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
@@ -57,15 +51,19 @@ def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
     return register
 
 
-def register_encoder(name: str, fn: Encoder, layout: Layout) -> Encoder:
+def register_encoder(name: str, fn: Encoder, layout: Layout, stream: Stream | None = None) -> Encoder:
     """Add encoder ``name`` (what a scheme table's ``encoder: name`` writes with) from outside the package:
     ``fn(values [rows, cols] float, EncodeArgs) -> {suffix: tensor}``, and ``layout((rows, cols), EncodeArgs)
     -> {suffix: (safetensors dtype, shape)}``, what ``fn`` writes, known before any value is read. A name
     already taken is refused (two encoders must not claim one name); the scheme tables are checked again
-    against the new set on the next ``tables.all_schemes``."""
+    against the new set on the next ``tables.all_schemes``. ``stream(values OutputTensor, EncodeArgs, {suffix:
+    key}) -> {suffix: OutputTensor}``, when given, is what stitch and graft plan with instead of ``fn`` (the
+    values read in bands rather than whole)."""
     if name in ENCODERS:
         raise ValueError(f"an encoder named {name!r} is already registered")
     ENCODERS[name], LAYOUTS[name] = fn, layout
+    if stream is not None:  # what planning uses instead of ``fn``: the values read in bands, not whole
+        STREAMS[name] = stream
     return fn
 
 
@@ -73,6 +71,7 @@ def unregister_encoder(name: str) -> None:
     """Remove encoder ``name`` (a table that names it is refused from the next ``tables.all_schemes``)."""
     ENCODERS.pop(name, None)
     LAYOUTS.pop(name, None)
+    STREAMS.pop(name, None)
 
 
 def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -85,39 +84,6 @@ def get_encoder(name: str) -> Encoder:
     if name not in ENCODERS:
         raise PlanError(f"no encoder {name!r}; known: {', '.join(sorted(ENCODERS))}", rule="quant-encode")
     return ENCODERS[name]
-
-
-def _torch_dtype(name: str):
-    from ...dtypes import torch_dtype
-
-    return torch_dtype(name)
-
-
-def _tile_minmax(x: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tile min and max of [rows, cols] (edge tiles partial), in x's dtype: [ceil(r/tr), ceil(c/tc)]."""
-    import torch
-
-    tr, tc = tile
-    rows, cols = x.shape
-    pr, pc = -rows % tr, -cols % tc
-    if pr or pc:  # zero padding changes no tile's min(min, 0) / max(max, 0), which is all the scale reads
-        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
-    t = x.reshape(x.shape[0] // tr, tr, x.shape[1] // tc, tc)
-    return t.amin(dim=(1, 3)), t.amax(dim=(1, 3))
-
-
-def _absmax(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' symmetric range: max(|min(lo, 0)|, |max(hi, 0)|)."""
-    import torch
-
-    lo = torch.min(lo, torch.zeros_like(lo))
-    hi = torch.max(hi, torch.zeros_like(hi))
-    return torch.max(torch.abs(lo), torch.abs(hi))
-
-
-def _expand(s: torch.Tensor, tile: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
-    """A per-tile grid repeated over [rows, cols] (edge tiles cropped)."""
-    return s.repeat_interleave(tile[0], 0)[: shape[0]].repeat_interleave(tile[1], 1)[:, : shape[1]]
 
 
 def _tensor_absmax(x: torch.Tensor, args: EncodeArgs) -> torch.Tensor:
@@ -257,6 +223,50 @@ def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     return {"weight_packed": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_global_scale": g}
 
 
+def _round_to_power_2(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``round_to_power_2`` for e2m1 elements: the exponent bits of ``x`` after adding half of
+    the bits below e2m1's one mantissa bit (so 1.75 * 2**k rounds up to 2**(k+1)), the rest cleared."""
+    import torch
+
+    if x.dtype == torch.bfloat16:
+        bits, mantissa, width = x.view(torch.int16).to(torch.int32) & 0xFFFF, 7, 8
+    elif x.dtype == torch.float32:
+        bits, mantissa, width = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, 23, 8
+    else:
+        raise PlanError(f"MXFP4 scales from {x.dtype} values have no encoder (BF16, F32)", rule="quant-encode")
+    mask = ((1 << (width + 1)) - 1) << mantissa
+    out = (bits + (1 << (mantissa - 2))) & mask
+    return out.to(torch.int16).view(torch.bfloat16) if x.dtype == torch.bfloat16 else out.to(torch.int32).view(x.dtype)
+
+
+def _mxfp4_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    group = int(args.params.get("group_size") or 32)
+    if group != 32 or shape[1] % 32:
+        raise PlanError(f"MXFP4 is e2m1 codes in groups of 32 columns; got group {group}, {shape[1]} columns",
+                        rule="quant-encode")
+    return {"weight_packed": ("U8", (shape[0], shape[1] // 2)), "weight_scale": ("U8", (shape[0], shape[1] // 32))}
+
+
+@encoder("ct-mxfp4", _mxfp4_layout)
+def ct_mxfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """compressed-tensors MXFP4 (MXFP4PackedCompressor): per 32 values, the E8M0 exponent
+    ``127 + floor(log2(round_to_power_2(absmax))) - 2`` (clamped to a byte; an all-zero group's scale
+    ``2**-127``), codes ``cast_to_fp4(clamp(x / scale, -6, 6))`` in the model dtype, packed as NVFP4's."""
+    import torch
+
+    _mxfp4_layout(tuple(values.shape), args)
+    dtype = _torch_dtype(args.model_dtype)
+    x = values.to(dtype)
+    m = _absmax(*_tile_minmax(x, (1, 32)))
+    e = 127 + torch.floor(torch.log2(_round_to_power_2(m))) - 2  # in the model dtype, as the observer computes
+    e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8)
+    scale = (2.0 ** (e.to(torch.int32) - 127).to(torch.float)).to(dtype)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    packed = _fp4_codes(x, scale, 32)
+    return {"weight_packed": packed, "weight_scale": (127 + torch.floor(torch.log2(scale)).to(torch.int32)).to(
+        torch.uint8)}
+
+
 def _positive(scale: torch.Tensor) -> torch.Tensor:
     """An all-zero weight's per-tensor scale: float32 eps instead of 0 (as compressed-tensors' calculate_qparams
     does), so no scale is zero and no group scale divides by it (rule quant-scale-value); its codes stay 0."""
@@ -297,20 +307,68 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
     return {"weight": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_scale_2": ws2}
 
 
+def _block(args: EncodeArgs) -> tuple[int, int]:
+    block = args.params.get("block")
+    if not block:
+        raise PlanError("block FP8 without a block (weight_block_size null: one per-tensor scale) has no encoder",
+                        rule="quant-encode")
+    return int(block[0]), int(block[1])
+
+
+def _scale_suffix(args: EncodeArgs) -> str:
+    """The scale companion's name, from the scheme table (``weight_scale_inv``, DeepSeek-V4's ``scale``)."""
+    if "scale" not in args.suffixes:
+        raise PlanError("the block FP8 encoder needs the table's scale suffix (EncodeArgs.suffixes)",
+                        rule="quant-encode")
+    return args.suffixes["scale"]
+
+
+def _block_scale_dtype(args: EncodeArgs) -> str:
+    """F32 scales, or F8_E8M0 where the reference stores them so (powers of two, which E8M0 holds exactly)."""
+    return "F8_E8M0" if args.dtypes.get(_scale_suffix(args)) == "F8_E8M0" else "F32"
+
+
 def _fp8_block_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    br, bc = args.params.get("block") or (128, 128)
-    return {"weight": ("F8_E4M3", shape), "weight_scale_inv": ("F32", (-(-shape[0] // br), -(-shape[1] // bc)))}
+    br, bc = _block(args)
+    return {args.suffixes.get("weight", "weight"): ("F8_E4M3", shape),
+            _scale_suffix(args): (_block_scale_dtype(args), (-(-shape[0] // br), -(-shape[1] // bc)))}
 
 
-@encoder("fp8-block", _fp8_block_layout)
-def fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
-    """DeepSeek block FP8: ``numeric.fp8.quantize`` (F32 ``amax / 448`` per block, e4m3 codes; its round trip
-    through the decoder is a fixed point)."""
-    from ...numeric.fp8 import quantize
+def fp8_block_stream(values: OutputTensor, args: EncodeArgs, keys: Mapping[str, str]) -> dict[str, OutputTensor]:
+    """DeepSeek block FP8, streamed: ``numeric.transforms.requantize`` (F32 ``amax / 448`` per block, e4m3 codes,
+    the round trip through the decoder a fixed point), its scale named by the table (``keys``: suffix -> key);
+    powers of two under ``scale_fmt: ue8m0`` or F8_E8M0 scales."""
+    from ...numeric import transforms
 
-    block = args.params.get("block") or (128, 128)
-    q, scale = quantize(values, (int(block[0]), int(block[1])))
-    return {"weight": q, "weight_scale_inv": scale}
+    wsfx, ssfx = args.suffixes.get("weight", "weight"), _scale_suffix(args)
+    e8m0 = _block_scale_dtype(args) == "F8_E8M0"
+    pow2 = e8m0 or str(args.params.get("scale_fmt") or "").lower() == "ue8m0"
+    w, s = transforms.requantize(values, _block(args), keys[ssfx], pow2, "F8_E8M0" if e8m0 else "F32")
+    w.key = keys[wsfx]
+    return {wsfx: w, ssfx: s}
+
+
+def _fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """``fp8_block_stream`` over one in-memory matrix (its outputs read back as tensors)."""
+    return run_stream(fp8_block_stream, _fp8_block_layout, values, args)
+
+
+def run_stream(stream: Stream, layout: Layout, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+    """A streamed encoder run over an in-memory matrix: the same recipes, their bytes read back as tensors (the one
+    implementation serves both: nothing encodes block FP8 another way)."""
+    from ...arrays import bytes_to_torch
+    from ...dtypes import from_torch
+    from ...numeric.transforms import recipe_bytes
+    from ...stream.plan import Compute, OutputTensor
+
+    src = OutputTensor("values", from_torch(values.dtype), tuple(values.shape),
+                       Compute(lambda: iter([values.contiguous()]), "values", []))
+    outs = stream(src, args, {sfx: sfx for sfx in layout((int(values.shape[-2]), int(values.shape[-1])), args)})
+    return {sfx: bytes_to_torch(bytearray(b"".join(recipe_bytes(t.recipe, max(t.nbytes, 1)))), t.dtype,
+                                tuple(t.shape)) for sfx, t in outs.items()}
+
+
+ENCODERS["fp8-block"], LAYOUTS["fp8-block"], STREAMS["fp8-block"] = _fp8_block, _fp8_block_layout, fp8_block_stream
 
 
 def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
@@ -322,3 +380,7 @@ def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dic
         return enc(values, args)
     parts = [enc(m, args) for m in values.reshape(math.prod(lead), rows, cols)]
     return {k: torch.stack([p[k] for p in parts]).reshape(*lead, *parts[0][k].shape) for k in parts[0]}
+
+
+ENCODERS["ct-int8"], LAYOUTS["ct-int8"] = encode_int.ct_int8, encode_int.int8_layout
+ENCODERS["ct-pack"], LAYOUTS["ct-pack"] = encode_int.ct_pack, encode_int.pack_layout

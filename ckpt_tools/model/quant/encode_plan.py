@@ -16,9 +16,10 @@ from typing import Any
 
 from ...dtypes import DTYPES
 from ...errors import PlanError
+from ...numeric.transforms import inputs_of
 from ...stream.plan import Compute, CopyBytes, OutputTensor
 from .dequant import format_of
-from .encode import EncodeArgs, encode_matrices, get_encoder, layout_of
+from .encode import STREAMS, EncodeArgs, encode_matrices, get_encoder, layout_of
 from .storage import Storage
 
 OP = "quantize"  # a torch recipe (numeric.transforms.TORCH_OPS): one torch thread setting for the run
@@ -33,7 +34,7 @@ def encodable(storage: Storage, model_dtype: str | None = None, refs: Mapping[st
     if name is None or refs is None or storage.shape is None:
         return name
     args = EncodeArgs(dict(storage.params), {s: refs[k].dtype for s, k in storage.tensors.items()},
-                      model_dtype or "BF16")
+                      model_dtype or "BF16", suffixes=suffixes(storage))
     try:
         layout = layout_of(name, tuple(storage.shape), args)
     except PlanError:
@@ -105,9 +106,10 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
         raise PlanError(f"{storage.module}: {storage.label} has no encoder", rule="quant-encode")
     fmt = format_of(storage)
     dtypes = {suffix: refs[key].dtype for suffix, key in storage.tensors.items()} if refs is not None else {}
-    args = EncodeArgs(dict(storage.params), dtypes, model_dtype)
+    args = EncodeArgs(dict(storage.params), dtypes, model_dtype, suffixes=suffixes(storage))
     layout = layout_of(name, tuple(values.shape), args)
-    wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale")}
+    wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale", "shape")}
+    streamed = _streamed(name, values, storage, args, layout, wanted)
     shared = _Shared(values, get_encoder(name), args, set(layout) & wanted & set(storage.tensors), group)
     out: dict[str, OutputTensor] = {}
     for suffix, key in storage.tensors.items():
@@ -134,24 +136,38 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
             yield t.contiguous().reshape(shape)
 
         detail = {"encoder": name, "to": storage.label}
-        meta: dict[str, Any] = {"source": _inputs(values), "quant": storage.label}
+        meta: dict[str, Any] = {"source": inputs_of(values), "quant": storage.label}
         if suffix != fmt.weight.suffix:
             meta["role"] = "scale"
-        out[key] = OutputTensor(key, dtype, shape, Compute(produce, OP, _inputs(values), detail), values.shard, meta)
+        if streamed is not None:  # the encoder's own band-by-band recipes
+            t = streamed[suffix]
+            out[key] = OutputTensor(key, t.dtype, shape, t.recipe, values.shard, {**t.meta, **meta})
+            continue
+        out[key] = OutputTensor(key, dtype, shape, Compute(produce, OP, inputs_of(values), detail), values.shard, meta)
     return out
+
+
+def suffixes(storage: Storage) -> dict[str, str]:
+    """role -> suffix of the module's storage format (the table's names for what the encoder writes)."""
+    fmt = format_of(storage)
+    return {"weight": fmt.weight.suffix, **{t.role: t.suffix for t in fmt.tensors}}
+
+
+def _streamed(name: str, values: OutputTensor, storage: Storage, args: EncodeArgs, layout: Mapping[str, Any],
+              wanted: set[str]) -> dict[str, OutputTensor] | None:
+    """The outputs of a streaming encoder (``encode.STREAMS``), by suffix; None for one that encodes whole
+    matrices."""
+    stream = STREAMS.get(name)
+    if stream is None:
+        return None
+    keys = {sfx: storage.tensors.get(sfx, f"{storage.module}.{sfx}") for sfx in layout if sfx in wanted}
+    return stream(values, args, keys)
 
 
 def _torch(dtype: str):
     from ...dtypes import torch_dtype
 
     return torch_dtype(dtype)
-
-
-def _inputs(t: OutputTensor) -> list[str]:
-    r = t.recipe
-    if isinstance(r, Compute):
-        return list(r.inputs)
-    return list(t.meta.get("source", [])) or [t.key]
 
 
 class _Shared:

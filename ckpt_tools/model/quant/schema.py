@@ -39,6 +39,9 @@ class ParamDef(_Strict):
 
     keys: list[str] = Field(default_factory=list)
     default: Scalar | list[Scalar] = None
+    # an explicit ``null`` under a key is the value (None), not an absent key: transformers reads
+    # ``weight_block_size: null`` as per-tensor FP8, not as the default block
+    null_is_value: bool = False
 
 
 class ExcludeDef(_Strict):

@@ -62,13 +62,6 @@ class Resolved:
     def family(self) -> str:
         return self.table.family
 
-    @property
-    def power_of_two_scales(self) -> bool:
-        """Block scales are powers of two (``scale_fmt: ue8m0``): requantization keeps them so."""
-        from ...numeric.fp8 import power_of_two_scales
-
-        return power_of_two_scales(self.config)
-
     def glue_specs(self) -> list[Spec]:
         seen: dict[str, Spec] = {}
         for layer in self.layers:
