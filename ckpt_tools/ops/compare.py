@@ -22,6 +22,7 @@ import numpy as np
 
 from ..arrays import Scratch, decode_floats
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
+from ..errors import InputError
 from ..io.safetensors_io import TensorRef
 from ..stream.plan import CopyBytes, Recipe
 
@@ -114,6 +115,36 @@ def count_nonfinite(recipe: Recipe, dtype: str, shape) -> int:
         bad += int(np.count_nonzero(~np.isfinite(decode_floats(reader.read(DTYPES[dtype].nbytes(n)), dtype))))
         done += n
     return bad
+
+
+# NaN and Inf are the values whose exponent bits are all ones: (integer view, exponent mask) per float dtype
+_EXPONENT = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000),
+             "F64": ("<u8", 0x7FF0000000000000)}
+
+
+class FiniteCheck:
+    """Counts the NaN / Inf of a float tensor's bytes as they are written (``OutputTensor.check``: the values
+    ``count_nonfinite`` counts, judged from the writer's chunks instead of a separate read); ``finish`` refuses
+    them (rule ``nonfinite``), naming ``what``, the key and the file the bytes come from."""
+
+    def __init__(self, key: str, dtype: str, path: str, what: str) -> None:
+        self.key, self.path, self.what = key, path, what
+        self.itype, self.mask = _EXPONENT[dtype]
+        self.size = int(self.itype[-1])
+        self.bad = 0
+        self._carry = b""  # a chunk that ended inside a value (chunks of a remote source)
+
+    def update(self, data: memoryview, /) -> None:
+        if self._carry:
+            data = memoryview(self._carry + bytes(data))
+        cut = len(data) - len(data) % self.size
+        v = np.frombuffer(data[:cut], dtype=self.itype)
+        self.bad += int(np.count_nonzero((v & self.mask) == self.mask))
+        self._carry = bytes(data[cut:])
+
+    def finish(self) -> None:
+        if self.bad:
+            raise InputError(f"{self.what}: {self.key} ({self.bad} NaN/Inf)", rule="nonfinite", path=self.path)
 
 
 def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None) -> bool:
