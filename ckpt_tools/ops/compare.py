@@ -80,26 +80,50 @@ def recipe_of(ref: TensorRef) -> Recipe:
     return CopyBytes([ref.segment()])
 
 
+class Tap:
+    """The digest of B's bytes, taken by a comparison that reads all of them (stitch: the draft's tensor digest for
+    its fingerprint, without another read). A pass that stops early leaves no digest."""
+
+    def __init__(self) -> None:
+        self.digest: str | None = None
+        self._h = None
+
+    def start(self) -> None:
+        from ..io import digest
+
+        self._h, self.digest = digest.new(), None
+
+    def update(self, data) -> None:
+        if self._h is not None:
+            self._h.update(data)
+
+    def complete(self) -> None:
+        if self._h is not None:
+            self.digest, self._h = self._h.hexdigest(), None
+
+
 def compare(key: str, a_dtype: str, a_shape, a: Recipe, b_dtype: str, b_shape, b: Recipe, *, stats: bool = True,
-            finite: bool = True, decode_a=None, decode_b=None, stop=None) -> TensorDiff:
+            finite: bool = True, decode_a=None, decode_b=None, stop=None, tap: Tap | None = None) -> TensorDiff:
     """Compare two tensors given as recipes (A = before, B = after).
 
     ``decode_a``/``decode_b`` optionally turn a chunk's raw bytes into float32 values
     (e.g. FP8 dequantization: ``decode(buf, first_element, n)``); by default floats are
     decoded by dtype and other dtypes compare as bytes only. ``stop`` (a threading.Event)
-    ends a running comparison with ``Cancelled`` at its next chunk.
+    ends a running comparison with ``Cancelled`` at its next chunk. ``tap``: fed B's bytes by the pass that reads
+    all of them.
     """
     d = TensorDiff(key, "unchanged", a_dtype, b_dtype, list(a_shape), list(b_shape))
     if list(a_shape) != list(b_shape):
         d.status = "shape-changed"
         return d
-    if a_dtype == b_dtype and decode_a is None and decode_b is None and _same_bytes(a, b, a_dtype, a_shape, stop):
+    if a_dtype == b_dtype and decode_a is None and decode_b is None and _same_bytes(a, b, a_dtype, a_shape, stop,
+                                                                                    tap):
         return d
     d.status = "replaced" if a_dtype == b_dtype else "dtype-changed"
     decodable_a = decode_a is not None or a_dtype in FLOAT_DTYPES
     decodable_b = decode_b is not None or b_dtype in FLOAT_DTYPES
     if decodable_b and (stats or finite):
-        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop)
+        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop, tap)
     return d
 
 
@@ -147,19 +171,26 @@ class FiniteCheck:
             raise InputError(f"{self.what}: {self.key} ({self.bad} NaN/Inf)", rule="nonfinite", path=self.path)
 
 
-def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None) -> bool:
+def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None, tap: Tap | None = None) -> bool:
     from ..numeric.transforms import RecipeReader
 
     nbytes = DTYPES[dtype].nbytes(math.prod(shape))
     chunk = DTYPES[dtype].nbytes(CHUNK_ELEMS) or CHUNK_ELEMS
     ra, rb = RecipeReader(a), RecipeReader(b)
     done = 0
+    if tap is not None:
+        tap.start()
     while done < nbytes:
         _check(stop)
         n = min(chunk, nbytes - done)
-        if ra.read(n) != rb.read(n):
+        bb = rb.read(n)
+        if ra.read(n) != bb:
             return False
+        if tap is not None:
+            tap.update(bb)
         done += n
+    if tap is not None:
+        tap.complete()
     return True
 
 
@@ -169,7 +200,7 @@ def _check(stop) -> None:
 
 
 def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str, shape, decode_a, decode_b,
-                with_a: bool, stop=None) -> None:
+                with_a: bool, stop=None, tap: Tap | None = None) -> None:
     """Second pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics."""
     from ..numeric.transforms import RecipeReader
 
@@ -179,11 +210,15 @@ def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str,
     scratch_a, scratch_b = Scratch(), Scratch()  # decoded chunks reuse two buffers
     acc = _Acc()
     done = 0
+    if tap is not None:
+        tap.start()
     with np.errstate(all="ignore"):  # overflow and inf - inf are expected here, and handled: never a warning
         while done < numel:
             _check(stop)
             n = min(STATS_CHUNK_ELEMS, numel - done)
             ba, bb = ra.read(sa.nbytes(n)), rb.read(sb.nbytes(n))
+            if tap is not None:
+                tap.update(bb)
             vb = decode_b(bb, done, n) if decode_b else decode_floats(bb, b_dtype, scratch_b)
             vb = np.asarray(vb, dtype=np.float32) if not isinstance(vb, np.ndarray) else vb
             if with_a:
@@ -192,6 +227,8 @@ def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str,
             else:
                 acc.b_nonfinite += int(np.count_nonzero(~np.isfinite(vb)))
             done += n
+    if tap is not None:
+        tap.complete()
     d.nonfinite = acc.b_nonfinite
     if with_a:
         d.nan_count, d.inf_count = acc.nan, acc.inf

@@ -31,7 +31,7 @@ from ..errors import InputError
 from ..model.quant.companions import WeightFormat
 from ..numeric import transforms
 from ..stream.plan import Compute, CopyBytes, OutputTensor
-from .compare import TensorDiff, compare, count_nonfinite
+from .compare import Tap, TensorDiff, compare, count_nonfinite
 
 if TYPE_CHECKING:
     from ..io.checkpoint import Checkpoint
@@ -90,6 +90,9 @@ class Candidates:
     draft_fmt: WeightFormat  # the draft's (an FP8 candidate kept as the draft stores it)
     encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
+    # filled by decide: draft byte range -> the digest of its bytes, taken by the comparison that read them all
+    # (the draft's fingerprint then reads nothing again: fingerprint.tensors_digest)
+    digests: dict = field(default_factory=dict)
 
 
 def decide(view: MtpView, cand: Candidates) -> list[Decision]:
@@ -149,7 +152,11 @@ def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> 
         a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"
         sref = view.ckpt.tensors[cand.fmt.scale_key(key)]
         a = cand.fmt.decode(_as_tensor(vref), _as_tensor(sref), a_dtype).recipe
-    d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop)
+    one = b.recipe.segments if isinstance(b.recipe, CopyBytes) and len(b.recipe.segments) == 1 else None
+    tap = Tap() if one else None  # a draft tensor read whole: its digest comes with the comparison
+    d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop, tap=tap)
+    if tap is not None and tap.digest is not None:
+        cand.digests[one[0]] = tap.digest
     d.dtype_a, d.dtype_b = vref.dtype, t.dtype
     if d.status != "shape-changed":
         same = d.status == "unchanged"

@@ -127,6 +127,7 @@ class _Builder:
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # FP8 weight -> the draft's values before re-quantization
         self.scale_of: dict[str, str] = {}  # FP8 weight -> its scale candidate (compared and kept with it)
+        self.digests: dict = {}  # draft byte range -> digest of its bytes (stitch_compare.Candidates.digests)
         self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
         self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
@@ -442,7 +443,8 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
                           req.accept_divergent)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, fmt)
     note_allowed(plan.manifest, draft_gate, vgate)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
+    # --resume proves the same draft bytes (their digests taken as they were compared)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.used), known=builder.digests)
     return plan, report
 
 
@@ -553,6 +555,7 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     cand = Candidates(builder.candidates, builder.values, builder.scale_of, builder.removed,
                       builder.vfmt, builder.dfmt, builder.encoded, builder.companions)
     report.decisions = decide(view, cand)
+    builder.digests = cand.digests  # the draft's tensors hashed as they were compared
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:

@@ -241,7 +241,7 @@ class Writer:
         except OSError as e:
             raise self._output_error(e) from e
         except ValueRefused as e:
-            if self._created:  # the input is refused: nothing to resume, and nothing of this run is left behind
+            if not self.resume:  # the input is refused: nothing to resume, and nothing of this run is left behind
                 for name in (*result.files, RESUME_NAME, JOURNAL_NAME):
                     self._remove(name)
             raise e.error from None
