@@ -710,7 +710,9 @@ class _Hasher:
 
     def __init__(self, threads: int | None) -> None:
         self.pool = digest.executor(threads) if threads is not None else None
-        self.copier = HashingCopier(self.pool) if self.pool is not None else None
+        # the copier's own thread: its chunks never queue behind a linked file being hashed on the pool
+        self._copier_pool = digest.executor(min(threads, 1), "ckpt-hash-copy") if threads is not None else None
+        self.copier = HashingCopier(self._copier_pool) if self._copier_pool is not None else None
         self._checker: HashingCopier | None = None
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
@@ -781,8 +783,9 @@ class _Hasher:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a buffer or a file after this
+        for pool in (self.pool, self._copier_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a buffer or a file after this
 
 
 def _hash_fd_range(fd: int, offset: int, length: int) -> str:
