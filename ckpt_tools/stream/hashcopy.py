@@ -2,8 +2,8 @@
 
 The manifest's digests used to be computed by reading back what landed (a second read of every byte
 written); here the bytes are hashed from the buffer they are written from. The hash of chunk i runs on a
-hasher thread while chunk i is written and chunk i+1 read into the other buffer (both release the GIL), so
-on two cores hashing is off the critical path; with no threads (``CKPT_HASH_THREADS=0``) it runs inline.
+hasher thread of its own while chunk i is written and the next ones read into other buffers (both release the
+GIL), so on two cores hashing is off the critical path; with no threads (``CKPT_HASH_THREADS=0``) it runs inline.
 
 A tensor may also carry a value check (``plan.OutputTensor.check``: graft's ``nonfinite`` rule on the
 source's MTP values), fed the same chunks on the same thread as the hash: the values are judged from the
@@ -18,8 +18,10 @@ from typing import Protocol
 
 from ..io.safetensors_io import IO_STATS, Segment
 
-# measured on 1 GB: 0.5-1 MiB chunks stay in the cache from read to hash to write; 2 MiB and more cost 2-4x the CPU
-CHUNK = 1 << 20
+# measured on 1 GB (read, hash, write, fsync): 256 KiB-1 MiB chunks cost 0.6 s of CPU; 4 MiB ones 1.8 s (a chunk
+# read is no longer in the cache when it is hashed and written)
+CHUNK = 512 << 10
+BUFFERS = 4  # chunks read ahead of the hash (it runs behind the reads and writes, in order)
 
 
 class Sink(Protocol):
@@ -38,23 +40,28 @@ class Feed:
 
 
 class HashingCopier:
-    """Copies byte ranges and computed chunks into an output file descriptor, each chunk fed to a sink."""
+    """Copies byte ranges and computed chunks into an output file descriptor, each chunk fed to a sink.
 
-    def __init__(self, pool: Executor, chunk: int = CHUNK) -> None:
+    ``pool`` runs the feeds in the order they are submitted (one thread, or inline): chunk i+1 is read and
+    written while chunks up to i are still being hashed, and a buffer is reused only once its feed is done.
+    """
+
+    def __init__(self, pool: Executor, chunk: int = CHUNK, buffers: int = BUFFERS) -> None:
         self.pool = pool
-        self._bufs = (memoryview(bytearray(chunk)), memoryview(bytearray(chunk)))
+        self._bufs = [memoryview(bytearray(chunk)) for _ in range(buffers)]
+        self._fed: list[Future | None] = [None] * buffers  # each buffer's feed, while it may be running
         self._turn = 0
-        self._pending: Future | None = None
-
-    def _feed(self, sink: Sink, data: memoryview) -> None:
-        self.wait()  # in order: the previous update is done before this one starts (and its buffer is free)
-        self._pending = self.pool.submit(sink.update, data)
+        self._last: Future | None = None
 
     def wait(self) -> None:
-        """Every chunk given so far has been fed (a failed update raises here)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Every chunk given so far has been fed (a failed feed raises here)."""
+        for i, f in enumerate(self._fed):
+            if f is not None:
+                self._fed[i] = None
+                f.result()
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
 
     def segment(self, seg: Segment, sink: Sink, write: Callable[[memoryview], None]) -> None:
         """``seg``'s bytes through ``write``, each fed to ``sink`` (read errors are the source's InputError)."""
@@ -66,17 +73,21 @@ class HashingCopier:
             return
         done = 0
         while done < seg.length:
-            buf = self._bufs[self._turn]
-            self._turn ^= 1  # the other buffer may still be hashed meanwhile
+            i, self._turn = self._turn, (self._turn + 1) % len(self._bufs)
+            fed = self._fed[i]
+            if fed is not None:  # this buffer's previous chunk must be hashed before it is read into again
+                self._fed[i] = None
+                fed.result()
+            buf = self._bufs[i]
             n = min(len(buf), seg.length - done)
             seg.source.readinto(seg.offset + done, buf[:n])
-            self._feed(sink, buf[:n])
+            self._fed[i] = self._last = self.pool.submit(sink.update, buf[:n])
             write(buf[:n])
             done += n
 
     def chunk(self, sink: Sink, data: memoryview, write: Callable[[memoryview], None]) -> None:
         """A chunk someone else owns (a computed tensor's): fed while it is written, done before returning
         (its producer may reuse the buffer)."""
-        self._feed(sink, data)
+        fed = self.pool.submit(sink.update, data)
         write(data)
-        self.wait()
+        fed.result()
