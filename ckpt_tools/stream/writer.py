@@ -413,7 +413,7 @@ class Writer:
                     if copier is None:
                         self._write_tensor(fd, t, ahead.chunks(i))
                     else:  # hashed (and checked) from the bytes as they are written: each byte read once
-                        h = digest.new() if hasher.hashing else None
+                        h = digest.new(hasher.algo) if hasher.hashing else None
                         check = t.check() if t.check is not None else None
                         self._write_tensor(fd, t, ahead.chunks(i), copier, Feed(h, check))
                         if check is not None:
@@ -710,6 +710,7 @@ class _Hasher:
 
     def __init__(self, threads: int | None) -> None:
         self.pool = digest.executor(threads) if threads is not None else None
+        self.algo = digest.manifest_algo() if threads is not None else None  # read once, not per tensor
         # the copier's own thread: its chunks never queue behind a linked file being hashed on the pool
         self._copier_pool = digest.executor(min(threads, 1), "ckpt-hash-copy") if threads is not None else None
         self.copier = HashingCopier(self._copier_pool) if self._copier_pool is not None else None
