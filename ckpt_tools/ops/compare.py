@@ -116,14 +116,17 @@ def compare(key: str, a_dtype: str, a_shape, a: Recipe, b_dtype: str, b_shape, b
     if list(a_shape) != list(b_shape):
         d.status = "shape-changed"
         return d
-    if a_dtype == b_dtype and decode_a is None and decode_b is None and _same_bytes(a, b, a_dtype, a_shape, stop,
-                                                                                    tap):
-        return d
+    readers = None
+    if a_dtype == b_dtype and decode_a is None and decode_b is None:
+        readers = _same_bytes(a, b, a_dtype, a_shape, stop, tap)
+        if readers is None:
+            return d
     d.status = "replaced" if a_dtype == b_dtype else "dtype-changed"
     decodable_a = decode_a is not None or a_dtype in FLOAT_DTYPES
     decodable_b = decode_b is not None or b_dtype in FLOAT_DTYPES
     if decodable_b and (stats or finite):
-        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop, tap)
+        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop, tap,
+                    readers)
     return d
 
 
@@ -171,7 +174,26 @@ class FiniteCheck:
             raise InputError(f"{self.what}: {self.key} ({self.bad} NaN/Inf)", rule="nonfinite", path=self.path)
 
 
-def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None, tap: Tap | None = None) -> bool:
+class _Held:
+    """A reader that first serves bytes already read (``held``), then continues from ``reader``."""
+
+    def __init__(self, held: bytes | bytearray, reader) -> None:
+        self._held, self._at, self._reader = memoryview(held), 0, reader
+
+    def read(self, n: int):
+        if self._at >= len(self._held):
+            return self._reader.read(n)
+        out = bytearray(self._held[self._at:self._at + n])
+        self._at += len(out)
+        if len(out) < n:
+            out += self._reader.read(n - len(out))
+        return out
+
+
+def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None, tap: Tap | None = None):
+    """None when both recipes give the same bytes (``tap`` then holds B's digest); else the readers the statistics
+    pass continues with: when the very first chunk differs (a tensor of one chunk, or any changed weight), those
+    bytes are held and not read again; a difference found later starts the statistics from fresh readers."""
     from ..numeric.transforms import RecipeReader
 
     nbytes = DTYPES[dtype].nbytes(math.prod(shape))
@@ -183,15 +205,15 @@ def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None, tap: Tap | N
     while done < nbytes:
         _check(stop)
         n = min(chunk, nbytes - done)
-        bb = rb.read(n)
-        if ra.read(n) != bb:
-            return False
+        ba, bb = ra.read(n), rb.read(n)
+        if ba != bb:
+            return (_Held(ba, ra), _Held(bb, rb)) if done == 0 else (RecipeReader(a), RecipeReader(b))
         if tap is not None:
             tap.update(bb)
         done += n
     if tap is not None:
         tap.complete()
-    return True
+    return None
 
 
 def _check(stop) -> None:
@@ -200,12 +222,13 @@ def _check(stop) -> None:
 
 
 def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str, shape, decode_a, decode_b,
-                with_a: bool, stop=None, tap: Tap | None = None) -> None:
-    """Second pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics."""
+                with_a: bool, stop=None, tap: Tap | None = None, readers=None) -> None:
+    """A pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics (``readers``: where the
+    byte comparison left off, its bytes held)."""
     from ..numeric.transforms import RecipeReader
 
     numel = math.prod(shape)
-    ra, rb = RecipeReader(a), RecipeReader(b)
+    ra, rb = readers if readers is not None else (RecipeReader(a), RecipeReader(b))
     sa, sb = DTYPES[a_dtype], DTYPES[b_dtype]
     scratch_a, scratch_b = Scratch(), Scratch()  # decoded chunks reuse two buffers
     acc = _Acc()
