@@ -142,7 +142,7 @@ class Writer:
         self._journal: Journal | None = None  # what each finished file holds (journal.py; local outputs)
         self._previous: dict[str, dict] = {}  # the interrupted run's journal entries (--resume)
         self._created = False  # this run created the output directory (a refused input then removes it)
-        self._deferred: tuple[Path, Path] | None = None  # a lone checked file, renamed at the end
+        self._checked_single: tuple[Path, Path] | None = None  # a lone checked file, renamed at the end
 
     # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
 
@@ -217,7 +217,7 @@ class Writer:
                     if single:
                         deferred = (tmp, final)
                 if single and checked:
-                    deferred = self._deferred
+                    deferred = self._checked_single
                 for f in self.plan.files:
                     if not f.tensors:
                         self._write_file(f, hasher)
@@ -453,7 +453,7 @@ class Writer:
                 raise ValueRefused(e) from None
             raise
         if single:
-            self._deferred = (tmp, final)
+            self._checked_single = (tmp, final)
 
     def _write_tensor(self, fd: int, t: OutputTensor, chunks: Iterable[Any] | None = None,
                       copier: HashingCopier | None = None, sink: Feed | None = None) -> None:
