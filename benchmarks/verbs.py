@@ -223,8 +223,9 @@ def _dequant_mtp_floor(ctx: Ctx, out: Path) -> Job:
         if key not in mtp and Path(e.file).name in affected:
             by_shard.setdefault(Path(e.file).name, []).append(e)
     job["files"] += [{"path": str(out / name), "pieces": layout.pieces(e)} for name, e in sorted(by_shard.items())]
-    job["files"] += _dequant_floor(ctx, out)["files"]
-    return job
+    n = sum(p[2] for f in _dequant_floor(ctx, out)["files"][:1] for p in f["pieces"])  # the bf16 MTP's bytes
+    job["files"] += _one_file(out, layout.first_bytes(syn.path, n), "model-mtp.safetensors")["files"]
+    return _with_side_files(job, syn.path, out, index=True)
 
 
 def _affected_shards(ctx: Ctx, verifier: str = "bf16") -> set[str]:
