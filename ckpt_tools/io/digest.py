@@ -10,9 +10,9 @@ Two environment knobs reproduce the older writer, so that a benchmark can measur
 hashing change before and after in one run (BENCHMARKS.md, ``extract-drop-mtp-tmpfs*``):
 
 - ``CKPT_MANIFEST_DIGEST``: ``blake3`` (default) or ``sha256``, the manifest's algorithm;
-- ``CKPT_HASH_THREADS``: threads hashing beside the copies (default 2: the writer hashes each chunk
-  on one while it writes it, stream/hashcopy.py; linked files are read and hashed on them); ``0``
-  hashes inline, on the writing thread.
+- ``CKPT_HASH_THREADS``: threads hashing beside the copies (default 2: files linked whole are read
+  and hashed on them; what the writer copies or computes it hashes as it writes it, stream/hashcopy.py);
+  ``0`` hashes those inline too, on the writing thread.
 
 They are read when used (``MANIFEST_ALGO`` is a module attribute computed on access), so a
 bad value is a usage error of the command that meets it, not a traceback at import.

@@ -1,9 +1,10 @@
 """Moving bytes into the output while hashing them: each source byte is read once (read, hash, write).
 
 The manifest's digests used to be computed by reading back what landed (a second read of every byte
-written); here the bytes are hashed from the buffer they are written from. The hash of chunk i runs on a
-hasher thread of its own while chunk i is written and the next ones read into other buffers (both release the
-GIL), so on two cores hashing is off the critical path; with no threads (``CKPT_HASH_THREADS=0``) it runs inline.
+written); here the bytes are hashed from the buffer they are written from. ``pool`` says where the hash runs: the
+writer passes an inline executor (measured on 2 cores: a hash thread fed 512 KiB chunks cost a thread switch per
+chunk, more than it overlapped); with a one-thread pool the hash of chunk i runs while the next chunks are read
+and written into other buffers, in order.
 
 A tensor may also carry a value check (``plan.OutputTensor.check``: graft's ``nonfinite`` rule on the
 source's MTP values), fed the same chunks on the same thread as the hash: the values are judged from the
