@@ -209,6 +209,25 @@ def _nvfp4_dequant_floor(ctx: Ctx, out: Path) -> Job:
     return _with_side_files(_one_file(out, layout.first_bytes(syn.path, n)), syn.path, out)
 
 
+def _dequant_mtp_floor(ctx: Ctx, out: Path) -> Job:
+    """dequant --only-mtp --link hardlink: the shards holding no MTP tensor hard-linked, the others' trunk tensors
+    copied into a shard each, and as many bytes as the bf16 MTP has (``_dequant_floor``) into one new shard."""
+    syn = ctx.variant("fp8")
+    mtp, ext = set(syn.mtp_keys), layout.extents(syn.path)
+    affected = {Path(ext[k].file).name for k in mtp}
+    shards = {p.name for p in layout.files(syn.path) if p.name.endswith(".safetensors")}
+    job = _whole_files(syn.path, out, shards - affected)
+    job["files"] = [f for f in job["files"] if "link" in f]
+    by_shard: dict[str, list[layout.Extent]] = {}
+    for key, e in ext.items():
+        if key not in mtp and Path(e.file).name in affected:
+            by_shard.setdefault(Path(e.file).name, []).append(e)
+    job["files"] += [{"path": str(out / name), "pieces": layout.pieces(e)} for name, e in sorted(by_shard.items())]
+    n = sum(p[2] for f in _dequant_floor(ctx, out)["files"][:1] for p in f["pieces"])  # the bf16 MTP's bytes
+    job["files"] += _one_file(out, layout.first_bytes(syn.path, n), "model-mtp.safetensors")["files"]
+    return _with_side_files(job, syn.path, out, index=True)
+
+
 def _affected_shards(ctx: Ctx, verifier: str = "bf16") -> set[str]:
     return {Path(e.file).name for e in ctx.mtp_extents(verifier)}
 
@@ -340,6 +359,12 @@ VERBS: dict[str, Verb] = {
              "job); floor: copying the bf16 checkpoint, about as many bytes as the output", "dequant", ("--dtype",),
              lambda ctx, out: ["dequant", str(ctx.variant("fp8").path), "-o", str(out), "--dtype", "bf16"],
              floor=lambda ctx, out: _whole_files(ctx.variant("bf16").path, out), max_floor_ratio=2.0, default=False),
+        Verb("dequant-mtp-hardlink", "`ckpt dequant --only-mtp --link hardlink`: the MTP layers' FP8 weights to bf16 "
+             "in new shards, the shards without MTP hard-linked (floor: the same links, the trunk tensors of the "
+             "shards holding MTP copied, and the bf16 MTP's bytes)", "dequant", ("--only-mtp", "--link", "--dtype"),
+             lambda ctx, out: ["dequant", str(ctx.variant("fp8").path), "-o", str(out), "--only-mtp", "--link",
+                               "hardlink", "--dtype", "bf16"],
+             floor=_dequant_mtp_floor, max_floor_ratio=2.0, default=False),
         Verb("fuse", "fuse-experts on the whole checkpoint, per-expert -> fused", "fuse-experts", ("--to",),
              lambda ctx, out: ["fuse-experts", str(ctx.variant("bf16").path), "-o", str(out)],
              floor=lambda ctx, out: _whole_files(ctx.variant("bf16").path, out),

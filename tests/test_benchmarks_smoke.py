@@ -268,6 +268,27 @@ def test_graft_verb_inputs_are_a_release_and_its_nvfp4_trunk_without_mtp(tmp_pat
     assert abs(floor_bytes / written - 1) < 0.05  # the same bytes (ckpt adds a header, rewrites config and index)
 
 
+def test_dequant_mtp_hardlink_floor_links_and_writes_what_ckpt_does(tmp_path):
+    """dequant --only-mtp --link hardlink: the floor links the shards ckpt links, and writes as many bytes as ckpt
+    writes (the affected shards' trunk tensors and the bf16 MTP), within its headers and side files."""
+    from benchmarks.verbs import VERBS, Ctx
+
+    from conftest import run_ckpt
+
+    ctx = Ctx(tmp_path, "qwen3_next", solve("qwen3_next", TINY), 4, None, log=lambda _: None)
+    verb = VERBS["dequant-mtp-hardlink"]
+    out = tmp_path / "out"
+    run_ckpt(*verb.command(ctx, out))
+    job = verb.floor(ctx, tmp_path / "floor")
+    linked = {Path(f["path"]).name for f in job["files"] if "link" in f}
+    src = ctx.variant("fp8").path
+    assert linked and all((out / n).stat().st_ino == (src / n).stat().st_ino for n in linked)
+    floor_bytes = sum(p[2] for f in job["files"] for p in f.get("pieces", []))
+    ours = ("ckpt_manifest.json",)
+    written = sum(p.stat().st_size for p in out.iterdir() if p.name not in ours and p.name not in linked)
+    assert abs(floor_bytes / written - 1) < 0.1
+
+
 # -- fair floors (issue 19) -------------------------------------------------------------
 
 

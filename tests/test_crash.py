@@ -65,9 +65,9 @@ def arm(kill):
         os.kill(os.getpid(), signal.SIGKILL)
 
     if kill[0] in ("copy", "pause"):
-        orig, left = w.copy_segment, [kill[1]]
+        orig, left = w.copy_range, [kill[1]]
 
-        def copy_segment(*a, **k):
+        def copy_range(*a, **k):
             orig(*a, **k)
             left[0] -= 1
             if left[0] == 0:
@@ -76,7 +76,7 @@ def arm(kill):
                     time.sleep(kill[2])
                 else:
                     die()
-        w.copy_segment = copy_segment
+        w.copy_range = copy_range
     elif kill[0] == "replace":
         orig_replace = os.replace
 

@@ -93,7 +93,7 @@ def perturb(shard: Path, factor: float, keep_mtime: bool = False) -> None:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def interrupt_after(monkeypatch, copies: int, what: str = "copy_segment") -> None:
+def interrupt_after(monkeypatch, copies: int, what: str = "copy_range") -> None:
     """Ctrl-C in the writer after ``copies`` calls of ``what`` (what SIGINT does: cleanup, exit 130)."""
     import ckpt_tools.stream.writer as w
 
@@ -376,6 +376,23 @@ def _fd_path(fd: int) -> str:
         return ""
 
 
+def _ending_after_headers(monkeypatch, under: Path) -> None:
+    """``os.preadv`` of a shard under ``under`` returns 0 (end of file) past its header: its tensors' bytes
+    cannot be read, its header can (the checkpoint opens)."""
+    orig = os.preadv
+
+    def fake(fd, buffers, offset, *a):
+        path = _fd_path(fd)
+        if path.startswith(str(under)) and path.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                start = 8 + int.from_bytes(f.read(8), "little")
+            if offset >= start:
+                return 0
+        return orig(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(os, "preadv", fake)
+
+
 def _failing(monkeypatch, name: str, under: Path, result=None, arg: int = 0):
     """Make ``os.<name>`` fail with EIO (or return ``result``) when its fd argument ``arg`` is under ``under``."""
     orig = getattr(os, name)
@@ -419,6 +436,7 @@ def test_an_ambiguous_copy_error_is_retried_and_a_write_error_names_the_output(v
 def test_a_copy_that_ends_early_is_an_error(verb, verifier, tmp_path, monkeypatch):
     draft = finetuned_draft(verifier, tmp_path / "draft") if verb == "stitch" else None
     _failing(monkeypatch, "copy_file_range", verifier, result=0)  # as if the source ended here
+    _ending_after_headers(monkeypatch, verifier)  # the writer's reads (it hashes what it copies) end there too
     out = tmp_path / "out"
     args = ("stitch", draft, verifier) if verb == "stitch" else ("extract", verifier)
     r = ckpt(*args, "-o", out, code=3)

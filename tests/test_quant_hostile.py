@@ -301,7 +301,7 @@ def test_resume_after_an_interrupt_proves_each_finished_shard_by_its_journal(tmp
     ref, out = tmp_path / "ref", tmp_path / "out"
     ckpt(EXTRACT[0], EXTRACT[1], "-o", ref, *EXTRACT[2:])
     with monkeypatch.context() as m:
-        _interrupt_after(m, 14, "copy_segment")
+        _interrupt_after(m, 14, "copy_range")
         ckpt(EXTRACT[0], EXTRACT[1], "-o", out, *EXTRACT[2:], code=130)
     finished = sorted(out.glob("*.safetensors"))
     assert len(finished) >= 2 and not (out / "ckpt_manifest.json").exists()

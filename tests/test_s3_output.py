@@ -573,3 +573,25 @@ def test_an_output_store_without_its_backend_names_the_extra(verifier, tmp_path,
     monkeypatch.setattr(builtins, "__import__", no_gcsfs)
     r = ckpt("extract", verifier, "-o", "gs://bucket/draft", code=2)
     assert "missing-extra" in r.output and "pip install 'ckpt-tools[gcs]'" in r.output
+
+
+def test_graft_into_a_bucket_refuses_a_source_with_nan_mtp_as_it_uploads(s3, bucket, tmp_path):
+    """The source's MTP tensors written as they are are checked as the writer uploads them (rule nonfinite):
+    nothing is marked complete."""
+    import shutil
+    import struct
+
+    from ckpt_tools.io.checkpoint import Checkpoint
+
+    corpus = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
+    src = tmp_path / "src"
+    shutil.copytree(corpus / "transformers-deepseek_v3", src)
+    key = "model.layers.2.eh_proj.weight"
+    with Checkpoint.open(str(src)) as c:
+        seg = c.tensors[key].segment()
+    with open(seg.source.name, "r+b") as f:
+        f.seek(seg.offset + 22)
+        f.write(struct.pack("<H", 0x7FC0))  # a bf16 NaN
+    r = ckpt("graft", src, corpus / "llmcompressor-nvfp4a16", "-o", f"s3://{bucket}/g", code=3)
+    assert "[nonfinite]" in r.output and key in " ".join(r.output.split())
+    assert_clean_failure(s3, bucket, "g")

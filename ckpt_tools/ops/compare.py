@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..arrays import Scratch, decode_floats
 from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
+from ..errors import InputError
 from ..io.safetensors_io import TensorRef
 from ..stream.plan import CopyBytes, Recipe
 from .tensor_diff import TensorDiff  # noqa: F401 - re-exported: compare's result
@@ -40,26 +41,53 @@ def recipe_of(ref: TensorRef) -> Recipe:
     return CopyBytes([ref.segment()])
 
 
+class Tap:
+    """The digest of B's bytes, taken by a comparison that reads all of them (stitch: the draft's tensor digest for
+    its fingerprint, without another read). A pass that stops early leaves no digest."""
+
+    def __init__(self) -> None:
+        self.digest: str | None = None
+        self._h = None
+
+    def start(self) -> None:
+        from ..io import digest
+
+        self._h, self.digest = digest.new(), None
+
+    def update(self, data) -> None:
+        if self._h is not None:
+            self._h.update(data)
+
+    def complete(self) -> None:
+        if self._h is not None:
+            self.digest, self._h = self._h.hexdigest(), None
+
+
 def compare(key: str, a_dtype: str, a_shape, a: Recipe, b_dtype: str, b_shape, b: Recipe, *, stats: bool = True,
-            finite: bool = True, decode_a=None, decode_b=None, stop=None) -> TensorDiff:
+            finite: bool = True, decode_a=None, decode_b=None, stop=None, tap: Tap | None = None) -> TensorDiff:
     """Compare two tensors given as recipes (A = before, B = after).
 
     ``decode_a``/``decode_b`` optionally turn a chunk's raw bytes into float32 values
     (e.g. FP8 dequantization: ``decode(buf, first_element, n)``); by default floats are
     decoded by dtype and other dtypes compare as bytes only. ``stop`` (a threading.Event)
-    ends a running comparison with ``Cancelled`` at its next chunk.
+    ends a running comparison with ``Cancelled`` at its next chunk. ``tap``: fed B's bytes by the pass that reads
+    all of them.
     """
     d = TensorDiff(key, "unchanged", a_dtype, b_dtype, list(a_shape), list(b_shape))
     if list(a_shape) != list(b_shape):
         d.status = "shape-changed"
         return d
-    if a_dtype == b_dtype and decode_a is None and decode_b is None and _same_bytes(a, b, a_dtype, a_shape, stop):
-        return d
+    readers = None
+    if a_dtype == b_dtype and decode_a is None and decode_b is None:
+        readers = _same_bytes(a, b, a_dtype, a_shape, stop, tap)
+        if readers is None:
+            return d
     d.status = "replaced" if a_dtype == b_dtype else "dtype-changed"
     decodable_a = decode_a is not None or a_dtype in FLOAT_DTYPES
     decodable_b = decode_b is not None or b_dtype in FLOAT_DTYPES
     if decodable_b and (stats or finite):
-        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop)
+        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop, tap,
+                    readers)
     return d
 
 
@@ -79,20 +107,78 @@ def count_nonfinite(recipe: Recipe, dtype: str, shape) -> int:
     return bad
 
 
-def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None) -> bool:
+# NaN and Inf are the values whose exponent bits are all ones: (integer view, exponent mask) per float dtype
+_EXPONENT = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000),
+             "F64": ("<u8", 0x7FF0000000000000)}
+
+
+class FiniteCheck:
+    """Counts the NaN / Inf of a float tensor's bytes as they are written (``OutputTensor.check``: the values
+    ``count_nonfinite`` counts, judged from the writer's chunks instead of a separate read); ``finish`` refuses
+    them (rule ``nonfinite``), naming ``what``, the key and the file the bytes come from."""
+
+    def __init__(self, key: str, dtype: str, path: str, what: str) -> None:
+        self.key, self.path, self.what = key, path, what
+        self.itype, self.mask = _EXPONENT[dtype]
+        self.size = int(self.itype[-1])
+        self.bad = 0
+        self._carry = b""  # a chunk that ended inside a value (chunks of a remote source)
+
+    def update(self, data: memoryview, /) -> None:
+        import numpy as np  # here: planning (and a dry run) imports no numpy
+
+        if self._carry:
+            data = memoryview(self._carry + bytes(data))
+        cut = len(data) - len(data) % self.size
+        v = np.frombuffer(data[:cut], dtype=self.itype)
+        self.bad += int(np.count_nonzero((v & self.mask) == self.mask))
+        self._carry = bytes(data[cut:])
+
+    def finish(self) -> None:
+        if self.bad:
+            raise InputError(f"{self.what}: {self.key} ({self.bad} NaN/Inf)", rule="nonfinite", path=self.path)
+
+
+class _Held:
+    """A reader that first serves bytes already read (``held``), then continues from ``reader``."""
+
+    def __init__(self, held: bytes | bytearray, reader) -> None:
+        self._held, self._at, self._reader = memoryview(held), 0, reader
+
+    def read(self, n: int):
+        if self._at >= len(self._held):
+            return self._reader.read(n)
+        out = bytearray(self._held[self._at:self._at + n])
+        self._at += len(out)
+        if len(out) < n:
+            out += self._reader.read(n - len(out))
+        return out
+
+
+def _same_bytes(a: Recipe, b: Recipe, dtype: str, shape, stop=None, tap: Tap | None = None):
+    """None when both recipes give the same bytes (``tap`` then holds B's digest); else the readers the statistics
+    pass continues with: when the very first chunk differs (a tensor of one chunk, or any changed weight), those
+    bytes are held and not read again; a difference found later starts the statistics from fresh readers."""
     from ..numeric.transforms import RecipeReader
 
     nbytes = DTYPES[dtype].nbytes(math.prod(shape))
     chunk = DTYPES[dtype].nbytes(CHUNK_ELEMS) or CHUNK_ELEMS
     ra, rb = RecipeReader(a), RecipeReader(b)
     done = 0
+    if tap is not None:
+        tap.start()
     while done < nbytes:
         _check(stop)
         n = min(chunk, nbytes - done)
-        if ra.read(n) != rb.read(n):
-            return False
+        ba, bb = ra.read(n), rb.read(n)
+        if ba != bb:
+            return (_Held(ba, ra), _Held(bb, rb)) if done == 0 else (RecipeReader(a), RecipeReader(b))
+        if tap is not None:
+            tap.update(bb)
         done += n
-    return True
+    if tap is not None:
+        tap.complete()
+    return None
 
 
 def _check(stop) -> None:
@@ -101,23 +187,28 @@ def _check(stop) -> None:
 
 
 def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str, shape, decode_a, decode_b,
-                with_a: bool, stop=None) -> None:
-    """Second pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics."""
+                with_a: bool, stop=None, tap: Tap | None = None, readers=None) -> None:
+    """A pass over both tensors: NaN/Inf on B, and (``with_a``) the difference statistics (``readers``: where the
+    byte comparison left off, its bytes held)."""
     import numpy as np
 
     from ..numeric.transforms import RecipeReader
 
     numel = math.prod(shape)
-    ra, rb = RecipeReader(a), RecipeReader(b)
+    ra, rb = readers if readers is not None else (RecipeReader(a), RecipeReader(b))
     sa, sb = DTYPES[a_dtype], DTYPES[b_dtype]
     scratch_a, scratch_b = Scratch(), Scratch()  # decoded chunks reuse two buffers
     acc = _Acc()
     done = 0
+    if tap is not None:
+        tap.start()
     with np.errstate(all="ignore"):  # overflow and inf - inf are expected here, and handled: never a warning
         while done < numel:
             _check(stop)
             n = min(STATS_CHUNK_ELEMS, numel - done)
             ba, bb = ra.read(sa.nbytes(n)), rb.read(sb.nbytes(n))
+            if tap is not None:
+                tap.update(bb)
             vb = decode_b(bb, done, n) if decode_b else decode_floats(bb, b_dtype, scratch_b)
             vb = np.asarray(vb, dtype=np.float32) if not isinstance(vb, np.ndarray) else vb
             if with_a:
@@ -126,6 +217,8 @@ def _statistics(d: TensorDiff, a: Recipe, b: Recipe, a_dtype: str, b_dtype: str,
             else:
                 acc.b_nonfinite += int(np.count_nonzero(~np.isfinite(vb)))
             done += n
+    if tap is not None:
+        tap.complete()
     d.nonfinite = acc.b_nonfinite
     if with_a:
         d.nan_count, d.inf_count = acc.nan, acc.inf
@@ -215,7 +308,6 @@ class _Acc:
         self.shift = shift
 
     def _buffers(self, dtype: np.dtype, n: int) -> tuple[np.ndarray, np.ndarray]:
-
         return self._scratch.take("diff", n, dtype), self._scratch.take("square", n, dtype)
 
     def result(self) -> tuple[float, float | None, float | None, float | None, float | None]:

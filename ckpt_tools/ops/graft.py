@@ -160,14 +160,37 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
     # --resume proves the same source bytes: every source tensor the MTP is read from
     taken = sorted({k for t in mtp for k in _sources(t) if k in source.tensors})
     if req.check_values:
-        _require_finite(source, taken)
+        _require_finite(source, sorted(set(taken) - _checked_as_copied(source, plan.tensors)))
     record_inputs(plan, target=target, source=(source, taken))
     return plan, report
 
 
+NONFINITE = "non-finite values in the source's MTP layers"
+
+
+def _checked_as_copied(source: Checkpoint, tensors: list[OutputTensor]) -> set[str]:
+    """The source's float tensors written as they are (one byte range each): their values are checked by the writer
+    as it copies them (``compare.FiniteCheck``, one read), the shard holding them written first and nothing left
+    in place when it refuses. Returns their keys."""
+    from .compare import FiniteCheck
+
+    covered = set()
+    for t in tensors:
+        ref = source.tensors.get(t.key) if _sources(t) == [t.key] else None
+        if ref is None or ref.dtype not in FLOAT_DTYPES or t.dtype != ref.dtype or not isinstance(t.recipe, CopyBytes):
+            continue
+        seg = ref.segment()
+        if t.recipe.segments != [seg]:
+            continue
+        t.check = lambda k=t.key, d=t.dtype, p=seg.source.name: FiniteCheck(k, d, p, NONFINITE)
+        covered.add(t.key)
+    return covered
+
+
 def _require_finite(source: Checkpoint, keys: list[str]) -> None:
     """The source's float MTP values are finite, as stitch requires of a draft (rule ``nonfinite``): graft writes
-    them, casts them or encodes them. Quantized ones are checked as they are decoded (model.quant.finite)."""
+    them, casts them or encodes them. Those copied as they are are checked as the writer copies them
+    (``_checked_as_copied``); quantized ones as they are decoded (model.quant.finite)."""
     from .compare import count_nonfinite
 
     bad = []
@@ -178,7 +201,7 @@ def _require_finite(source: Checkpoint, keys: list[str]) -> None:
             if n:
                 bad.append(f"{k} ({n} NaN/Inf)")
     if bad:
-        raise InputError(f"non-finite values in the source's MTP layers: {', '.join(bad[:10])}"
+        raise InputError(f"{NONFINITE}: {', '.join(bad[:10])}"
                          + (f" ... and {len(bad) - 10} more" if len(bad) > 10 else ""), rule="nonfinite",
                          path=source.root)
 

@@ -81,6 +81,9 @@ class Candidates:
     fmt: WeightFormat  # the verifier's block format: a stacked experts tensor's scale companion and decoder
     encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
+    # filled by decide: draft byte range -> the digest of its bytes, taken by the comparison that read them all
+    # (the draft's fingerprint then reads nothing again: fingerprint.tensors_digest)
+    digests: dict = field(default_factory=dict)
 
 
 def decide(view: MtpView, cand: Candidates) -> list[Decision]:
@@ -107,7 +110,7 @@ def decide(view: MtpView, cand: Candidates) -> list[Decision]:
 
 def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> TensorDiff:
     """One candidate against the verifier: values compared, status and dtypes as written."""
-    from .compare import compare, count_nonfinite  # numpy: a report that compares nothing (graft) needs none
+    from .compare import Tap, compare, count_nonfinite  # numpy: a report that compares nothing (graft) needs none
 
     vref = view.ckpt.tensors.get(key)
     encoded = cand.encoded.get(key)
@@ -140,7 +143,11 @@ def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> 
         a_dtype = b.dtype if b.dtype in ("BF16", "F16", "F32") else "F32"
         sref = view.ckpt.tensors[cand.fmt.scale_key(key)]
         a = cand.fmt.decode(_as_tensor(vref), _as_tensor(sref), a_dtype).recipe
-    d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop)
+    one = b.recipe.segments if isinstance(b.recipe, CopyBytes) and len(b.recipe.segments) == 1 else None
+    tap = Tap() if one else None  # a draft tensor read whole: its digest comes with the comparison
+    d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop, tap=tap)
+    if tap is not None and tap.digest is not None:
+        cand.digests[one[0]] = tap.digest
     d.dtype_a, d.dtype_b = vref.dtype, t.dtype
     if d.status != "shape-changed":
         same = d.status == "unchanged"

@@ -120,6 +120,7 @@ class _Builder:
         self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
+        self.digests: dict = {}  # draft byte range -> digest of its bytes (stitch_compare.Candidates.digests)
         self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
         self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
@@ -335,7 +336,8 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
                           req.accept_divergent)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
     note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used))  # --resume proves the same draft bytes
+    # --resume proves the same draft bytes (their digests taken as they were compared)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.used), known=builder.digests)
     return plan, report
 
 
@@ -549,6 +551,7 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     cand = Candidates(builder.candidates, builder.values, builder.removed, builder.vfmt, builder.encoded,
                       builder.companions)
     report.decisions = decide(view, cand)
+    builder.digests = cand.digests  # the draft's tensors hashed as they were compared
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:

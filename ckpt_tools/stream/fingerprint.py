@@ -13,25 +13,27 @@ describes the shards an output copies whole: their header, and the digest the in
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..io import digest
 from ..io.artefacts import MANIFEST_NAME
 from ..io.checkpoint import Checkpoint
-from ..io.safetensors_io import COPY_CHUNK, TensorRef, iter_chunks
+from ..io.safetensors_io import COPY_CHUNK, Segment, TensorRef, iter_chunks
 from .known_digests import from_manifest
 from .plan import Plan
 
 HASH_THREADS = 2  # reads and hashlib release the GIL
 
 
-def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = (), *, plan: Plan | None = None) -> dict:
+def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = (), *, plan: Plan | None = None,
+                known: Mapping[Segment, str] | None = None) -> dict:
     """The identity of ``ckpt`` (see the module docstring); ``tensor_keys``: tensors taken from it.
 
     With ``plan``, the tensors' digest (which reads their bytes) is left to ``plan.settle_fingerprints``,
     which runs when the plan is written: a ``--dry-run`` of a release's 15 GB MTP layer reads nothing.
+    ``known``: digests of byte ranges already read whole (stitch's comparison), not read again.
     """
     lfs = getattr(ckpt, "lfs_sha256", {})
     files: dict[str, dict] = {}
@@ -52,7 +54,7 @@ def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = (), *, plan: Plan
         refs = [ckpt.tensors[k] for k in keys]
 
         def settle() -> None:
-            fp["tensors"] = {"count": len(refs), digest.MANIFEST_ALGO: tensors_digest(refs)}
+            fp["tensors"] = {"count": len(refs), digest.MANIFEST_ALGO: tensors_digest(refs, known)}
 
         if plan is None:
             settle()
@@ -82,10 +84,12 @@ def _other_files(ckpt: Checkpoint) -> dict[str, dict]:
     return out
 
 
-def tensors_digest(refs: list[TensorRef]) -> str:
-    """One digest over (key, dtype, shape, digest of the bytes) of every tensor, in key order."""
+def tensors_digest(refs: list[TensorRef], known: Mapping[Segment, str] | None = None) -> str:
+    """One digest over (key, dtype, shape, digest of the bytes) of every tensor, in key order (``known``: digests of
+    byte ranges already read, by range)."""
+    known = known or {}
     with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="ckpt-fingerprint") as pool:
-        digests = list(pool.map(tensor_digest, refs))
+        digests = list(pool.map(lambda ref: known.get(ref.segment()) or tensor_digest(ref), refs))
     h = digest.new()
     for ref, d in zip(refs, digests, strict=True):
         h.update(f"{ref.key}\0{ref.dtype}\0{list(ref.shape)}\0{d}\n".encode())
@@ -99,15 +103,17 @@ def tensor_digest(ref: TensorRef) -> str:
     return h.hexdigest()
 
 
-def record_inputs(plan: Plan, **roles: Checkpoint | tuple[Checkpoint, Iterable[str]]) -> Plan:
-    """Fingerprint each input into ``plan`` (role -> checkpoint, or (checkpoint, keys of tensors taken)).
+def record_inputs(plan: Plan, known: Mapping[Segment, str] | None = None,
+                  **roles: Checkpoint | tuple[Checkpoint, Iterable[str]]) -> Plan:
+    """Fingerprint each input into ``plan`` (role -> checkpoint, or (checkpoint, keys of tensors taken)); ``known``:
+    digests of byte ranges the plan already read whole (``fingerprint``).
 
     Also: every local input becomes one of ``plan.inputs`` (the writer refuses an -o inside
     any of them), and shards the plan copies whole from an input get that input's header.
     """
     for role, what in roles.items():
         ckpt, keys = what if isinstance(what, tuple) else (what, ())
-        plan.fingerprints[role] = fingerprint(ckpt, keys, plan=plan)
+        plan.fingerprints[role] = fingerprint(ckpt, keys, plan=plan, known=known)
         local = Path(ckpt.root) if ckpt.local_dir is not None else None  # a directory, or a lone config.json
         if local is not None and local not in plan.inputs:
             plan.inputs.append(local)

@@ -34,6 +34,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
     later run take its digests over); ``reused``: whole file -> the input manifest its digest was taken from.
     """
     reused = reused or {}
+    algo = digest.MANIFEST_ALGO  # read once: the knob is looked up on each access
     manifest = {
         "tool": "ckpt-tools",
         "version": __version__,
@@ -51,7 +52,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
             "shape": list(t.shape),
         }
         if t.key in digests:
-            entry[digest.MANIFEST_ALGO] = digests[t.key]
+            entry[algo] = digests[t.key]
         entry.update(t.meta)
         manifest["tensors"][t.key] = entry
     for f in plan.files:
@@ -64,7 +65,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
             value, size, header = landed[f.name]
             # no digest: copied server-side in an object store, never downloaded to be hashed - or its tensors
             # carry theirs, taken from the input's manifest
-            about = {**({digest.MANIFEST_ALGO: value} if value else {}), "size": size,
+            about = {**({algo: value} if value else {}), "size": size,
                      "copied_from": str(f.source), "link": f.link, **landed_facts(f.name)}
             if f.name in reused:  # else: hashed from the bytes that landed
                 about.update(digest_from=reused[f.name], **({} if value else {"digests": "per-tensor"}))
@@ -77,7 +78,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
             if info is not None:
                 entry.update(dtype=info.dtype, shape=list(info.shape))
             if key in digests:
-                entry[digest.MANIFEST_ALGO] = digests[key]
+                entry[algo] = digests[key]
             manifest["tensors"][key] = entry
     remote = {f.name: f.remote for f in plan.files if f.link == "remote"}
     if remote:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .. import __version__
 from ..dtypes import DTYPES
@@ -65,6 +65,15 @@ class Compute:
 Recipe = CopyBytes | Compute
 
 
+class TensorCheck(Protocol):
+    """Judges a tensor's bytes as they are written (``update`` per chunk, in order); ``finish`` raises the
+    error that names the file, the key and the rule."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 @dataclass(slots=True)  # slots: a plan may hold one per tensor of a release (92,000)
 class OutputTensor:
     key: str
@@ -73,6 +82,9 @@ class OutputTensor:
     recipe: Recipe
     shard: str | None = None  # explicit output file; None lets the planner assign one
     meta: dict = field(default_factory=dict)  # carried into the manifest (source, role, layout, ...)
+    # a check of the values as the writer writes them (graft's rule nonfinite on the source's bytes): a new
+    # TensorCheck per write, fed every chunk in order; its finish() raises before the shard goes into place
+    check: Callable[[], TensorCheck] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -225,15 +225,21 @@ class BandDecoder:
         the scale whose e4m3 byte is ``key`` (divided or multiplied by the global scale as in ``__init__``)."""
         pairs = self._pairs  # read once: another thread may replace it meanwhile
         if pairs is None or pairs[0] != lead:
+            assert self._keys is not None
+            # only the scale bytes this matrix uses (a few dozen of 256): building the table cost more than
+            # decoding a small matrix with it; the other rows are never indexed
+            used = np.unique(self._keys[lead]) >> 8
             s = FP8_TABLES["F8_E4M3"]
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 if self._g is not None:
                     g = self._g[lead]  # float32 [1, 1]: the same float32 operation as the band path's scale
                     s = (s / g if self.d.spec.global_scale.op == "divide" else s * g).reshape(256)
-                products = s[:, None, None] * self.table[None, :, :]  # [key, byte, code]: one float32 rounding
+                products = s[used, None, None] * self.table[None, :, :]  # [key, byte, code]: one float32 rounding
             out = np.ascontiguousarray(encode(products, self.d.out_dtype))
             pair = {2: np.uint32, 4: np.uint64}[out.itemsize]
-            pairs = self._pairs = (lead, out.view(pair).reshape(256 * 256))
+            table = np.zeros((256, 256), dtype=pair)
+            table[used] = out.view(pair).reshape(len(used), 256)
+            pairs = self._pairs = (lead, table.reshape(256 * 256))
         return pairs[1]
 
     def _decode_pairs(self, raw: np.ndarray, lead: int, r0: int, out: np.ndarray, scratch: Scratch) -> np.ndarray:

@@ -30,6 +30,7 @@ from ...io import digest
 from ...io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from ...io.safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
 from .. import manifest
+from ..hashcopy import Feed
 from ..output_dir import OUR_ARTEFACTS, read_record
 from ..plan import OutputFile, OutputTensor, Plan
 from ..writer import FileDigest, PendingOutput, Writer, WriteResult, source_size
@@ -262,8 +263,12 @@ class ObjectStoreWriter(Writer):
         write(memoryview(head))
         for t in ordered:
             h = digest.new() if self.hash_tensors else None
-            self._stream_tensor(t, lambda seg, h=h: self._read_segment(seg, lambda mv: write(mv, h)),
-                                lambda mv, h=h: write(mv, h))
+            check = t.check() if t.check is not None else None  # its values judged as they are uploaded
+            sink = h if check is None else Feed(h, check)
+            self._stream_tensor(t, lambda seg, s=sink: self._read_segment(seg, lambda mv: write(mv, s)),
+                                lambda mv, s=sink: write(mv, s))
+            if check is not None:
+                check.finish()
             digests[t.key] = h.hexdigest() if h is not None else None
             result.tensor_files[t.key] = name
         hasher.tensors.update({k: v for k, v in digests.items() if v is not None})

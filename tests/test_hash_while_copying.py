@@ -1,0 +1,127 @@
+"""The writer hashes what it copies as it copies it (issue 34 item 4): each source byte read once.
+
+The manifest's digests used to be computed by reading back what landed (``writer._hash_fd_range`` per tensor,
+``writer._hash_shard_file`` per whole file); they must be exactly what that read-back gives. graft checks the
+source's MTP values (rule nonfinite) from the bytes it copies, and stitch takes its draft's fingerprint from the
+comparison that read the draft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.stream import fingerprint, writer
+
+from conftest import run_ckpt as ckpt
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
+SOURCE = CORPUS / "transformers-deepseek_v3"
+TARGET = CORPUS / "llmcompressor-nvfp4a16"
+MTP = "model.layers.2."  # the DeepSeek-V3 fixture's MTP layer
+
+
+def read_back(out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(tensor -> digest, whole file -> digest) as the writer computed them before: from the landed bytes."""
+    m = json.loads((out / "ckpt_manifest.json").read_text())
+    tensors, files = {}, {}
+    for name, f in m["files"].items():
+        if "blake3" in f:
+            files[name] = writer._hash_shard_file(out / name)[0]
+    for key, t in m["tensors"].items():
+        if "blake3" not in t or t["file"] in m["files"]:
+            continue
+        with Checkpoint.open(str(out)) as c:
+            seg = c.tensors[key].segment()
+        fd = os.open(out / t["file"], os.O_RDONLY)
+        try:
+            tensors[key] = writer._hash_fd_range(fd, seg.offset, seg.length)
+        finally:
+            os.close(fd)
+    return tensors, files
+
+
+def recorded(out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    m = json.loads((out / "ckpt_manifest.json").read_text())
+    return ({k: t["blake3"] for k, t in m["tensors"].items() if "blake3" in t and t["file"] not in m["files"]},
+            {n: f["blake3"] for n, f in m["files"].items() if "blake3" in f})
+
+
+@pytest.mark.parametrize("threads", ["2", "0"])  # hashed beside the write, and inline
+def test_digests_hashed_while_copying_are_the_read_back_ones(make_fixture, tmp_path, monkeypatch, threads):
+    monkeypatch.setenv("CKPT_HASH_THREADS", threads)
+    fp8 = make_fixture("deepseek_v3", fp8=True)
+    runs = {
+        "graft": ("graft", SOURCE, TARGET),  # whole target shards copied, the MTP shard written
+        "extract": ("extract", SOURCE),  # byte ranges
+        "dequant": ("extract", fp8, "--dequant", "bf16"),  # computed chunks
+    }
+    for name, args in runs.items():
+        out = tmp_path / name
+        ckpt(*args, "-o", out)
+        tensors, files = recorded(out)
+        assert tensors or files
+        assert (tensors, files) == read_back(out), name
+        if name == "graft":
+            assert files, "graft copies the target's shards whole"
+
+
+def test_graft_checks_the_copied_mtp_values_as_it_writes_them(tmp_path, monkeypatch):
+    """A NaN in a source MTP tensor written as it is: refused from the writer's chunks (no read before writing),
+    naming the file, the key and the rule; nothing left of the run."""
+    from ckpt_tools.ops import compare
+
+    src = tmp_path / "src"
+    shutil.copytree(SOURCE, src)
+    key = f"{MTP}eh_proj.weight"
+    with Checkpoint.open(str(src)) as c:
+        seg = c.tensors[key].segment()
+        file = seg.source.name
+    with open(file, "r+b") as f:
+        f.seek(seg.offset + 2 * 11)
+        f.write(struct.pack("<H", 0x7FC0))  # a bf16 NaN
+
+    def no_separate_read(recipe, dtype, shape):
+        raise AssertionError("the copied tensors are checked by the writer, not read before it")
+
+    monkeypatch.setattr(compare, "count_nonfinite", no_separate_read)
+    out = tmp_path / "out"
+    r = ckpt("graft", src, TARGET, "-o", out, code=3)
+    assert "[nonfinite]" in r.output and key in " ".join(r.output.split()) and Path(file).name in r.output
+    assert not out.exists()  # this run created it: nothing of it is left
+    out.mkdir()  # a directory that was there before stays, empty
+    ckpt("graft", src, TARGET, "-o", out, code=3)
+    assert out.is_dir() and list(out.iterdir()) == []
+
+
+def test_stitch_takes_the_drafts_fingerprint_from_its_comparison(make_fixture, tmp_path, monkeypatch):
+    from test_integrity_output import finetuned_draft
+
+    verifier = make_fixture("deepseek_v3")
+    draft = finetuned_draft(verifier, tmp_path / "draft")
+    read: list[str] = []
+    real = fingerprint.tensor_digest
+
+    def counting(ref):
+        read.append(ref.key)
+        return real(ref)
+
+    monkeypatch.setattr(fingerprint, "tensor_digest", counting)
+    out = tmp_path / "out"
+    ckpt("stitch", draft, verifier, "-o", out)
+    assert read == []  # every draft tensor was hashed by the comparison that read it
+    digest_of = fingerprint.tensors_digest
+    monkeypatch.setattr(fingerprint, "tensors_digest", lambda refs, known=None: digest_of(refs))  # as before
+    before = tmp_path / "before"
+    ckpt("stitch", draft, verifier, "-o", before)
+    assert read  # the separate read
+    m, b = (json.loads((o / "ckpt_manifest.json").read_text()) for o in (out, before))
+    assert m["inputs"]["draft"]["tensors"] == b["inputs"]["draft"]["tensors"]
+    assert m["plan"] == b["plan"] and m["tensors"] == b["tensors"]
+    ckpt("verify-manifest", out)
