@@ -55,7 +55,7 @@ $(VLLM_VENV)/.installed: tests/consumers/vllm-requirements.txt pyproject.toml
 	  && $(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt -r tests/consumers/vllm-requirements.txt \
 	  && $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec \
 	  && $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e . \
-	  && $(VLLM_VENV)/bin/python -c "import vllm, ckpt_tools.ops.probe_vllm" \
+	  && $(VLLM_VENV)/bin/python -c "import vllm, ckpt_tools.ops.probe.vllm" \
 	) > $(VLLM_LOG) 2>&1 \
 	&& touch $@ && echo "$(VLLM_VENV) built in $$(( $$(date +%s) - start )) s" \
 	|| { echo "could not build $(VLLM_VENV) (see $(VLLM_LOG))"; tail -5 $(VLLM_LOG); $(CONSUMER_FAILED); }

@@ -1,5 +1,5 @@
 """How far finetuning moves MTP weights, and how far broken drafts are: the evidence behind
-stitch's divergence thresholds (``ckpt_tools.ops.stitch_compare.DIVERGENCE``).
+stitch's divergence thresholds (``ckpt_tools.ops.stitch.compare.DIVERGENCE``).
 
     python -m benchmarks.divergence [--steps 500] [--json FILE]        (needs transformers)
 

@@ -2,7 +2,7 @@
 
 The trunk has two decoder layers, ``[linear_attention, full_attention]`` (Gated DeltaNet on
 transformers' torch fallback, then gated attention), each with a 4-expert MoE. The MTP layer is
-probe's own table-driven engine (``ckpt_tools.ops.mtp_engine``) built over the model being trained:
+probe's own table-driven engine (``ckpt_tools.ops.probe.mtp_engine``) built over the model being trained:
 an initial checkpoint in the release layout is written, the engine is built from it around the
 trunk, and trunk and engine are trained together on probe_model's synthetic Markov language. The
 engine's trained tensors are then saved under the release names (``mtp.fc``, ``mtp.pre_fc_norm_*``,
@@ -102,7 +102,8 @@ def save(main, mtp: dict[str, torch.Tensor], d: Path) -> None:
 def engine_over(main, d: Path):
     """probe's engine for checkpoint ``d``'s MTP layer, built around ``main``."""
     from ckpt_tools.io.checkpoint import Checkpoint
-    from ckpt_tools.ops import mtp_engine, probe_load
+    from ckpt_tools.ops.probe import load as probe_load
+    from ckpt_tools.ops.probe import mtp_engine
 
     with Checkpoint.open(d) as c:
         engine, _ = mtp_engine.build(main, c, probe_load.stored_tensors(c), None, "fp32", "cpu", str(d))

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from safetensors import safe_open
 
-from ckpt_tools.ops.tables_info import tables_info
+from ckpt_tools.ops.inspect.tables import tables_info
 
 from conftest import run_ckpt as ckpt
 

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import probe_model  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
-from ckpt_tools.ops import probe as probe_ops  # noqa: E402
+from ckpt_tools.ops.probe import probe as probe_ops  # noqa: E402
 
 
 @dataclass

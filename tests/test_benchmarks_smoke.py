@@ -232,7 +232,7 @@ def test_merge_keeps_every_verb_of_a_size_and_takes_reruns_from_the_later_file()
 def test_nvfp4_variant_is_a_valid_compressed_tensors_checkpoint_that_dequantizes(tmp_path):
     """The dequant-nvfp4 verb's input: every linear NVFP4-packed the compressed-tensors way; validate passes
     and extract --dequant bf16 writes each MTP weight once, in bf16, without its scales."""
-    from ckpt_tools.ops.validate import validate
+    from ckpt_tools.ops.check.validate import validate
 
     from conftest import run_ckpt
 
@@ -249,7 +249,7 @@ def test_graft_verb_inputs_are_a_release_and_its_nvfp4_trunk_without_mtp(tmp_pat
     """The graft verb's target: the NVFP4 variant as a quantizer that dropped MTP leaves it (same shards minus the
     MTP tensors, count kept); graft of the bf16 variant into it validates, and the floor copies the same bytes."""
     from benchmarks.verbs import VERBS, Ctx
-    from ckpt_tools.ops.validate import validate
+    from ckpt_tools.ops.check.validate import validate
 
     from conftest import run_ckpt
 

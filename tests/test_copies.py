@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckpt_tools.ops.validate import validate
+from ckpt_tools.ops.check.validate import validate
 
 from conftest import run_ckpt as ckpt
 from hubserver import serve_hub

@@ -51,10 +51,10 @@ import json, os, resource, signal, sys
 sys.argv = ["ckpt"]
 from ckpt_tools.cli import app
 from ckpt_tools.model.tables.loader import all_tables
-import ckpt_tools.ops.extract, ckpt_tools.ops.validate, ckpt_tools.stream.writer
+import ckpt_tools.ops.draft.extract, ckpt_tools.ops.check.validate, ckpt_tools.stream.writer
 all_tables()
 if os.environ.get("ZYGOTE_TORCH") == "1":
-    import torch, ckpt_tools.ops.stitch_plan
+    import torch, ckpt_tools.ops.stitch.plan
     torch.set_num_threads(1)
 
 

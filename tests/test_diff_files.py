@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.ops.json_diff import describe, json_diff
+from ckpt_tools.ops.diff.json_diff import describe, json_diff
 from ckpt_tools.testing import FixtureOptions, make_checkpoint
 
 from conftest import run_ckpt

@@ -19,8 +19,8 @@ from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.mtp import open_mtp
 from ckpt_tools.model.tables.loader import all_tables, load_table
 from ckpt_tools.model.tables.resolve import resolve
-from ckpt_tools.ops import discover as discover_mod
-from ckpt_tools.ops.discover import discover, write_draft
+from ckpt_tools.ops.inspect import discover as discover_mod
+from ckpt_tools.ops.inspect.discover import discover, write_draft
 
 from conftest import run_ckpt as ckpt
 

@@ -1,6 +1,6 @@
 """What the docs claim about the code is checked against the code itself.
 
-Names (``ckpt_tools.ops.stitch_compare.DIVERGENCE``, ``model.quant.decode``, ``ops/validate.py``) must
+Names (``ckpt_tools.ops.stitch.compare.DIVERGENCE``, ``model.quant.decode``, ``ops/check/validate.py``) must
 resolve by importing them, so a module that moves makes every stale mention fail; the options
 docs/verbs.md gives a verb must be on that verb's CLI; every verb has its API function unless
 docs/python-api.md names it as one without; module docstrings stay short.
@@ -36,7 +36,7 @@ SUBPACKAGES = sorted(m.name for m in pkgutil.iter_modules(ckpt_tools.__path__) i
 # `model.safetensors.index.json` are keys and files of a checkpoint, not our modules
 NOT_OURS = {"model": {"layers", "embed_tokens", "norm", "safetensors", "mtp_layers"}}
 DOTTED = re.compile(rf"(?<![\w./-])((?:ckpt_tools|{'|'.join(SUBPACKAGES)})(?:\.[A-Za-z_]\w*)+)")
-# a path to one of our modules or packages: ops/validate.py, ckpt_tools/model/rules.py, ckpt_tools/model/quant/
+# a path to one of our modules or packages: ops/check/validate.py, ckpt_tools/model/rules.py, ckpt_tools/model/quant/
 _ROOTS = "|".join(["ckpt_tools", "benchmarks", "tests", *SUBPACKAGES])
 PATH = re.compile(rf"(?<![\w./-])((?:{_ROOTS})/(?:[\w/]+\.py\b|[\w/]*/))")
 INSTALLED_ONLY = {"ckpt_tools/mappings/"}  # the tables' place in an installed package (setup.py puts them there)
@@ -104,9 +104,9 @@ def _path_exists(path: str) -> bool:
 
 def test_every_named_module_and_attribute_resolves():
     # the resolver tells a moved name from a present one
-    assert resolves("ckpt_tools.ops.stitch_compare.DIVERGENCE") and resolves("model.quant.decode")
-    assert not resolves("ckpt_tools.ops.stitch.DIVERGENCE") and not resolves("ops.stitch_compare.NO_SUCH_NAME")
-    assert not resolves("ops.probe.stitch_compare")
+    assert resolves("ckpt_tools.ops.stitch.compare.DIVERGENCE") and resolves("model.quant.decode")
+    assert not resolves("ckpt_tools.ops.stitch.DIVERGENCE") and not resolves("ops.stitch.compare.NO_SUCH_NAME")
+    assert not resolves("ops.probe.probe.stitch_compare")
     assert not _is_ours("model.layers.61.mlp") and _is_ours("model.quant")
     bad = set()
     for where, text in _prose():

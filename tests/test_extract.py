@@ -208,7 +208,7 @@ def test_speculators_qwen3_5_moe_nested_config_and_fused_experts(make_fixture, t
 
 def test_reads_only_mtp_bytes(make_fixture, tmp_path):
     from ckpt_tools.io.safetensors_io import IO_STATS
-    from ckpt_tools.ops.extract import ExtractRequest, plan_extract
+    from ckpt_tools.ops.draft.extract import ExtractRequest, plan_extract
     from ckpt_tools.stream.execute import execute
 
     for family in ("deepseek_v3", "qwen3_next"):

@@ -75,7 +75,7 @@ def test_digests_hashed_while_copying_are_the_read_back_ones(make_fixture, tmp_p
 def test_graft_checks_the_copied_mtp_values_as_it_writes_them(tmp_path, monkeypatch):
     """A NaN in a source MTP tensor written as it is: refused from the writer's chunks (no read before writing),
     naming the file, the key and the rule; nothing left of the run."""
-    from ckpt_tools.ops import compare
+    from ckpt_tools.ops.shared import compare
 
     src = tmp_path / "src"
     shutil.copytree(SOURCE, src)

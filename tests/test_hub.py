@@ -142,7 +142,7 @@ def _mtp_bytes(ckpt: Checkpoint) -> int:
 
 def test_extract_remote_equals_extract_local(hub, ds, tmp_path):
     if not _registered("extract"):
-        pytest.skip("`ckpt extract` is not registered yet (ckpt_tools.ops.extract is being written)")
+        pytest.skip("`ckpt extract` is not registered yet (ckpt_tools.ops.draft.extract is being written)")
     hub.state.add_repo("org/verifier", ds)
     local = Checkpoint.open(ds)
     r = run("extract", str(ds), "-o", str(tmp_path / "a"), "--format", "native")

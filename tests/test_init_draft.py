@@ -369,7 +369,7 @@ import json, re, sys, time
 def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 import numpy, safetensors, huggingface_hub, rich  # the libraries a run may load (torch is not one)
-import ckpt_tools.ops.init_draft, ckpt_tools.ops.validate, ckpt_tools.stream.writer
+import ckpt_tools.ops.draft.init_draft, ckpt_tools.ops.check.validate, ckpt_tools.stream.writer
 from ckpt_tools.cli import app
 base = hwm()
 t = time.monotonic()

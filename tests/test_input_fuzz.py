@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from ckpt_tools.errors import CkptError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.consistency import MTP_RULES, REPORT_ONLY
-from ckpt_tools.ops.extract import ExtractRequest, plan_extract
-from ckpt_tools.ops.stitch_plan import StitchRequest, plan_stitch
-from ckpt_tools.ops.validate import validate
+from ckpt_tools.ops.check.validate import validate
+from ckpt_tools.ops.draft.extract import ExtractRequest, plan_extract
+from ckpt_tools.ops.stitch.plan import StitchRequest, plan_stitch
 
 from conftest import run_ckpt
 

@@ -20,7 +20,7 @@ from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
 from ckpt_tools.model.expert_layouts import scale_key
 from ckpt_tools.model.quant.companions import weight_format
 from ckpt_tools.model.tables.loader import all_tables, get_table
-from ckpt_tools.ops.inspect import inspect_checkpoint
+from ckpt_tools.ops.inspect.inspect import inspect_checkpoint
 
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
             "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,

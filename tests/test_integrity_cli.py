@@ -333,7 +333,7 @@ def test_every_nonzero_exit_prints_its_cause(verifier, draft, tmp_path, monkeypa
     assert code == EXIT_INPUT and "demo stopped: step 'MTP layer -> native draft'" in err, err
 
     # bugs with no text of their own still name their cause
-    import ckpt_tools.ops.inspect as inspect_op
+    import ckpt_tools.ops.inspect.inspect as inspect_op
 
     for exc, fragment in ((MemoryError(), "out of memory"), (RuntimeError(), "RuntimeError (no message)"),
                           (InputError(""), "InputError (no message)")):

@@ -310,7 +310,7 @@ def test_an_init_draft_is_exempt(make_fixture, tmp_path):
 
 
 def test_the_gate_pool_stops_on_error():
-    from ckpt_tools.ops.stitch_compare import _in_parallel
+    from ckpt_tools.ops.stitch.compare import _in_parallel
 
     started = threading.Event()
 

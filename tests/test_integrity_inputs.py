@@ -20,7 +20,7 @@ from ckpt_tools.errors import InputError, TableError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.consistency import RULES
 from ckpt_tools.model.gate import check, require_consistent
-from ckpt_tools.ops.validate import validate
+from ckpt_tools.ops.check.validate import validate
 
 from conftest import run_ckpt, tree_hash
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpt_tools.errors import InputError, OutputError
 from ckpt_tools.io.checkpoint import Checkpoint
-from ckpt_tools.ops.validate import validate_output
+from ckpt_tools.ops.check.validate import validate_output
 from ckpt_tools.stream.execute import execute
 
 from conftest import run_ckpt as ckpt
@@ -178,7 +178,7 @@ def test_resume_without_a_record_of_finished_files_is_refused(verifier, tmp_path
 
 
 def test_plan_digest_covers_init_options(verifier):
-    from ckpt_tools.ops.init_draft import InitRequest, plan_init
+    from ckpt_tools.ops.draft.init_draft import InitRequest, plan_init
 
     with Checkpoint.open(verifier) as target:
         digests = {(seed, std): plan_init(target, InitRequest(seed=seed, std=std))[0].digest()["plan"]
@@ -240,7 +240,7 @@ def test_stitch_output_inside_the_draft_is_refused(verifier, tmp_path):
 
 @pytest.mark.parametrize("max_shard_size", [5 * 10**9, 40_000])
 def test_an_invalid_output_gets_no_marker(max_shard_size, verifier, tmp_path):
-    from ckpt_tools.ops.extract import ExtractRequest, plan_extract
+    from ckpt_tools.ops.draft.extract import ExtractRequest, plan_extract
 
     with Checkpoint.open(verifier) as c:
         plan = plan_extract(c, ExtractRequest(max_shard_size=max_shard_size))
@@ -256,7 +256,7 @@ def test_an_invalid_output_gets_no_marker(max_shard_size, verifier, tmp_path):
 
 
 def test_stitch_validation_failure_is_exit_4_with_the_rule(verifier, tmp_path, monkeypatch):
-    import ckpt_tools.ops.validate as v
+    import ckpt_tools.ops.check.validate as v
 
     real = v.validate
 

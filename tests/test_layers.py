@@ -103,7 +103,7 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     """The walk resolves relative imports: a known upward edge of a fake tree is found."""
     assert _layer("ckpt_tools.stream.writer") == "stream"
     assert _layer("ckpt_tools.errors") == ""
-    assert RANK[_layer("ckpt_tools.cli.common")] > RANK[_layer("ckpt_tools.ops.stitch_plan")]
+    assert RANK[_layer("ckpt_tools.cli.common")] > RANK[_layer("ckpt_tools.ops.stitch.plan")]
 
 
 def test_every_internal_import_names_a_module_that_exists():
@@ -121,73 +121,72 @@ def test_every_internal_import_names_a_module_that_exists():
     assert stale == []
 
 
-# -- inside ops: a verb's module does not import another verb's ------------------------------------
+# -- inside ops: verb rooms and shared rooms ---------------------------------------------------------
 
-# validate is the check the other verbs run as a check, not as a verb: every writer on its output
-# (execute.validate_output), push before it uploads, validate --fix-quant-config (fix_quant) before it writes
-SHARED_CHECK = {"ckpt_tools.ops.validate"}
+# One room per verb family; a verb room imports only shared rooms (and itself). What one verb lends to
+# another is passed in by the caller (api/, cli/): probe gets stitch's correspondence, tables probe's support.
+VERB_ROOMS = {"probe", "stitch", "draft", "convert", "inspect", "diff", "publish"}
+# Shared rooms, lowest first: each imports only the rooms before it. check is shared because every writing
+# verb validates its output before its index appears, and push validates what it publishes.
+SHARED_ROOMS = ("shared", "check", "writing")
 
 
-def _verb_names() -> set[str]:
-    """Every verb, as the package names it: the API's public functions and the CLI's commands."""
-    import ckpt_tools.api
+def _room(module: str) -> str | None:
+    """The room of an ops module (``ckpt_tools.ops.<room>.<module>``); None for anything else."""
+    parts = module.split(".")
+    return parts[2] if len(parts) >= 3 and parts[:2] == ["ckpt_tools", "ops"] else None
+
+
+def _room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one room into a room it may not use."""
+    allowed = {room: {room, *SHARED_ROOMS} for room in VERB_ROOMS}
+    allowed |= {room: {room, *SHARED_ROOMS[:i]} for i, room in enumerate(SHARED_ROOMS)}
+    bad = []
+    for module, deps in sorted(graph.items()):
+        here = _room(module)
+        if here is None:
+            continue
+        for dep in sorted(deps):
+            there = _room(dep)
+            if there is not None and there not in allowed.get(here, set()):
+                bad.append(f"{module} -> {dep}")
+    return bad
+
+
+def test_every_ops_module_lives_in_a_room():
+    graph = _graph()
+    ops = {m for m in graph if m.startswith("ckpt_tools.ops")}
+    rooms = {p.name for p in (ROOT / "ops").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == VERB_ROOMS | set(SHARED_ROOMS)
+    packages = {"ckpt_tools.ops", *(f"ckpt_tools.ops.{r}" for r in rooms)}
+    outside = sorted(m for m in ops if m not in packages and (_room(m) not in rooms or m.count(".") != 3))
+    assert outside == []  # a module beside the rooms, or a package inside one
+
+
+def test_rooms_import_only_what_they_may():
+    assert _room_violations(_graph()) == []
+
+
+def test_the_room_checker_sees_a_verb_reaching_another():
+    """The edges the flat layout had (tables -> probe's families, probe -> stitch's plan, a shared room
+    reaching up) are found."""
+    graph = {
+        "ckpt_tools.ops.inspect.tables": {"ckpt_tools.ops.probe.families", "ckpt_tools.ops.shared.compare"},
+        "ckpt_tools.ops.probe.probe": {"ckpt_tools.ops.stitch.plan", "ckpt_tools.ops.probe.load"},
+        "ckpt_tools.ops.check.validate": {"ckpt_tools.ops.writing.carry"},
+        "ckpt_tools.ops.writing.execute": {"ckpt_tools.ops.check.validate"},
+    }
+    assert _room_violations(graph) == ["ckpt_tools.ops.check.validate -> ckpt_tools.ops.writing.carry",
+                                       "ckpt_tools.ops.inspect.tables -> ckpt_tools.ops.probe.families",
+                                       "ckpt_tools.ops.probe.probe -> ckpt_tools.ops.stitch.plan"]
+
+
+def test_every_verb_has_a_room():
+    """Each CLI command is run by a module of its name in a verb room (or the check room, which verbs share)."""
     from ckpt_tools.cli import app
 
-    names = set(ckpt_tools.api.__all__) | {c.name for c in app.registered_commands if c.name}
-    return {n.replace("-", "_") for n in names}
-
-
-def _api_module_imports() -> set[str]:
-    """ops modules the API imports whole at run time (``from ..ops import validate as _validate``)."""
-    found = set()
-    for path in (ROOT / "api").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module == "ops" \
-                    and id(node) not in typing_only:
-                found.update(f"ckpt_tools.ops.{a.name}" for a in node.names)
-    return found
-
-
-def _verb_modules(graph: dict[str, set[str]]) -> set[str]:
-    """The ops modules that are verbs: named for one (``experts`` for fuse-experts, ``verify`` for
-    verify-manifest), or imported whole by the API as one (``fix_quant``: validate --fix-quant-config)."""
-    verbs = _verb_names()
-    ops = {m for m in graph if m.startswith("ckpt_tools.ops.")}
-
-    def named(module: str) -> bool:
-        name = module.rpartition(".")[2]
-        return name in verbs or any(v.endswith("_" + name) or v.startswith(name + "_") for v in verbs)
-
-    return {m for m in ops if named(m)} | (_api_module_imports() & ops)
-
-
-def test_the_verbs_are_found():
-    """The derivation finds every verb module (a verb that lost its module here would go unchecked)."""
-    found = {m.rpartition(".")[2] for m in _verb_modules(_graph())}
-    assert {"extract", "graft", "experts", "fix_quant", "init_draft", "dequant", "probe", "diff", "inspect",
-            "validate", "push", "verify"} <= found, found
-    assert not found & {"execute", "compare", "carry", "output_config", "probe_load", "stitch_compare"}
-
-
-def test_no_verb_module_reaches_another():
-    """What one verb lends to others lives in a shared ops module (carry, output_config, ...): a verb's
-    module reaches no other verb's, directly or through the shared modules it imports."""
-    graph = _graph()
-    verbs = _verb_modules(graph) - SHARED_CHECK
-    reached = []
-    for verb in sorted(verbs):
-        seen, todo = set(), [(verb, [verb])]
-        while todo:
-            module, path = todo.pop()
-            for dep in sorted(graph.get(module, ())):
-                if dep in seen or not dep.startswith("ckpt_tools.ops."):
-                    continue
-                seen.add(dep)
-                if dep in verbs and dep != verb:
-                    reached.append(" -> ".join(path + [dep]))
-                elif dep not in verbs:
-                    todo.append((dep, path + [dep]))
-    assert reached == []
+    run_by = {"unfuse-experts": "fuse_experts", "demo": "extract"}  # demo runs inspect, validate and extract
+    commands = {c.name for c in app.registered_commands if c.name}
+    modules = {m.rpartition(".")[2] for m in _graph() if _room(m) in VERB_ROOMS | {"check"}}
+    homeless = sorted(c for c in commands if run_by.get(c, c.replace("-", "_")) not in modules)
+    assert homeless == []

@@ -23,7 +23,7 @@ from ckpt_tools.api.writing import invocation
 from ckpt_tools.errors import InputError, OutputError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.io.readers.memory import FILE, ROOT
-from ckpt_tools.ops.diff import diff
+from ckpt_tools.ops.diff.diff import diff
 
 from conftest import run_ckpt as ckpt
 
@@ -240,8 +240,8 @@ def test_probe_measures_a_mapping_like_the_saved_draft(tmp_path):
     pytest.importorskip("transformers")
     import probe_model
 
-    from ckpt_tools.ops import probe as probe_ops
-    from ckpt_tools.ops.stitch_plan import mapped_draft
+    from ckpt_tools.ops.probe import probe as probe_ops
+    from ckpt_tools.ops.stitch.plan import mapped_draft
 
     trained, _ = probe_model.build(Path(tempfile.gettempdir()) / "ckpt-tools-test-cache")
     prompts = probe_model.write_prompts(tmp_path, 2, 6, seed=7)

@@ -1,4 +1,4 @@
-"""probe's table-driven MTP engine (ops/mtp_engine.py) held to other real implementations (issue 25 items 1, 2):
+"""probe's table-driven MTP engine (ops/probe/mtp_engine.py) held to other real implementations (issue 25 items 1, 2):
 
 - transformers' own ``MtpModel`` on the tiny trained DeepSeek-V3 and GLM-4-MoE verifiers (probe_model.py):
   the same logits at depths 1..3, for both chains (SGLang feeds the post-norm state on, vLLM the pre-norm
@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 import probe_model  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
-from ckpt_tools.ops import probe as probe_ops  # noqa: E402
+from ckpt_tools.ops.probe import probe as probe_ops  # noqa: E402
 
 from consumer_logits import MtpInput, speculators_mtp_outputs  # noqa: E402
 
@@ -62,7 +62,7 @@ def trained(request):
 @pytest.mark.parametrize("chain", probe_ops.CHAINS)
 def test_engine_equals_transformers_mtp_model(trained, chain):
     family, loaded, seq, hidden = trained
-    assert type(loaded.mtp).__module__ == "ckpt_tools.ops.mtp_engine" and loaded.mtp is not loaded.reference
+    assert type(loaded.mtp).__module__ == "ckpt_tools.ops.probe.mtp_engine" and loaded.mtp is not loaded.reference
     with torch.no_grad():
         ours = probe_ops.chain_logits(loaded.mtp, seq, hidden, DEPTH, chain)
         theirs = probe_ops.chain_logits(loaded.reference, seq, hidden, DEPTH, chain)

@@ -22,7 +22,7 @@ import probe_model  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
 from ckpt_tools.errors import InputError  # noqa: E402
-from ckpt_tools.ops import probe as probe_ops  # noqa: E402
+from ckpt_tools.ops.probe import probe as probe_ops  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -298,8 +298,8 @@ def test_asking_transformers_about_a_family_leaves_the_cached_table_alone():
     import copy
 
     from ckpt_tools.model.tables.loader import all_tables
-    from ckpt_tools.ops.probe_families import probe_row
-    from ckpt_tools.ops.tables_info import tables_info
+    from ckpt_tools.ops.inspect.tables import tables_info
+    from ckpt_tools.ops.probe.families import probe_row
 
     before = {k: copy.deepcopy(t.fixture) for k, t in all_tables().items()}
     tables_info(probe_support=probe_row)
@@ -357,7 +357,7 @@ def test_missing_extras_are_named(trained, monkeypatch, tmp_path):
 ])
 def test_prompts_the_model_cannot_take_are_refused_with_file_and_line(tmp_path, ids, max_new, says):
     from ckpt_tools.errors import InputError
-    from ckpt_tools.ops.probe import check_prompts
+    from ckpt_tools.ops.probe.probe import check_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"input_ids": [3, 4]}) + "\n" + json.dumps({"input_ids": ids}) + "\n")
@@ -381,7 +381,7 @@ def test_a_draft_that_computes_no_number_is_refused_not_reported(trained, prompt
 def test_vllm_mismatch_position_counts_generated_tokens_whatever_the_prompt():
     """vLLM's engine compares generations (a text prompt's length is known only from vLLM's tokenization); counters are
     differences over the run; per position acceptance is over drafts."""
-    from ckpt_tools.ops.probe_vllm import Sequence, _result
+    from ckpt_tools.ops.probe.vllm import Sequence, _result
 
     ref = [Sequence([7, 8, 9], [1, 2, 3, 4]), Sequence([5], [6, 6])]
     out = [Sequence([7, 8, 9], [1, 2, 3, 4]), Sequence([5], [6, 7])]

@@ -27,7 +27,8 @@ from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fi
 from ckpt_tools.errors import InputError  # noqa: E402
 from ckpt_tools.io.checkpoint import Checkpoint  # noqa: E402
 from ckpt_tools.model.quant import detect_scheme  # noqa: E402
-from ckpt_tools.ops import probe_load, probe_state  # noqa: E402
+from ckpt_tools.ops.probe import load as probe_load  # noqa: E402
+from ckpt_tools.ops.probe import state as probe_state  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEQUANTIZED = "dequantized by ckpt-tools (modelopt-fp8)"

@@ -378,7 +378,7 @@ def measured(report: dict) -> dict:
     """The verifier's own MTP result of a probe report, its numbers checked finite."""
     import math
 
-    from ckpt_tools.ops.probe import ENGINE
+    from ckpt_tools.ops.probe.probe import ENGINE
 
     assert report["engine"]["mtp"] == ENGINE, report
     [mine] = report["drafts"]

@@ -12,8 +12,8 @@ import pytest
 from test_stitch import _perturb
 
 from ckpt_tools.io.checkpoint import Checkpoint
-from ckpt_tools.ops.extract import ExtractRequest, plan_extract
-from ckpt_tools.ops.stitch_plan import StitchRequest, plan_stitch
+from ckpt_tools.ops.draft.extract import ExtractRequest, plan_extract
+from ckpt_tools.ops.stitch.plan import StitchRequest, plan_stitch
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.progress import Progress
 

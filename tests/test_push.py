@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
 from ckpt_tools.io.checkpoint import Checkpoint
-from ckpt_tools.ops.push import sha256_file
+from ckpt_tools.ops.publish.push import sha256_file
 
 from hubserver import READ_TOKEN, WRITE_TOKEN, serve_hub
 

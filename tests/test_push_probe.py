@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 import probe_model  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
-from ckpt_tools.ops import probe_vllm  # noqa: E402
-from ckpt_tools.ops.tensors_digest import tensors_digest  # noqa: E402
+from ckpt_tools.ops.probe import vllm as probe_vllm  # noqa: E402
+from ckpt_tools.ops.shared.tensors_digest import tensors_digest  # noqa: E402
 
 from hubserver import serve_hub  # noqa: E402
 
@@ -181,7 +181,7 @@ def test_a_report_of_other_tensors_is_refused_naming_both_digests(hub, measured,
 def test_the_plot_is_an_image_of_both_panels(measured):
     from PIL import Image
 
-    from ckpt_tools.ops.probe_plot import DPI, SIZE
+    from ckpt_tools.ops.probe.plot import DPI, SIZE
 
     with Image.open(measured["plot"]) as img:
         assert img.format == "PNG"

@@ -20,8 +20,8 @@ import probe_model  # noqa: E402
 from consumer_venv import ROOT, venv_env, vllm_python  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
-from ckpt_tools.ops import probe_vllm  # noqa: E402
-from ckpt_tools.ops.probe_plot import DPI, SIZE, draw  # noqa: E402
+from ckpt_tools.ops.probe import vllm as probe_vllm  # noqa: E402
+from ckpt_tools.ops.probe.plot import DPI, SIZE, draw  # noqa: E402
 
 from conftest import run_ckpt as ckpt  # noqa: E402
 from hubserver import serve_hub  # noqa: E402

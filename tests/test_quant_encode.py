@@ -135,7 +135,7 @@ def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
 
 def test_graft_help_lists_every_table_with_an_encoder():
     from ckpt_tools.cli.graft_cmd import MTP_QUANTS
-    from ckpt_tools.ops.graft import mtp_quants
+    from ckpt_tools.ops.stitch.graft import mtp_quants
 
     assert MTP_QUANTS.split(" | ") == list(mtp_quants())
 
@@ -301,7 +301,7 @@ def test_mtp_quant_refuses_a_scheme_without_an_encoder_and_calibrated_targets(tm
                  code=2)
     assert "[mtp-quant-scheme]" in r.output and "no encoder" in r.output
     # the list is every table that names an encoder
-    from ckpt_tools.ops.graft import mtp_quants
+    from ckpt_tools.ops.stitch.graft import mtp_quants
 
     encoded = sorted(n for n, t in all_schemes().items() if any(f.encoder for f in t.storage))
     assert list(mtp_quants()) == encoded and {"ct-int8", "ct-pack", "fp8-block", "deepseek-v4"} <= set(encoded)

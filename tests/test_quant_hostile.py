@@ -211,7 +211,7 @@ def test_probe_refuses_a_verifier_whose_mtp_scales_are_nan(F, tmp_path):
 
 def test_probe_numbers_refuse_a_null_or_nan_measurement():
     from ckpt_tools.errors import InputError
-    from ckpt_tools.ops.probe_numbers import check_finite
+    from ckpt_tools.ops.probe.numbers import check_finite
 
     good = {"drafts": [{"name": "verifier", "agreement": [0.5], "kl": [0.1], "expected_accepted": 0.5,
                         "prompts": [{"kl": [0.1], "agreement": [0.5]}]}], "reference": {"max_abs_diff": 0.0}}

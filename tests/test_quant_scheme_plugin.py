@@ -439,7 +439,7 @@ def test_a_block_scheme_table_alone_works_for_graft_and_stitch(block_scheme, rel
     """graft --mtp-quant toy-block writes the release's MTP with the scale named as the table says, byte for byte
     the encoder's; the MTP extracted from it stitches back byte-identical, and a finetuned one is written in the
     same storage. While the table is registered, --mtp-quant lists it; unregistered, it refuses it."""
-    from ckpt_tools.ops.graft import mtp_quants
+    from ckpt_tools.ops.stitch.graft import mtp_quants
 
     assert BLOCK in mtp_quants()
     target = block_quantize(release, tmp_path / "target", drop_mtp=True)
@@ -474,7 +474,7 @@ def test_a_block_scheme_table_alone_works_for_graft_and_stitch(block_scheme, rel
 
 
 def test_an_unregistered_block_table_is_not_an_mtp_quant(release, tmp_path):
-    from ckpt_tools.ops.graft import mtp_quants
+    from ckpt_tools.ops.stitch.graft import mtp_quants
 
     assert BLOCK not in mtp_quants()
     res = run_ckpt("graft", release, release, "-o", tmp_path / "o", "--mtp-quant", BLOCK, code=2)

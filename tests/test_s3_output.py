@@ -163,7 +163,7 @@ def finetuned_draft(verifier: Path, out: Path) -> Path:
 def _stitch_plan(verifier: Path, draft: Path, remote_root: str, how: str) -> Plan:
     """A stitch plan whose untouched files are the same files in the store (``remote_root``), as a
     source opened from that store hands them over: ``link="remote"`` or a source URL."""
-    from ckpt_tools.ops.stitch_plan import StitchRequest, plan_stitch
+    from ckpt_tools.ops.stitch.plan import StitchRequest, plan_stitch
 
     d, v = Checkpoint.open(draft), Checkpoint.open(verifier)
     plan, _ = plan_stitch(d, v, StitchRequest(command="ckpt stitch (test)"))
@@ -180,7 +180,7 @@ def _stitch_plan(verifier: Path, draft: Path, remote_root: str, how: str) -> Pla
 
 @pytest.mark.parametrize("how", ["remote", "source-url"])
 def test_stitch_server_side_copies_untouched_shards(s3, bucket, verifier, tmp_path, how):
-    from ckpt_tools.ops.validate import validate_output
+    from ckpt_tools.ops.check.validate import validate_output
 
     finetuned_draft(verifier, tmp_path / "draft")
     ckpt("stitch", tmp_path / "draft", verifier, "-o", tmp_path / "local")
@@ -328,7 +328,7 @@ def test_dropped_connection_during_upload_is_a_clean_error(s3, bucket, verifier,
 
 
 def test_a_failed_check_leaves_no_index_and_names_the_object(s3, bucket, verifier, tmp_path):
-    from ckpt_tools.ops.extract import ExtractRequest, plan_extract
+    from ckpt_tools.ops.draft.extract import ExtractRequest, plan_extract
 
     seen = {}
 

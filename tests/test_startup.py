@@ -92,23 +92,23 @@ def test_dry_runs_of_a_bf16_checkpoint_import_no_numeric_library_and_no_checker(
 # the bytes differ: the test diffs a checkpoint with itself; the others read headers and bytes only), and the
 # operations of the other verbs (a verb's module imports its own).
 WRITERS = (
-    "ckpt_tools.ops.extract",
-    "ckpt_tools.ops.stitch_plan",
-    "ckpt_tools.ops.graft",
-    "ckpt_tools.ops.dequant",
-    "ckpt_tools.ops.experts",
-    "ckpt_tools.ops.init_draft",
-    "ckpt_tools.ops.push",
-    "ckpt_tools.ops.probe",
-    "ckpt_tools.ops.fix_quant",
+    "ckpt_tools.ops.draft.extract",
+    "ckpt_tools.ops.stitch.plan",
+    "ckpt_tools.ops.stitch.graft",
+    "ckpt_tools.ops.convert.dequant",
+    "ckpt_tools.ops.convert.fuse_experts",
+    "ckpt_tools.ops.draft.init_draft",
+    "ckpt_tools.ops.publish.push",
+    "ckpt_tools.ops.probe.probe",
+    "ckpt_tools.ops.convert.fix_quant_config",
     "ckpt_tools.stream.writer",
     "ckpt_tools.stream.execute",
 )
 READERS = {
-    "inspect": "ckpt_tools.ops.inspect",
-    "validate": "ckpt_tools.ops.validate",
-    "diff": "ckpt_tools.ops.diff",
-    "verify-manifest": "ckpt_tools.ops.verify",
+    "inspect": "ckpt_tools.ops.inspect.inspect",
+    "validate": "ckpt_tools.ops.check.validate",
+    "diff": "ckpt_tools.ops.diff.diff",
+    "verify-manifest": "ckpt_tools.ops.check.verify_manifest",
 }
 NOT_IMPORTED = {
     verb: (*HEAVY, "transformers", *CHECKERS, *WRITERS, *(m for v, m in READERS.items() if v != verb))

@@ -19,7 +19,7 @@ from ckpt_tools.cli import app
 from ckpt_tools.cli.summary import MAX_ROWS
 from ckpt_tools.cli.validate_cmd import MAX_PER_RULE
 from ckpt_tools.io.checkpoint import Checkpoint
-from ckpt_tools.ops.tables_info import tables_info
+from ckpt_tools.ops.inspect.tables import tables_info
 
 from conftest import run_ckpt as ckpt
 
@@ -118,7 +118,7 @@ def test_inspect_deep_quantized_model(width, make_fixture):
 def test_inspect_release_sized_numbers(width, make_fixture, monkeypatch, capsys):
     """Byte counts as large as a real release's (DeepSeek-V3: 688 GB in 163 shards) never wrap."""
     from ckpt_tools.cli.inspect_cmd import render
-    from ckpt_tools.ops.inspect import inspect_checkpoint
+    from ckpt_tools.ops.inspect.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(make_fixture("deepseek_v3", fp8=True, config_overrides={"num_hidden_layers": 61}))
     scale = 10**6 + 7  # every count a release's size, none of them round

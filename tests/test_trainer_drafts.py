@@ -266,7 +266,7 @@ BIG_BYTES = 4096 * 8192 * 4
 # allocator's history rather than what the stitch holds).
 _MEASURE = """
 import gc, importlib, json, sys
-for m in ("ckpt_tools.cli", "ckpt_tools.ops.stitch_plan", "ckpt_tools.ops.validate", "ckpt_tools.io.readers.dcp",
+for m in ("ckpt_tools.cli", "ckpt_tools.ops.stitch.plan", "ckpt_tools.ops.check.validate", "ckpt_tools.io.readers.dcp",
           "ckpt_tools.io.readers.torch_state", "ckpt_tools.stream.writer", "ckpt_tools.model.experts",
           "torch.distributed.checkpoint"):
     importlib.import_module(m)

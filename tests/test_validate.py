@@ -20,7 +20,7 @@ from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_FOUND, EXIT_INPUT, EXIT_OK, EXIT_USAGE, InputError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.tables.loader import all_tables, mappings_dir
-from ckpt_tools.ops.validate import validate
+from ckpt_tools.ops.check.validate import validate
 
 from conftest import tree_hash
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpt_tools.ops.verify import verify_manifest
+from ckpt_tools.ops.check.verify_manifest import verify_manifest
 from ckpt_tools.stream.progress import Progress
 
 from conftest import run_ckpt as ckpt

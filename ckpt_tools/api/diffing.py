@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckFailed
-from ..ops import diff as _diff
+from ..ops.diff import diff as _diff
 from .report import Report, as_public, progress_sink
 
 if TYPE_CHECKING:

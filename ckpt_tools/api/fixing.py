@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ops import fix_quant as _fix
+from ..ops.convert import fix_quant_config as _fix
 from .report import Report
 
 

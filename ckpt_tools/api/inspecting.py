@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..errors import UsageError
-from ..ops import inspect as _inspect
+from ..ops.inspect import inspect as _inspect
 from .report import Report, as_public
 
 if TYPE_CHECKING:
-    from ..ops.discover import Discovery
+    from ..ops.inspect.discover import Discovery
 
 PathLike = str | os.PathLike[str]
 
@@ -21,7 +21,7 @@ PathLike = str | os.PathLike[str]
 @dataclass
 class InspectReport(_inspect.InspectReport, Report):
     """``ckpt inspect --json``: family, MTP layers, roles, experts, shards, dtypes, status, findings (keys:
-    ops/inspect.py)."""
+    ops/inspect/inspect.py)."""
 
 
 @dataclass
@@ -77,7 +77,7 @@ def inspect(path: PathLike, *, arch: str | None = None, discover: bool = False, 
 def _discover(path: str, write: str | None, allow: frozenset[str]) -> DiscoverReport:
     from ..io.checkpoint import Checkpoint
     from ..model.gate import require_consistent
-    from ..ops.discover import discover, write_draft
+    from ..ops.inspect.discover import discover, write_draft
     from ..options import outside_inputs
 
     if write is not None and not write.endswith((".yaml", ".yml")):

@@ -1,6 +1,6 @@
 """``probe``: measure that MTP layers draft, on the user's prompts, before anyone serves them.
 
-The same run as ``ckpt probe`` (``ckpt_tools.ops.probe``): per-depth agreement with the verifier's greedy
+The same run as ``ckpt probe`` (``ckpt_tools.ops.probe.probe``): per-depth agreement with the verifier's greedy
 tokens, KL to its distribution, and that ``generate(use_mtp=True)`` equals plain greedy. A greedy
 mismatch, or a depth-1 agreement below ``min_acceptance``, raises ``CheckFailed`` carrying the report.
 Needs the ``probe`` extra (transformers); torch and transformers load when the verb runs.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..ops import probe as _probe
+from ..ops.probe import probe as _probe
 from .report import Report, progress_sink
 
 PathArg = str | os.PathLike[str]
@@ -160,7 +160,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     """
     from ..errors import CheckFailed, UsageError
     from ..jsonutil import write_json_file
-    from ..ops.probe_numbers import check_finite
+    from ..ops.probe.numbers import check_finite
     from ..options import outside_inputs
 
     _check_acceptance(min_acceptance)
@@ -169,7 +169,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     if report is not None:
         outside_inputs("--report", report, paths)  # before anything is loaded
     if plot is not None:
-        from ..ops.probe_plot import matplotlib_pyplot
+        from ..ops.probe.plot import matplotlib_pyplot
 
         outside_inputs("--plot", plot, paths)
         matplotlib_pyplot()  # a missing extra is one line, before anything is measured
@@ -182,7 +182,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     else:
         resolved = _probe.resolve_device(device)
         _probe.transformers_module()  # a missing extra is one line, before anything else
-        from ..ops.stitch_plan import mapped_draft
+        from ..ops.stitch.plan import mapped_draft
 
         req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
                                   None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
@@ -192,7 +192,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     check_finite(result, os.fspath(verifier))  # a NaN is no measurement: refused, never reported
     out = ProbeReport(**{f.name: getattr(result, f.name) for f in fields(result)}, min_acceptance=min_acceptance)
     if plot is not None:
-        from ..ops.probe_plot import draw
+        from ..ops.probe.plot import draw
 
         draw(out.to_json(), plot)
         out.plot = _relative(plot, report)
@@ -219,9 +219,9 @@ def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, m
                 pipeline_parallel_size: int, backend: str | None, work_dir: PathArg | None,
                 max_model_len: int | None, attention_backend: str | None) -> _probe.ProbeResult:
     """``engine="vllm"``: vLLM serves the verifier, and each draft stitched into a copy of it whose untouched
-    shards are hard links under ``work_dir`` (removed afterwards); ops/probe_vllm.py measures."""
+    shards are hard links under ``work_dir`` (removed afterwards); ops/probe/vllm.py measures."""
     from ..errors import UsageError
-    from ..ops.probe_vllm import VllmOptions, check_inputs, check_options, probe_vllm, vllm_module
+    from ..ops.probe.vllm import VllmOptions, check_inputs, check_options, probe_vllm, vllm_module
 
     if any(not isinstance(d, str) for d in drafts):
         raise UsageError("--engine vllm serves drafts from directories (a draft in memory has no files to serve)")

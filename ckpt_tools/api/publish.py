@@ -17,7 +17,7 @@ from .report import Report
 
 if TYPE_CHECKING:
     from ..io.hub import HubRef
-    from ..ops.push import PushPlan, PushResult
+    from ..ops.publish.push import PushPlan, PushResult
 
 PathArg = str | os.PathLike[str]
 
@@ -87,8 +87,8 @@ def push(source: PathArg, repo_id: str, *, revision: str | None = None, private:
     from pathlib import Path
 
     from ..errors import UsageError
-    from ..ops import push as _push
-    from ..ops.probe_vllm import SPEC_METHOD
+    from ..ops.probe.vllm import SPEC_METHOD
+    from ..ops.publish import push as _push
     from .writing import _allow, _command
 
     command = _command(push, (source, repo_id), locals())

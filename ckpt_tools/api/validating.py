@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
 from ..errors import CheckFailed, UsageError
-from ..ops import validate as _validate
+from ..ops.check import validate as _validate
 from .report import Report, as_public, progress_sink
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def _fix_quant_config(path: PathLike, arch: str | None, out_arg: PathLike | None
                       overwrite: bool, progress: bool) -> FixQuantConfigReport:
     """Plan, write (unless ``dry_run``) and validate OUT."""
     from ..io.checkpoint import Checkpoint
-    from ..ops import fix_quant as _fix
+    from ..ops.convert import fix_quant_config as _fix
     from ..options import outside_inputs
     from ..stream.execute import execute
     from ..stream.targets import output_location

@@ -23,12 +23,12 @@ from .report import Report, progress_sink
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from ..ops import graft as _graft
-    from ..ops import stitch_report as _stitch_report
-    from ..ops.dequant import DequantPlan
-    from ..ops.execute import Outputs, Written
-    from ..ops.experts import ExpertsPlan
-    from ..ops.init_draft import InitSummary
+    from ..ops.convert.dequant import DequantPlan
+    from ..ops.convert.fuse_experts import ExpertsPlan
+    from ..ops.draft.init_draft import InitSummary
+    from ..ops.stitch import graft as _graft
+    from ..ops.stitch import report as _stitch_report
+    from ..ops.writing.execute import Outputs, Written
     from ..stream.plan import Plan
     from ..stream.progress import Progress
     from ..stream.targets import Output
@@ -131,7 +131,7 @@ def _allow(allow_invalid: Sequence[str]) -> frozenset[str]:
 
 def _outputs(out: Output | None, dry_run: bool, plan_json: PathArg | None, report: PathArg | None = None,
              overwrite: bool = False, resume: bool = False) -> Outputs:
-    from ..ops.execute import Outputs
+    from ..ops.writing.execute import Outputs
 
     # out is None only for a dry run (experts), where nothing is written
     return Outputs(out, dry_run, _optional_path(plan_json), _optional_path(report), overwrite, resume)  # type: ignore[arg-type]
@@ -253,8 +253,8 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
     angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
     of ``dequant`` (None: every core)."""
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import bytes_read_so_far, write_plan
-    from ..ops.extract import ExtractRequest, plan_extract
+    from ..ops.draft.extract import ExtractRequest, plan_extract
+    from ..ops.writing.execute import bytes_read_so_far, write_plan
     from ..parallel import check_threads, use_threads
     from ..stream.plan import parse_size
 
@@ -291,8 +291,8 @@ def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_la
     """A draft whose dimensions match ``target`` (a checkpoint or its config.json): initialised from
     ``seed``, or warm-started from its decoder layer ``from_layer``."""
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import bytes_read_so_far, write_plan
-    from ..ops.init_draft import InitRequest, check_request, plan_init
+    from ..ops.draft.init_draft import InitRequest, check_request, plan_init
+    from ..ops.writing.execute import bytes_read_so_far, write_plan
     from ..stream.plan import parse_size
 
     read_before = bytes_read_so_far()
@@ -321,8 +321,8 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     """fuse_experts / unfuse_experts: the same run, each with its own target layouts."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import bytes_read_so_far, write_plan
-    from ..ops.experts import ExpertsRequest, plan_experts, stats, target_layout
+    from ..ops.convert.fuse_experts import ExpertsRequest, plan_experts, stats, target_layout
+    from ..ops.writing.execute import bytes_read_so_far, write_plan
     from ..parallel import check_threads, use_threads
     from ..stream.plan import parse_size
 
@@ -381,8 +381,8 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_m
     remote), the decoded MTP layers in new shards. ``out`` may be None for a dry run."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
-    from ..ops.dequant import DequantRequest, plan_dequant
-    from ..ops.execute import bytes_read_so_far, write_plan
+    from ..ops.convert.dequant import DequantRequest, plan_dequant
+    from ..ops.writing.execute import bytes_read_so_far, write_plan
     from ..parallel import check_threads, decode_threads, use_threads
     from ..stream.plan import parse_size
 
@@ -421,7 +421,7 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "a
     Errors are the tool's exceptions (``InputError``, ``UsageError``, ``OutputError``, ...), raised before
     anything is written whenever the inputs are at fault."""
     from ..errors import UsageError
-    from ..ops.stitch_plan import StitchRequest, plan_stitch
+    from ..ops.stitch.plan import StitchRequest, plan_stitch
     from ..stream.plan import parse_size
 
     command = _command(stitch, (draft, verifier, out), locals())
@@ -446,7 +446,7 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
           allow_invalid: Sequence[str] = (), progress: bool = False) -> GraftReport:
     """``target`` (a converted checkpoint that lost its MTP) with ``source``'s MTP layers: config count and
     quantization config repaired. ``report``: also write the report there."""
-    from ..ops.graft import GraftRequest, plan_graft
+    from ..ops.stitch.graft import GraftRequest, plan_graft
     from ..stream.plan import parse_size
 
     command = _command(graft, (source, target, out), locals())
@@ -465,7 +465,7 @@ def _merge_and_write(planner: Callable[[Any, Any, Any], tuple[Plan, Any]], first
     """stitch / graft: open both inputs, plan the output from them (``planner(first, second, request)`` -> plan and
     the verb's report), then write it with the report as ``report_name``; returns that report."""
     from ..io.checkpoint import Checkpoint
-    from ..ops.execute import execute_and_report
+    from ..ops.writing.execute import execute_and_report
 
     with _progress(progress) as sink:
         sink.phase("reading headers")

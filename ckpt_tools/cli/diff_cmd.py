@@ -80,7 +80,7 @@ def _other_lines(report) -> list[str]:
 
 
 def _changes(changes: list[dict], show_all: bool) -> list[str]:
-    from ..ops.json_diff import describe
+    from ..ops.diff.json_diff import describe
 
     shown = changes if show_all else changes[:MAX_CHANGES]
     out = [f"  {describe(c)}" for c in shown]

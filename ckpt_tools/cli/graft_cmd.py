@@ -19,7 +19,7 @@ from .write_options import (
     say_shards_written,
 )
 
-# the scheme tables whose storage names an encoder (ops.graft.mtp_quants(); tests/test_quant_encode.py keeps this
+# the scheme tables whose storage names an encoder (ops.stitch.graft.mtp_quants(); tests/test_quant_encode.py keeps this
 # list equal to the shipped tables', read without loading them at start-up)
 MTP_QUANTS = " | ".join(("ct-fp8", "ct-int8", "ct-mxfp4", "ct-nvfp4", "ct-pack", "deepseek-v4", "fp8-block",
                          "modelopt-fp8", "modelopt-nvfp4"))

@@ -230,7 +230,7 @@ def register(app: typer.Typer) -> None:
         path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP),
         arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
         json_output: bool = typer.Option(False, "--json", help="Print the report as JSON (keys documented in "
-                                                                "ckpt_tools.ops.inspect)."),
+                                                                "ckpt_tools.ops.inspect.inspect)."),
         discover: bool = typer.Option(False, "--discover", help="Find the MTP tensors from their names and print a "
                                                                 "draft architecture table (YAML) to refine."),
         write: str | None = typer.Option(None, "--write", metavar="FILE", help="With --discover: write the draft "

@@ -22,12 +22,12 @@ def register(app: typer.Typer) -> None:
         for each family with the level it was checked at (served / loaded / names), and whether `ckpt probe`
         supports the family (our table engine builds its MTP layers; "+ref" when transformers' MtpModel does
         too, the reference probe checks the engine against)."""
-        from ..ops.tables_info import tables_info
+        from ..ops.inspect.tables import tables_info
         from .tables_render import render_family, render_tables
 
         support = None
         if probe:
-            from ..ops.probe_families import probe_row  # imports transformers (and torch): only for --probe
+            from ..ops.probe.families import probe_row  # imports transformers (and torch): only for --probe
 
             support = probe_row
         rows = tables_info(family=family, probe_support=support)

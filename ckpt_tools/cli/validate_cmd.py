@@ -1,7 +1,7 @@
 """`ckpt validate PATH`: every problem, with rule, file and key; exit 0 valid, 1 problems, 3 not a checkpoint.
 
 `ckpt validate --fix-quant-config PATH -o OUT` writes PATH with only its quantization config
-repaired (ops/fix_quant.py); exit 0 when written or when nothing needs fixing, 3 when a config
+repaired (ops/convert/fix_quant_config.py); exit 0 when written or when nothing needs fixing, 3 when a config
 change cannot fix it.
 """
 

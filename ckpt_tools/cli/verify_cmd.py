@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Recompute the digest of every tensor (or whole shard) ckpt_manifest.json lists, streaming; every tensor
         of the checkpoint must be listed."""
-        from ..ops.verify import verify_manifest
+        from ..ops.check.verify_manifest import verify_manifest
 
         report = verify_manifest(path, progress=progress_for(json_output))
         if json_output:

@@ -24,7 +24,7 @@ class ProbeEvidence:
 
     report: dict
     report_path: str  # in the repository
-    digest: str  # sha256 of the pushed checkpoint's tensors (ops.tensors_digest)
+    digest: str  # sha256 of the pushed checkpoint's tensors (ops.shared.tensors_digest)
     matched: list[int] = field(default_factory=list)  # indices of report["drafts"] that measured these tensors
     plot_path: str | None = None  # in the repository
 

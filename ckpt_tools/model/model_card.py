@@ -42,7 +42,7 @@ class CardFacts:
     notes: list[str] = field(default_factory=list)  # validate's notes (e.g. per-layer copies left out)
     stitch_summary: dict | None = None
     engines: dict[str, str] = field(default_factory=dict)  # the family table's serving engines (``engines:``)
-    probe: ProbeEvidence | None = None  # a probe report of these tensors (ops.probe_evidence)
+    probe: ProbeEvidence | None = None  # a probe report of these tensors (ops.publish.probe_evidence)
     vllm_method: str | None = None  # vLLM's speculative method, as ckpt probe --engine vllm passes it (ops sets it)
 
 

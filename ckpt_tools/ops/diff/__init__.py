@@ -1,0 +1,1 @@
+"""`ckpt diff`: two checkpoints compared, tensors, config and side files."""

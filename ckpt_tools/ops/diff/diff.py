@@ -1,0 +1,152 @@
+"""`ckpt diff`: per-key comparison of two checkpoints, streaming and memory-bounded, and of their files.
+
+Read-only: it never refuses a checkpoint it can read. Tensors are compared whatever the family
+(unknown, MTP missing on one side...); config.json and the side files too (``files``). The
+index rules of the consistency gate run on both sides and what they find is reported as a
+problem, a difference like any other (exit 1): a shard left out of an index would otherwise
+make its tensors "removed" without a word, or two broken sides "identical".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ...io.checkpoint import Checkpoint
+from ...model.formats import all_wrappers
+from ...model.gate import check
+from ...model.prefixes import choose, rename
+from ...model.quant.companions import WeightFormat, weight_format
+from ...options import regex
+from ...stream.plan import CopyBytes
+from ...stream.progress import Progress
+
+if TYPE_CHECKING:  # compare loads numpy: imported when a comparison runs, not with the report class
+    from ..shared.compare import TensorDiff
+    from .files import ConfigDiff, FileDiff
+
+
+SAME_CONFIG = ("unchanged", "absent", "not-compared")  # config states that are no difference
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    diffs: list[TensorDiff] = field(default_factory=list)
+    allowed_invalid: list[dict] = field(default_factory=list)  # input problems let through by --allow-invalid
+    readers: dict[str, dict] = field(default_factory=dict)  # side -> {reader, reader_notes}: how its weights were read
+    config: ConfigDiff | None = None  # config.json: a JSON diff
+    files: list[FileDiff] = field(default_factory=list)  # every other non-weight file, ours last (not counted)
+    problems: list[dict] = field(default_factory=list)  # the index rules' findings, each with its side (a / b)
+
+    @property
+    def identical(self) -> bool:
+        return (all(d.status == "unchanged" for d in self.diffs) and not self.problems
+                and (self.config is None or self.config.status in SAME_CONFIG)
+                and not self.changed_files())
+
+    def totals(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self.diffs:
+            out[d.status] = out.get(d.status, 0) + 1
+        return out
+
+    def changed_files(self) -> list[FileDiff]:
+        """Side files that differ (our own records never count)."""
+        return [f for f in self.files if f.counted and f.status != "unchanged"]
+
+    def summary(self) -> str:
+        """What differs, in one phrase: tensors by status, then config, files and problems."""
+        parts = [f"{n} {status}" for status, n in sorted(self.totals().items()) if status != "unchanged"]
+        if self.config is not None and self.config.status not in SAME_CONFIG:
+            n = len(self.config.changes)
+            parts.append(f"config.json {self.config.status}" + (f" ({n} key(s))" if n else ""))
+        if self.changed_files():
+            parts.append(f"{len(self.changed_files())} file(s) differ")
+        if self.problems:
+            parts.append(f"{len(self.problems)} input problem(s)")
+        return ", ".join(parts) or "identical"
+
+    def to_json(self, all_keys: bool = False) -> dict:
+        """Stable keys: a, b, identical, totals (tensors by status), readers, tensors[]; then config
+        {status, changes[]}, files[] (name, status, sha256_a/b, changes[] for .json, counted: false for
+        this tool's own records), problems[] (rule, path, key, message, side)."""
+        return {
+            "a": self.a,
+            "b": self.b,
+            "identical": self.identical,
+            "totals": self.totals(),
+            "readers": self.readers,
+            "tensors": [d.to_json() for d in self.diffs if all_keys or d.status != "unchanged"],
+            **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
+            "config": self.config.to_json() if self.config is not None else None,
+            "files": [f.to_json() for f in self.files if all_keys or f.status != "unchanged"],
+            "problems": self.problems,
+        }
+
+
+def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool = False,
+         dequant: bool = False, allow: frozenset[str] = frozenset(), progress: Progress | None = None) -> DiffReport:
+    """Compare every tensor of ``a`` and ``b`` (optionally only keys matching ``keys``), their config.json
+    and side files.
+
+    Both sides go through the index rules of the consistency gate first; what they find is reported
+    (``problems``), not refused, unless ``allow`` lets the rule through (``allowed_invalid``).
+    ``progress``: the "comparing" phase, advanced by the bytes of each pair of tensors read.
+    """
+    from ..shared.compare import TensorDiff, compare
+    from .files import config_diff, file_diffs
+
+    pattern = regex("--keys", keys) if keys else None
+    report = DiffReport(a.root, b.root)
+    for side, c in (("a", a), ("b", b)):
+        found, _ = check(c, scope="files")
+        for p in found:
+            (report.allowed_invalid if p.rule in allow else report.problems).append({**p.to_json(), "side": side})
+    report.config = config_diff(a, b)
+    report.files = file_diffs(a, b)
+    a, b = _aligned(a, b, report)
+    names = [k for k in sorted(set(a.tensors) | set(b.tensors)) if pattern is None or pattern.search(k)]
+    both = [k for k in names if k in a.tensors and k in b.tensors]
+    fa, fb = (weight_format(a), weight_format(b)) if dequant else (None, None)
+    progress = progress or Progress()
+    progress.phase("comparing", sum(a.tensors[k].nbytes + b.tensors[k].nbytes for k in both))
+    for key in names:
+        ra, rb = a.tensors.get(key), b.tensors.get(key)
+        if ra is None:
+            report.diffs.append(TensorDiff(key, "added", None, rb.dtype, None, list(rb.shape)))
+            continue
+        if rb is None:
+            report.diffs.append(TensorDiff(key, "removed", ra.dtype, None, list(ra.shape), None))
+            continue
+        decode_a = _block_decoder(a, fa, key) if fa is not None and fa.stores(ra.dtype) else None
+        decode_b = _block_decoder(b, fb, key) if fb is not None and fb.stores(rb.dtype) else None
+        report.diffs.append(
+            compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape, CopyBytes([rb.segment()]),
+                    stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
+        )
+        progress.advance(ra.nbytes + rb.nbytes)
+    return report
+
+
+def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoint, Checkpoint]:
+    """Each side with a wrapper prefix stripped when every key carries it and the other side then matches
+    better (a draft saved from a wrapped module vs the same draft unwrapped); the report says so."""
+    wrappers = all_wrappers()
+    out = []
+    for side, this, other in (("a", a, b), ("b", b, a)):
+        prefix = choose(list(this.tensors), other.tensors, wrappers)
+        report.readers[side] = {"reader": this.reader, "reader_notes": list(this.reader_notes),
+                                "prefix_stripped": prefix or None}
+        out.append(rename(this, prefix) if prefix else this)
+    return out[0], out[1]
+
+
+def _block_decoder(ckpt: Checkpoint, fmt: WeightFormat, key: str):
+    """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format (its scale
+    companion, block and decoder from the scheme table, model.quant.companions); None without its scale."""
+    skey = fmt.scale_key(key)
+    if skey not in ckpt.tensors:
+        return None
+    return fmt.value_decoder(ckpt.tensors[key], ckpt.tensors[skey])

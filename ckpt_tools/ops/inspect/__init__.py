@@ -1,0 +1,1 @@
+"""`ckpt inspect` (with `--discover`) and `ckpt tables`: what a checkpoint or a table holds."""

@@ -1,0 +1,1 @@
+"""`ckpt probe`: MTP acceptance measured with transformers (our table engine) or vLLM."""

@@ -1,0 +1,1 @@
+"""`ckpt push`: a checkpoint directory published to the Hub, with the probe report that travels with it."""
