@@ -637,12 +637,14 @@ def test_weight_block_size_is_read_once_by_the_scheme_table():
                                local_dir=None, root="x")
 
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 128]}
-    assert declared_block(ckpt(qc), fmt) == ((64, 128), True)
+    assert declared_block(ckpt(qc), fmt) == ((64, 128), True, None)
     assert config_params(table, ckpt(qc))["scale_fmt"] is None
     assert config_params(table, ckpt({**qc, "scale_fmt": "UE8M0"}))["scale_fmt"] == "UE8M0"
-    assert declared_block(ckpt({"quant_method": "fp8"}), fmt) == ((128, 128), True)
-    assert declared_block(ckpt({**qc, "weight_block_size": None}), fmt) == (None, True)
-    assert declared_block(ckpt({"quant_method": "compressed-tensors"}), fmt) == ((128, 128), False)
+    assert declared_block(ckpt({"quant_method": "fp8"}), fmt) == ((128, 128), True, None)
+    assert declared_block(ckpt({**qc, "weight_block_size": None}), fmt) == (None, True, None)
+    assert declared_block(ckpt({"quant_method": "compressed-tensors"}), fmt) == ((128, 128), False, None)
+    for bad in ([128], [0, 128], [128.0, 128], "128", [True, 128]):  # no tile: the format's for the grid check,
+        assert declared_block(ckpt({**qc, "weight_block_size": bad}), fmt) == ((128, 128), True, bad)  # refused
 
 
 @pytest.mark.parametrize("shape", [(300, 200), (3, 130, 257)])

@@ -168,6 +168,26 @@ def test_a_bf16_draft_scale_is_widened_exactly(fp8, tmp_path):
     ckpt("validate", out)
 
 
+def test_a_draft_in_the_verifiers_own_fp8_format_keeps_its_bytes(fp8, tmp_path):
+    """Codes halved under the same scales: no block's scale is amax / 448 of its codes any more, so encoding the
+    values again would write other bytes (scale halved, codes doubled). The draft's bytes and scale go in as they
+    are, and the decision says so."""
+    verifier, draft8, _ = fp8
+    draft = copy(draft8, tmp_path / "d")
+    edit(draft, lambda t: t.__setitem__(Q_B, (t[Q_B].float() / 2).to(torch.float8_e4m3fn)))
+    out = tmp_path / "out"
+    from ckpt_tools.api import stitch
+
+    ckpt("stitch", draft, verifier, "-o", out, "--accept-divergent")
+    assert torch.equal(_tensor(out, Q_B).view(torch.uint8), _tensor(draft, Q_B).view(torch.uint8))
+    assert torch.equal(_tensor(out, Q_B + "_scale_inv"), _tensor(draft, Q_B + "_scale_inv"))
+    assert not torch.equal(_tensor(out, Q_B).view(torch.uint8), _tensor(verifier, Q_B).view(torch.uint8))
+    planned = stitch(draft, verifier, tmp_path / "dry", dry_run=True, accept_divergent=True).details.decisions
+    reason = next(d.reason for d in planned if d.key == Q_B)
+    assert "bytes and scale as they are" in reason, reason
+    ckpt("validate", out)
+
+
 def test_dtype_draft_into_an_fp8_verifier_is_coherent(fp8, tmp_path):
     verifier, _, draft16 = fp8
     out = tmp_path / "out"

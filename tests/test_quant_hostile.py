@@ -533,3 +533,17 @@ def test_a_nan_block_scale_of_a_deepseek_style_release_is_invalid(tmp_path):
     found = rules_of(path)["quant-scale-value"]
     assert [p["key"] for p in found] == [key] and "value NaN at index [0, 0]" in found[0]["message"]
     refused(ckpt("dequant", path, "-o", tmp_path / "d", code=None), "quant-scale-value")
+
+
+@pytest.mark.parametrize("bad", [[128], [0, 128], [128.0, 128], [True, 128]])
+def test_a_declared_block_that_is_no_tile_is_invalid(tmp_path, bad):
+    """A ``weight_block_size`` that is neither [rows, cols] of positive integers nor null is named as the cause
+    (the scale-shape and storage findings that follow from it were all the report said before)."""
+    from ckpt_tools.testing import FixtureOptions, make_checkpoint
+
+    path = make_checkpoint("deepseek_v3", tmp_path / "v3", FixtureOptions(fp8=True))
+    edit_config(path, lambda c: c["quantization_config"].__setitem__("weight_block_size", bad))
+    found = rules_of(path)["fp8-block-size"]
+    assert len(found) == 1 and found[0]["path"].endswith("config.json") and repr(bad) in found[0]["message"]
+    r = ckpt("extract", path, "-o", tmp_path / "d", code=None)
+    assert r.exit_code == 3 and "fp8-block-size" in r.output and not (tmp_path / "d").exists()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
 from .consistency import Problem
-from .quant.block_audit import block_problems
+from .quant.block_audit import BLOCK_SIZE_RULE, block_problems
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.patterns import pattern_problems
 from .quant.scale_values import RULE as SCALE_VALUE_RULE
@@ -158,7 +158,7 @@ RULE_SET: list[Check] = [
           lambda ctx: c.trunk_problems(ctx.view, ctx.unknown, whole_model=ctx.whole_model), needs_view=True),
     Check("stored-dtype", (STORED_DTYPE_RULE,), "model", True,
           lambda ctx: stored_dtype_problems(ctx.view, ctx.unknown), needs_view=True),
-    Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", "quant-config"), "model", True,
+    Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", BLOCK_SIZE_RULE, "quant-config"), "model", True,
           lambda ctx: block_problems(ctx.ckpt, _block_format(ctx), ctx.unknown, ctx.config)),
     # every scale of every quantized module read as values (model/quant/scale_values.py)
     Check("scale-values", (SCALE_VALUE_RULE,), "model", True,

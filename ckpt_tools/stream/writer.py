@@ -7,10 +7,10 @@ or the lone ``model.safetensors``): a crash or a failed check leaves no marker.
 
 A resume record (the plan's digest and its input fingerprints) is written before the first shard;
 ``--resume`` continues only a run whose record equals the new plan's (``output_dir``). The manifest holds
-a BLAKE3 digest per tensor written and the whole-file digest of each shard copied or linked, hashed from
-the bytes that landed, on hasher threads beside the copies (or taken over from an input's manifest that
-provably describes the shard, ``known_digests``). Memory stays bounded by one computed chunk; copied
-bytes never enter Python. An object-store output replaces the storage steps (``targets.object_store``).
+a BLAKE3 digest per tensor written and the whole-file digest of each shard copied or linked: hashed from the
+buffer each byte is written from, read once (``hashcopy``); a file linked whole is read and hashed on threads
+(or taken over from an input's manifest that provably describes it, ``known_digests``). Memory stays bounded by
+one chunk. An object-store output replaces the storage steps (``targets.object_store``).
 """
 
 from __future__ import annotations
@@ -232,7 +232,8 @@ class Writer:
         except ValueRefused as e:
             if not self.resume:  # the input is refused: nothing to resume, and nothing of this run is left behind
                 for name in (*result.files, RESUME_NAME, JOURNAL_NAME):
-                    self._remove(name)
+                    with contextlib.suppress(OSError):  # the refusal is the error to report, not a cleanup's
+                        self._remove(name)
             raise e.error from None
         finally:
             self.progress.stop()
@@ -453,7 +454,6 @@ class Writer:
             return
         self._stream_tensor(t, lambda seg: copy_range(seg, fd, self._buf, copier, sink),
                             lambda mv: copier.chunk(sink, mv, lambda data: _write_all(fd, data)), chunks)
-        copier.wait()
 
     def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
                        write: Callable[[memoryview], None], chunks: Iterable[Any] | None = None) -> None:
@@ -702,8 +702,7 @@ class _Hasher:
         self.algo = digest.manifest_algo() if threads is not None else None  # read once, not per tensor
         # the copier hashes on the writing thread: measured on 2 cores, a hash thread fed 512 KiB chunks cost more
         # CPU (a thread switch per chunk) than it overlapped (graft 1 GB: 0.93 s CPU threaded, 0.80 s inline)
-        self._copier_pool = digest.executor(0) if threads is not None else None
-        self.copier = HashingCopier(self._copier_pool) if self._copier_pool is not None else None
+        self.copier = HashingCopier() if threads is not None else None
         self._checker: HashingCopier | None = None
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
@@ -713,7 +712,7 @@ class _Hasher:
     def checker(self) -> HashingCopier:
         """A copier for a tensor whose values are checked as they are copied, when nothing is hashed."""
         if self._checker is None:
-            self._checker = HashingCopier(digest.executor(0))
+            self._checker = HashingCopier()
         return self._checker
 
     @property
@@ -774,9 +773,8 @@ class _Hasher:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for pool in (self.pool, self._copier_pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a buffer or a file after this
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a file after this
 
 
 def _hash_fd_range(fd: int, offset: int, length: int) -> str:
@@ -884,7 +882,6 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
                     seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
                     copier.segment(seg, d, lambda mv: _write_all(fd, mv))
                     progress.advance(seg.length)
-                copier.wait()
                 landed = d.result(name or str(dst))
             else:
                 for offset in range(0, source.size, WHOLE_FILE_STEP):

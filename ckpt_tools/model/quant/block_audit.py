@@ -1,7 +1,7 @@
 """The block-format audit: every weight stored in the checkpoint's block format (FP8 codes with one scale per
 tile, ``companions.WeightFormat``) has its scale companion, of the grid its tile gives; such weights are
 present exactly when the configuration declares the format's scheme (rules ``fp8-scale-missing``,
-``fp8-scale-shape``, ``quant-config``).
+``fp8-scale-shape``, ``fp8-block-size``, ``quant-config``).
 
 Whole-checkpoint and header-only, so it also covers stacked experts and tensors no family table names. The
 tile is the scheme table's ``block`` parameter as the configuration declares it (``weight_block_size``: the
@@ -18,18 +18,21 @@ from ..problem import Problem
 from .companions import WeightFormat, config_params
 from .tables import get_scheme
 
+BLOCK_SIZE_RULE = "fp8-block-size"
 
-def declared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int] | None, bool]:
+def declared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int] | None, bool, Any]:
     """(the tile the configuration declares for ``fmt``'s scheme - None: one per-tensor scale -, whether the
-    configuration declares that scheme at all); undeclared, the format's own tile."""
+    configuration declares that scheme at all, the declared value when it is no tile: the format's own tile is
+    used for the scale checks then, and the value is a problem of its own); undeclared, the format's tile."""
     params = config_params(get_scheme(fmt.scheme), ckpt)
     if params is None:
-        return fmt.block, False
+        return fmt.block, False, None
     b = params.get("block")
     if b is None:
-        return None, True
-    ok = isinstance(b, (list, tuple)) and len(b) == 2 and all(isinstance(x, int) and x > 0 for x in b)
-    return ((int(b[0]), int(b[1])) if ok else fmt.block), True
+        return None, True, None
+    ok = isinstance(b, (list, tuple)) and len(b) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in b)
+    return ((int(b[0]), int(b[1])), True, None) if ok else (fmt.block, True, b)
 
 
 def block_problems(ckpt: Any, fmt: WeightFormat, unknown: set[str], cfg: str | None) -> list[Problem]:
@@ -39,7 +42,10 @@ def block_problems(ckpt: Any, fmt: WeightFormat, unknown: set[str], cfg: str | N
     fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in stored]
     qc = ckpt.config.get("quantization_config") if cfg else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    block, declared = declared_block(ckpt, fmt) if cfg else (fmt.block, False)
+    block, declared, malformed = declared_block(ckpt, fmt) if cfg else (fmt.block, False, None)
+    if malformed is not None:  # a loader would misread every scale grid: refused, not guessed
+        out.append(Problem(BLOCK_SIZE_RULE, cfg, None, f"the block the configuration declares ({malformed!r}) is not "
+                           "two positive integers [rows, cols] (or null: one per-tensor scale)"))
     if cfg is not None:
         if method is None and ckpt.local_dir is not None and (ckpt.local_dir / "hf_quant_config.json").is_file():
             return out  # declared in ModelOpt's side file, with its own scale names (quant scheme tables)

@@ -22,6 +22,7 @@ _BITS: dict[str, tuple[type, int, int]] = {
     "BF16": (np.uint16, 0x7FFF, 0x7F80),
     "F16": (np.uint16, 0x7FFF, 0x7C00),
     "F32": (np.uint32, 0x7FFFFFFF, 0x7F800000),
+    "F64": (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
 }
 
 

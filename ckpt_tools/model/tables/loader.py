@@ -170,7 +170,8 @@ def _load_dirs(dirs: tuple[Path, ...]) -> dict[str, Table]:
 
 # what checks an architecture table: an edit to any of it misses the cache
 _HERE = Path(__file__).parent
-_CODE = (*(_HERE / n for n in ("schema.py", "loader.py", "plain.py", "resolve.py")), _HERE.parent / "expr.py")
+_CODE = (*(_HERE / n for n in ("schema.py", "roles.py", "loader.py", "plain.py", "resolve.py")),
+         _HERE.parent / "expr.py")
 
 
 def all_tables() -> dict[str, Table]:

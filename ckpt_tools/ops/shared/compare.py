@@ -107,20 +107,17 @@ def count_nonfinite(recipe: Recipe, dtype: str, shape) -> int:
     return bad
 
 
-# NaN and Inf are the values whose exponent bits are all ones: (integer view, exponent mask) per float dtype
-_EXPONENT = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000),
-             "F64": ("<u8", 0x7FF0000000000000)}
-
-
 class FiniteCheck:
     """Counts the NaN / Inf of a float tensor's bytes as they are written (``OutputTensor.check``: the values
     ``count_nonfinite`` counts, judged from the writer's chunks instead of a separate read); ``finish`` refuses
     them (rule ``nonfinite``), naming ``what``, the key and the file the bytes come from."""
 
     def __init__(self, key: str, dtype: str, path: str, what: str) -> None:
+        from ...model.quant.finite import _BITS  # NaN / Inf: the exponent bits all ones, as decoded bands are judged
+
         self.key, self.path, self.what = key, path, what
-        self.itype, self.mask = _EXPONENT[dtype]
-        self.size = int(self.itype[-1])
+        self.view, self.mask, self.top = _BITS[dtype]
+        self.size = self.view(0).itemsize
         self.bad = 0
         self._carry = b""  # a chunk that ended inside a value (chunks of a remote source)
 
@@ -130,8 +127,8 @@ class FiniteCheck:
         if self._carry:
             data = memoryview(self._carry + bytes(data))
         cut = len(data) - len(data) % self.size
-        v = np.frombuffer(data[:cut], dtype=self.itype)
-        self.bad += int(np.count_nonzero((v & self.mask) == self.mask))
+        v = np.frombuffer(data[:cut], dtype=self.view)
+        self.bad += int(np.count_nonzero((v & self.view(self.mask)) >= self.top))
         self._carry = bytes(data[cut:])
 
     def finish(self) -> None:

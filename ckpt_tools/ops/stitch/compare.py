@@ -81,6 +81,7 @@ class Candidates:
     fmt: WeightFormat  # the verifier's block format: a stacked experts tensor's scale companion and decoder
     encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
+    as_stored: set[str] = field(default_factory=set)  # of those, weights the draft stores in that very format (kept)
     # filled by decide: draft byte range -> the digest of its bytes, taken by the comparison that read them all
     # (the draft's fingerprint then reads nothing again: fingerprint.tensors_digest)
     digests: dict = field(default_factory=dict)
@@ -172,6 +173,9 @@ def _decision(d: TensorDiff, cand: Candidates, view: MtpView) -> Decision:
         why = (f"the draft's values are the verifier's {encoded.label} decoded" if encoded is not None
                else "the same bytes as the verifier's")
         return Decision(key, "identical", why + ": its bytes are kept", d)
+    if encoded is not None and key in cand.as_stored:
+        return Decision(key, "replace", f"the values differ: the draft's {encoded.label} bytes and scale as they are "
+                                        "(the verifier's own format)", d)
     if encoded is not None:
         return Decision(key, "requantize", f"the values differ: encoded as the verifier stores it ({encoded.label}) "
                                            "from the draft's", d)
@@ -179,8 +183,10 @@ def _decision(d: TensorDiff, cand: Candidates, view: MtpView) -> Decision:
     if stored is not None:
         from ...model.quant.encode_plan import encodable
 
-        why = ("as the request asks (--keep-bf16 or --dtype draft)" if encodable(stored) is not None
-               else "a format stitch does not write: the draft's values go in unquantized")
+        # as the builder decided (stitch/plan.py _encodes): the encoder must write the verifier's stored dtypes
+        why = ("as the request asks (--keep-bf16 or --dtype draft)"
+               if encodable(stored, view.resolved.dtype, view.ckpt.tensors) is not None
+               else "a format or storage stitch does not write: the draft's values go in unquantized")
         return Decision(key, "replace", f"written as {d.dtype_b} where the verifier stores {stored.label}, {why}", d)
     if d.status == "dtype-changed":
         return Decision(key, "replace", f"written as {d.dtype_b} where the verifier has {d.dtype_a}", d)

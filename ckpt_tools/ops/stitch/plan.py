@@ -121,6 +121,7 @@ class _Builder:
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
         self.digests: dict = {}  # draft byte range -> digest of its bytes (compare.Candidates.digests)
+        self.as_stored: set[str] = set()  # weights kept as the draft stores them (the verifier's own format)
         self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
         self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
@@ -217,7 +218,9 @@ class _Builder:
             return
         if stored is not None and self._encodes(stored, t):  # written in the verifier's own storage format
             values = self._values(t, scale, "F32")
-            if values is not None:
+            if values is not None and self._same_storage(t, scale, stored):
+                self._keep(t, scale, stored, values)  # re-encoding could round a second time: bytes as they are
+            elif values is not None:
                 self._encode(values, stored, spec)
             return
         if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
@@ -278,6 +281,29 @@ class _Builder:
         self.values[wkey] = t
         self.encoded[wkey] = stored
         self.companions[wkey] = [k for k in outs if k != wkey]
+
+    def _same_storage(self, t: OutputTensor, scale: OutputTensor | None, stored: Storage) -> bool:
+        """The draft holds ``t`` in the verifier's block format, tile and dtypes (weight and scale, same shapes)."""
+        if scale is None or not self.dfmt.stores(t.dtype) or self.dfmt != self.vfmt:
+            return False
+        if (stored.scheme, stored.format) != (self.vfmt.scheme, self.vfmt.format):
+            return False
+        refs = self.view.ckpt.tensors
+        w, s = refs.get(stored.tensors.get(format_of(stored).weight.suffix)), refs.get(
+            stored.tensors.get(self.vfmt.scale_suffix))
+        return w is not None and s is not None and (t.dtype, tuple(t.shape), scale.dtype, tuple(scale.shape)) == (
+            w.dtype, tuple(w.shape), s.dtype, tuple(s.shape))
+
+    def _keep(self, t: OutputTensor, scale: OutputTensor, stored: Storage, values: OutputTensor) -> None:
+        """The draft's weight and scale bytes as they are, under the verifier's names; compared through their
+        values like an encoded weight (``compare.decide``)."""
+        wkey = stored.tensors[format_of(stored).weight.suffix]
+        scale.key = stored.tensors[self.vfmt.scale_suffix]
+        self.candidates[wkey], self.candidates[scale.key] = t, scale
+        self.values[wkey] = values
+        self.encoded[wkey] = stored
+        self.companions[wkey] = [scale.key]
+        self.as_stored.add(wkey)
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
         """Floats replace floats; a non-float verifier tensor only its own dtype."""
@@ -549,7 +575,7 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
     cand = Candidates(builder.candidates, builder.values, builder.removed, builder.vfmt, builder.encoded,
-                      builder.companions)
+                      builder.companions, builder.as_stored)
     report.decisions = decide(view, cand)
     builder.digests = cand.digests  # the draft's tensors hashed as they were compared
     _encode_partners(report.decisions, builder)
