@@ -8,6 +8,8 @@ message (no traceback unless ``--debug``) and exits with its ``exit_code``:
     2  usage error (bad option, bad combination of options)
     3  unusable input: unreadable or hostile checkpoint, missing tensors, unknown family
     4  output error: cannot write, output exists, disk full
+    5  internal error: a bug (``ckpt --debug`` shows the traceback)
+    128 + N  stopped by signal N (129 SIGHUP, 130 SIGINT, 143 SIGTERM); 141 stdout closed early
 """
 
 from __future__ import annotations

@@ -191,3 +191,18 @@ def test_module_docstrings_are_short():
         if len(doc.splitlines()) > MAX_MODULE_DOCSTRING_LINES:
             long.append(f"{path.relative_to(ROOT)}: {len(doc.splitlines())} lines")
     assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines:\n" + "\n".join(long)
+
+
+def test_readme_counts_the_producers_fixtures_it_names():
+    """The README's count of transformers families and its list of llm-compressor schemes match fixtures/producers/."""
+    producers = ROOT / "fixtures" / "producers"
+    text = " ".join((ROOT / "README.md").read_text().split())
+    families = sorted(p.name for p in producers.glob("transformers-*") if p.is_dir())
+    claimed = re.search(r"transformers `save_pretrained` of (\d+) families", text)
+    assert claimed, "README no longer says how many transformers families the producers fixtures hold"
+    assert int(claimed.group(1)) == len(families), f"README says {claimed.group(1)}, fixtures hold {len(families)}"
+    schemes = re.search(r"llm-compressor ((?:[\w]+ / )*[\w]+)", text)
+    assert schemes, "README no longer lists the llm-compressor schemes"
+    listed = {s.strip().lower().replace("_", "-") for s in schemes.group(1).split("/")}
+    shipped = {p.name.removeprefix("llmcompressor-") for p in producers.glob("llmcompressor-*") if p.is_dir()}
+    assert listed == shipped, f"README lists {sorted(listed)}, fixtures hold {sorted(shipped)}"
