@@ -132,6 +132,24 @@ def excluded(matcher: str, name: str, patterns: list[str], fused: Fused | None =
     return match_any(matcher, name, patterns)
 
 
+def ranked(name: str, targets: Iterable[str], kind: str = "Linear") -> list[str]:
+    """The ``targets`` naming module ``name`` (of class ``kind``), most specific first, as compressed-tensors 0.20.1
+    ranks them (``utils/match.py`` ``match_targets``, whose first entry ``apply_quantization_config`` takes): the
+    targets sorted by ``("re:" in target, target)``, those matching the name (exact names, then ``re:`` regexes,
+    each alphabetically), then class-name targets the module is."""
+    order = sorted(dict.fromkeys(targets), key=lambda t: ("re:" in t, t))
+    names = [t for t in order if match_one("compressed-tensors", name, t)]
+    return names + [t for t in order if t == kind and t not in names]
+
+
+def first_listed(name: str, targets: Iterable[str], kind: str = "Linear") -> str | None:
+    """The target vLLM 0.32 picks for a (non-fused) layer (``compressed_tensors/utils.py`` ``find_matched_target``):
+    the first target in config order matching the name (exact or ``re:``), else the first class-name target."""
+    targets = list(targets)
+    return next((t for t in targets if match_one("compressed-tensors", name, t)), None) or (
+        kind if kind in targets else None)
+
+
 def targeted(name: str, targets: list[str], fused: Fused | None = None, kind: str = "Linear") -> bool | None:
     """compressed-tensors targets: a name pattern, or a class name (``Linear``) the module is (``kind``).
 
