@@ -115,8 +115,17 @@ def _pick(module: str, by_target: Mapping[str, Group], fused: Fused | None, kind
 
 
 def _meaning(g: Group) -> tuple:
-    """What a group declares, its targets aside (two groups alike in this read a module alike)."""
-    return g.table.scheme, repr(sorted((k, repr(v)) for k, v in g.entry.items() if k != "targets"))
+    """What a group declares for loading, its targets aside (two groups alike in this read a module alike): its
+    table, the params the table reads and its activation schemes; calibration settings (observers) aside."""
+    return g.table.scheme, repr(sorted(g.params.items())), _loaded(g.entry.get("input_activations")), \
+        _loaded(g.entry.get("output_activations"))
+
+
+def _loaded(args: object) -> str:
+    """A QuantizationArgs entry without what only calibration reads."""
+    if not isinstance(args, Mapping):
+        return repr(args)
+    return repr(sorted((k, repr(v)) for k, v in args.items() if k not in ("observer", "observer_kwargs")))
 
 
 Sections = list[tuple[Declaration, Mapping | None]]
