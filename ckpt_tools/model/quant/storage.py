@@ -204,7 +204,8 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         problems.append(f"{module}: {error}")
     lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
     issues = _refusals(table, params)
-    if tile is not None and _holds(fmt.decoder.scale.divides, params) and logical[-1] % tile[1]:
+    divides = fmt.decoder.scale.divides
+    if tile is not None and divides is not None and _holds(divides, params) and logical[-1] % tile[1]:
         issues.append(("quant-group-size", f"{module} has {logical[-1]} columns, which the declared "
                        f"{_args(fmt.decoder.scale.granularity, params)} does not divide into whole {tile[1]}-column "
                        "scale groups: compressed-tensors refuses to decompress a partial last group"))
