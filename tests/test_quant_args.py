@@ -177,8 +177,8 @@ def test_a_g_idx_no_consumer_reads_is_refused_not_copied(tmp_path):
 
 TARGETS = ["Linear", "re:.*mlp.*", "re:.*down_proj", "re:model\\.layers\\.1\\..*", SHARED, "model.layers.0.mlp.up_proj",
            "re:.*shared_experts.*", "re:.*"]
-NAMES = [SHARED, "model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_a_proj", "model.layers.1.mlp.experts.2.up_proj",
-         "lm_head"]
+NAMES = [SHARED, "model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_a_proj",
+         "model.layers.1.mlp.experts.2.up_proj", "lm_head"]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -233,4 +233,17 @@ def test_groups_the_consumers_pick_differently_are_refused(tmp_path):
     run_ckpt("dequant", path, "-o", tmp_path / "out", code=3)
     # alike groups overlapping are no finding: the consumers read the module alike whichever they pick
     _groups(path, {"group_0": (["re:.*down_proj", "Linear"], {}), "group_1": ([SHARED], {"observer": "minmax"})})
+    assert problems(path, code=0) == []
+
+
+def test_a_target_two_groups_list_is_the_later_groups(tmp_path):
+    """Both consumers map each target to a group, a later group listing it again taking it (compressed-tensors'
+    target_to_scheme, vLLM's target_scheme_map): with Linear in both, the second group decides; before, the first
+    group in file order did."""
+    path = variant(W4A16, tmp_path / "in")
+    _groups(path, {"group_0": (["Linear"], {}), "group_1": (["Linear"], {"group_size": 16})})
+    found = problems(path)
+    assert SHARED in {p["key"] for p in found if p["rule"] == "trunk-quant-config"}
+    assert "quant-group-order" not in {p["rule"] for p in found}  # one map, one answer: the consumers agree
+    _groups(path, {"group_1": (["Linear"], {"group_size": 16}), "group_0": (["Linear"], {})})
     assert problems(path, code=0) == []

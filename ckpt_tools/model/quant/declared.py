@@ -14,7 +14,7 @@ from typing import Literal
 
 from .config import QuantFiles, dig, section
 from .detect import Declaration, Group, QuantScheme
-from .match import Fused, excluded, first_listed, match_any, match_one, ranked, shards_of
+from .match import Fused, excluded, match_any, match_one, ranked, shards_of
 
 State = Literal["quantized", "excluded", "conflict"]
 
@@ -73,17 +73,33 @@ def _one(decl: Declaration, sec: Mapping, module: str, fused: Fused | None, kind
     if hit is None:
         return Declared("excluded", None, f"{where}: no group targets it")
     other = None
-    if target is not None and not shards_of(module, fused):
-        theirs = by_target.get(first_listed(module, by_target, kind) or "")
-        if theirs is not None and theirs is not hit and _meaning(theirs) != _meaning(hit):
+    names = [t for t in ranked(module, by_target, kind) if t != kind] if target is not None else []
+    if len(names) > 1 and not shards_of(module, fused):
+        # vLLM 0.32 (compressed_tensors/utils.py find_matched_target) takes the first name or regex target in config
+        # order: another group only where two of them name the module
+        order = list(by_target)
+        theirs = by_target[min(names, key=order.index)]
+        if theirs is not hit and _meaning(theirs) != _meaning(hit):
             other = theirs
     return Declared("quantized", hit, f"{where}: group {hit.name} targets it" + (f" ({target})" if other else ""),
                     other, target)
 
 
+_TARGETS: list[tuple[Declaration, Mapping, dict[str, Group]]] = []  # the last few maps (asked once per module)
+
+
 def _target_groups(decl: Declaration, sec: Mapping) -> dict[str, Group]:
     """target -> group, in config order; a target a later group lists again is that group's, in its first place
     (both consumers build this map: compressed-tensors' ``target_to_scheme``, vLLM's ``target_scheme_map``)."""
+    for d, s, out in _TARGETS:
+        if d is decl and s is sec:
+            return out
+    out = _build_target_groups(decl, sec)
+    _TARGETS[:] = [(decl, sec, out), *_TARGETS[:7]]
+    return out
+
+
+def _build_target_groups(decl: Declaration, sec: Mapping) -> dict[str, Group]:
     order = list(dig(sec, decl.where.groups) or {}) if decl.where.groups else []
     groups = sorted(decl.groups, key=lambda g: order.index(g.name) if g.name in order else len(order))
     out: dict[str, Group] = {}
@@ -193,9 +209,13 @@ class Declarer:
                 # a listed module's group is its own entry: listed modules are told apart by name
                 tests.append(lambda m, e=entries: m if m in e else None)
                 continue
-            # which group decides depends on which targets match (match.ranked): one test per target
+            # which group decides depends on which targets match (match.ranked): the exact name listed, if any, and
+            # each regex (a config lists few; it may list hundreds of exact names)
             names = dict.fromkeys(t for g in decl.groups for t in g.targets or () if isinstance(t, str) and t != kind)
-            tests += [lambda m, t=t: match_one("compressed-tensors", m, t) for t in names]
+            exact = frozenset(t for t in names if "re:" not in t)
+            if exact:
+                tests.append(lambda m, e=exact: m if m in e else None)
+            tests += [lambda m, t=t: match_one("compressed-tensors", m, t) for t in names if "re:" in t]
         self._tests = tests
         self._cache: dict[tuple, Declared] = {}
 
