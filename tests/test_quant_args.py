@@ -194,6 +194,34 @@ def test_targets_are_ranked_as_compressed_tensors_ranks_them(seed):
         assert ranked(name, targets) == match_targets(name, torch.nn.Linear(1, 1), targets), (name, targets)
 
 
+def test_the_group_vllm_picks_is_vllms_own_pick():
+    """``match.first_listed`` equals vLLM 0.32's ``find_matched_target`` (its venv) over the same target lists."""
+    import subprocess
+
+    from consumer_venv import venv_env, vllm_python
+
+    from ckpt_tools.model.quant.match import first_listed
+
+    g = torch.Generator().manual_seed(1)
+    cases = [(name, [TARGETS[i] for i in torch.randperm(len(TARGETS), generator=g)[: 1 + k % len(TARGETS)]])
+             for k in range(40) for name in NAMES]
+    script = ("import json, sys, torch\n"
+              "from vllm.model_executor.layers.quantization.compressed_tensors.utils import find_matched_target\n"
+              "cases = json.load(sys.stdin)\n"
+              "print(json.dumps([find_matched_target(n, torch.nn.Linear(1, 1), t) for n, t in cases]))\n")
+    done = subprocess.run([str(vllm_python()), "-c", script], input=json.dumps(cases), capture_output=True,
+                          text=True, env=venv_env(), timeout=600, check=True)
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [first_listed(n, t) for n, t in cases] == theirs
+    assert sum(first_listed(n, t) != ranked_first(n, t) for n, t in cases) > 10  # the two orders do differ
+
+
+def ranked_first(name: str, targets: list[str]) -> str | None:
+    from ckpt_tools.model.quant.match import ranked
+
+    return next(iter(ranked(name, targets)), None)
+
+
 def _groups(path: Path, groups: dict) -> None:
     cfg = json.loads((path / "config.json").read_text())
     base = cfg["quantization_config"]["config_groups"]["group_0"]

@@ -14,7 +14,7 @@ from typing import Literal
 
 from .config import QuantFiles, dig, section
 from .detect import Declaration, Group, QuantScheme
-from .match import Fused, excluded, match_any, match_one, ranked, shards_of
+from .match import Fused, excluded, first_listed, match_any, match_one, ranked, shards_of
 
 State = Literal["quantized", "excluded", "conflict"]
 
@@ -75,10 +75,9 @@ def _one(decl: Declaration, sec: Mapping, module: str, fused: Fused | None, kind
     other = None
     names = [t for t in ranked(module, by_target, kind) if t != kind] if target is not None else []
     if len(names) > 1 and not shards_of(module, fused):
-        # vLLM 0.32 (compressed_tensors/utils.py find_matched_target) takes the first name or regex target in config
-        # order: another group only where two of them name the module
-        order = list(by_target)
-        theirs = by_target[min(names, key=order.index)]
+        # vLLM takes the first name or regex target in config order (match.first_listed): another group only where
+        # two of them name the module
+        theirs = by_target[first_listed(module, by_target, kind) or target]
         if theirs is not hit and _meaning(theirs) != _meaning(hit):
             other = theirs
     return Declared("quantized", hit, f"{where}: group {hit.name} targets it" + (f" ({target})" if other else ""),

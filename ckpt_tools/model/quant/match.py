@@ -148,3 +148,14 @@ def _ranked_split(targets: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, 
     A config may list hundreds of exact names: each module looks its own name up once."""
     return (frozenset(t for t in targets if "re:" not in t),
             tuple(sorted({t for t in targets if "re:" in t})))
+
+
+def first_listed(name: str, targets: Iterable[str], kind: str = "Linear") -> str | None:
+    """The target vLLM 0.32 picks for a (non-fused) layer (``compressed_tensors/utils.py`` ``find_matched_target``):
+    the first target in config order naming it (exact or ``re:``), else a class-name target. It differs from
+    ``ranked``'s first only where two name targets match."""
+    targets = list(targets)
+    names = [t for t in ranked(name, targets, kind) if t != kind]
+    if names:
+        return min(names, key=targets.index)
+    return kind if kind in targets else None
