@@ -123,6 +123,20 @@ def test_an_asymmetric_zero_point_of_the_wrong_shape_is_refused(tmp_path):
     assert [p["key"] for p in found] == [SHARED] and "expected [16, 4]" in found[0]["message"], found
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_packed_zero_point_shape_is_the_librarys(bits):
+    """The shape required under symmetric: false is what compressed-tensors' pack_to_int32 writes (rows packed)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from ckpt_tools.model.quant.storage import _zero_point_shapes
+    from ckpt_tools.model.quant.tables import get_scheme
+
+    fmt = next(f for f in get_scheme("ct-pack").storage if f.decoder.bits == bits)
+    for rows in (1, 7, 9, 17, 23, 33, 128):
+        packed = pack_to_int32(torch.zeros((rows, 3), dtype=torch.int8), bits, packed_dim=0)
+        assert _zero_point_shapes(fmt, (rows, 3)) == [tuple(packed.shape)]
+
+
 def _shapes(src: Path) -> dict[str, tuple[int, int]]:
     """module -> [rows, cols] of every packed weight (its weight_shape)."""
     return {k.removesuffix(".weight_shape"): tuple(int(x) for x in v) for f in sorted(src.glob("*.safetensors"))

@@ -216,9 +216,12 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         if not _holds(t.when, params):
             if ref is not None:  # part of the module all the same (copied with it), but never read
                 present[t.suffix] = key
-                issues.append((rule or "quant-zero-point", f"{key} is present, but the module is declared with "
-                               f"{_args(t.when, params)}, under which the scheme stores no {t.suffix} (when: {t.when}) "
-                               f"and its consumers never read one"))
+                text = (f"{key} is present, but the module is declared with {_args(t.when, params)}, under which "
+                        f"the scheme stores no {t.suffix} (when: {t.when}) and its consumers never read one")
+                if rule is not None:
+                    issues.append((rule, text))
+                else:
+                    problems.append(text)
             continue
         if ref is None:
             if not t.optional and rule is not None and t.when is not None:
