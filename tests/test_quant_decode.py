@@ -80,6 +80,7 @@ CASES = [
     ("NVFP4", {}), ("NVFP4A16", {}), ("MXFP4", {}), ("FP8_DYNAMIC", {}), ("FP8", {}),
     ("FP8_BLOCK", {"block_structure": [32, 48]}), ("W4A16", {"group_size": 16}), ("W4A16_ASYM", {"group_size": 32}),
     ("W8A16", {"group_size": 32}), ("W8A8", {}), ("W4A16", {"strategy": "channel", "group_size": None}),
+    ("W8A8", {"symmetric": False}),  # I8 zero points, required (and applied) under symmetric: false
 ]
 
 

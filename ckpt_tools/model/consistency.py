@@ -64,6 +64,11 @@ RULES: dict[str, str] = {
     PATTERN_RULE: PATTERN_DESCRIPTION,
     "trunk-quant-config": "a main-model module is stored otherwise than the quantization config declares it "
                           "(quantized but excluded, float but targeted, scales missing or mis-shaped)",
+    # a module's declared arguments against its stored tensors (quant/storage.py issues; docs/integrity.md)
+    "quant-zero-point": "a zero point a symmetric scheme never reads, or an asymmetric one's missing or mis-shaped",
+    "quant-group-size": "a group size that does not divide the weight's columns (a partial last group)",
+    "quant-actorder": "an activation order (actorder group, weight_g_idx) the consumers refuse or never read",
+    "quant-group-order": "two config groups target a module and compressed-tensors and vLLM pick different ones",
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})
@@ -424,6 +429,9 @@ def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> lis
     for f in findings:
         if any(k.startswith(f.key + ".") for k in unknown):
             continue
+        if f.rule is not None:  # a rule of its own: its message says what repairs it
+            out.append(Problem(f.rule, cfg, f.key, f.message))
+            continue
         out.append(Problem(RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left else fix)))
     return out
 
@@ -447,7 +455,8 @@ def trunk_quant_problems(view: MtpView, unknown: set[str] = frozenset(), *, whol
     fix = f"; `ckpt validate --fix-quant-config {view.ckpt.root} -o OUT` repairs the config"
     stuck = "; --fix-quant-config cannot repair it: correct the quantization config by hand"
     weights = "; a config change cannot fix this: the stored tensors are wrong (re-quantize the module)"
-    return [Problem(TRUNK_QUANT_RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left
+    return [Problem(f.rule, cfg, f.key, f.message) if f.rule is not None else
+            Problem(TRUNK_QUANT_RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left
                                                                 else fix))
             for f in findings if not any(k.startswith(f.key + ".") for k in unknown)]
 

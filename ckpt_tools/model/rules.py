@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
 from .consistency import Problem
+from .quant.audit import ORDER_RULE
 from .quant.block_audit import BLOCK_SIZE_RULE, block_problems
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.patterns import pattern_problems
 from .quant.scale_values import RULE as SCALE_VALUE_RULE
 from .quant.scale_values import scale_value_problems
+from .quant.schema import ARG_RULES
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .stored_dtype import stored_dtype_problems
 
@@ -149,9 +151,11 @@ RULE_SET: list[Check] = [
     Check("mtp", c.MTP_RULES, "model", True, lambda ctx: c.mtp_problems(ctx.view, ctx.unknown), needs_view=True),
     # exclusion / target entries compiled as their consumers compile them (model/quant/patterns.py)
     Check("quant-pattern", (PATTERN_RULE,), "model", True, lambda ctx: pattern_problems(ctx.ckpt)),
-    Check("mtp-quant", ("mtp-quant-config",), "model", True,
+    # each module as its config group declares it; the group's own arguments (ARG_RULES) and which group decides
+    # (ORDER_RULE) are rules of their own
+    Check("mtp-quant", ("mtp-quant-config", *ARG_RULES, ORDER_RULE), "model", True,
           lambda ctx: c.quant_config_problems(ctx.view, ctx.unknown), needs_view=True),
-    Check("trunk-quant", (c.TRUNK_QUANT_RULE,), "model", True,
+    Check("trunk-quant", (c.TRUNK_QUANT_RULE, *ARG_RULES, ORDER_RULE), "model", True,
           lambda ctx: c.trunk_quant_problems(ctx.view, ctx.unknown, whole_model=ctx.whole_model), needs_view=True),
     Check("tied-head", ("tied-head",), "model", True, lambda ctx: c.tied_head_problems(ctx.view), needs_view=True),
     Check("trunk", c.TRUNK_RULES, "model", True,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ..tables.schema import Table
 
 RULE = "mtp-quant-config"
+ORDER_RULE = "quant-group-order"  # two config groups target a module and the consumers pick different ones
 PER_EXPERT = ExpertLayout("per-expert")
 Fix = Literal["exclude", "include"]
 
@@ -75,6 +76,7 @@ class Finding:
     message: str
     fix: Fix | None = None  # what a configuration repair does; None: the weights must change
     names: tuple[str, ...] = ()  # the names to exclude / include
+    rule: str | None = None  # a rule of its own (schema.ARG_RULES, ORDER_RULE); None: the audit's (mtp / trunk)
 
 
 @dataclass
@@ -326,9 +328,21 @@ def _judge(m: ModuleAudit, scheme: QuantScheme | None, result: Audit) -> None:
         problem = Finding(m.module, f"stored {st.label}; {d.reason}")
     elif d.group is not None and st.scheme is not None and d.group.table.scheme != st.scheme:
         problem = Finding(m.module, f"stored {st.label} ({st.scheme}), but {d.reason} as {d.group.table.title}")
-    if problem is not None:
-        m.problem = problem.message
-        result.findings.append(problem)
+    found = [problem] if problem is not None else []
+    where = f"config group {d.group.name!r} ({d.reason})" if d.group is not None else d.reason
+    if st.state == "quantized" and st.storage is not None:
+        # what the declared arguments make of the stored tensors (storage._check): the consumers read it otherwise
+        found += [Finding(m.module, f"{text}; {where}; the stored tensors or the config group are wrong", rule=rule)
+                  for rule, text in st.storage.issues]
+    if st.state == "quantized" and d.state == "quantized" and d.other is not None and d.group is not None:
+        found.append(Finding(m.module, f"config groups {d.group.name!r} and {d.other.name!r} both target it and "
+                                       f"declare different schemes: compressed-tensors ranks target {d.target!r} "
+                                       f"first and reads it as group {d.group.name!r}, vLLM takes the first target "
+                                       f"in config order and reads it as group {d.other.name!r}; target it from "
+                                       "one group only", rule=ORDER_RULE))
+    if found:
+        m.problem = found[0].message
+        result.findings += found
 
 
 def _judge_fused(result: Audit, scheme: QuantScheme | None, files: QuantFiles | None,

@@ -14,7 +14,7 @@ from typing import Literal
 
 from .config import QuantFiles, dig, section
 from .detect import Declaration, Group, QuantScheme
-from .match import Fused, excluded, match_any, shards_of, targeted
+from .match import Fused, excluded, first_listed, match_any, match_one, ranked, shards_of
 
 State = Literal["quantized", "excluded", "conflict"]
 
@@ -24,6 +24,10 @@ class Declared:
     state: State
     group: Group | None  # the group (or per-module entry) that quantizes the module
     reason: str  # one line: which place, entry or pattern decided
+    # another group declaring another scheme that vLLM picks for this module (its first target in config order)
+    # where compressed-tensors picks ``group`` (its ranking): the two consumers read the module differently
+    other: Group | None = None
+    target: str | None = None  # the target that picked ``group`` (when ``other`` is set)
 
 
 def _exclusions(decl: Declaration, sec: Mapping) -> list[tuple[str, list[str]]]:
@@ -61,20 +65,82 @@ def _one(decl: Declaration, sec: Mapping, module: str, fused: Fused | None, kind
                 return Declared("conflict", None, f"{where}: {decl.where.per_module} lists some of the shards "
                                                   f"{shards} of {module}")
         return Declared("excluded", None, f"{where}: not in {decl.where.per_module}")
-    hit = None
-    for g in decl.groups:
-        if g.targets is None:
-            hit = hit or g
-            continue
-        t = targeted(module, list(g.targets), fused, kind)
-        if t is None:
-            return Declared("conflict", None, f"{where}: group {g.name} targets some of the shards of {module}")
-        if t:
-            hit = g
-            break
+    by_target = _target_groups(decl, sec)
+    target, conflict = _pick(module, by_target, fused, kind)
+    if conflict is not None:
+        return Declared("conflict", None, f"{where}: {conflict}")
+    hit = by_target[target] if target is not None else next((g for g in decl.groups if g.targets is None), None)
     if hit is None:
         return Declared("excluded", None, f"{where}: no group targets it")
-    return Declared("quantized", hit, f"{where}: group {hit.name} targets it")
+    other = None
+    names = [t for t in ranked(module, by_target, kind) if t != kind] if target is not None else []
+    if len(names) > 1 and not shards_of(module, fused):
+        # vLLM takes the first name or regex target in config order (match.first_listed): another group only where
+        # two of them name the module
+        theirs = by_target[first_listed(module, by_target, kind) or target]
+        if theirs is not hit and _meaning(theirs) != _meaning(hit):
+            other = theirs
+    return Declared("quantized", hit, f"{where}: group {hit.name} targets it" + (f" ({target})" if other else ""),
+                    other, target)
+
+
+_TARGETS: list[tuple[Declaration, Mapping, dict[str, Group]]] = []  # the last few maps (asked once per module)
+
+
+def _target_groups(decl: Declaration, sec: Mapping) -> dict[str, Group]:
+    """target -> group, in config order; a target a later group lists again is that group's, in its first place
+    (both consumers build this map: compressed-tensors' ``target_to_scheme``, vLLM's ``target_scheme_map``)."""
+    for d, s, out in _TARGETS:
+        if d is decl and s is sec:
+            return out
+    out = _build_target_groups(decl, sec)
+    _TARGETS[:] = [(decl, sec, out), *_TARGETS[:7]]
+    return out
+
+
+def _build_target_groups(decl: Declaration, sec: Mapping) -> dict[str, Group]:
+    order = list(dig(sec, decl.where.groups) or {}) if decl.where.groups else []
+    groups = sorted(decl.groups, key=lambda g: order.index(g.name) if g.name in order else len(order))
+    out: dict[str, Group] = {}
+    for g in groups:
+        for t in g.targets or ():
+            if isinstance(t, str):
+                out[t] = g
+    return out
+
+
+def _pick(module: str, by_target: Mapping[str, Group], fused: Fused | None, kind: str
+          ) -> tuple[str | None, str | None]:
+    """(the target that decides ``module``'s group, in compressed-tensors' order (``match.ranked``), or None;
+    a conflict). A fused layer no target names is decided by its shards, which must agree (vLLM
+    ``_match_fused_layer``)."""
+    names = [t for t in ranked(module, by_target, kind) if t != kind]
+    if names:
+        return names[0], None
+    shards = shards_of(module, fused)
+    if shards:
+        picks = [next((t for t in ranked(s, by_target, kind) if t != kind), None) for s in shards]
+        if any(picks):
+            groups = {by_target[t].name if t else None for t in picks}
+            if len(groups) > 1:
+                return None, (f"the shards {shards} of {module} are not all targeted by one group "
+                              f"({', '.join(sorted(str(g) for g in groups))})")
+            return picks[0], None
+    return (kind if kind in by_target else None), None
+
+
+def _meaning(g: Group) -> tuple:
+    """What a group declares for loading, its targets aside (two groups alike in this read a module alike): its
+    table, the params the table reads and its activation schemes; calibration settings (observers) aside."""
+    return g.table.scheme, repr(sorted(g.params.items())), _loaded(g.entry.get("input_activations")), \
+        _loaded(g.entry.get("output_activations"))
+
+
+def _loaded(args: object) -> str:
+    """A QuantizationArgs entry without what only calibration reads."""
+    if not isinstance(args, Mapping):
+        return repr(args)
+    return repr(sorted((k, repr(v)) for k, v in args.items() if k not in ("observer", "observer_kwargs")))
 
 
 Sections = list[tuple[Declaration, Mapping | None]]
@@ -142,9 +208,13 @@ class Declarer:
                 # a listed module's group is its own entry: listed modules are told apart by name
                 tests.append(lambda m, e=entries: m if m in e else None)
                 continue
-            for g in decl.groups:
-                if g.targets is not None and kind not in g.targets:
-                    tests.append(lambda m, t=tuple(g.targets): match_any("compressed-tensors", m, t))
+            # which group decides depends on which targets match (match.ranked): the exact name listed, if any, and
+            # each regex (a config lists few; it may list hundreds of exact names)
+            names = dict.fromkeys(t for g in decl.groups for t in g.targets or () if isinstance(t, str) and t != kind)
+            exact = frozenset(t for t in names if "re:" not in t)
+            if exact:
+                tests.append(lambda m, e=exact: m if m in e else None)
+            tests += [lambda m, t=t: match_one("compressed-tensors", m, t) for t in names if "re:" in t]
         self._tests = tests
         self._cache: dict[tuple, Declared] = {}
 

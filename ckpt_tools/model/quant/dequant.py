@@ -97,6 +97,9 @@ def _require_complete(storage: Storage) -> None:
         raise PlanError(f"{storage.module}: cannot dequantize {storage.label}: "
                         + "; ".join([f"missing {k}" for k in storage.missing] + list(storage.problems)),
                         rule="dequant")
+    if storage.issues:  # its consumers read it otherwise (or refuse it): no decode would be theirs
+        rule, text = storage.issues[0]
+        raise PlanError(f"{storage.module}: cannot dequantize {storage.label}: {text}", rule=rule)
 
 
 class DequantRecipe(Compute):

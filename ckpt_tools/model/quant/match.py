@@ -132,16 +132,30 @@ def excluded(matcher: str, name: str, patterns: list[str], fused: Fused | None =
     return match_any(matcher, name, patterns)
 
 
-def targeted(name: str, targets: list[str], fused: Fused | None = None, kind: str = "Linear") -> bool | None:
-    """compressed-tensors targets: a name pattern, or a class name (``Linear``) the module is (``kind``).
+def ranked(name: str, targets: Iterable[str], kind: str = "Linear") -> list[str]:
+    """The ``targets`` naming module ``name`` (of class ``kind``), most specific first, as compressed-tensors 0.20.1
+    ranks them (``utils/match.py`` ``match_targets``, whose first entry ``apply_quantization_config`` takes): the
+    targets sorted by ``("re:" in target, target)``, those matching the name (exact names, then ``re:`` regexes,
+    each alphabetically), then class-name targets the module is."""
+    exact, regexes = _ranked_split(tuple(targets))
+    names = ([name] if name in exact else []) + [t for t in regexes if match_one("compressed-tensors", name, t)]
+    return names + ([kind] if kind in exact and kind not in names else [])
 
-    A fused layer is targeted when all its shards are (vLLM ``_match_fused_layer``)."""
-    if kind in targets:
-        return True
-    if match_any("compressed-tensors", name, targets):
-        return True
-    shards = shards_of(name, fused)
-    if shards is None:
-        return False
-    states = {match_any("compressed-tensors", s, targets) for s in shards}
-    return states.pop() if len(states) == 1 else None
+
+@lru_cache(maxsize=64)
+def _ranked_split(targets: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """(the targets without "re:", which match a name by equality; those with it, in compressed-tensors' sort order).
+    A config may list hundreds of exact names: each module looks its own name up once."""
+    return (frozenset(t for t in targets if "re:" not in t),
+            tuple(sorted({t for t in targets if "re:" in t})))
+
+
+def first_listed(name: str, targets: Iterable[str], kind: str = "Linear") -> str | None:
+    """The target vLLM 0.32 picks for a (non-fused) layer (``compressed_tensors/utils.py`` ``find_matched_target``):
+    the first target in config order naming it (exact or ``re:``), else a class-name target. It differs from
+    ``ranked``'s first only where two name targets match."""
+    targets = list(targets)
+    names = [t for t in ranked(name, targets, kind) if t != kind]
+    if names:
+        return min(names, key=targets.index)
+    return kind if kind in targets else None

@@ -26,7 +26,11 @@ from ..tables.plain import SchemeParams
 Scalar = str | int | float | bool | None
 MATCHERS = ("compressed-tensors", "quark", "modelopt", "transformers", "exact")
 CODES = ("fp8", "e4m3", "e5m2", "e2m1", "int")
-ROLES = ("scale", "global_scale", "zero_point", "input_scale", "shape", "other")
+ROLES = ("scale", "global_scale", "zero_point", "input_scale", "shape", "g_idx", "other")
+# rules a module's declared arguments are judged by (storage._check; docs/integrity.md): a tensor the arguments
+# exclude or require (by its role), scale tiles that must divide the columns, an argument the consumers refuse
+ARG_RULES = ("quant-zero-point", "quant-group-size", "quant-actorder")
+ROLE_RULES = {"zero_point": "quant-zero-point", "g_idx": "quant-actorder"}
 
 
 class _Strict(BaseModel):
@@ -59,6 +63,15 @@ class ExcludeDef(_Strict):
     subtree: str | None = None
 
 
+class RefuseDef(_Strict):
+    """Declared arguments the scheme's consumers refuse to load (e.g. compressed-tensors' removed activation
+    orders): every module the group declares is refused under ``rule``, with ``reason``."""
+
+    when: str  # expression over params
+    rule: Literal["quant-zero-point", "quant-group-size", "quant-actorder"]
+    reason: str  # what the consumers do, and what repairs it
+
+
 class ConfigDef(_Strict):
     """One place where a configuration declares the scheme (a scheme may be declared in two files:
     ModelOpt writes config.json ``quantization_config`` and ``hf_quant_config.json``); every place
@@ -77,6 +90,7 @@ class ConfigDef(_Strict):
     module_match: dict[str, list[Scalar]] = Field(default_factory=dict)  # fields of such an entry
     exclude: list[ExcludeDef] = Field(default_factory=list)
     params: dict[str, ParamDef] = Field(default_factory=dict)
+    refuse: list[RefuseDef] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _levels(self):
@@ -101,8 +115,12 @@ class EvidenceDef(_Strict):
 class TensorDef(_Strict):
     suffix: str  # relative to the module: ``weight_packed`` is ``<module>.weight_packed``
     dtypes: list[str]
-    role: Literal["scale", "global_scale", "zero_point", "input_scale", "shape", "other"] = "other"
+    role: Literal["scale", "global_scale", "zero_point", "input_scale", "shape", "g_idx", "other"] = "other"
     optional: bool = False
+    # expression over params: whether the declared arguments give the module this tensor (None: always). False and
+    # present: a tensor its consumers never read (a zero point under a symmetric scheme); true and absent: missing
+    # (unless optional)
+    when: str | None = None
 
 
 class WeightDef(_Strict):
@@ -130,6 +148,9 @@ class ScaleDef(_Strict):
     # a per-row scale (grid [rows, 1]) may also be stored as [rows] (ModelOpt per-channel); otherwise the shape
     # is exactly the grid (storage.scale_shapes)
     row_vector: bool = False
+    # expression over params: when true, the tile's columns must divide the weight's columns (compressed-tensors'
+    # group strategies refuse a partial last group); None: a partial edge tile is read as it is (block FP8)
+    divides: str | None = None
 
 
 class GlobalScaleDef(_Strict):

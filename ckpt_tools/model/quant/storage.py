@@ -15,8 +15,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from ...dtypes import FLOAT_DTYPES
-from ..expr import ExprError, evaluate
+from ..expr import ExprError, evaluate, names_in
 from .detect import QuantScheme
+from .schema import ROLE_RULES
 from .tables import loaded_schemes
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ class Storage:
     problems: tuple[str, ...] = ()  # present companions with the wrong dtype or shape
     shape: tuple[int, ...] | None = None  # the logical weight [..., out, in]
     params: Mapping[str, Any] = field(default_factory=dict)
+    # (rule, message): what the module's declared arguments make wrong (schema.ARG_RULES): a zero point a symmetric
+    # scheme never reads, a group that does not divide the columns, an activation order the consumers refuse.
+    # Decoding refuses such a module (the consumers read it differently, or not at all).
+    issues: tuple[tuple[str, str], ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -198,24 +203,91 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
     if error is not None:
         problems.append(f"{module}: {error}")
     lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
+    issues = _refusals(table, params)
+    divides = fmt.decoder.scale.divides
+    if tile is not None and divides is not None and _holds(divides, params) and logical[-1] % tile[1]:
+        issues.append(("quant-group-size", f"{module} has {logical[-1]} columns, which the declared "
+                       f"{_args(fmt.decoder.scale.granularity, params)} does not divide into whole {tile[1]}-column "
+                       "scale groups: compressed-tensors refuses to decompress a partial last group"))
     for t in fmt.tensors:
         key = f"{module}.{t.suffix}"
         ref = tensors.get(key)
+        rule = ROLE_RULES.get(t.role)
+        if not _holds(t.when, params):
+            if ref is not None:  # part of the module all the same (copied with it), but never read
+                present[t.suffix] = key
+                text = (f"{key} is present, but the module is declared with {_args(t.when, params)}, under which "
+                        f"the scheme stores no {t.suffix} (when: {t.when}) and its consumers never read one")
+                if rule is not None:
+                    issues.append((rule, text))
+                else:
+                    problems.append(text)
+            continue
         if ref is None:
-            if not t.optional:
+            if not t.optional and rule is not None and t.when is not None:
+                issues.append((rule, f"{key} is missing: the module is declared with {_args(t.when, params)}, "
+                                     f"which needs it (when: {t.when})"))
+            elif not t.optional:
                 missing.append(key)
             continue
         present[t.suffix] = key
+        wrong = None
         if ref.dtype not in t.dtypes:
-            problems.append(f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}")
+            wrong = f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}"
         elif t.suffix == fmt.decoder.scale.tensor and grid is not None \
                 and tuple(ref.shape) not in (shapes := scale_shapes(fmt, grid)):
-            problems.append(f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a "
-                            f"{list(logical)} weight ({_tile_text(tile, logical)})")
+            wrong = (f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a "
+                     f"{list(logical)} weight ({_tile_text(tile, logical)})")
         elif t.role in ("global_scale", "input_scale") and ref.numel not in (1, lead):
-            problems.append(f"{key} has shape {list(ref.shape)}, expected one value")
+            wrong = f"{key} has shape {list(ref.shape)}, expected one value"
+        elif t.role == "zero_point" and grid is not None \
+                and tuple(ref.shape) not in (shapes := _zero_point_shapes(fmt, grid)):
+            packed = ", packed along the rows" if shapes[0] != tuple(grid) else ""
+            wrong = (f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a {list(logical)} "
+                     f"weight (one zero point per scale{packed})")
+        if wrong is not None and rule is not None and t.when is not None:
+            issues.append((rule, wrong))
+        elif wrong is not None:
+            problems.append(wrong)
     return Storage(module, "quantized", wref.dtype, table.scheme, fmt.name, _label(fmt, params), present,
-                   tuple(missing), tuple(problems), logical, dict(params))
+                   tuple(missing), tuple(problems), logical, dict(params), tuple(issues))
+
+
+def _holds(expr: str | None, params: Mapping[str, Any], failed: bool = True) -> bool:
+    """A table condition over the declared params (None: always true; ``failed``: when it cannot be evaluated)."""
+    if expr is None:
+        return True
+    try:
+        return bool(evaluate(expr, dict(params)))
+    except ExprError:
+        return failed
+
+
+def _args(expr: str | None, params: Mapping[str, Any]) -> str:
+    """The declared params an expression reads, as ``name = value`` (for messages)."""
+    names = sorted(names_in(expr) & set(params)) if expr else []
+    return ", ".join(f"{n} = {params[n]!r}" for n in names) or "these arguments"
+
+
+def _refusals(table: SchemeTable, params: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(rule, message) of every ``refuse`` entry of the table's declarations whose condition the params meet."""
+    out = []
+    for d in table.declared_in:
+        for r in d.refuse:
+            message = f"declared with {_args(r.when, params)}: {r.reason}"
+            if _holds(r.when, params, False) and (r.rule, message) not in out:
+                out.append((r.rule, message))
+    return out
+
+
+def _zero_point_shapes(fmt: FormatDef, grid: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every shape a zero point of a scale ``grid`` may have: the scale's, or packed along the rows into I32 words
+    ([..., ceil(gr * bits / 32), gc], compressed-tensors pack_to_int32 packed_dim=0)."""
+    zp = fmt.decoder.zero_point
+    if zp is not None and zp.packed == "rows":
+        *lead, gr, gc = grid
+        return [(*lead, -(-gr * fmt.decoder.bits // 32), gc)]
+    return scale_shapes(fmt, grid)
 
 
 # Pure functions of (format, shape, params), asked once per module: tens of thousands of times in a release
@@ -309,7 +381,7 @@ def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,
 def _reusable(st: Storage, memo: _Memo) -> bool:
     """Whether ``st`` holds for every module stored alike: nothing in it names this module's tensors (no
     missing companion, no problem) and nothing was read from its values (a ``shape`` companion)."""
-    if st.missing or st.problems:
+    if st.missing or st.problems or st.issues:
         return False
     if st.format is None:
         return True

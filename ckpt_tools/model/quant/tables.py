@@ -121,6 +121,8 @@ def _check(table: SchemeTable, path: Path) -> None:
             raise TableError(f"field {where}: {bad} are not safetensors dtypes", path=str(path))
 
     for i, d in enumerate(table.declared_in):
+        for j, r in enumerate(d.refuse):
+            expr(r.when, f"declared_in[{i}].refuse[{j}].when")
         for j, e in enumerate(d.exclude):
             if e.field in (d.groups, d.per_module):
                 raise TableError(f"field declared_in[{i}].exclude[{j}].field: {e.field!r} is not a list field",
@@ -131,6 +133,9 @@ def _check(table: SchemeTable, path: Path) -> None:
         where = f"storage[{i}]"
         expr(f.when, f"{where}.when")
         expr(f.decoder.scale.granularity, f"{where}.decoder.scale.granularity")
+        expr(f.decoder.scale.divides, f"{where}.decoder.scale.divides")
+        for j, t in enumerate(f.tensors):
+            expr(t.when, f"{where}.tensors[{j}].when")
         dtypes(f.weight.dtypes, f"{where}.weight.dtypes")
         codes = f.decoder.codes
         if codes not in CODES and codes not in _registered_codes():

@@ -145,6 +145,12 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
         more = f" (and {len(incomplete) - 1} more module(s))" if len(incomplete) > 1 else ""
         raise InputError(f"{st.module} is stored {st.label} but cannot be decoded: {why}{more}", rule="dequant",
                          path=ckpt.root)
+    misread = [st for st in chosen.values() if st.issues]
+    if misread:  # its declared arguments make its consumers read it otherwise, or refuse it (storage.issues)
+        st = misread[0]
+        more = f" (and {len(misread) - 1} more module(s))" if len(misread) > 1 else ""
+        raise InputError(f"{st.module} is stored {st.label} but cannot be decoded as its consumers read it: "
+                         f"{st.issues[0][1]}{more}", rule=st.issues[0][0], path=ckpt.root)
     companions = {k for st in chosen.values() for k in st.all_keys()}
     _refuse_undecodable(ckpt, [k for k in scope_keys if k not in companions])
     if not chosen:
