@@ -21,7 +21,11 @@ from ..io.safetensors_io import LocalFile, read_header
 from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
+from .quant.agree import DESCRIPTION as AGREE_DESCRIPTION
+from .quant.agree import RULE as AGREE_RULE
 from .quant.companions import weight_format
+from .quant.kv_scales import DESCRIPTION as KV_SCALE_DESCRIPTION
+from .quant.kv_scales import RULE as KV_SCALE_RULE
 from .quant.patterns import DESCRIPTION as PATTERN_DESCRIPTION
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.scale_values import DESCRIPTION as SCALE_VALUE_DESCRIPTION
@@ -64,6 +68,8 @@ RULES: dict[str, str] = {
     PATTERN_RULE: PATTERN_DESCRIPTION,
     "trunk-quant-config": "a main-model module is stored otherwise than the quantization config declares it "
                           "(quantized but excluded, float but targeted, scales missing or mis-shaped)",
+    AGREE_RULE: AGREE_DESCRIPTION,
+    KV_SCALE_RULE: KV_SCALE_DESCRIPTION,
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})
