@@ -54,16 +54,17 @@ def _shown(v: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _facts(where: Any, sec: Mapping[str, Any], decl: Declaration | None) -> dict[str, tuple[str, Any, Any]]:
+def _facts(where: Any, sec: Mapping[str, Any], decl: Declaration | None, keys: list[str]
+           ) -> dict[str, tuple[str, Any, Any]]:
     """fact -> (the field that states it, its value as consumers compare it, its raw value), for what this place
-    states (a field it lacks states nothing, except the KV-cache field: absent means no KV-cache quantization)."""
-    out: dict[str, tuple[str, Any, Any]] = {}
+    states (a field it lacks states nothing, except the KV-cache field: absent means no KV-cache quantization).
+    ``keys``: the fields any table matches this place by (``quant_method``, ``quant_algo``). A place no table
+    claims states only its scheme: the other facts would be read by a table that does not describe it."""
+    tables = tuple(sorted({g.table.scheme for g in (*decl.groups, *decl.modules.values())})) if decl else None
+    out: dict[str, tuple[str, Any, Any]] = {"scheme": ("", tables, {k: sec[k] for k in keys if k in sec})}
     if decl is None:
-        out["scheme"] = ("", None, {k: sec.get(k) for k in where.match if k in sec})
-    else:
-        tables = sorted({g.table.scheme for g in (*decl.groups, *decl.modules.values())})
-        out["scheme"] = ("", tuple(tables), {k: sec.get(k) for k in decl.where.match if k in sec})
-    for name, p in (where.params if decl is not None else {}).items():  # an unclaimed place's table reads none
+        return out
+    for name, p in where.params.items():
         key = next((k for k in p.keys if dig(sec, k) is not None), None)
         if key is not None:
             out[f"param {name}"] = (key, _norm(dig(sec, key)), dig(sec, key))
@@ -73,8 +74,7 @@ def _facts(where: Any, sec: Mapping[str, Any], decl: Declaration | None) -> dict
             out["exclusions"] = (e.field, _norm(v), v)
     if where.per_module and isinstance(dig(sec, where.per_module), dict):
         entries = dig(sec, where.per_module)
-        modules = {m: (decl.modules[m].table.scheme if decl is not None and m in decl.modules else _shown(e))
-                   for m, e in entries.items()}
+        modules = {m: decl.modules[m].table.scheme if m in decl.modules else _shown(e) for m, e in entries.items()}
         out["modules"] = (where.per_module, tuple(sorted(modules.items())), f"{len(entries)} module entries")
     if where.kv_cache:
         v = dig(sec, where.kv_cache)
@@ -93,25 +93,28 @@ def agree_problems(ckpt: Any) -> list[Problem]:
     files = scheme.files
     declared = {(d.file, d.path): d for d in scheme.declarations}
     places: dict[tuple[str, str], tuple[Any, Mapping[str, Any]]] = {}
+    match_keys: dict[tuple[str, str], list[str]] = {}
     for table in all_schemes().values():
         for where in table.declared_in:
             at = (where.file, where.section)
             sec = section(files, where.file, where.section)
             if sec is None:
                 continue
+            match_keys.setdefault(at, [])
+            match_keys[at] += [k for k in where.match if k not in match_keys[at]]
             decl = declared.get(at)
             if decl is not None:
                 places.setdefault(at, (decl.where, sec))  # the definition that claimed the place
             elif at not in places and any(k in sec for k in where.match):
-                places[at] = (where, sec)  # present, claimed by no table: its own fields still say something
+                places[at] = (where, sec)  # present, claimed by no table: its scheme still says something
     if len(places) < 2:
         return []
     items = list(places.items())
     (first_at, (first_where, first_sec)) = items[0]
-    first = _facts(first_where, first_sec, declared.get(first_at))
+    first = _facts(first_where, first_sec, declared.get(first_at), match_keys[first_at])
     out = []
     for at, (where, sec) in items[1:]:
-        other = _facts(where, sec, declared.get(at))
+        other = _facts(where, sec, declared.get(at), match_keys[at])
         for fact in (f for f in first if f in other):
             (k1, v1, raw1), (k2, v2, raw2) = first[fact], other[fact]
             if v1 == v2:
