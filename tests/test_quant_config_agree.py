@@ -8,8 +8,8 @@ Built on real producers' outputs (fixtures/producers/): ``graft transformers-dee
   disagreeing on the KV-cache scheme, the group size or the exclusions, was no finding; vLLM reads config.json's
   section when present and older consumers hf_quant_config.json, so the two load different models.
 - ``kv-scale-value``: a NaN, zero or negative ``k_scale`` / ``v_scale`` under ModelOpt's ``kv_cache_quant_algo``
-  or compressed-tensors' ``kv_cache_scheme`` passed; vLLM's attention asserts on a zero or NaN one at load and
-  silently uses 1.0 for negative ones.
+  or compressed-tensors' ``kv_cache_scheme`` passed; vLLM asserts on a zero or NaN ``k_scale`` at load and
+  silently replaces the others (a negative pair by 1.0, a bad ``v_scale`` by ``k_scale``).
 """
 
 from __future__ import annotations
@@ -259,3 +259,34 @@ def test_kv_cache_scales_are_judged_only_under_a_declared_scheme(ct):
     edit(ct, "config.json", lambda c: c.pop("quantization_config"))
     with Checkpoint.open(str(ct)) as c:
         assert kv_scale_problems(c) == []
+
+
+# -- the consumer: what vLLM makes of both ------------------------------------------------------------------------
+
+
+def test_vllm_reads_config_json_over_hf_quant_config_and_misreads_bad_kv_scales(fp8):
+    """The facts the two rules rest on, from vLLM itself (.venv-vllm): with both files it takes config.json's
+    quant_algo (hf_quant_config.json only when config.json has no section), so the two files load different
+    models; a zero or NaN k_scale is refused at load, a negative pair silently becomes 1.0 and a bad v_scale
+    silently becomes k_scale."""
+    import subprocess
+
+    from consumer_venv import venv_env, vllm_python
+
+    python = vllm_python()
+    script = Path(__file__).parent / "consumers" / "vllm_quant_config.py"
+
+    def read(path: Path) -> dict:
+        r = subprocess.run([str(python), str(script), str(path)], capture_output=True, text=True, env=venv_env(),
+                           timeout=600, check=False)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    edit(fp8, HF_QUANT, lambda c: hq(c).update(quant_algo="NVFP4", group_size=16))
+    got = read(fp8)
+    assert got["quant_algo"] == "FP8", got
+    assert got["kv"] == {"0.05 0.05": "k=0.05 v=0.05", "0.0 0.05": "refused", "nan 0.05": "refused",
+                         "-0.5 -0.5": "k=1 v=1", "0.05 0.0": "k=0.05 v=0.05", "0.05 nan": "k=0.05 v=0.05",
+                         "0.05 -0.5": "k=0.05 v=0.05"}, got
+    edit(fp8, "config.json", lambda c: c.pop("quantization_config"))
+    assert read(fp8)["quant_algo"] == "NVFP4"

