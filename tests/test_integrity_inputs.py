@@ -211,10 +211,11 @@ def test_drafts_have_no_trunk_and_pass(draft):
     ("model_type", [], "'model_type' is a list"),
     ("text_config", "x", "'text_config' is a string"),
     ("quantization_config", "fp8", "'quantization_config' is a string"),
-    ("hidden_size", "64", "'hidden_size' = '64'"),
+    ("hidden_size", "64", "'hidden_size' = \"64\""),
     ("tie_word_embeddings", "false", "expected true or false"),
     ("n_routed_experts", -1, "expected a non-negative integer"),
-    ("num_hidden_layers", 1e9, "from 0 to 2048"),
+    ("num_hidden_layers", 10**9, "from 0 to 2048"),
+    ("num_hidden_layers", 1e9, "not the float 1000000000.0"),
 ])
 def test_config_field_of_the_wrong_type_is_exit_3(make_fixture, tmp_path, field, value, expect):
     v = copy_of(make_fixture, tmp_path)

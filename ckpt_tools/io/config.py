@@ -107,6 +107,12 @@ class ConfigView:
                 return v, parent
         return None
 
+    def path_of(self, key: str) -> str:
+        """Where ``find`` finds ``key`` in config.json, as a dotted path (``text_config.hidden_size``): for messages."""
+        if self.nested and self._dig(self.text, key) is not _MISSING:
+            return f"text_config.{key}"
+        return key
+
     def get(self, key: str, default: Any = None) -> Any:
         found = self.find(key)
         return default if found is None else found[0]

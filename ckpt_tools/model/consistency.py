@@ -21,7 +21,11 @@ from ..io.safetensors_io import LocalFile, read_header
 from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
+from .quant.agree import DESCRIPTION as AGREE_DESCRIPTION
+from .quant.agree import RULE as AGREE_RULE
 from .quant.companions import weight_format
+from .quant.kv_scales import DESCRIPTION as KV_SCALE_DESCRIPTION
+from .quant.kv_scales import RULE as KV_SCALE_RULE
 from .quant.patterns import DESCRIPTION as PATTERN_DESCRIPTION
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.scale_values import DESCRIPTION as SCALE_VALUE_DESCRIPTION
@@ -69,6 +73,8 @@ RULES: dict[str, str] = {
     "quant-group-size": "a group size that does not divide the weight's columns (a partial last group)",
     "quant-actorder": "an activation order (actorder group, weight_g_idx) the consumers refuse or never read",
     "quant-group-order": "two config groups target a module and compressed-tensors and vLLM pick different ones",
+    AGREE_RULE: AGREE_DESCRIPTION,
+    KV_SCALE_RULE: KV_SCALE_DESCRIPTION,
 }
 REPORT_ONLY = frozenset({"total-size", "index-metadata", "metadata-format", "manifest-missing", "manifest-mismatch",
                          "manifest-extra"})

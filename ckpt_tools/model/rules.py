@@ -22,8 +22,12 @@ from typing import TYPE_CHECKING
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
 from .consistency import Problem
+from .quant.agree import RULE as AGREE_RULE
+from .quant.agree import agree_problems
 from .quant.audit import ORDER_RULE
 from .quant.block_audit import BLOCK_SIZE_RULE, block_problems
+from .quant.kv_scales import RULE as KV_SCALE_RULE
+from .quant.kv_scales import kv_scale_problems
 from .quant.patterns import RULE as PATTERN_RULE
 from .quant.patterns import pattern_problems
 from .quant.scale_values import RULE as SCALE_VALUE_RULE
@@ -151,6 +155,9 @@ RULE_SET: list[Check] = [
     Check("mtp", c.MTP_RULES, "model", True, lambda ctx: c.mtp_problems(ctx.view, ctx.unknown), needs_view=True),
     # exclusion / target entries compiled as their consumers compile them (model/quant/patterns.py)
     Check("quant-pattern", (PATTERN_RULE,), "model", True, lambda ctx: pattern_problems(ctx.ckpt)),
+    # ModelOpt's two configuration files say the same (model/quant/agree.py): before the module checks, which
+    # would blame the modules for what the files disagree on
+    Check("quant-config-agree", (AGREE_RULE,), "model", True, lambda ctx: agree_problems(ctx.ckpt)),
     # each module as its config group declares it; the group's own arguments (ARG_RULES) and which group decides
     # (ORDER_RULE) are rules of their own
     Check("mtp-quant", ("mtp-quant-config", *ARG_RULES, ORDER_RULE), "model", True,
@@ -167,6 +174,8 @@ RULE_SET: list[Check] = [
     # every scale of every quantized module read as values (model/quant/scale_values.py)
     Check("scale-values", (SCALE_VALUE_RULE,), "model", True,
           lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown)),
+    # KV-cache scales are finite and positive (model/quant/kv_scales.py)
+    Check("kv-scale-values", (KV_SCALE_RULE,), "model", True, lambda ctx: kv_scale_problems(ctx.ckpt, ctx.unknown)),
 ]
 
 

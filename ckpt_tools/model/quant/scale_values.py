@@ -51,7 +51,11 @@ _E8M0 = ("u1", 0, 0xFE)  # a U8 scale the table reads as E8M0 (OCP MX); 0xFF is 
 _INTS = {"I8": "i1", "U8": "u1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 _ROLES = ("scale", "global_scale", "input_scale", "zero_point")
 _WHAT = {"scale": "scale", "global_scale": "global scale", "input_scale": "activation scale",
-         "zero_point": "zero point"}
+         "zero_point": "zero point", "kv_scale": "KV-cache scale"}
+# what a bad value does, per role (a zero point's is said apart)
+_EFFECT = {"input_scale": "activations would be divided by it",
+           "kv_scale": "vLLM refuses a zero or NaN k_scale at load and silently replaces other bad values (a "
+                       "negative pair by 1.0, a bad v_scale by k_scale)"}
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,12 @@ def _kind(fmt: FormatDef, t: TensorDef, dtype: str) -> _Kind | None:
     if t.role == "scale" and t.suffix == fmt.decoder.scale.tensor and fmt.decoder.scale.encoding == "e8m0" \
             and dtype == "U8":
         return _Kind(t.role, *_E8M0, dtype, "e8m0")
-    if dtype in _POSITIVE_FINITE:
-        return _Kind(t.role, *_POSITIVE_FINITE[dtype], dtype)
-    return None  # a dtype read another way (a U8 activation scale): no value rule known
+    return positive_kind(t.role, dtype)  # None: a dtype read another way (a U8 activation scale), no value rule known
+
+
+def positive_kind(role: str, dtype: str) -> _Kind | None:
+    """How a value that must be finite and positive is judged from its raw bits in ``dtype`` (None: no float)."""
+    return _Kind(role, *_POSITIVE_FINITE[dtype], dtype) if dtype in _POSITIVE_FINITE else None
 
 
 def _declared_first(ckpt: Any) -> list[SchemeTable]:
@@ -242,7 +249,7 @@ def _value(raw: int, kind: _Kind) -> str:
     return repr(v) if np.isfinite(v) else ("NaN" if np.isnan(v) else ("-inf" if v < 0 else "inf"))
 
 
-def _problem(p: _Piece, raw: Any) -> Problem:
+def _problem(p: _Piece, raw: Any, rule: str = RULE) -> Problem:
     import numpy as np
 
     ref, start, _, kind = p
@@ -259,9 +266,8 @@ def _problem(p: _Piece, raw: Any) -> Problem:
         effect = "no code has that offset"
     else:
         why = "not finite and positive"
-        effect = ("the weights it scales decode to NaN, Inf or zero" if kind.role != "input_scale"
-                  else "activations would be divided by it")
-    return Problem(RULE, ref.file, ref.key, f"{what} value {value} at index {[int(i) for i in index]} is {why}"
+        effect = _EFFECT.get(kind.role, "the weights it scales decode to NaN, Inf or zero")
+    return Problem(rule, ref.file, ref.key, f"{what} value {value} at index {[int(i) for i in index]} is {why}"
                                              f"{more}: {effect}")
 
 
@@ -271,7 +277,13 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
     A remote checkpoint (hf://, s3://) is read header-only by inspect, validate and the gate (a verb downloads
     the shards it needs, no more), so its scales are not read here: they are checked where they are decoded
     (``finite``: a NaN / Inf value is refused, naming the tensor and index)."""
-    refs = [(r, k) for r, k in companions(ckpt, unknown) if r.source.local_fd() is not None]
+    return judge(companions(ckpt, unknown))
+
+
+def judge(refs: list[tuple[Any, _Kind]], rule: str = RULE) -> list[Problem]:
+    """The problems of every (tensor, kind) in ``refs`` whose values are out of their kind's range, under ``rule``:
+    one batched read of the local ones (a remote tensor is left to the decoders' finite check)."""
+    refs = [(r, k) for r, k in refs if r.source.local_fd() is not None]
     if not refs:
         return []
     out: list[Problem] = []
@@ -297,11 +309,11 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
             seen.add(key)
             if len(out) < MAX_DETAILED:
                 out.append(_problem(p, np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize,
-                                                     offset=at[i])))
+                                                     offset=at[i]), rule))
             else:
                 extra += 1
     if extra:
-        out.append(Problem(RULE, None, None, f"{extra} more scale / zero point tensor(s) with values that are not "
+        out.append(Problem(rule, None, None, f"{extra} more scale / zero point tensor(s) with values that are not "
                                              "finite and positive (or out of range)"))
     return out
 

@@ -91,6 +91,10 @@ class ConfigDef(_Strict):
     exclude: list[ExcludeDef] = Field(default_factory=list)
     params: dict[str, ParamDef] = Field(default_factory=dict)
     refuse: list[RefuseDef] = Field(default_factory=list)
+    # the section field declaring KV-cache quantization (ModelOpt ``kv_cache_quant_algo`` / ``kv_cache_scheme``,
+    # compressed-tensors ``kv_cache_scheme``): where a scheme is declared in two places, both must say the same
+    # (rule quant-config-agree, quant/agree.py)
+    kv_cache: str | None = None
 
     @model_validator(mode="after")
     def _levels(self):
@@ -216,6 +220,10 @@ class SchemeTable(_Strict, SchemeParams):
     declared_in: list[ConfigDef]
     evidence: list[EvidenceDef] = Field(default_factory=list)
     storage: list[FormatDef]
+    # last name components of the KV-cache (and attention) scales its consumers load beside the linear layers
+    # (vLLM maybe_remap_kv_scale_name: ``self_attn.k_proj.k_scale``, ``self_attn.k_scale``, ...): each value
+    # must be finite and positive (rule kv-scale-value, quant/kv_scales.py)
+    kv_cache_scales: list[str] = Field(default_factory=list)
 
     # ``params`` (SchemeParams): every parameter name its declarations read
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -108,10 +109,13 @@ _KIND_TEXT = {
 
 
 def typed_value(kind: str, v: object) -> object:
-    """``v`` as a value of ``kind`` (see ``VarDef``); ValueError saying what was expected if it is not one."""
+    """``v`` as a value of ``kind`` (see ``VarDef``); ValueError saying what was expected if it is not one.
+
+    ``count`` and ``int`` take JSON integers only: ``1.0`` is a float to every strict reader of the config
+    (transformers' config dataclasses refuse it), so it is refused here, not read as 1."""
     ok = {
-        "count": lambda: _is_number(v) and 0 <= v <= MAX_COUNT and float(v).is_integer(),
-        "int": lambda: _is_number(v) and abs(v) <= MAX_COUNT and float(v).is_integer(),
+        "count": lambda: type(v) is int and 0 <= v <= MAX_COUNT,
+        "int": lambda: type(v) is int and abs(v) <= MAX_COUNT,
         "number": lambda: _is_number(v),
         "bool": lambda: isinstance(v, bool) or (type(v) is int and v in (0, 1)),
         "str": lambda: isinstance(v, str),
@@ -121,8 +125,10 @@ def typed_value(kind: str, v: object) -> object:
         "any": lambda: True,
     }[kind]()
     if not ok:
-        raise ValueError(f"expected {_KIND_TEXT[kind]}")
-    return int(v) if kind in ("count", "int") else v
+        float_int = kind in ("count", "int") and isinstance(v, float) and _is_number(v) and v.is_integer()
+        raise ValueError(f"expected {_KIND_TEXT[kind]}" + (f" (a JSON integer such as {int(v)}, not the float {v!r})"
+                                                           if float_int else ""))
+    return v
 
 
 def _config_env(table: Table, config: ConfigView) -> dict:
@@ -135,8 +141,9 @@ def _config_env(table: Table, config: ConfigView) -> dict:
                 try:
                     env[name] = typed_value(var.kind, found[0])
                 except ValueError as e:
-                    raise InputError(f"field {key!r} = {_short(found[0])}: table {table.family!r} reads it as "
-                                     f"{name!r}, {e}", rule="config-field", path=config.name or "config.json") from None
+                    raise InputError(f"field {config.path_of(key)!r} = {_short_json(found[0])}: table {table.family!r} "
+                                     f"reads it as {name!r}, {e}", rule="config-field",
+                                     path=config.name or "config.json") from None
                 break
         else:
             if var.default is not None or not var.required:
@@ -192,6 +199,15 @@ def _is_number(v: object) -> bool:
 
 def _short(v: object, limit: int = 60) -> str:
     r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _short_json(v: object, limit: int = 60) -> str:
+    """A config value as config.json spells it (``true``, ``"1"``, ``1.0``)."""
+    try:
+        r = json.dumps(v, ensure_ascii=False, allow_nan=True)
+    except (TypeError, ValueError):
+        return _short(v, limit)
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 

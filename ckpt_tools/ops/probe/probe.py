@@ -274,6 +274,12 @@ def verifier_config(path: str):
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"transformers cannot read the config: {e}", rule="probe-family", path=path) from e
+    except Exception as e:  # huggingface_hub's StrictDataclassError: a field of the wrong JSON type (e.g. 2.0 for 2)
+        if not any(c.__name__ == "StrictDataclassError" for c in type(e).__mro__):
+            raise
+        why = " ".join(str(e).split())  # "Validation error for field 'x': TypeError: ... expected int, got float"
+        raise InputError(f"transformers' strict config refuses it: {why}", rule="config-field",
+                         path=f"{path}/config.json") from e
     return config
 
 
