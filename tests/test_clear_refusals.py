@@ -1,0 +1,83 @@
+"""Issue 40, class 12: what crashed (exit 5) or said something unclear is a refusal naming the actual fault.
+
+Each case runs the verb through the CLI and asserts the exit code and that the message names the file (or the
+key) and the rule. The probe cases are refused before a weight loads, so the untrained fixture serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ckpt as ckpt
+
+pytest.importorskip("transformers")
+
+PRODUCERS = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
+
+
+def said(r) -> str:
+    return " ".join((r.output + (r.stderr or "")).split())
+
+
+# -- -o through a dangling symbolic link ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verb", [["extract"], ["init-draft"], ["fuse-experts"], ["dequant", "--only-mtp"]])
+@pytest.mark.parametrize("below", [False, True])  # -o is the link, or a path below it
+def test_an_output_through_a_dangling_link_is_named_with_its_target(make_fixture, tmp_path, verb, below):
+    src = make_fixture("deepseek_v3", fp8=verb[0] == "dequant")
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    out = link / "sub" if below else link
+    r = ckpt(*verb, src, "-o", out, code=4)
+    text = said(r)
+    assert "[output-dangling-link]" in text and f"{link} is a dangling symbolic link (to {tmp_path / 'gone'}" in text
+    assert "File exists" not in text
+    assert not (tmp_path / "gone").exists() and link.is_symlink()  # nothing created through it
+
+
+# -- probe's prompts file ------------------------------------------------------------------------------------------
+
+
+def _fifo(d: Path) -> Path:
+    os.mkfifo(d / "fifo")  # no writer: opening it must not wait for one
+    return d / "fifo"
+
+
+def _sparse(d: Path) -> Path:
+    with open(d / "big.txt", "wb") as f:
+        f.truncate(64 * 2**20 + 1)  # one byte past the bound, no disk used
+    return d / "big.txt"
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda d: Path("/dev/zero"), "the prompts file is a character device; give a regular file"),
+    (_fifo, "the prompts file is a FIFO; give a regular file"),
+    (_sparse, "the prompts file is larger than 67108864 bytes (64 MiB), the most probe reads"),
+], ids=["dev-zero", "fifo", "past-the-bound"])
+def test_a_prompts_file_that_never_ends_is_refused_with_the_bound(make_fixture, tmp_path, make, says):
+    path = make(tmp_path)
+    r = ckpt("probe", make_fixture("deepseek_v3"), "--prompts", path, code=3)
+    assert f"{path}: [prompts]: {says}" in said(r)
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('{"input_ids": []}', "line 3 (prompt 2): input_ids is empty; a prompt needs at least one token"),
+    ('{"input_ids": [5, -2]}', "line 3 (prompt 2): input_ids[1] = -2 is negative: token ids are 0 <= id < 256 "
+                               "(the verifier's vocab_size)"),
+    ('{"input_ids": [5, 6, 256]}', "line 3 (prompt 2): input_ids[2] = 256 is outside the vocabulary: token ids are "
+                                   "0 <= id < 256 (the verifier's vocab_size)"),
+])
+def test_a_prompt_probe_cannot_take_is_named_by_line_index_and_vocab(make_fixture, tmp_path, line, says):
+    src = make_fixture("deepseek_v3")
+    assert json.loads((src / "config.json").read_text())["vocab_size"] == 256
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input_ids": [3, 4]}\n\n' + line + "\n")
+    r = ckpt("probe", src, "--prompts", path, code=3)
+    assert f"{path}: [prompts]: {says}" in said(r)
