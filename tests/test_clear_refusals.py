@@ -81,3 +81,38 @@ def test_a_prompt_probe_cannot_take_is_named_by_line_index_and_vocab(make_fixtur
     path.write_text('{"input_ids": [3, 4]}\n\n' + line + "\n")
     r = ckpt("probe", src, "--prompts", path, code=3)
     assert f"{path}: [prompts]: {says}" in said(r)
+
+
+# -- a companion or weight under its own name in the wrong dtype ---------------------------------------------------
+
+
+def retyped(producer: str, key: str, dtype: str, dest: Path) -> Path:
+    """A copy of a real producer's output with ``key``'s header dtype changed (same byte width: the data stays)."""
+    out = dest / producer
+    shutil.copytree(PRODUCERS / producer, out)
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][key]
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header[key]["dtype"] = dtype
+    text = json.dumps(header, separators=(",", ":")).encode()
+    raw[8:8 + n] = text + b" " * (n - len(text))
+    shard.write_bytes(bytes(raw))
+    return out
+
+
+@pytest.mark.parametrize(("producer", "key", "stored", "expected", "scheme"), [
+    ("llmcompressor-nvfp4a16", "weight_packed", "I8", "U8", "compressed-tensors nvfp4-pack-quantized (NVFP4)"),
+    ("modelopt-nvfp4", "weight", "I8", "U8", "ModelOpt NVFP4"),
+    ("llmcompressor-w8a8", "weight", "U8", "I8", "compressed-tensors int-quantized INT8"),
+])
+def test_a_weight_in_the_wrong_dtype_is_said_so_not_missing(tmp_path, producer, key, stored, expected, scheme):
+    module = "model.layers.0.self_attn.o_proj"
+    d = retyped(producer, f"{module}.{key}", stored, tmp_path)
+    r = ckpt("validate", d, "--json", code=1)
+    about = [p for p in json.loads(r.stdout)["problems"] if (p["key"] or "").startswith(module)]
+    assert not any(p["rule"] == "trunk-missing" or "no shard holds it" in p["message"] for p in about), about
+    (finding,) = [p for p in about if p["rule"] == "trunk-quant-config"]
+    assert finding["key"] == module
+    assert f"{module}.{key} is {stored}, expected {expected}" in finding["message"]
+    assert scheme in finding["message"] and "malformed" in finding["message"]
