@@ -116,3 +116,32 @@ def test_a_weight_in_the_wrong_dtype_is_said_so_not_missing(tmp_path, producer, 
     assert finding["key"] == module
     assert f"{module}.{key} is {stored}, expected {expected}" in finding["message"]
     assert scheme in finding["message"] and "malformed" in finding["message"]
+
+
+# -- a declared block every stored scale grid disagrees with, all fitting one other: the config is wrong -----------
+
+
+def test_a_wrong_weight_block_size_is_the_configs_fault_and_fix_quant_config_repairs_it(make_fixture, tmp_path):
+    src = tmp_path / "fp8"
+    shutil.copytree(make_fixture("deepseek_v3", fp8=True), src)
+    config = json.loads((src / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]  # what the scales were made with
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (src / "config.json").write_text(json.dumps(config, indent=2))
+    problems = json.loads(ckpt("validate", src, "--json", code=1).stdout)["problems"]
+    assert not any("re-quantize" in p["message"] for p in problems), problems
+    assert not any(p["rule"] == "fp8-scale-shape" for p in problems)  # one fault, said once
+    (block,) = [p for p in problems if p["rule"] == "fp8-block-size"]
+    assert block["path"].endswith("config.json")
+    assert (f"the configuration's weight_block_size [64, 64] is wrong: every stored scale grid is that of block "
+            f"[128, 128] (rule fp8-block-size); `ckpt validate --fix-quant-config {src} -o OUT` sets "
+            "weight_block_size to [128, 128]") in block["message"]
+    for p in problems:  # each module finding points at the same repair
+        assert p["rule"] == "fp8-block-size" or "--fix-quant-config" in p["message"], p
+    out = tmp_path / "fixed"
+    fixed = json.loads(ckpt("validate", "--fix-quant-config", src, "-o", out, "--json").stdout)
+    assert fixed["status"] == "fixed" and fixed["fixed"][0]["key"] == "quantization_config.weight_block_size"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+    ckpt("validate", out)
+    for shard in src.glob("*.safetensors"):
+        assert (out / shard.name).read_bytes() == shard.read_bytes()  # only the config changed
