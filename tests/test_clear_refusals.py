@@ -145,3 +145,19 @@ def test_a_wrong_weight_block_size_is_the_configs_fault_and_fix_quant_config_rep
     ckpt("validate", out)
     for shard in src.glob("*.safetensors"):
         assert (out / shard.name).read_bytes() == shard.read_bytes()  # only the config changed
+
+
+# -- probe of a trunk without MTP layers, with a --draft ------------------------------------------------------------
+
+
+def test_probe_of_a_trunk_with_a_draft_says_why_not_and_the_command_it_names_works(make_fixture, tmp_path):
+    trunk = make_fixture("deepseek_v3", drop_mtp=True)
+    draft = tmp_path / "draft"
+    ckpt("extract", make_fixture("deepseek_v3"), "-o", draft)
+    text = said(ckpt("probe", trunk, "--draft", draft, code=3))
+    assert f"{trunk}: [probe-family]: the verifier declares no MTP layer (num_nextn_predict_layers: 0)" in text
+    assert "nothing to probe" not in text
+    assert f"`ckpt stitch DRAFT {trunk} --mode add -o OUT`, `ckpt probe OUT`" in text
+    out = tmp_path / "with-mtp"
+    ckpt("stitch", draft, trunk, "--mode", "add", "-o", out)  # the advice holds: OUT is a verifier with MTP
+    ckpt("validate", out)

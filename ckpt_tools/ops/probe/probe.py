@@ -319,11 +319,21 @@ def verifier_config(path: str):
     return config
 
 
-def require_mtp(verifier: Checkpoint) -> None:
-    """Refuses (``probe-family``), before any weight is read, a verifier whose table declares no MTP layer."""
+def require_mtp(verifier: Checkpoint, drafts: int = 0) -> None:
+    """Refuses (``probe-family``), before any weight is read, a verifier whose table declares no MTP layer; with
+    ``drafts``, a trunk whose config declares none says so and how to measure the draft (stitch --mode add)."""
     from ...model.mtp import open_mtp
 
     view = open_mtp(verifier)
+    if drafts and view.count < 1 and view.table.kind == "mtp":
+        field = view.table.mtp.count_field
+        keys = [k for k in (view.table.config[field].keys if field else []) if verifier.config.has(k)]
+        declared = f"{keys[0]}: {verifier.config.get(keys[0])}" if keys else "no MTP count"
+        raise InputError(f"the verifier declares no MTP layer ({declared}), and probe measures a --draft inside the "
+                         "verifier's own MTP layers (the draft's tensors mapped onto their names, as `ckpt stitch "
+                         "--mode replace` maps them): there is none to map it onto. Add the draft as the verifier's "
+                         f"MTP first, then probe that: `ckpt stitch DRAFT {verifier.root} --mode add -o OUT`, "
+                         "`ckpt probe OUT`", rule="probe-family", path=verifier.root)
     if view.count < 1 or view.table.kind != "mtp":
         raise InputError(f"family {view.table.family!r} ({verifier.config.get('model_type')}): the checkpoint "
                          "declares no MTP layer, so there is nothing to probe", rule="probe-family",
@@ -598,7 +608,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     check_prompts(req.prompts, getattr(text_config, "vocab_size", None),
                   getattr(text_config, "max_position_embeddings", None), req.max_new_tokens)
     with Checkpoint.open(req.verifier) as verifier:
-        require_mtp(verifier)
+        require_mtp(verifier, len(req.drafts))
         need = check_memory(verifier, req.dtype, len(req.drafts))
         if announce is not None:
             announce(need, available_memory())
