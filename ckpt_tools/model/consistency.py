@@ -52,7 +52,8 @@ RULES: dict[str, str] = {
     "mtp-extra": "tensors in the MTP namespace the table does not know",
     "fp8-scale-missing": "an FP8 weight without its block scale",
     "fp8-scale-shape": "a block scale of the wrong shape",
-    "fp8-block-size": "the declared block (weight_block_size) is neither two positive integers nor null",
+    "fp8-block-size": "the declared block (weight_block_size) is neither two positive integers nor null, or the "
+                      "stored scale grids all have another block (the config is wrong: --fix-quant-config)",
     "quant-config": "FP8 tensors and quantization_config disagree",
     "mtp-quant-config": "an MTP module is stored otherwise than the quantization config declares it (not excluded, "
                         "excluded, fused names missed, scales missing)",
