@@ -112,10 +112,10 @@ def _pick(lo: int, hi: float, default: int) -> int | None:
     return powers[0] if len(powers) == 1 else None
 
 
-def fitting_block(ckpt: Any, fmt: WeightFormat) -> tuple[int, int] | None:
+def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """The one tile every stored scale grid of ``fmt``'s weights is the grid of (each scale [..., gr, gc] of a
-    [..., rows, cols] weight: ceil(rows / b0) == gr and ceil(cols / b1) == gc); None when no tile fits them all or
-    several do (the format's own tile first, else a power of two)."""
+    [..., rows, cols] weight: ceil(rows / b0) == gr and ceil(cols / b1) == gc); None when no tile fits them all,
+    when several do (the format's own tile first, else a power of two), or when ``declared`` fits them all."""
     tensors = ckpt.tensors
     seen: set[tuple] = set()
     lo0, hi0, lo1, hi1 = 1, float("inf"), 1, float("inf")
@@ -136,7 +136,7 @@ def fitting_block(ckpt: Any, fmt: WeightFormat) -> tuple[int, int] | None:
         lo0, hi0, lo1, hi1 = max(lo0, a0), min(hi0, b0), max(lo1, a1), min(hi1, b1)
         if lo0 > hi0 or lo1 > hi1:
             return None
-    if not seen:
+    if not seen or (declared is not None and lo0 <= declared[0] <= hi0 and lo1 <= declared[1] <= hi1):
         return None
     own = _table_block(fmt) or fmt.block  # the table's tile: what releases of this format use
     rows, cols = _pick(lo0, hi0, own[0]), _pick(lo1, hi1, own[1])
@@ -161,7 +161,7 @@ def misdeclared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int], tu
     block, declared, malformed = declared_block(ckpt, fmt)
     if not declared or block is None or malformed is not None:
         return None
-    fitting = fitting_block(ckpt, fmt)
+    fitting = fitting_block(ckpt, fmt, block)
     if fitting is None or fitting == block:
         return None
     p = _block_param(fmt)
