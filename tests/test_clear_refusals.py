@@ -161,3 +161,22 @@ def test_probe_of_a_trunk_with_a_draft_says_why_not_and_the_command_it_names_wor
     out = tmp_path / "with-mtp"
     ckpt("stitch", draft, trunk, "--mode", "add", "-o", out)  # the advice holds: OUT is a verifier with MTP
     ckpt("validate", out)
+
+
+def test_the_block_the_scales_have_is_found_only_when_the_declared_one_does_not_fit():
+    from types import SimpleNamespace
+
+    from ckpt_tools.model.quant.block_audit import fitting_block
+    from ckpt_tools.model.quant.companions import weight_format
+
+    fmt = weight_format(hint="fp8-block")
+    tensors = {"a.weight": ("F8_E4M3", (64, 64)), "a.weight_scale_inv": ("F32", (1, 1))}
+    ckpt = SimpleNamespace(tensors={k: SimpleNamespace(dtype=d, shape=s) for k, (d, s) in tensors.items()})
+    assert fitting_block(ckpt, fmt, (64, 64)) is None  # the declared block fits: never called wrong
+    assert fitting_block(ckpt, fmt, (32, 32)) == (128, 128)  # the table's block, when it fits
+    ckpt.tensors["b.weight"] = SimpleNamespace(dtype="F8_E4M3", shape=(256, 512))
+    ckpt.tensors["b.weight_scale_inv"] = SimpleNamespace(dtype="F32", shape=(4, 8))
+    assert fitting_block(ckpt, fmt, (128, 128)) == (64, 64)  # else the one power of two that fits every grid
+    ckpt.tensors["c.weight"] = SimpleNamespace(dtype="F8_E4M3", shape=(256, 512))
+    ckpt.tensors["c.weight_scale_inv"] = SimpleNamespace(dtype="F32", shape=(2, 4))
+    assert fitting_block(ckpt, fmt, (128, 128)) is None  # no one block fits every grid: the scales are wrong
