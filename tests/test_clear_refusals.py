@@ -86,11 +86,8 @@ def test_a_prompt_probe_cannot_take_is_named_by_line_index_and_vocab(make_fixtur
 # -- a companion or weight under its own name in the wrong dtype ---------------------------------------------------
 
 
-def retyped(producer: str, key: str, dtype: str, dest: Path) -> Path:
-    """A copy of a real producer's output with ``key``'s header dtype changed (same byte width: the data stays)."""
-    out = dest / producer
-    shutil.copytree(PRODUCERS / producer, out)
-    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][key]
+def raw_retype(shard: Path, key: str, dtype: str) -> None:
+    """``key``'s header dtype changed in place (same byte width: the data stays, the header keeps its length)."""
     raw = bytearray(shard.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
@@ -98,6 +95,13 @@ def retyped(producer: str, key: str, dtype: str, dest: Path) -> Path:
     text = json.dumps(header, separators=(",", ":")).encode()
     raw[8:8 + n] = text + b" " * (n - len(text))
     shard.write_bytes(bytes(raw))
+
+
+def retyped(producer: str, key: str, dtype: str, dest: Path) -> Path:
+    """A copy of a real producer's output with ``key``'s header dtype changed."""
+    out = dest / producer
+    shutil.copytree(PRODUCERS / producer, out)
+    raw_retype(out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][key], key, dtype)
     return out
 
 
@@ -180,3 +184,18 @@ def test_the_block_the_scales_have_is_found_only_when_the_declared_one_does_not_
     ckpt.tensors["c.weight"] = SimpleNamespace(dtype="F8_E4M3", shape=(256, 512))
     ckpt.tensors["c.weight_scale_inv"] = SimpleNamespace(dtype="F32", shape=(2, 4))
     assert fitting_block(ckpt, fmt, (128, 128)) is None  # no one block fits every grid: the scales are wrong
+
+
+def test_an_mtp_weight_in_the_wrong_dtype_is_said_so_not_missing(tmp_path):
+    """The MTP view reads storage the same way: mtp-quant-config names the wrong dtype (no real producer keeps an
+    MTP layer quantized, so the compressed-tensors fixture stands in)."""
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v3", tmp_path / "src", QuantOptions("ct-nvfp4"))
+    module = "model.layers.3.self_attn.o_proj"  # the fixture's MTP layer
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    raw_retype(src / index[f"{module}.weight_packed"], f"{module}.weight_packed", "I8")
+    problems = json.loads(ckpt("validate", src, "--json", code=1).stdout)["problems"]
+    assert not any(p["rule"] == "mtp-missing" for p in problems), problems
+    (finding,) = [p for p in problems if p["rule"] == "mtp-quant-config"]
+    assert finding["key"] == module and f"{module}.weight_packed is I8, expected U8" in finding["message"]
