@@ -109,6 +109,9 @@ def retyped(producer: str, key: str, dtype: str, dest: Path) -> Path:
     ("llmcompressor-nvfp4a16", "weight_packed", "I8", "U8", "compressed-tensors nvfp4-pack-quantized (NVFP4)"),
     ("modelopt-nvfp4", "weight", "I8", "U8", "ModelOpt NVFP4"),
     ("llmcompressor-w8a8", "weight", "U8", "I8", "compressed-tensors int-quantized INT8"),
+    # a companion: the same words, whatever the scheme
+    ("llmcompressor-nvfp4a16", "weight_scale", "I8", "F8_E4M3", "compressed-tensors nvfp4-pack-quantized (NVFP4)"),
+    ("llmcompressor-fp8-block", "weight_scale", "I16", "BF16 or F16 or F32", "compressed-tensors float-quantized FP8"),
 ])
 def test_a_weight_in_the_wrong_dtype_is_said_so_not_missing(tmp_path, producer, key, stored, expected, scheme):
     module = "model.layers.0.self_attn.o_proj"

@@ -207,7 +207,7 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
             continue
         present[t.suffix] = key
         if ref.dtype not in t.dtypes:
-            problems.append(f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}")
+            problems.append(f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)} (the {t.role} of {table.title})")
         elif t.suffix == fmt.decoder.scale.tensor and grid is not None \
                 and tuple(ref.shape) not in (shapes := scale_shapes(fmt, grid)):
             problems.append(f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a "
