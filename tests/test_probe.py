@@ -150,8 +150,8 @@ def test_prompt_files_are_read_or_refused(tmp_path):
     j = tmp_path / "p.jsonl"
     j.write_text('{"prompt": "a"}\n{"input_ids": [3, 4]}\n')
     assert probe_ops.read_prompts(str(j)) == ["a", [3, 4]]
-    j.write_text('{"input_ids": [3, -1]}\n')
-    with pytest.raises(InputError, match="line 1"):
+    j.write_text('{"input_ids": [3, "4"]}\n')
+    with pytest.raises(InputError, match=r"line 1 \(prompt 1\): input_ids\[1\] is '4', not an integer token id"):
         probe_ops.read_prompts(str(j))
 
 
@@ -351,9 +351,12 @@ def test_missing_extras_are_named(trained, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("ids", "max_new", "says"), [
-    ([5, 2**64], 4, "line 2: expected"),  # past int64: refused as it is read, not an overflow inside torch
-    ([5, 128], 4, "line 2: token id 128 is outside the vocabulary (0 <= id < 128)"),
-    ([5] * 120, 16, "line 2: 120 prompt tokens + --max-new-tokens 16 exceed the model's 128 positions"),
+    # past int64: refused as it is read, not an overflow inside torch
+    ([5, 2**64], 4, f"line 2 (prompt 2): input_ids[1] = {2**64} is no token id (not an int64)"),
+    ([5, 128], 4, "line 2 (prompt 2): input_ids[1] = 128 is outside the vocabulary: token ids are 0 <= id < 128 "
+                  "(the verifier's vocab_size)"),
+    ([5, -1], 4, "line 2 (prompt 2): input_ids[1] = -1 is negative: token ids are 0 <= id < 128"),
+    ([5] * 120, 16, "line 2 (prompt 2): 120 prompt tokens + --max-new-tokens 16 exceed the model's 128 positions"),
 ])
 def test_prompts_the_model_cannot_take_are_refused_with_file_and_line(tmp_path, ids, max_new, says):
     from ckpt_tools.errors import InputError

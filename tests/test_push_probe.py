@@ -227,3 +227,27 @@ def test_a_kept_readme_is_said_to_lack_the_numbers(hub, measured, tmp_path):
     (d / "README.md").write_text("# my own card\n")
     r = ckpt("push", d, "me/own", "--probe-report", measured["report"], "--dry-run", "--json")
     assert any("probe report's numbers are not in the card" in n for n in json.loads(r.stdout)["notes"])
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [
+    ("kl", None, "drafts[1].kl[0] (depth 1) is null, not a finite number"),
+    ("kl", "inf", 'drafts[1].kl[1] (depth 2) is "inf", not a finite number'),
+    ("agreement", "0.5", 'drafts[1].agreement[0] (depth 1) is "0.5", not a share in [0, 1]'),
+    ("positions", 3.5, "drafts[1].positions is 3.5, not a count"),
+    ("expected_accepted", None, "drafts[1].expected_accepted is null, not a finite number"),
+])
+def test_a_report_whose_numbers_are_not_numbers_is_refused_naming_the_file_and_field(measured, tmp_path, field,
+                                                                                       value, named):
+    """A report edited by hand (or by another tool) that still names these tensors: push refuses it (exit 3,
+    [probe-report]) naming the report and the field, instead of crashing on the card's formatting (exit 5)."""
+    report = json.loads(measured["report"].read_text())
+    entry = report["drafts"][1]
+    if field in ("kl", "agreement"):
+        entry[field][0 if value is None or field == "agreement" else DEPTH - 1] = value
+    else:
+        entry[field] = value
+    bad = tmp_path / "edited-report.json"
+    bad.write_text(json.dumps(report))
+    r = ckpt("push", measured["draft"], "me/draft", "--probe-report", bad, "--dry-run", code=3)
+    out = " ".join((r.output + (r.stderr or "")).split())
+    assert "[probe-report]" in out and str(bad) in out and named in out

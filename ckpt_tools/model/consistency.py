@@ -10,7 +10,7 @@ and the notes for optional tensors left out (``absent_notes``). docs/integrity.m
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,7 +56,8 @@ RULES: dict[str, str] = {
     "mtp-extra": "tensors in the MTP namespace the table does not know",
     "fp8-scale-missing": "an FP8 weight without its block scale",
     "fp8-scale-shape": "a block scale of the wrong shape",
-    "fp8-block-size": "the declared block (weight_block_size) is neither two positive integers nor null",
+    "fp8-block-size": "the declared block (weight_block_size) is neither two positive integers nor null, or the "
+                      "stored scale grids all have another block (the config is wrong: --fix-quant-config)",
     "quant-config": "FP8 tensors and quantization_config disagree",
     "mtp-quant-config": "an MTP module is stored otherwise than the quantization config declares it (not excluded, "
                         "excluded, fused names missed, scales missing)",
@@ -431,6 +432,7 @@ def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> lis
              f"a per-module list): declare it by hand, or `ckpt graft SOURCE {view.ckpt.root} -o OUT`")
     findings = audit(view).findings
     left = _left_by_repair(view) if any(f.fix for f in findings) else set()
+    weights_or_block = _block_advice(view, weights) if any(not f.fix for f in findings) else None
     out = []
     for f in findings:
         if any(k.startswith(f.key + ".") for k in unknown):
@@ -438,7 +440,8 @@ def quant_config_problems(view: MtpView, unknown: set[str] = frozenset()) -> lis
         if f.rule is not None:  # a rule of its own: its message says what repairs it
             out.append(Problem(f.rule, cfg, f.key, f.message))
             continue
-        out.append(Problem(RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left else fix)))
+        out.append(Problem(RULE, cfg, f.key, f.message + (weights_or_block(f.key) if not f.fix else stuck
+                                                          if f.key in left else fix)))
     return out
 
 
@@ -461,10 +464,30 @@ def trunk_quant_problems(view: MtpView, unknown: set[str] = frozenset(), *, whol
     fix = f"; `ckpt validate --fix-quant-config {view.ckpt.root} -o OUT` repairs the config"
     stuck = "; --fix-quant-config cannot repair it: correct the quantization config by hand"
     weights = "; a config change cannot fix this: the stored tensors are wrong (re-quantize the module)"
+    weights_or_block = _block_advice(view, weights)
     return [Problem(f.rule, cfg, f.key, f.message) if f.rule is not None else
-            Problem(TRUNK_QUANT_RULE, cfg, f.key, f.message + (weights if not f.fix else stuck if f.key in left
-                                                                else fix))
+            Problem(TRUNK_QUANT_RULE, cfg, f.key, f.message + (weights_or_block(f.key) if not f.fix else stuck
+                                                                if f.key in left else fix))
             for f in findings if not any(k.startswith(f.key + ".") for k in unknown)]
+
+
+def _block_advice(view: MtpView, weights: str) -> Callable[[str], str]:
+    """The advice for a module only the weights could fix: ``weights``, except for a module of the block format
+    when the configuration's block is wrong (``misdeclared_block``): its scales are right, the config is not."""
+    from .quant.block_audit import block_advice, misdeclared_block
+
+    ckpt, fmt = view.ckpt, view.block_format
+    wrong = misdeclared_block(ckpt, fmt)
+    if wrong is None:
+        return lambda module: weights
+    advice = f"; {block_advice(ckpt, wrong)}"
+
+    def pick(module: str) -> str:
+        ref = ckpt.tensors.get(f"{module}.weight")
+        scaled = ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(ref.key) in ckpt.tensors
+        return advice if scaled else weights
+
+    return pick
 
 
 def _left_by_repair(view: MtpView) -> set[str]:

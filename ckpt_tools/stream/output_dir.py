@@ -69,13 +69,29 @@ def check_not_an_input(out: Path, inputs: Iterable[str | os.PathLike]) -> None:
                          rule="output-overlaps-input")
 
 
+def dangling_link(path: Path) -> Path | None:
+    """The first of ``path`` and its ancestors that is a symbolic link to nothing (None: none is)."""
+    p = Path(os.path.abspath(path))
+    for q in (p, *p.parents):
+        if q.is_symlink() and not q.exists():
+            return q
+        if q.exists():
+            return None
+    return None
+
+
 def check_output_dir(out: Path, *, overwrite: bool, resume: bool) -> None:
-    """Refuse a non-empty directory unless --overwrite / --resume.
+    """Refuse a non-empty directory unless --overwrite / --resume, and an -o through a dangling link.
 
     Called before creating the directory and again under the lock: a concurrent writer may
     have filled it in between. Only a plain lock file is not counted (a link or anything
     else named like the lock is someone else's).
     """
+    link = dangling_link(out)
+    if link is not None:  # mkdir would say only "File exists"; creating the link's target is not ours to guess
+        raise OutputError(f"{link} is a dangling symbolic link (to {os.readlink(link)}, which does not exist); "
+                          "create its target, remove the link, or give -o another path",
+                          rule="output-dangling-link", path=str(out))
     if out.exists() and not out.is_dir():
         raise OutputError("output path exists and is not a directory", path=str(out))
     if out.exists():

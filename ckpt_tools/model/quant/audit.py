@@ -315,7 +315,8 @@ def _judge(m: ModuleAudit, scheme: QuantScheme | None, result: Audit) -> None:
                               "exclude", (m.module, *m.fused))
     elif st.storage is not None and not st.storage.complete:
         what = [f"missing {k}" for k in st.storage.missing] + list(st.storage.problems)
-        problem = Finding(m.module, f"stored {st.label} but incomplete: {'; '.join(what)}; engines cannot load it")
+        how = "incomplete" if st.storage.missing else "malformed"  # a wrong dtype or shape is no missing tensor
+        problem = Finding(m.module, f"stored {st.label} but {how}: {'; '.join(what)}; engines cannot load it")
     elif scheme is None:
         if not weight_format().stores(st.dtype):  # FP8 without a quantization_config is rule quant-config
             problem = Finding(m.module, f"stored {st.label}, but the configuration declares no quantization: "

@@ -83,4 +83,94 @@ def block_problems(ckpt: Any, fmt: WeightFormat, unknown: set[str], cfg: str | N
                                                           f"{list(ref.shape)})")
         if want is not None:
             found.append((k, Problem("fp8-scale-shape", sref.file, skey, f"shape {list(sref.shape)}, expected {want}")))
+    shape_problems = [p for _, p in found if p.rule == "fp8-scale-shape"]
+    if shape_problems and cfg is not None:
+        wrong = misdeclared_block(ckpt, fmt)
+        if wrong is not None:  # one fault, in the configuration: said once, with its repair
+            first = min(shape_problems, key=lambda p: p.key or "")
+            out.append(Problem(BLOCK_SIZE_RULE, cfg, None, f"{block_advice(ckpt, wrong)} ({len(shape_problems)} "
+                               f"scale(s) disagree with {list(wrong[0])}, e.g. {first.key}: {first.message})"))
+            found = [(k, p) for k, p in found if p.rule != "fp8-scale-shape"]
     return out + [p for _, p in sorted(found, key=lambda kp: kp[0])]
+
+
+# -- a declared block no stored scale grid has, while all have one other: the configuration is wrong ------------------
+
+
+def _axis_range(n: int, g: int) -> tuple[int, float]:
+    """The tile sizes b with ceil(n / b) == g: [ceil(n / g), ceil(n / (g - 1)) - 1] (g == 1: b >= n)."""
+    if g <= 0 or n <= 0:
+        return 1, 0  # empty
+    return -(-n // g), (float("inf") if g == 1 else -(-n // (g - 1)) - 1)
+
+
+def _pick(lo: int, hi: float, default: int) -> int | None:
+    """The tile size in [lo, hi]: the format's own when it is in range, else the one power of two in range."""
+    if lo <= default <= hi:
+        return default
+    powers = [2**k for k in range(31) if lo <= 2**k <= hi]
+    return powers[0] if len(powers) == 1 else None
+
+
+def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The one tile every stored scale grid of ``fmt``'s weights is the grid of (each scale [..., gr, gc] of a
+    [..., rows, cols] weight: ceil(rows / b0) == gr and ceil(cols / b1) == gc); None when no tile fits them all,
+    when several do (the format's own tile first, else a power of two), or when ``declared`` fits them all."""
+    tensors = ckpt.tensors
+    seen: set[tuple] = set()
+    lo0, hi0, lo1, hi1 = 1, float("inf"), 1, float("inf")
+    for k, ref in tensors.items():
+        if ref.dtype not in fmt.weight_dtypes or len(ref.shape) < 2:
+            continue
+        sref = tensors.get(k[:-6] + fmt.scale_suffix if k.endswith(".weight") else scale_key(k, fmt.scale_suffix))
+        if sref is None:
+            continue
+        pair = (tuple(ref.shape), tuple(sref.shape))
+        if pair in seen:
+            continue
+        seen.add(pair)
+        if len(sref.shape) != len(ref.shape) or sref.shape[:-2] != ref.shape[:-2]:
+            return None  # not a block grid (a per-tensor scale, a stacked scale of other lead dims)
+        a0, b0 = _axis_range(ref.shape[-2], sref.shape[-2])
+        a1, b1 = _axis_range(ref.shape[-1], sref.shape[-1])
+        lo0, hi0, lo1, hi1 = max(lo0, a0), min(hi0, b0), max(lo1, a1), min(hi1, b1)
+        if lo0 > hi0 or lo1 > hi1:
+            return None
+    if not seen or (declared is not None and lo0 <= declared[0] <= hi0 and lo1 <= declared[1] <= hi1):
+        return None
+    own = _table_block(fmt) or fmt.block  # the table's tile: what releases of this format use
+    rows, cols = _pick(lo0, hi0, own[0]), _pick(lo1, hi1, own[1])
+    return None if rows is None or cols is None else (rows, cols)
+
+
+def _block_param(fmt: WeightFormat):
+    """The scheme table's ``block`` parameter (its configuration keys and default), or None."""
+    return next((p for d in get_scheme(fmt.scheme).declared_in for name, p in d.params.items() if name == "block"),
+                None)
+
+
+def _table_block(fmt: WeightFormat) -> tuple[int, int] | None:
+    p = _block_param(fmt)
+    d = p.default if p is not None else None
+    return (int(d[0]), int(d[1])) if isinstance(d, list) and len(d) == 2 else None
+
+
+def misdeclared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int], tuple[int, int], str] | None:
+    """(the declared tile, the tile every stored scale grid has, the configuration key that declares it) when the
+    configuration declares a tile some stored scale grid disagrees with and all agree with one other."""
+    block, declared, malformed = declared_block(ckpt, fmt)
+    if not declared or block is None or malformed is not None:
+        return None
+    fitting = fitting_block(ckpt, fmt, block)
+    if fitting is None or fitting == block:
+        return None
+    p = _block_param(fmt)
+    return block, fitting, (p.keys[0] if p is not None and p.keys else "block")
+
+
+def block_advice(ckpt: Any, wrong: tuple[tuple[int, int], tuple[int, int], str]) -> str:
+    """What to do about a misdeclared block (``misdeclared_block``): the configuration is wrong, not the scales."""
+    block, fitting, key = wrong
+    return (f"the configuration's {key} {list(block)} is wrong: every stored scale grid is that of block "
+            f"{list(fitting)} (rule {BLOCK_SIZE_RULE}); `ckpt validate --fix-quant-config {ckpt.root} -o OUT` sets "
+            f"{key} to {list(fitting)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -233,7 +233,7 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         present[t.suffix] = key
         wrong = None
         if ref.dtype not in t.dtypes:
-            wrong = f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)}"
+            wrong = f"{key} is {ref.dtype}, expected {' or '.join(t.dtypes)} (the {t.role} of {table.title})"
         elif t.suffix == fmt.decoder.scale.tensor and grid is not None \
                 and tuple(ref.shape) not in (shapes := scale_shapes(fmt, grid)):
             wrong = (f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a "
@@ -402,9 +402,17 @@ def _module_storage(tensors: Mapping[str, Any], memo: _Memo, scheme: QuantScheme
         key = (table.scheme in own_names, _applies(fmt, params), companions, -rank)
         if best is None or key > best[0]:
             best = (key, table, fmt, wref, params)
+    found = None
     if best is not None:
         _, table, fmt, wref, params = best
-        return _check(tensors, module, table, fmt, wref, params, shape)
+        found = _check(tensors, module, table, fmt, wref, params, shape)
+        if best[0][0] or found.complete:
+            return found  # the declared format, or a whole format of another scheme (a scheme mismatch)
+    wrong = _wrong_dtype(tensors, memo, scheme, module, shape, fused, declared_only=found is not None)
+    if wrong is not None:
+        return wrong
+    if found is not None:
+        return found
     wref = tensors.get(f"{module}.weight")
     if wref is not None and wref.dtype in FLOAT_DTYPES:
         return Storage(module, "unquantized", wref.dtype, label=wref.dtype, tensors={"weight": wref.key},
@@ -414,3 +422,32 @@ def _module_storage(tensors: Mapping[str, Any], memo: _Memo, scheme: QuantScheme
                        problems=(f"{wref.key} is {wref.dtype}, which no quantization scheme table stores",),
                        shape=tuple(wref.shape))
     return Storage(module, "absent", label="absent")
+
+
+def _wrong_dtype(tensors: Mapping[str, Any], memo: _Memo, scheme: QuantScheme | None, module: str,
+                 shape: tuple[int, ...] | None, fused: Any, declared_only: bool) -> Storage | None:
+    """A format's weight under its own name in a dtype the format does not store (``weight_packed`` I8 for U8),
+    as that format's storage with the wrong dtype its first problem: said as a wrong dtype, not as a missing
+    tensor nor as a broken format of another scheme. Only the declared scheme's formats, or (``declared_only``
+    False) a format with a companion present; a float ``weight`` is an unquantized module, not a wrong dtype."""
+    near = None
+    for rank, (table, fmt) in enumerate(memo.candidates):
+        wref = tensors.get(f"{module}.{fmt.weight.suffix}")
+        if wref is None or wref.dtype in fmt.weight.dtypes or (fmt.weight.suffix == "weight"
+                                                               and wref.dtype in FLOAT_DTYPES):
+            continue
+        own = table.scheme in memo.own_names
+        params = _params(scheme, table, module, fused, memo)
+        companions = sum(f"{module}.{t.suffix}" in tensors for t in fmt.tensors)
+        if not own and (declared_only or not companions):
+            continue
+        key = (own, _applies(fmt, params), companions, -rank)
+        if near is None or key > near[0]:
+            near = (key, table, fmt, wref, params)
+    if near is None:
+        return None
+    _, table, fmt, wref, params = near
+    st = _check(tensors, module, table, fmt, wref, params, shape)
+    wrong = (f"{wref.key} is {wref.dtype}, expected {' or '.join(fmt.weight.dtypes)} (the {fmt.name} weight of "
+             f"{table.title})")
+    return replace(st, problems=(wrong, *st.problems))

@@ -19,6 +19,7 @@ from ...io.checkpoint import Checkpoint, revision_of, source_name
 from ...model.consistency import TRUNK_QUANT_RULE, config_path
 from ...model.mtp import choose_table, open_mtp
 from ...model.quant.audit import RULE, Finding, audit
+from ...model.quant.block_audit import misdeclared_block
 from ...model.quant.config import quant_files
 from ...model.quant.repair import Repair, repair_view
 from ...model.quant.report import audit_json, config_diff
@@ -71,6 +72,8 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
         raise UsageError(f"--link {link!r}: use one of {', '.join(LINK_MODES)}")
     if link == "remote" and ckpt.local_dir is not None:
         raise UsageError("--link remote needs an hf:// checkpoint (its shards stay on the Hub)")
+    source = ckpt
+    ckpt, block = _block_repaired(ckpt, arch)  # a declared block the stored scales all disagree with, set right
     _refuse_other_problems(ckpt, arch)
     view = open_mtp(ckpt, choose_table(ckpt, arch))
     repair = repair_view(view)
@@ -79,14 +82,20 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
                        scheme=before.scheme.name if before.scheme is not None else None)
     if repair.unfixable:
         raise _unfixable(ckpt, repair.unfixable, _in_mtp(view))
-    if not repair.changed:
+    if block is not None:
+        declared, fitting, key = block
+        repair.fixed.insert(0, Finding(f"quantization_config.{key}", f"{list(declared)} disagreed with the stored "
+                                       f"scale grids; set to {list(fitting)}, the block all of them have"))
+    if not repair.changed and block is None:
         report.modules = audit_json(before)
         return None, report
     report.status = "fixed"
-    report.modules = audit_json(repair.after) if repair.after is not None else None
-    report.diff = config_diff(quant_files(ckpt), repair.files)
-    report.changed_files = sorted(repair.files)
-    files = config_files(ckpt, ckpt.config.raw, repair)
+    report.modules = audit_json(repair.after) if repair.after is not None else audit_json(before)
+    changed = {"config.json": ckpt.config.raw, **repair.files} if block is not None else repair.files
+    report.diff = config_diff(quant_files(source), changed)
+    report.changed_files = sorted(changed)
+    files = config_files(source, ckpt.config.raw if block is not None else source.config.raw, repair)
+    ckpt = source
     replaced = {f.name for f in files}
     wm = ckpt.index["weight_map"] if ckpt.index else None
     for shard, keys in ckpt.shard_keys.items():
@@ -102,6 +111,18 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
         plan.single_file_name = next(iter(ckpt.shard_keys))
     record_inputs(plan, source=ckpt)
     return plan, report
+
+
+def _block_repaired(ckpt: Checkpoint, arch: str | None) -> tuple[Checkpoint, tuple | None]:
+    """``ckpt`` with its configuration's block set to the one every stored scale grid has, when the declared one
+    fits none of them (``misdeclared_block``: rule fp8-block-size), and what was wrong; else ``ckpt``, None."""
+    from dataclasses import replace
+
+    wrong = misdeclared_block(ckpt, open_mtp(ckpt, choose_table(ckpt, arch)).block_format)
+    if wrong is None:
+        return ckpt, None
+    _, fitting, key = wrong
+    return replace(ckpt, config=ckpt.config.with_values({f"quantization_config.{key}": list(fitting)})), wrong
 
 
 def _refuse_other_problems(ckpt: Checkpoint, arch: str | None) -> None:

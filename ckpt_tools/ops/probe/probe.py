@@ -19,6 +19,8 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -128,28 +130,54 @@ def read_prompts(path: str | None) -> list[str | list[int]]:
 
 def check_prompts(path: str | None, vocab_size: int | None, positions: int | None, max_new_tokens: int) -> None:
     """Token ids within 0 <= id < vocab_size, and prompt + ``max_new_tokens`` within the model's positions
-    (``[prompts]`` errors naming the file and line): an id past the vocabulary or the positions would fail
-    inside the model, or run for minutes on a length the model was never made for."""
-    for line, prompt in read_prompt_lines(path):
+    (``[prompts]`` errors naming the file, the line, the prompt and the id): an id past the vocabulary or the
+    positions would fail inside the model, or run for minutes on a length the model was never made for."""
+    for number, (line, prompt) in enumerate(read_prompt_lines(path), 1):
         if not isinstance(prompt, list):
             continue
-        if vocab_size:
-            bad = next((i for i in prompt if i >= vocab_size), None)
-            if bad is not None:
-                raise InputError(f"line {line}: token id {bad} is outside the vocabulary (0 <= id < {vocab_size})",
+        where = f"line {line} (prompt {number})"
+        for j, i in enumerate(prompt):
+            if i < 0 or (vocab_size and i >= vocab_size):
+                what = "negative" if i < 0 else "outside the vocabulary"
+                bound = f"{vocab_size} (the verifier's vocab_size)" if vocab_size else "the vocabulary size"
+                raise InputError(f"{where}: input_ids[{j}] = {i} is {what}: token ids are 0 <= id < {bound}",
                                  rule="prompts", path=path)
         if positions and len(prompt) + max_new_tokens > positions:
-            raise InputError(f"line {line}: {len(prompt)} prompt tokens + --max-new-tokens {max_new_tokens} exceed "
+            raise InputError(f"{where}: {len(prompt)} prompt tokens + --max-new-tokens {max_new_tokens} exceed "
                              f"the model's {positions} positions (max_position_embeddings)", rule="prompts", path=path)
 
 
 BUILTIN_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
+# a prompts file is read whole, so it is read with a bound: far more prompts than any probe runs in a day
+PROMPTS_MAX_BYTES = 64 * 2**20
 
 
 def prompts_sha256(path: str | None) -> str:
     """sha256 of the prompts file's bytes; without one, of the built-in prompts as a text file (a line each)."""
-    data = "".join(p + "\n" for p in BUILTIN_PROMPTS).encode() if path is None else Path(path).read_bytes()
+    data = "".join(p + "\n" for p in BUILTIN_PROMPTS).encode() if path is None else prompt_bytes(path)
     return hashlib.sha256(data).hexdigest()
+
+
+def prompt_bytes(path: str) -> bytes:
+    """The prompts file's bytes: a regular file of at most ``PROMPTS_MAX_BYTES`` (a device, a FIFO or a file that
+    keeps growing would otherwise be read until memory runs out; a FIFO could not be read twice either)."""
+    try:
+        # O_NONBLOCK: a FIFO without a writer is refused, not waited on
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a character device" if stat.S_ISCHR(st.st_mode)
+                        else "a socket" if stat.S_ISSOCK(st.st_mode) else "a block device"
+                        if stat.S_ISBLK(st.st_mode) else "not a regular file")
+                raise InputError(f"the prompts file is {kind}; give a regular file (it is read whole, and hashed "
+                                 "into the report)", rule="prompts", path=str(path))
+            data = f.read(PROMPTS_MAX_BYTES + 1)
+    except OSError as e:
+        raise InputError(f"cannot read prompts: {e.strerror or e}", rule="prompts", path=str(path)) from None
+    if len(data) > PROMPTS_MAX_BYTES:
+        raise InputError(f"the prompts file is larger than {PROMPTS_MAX_BYTES} bytes ({PROMPTS_MAX_BYTES // 2**20} "
+                         "MiB), the most probe reads: split it", rule="prompts", path=str(path))
+    return data
 
 
 def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
@@ -158,8 +186,8 @@ def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
         return [(0, p) for p in BUILTIN_PROMPTS]
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        text = prompt_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as e:
         raise InputError(f"cannot read prompts: {e}", rule="prompts", path=str(p)) from e
     prompts: list[tuple[int, str | list[int]]] = []
     jsonl = p.suffix == ".jsonl"
@@ -173,13 +201,27 @@ def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(f"line {n} is not JSON: {e.msg}", rule="prompts", path=str(p)) from e
+        except RecursionError:
+            raise InputError(f"line {n} is nested too deeply to be a prompt", rule="prompts", path=str(p)) from None
+        where = f"line {n} (prompt {len(prompts) + 1})"
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             prompts.append((n, obj["prompt"]))
-        elif (isinstance(obj, dict) and isinstance(obj.get("input_ids"), list) and obj["input_ids"]
-              and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in obj["input_ids"])):
-            prompts.append((n, list(obj["input_ids"])))
+        elif isinstance(obj, dict) and isinstance(obj.get("input_ids"), list):
+            ids = obj["input_ids"]
+            if not ids:
+                raise InputError(f"{where}: input_ids is empty; a prompt needs at least one token", rule="prompts",
+                                 path=str(p))
+            bad = next((j for j, i in enumerate(ids) if isinstance(i, bool) or not isinstance(i, int)), None)
+            if bad is not None:
+                raise InputError(f"{where}: input_ids[{bad}] is {ids[bad]!r}, not an integer token id",
+                                 rule="prompts", path=str(p))
+            huge = next((j for j, i in enumerate(ids) if not -2**63 <= i < 2**63), None)
+            if huge is not None:  # before any vocabulary is known: torch holds token ids as int64
+                raise InputError(f"{where}: input_ids[{huge}] = {ids[huge]} is no token id (not an int64)",
+                                 rule="prompts", path=str(p))
+            prompts.append((n, list(ids)))
         else:
-            raise InputError(f'line {n}: expected {{"prompt": text}} or {{"input_ids": [ints]}}', rule="prompts",
+            raise InputError(f'{where}: expected {{"prompt": text}} or {{"input_ids": [ints]}}', rule="prompts",
                              path=str(p))
     if not prompts:
         raise InputError("no prompts in the file", rule="prompts", path=str(p))
@@ -283,11 +325,21 @@ def verifier_config(path: str):
     return config
 
 
-def require_mtp(verifier: Checkpoint) -> None:
-    """Refuses (``probe-family``), before any weight is read, a verifier whose table declares no MTP layer."""
+def require_mtp(verifier: Checkpoint, drafts: int = 0) -> None:
+    """Refuses (``probe-family``), before any weight is read, a verifier whose table declares no MTP layer; with
+    ``drafts``, a trunk whose config declares none says so and how to measure the draft (stitch --mode add)."""
     from ...model.mtp import open_mtp
 
     view = open_mtp(verifier)
+    if drafts and view.count < 1 and view.table.kind == "mtp":
+        field = view.table.mtp.count_field
+        keys = [k for k in (view.table.config[field].keys if field else []) if verifier.config.has(k)]
+        declared = f"{keys[0]}: {verifier.config.get(keys[0])}" if keys else "no MTP count"
+        raise InputError(f"the verifier declares no MTP layer ({declared}), and probe measures a --draft inside the "
+                         "verifier's own MTP layers (the draft's tensors mapped onto their names, as `ckpt stitch "
+                         "--mode replace` maps them): there is none to map it onto. Add the draft as the verifier's "
+                         f"MTP first, then probe that: `ckpt stitch DRAFT {verifier.root} --mode add -o OUT`, "
+                         "`ckpt probe OUT`", rule="probe-family", path=verifier.root)
     if view.count < 1 or view.table.kind != "mtp":
         raise InputError(f"family {view.table.family!r} ({verifier.config.get('model_type')}): the checkpoint "
                          "declares no MTP layer, so there is nothing to probe", rule="probe-family",
@@ -562,7 +614,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     check_prompts(req.prompts, getattr(text_config, "vocab_size", None),
                   getattr(text_config, "max_position_embeddings", None), req.max_new_tokens)
     with Checkpoint.open(req.verifier) as verifier:
-        require_mtp(verifier)
+        require_mtp(verifier, len(req.drafts))
         need = check_memory(verifier, req.dtype, len(req.drafts))
         if announce is not None:
             announce(need, available_memory())

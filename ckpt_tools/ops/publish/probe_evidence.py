@@ -11,7 +11,9 @@ uploaded under ``probe-report.json`` / ``probe-plot.png``.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 from ...errors import InputError
 from ...model.card_probe import ProbeEvidence
@@ -54,14 +56,87 @@ def find(folder: Path, report: Path | None, plot: Path | None) -> tuple[ProbeEvi
 def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InputError(f"cannot read the probe report: {e}", rule="probe-report", path=str(path)) from None
     drafts = data.get("drafts") if isinstance(data, dict) else None
     if not isinstance(drafts, list) or not drafts or not all(
             isinstance(d, dict) and isinstance(d.get("agreement"), list) and d["agreement"] for d in drafts):
         raise InputError("not a ckpt probe report (no 'drafts' with 'agreement' per depth)", rule="probe-report",
                          path=str(path))
+    problem = report_problem(data)
+    if problem is not None:
+        raise InputError(f"{problem}: not what `ckpt probe --report` writes (it never reports a number that is "
+                         "not one), so its numbers cannot go into a model card; probe these files again",
+                         rule="probe-report", path=str(path))
     return data
+
+
+# The report as `ckpt probe` writes it (ops.probe.probe.ProbeResult.to_json) and as the card reads it: each field
+# the card reads, with what it must hold. Fields the card does not read are not judged.
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+_NUMBER = "a finite number"
+DRAFT_FIELDS: dict[str, tuple[Any, str]] = {  # field -> (check, what it must be); absent = None
+    "name": (_text, "a string"),
+    "positions": (_count, "a count (an integer >= 0)"),
+    "expected_accepted": (_finite, _NUMBER),
+    "mean_acceptance_length": (_optional(_finite), f"{_NUMBER} or null"),
+    "greedy_equal": (_optional(lambda v: isinstance(v, bool)), "true, false or null"),
+    "tensors": (_optional(lambda v: isinstance(v, dict) and _optional(_text)(v.get("sha256"))),
+                "null or an object whose sha256 is a string"),
+}
+REPORT_FIELDS: dict[str, tuple[Any, str]] = {
+    "prompts": (_count, "a count (an integer >= 0)"),
+    "max_new_tokens": (_optional(_count), "a count or null"),
+    "prompts_sha256": (_optional(_text), "a string or null"),
+    "dtype": (_optional(_text), "a string or null"),
+    "device": (_optional(_text), "a string or null"),
+    "chain": (_optional(_text), "a string or null"),
+    "plot": (_optional(_text), "a string or null"),
+    "engine": (_optional(lambda v: isinstance(v, dict) and all(_optional(_text)(v.get(k))
+                                                              for k in ("name", "version"))),
+               "null or an object whose name and version are strings"),
+}
+
+
+def report_problem(data: dict) -> str | None:
+    """The first field of a probe report that is not what probe writes (``drafts[1].kl[0] is null, not a finite
+    number``), or None."""
+    for name, (check, what) in REPORT_FIELDS.items():
+        if not check(data.get(name)):
+            return f"{name} is {json.dumps(data.get(name))}, not {what}"
+    for i, d in enumerate(data["drafts"]):
+        if "mean_acceptance_length" not in d and "expected_accepted" not in d:
+            return f"drafts[{i}] has neither expected_accepted nor mean_acceptance_length"
+        for name, (check, what) in DRAFT_FIELDS.items():
+            if name == "expected_accepted" and name not in d and d.get("mean_acceptance_length") is not None:
+                continue  # the card shows vLLM's own count then
+            if not check(d.get(name)):
+                return f"drafts[{i}].{name} is {json.dumps(d.get(name))}, not {what}"
+        kl = d.get("kl") if d.get("kl") is not None else []
+        if not isinstance(kl, list) or (kl and len(kl) != len(d["agreement"])):
+            return (f"drafts[{i}].kl is {json.dumps(d.get('kl'))[:80]}, not a list of one number per depth "
+                    f"({len(d['agreement'])}) or empty (vLLM measures no distribution)")
+        for field, values in (("agreement", d["agreement"]), ("kl", kl)):
+            for k, v in enumerate(values):
+                if not _finite(v) or (field == "agreement" and not 0 <= v <= 1):
+                    what = "a share in [0, 1]" if field == "agreement" else _NUMBER
+                    return f"drafts[{i}].{field}[{k}] (depth {k + 1}) is {json.dumps(v)}, not {what}"
+    return None
 
 
 def _plot_beside(report: Path, data: dict) -> Path | None:
