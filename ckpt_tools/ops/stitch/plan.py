@@ -39,6 +39,7 @@ from ...stream.fingerprint import record_inputs, tensor_digest
 from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..writing.add_mtp import mtp_into, require_indexed, virtual_view
 from ..writing.carry import carried_files, check_inputs, untouched_file
+from ..writing.out_dtype import requested_for
 from ..writing.output_config import config_files, repair_config, set_count
 from .compare import Candidates, Decision, decide, judge
 from .report import StitchReport
@@ -226,8 +227,8 @@ class _Builder:
         if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
             self.candidates[t.key] = t
             return
-        fixed = spec is not None and spec.dtype_fixed  # the release fixes it: the verifier's (rule stored-dtype)
-        target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES and not fixed else vt
+        # --dtype draft: the draft's float dtype, but for a dtype the table pins (the verifier's, as the table says)
+        target = (requested_for(spec, t.dtype) or vt) if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES else vt
         t = self._values(t, scale, target)
         if t is None:
             return
