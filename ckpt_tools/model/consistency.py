@@ -268,8 +268,15 @@ def _mixed(view: MtpView) -> list[tuple[ExpertGroup, dict[str, str]]]:
     """Every expert group of the trunk and of the MTP layers, in the layout on disk, with the tensors of another
     layout it holds beside it (``expert_layouts.mixed_layout_keys``)."""
     tensors = view.ckpt.tensors
-    groups = [g if (lay := detect_group_layout(g, tensors)) == g.layout else g.with_layout(lay)
-              for g in trunk_specs(view.resolved)[1]] + view.groups()
+
+    def on_disk(g: ExpertGroup) -> ExpertGroup:
+        names = g.columns()[0]
+        if names[0] in tensors and names[-1] in tensors:  # stored as shipped (trunk-* judge whether completely)
+            return g
+        lay = detect_group_layout(g, tensors)
+        return g if lay == g.layout else g.with_layout(lay)
+
+    groups = [on_disk(g) for g in trunk_specs(view.resolved)[1]] + view.groups()
     return [(g, found) for g in groups if (found := mixed_layout_keys(g, tensors))]
 
 
