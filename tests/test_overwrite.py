@@ -79,7 +79,7 @@ def test_a_listed_name_leaving_the_output_is_never_removed(target, tmp_path):
     out = tmp_path / "out"
     ckpt("extract", BASE, "-o", out)
     manifest = json.loads((out / MANIFEST_NAME).read_text())
-    manifest["written"] += ["../victim.txt", str(victim)]
+    manifest["written"] += ["../victim.txt", str(victim), ".ckpt.lock"]  # and never the lock this run holds
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
     ckpt("extract", BASE, "-o", out, "--overwrite", "--dtype", "fp32")
     assert victim.read_text() == "precious\n"

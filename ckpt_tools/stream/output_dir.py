@@ -170,15 +170,16 @@ def written_names(plan: Plan, shards: Iterable[str]) -> list[str]:
     removes exactly these."""
     shards = list(shards)
     names = set(shards) | {f.name for f in plan.files if f.link != "remote"} | {MANIFEST_NAME}
-    if list(shards) != [plan.single_file_name] or any(f.name.endswith(".safetensors") for f in plan.files):
+    # the writer's rule: one lone shard and no whole .safetensors file is its own marker, with no index
+    if shards != [plan.single_file_name] or any(f.name.endswith(".safetensors") for f in plan.files):
         names.add(plan.index_name)
     return sorted(names)
 
 
 def previous_written(read: Callable[[str], bytes | None]) -> list[str]:
-    """What earlier runs of ours wrote into this output: the ``written`` lists of its resume record and of its
-    manifest (both: an interrupted --overwrite leaves the new record beside nothing else). Names that could
-    leave the output (absolute, ``..``) are not ours to remove and are dropped."""
+    """What earlier runs of ours wrote into this output: the ``written`` lists of its resume record (a run stopped
+    before its manifest has only that) and of its manifest. A record is input like any other: names that could
+    leave the output (absolute, ``..``) and the lock this run holds are not ours to remove and are dropped."""
     names: set[str] = set()
     for record_name in (RESUME_NAME, MANIFEST_NAME):
         raw = read(record_name)
@@ -188,7 +189,7 @@ def previous_written(read: Callable[[str], bytes | None]) -> list[str]:
             continue
         listed = record.get("written") if isinstance(record, dict) else None
         if isinstance(listed, list):
-            names.update(n for n in listed if isinstance(n, str) and _inside(n))
+            names.update(n for n in listed if isinstance(n, str) and _inside(n) and n != LOCK_NAME)
     return sorted(names)
 
 
