@@ -199,3 +199,52 @@ def test_graft_and_stitch_keep_fixed_dtypes(make_fixture, tmp_path):
     dtypes = _dtypes(kept)
     assert dtypes[SINK] == "BF16" and dtypes["model.mtp.layers.1.eh_proj.weight"] == "F32"
     run_ckpt("validate", kept)
+
+
+# -- a dtype the table pins, kept by every verb on every option (issue 40, class 11) -----------------------------
+
+PRODUCERS = Path(__file__).resolve().parents[1] / "fixtures" / "producers"
+BASE = PRODUCERS / "transformers-deepseek_v3"  # transformers' own save: the router bias F32, the rest BF16
+BIAS = "model.layers.2.mlp.gate.e_score_correction_bias"  # deepseek_v3.yaml: dtype: F32
+
+
+def _pinned_case(case: str, tmp_path: Path) -> tuple[Path, dict]:
+    """Run one verb with one dtype option over the real producers' checkpoints; (its output, its --json)."""
+    out = tmp_path / "out"
+    if case == "graft --mtp-dtype":  # a source whose config says float32: the model dtype is the pin's
+        src = _copy(BASE, tmp_path / "src")
+        config = json.loads((src / "config.json").read_text())
+        config["dtype"] = "float32"
+        (src / "config.json").write_text(json.dumps(config))
+        args = ["graft", src, PRODUCERS / "modelopt-fp8", "-o", out, "--mtp-dtype", "bf16"]
+    elif case == "extract --dtype":
+        args = ["extract", BASE, "-o", out, "--dtype", "bf16"]
+    elif case == "extract --dequant --dtype":
+        grafted = tmp_path / "grafted"
+        run_ckpt("graft", BASE, PRODUCERS / "modelopt-fp8", "-o", grafted)
+        args = ["extract", grafted, "-o", out, "--dequant", "bf16", "--dtype", "fp16"]
+    elif case == "init-draft --dtype":
+        args = ["init-draft", BASE, "-o", out, "--dtype", "bf16"]
+    elif case == "stitch --dtype draft":  # a draft trained in BF16 throughout, its bias included
+        draft = tmp_path / "draft"
+        run_ckpt("extract", BASE, "-o", draft)
+        _rewrite(draft, BIAS, lambda t: t.bfloat16())
+        args = ["stitch", draft, BASE, "-o", out, "--dtype", "draft"]
+    else:  # dequant --dtype
+        grafted = tmp_path / "grafted"
+        run_ckpt("graft", BASE, PRODUCERS / "modelopt-fp8", "-o", grafted)
+        args = ["dequant", grafted, "-o", out, "--dtype", "bf16"]
+    return out, json.loads(run_ckpt(*args, "--json").stdout)
+
+
+@pytest.mark.parametrize("case", ["graft --mtp-dtype", "extract --dtype", "extract --dequant --dtype",
+                                  "init-draft --dtype", "stitch --dtype draft", "dequant --dtype"])
+def test_a_pinned_dtype_is_kept_by_every_verb_on_every_option(case, tmp_path):
+    out, report = _pinned_case(case, tmp_path)
+    dtypes = _dtypes(out)
+    assert dtypes[BIAS] == "F32", (case, dtypes[BIAS])  # transformers keeps it F32 strictly, vLLM builds it F32
+    asked = "F16" if "--dequant" in case else "BF16"
+    assert asked in {d for k, d in dtypes.items() if k != BIAS}  # the option took effect on the rest
+    if case.startswith("extract"):
+        assert report["kept_dtype"] == {BIAS: "F32"}  # and says what it kept
+    run_ckpt("validate", out)

@@ -280,3 +280,53 @@ def test_fuse_with_dequant_writes_bf16_everywhere_with_reference_values(make_fix
     w = source[f"{prefix}.0.up_proj.weight"]
     assert torch.equal(again[f"{prefix}.0.up_proj.weight"].view(torch.int16),
                        _dequant_reference(w, source[f"{prefix}.0.up_proj.weight_scale_inv"]).view(torch.int16))
+
+
+# -- one group, two layouts (issue 40, class 10) ------------------------------------------------------------
+
+PRODUCED = Path(__file__).resolve().parents[1] / "fixtures" / "producers" / "transformers-deepseek_v3"
+
+
+def _with_fused_beside(src: Path, dst: Path, layer: str) -> Path:
+    """transformers' own DeepSeek-V3 checkpoint (per-expert names) with ``layer``'s experts also stored fused, as
+    transformers 5 holds them in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    every = {k: v for shard in sorted(set(index["weight_map"].values())) for k, v in load_file(dst / shard).items()}
+    p = f"{layer}.mlp.experts"
+    count = sum(1 for k in every if k.startswith(p + ".") and k.endswith(".down_proj.weight"))
+    shard = index["weight_map"][f"{p}.0.gate_proj.weight"]
+    tensors = load_file(dst / shard)
+    tensors[f"{p}.gate_up_proj"] = torch.stack(
+        [torch.cat([every[f"{p}.{e}.gate_proj.weight"], every[f"{p}.{e}.up_proj.weight"]]) for e in range(count)])
+    tensors[f"{p}.down_proj"] = torch.stack([every[f"{p}.{e}.down_proj.weight"] for e in range(count)])
+    save_file(tensors, dst / shard, metadata={"format": "pt"})
+    for k in (f"{p}.gate_up_proj", f"{p}.down_proj"):
+        index["weight_map"][k] = shard
+        index["metadata"]["total_size"] += tensors[k].numel() * tensors[k].element_size()
+    index_path.write_text(json.dumps(index, indent=2))
+    return dst
+
+
+@pytest.mark.parametrize("layer", ["model.layers.1", "model.layers.2"])  # a trunk layer; the MTP layer
+def test_a_group_holding_two_layouts_is_refused_by_validate_and_every_verb_alike(layer, tmp_path):
+    mixed = _with_fused_beside(PRODUCED, tmp_path / "mixed", layer)
+    before = tree_hash(mixed)
+    r = ckpt("validate", mixed, "--json", code=1)
+    found = {(p["rule"], p["key"]) for p in json.loads(r.stdout)["problems"]}
+    assert found == {("expert-layouts-mixed", f"{layer}.mlp.experts.gate_up_proj"),
+                     ("expert-layouts-mixed", f"{layer}.mlp.experts.down_proj")}  # not mtp-extra besides
+    draft = tmp_path / "draft"
+    ckpt("extract", PRODUCED, "-o", draft)
+    verbs = [["extract", mixed], ["extract", mixed, "--drop-mtp"], ["fuse-experts", mixed], ["unfuse-experts", mixed],
+             ["init-draft", mixed], ["stitch", draft, mixed], ["graft", mixed, PRODUCED]]
+    for i, args in enumerate(verbs):
+        r = ckpt(*args, "-o", tmp_path / f"o{i}", code=3)
+        msg = " ".join(_error(r).split())
+        assert "[expert-layouts-mixed]" in msg and f"{layer}.mlp.experts." in msg, (args, msg)
+        assert "a tensor of the fused layout" in msg and not (tmp_path / f"o{i}").exists(), args
+    # past the gate, the converters refuse it by the same rule
+    r = ckpt("fuse-experts", mixed, "-o", tmp_path / "f", "--allow-invalid", "expert-layouts-mixed", code=3)
+    assert "[expert-layouts-mixed]" in _error(r)
+    assert tree_hash(mixed) == before

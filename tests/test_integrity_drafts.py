@@ -329,6 +329,57 @@ def test_an_init_draft_is_exempt(make_fixture, tmp_path):
     assert all("cosine" in t for t in rep["tensors"] if t["status"] == "replaced")
 
 
+PRODUCED = Path(__file__).resolve().parents[1] / "fixtures" / "producers" / "transformers-deepseek_v3"
+PRODUCED_MTP = "model.layers.2."  # its MTP layer
+
+
+def _swapped_halves_with_an_init_manifest(tmp_path: Path) -> Path:
+    """A draft of transformers' own DeepSeek-V3 checkpoint with every expert's gate and up halves exchanged, and
+    beside it the manifest init-draft wrote for another draft (issue 40: verify-manifest finds most digests wrong)."""
+    init, draft = tmp_path / "init", tmp_path / "draft"
+    ckpt("init-draft", PRODUCED, "-o", init)
+    ckpt("extract", PRODUCED, "-o", draft)
+
+    def swap(t):
+        for e in range(4):
+            g, u = f"{PRODUCED_MTP}mlp.experts.{e}.gate_proj.weight", f"{PRODUCED_MTP}mlp.experts.{e}.up_proj.weight"
+            t[g], t[u] = t[u], t[g]
+
+    edit(draft, swap)
+    shutil.copy(init / "ckpt_manifest.json", draft / "ckpt_manifest.json")
+    return draft
+
+
+def test_an_init_manifest_beside_other_bytes_is_not_evidence(tmp_path):
+    draft = _swapped_halves_with_an_init_manifest(tmp_path)
+    assert ckpt("verify-manifest", draft, code=1)
+    text = refused(draft, PRODUCED, tmp_path, "divergent", named=(f"{PRODUCED_MTP}mlp.experts.0.gate_proj.weight",))
+    assert "[manifest-mismatch]" in text and f"{draft}/ckpt_manifest.json" in text  # the file, the key, the rule
+    assert "exempt" in text  # says why the init claim did not exempt it
+    rep = json.loads(ckpt("stitch", draft, PRODUCED, "-o", tmp_path / "out", "--accept-divergent", "--json").output)
+    assert "exempt" not in rep["divergence"] and len(rep["divergence"]["divergent"]) == 8
+    assert "[manifest-mismatch]" in rep["manifest_mismatch"] and rep["provenance"].startswith("config.json")
+
+
+def test_a_manifest_family_over_other_bytes_proves_nothing(tmp_path):
+    """Its family claim goes with its digests too: a draft whose config names no model is then unproven."""
+    draft = _swapped_halves_with_an_init_manifest(tmp_path)
+    config = json.loads((draft / "config.json").read_text())
+    for field in ("model_type", "architectures"):
+        config.pop(field, None)
+    (draft / "config.json").write_text(json.dumps(config))
+    text = refused(draft, PRODUCED, tmp_path, "draft-unproven")
+    assert "[manifest-mismatch]" in text
+
+
+def test_an_untouched_init_draft_of_a_real_checkpoint_stays_exempt(tmp_path):
+    draft = tmp_path / "init"
+    ckpt("init-draft", PRODUCED, "-o", draft)
+    rep = json.loads(ckpt("stitch", draft, PRODUCED, "-o", tmp_path / "out", "--json").output)
+    assert "from scratch" in rep["divergence"]["exempt"] and "manifest_mismatch" not in rep
+    assert rep["provenance"].startswith("ckpt_manifest.json")
+
+
 def test_the_gate_pool_stops_on_error():
     from ckpt_tools.ops.stitch.compare import _in_parallel
 

@@ -145,7 +145,7 @@ def test_draft_of_a_bf16_mtp_behind_exclusions_has_no_quantization_config(make_f
 
 def test_dequant_keeps_float_tensors_the_source_stores_in_float_and_says_which(make_fixture, tmp_path):
     """--dequant decodes what is quantized; the F32 router bias stays F32 (transformers keeps it F32 strictly,
-    vLLM builds it F32), is reported, and --dtype bf16 casts it too."""
+    vLLM builds it F32), is reported, and --dtype bf16 keeps it too (the table pins it: issue 40)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
 
     assert "e_score_correction_bias" in DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict
@@ -165,8 +165,10 @@ def test_dequant_keeps_float_tensors_the_source_stores_in_float_and_says_which(m
 
     report = json.loads(run_ckpt("extract", src, "-o", tmp_path / "all", "--dequant", "bf16", "--dtype", "bf16",
                                  "--json").output)
-    assert "kept_dtype" not in report
-    assert {str(v.dtype) for v in _out(tmp_path / "all").values()} == {"torch.bfloat16"}
+    assert report["kept_dtype"] == {bias: "F32"}
+    out = _out(tmp_path / "all")
+    assert out[bias].dtype == torch.float32
+    assert {str(v.dtype) for k, v in out.items() if k != bias} == {"torch.bfloat16"}
 
 
 def test_dequant_help_names_every_scheme_table():

@@ -260,6 +260,22 @@ def test_non_empty_prefix_is_refused_unless_overwrite(s3, bucket, verifier):
     ckpt("extract", verifier, "-o", f"s3://{bucket}/out", "--overwrite")
 
 
+def test_overwrite_removes_the_previous_runs_side_files(s3, bucket, verifier, tmp_path):
+    """--overwrite leaves what the new run writes: a side file of the previous run's source goes too."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(verifier, src)
+    (src / "chat_template.jinja").write_text("{{ messages }}")  # the other model's template
+    s3.client().put_object(Bucket=bucket, Key="out/notes.txt", Body=b"x")
+    ckpt("extract", src, "-o", f"s3://{bucket}/out", "--overwrite")
+    assert "chat_template.jinja" in objects(s3, bucket, "out")
+    ckpt("extract", verifier, "-o", f"s3://{bucket}/out", "--overwrite")
+    got = objects(s3, bucket, "out")
+    assert "chat_template.jinja" not in got and "notes.txt" in got  # no run of ours wrote the note
+    assert set(got) - {"notes.txt"} == set(json.loads(got[MANIFEST_NAME])["written"])
+
+
 def test_credentials_in_the_url_are_refused(s3, bucket, verifier):
     r = ckpt("extract", verifier, "-o", f"s3://AKIA:secret@{bucket}/out", code=2)
     assert "credentials-in-url" in r.output and "secret" not in r.output.replace("secret@", "")

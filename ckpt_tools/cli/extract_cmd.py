@@ -25,7 +25,7 @@ DEQUANT_HELP = ("bf16 | fp16 | fp32: decode the quantized MTP weights of every s
                 "NVFP4 / MXFP4, ModelOpt FP8 / NVFP4, Quark MXFP4) into this dtype; the config loses "
                 "quantization_config. Tensors the source stores unquantized keep their dtype (an F32 router bias "
                 "stays F32, as the release and its engines keep it; listed after writing): add --dtype to cast them "
-                "too.")
+                "too, but for a dtype the family table pins.")
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +40,8 @@ def register(app: typer.Typer) -> None:
         with_embed: bool = typer.Option(None, "--with-embed/--no-embed",
                                         help="Carry the embedding (per-layer copy, else the shared one)."),
         with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
-        dtype: str = typer.Option("keep", "--dtype", help="keep | bf16 | fp16 | fp32 (floating tensors)."),
+        dtype: str = typer.Option("keep", "--dtype", help="keep | bf16 | fp16 | fp32 (floating tensors; a dtype the "
+                                                          "family table pins is kept)."),
         dequant: str = typer.Option(None, "--dequant", help=DEQUANT_HELP),
         drop_mtp: bool = typer.Option(False, "--drop-mtp",
                                       help="Write the trunk: everything but MTP, count 0 (mtp-* rules do not block)."),
@@ -78,4 +79,4 @@ def register(app: typer.Typer) -> None:
                 c.print(f"{role}: the MTP layer has no per-layer copy; carried the trunk's {key}")
             if report.kept_dtype:
                 kept = ", ".join(f"{k} {d}" for k, d in sorted(report.kept_dtype.items()))
-                c.print(f"kept as stored (not quantized; --dtype casts them): {kept}", soft_wrap=True)
+                c.print(f"kept as stored (not quantized, or a dtype the table pins): {kept}", soft_wrap=True)

@@ -79,6 +79,10 @@ def register(app: typer.Typer) -> None:
             say_how_read(report.draft)
             render_diffs(report.diffs, report.totals(), show_all, title=f"stitch ({report.mode}, {report.format})",
                          more_hint=hint)
+            if report.manifest:
+                from rich.markup import escape
+
+                out_console().print(f"not evidence: {escape(report.manifest)}", soft_wrap=True)
             if report.divergent():
                 out_console().print("divergent, stitched with --accept-divergent: "
                                     + "; ".join(f"{d.key} ({d.divergent})" for d in report.divergent()))

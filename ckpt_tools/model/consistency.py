@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ..errors import InputError, UsageError
 from ..io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from ..io.safetensors_io import LocalFile, read_header
+from .expert_layouts import MIXED_DESCRIPTION, MIXED_RULE, ExpertGroup, mixed_layout_keys, mixed_layout_message
 from .expr import ExprError, render
 from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
@@ -67,6 +68,7 @@ RULES: dict[str, str] = {
     STORED_DTYPE_RULE: STORED_DTYPE_DESCRIPTION,
     SCALE_VALUE_RULE: SCALE_VALUE_DESCRIPTION,
     PATTERN_RULE: PATTERN_DESCRIPTION,
+    MIXED_RULE: MIXED_DESCRIPTION,
     "trunk-quant-config": "a main-model module is stored otherwise than the quantization config declares it "
                           "(quantized but excluded, float but targeted, scales missing or mis-shaped)",
     # a module's declared arguments against its stored tensors (quant/storage.py issues; docs/integrity.md)
@@ -274,6 +276,29 @@ def count_field(view: MtpView) -> str:
     return var.keys[0]
 
 
+def _mixed(view: MtpView) -> list[tuple[ExpertGroup, dict[str, str]]]:
+    """Every expert group of the trunk and of the MTP layers, in the layout on disk, with the tensors of another
+    layout it holds beside it (``expert_layouts.mixed_layout_keys``)."""
+    tensors = view.ckpt.tensors
+
+    def on_disk(g: ExpertGroup) -> ExpertGroup:
+        names = g.columns()[0]
+        if names[0] in tensors and names[-1] in tensors:  # stored as shipped (trunk-* judge whether completely)
+            return g
+        lay = detect_group_layout(g, tensors)
+        return g if lay == g.layout else g.with_layout(lay)
+
+    groups = [on_disk(g) for g in trunk_specs(view.resolved)[1]] + view.groups()
+    return [(g, found) for g in groups if (found := mixed_layout_keys(g, tensors))]
+
+
+def mixed_layout_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:
+    """``expert-layouts-mixed``: a routed-expert group (trunk or MTP) holding a second layout's tensors; the rule
+    fuse-experts and unfuse-experts refuse it by (model.experts.check_group), so validate and every gate agree."""
+    return [Problem(MIXED_RULE, file_of(view.ckpt, key), key, mixed_layout_message(g, layout))
+            for g, found in _mixed(view) for key, layout in sorted(found.items()) if key not in unknown]
+
+
 def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem]:
     ckpt = view.ckpt
     cfg = config_path(ckpt)
@@ -305,7 +330,10 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
         out.append(Problem("mtp-beyond", file_of(ckpt, k), k,
                            f"{declared} but this tensor belongs to an MTP layer past that count; set {field_name} to "
                            "match the weights, or drop the tensors (`ckpt extract --drop-mtp`)"))
+    mixed = {k for _, found in _mixed(view) for k in found} if view.extra else set()
     for k in view.extra:
+        if k in mixed:
+            continue  # another expert layout's tensor: rule expert-layouts-mixed names it
         out.append(Problem("mtp-extra", file_of(ckpt, k), k,
                            f"inside the MTP namespace but not a tensor of the {view.table.family} table"))
     return out

@@ -16,7 +16,9 @@ the key templates of the layout a family ships.
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -24,6 +26,10 @@ from typing import NamedTuple
 from .expr import render
 
 LAYOUT_NAMES = ("per-expert", "fused", "stacked", "stacked-transposed", "fused-transposed")
+# one group holding the tensors of two layouts: engines and transformers load the names of one and ignore or
+# refuse the other, fuse/unfuse cannot tell which is meant (validate, every gate and the converters: one rule)
+MIXED_RULE = "expert-layouts-mixed"
+MIXED_DESCRIPTION = "a routed-expert group holds the tensors of two layouts (per-expert and fused, ...)"
 
 DEFAULT_KEYS: dict[str, dict[str, str]] = {
     "per-expert": {
@@ -194,3 +200,68 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int] = (128, 128)) -> 
     """Block-scale grid for a weight: the last two dims divided by the block, rounded up."""
     *lead, rows, cols = shape
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+# (mapping, its size, its sorted keys) of the last mapping searched: planning visits one checkpoint at a time
+_SORTED: list = [None, 0, []]
+
+
+def keys_under(refs: Mapping[str, object], heads: tuple[str, ...]) -> list[str]:
+    """Keys starting with any of ``heads``, by bisecting the mapping's sorted keys (sorted once per mapping)."""
+    if _SORTED[0] is not refs or _SORTED[1] != len(refs):
+        _SORTED[:] = [refs, len(refs), sorted(refs)]
+    keys: list[str] = _SORTED[2]
+    out: list[str] = []
+    for head in heads:
+        i = bisect.bisect_left(keys, head)
+        while i < len(keys) and keys[i].startswith(head):
+            out.append(keys[i])
+            i += 1
+    return out
+
+
+def _layouts_of(group: ExpertGroup) -> tuple[dict[str, str], set[str]]:
+    """(every tensor name of another layout of ``group`` -> that layout, the names of its own layout). A name both
+    layouts use (fused and fused-transposed share theirs) is the group's own."""
+    own = set(group.columns()[0])
+    others: dict[str, str] = {}
+    for name in LAYOUT_NAMES:
+        if name != group.layout.name:
+            for k in group.with_layout(ExpertLayout(name)).columns()[0]:
+                if k not in own:
+                    others.setdefault(k, name)
+    return others, own
+
+
+def other_layout_keys(group: ExpertGroup, keys: Iterable[str]) -> dict[str, str]:
+    """Of ``keys``, those that are tensors of another layout of ``group`` than its own (a weight, or a companion
+    named after it: ``..._scale_inv``, ``.weight_scale``), each with that layout's name (rule ``MIXED_RULE``)."""
+    others, own = _layouts_of(group)
+    out: dict[str, str] = {}
+    for key in keys:
+        base = key
+        if base not in others and base not in own:  # a companion: the weight's name, "_", a suffix
+            cuts = [i for i, ch in enumerate(key) if ch == "_"]
+            base = next((key[:i] for i in reversed(cuts) if key[:i] in others or key[:i] in own), key)
+        if base in others:
+            out[key] = others[base]
+    return out
+
+
+def mixed_layout_keys(group: ExpertGroup, refs: Mapping[str, object]) -> dict[str, str]:
+    """The tensors of ``refs`` that belong to another layout of ``group`` than its own (the layout on disk): key ->
+    that layout's name. Each other layout's names are looked up (a few per group, or E x 3 per-expert ones), and
+    the companions of those present: a release's 58 groups cost no pass over its 92,000 keys."""
+    others, own = _layouts_of(group)
+    out: dict[str, str] = {}
+    for k, name in others.items():
+        if k in refs:
+            out[k] = name
+            out.update((c, name) for c in keys_under(refs, (k + "_",)) if c not in own)
+    return out
+
+
+def mixed_layout_message(group: ExpertGroup, layout: str) -> str:
+    return (f"a tensor of the {layout} layout of {group.prefix}, whose experts are stored {group.layout.label()}: "
+            "a loader expects the names of one layout (the other's go unloaded, or are refused) and no conversion "
+            "can tell which is meant; keep one layout's tensors")

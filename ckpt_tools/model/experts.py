@@ -15,7 +15,6 @@ the writer may decode them ahead of their turn (``Compute.ahead``).
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 from collections.abc import Iterator, Mapping
@@ -28,7 +27,17 @@ from ..dtypes import DTYPES, FLOAT_DTYPES
 from ..errors import PlanError
 from ..io.safetensors_io import Segment, TensorRef, read_bytes
 from ..stream.plan import Compute, CopyBytes, OutputTensor
-from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout, scale_key, scale_shape
+from .expert_layouts import (
+    LAYOUT_NAMES,
+    MIXED_RULE,
+    ExpertGroup,
+    ExpertLayout,
+    keys_under,
+    mixed_layout_message,
+    other_layout_keys,
+    scale_key,
+    scale_shape,
+)
 from .quant.companions import WeightFormat, weight_format
 
 if TYPE_CHECKING:  # numpy is imported where pieces are computed: pure restacking never needs it
@@ -304,24 +313,6 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightForm
     return GroupInfo(dtype, scale_dtype, [w.key for w in weights] + scale_keys)
 
 
-# (mapping, its size, its sorted keys) of the last mapping checked: planning visits one checkpoint at a time
-_SORTED: list = [None, 0, []]
-
-
-def _keys_under(refs: Mapping[str, TensorRef], heads: tuple[str, ...]) -> list[str]:
-    """Keys starting with any of ``heads``, by bisecting the mapping's sorted keys (sorted once per mapping)."""
-    if _SORTED[0] is not refs or _SORTED[1] != len(refs):
-        _SORTED[:] = [refs, len(refs), sorted(refs)]
-    keys: list[str] = _SORTED[2]
-    out: list[str] = []
-    for head in heads:
-        i = bisect.bisect_left(keys, head)
-        while i < len(keys) and keys[i].startswith(head):
-            out.append(keys[i])
-            i += 1
-    return out
-
-
 def _other_layout_keys(src: ExpertGroup) -> set[str]:
     """Keys of the group's stacked and fused layouts (per-expert keys are matched by ``_expert_patterns``)."""
     keys: set[str] = set()
@@ -354,7 +345,9 @@ def _stray(src: ExpertGroup, refs: Mapping[str, TensorRef], expected: set[str]) 
 
     found: set[int] = set()
     stray: list[str] = []
-    for key in _keys_under(refs, (src.prefix + ".", src.prefix + "_")):
+    under = keys_under(refs, (src.prefix + ".", src.prefix + "_"))
+    mixed = other_layout_keys(src, under)  # the gate's rule (expert_layouts.MIXED_RULE): the same finding
+    for key in under:
         if src.layout.per_expert:
             idx = index_of(key)
             if idx is not None:
@@ -363,7 +356,9 @@ def _stray(src: ExpertGroup, refs: Mapping[str, TensorRef], expected: set[str]) 
             stray.append(key)
     for key in sorted(stray):
         idx = index_of(key)
-        if idx is not None and src.layout.per_expert and idx >= src.count:
+        if key in mixed and not (idx is not None and src.layout.per_expert):
+            problems.append((MIXED_RULE, f"{key}: {mixed_layout_message(src, mixed[key])}"))
+        elif idx is not None and src.layout.per_expert and idx >= src.count:
             problems.append(("expert-index", f"{key}: expert index {idx} but the config has {src.count} experts "
                                              f"(0..{src.count - 1})"))
         else:

@@ -9,26 +9,36 @@ mappings/formats/*.yaml: ``model_type`` / ``architectures``, speculators'
 A name is the verifier's when its table detects it or its own config carries it. Any other name is
 a draft of another model (``wrong-family``); no evidence at all is ``draft-unproven``.
 ``--arch FAMILY`` asserts the family and skips this check.
+
+A manifest is evidence only of the bytes it describes (``manifest_mismatch``): when the digests it records for
+the tensors a claim relies on (its ``family``, its ``init``) are not those of the draft's bytes, it is a copy beside
+another draft, or the draft changed since (``manifest-mismatch``), and the draft is judged as without it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, MutableMapping
 from typing import TYPE_CHECKING
 
 from ..errors import InputError
+from ..io import digest
+from ..io.artefacts import MANIFEST_NAME
 from ..io.checkpoint import Checkpoint
 from .tables.loader import all_tables
 
 if TYPE_CHECKING:
+    from ..io.safetensors_io import Segment, TensorRef
     from .formats import Format
     from .tables.schema import Table
 
 OVERRIDE = "--arch FAMILY asserts the draft's family and overrides this check"
 
 
-def prove_family(draft: Checkpoint, fmt: Format, table: Table, verifier: Checkpoint) -> str:
-    """The evidence that ``draft`` belongs to ``table``'s family; InputError when it does not or cannot."""
-    manifest = draft.manifest or {}
+def prove_family(draft: Checkpoint, fmt: Format, table: Table, verifier: Checkpoint, *,
+                 no_manifest: str | None = None) -> str:
+    """The evidence that ``draft`` belongs to ``table``'s family; InputError when it does not or cannot.
+    ``no_manifest``: why its manifest is not evidence (``manifest_mismatch``): its family is then not read."""
+    manifest = (draft.manifest or {}) if no_manifest is None else {}
     family = manifest.get("family")
     if isinstance(family, str) and family:
         if family != table.family:
@@ -40,8 +50,9 @@ def prove_family(draft: Checkpoint, fmt: Format, table: Table, verifier: Checkpo
         fields = ", ".join(fmt.evidence) or "none for this format"
         config = (f"its config.json has no {fmt.name} evidence field ({fields})" if draft.config_present
                   else "it has no config.json")
+        why = f" ({no_manifest})" if no_manifest else ""
         raise InputError(f"the draft {draft.root} does not say which model it belongs to: no ckpt_manifest.json "
-                         f"family, and {config}. {OVERRIDE}", rule="draft-unproven")
+                         f"family{why}, and {config}. {OVERRIDE}", rule="draft-unproven")
     ours = verifier_names(table, verifier)
     foreign = [(f, v) for f, v in claims if v not in ours]
     if foreign:
@@ -49,6 +60,53 @@ def prove_family(draft: Checkpoint, fmt: Format, table: Table, verifier: Checkpo
         raise InputError(f"the draft {draft.root} belongs to another model: its config.json names {named}, not "
                          f"{table.family} (the verifier's family). {OVERRIDE}", rule="wrong-family")
     return "config.json " + ", ".join(f"{f} = {v}" for f, v in claims)
+
+
+def manifest_claims(draft: Checkpoint) -> bool:
+    """The draft's manifest says something a verb would take as evidence (its family, that init-draft made it)."""
+    manifest = draft.manifest or {}
+    return bool(manifest.get("family")) or isinstance(manifest.get("init"), dict)
+
+
+def manifest_mismatch(draft: Checkpoint, keys: Collection[str], known: MutableMapping[Segment, str],
+                      hash_tensor: Callable[[TensorRef], str], prefix: str = "") -> str | None:
+    """Why the draft's manifest is not evidence of its tensors ``keys`` (None: it is).
+
+    Each tensor's recorded digest (``digest.MANIFEST_ALGO``; the entry under ``prefix + key`` when a wrapper
+    prefix was stripped) must be the digest of its bytes, with its dtype and shape. Digests already taken
+    (``known``: byte range -> digest, stitch's comparison) are used first; the rest are hashed with
+    ``hash_tensor`` and added to ``known`` (the fingerprint then reads nothing again), but only while none
+    differs: one wrong digest settles it.
+    """
+    entries = (draft.manifest or {}).get("tensors")
+    entries = entries if isinstance(entries, dict) else {}
+    algo = digest.MANIFEST_ALGO
+    where = f"{draft.root}/{MANIFEST_NAME}"
+    refs = [draft.tensors[k] for k in sorted(keys) if k in draft.tensors]
+
+    def recorded(ref: TensorRef) -> str | None:
+        entry = entries.get(prefix + ref.key)
+        if not isinstance(entry, dict) or entry.get("dtype") != ref.dtype or entry.get("shape") != list(ref.shape):
+            return None
+        value = entry.get(algo)
+        return value if digest.well_formed(value) else None
+
+    wrong = [ref.key for ref in refs if ref.segment() in known and known[ref.segment()] != recorded(ref)]
+    if not wrong:
+        for ref in refs:
+            if ref.segment() not in known:
+                known[ref.segment()] = hash_tensor(ref)
+                if known[ref.segment()] != recorded(ref):
+                    wrong.append(ref.key)
+                    break
+    if not wrong:
+        return None
+    checked = sum(1 for ref in refs if ref.segment() in known)
+    what = (f"the manifest's {algo} digest is not that of the draft's bytes" if recorded(draft.tensors[wrong[0]])
+            else "the manifest lists no digest for it with this dtype and shape")
+    return (f"{where}: [manifest-mismatch]: {prefix + wrong[0]}: {what} ({len(wrong)} of {checked} tensor(s) checked "
+            "differ): the manifest describes other bytes, so its family and init claims are not evidence and the "
+            "draft is judged without it")
 
 
 def config_claims(config: dict, fields: list[str]) -> list[tuple[str, str]]:

@@ -167,6 +167,8 @@ RULE_SET: list[Check] = [
     Check("tied-head", ("tied-head",), "model", True, lambda ctx: c.tied_head_problems(ctx.view), needs_view=True),
     Check("trunk", c.TRUNK_RULES, "model", True,
           lambda ctx: c.trunk_problems(ctx.view, ctx.unknown, whole_model=ctx.whole_model), needs_view=True),
+    Check("expert-layouts", (c.MIXED_RULE,), "model", True, lambda ctx: c.mixed_layout_problems(ctx.view, ctx.unknown),
+          needs_view=True),
     Check("stored-dtype", (STORED_DTYPE_RULE,), "model", True,
           lambda ctx: stored_dtype_problems(ctx.view, ctx.unknown), needs_view=True),
     Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", BLOCK_SIZE_RULE, "quant-config"), "model", True,

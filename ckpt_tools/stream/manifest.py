@@ -24,14 +24,16 @@ if TYPE_CHECKING:
 
 def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[str, str], digests: dict[str, str],
                    landed: dict[str, tuple[str, int, object]], landed_facts: Callable[[str], dict], *,
-                   file_stats: dict[str, dict] | None = None, reused: dict[str, str] | None = None) -> bytes:
+                   file_stats: dict[str, dict] | None = None, reused: dict[str, str] | None = None,
+                   written: list[str] | None = None) -> bytes:
     """Every tensor of the output: written ones with their digest, those in copied shards by their file's.
 
     ``tensor_files``: written tensor -> its file; ``digests``: tensor -> digest (written tensors, and those of a
     whole shard whose input's manifest had them per tensor); ``landed``: file copied or linked whole -> (digest,
     size, header) of what landed; ``landed_facts``: what the storage itself vouches for about such a file (an
     object store's ETag); ``file_stats``: local shard -> its stat as it landed (``known_digests``: what lets a
-    later run take its digests over); ``reused``: whole file -> the input manifest its digest was taken from.
+    later run take its digests over); ``reused``: whole file -> the input manifest its digest was taken from;
+    ``written``: every file the run writes (side files included: what a later ``--overwrite`` removes).
     """
     reused = reused or {}
     algo = digest.MANIFEST_ALGO  # read once: the knob is looked up on each access
@@ -84,6 +86,8 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
     if remote:
         # shards deliberately not downloaded: the output is complete once pushed over its base
         manifest["remote_files"] = remote
+    if written:
+        manifest["written"] = list(written)
     if file_stats:
         manifest["file_stats"] = dict(sorted(file_stats.items()))
     return (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity

@@ -5,7 +5,8 @@
   ``--overwrite`` or ``--resume``.
 - The resume record (``.ckpt-resume.json``: the plan's digest and its input fingerprints), and the
   rule that ``--resume`` continues only a run whose record equals the new plan's.
-- Clearing what an earlier run of ours left (``--overwrite``), and temporary files.
+- Clearing what an earlier run of ours left (``--overwrite``): every file its record or manifest lists as
+  written (``written``: side files included), never a file no run of ours wrote; and temporary files.
 
 The local writer (``writer.Writer``) calls these from its storage steps; an object-store target
 replaces those steps (``targets.object_store``) and shares the names and the resume rule.
@@ -23,9 +24,9 @@ from pathlib import Path
 
 from ..errors import OutputError, UsageError
 from ..io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
-from .plan import fingerprint_change
+from .plan import Plan, fingerprint_change
 
-# Files a previous run of ours may have left; --overwrite clears them before writing.
+# Files a previous run of ours may have left; --overwrite clears them before writing (with what its record lists).
 OUR_ARTEFACTS = ("*.safetensors", "*.safetensors.index.json", MANIFEST_NAME, "stitch-report.json", "graft-report.json",
                  RESUME_NAME, ".ckpt-resume-journal.jsonl")  # journal.JOURNAL_NAME
 
@@ -179,8 +180,56 @@ class DirLock:
 # -- what a previous run left ------------------------------------------------------------------
 
 
+def written_names(plan: Plan, shards: Iterable[str]) -> list[str]:
+    """Every file a run of ``plan`` puts into its output (``shards``: its shard names; side files, reports,
+    index, manifest): what its record and manifest list as ``written``, so that a later ``--overwrite``
+    removes exactly these."""
+    shards = list(shards)
+    names = set(shards) | {f.name for f in plan.files if f.link != "remote"} | {MANIFEST_NAME}
+    # the writer's rule: one lone shard and no whole .safetensors file is its own marker, with no index
+    if shards != [plan.single_file_name] or any(f.name.endswith(".safetensors") for f in plan.files):
+        names.add(plan.index_name)
+    return sorted(names)
+
+
+def previous_written(read: Callable[[str], bytes | None]) -> list[str]:
+    """What earlier runs of ours wrote into this output: the ``written`` lists of its resume record (a run stopped
+    before its manifest has only that) and of its manifest. A record is input like any other: names that could
+    leave the output (absolute, ``..``) and the lock this run holds are not ours to remove and are dropped."""
+    names: set[str] = set()
+    for record_name in (RESUME_NAME, MANIFEST_NAME):
+        raw = read(record_name)
+        try:
+            record = json.loads(raw) if raw else None
+        except (ValueError, RecursionError):
+            continue
+        listed = record.get("written") if isinstance(record, dict) else None
+        if isinstance(listed, list):
+            names.update(n for n in listed if isinstance(n, str) and _inside(n) and n != LOCK_NAME)
+    return sorted(names)
+
+
+def _inside(name: str) -> bool:
+    """A relative name that stays inside the output (no root, no ``..``, no empty part)."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
+
+
 def clear_previous_output(out: Path, markers: Iterable[str]) -> None:
-    """--overwrite: remove what a run of ours wrote; ``markers`` (completion markers, manifest) first."""
+    """--overwrite: remove what a run of ours wrote; ``markers`` (completion markers, manifest) first.
+
+    What a run of ours wrote: every file the previous record or manifest lists as ``written`` (side files
+    included: a stale ``hf_quant_config.json`` would describe the new tensors wrongly), and our artefacts'
+    names. A file no run of ours wrote (a note of the user's) is not ours to delete and stays.
+    """
+    def read(name: str) -> bytes | None:
+        p = out / name
+        try:
+            return p.read_bytes() if p.is_file() and not p.is_symlink() else None
+        except OSError:
+            return None
+
+    listed = previous_written(read)  # read before the markers (the manifest among them) go
     # The completion markers go first, so the directory reads as incomplete from here on.
     for name in markers:
         p = out / name
@@ -189,6 +238,28 @@ def clear_previous_output(out: Path, markers: Iterable[str]) -> None:
     for pattern in OUR_ARTEFACTS:
         for p in out.glob(pattern):
             p.unlink()
+    for name in listed:
+        _remove_listed(out, name)
+
+
+def _remove_listed(out: Path, name: str) -> None:
+    """Unlink ``out/name`` (a link is removed, never followed) when every directory on the way is a real one of
+    the output; then its parents inside the output, when that left them empty."""
+    parts = name.split("/")
+    d = out
+    for part in parts[:-1]:
+        d = d / part
+        if d.is_symlink() or not d.is_dir():
+            return
+    p = out / name
+    if p.is_symlink() or p.is_file():
+        p.unlink()
+    for _ in parts[:-1]:
+        p = p.parent
+        try:
+            p.rmdir()  # only an empty directory
+        except OSError:
+            return
 
 
 def remove_partials(out: Path) -> None:
@@ -233,9 +304,12 @@ def read_record(read: Callable[[str], bytes | None]) -> dict | None:
 # -- resume -------------------------------------------------------------------------------------
 
 
-def resume_record(plan_digest: dict[str, str], fingerprints: dict, command: str) -> bytes:
-    """The record written before the first shard: what ``--resume`` compares the next plan with."""
-    record = {"plan": plan_digest, "inputs": fingerprints, "command": command}
+def resume_record(plan_digest: dict[str, str], fingerprints: dict, command: str,
+                  written: list[str] | None = None) -> bytes:
+    """The record written before the first shard: what ``--resume`` compares the next plan with, and the files
+    this run will write (``written``: what an ``--overwrite`` of an interrupted run removes)."""
+    record = {"plan": plan_digest, "inputs": fingerprints, "command": command,
+              **({"written": written} if written is not None else {})}
     return (json.dumps(record, indent=1) + "\n").encode()
 
 

@@ -132,6 +132,7 @@ class Writer:
         self._previous: dict[str, dict] = {}  # the interrupted run's journal entries (--resume)
         self._created = False  # this run created the output directory (a refused input then removes it)
         self._checked_single: tuple[Path, Path] | None = None  # a lone checked file, renamed at the end
+        self._written_names: list[str] = []  # every file this run writes (output_dir.written_names)
 
     # -- the output directory's state (output_dir; a target other than a local directory replaces these) ----
 
@@ -181,10 +182,12 @@ class Writer:
                 self._remove_partials()
             elif self.overwrite:
                 self._clear_previous_output()
-            record = output_dir.resume_record(plan_digest, self.plan.settle_fingerprints(), self.plan.command)
+            shards = self.plan.shards()
+            self._written_names = output_dir.written_names(self.plan, shards)
+            record = output_dir.resume_record(plan_digest, self.plan.settle_fingerprints(), self.plan.command,
+                                              self._written_names)
             self._write_file(OutputFile(RESUME_NAME, content=record))
             self._open_journal(previous_manifest if self.resume else None)
-            shards = self.plan.shards()
             single = list(shards) == [self.plan.single_file_name] and not any(
                 f.name.endswith(".safetensors") for f in self.plan.files
             )
@@ -615,7 +618,8 @@ class Writer:
 
     def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
         content = manifest.manifest_bytes(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
-                                          self._landed_facts, file_stats=self._stats, reused=self._reused)
+                                          self._landed_facts, file_stats=self._stats, reused=self._reused,
+                                          written=self._written_names)
         self._write_file(OutputFile(MANIFEST_NAME, content=content))
 
     def _write_index(self, result: WriteResult) -> None:

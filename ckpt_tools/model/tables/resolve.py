@@ -37,6 +37,7 @@ class Spec:
     copy_of: str | None = None
     init: str | None = None
     dtype_fixed: bool = False  # the release fixes ``dtype`` (rule stored-dtype)
+    pinned: bool = False  # the table names ``dtype`` (an F32 router bias): every writer keeps it (out_dtype.pinned)
 
 
 @dataclass
@@ -277,7 +278,7 @@ def _spec(t: TensorDef, env: dict, key: str, role: str, dtype: str, **kw) -> Spe
     kw.setdefault("tag", t.tag)
     return Spec(
         key, shape, role, kind=t.kind, dtype=t.dtype or dtype, quant=t.quant, optional=t.optional,
-        copy_of=t.copy_of, init=t.init, dtype_fixed=t.dtype_fixed, **kw,
+        copy_of=t.copy_of, init=t.init, dtype_fixed=t.dtype_fixed, pinned=t.dtype is not None, **kw,
     )
 
 

@@ -12,7 +12,7 @@ from ...model.formats import Correspondence, draft_config, format_env, verifier_
 from ...model.mtp import MtpView
 from ...numeric import transforms
 from ...stream.plan import CopyBytes, OutputTensor
-from ..writing.out_dtype import DTYPE_NAMES, finish_tensor
+from ..writing.out_dtype import DTYPE_NAMES, finish_tensor, requested_for
 from ..writing.output_config import set_count
 
 if TYPE_CHECKING:
@@ -26,8 +26,7 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
     out: list[OutputTensor] = []
     requested = cast_to
     for link in corr.tensors:
-        # a dtype the release fixes (table dtype_fixed) is kept whatever --dtype says: rule stored-dtype
-        cast_to = None if link.spec.dtype_fixed else requested
+        cast_to = requested_for(link.spec, requested)  # a dtype the table pins is kept whatever --dtype says
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
             out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, fmt)
             continue

@@ -118,7 +118,7 @@ def shared_from_trunk(view: MtpView, corr: Correspondence) -> dict[str, str]:
 def kept_dtypes(tensors: list[OutputTensor], dequant_to: str | None, cast_to: str | None) -> dict[str, str]:
     """Key -> dtype of every float tensor left in another dtype than the one asked for: with --dequant only,
     those not quantized (e.g. an F32 router bias; --dtype casts them too); with --dtype, those whose dtype
-    the release fixes (table dtype_fixed)."""
+    the table pins (out_dtype.pinned)."""
     target = cast_to or dequant_to
     if target is None:
         return {}

@@ -42,7 +42,7 @@ from ...options import MAX_SEED, int_in_range, positive_finite
 from ...stream.fingerprint import record_inputs
 from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..writing.carry import carried_files
-from ..writing.out_dtype import dtype_arg
+from ..writing.out_dtype import dtype_arg, requested_for
 from ..writing.output_config import set_count
 from .build import build_draft_config, draft_tensors
 
@@ -367,8 +367,8 @@ def _native_draft(res: Resolved, target: Checkpoint, match: _LayerMatch | None, 
                 d.refs[skey] = match.refs[skey]
                 d.copied[skey] = match.refs[skey].key
         else:
-            # a dtype the release fixes (table dtype_fixed) is written as such whatever --dtype says
-            dtype = spec.dtype if spec.dtype_fixed else gen_dtype or spec.dtype
+            # a dtype the table pins is written as such whatever --dtype says
+            dtype = requested_for(spec, gen_dtype) or spec.dtype
             d.recipes.append(InitRecipe(spec.key, dtype, tuple(spec.shape), method, std, seed))
         d.present.append(spec)
     return d

@@ -234,12 +234,13 @@ def _in_parallel(fn, items: list, workers: int = GATE_THREADS) -> list:
 
 
 def judge(decisions: list[Decision], kinds: Mapping[str, str | None], draft: Checkpoint,
-          accept_divergent: bool) -> str | None:
+          accept_divergent: bool, no_manifest: str | None = None) -> str | None:
     """Refuse, before anything is written, a draft whose replaced tensors are not finetunes of the
     verifier's: each replaced tensor's ``stats`` gets its verdict (``divergent`` or ``unjudged``);
     ``kinds`` is each key's table kind (norms are not judged). Returns why the check does not apply to
-    this draft (an initialised one), or None."""
-    exempt = _exempt(draft)
+    this draft (an initialised one), or None. ``no_manifest``: why the draft's manifest is not evidence
+    (provenance.manifest_mismatch): its ``init`` then exempts nothing."""
+    exempt = _exempt(draft) if no_manifest is None else None
     for dec in decisions:
         d = dec.stats
         if d.status in ("replaced", "dtype-changed") and d.unjudged is None:
@@ -250,8 +251,9 @@ def judge(decisions: list[Decision], kinds: Mapping[str, str | None], draft: Che
         raise InputError(
             f"{len(bad)} tensor(s) of the draft {draft.root} diverge from the verifier's beyond what finetuning does "
             f"({DIVERGENCE.measured}): {listed}. Another model's "
-            "weights, swapped halves or a wrong layer? Nothing was written; --accept-divergent stitches it anyway",
-            rule="divergent")
+            "weights, swapped halves or a wrong layer? Nothing was written; --accept-divergent stitches it anyway"
+            + (f". Not exempt as an initialised draft: {no_manifest}" if no_manifest and _exempt(draft) else ""),
+            rule="divergent", path=str(draft.root))
     return exempt
 
 

@@ -32,6 +32,7 @@ from ...stream.plan import CopyBytes, OutputTensor, Plan
 from ..shared.tensor_diff import TensorDiff
 from ..writing.add_mtp import mtp_into, require_indexed, virtual_view
 from ..writing.carry import check_inputs
+from ..writing.out_dtype import pinned as pinned_dtype
 from ..writing.output_config import config_files, repair_config, set_count
 from .report import StitchReport
 
@@ -288,8 +289,8 @@ class _Grafter:
             if s.role == "scale" or s.key in restacked:
                 continue  # a block scale travels with its weight
             # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
-            pinned = s.dtype_fixed or s.dtype != self.sview.resolved.dtype  # dtype_fixed: rule stored-dtype
-            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned, s.role == "expert")
+            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned_dtype(s),
+                      s.role == "expert")
         return self.pieces
 
     def _as_stored(self, key: str) -> _Piece:

@@ -28,17 +28,18 @@ from ...model.formats import Correspondence, correspond, detect_format, get_form
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
 from ...model.prefixes import Unwrapped, unwrap
-from ...model.provenance import prove_family
+from ...model.provenance import manifest_claims, manifest_mismatch, prove_family
 from ...model.quant.companions import weight_format
 from ...model.quant.dequant import format_of
 from ...model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ...model.quant.storage import Storage
 from ...model.tables.resolve import Spec
 from ...numeric import transforms
-from ...stream.fingerprint import record_inputs
+from ...stream.fingerprint import record_inputs, tensor_digest
 from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
 from ..writing.add_mtp import mtp_into, require_indexed, virtual_view
 from ..writing.carry import carried_files, check_inputs, untouched_file
+from ..writing.out_dtype import requested_for
 from ..writing.output_config import config_files, repair_config, set_count
 from .compare import Candidates, Decision, decide, judge
 from .report import StitchReport
@@ -226,8 +227,8 @@ class _Builder:
         if vt not in FLOAT_DTYPES:  # a non-float verifier tensor: the draft's bytes, same dtype (admitted)
             self.candidates[t.key] = t
             return
-        fixed = spec is not None and spec.dtype_fixed  # the release fixes it: the verifier's (rule stored-dtype)
-        target = t.dtype if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES and not fixed else vt
+        # --dtype draft: the draft's float dtype, but for a dtype the table pins (the verifier's, as the table says)
+        target = (requested_for(spec, t.dtype) or vt) if self.req.dtype == "draft" and t.dtype in FLOAT_DTYPES else vt
         t = self._values(t, scale, target)
         if t is None:
             return
@@ -358,8 +359,9 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     builder.raise_refusals()
     _account(builder, view, setup.vgate.view if mode == "replace" else None, report, req)
     _decide(builder, view, report)
+    no_manifest = _manifest_evidence(setup, unwrapped, builder, report, req)
     report.exempt = judge(report.decisions, {k: t.meta.get("kind") for k, t in builder.candidates.items()}, draft,
-                          req.accept_divergent)
+                          req.accept_divergent, no_manifest)
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
     note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
     # --resume proves the same draft bytes (their digests taken as they were compared)
@@ -585,6 +587,23 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
         if d.action == "identical" and vref is not None:
             builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
                                                      meta=builder.candidates[d.key].meta)
+
+
+def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, report: StitchReport,
+                       req: StitchRequest) -> str | None:
+    """Why the draft's manifest is not evidence (None: it is, or it claims nothing): its digests of the tensors
+    taken must be their bytes' (those the comparison read whole are not read again; the rest hashed here go to the
+    fingerprint). Then the family is proved again without it (``report.provenance``), and judge exempts nothing."""
+    draft = unwrapped.ckpt
+    if not manifest_claims(draft):
+        return None
+    why = manifest_mismatch(draft, builder.used, builder.digests, tensor_digest, unwrapped.prefix)
+    if why is None:
+        return None
+    report.manifest = why
+    if not req.arch and (setup.draft.manifest or {}).get("family"):  # the family came from it
+        report.provenance = prove_family(setup.draft, setup.fmt, setup.table, setup.verifier, no_manifest=why)
+    return why
 
 
 def _encode_partners(decisions: list[Decision], builder: _Builder) -> None:

@@ -27,6 +27,7 @@ class StitchReport:
     linked_files: list[str] = field(default_factory=list)
     provenance: str = ""  # the evidence that the draft belongs to the verifier
     exempt: str | None = None  # why the divergence check does not apply to this draft
+    manifest: str | None = None  # why the draft's manifest is not evidence (manifest-mismatch), when it is not
     draft: dict = field(default_factory=dict)  # how the draft was read: reader, its notes, the prefix stripped
     quant_config: dict | None = None  # the quantization config repair (quant.repair), when the config changed
     validation: dict | None = None
@@ -47,6 +48,7 @@ class StitchReport:
             "format": self.format,
             "family": self.family,
             "provenance": self.provenance,
+            **({"manifest_mismatch": self.manifest} if self.manifest else {}),
             "draft": self.draft,
             "totals": self.totals(),
             "divergence": {**DIVERGENCE.to_json(), "divergent": [d.key for d in self.divergent()],

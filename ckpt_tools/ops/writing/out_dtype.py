@@ -1,14 +1,20 @@
-"""The dtype a writing verb writes: ``--dtype`` / ``--dequant`` parsed (``dtype_arg``), applied to a tensor
-and its FP8 scale (``finish_tensor``), and named as a config names it (``DTYPE_NAMES``).
+"""The dtype a writing verb writes: ``--dtype`` / ``--dequant`` parsed (``dtype_arg``), what a tensor the table
+pins keeps (``requested_for``), applied to a tensor and its FP8 scale (``finish_tensor``), and named as a config
+names it (``DTYPE_NAMES``).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ...dtypes import FLOAT_DTYPES, lookup
 from ...errors import InputError, UsageError
 from ...model.quant.companions import WeightFormat
 from ...numeric import transforms
 from ...stream.plan import OutputTensor
+
+if TYPE_CHECKING:
+    from ...model.tables.resolve import Spec
 
 DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
@@ -23,6 +29,19 @@ def dtype_arg(value: str | None, flag: str) -> str | None:
     if name not in FLOAT_DTYPES:
         raise UsageError(f"{flag} {value!r}: use bf16, fp16 or fp32")
     return name
+
+
+def pinned(spec: Spec | None) -> bool:
+    """The table names this tensor's dtype (``dtype:`` in mappings/architectures, e.g. DeepSeek's F32
+    ``e_score_correction_bias``; ``Spec.pinned``): no dtype option of any verb changes it."""
+    return spec is not None and spec.pinned
+
+
+def requested_for(spec: Spec | None, requested: str | None) -> str | None:
+    """The float dtype a tensor of table entry ``spec`` is cast to when the verb is asked for ``requested``
+    (``extract --dtype``, ``init-draft --dtype``, ``graft --mtp-dtype``, ``stitch --dtype draft``): None for a
+    pinned one, which the verb writes as the table or its input has it: the pin wins over every option."""
+    return None if pinned(spec) else requested
 
 
 def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, fmt: WeightFormat

@@ -31,7 +31,7 @@ from ...io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
 from ...io.safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
 from .. import manifest
 from ..hashcopy import Feed
-from ..output_dir import OUR_ARTEFACTS, read_record
+from ..output_dir import OUR_ARTEFACTS, previous_written, read_record
 from ..plan import OutputFile, OutputTensor, Plan
 from ..writer import FileDigest, PendingOutput, Writer, WriteResult, source_size
 from .lock import ObjectLock
@@ -124,10 +124,11 @@ class ObjectStoreWriter(Writer):
 
     def _clear_previous_output(self) -> None:
         listing = self.store.listing()
+        listed = set(previous_written(self.store.cat))  # what earlier runs of ours wrote: read before the markers go
         markers = [n for n in (self.plan.index_name, MANIFEST_NAME, self.plan.single_file_name) if n in listing]
         self.store.remove(markers)  # the completion markers first: the prefix reads as incomplete from here on
-        self.store.remove([n for n in listing if n not in markers and "/" not in n
-                           and any(fnmatch(n, p) for p in OUR_ARTEFACTS)])
+        self.store.remove([n for n in listing if n not in markers and (n in listed or (
+            "/" not in n and any(fnmatch(n, p) for p in OUR_ARTEFACTS)))])
         self._abort_stale_uploads()
 
     def _previous_record(self) -> dict | None:
