@@ -8,7 +8,6 @@ own ``Metadata::validate``.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import itertools
@@ -117,8 +116,11 @@ class LocalFile:
             self._fd = -1
 
     def __del__(self) -> None:  # pragma: no cover - best effort at interpreter shutdown
-        with contextlib.suppress(Exception):
+        # no module globals here (contextlib, os may already be None at shutdown): builtins only
+        try:
             self.close()
+        except Exception:  # noqa: S110 - nothing to report to at shutdown
+            pass
 
 
 def read_error(e: OSError, name: str, at: int) -> InputError:
