@@ -244,8 +244,10 @@ def vllm_config_for(ckpt_dir: str, dtype: str):
     text = cfg.get("text_config") or {}
     register_plain_config(cfg["model_type"])
     max_len = min(256, int(text.get("max_position_embeddings", cfg.get("max_position_embeddings", 256))))
+    # prefix caching stated off: a load check caches nothing, and vLLM's CPU platform turns it off for MLA
+    # models without AMX only after the hybrid-model hook sized mamba_block_size for it being on
     args = EngineArgs(model=ckpt_dir, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
-                      max_model_len=max_len, load_format="dummy", trust_remote_code=False,
+                      max_model_len=max_len, load_format="dummy", trust_remote_code=False, enable_prefix_caching=False,
                       speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     return args.create_engine_config()
 
