@@ -34,6 +34,13 @@ OMNI = "mimo_v2_omni"  # the mimo_v2 fixture as MiMo-V2-Omni: vLLM's draft is it
 OMNI_CONFIG = {"architectures": ["MiMoV2OmniForCausalLM"], "model_type": "mimo_v2", "hidden_act": "silu",
                "vision_config": {"hidden_size": 32, "num_hidden_layers": 1}}
 
+# Real producers' outputs (transformers save_pretrained: fixtures/producers/). transformers does not write
+# DeepSeek-V3's topk_method back, and without "noaux_tc" vLLM's DeepSeekMTP has no e_score_correction_bias
+# parameter: its load_weights raises on that MTP tensor (tests/test_consumer_vllm.py adds the field to serve it).
+PRODUCERS = ROOT / "fixtures" / "producers"
+PRODUCED_CLEAN = ("transformers-glm4_moe", "transformers-qwen3_5_moe")
+PRODUCED_REFUSED = "transformers-deepseek_v3"
+
 # In the vLLM venv: api.validate(engine="vllm") per path, one JSON line each (one process: importing vLLM costs
 # 10-20 s); then vLLM's registry entry of every draft class the mimo_v2 table names.
 SCRIPT = """
@@ -108,6 +115,7 @@ def checkpoints(tmp_path_factory) -> dict:
 def reports(checkpoints, tmp_path_factory) -> dict:
     vllm_python()
     paths = [str(checkpoints[f]) for f in (*FAMILIES, OMNI, "broken", "grown")]
+    paths += [str(PRODUCERS / name) for name in (*PRODUCED_CLEAN, PRODUCED_REFUSED)]
     r = venv_run(["-c", SCRIPT, *paths], tmp_path_factory.mktemp("run"))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -122,6 +130,22 @@ def test_a_good_checkpoint_is_clean(family, reports):
     assert got["exit"] == 0 and got["report"]["ok"], got["report"]["problems"]
     note = next(n for n in got["report"]["notes"] if n["rule"] == "vllm")
     assert all_tables()[family].vllm.cls in note["message"], note
+
+
+@pytest.mark.parametrize("name", PRODUCED_CLEAN)
+def test_a_producers_output_vllm_loads_is_clean(name, reports):
+    got = reports[name]
+    assert got["exit"] == 0 and got["report"]["ok"], got["report"]["problems"]
+    assert any(n["rule"] == "vllm" for n in got["report"]["notes"])
+
+
+def test_a_producers_output_vllms_loader_refuses_is_found(reports):
+    """transformers' DeepSeek-V3 as saved: validate's own rules pass it, vLLM's MTP loader does not (measured)."""
+    got = reports[PRODUCED_REFUSED]
+    assert got["exit"] == 1, got["report"]
+    assert [(p["rule"], p["key"]) for p in got["report"]["problems"]] == [
+        ("vllm-load", "model.layers.2.mlp.gate.e_score_correction_bias")], got["report"]["problems"]
+    assert "KeyError" in got["report"]["problems"][0]["message"]
 
 
 def test_omni_is_built_as_vllms_omni_variant_and_clean(reports):
