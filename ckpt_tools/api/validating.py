@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, InputError, UsageError
 from ..ops.check import validate as _validate
 from .report import Report, as_public, progress_sink
 
@@ -89,7 +89,14 @@ def _engine_check(report: ValidateReport, path: PathLike, arch: str | None) -> N
         report.notes.append(_validate.Problem("vllm", None, None, "vLLM's loader was not run: the checkpoint has "
                                               "no family table to go by (see the problems above)"))
         return
-    problems, notes, _ = vllm_loader.check(path, arch or report.family)
+    try:
+        problems, notes, _ = vllm_loader.check(path, arch or report.family)
+    except InputError as e:  # cannot build (vllm-build) or open: exit 3, unless validate's problems say why first
+        if not report.problems:
+            raise
+        report.notes.append(_validate.Problem(e.rule or "vllm-build", e.path, None, f"vLLM's loader was not run: "
+                                              f"{_validate.bare_message(e)}"))
+        return
     report.problems += problems
     report.notes += notes
 
