@@ -108,13 +108,16 @@ def checkpoints(tmp_path_factory) -> dict:
     out["broken"] = root / "broken"
     out["grown_key"] = grow_one_mtp_norm(out[BROKEN], root / "grown")
     out["grown"] = root / "grown"
+    shutil.copytree(out[BROKEN], root / "no-shard")
+    (root / "no-shard" / "model-00002-of-00002.safetensors").unlink()
+    out["no-shard"] = root / "no-shard"
     return out
 
 
 @pytest.fixture(scope="module")
 def reports(checkpoints, tmp_path_factory) -> dict:
     vllm_python()
-    paths = [str(checkpoints[f]) for f in (*FAMILIES, OMNI, "broken", "grown")]
+    paths = [str(checkpoints[f]) for f in (*FAMILIES, OMNI, "broken", "grown", "no-shard")]
     paths += [str(PRODUCERS / name) for name in (*PRODUCED_CLEAN, PRODUCED_REFUSED)]
     r = venv_run(["-c", SCRIPT, *paths], tmp_path_factory.mktemp("run"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -178,6 +181,33 @@ def test_a_tensor_vllms_loader_refuses_is_named(checkpoints, reports):
     load = [p for p in got["report"]["problems"] if p["rule"] == "vllm-load"]
     assert [p["key"] for p in load] == [checkpoints["grown_key"]], got["report"]["problems"]
     assert load[0]["path"].endswith(".safetensors")
+
+
+def test_validates_own_problems_come_first(reports):
+    """A shard missing: validate's own finding, exit 1; vLLM's loader not run, and the note says why."""
+    got = reports["no-shard"]
+    assert got["exit"] == 1
+    assert {p["rule"] for p in got["report"]["problems"]} == {"missing-shard"}
+    assert any("vLLM's loader was not run" in n["message"] for n in got["report"]["notes"]), got["report"]["notes"]
+
+
+def test_an_mtp_tensor_vllm_drops_is_unexpected(tmp_path):
+    """bailing_moe's MTP attention.g_proj.weight, which vLLM's loader skips (the table says so: vllm.unread). As if
+    the table did not: vLLM's own run over the checkpoint's meta tensors, read as validate's findings, names it."""
+    from test_vllm_tables import run_script
+
+    from ckpt_tools.ops.check.vllm_loader import findings, job_for
+
+    d = build("bailing_moe", tmp_path)
+    ckpt = Checkpoint.open(d)
+    job = job_for(d, all_tables()["bailing_moe"], open_mtp(ckpt), meta=True)
+    skipped = job["unread"]
+    assert skipped and all(k.endswith("attention.g_proj.weight") for k in skipped)
+    job = {**job, "mtp": [sorted([*job["mtp"][0], *skipped]), *job["mtp"][1:]], "unread": []}
+    out, _ = run_script([job], tmp_path)
+    problems, _ = findings(out["bailing_moe"], job, str(d), {k: str(d / ckpt.shard_of(k)) for k in ckpt.tensors})
+    assert [(p.rule, p.key) for p in problems] == [("vllm-unexpected", k) for k in skipped], problems
+    assert problems[0].path.endswith(".safetensors")
 
 
 def test_cli_without_amx_reports_json(checkpoints, tmp_path):
