@@ -7,8 +7,10 @@ speculative config picks the draft class from that config.json as serving does, 
 ``load_weights`` is fed every tensor of the checkpoint. For a table whose ``vllm.check`` is ``loaded``
 or ``served``: the class is the table's, no parameter of it is left unloaded, and every MTP tensor of
 the depths vLLM builds is loaded into some parameter. For ``names``: the load must still fail (the
-note says why); a table whose loader starts to run on CPU must be raised to ``loaded``.
-Serving with speculative decoding is tests/test_consumer_vllm.py's.
+note says why); a table whose loader starts to run on CPU must be raised to ``loaded``. The loader is the
+product's (ckpt_tools/ops/check/vllm_loader.py, as `ckpt validate --engine vllm` runs it); the MLA + hybrid
+families are also checked on the path vLLM takes on x86 CPUs without AMX. Serving with speculative decoding is
+tests/test_consumer_vllm.py's.
 """
 
 from __future__ import annotations

