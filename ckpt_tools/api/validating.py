@@ -71,6 +71,9 @@ def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool 
         from ..ops.check import vllm_loader
 
         vllm_loader.vllm_version()  # before anything is read: exit 2 when vLLM is not importable here
+        if "://" in os.fspath(path):
+            raise UsageError("--engine vllm reads a local checkpoint directory (vLLM builds its config from it): "
+                             "download it first")
     report = as_public(ValidateReport, _validate.validate(path, arch))
     if engine == "vllm":
         _engine_check(report, path, arch)
