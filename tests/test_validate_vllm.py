@@ -246,9 +246,9 @@ def test_without_vllm_it_refuses_naming_how_to_get_it(monkeypatch, make_fixture)
 
 def test_a_remote_checkpoint_is_refused_before_anything_is_read(monkeypatch):
     """vLLM builds its config from a local directory: an hf:// URL is a usage error (exit 2), nothing fetched."""
-    from conftest import run_ckpt
-
     from ckpt_tools.ops.check import vllm_loader
+
+    from conftest import run_ckpt
 
     monkeypatch.setattr(vllm_loader, "vllm_version", lambda: "0.32.0")  # as where vLLM is installed
     r = run_ckpt("validate", "--engine", "vllm", "hf://org/repo", code=2)
