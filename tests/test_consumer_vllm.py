@@ -309,7 +309,8 @@ def graft_loads(tmp_path_factory) -> dict[str, dict]:
         dtype = "bfloat16" if target.startswith("modelopt") else "float32"  # vLLM's ModelOpt takes no float32
         jobs.append({**job("deepseek_v3", out), "family": name, "dtype": dtype})
     r = subprocess.run([str(python), str(LOAD_SCRIPT), "--jobs", json.dumps(jobs)], cwd=root,
-                       env={**venv_env(), "VLLM_LOAD_TMP": str(root)}, capture_output=True, text=True, timeout=900)
+                       env={**venv_env(), "VLLM_LOAD_TMP": str(root), "PYTHONPATH": str(LOAD_SCRIPT.parents[2])},
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return {rep["family"]: rep for rep in map(json.loads, filter(None, r.stdout.splitlines()))
             if isinstance(rep, dict) and "family" in rep}

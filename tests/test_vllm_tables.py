@@ -7,8 +7,10 @@ speculative config picks the draft class from that config.json as serving does, 
 ``load_weights`` is fed every tensor of the checkpoint. For a table whose ``vllm.check`` is ``loaded``
 or ``served``: the class is the table's, no parameter of it is left unloaded, and every MTP tensor of
 the depths vLLM builds is loaded into some parameter. For ``names``: the load must still fail (the
-note says why); a table whose loader starts to run on CPU must be raised to ``loaded``.
-Serving with speculative decoding is tests/test_consumer_vllm.py's.
+note says why); a table whose loader starts to run on CPU must be raised to ``loaded``. The loader is the
+product's (ckpt_tools/ops/check/vllm_loader.py, as `ckpt validate --engine vllm` runs it); the MLA + hybrid
+families are also checked on the path vLLM takes on x86 CPUs without AMX. Serving with speculative decoding is
+tests/test_consumer_vllm.py's.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from safetensors.torch import save_file
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.mtp import open_mtp
 from ckpt_tools.model.tables.loader import all_tables
+from ckpt_tools.ops.check.vllm_loader import job_for
 from ckpt_tools.testing import FixtureOptions, make_checkpoint
 
+ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "consumers" / "vllm_load.py"
 SERVING = Path(__file__).resolve().parent / "test_consumer_vllm.py"  # issue 31's serving module
 FAMILIES = sorted(n for n, t in all_tables().items() if t.kind == "mtp")
@@ -38,20 +42,22 @@ pytestmark = pytest.mark.slow
 
 
 def job(family: str, d: Path) -> dict:
-    """What the venv script needs: the checkpoint, the draft architecture, the MTP keys per depth."""
-    table = all_tables()[family]
-    view = open_mtp(Checkpoint.open(d))
-    unread = set(table.vllm.unread)
-    depths: dict[int, list[str]] = {}
-    skipped = []
-    for spec in view.present:
-        if spec.role in unread or spec.sub in unread:
-            skipped.append(spec.key)
-        else:
-            depths.setdefault(spec.depth or 0, []).append(spec.key)
-    return {"family": family, "dir": str(d), "arch": table.vllm.architecture,
-            "mtp": [sorted(depths[k]) for k in sorted(depths)], "unread": sorted(skipped),
-            "device": table.vllm.device, "dtype": table.vllm.dtype, "stubs": list(table.vllm.stubs)}
+    """What the venv script needs (the product's own job: ``ckpt validate --engine vllm`` runs the same)."""
+    return job_for(d, all_tables()[family], open_mtp(Checkpoint.open(d)))
+
+
+def run_script(jobs: list[dict], root: Path, *flags: str) -> tuple[dict[str, dict], subprocess.CompletedProcess]:
+    """The jobs through vLLM's loader in the vLLM venv, this tree's ckpt_tools first; the reports by family."""
+    env = {**venv_env(), "VLLM_LOAD_TMP": str(root), "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([str(vllm_python()), str(SCRIPT), *flags, "--jobs", json.dumps(jobs)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith(('{"family": ', '{"probe_config": ', '{"platform": ')):
+            rep = json.loads(line)
+            out[rep.get("family") or next(iter(rep))] = rep
+    return out, r
 
 
 def build(family: str, root: Path) -> Path:
@@ -78,21 +84,13 @@ def rename_one_mtp_tensor(src: Path, dst: Path) -> str:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[str, dict]:
-    python = vllm_python()
+    vllm_python()
     root = tmp_path_factory.mktemp("vllm-tables")
     jobs = [job(f, build(f, root)) for f in FAMILIES]
     broken = rename_one_mtp_tensor(root / BROKEN, root / "broken")
     jobs.append({**job(BROKEN, root / BROKEN), "family": "broken", "dir": str(root / "broken"), "renamed": broken})
-    env = {**venv_env(), "VLLM_LOAD_TMP": str(root)}
-    r = subprocess.run([str(python), str(SCRIPT), "--jobs", json.dumps(jobs)], cwd=root, env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = {}
-    for line in r.stdout.splitlines():
-        if line.startswith('{"family": '):
-            rep = json.loads(line)
-            out[rep["family"]] = rep
-    assert set(out) == {*FAMILIES, "broken"}, r.stderr[-3000:]
+    out, r = run_script(jobs, root)
+    assert set(out) == {*FAMILIES, "broken", "platform"}, r.stderr[-3000:]
     out["broken"]["renamed"] = broken
     return out
 
@@ -182,3 +180,42 @@ def test_ckpt_tables_names_each_familys_vllm_class_and_check_level():
                                                                table.vllm.check)
     out = run_ckpt("tables", "hy_v4").stdout
     assert "vllm.models.hy_v4.HYV4MTP (HYV4MTPModel), checked: loaded" in " ".join(out.split())
+
+
+# -- x86 CPUs without AMX (AMD EPYC, older Intel) --------------------------------------------------------------
+# vLLM's CPU platform asks torch.cpu._is_amx_tile_supported() (platforms/cpu.py): without AMX an MLA model gets
+# the reference CPU MLA backend, and prefix caching turned off after the hybrid-model hook set mamba_block_size
+# for it being on, which the config then refuses ("--mamba-block-size can only be set with
+# --enable-prefix-caching"). The load check and probe state prefix caching off; here the venv script answers
+# "no AMX" on this machine, so CI (an AMX machine) takes the path the other CPUs take.
+NO_AMX_FAILED = ("bailing_moe", "glm5_next", "kimi_k3")  # MLA + hybrid: the families that failed on AMD EPYC
+
+
+@pytest.fixture(scope="module")
+def reports_without_amx(tmp_path_factory) -> dict[str, dict]:
+    """Every family vLLM's loader runs for on CPU, on the path vLLM takes without AMX; and probe's engine config."""
+    vllm_python()
+    root = tmp_path_factory.mktemp("vllm-no-amx")
+    families = [f for f in FAMILIES if all_tables()[f].vllm.check != "names"]
+    jobs = [job(f, build(f, root)) for f in families]
+    out, r = run_script(jobs, root, "--no-amx", "--probe-config", str(root / NO_AMX_FAILED[0]))
+    assert set(families) <= set(out), r.stderr[-3000:]
+    return out
+
+
+def test_the_check_takes_vllms_path_without_amx(reports_without_amx):
+    assert reports_without_amx["platform"] == {"platform": {"amx": False}}, "the script asked the real CPU"
+    assert set(NO_AMX_FAILED) <= set(reports_without_amx)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if all_tables()[f].vllm.check != "names"])
+def test_without_amx_every_family_builds_and_loads(family, reports_without_amx):
+    rep = reports_without_amx[family]
+    assert "error" not in rep, f"{family} without AMX: {rep.get('trace', rep.get('error'))}"
+    assert rep["arch"] == all_tables()[family].vllm.architecture
+    assert (rep["missing"], rep["partial"], rep["unexpected"]) == ([], [], []), rep
+
+
+def test_without_amx_probes_engine_config_builds(reports_without_amx):
+    """`ckpt probe --engine vllm`'s own engine arguments (bailing_moe), built by vLLM's config builder without AMX."""
+    assert "error" not in reports_without_amx["probe_config"], reports_without_amx["probe_config"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
-from ..errors import CheckFailed, UsageError
+from ..errors import CheckFailed, InputError, UsageError
 from ..ops.check import validate as _validate
 from .report import Report, as_public, progress_sink
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .fixing import FixQuantConfigReport
 
 PathLike = str | os.PathLike[str]
+ENGINES = (None, "vllm")  # validate --engine: a serving engine's own loader run over the checkpoint
 
 
 @dataclass
@@ -30,18 +31,18 @@ class ValidateReport(_validate.ValidationReport, Report):
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[False] = False,
              out: None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
-             progress: bool = False) -> ValidateReport: ...
+             progress: bool = False, engine: str | None = None) -> ValidateReport: ...
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[True],
              out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
-             progress: bool = False) -> FixQuantConfigReport: ...
+             progress: bool = False, engine: str | None = None) -> FixQuantConfigReport: ...
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
              out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
-             progress: bool = False) -> ValidateReport | FixQuantConfigReport: ...
+             progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport: ...
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
              out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
-             progress: bool = False) -> ValidateReport | FixQuantConfigReport:
+             progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport:
     """Check format, index and config-vs-tensor rules; every problem, with rule, file and key.
 
     Raises ``CheckFailed`` (its ``report`` a ``ValidateReport``) when there is a problem; ``InputError`` when
@@ -49,22 +50,58 @@ def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool 
     ``s3://bucket/prefix``) with only its quantization config repaired (shards copied or linked by ``link``:
     copy | reflink | hardlink | remote) and OUT validated; ``dry_run`` computes the change and writes nothing;
     ``overwrite`` replaces OUT. Returns a ``FixQuantConfigReport`` (``status`` ``nothing-to-fix`` writes nothing).
+    ``engine="vllm"``: also vLLM's own MTP loader over the checkpoint's names, shapes and dtypes (``vllm-*``
+    findings; run where vLLM is installed: ``UsageError`` when it is not importable).
     """
     from ..model.tables.loader import all_tables
 
     if arch is not None and arch not in all_tables():
         raise UsageError(f"--arch {arch!r}: unknown family; known: {', '.join(sorted(all_tables()))}")
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: the engine validate can run is vllm")
     if fix_quant_config:
+        if engine is not None:
+            raise UsageError("--engine goes without --fix-quant-config")
         return _fix_quant_config(path, arch, out, link, dry_run, overwrite, progress)
     for flag, given in (("-o", out is not None), ("--dry-run", dry_run), ("--overwrite", overwrite),
                         ("--link", link != "copy")):
         if given:
             raise UsageError(f"{flag} goes with --fix-quant-config")
+    if engine == "vllm":
+        from ..ops.check import vllm_loader
+
+        vllm_loader.vllm_version()  # before anything is read: exit 2 when vLLM is not importable here
+        if "://" in os.fspath(path):
+            raise UsageError("--engine vllm reads a local checkpoint directory (vLLM builds its config from it): "
+                             "download it first")
     report = as_public(ValidateReport, _validate.validate(path, arch))
+    if engine == "vllm":
+        _engine_check(report, path, arch)
     if not report.ok:
         raise CheckFailed(f"{len(report.problems)} problem(s): {', '.join(sorted(report.rules()))}",
                           report=report, path=report.root)
     return report
+
+
+def _engine_check(report: ValidateReport, path: PathLike, arch: str | None) -> None:
+    """vLLM's loader findings added to ``report``: only where the checkpoint's own rules left a table to go by (a
+    config or layout validate refuses is that problem first, not vLLM's)."""
+    from ..ops.check import vllm_loader
+
+    if report.family is None or report.draft_format is not None:
+        report.notes.append(_validate.Problem("vllm", None, None, "vLLM's loader was not run: the checkpoint has "
+                                              "no family table to go by (see the problems above)"))
+        return
+    try:
+        problems, notes, _ = vllm_loader.check(path, arch or report.family)
+    except InputError as e:  # cannot build (vllm-build) or open: exit 3, unless validate's problems say why first
+        if not report.problems:
+            raise
+        report.notes.append(_validate.Problem(e.rule or "vllm-build", e.path, None, f"vLLM's loader was not run: "
+                                              f"{_validate.bare_message(e)}"))
+        return
+    report.problems += problems
+    report.notes += notes
 
 
 def _fix_quant_config(path: PathLike, arch: str | None, out_arg: PathLike | None, link: str, dry_run: bool,

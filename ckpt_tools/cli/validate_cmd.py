@@ -68,6 +68,9 @@ ARCH_HELP = "Check against this family's table instead of detecting it."
 FIX_HELP = ("Write PATH to -o OUT with only its quantization config repaired (rules mtp-quant-config, "
             "trunk-quant-config: modules stored otherwise than declared); shards are copied or linked, never "
             "rewritten.")
+ENGINE_HELP = ("vllm: also run vLLM's own MTP loader over the checkpoint's names, shapes and dtypes (no weight is "
+               "read): parameters it leaves unloaded (vllm-unloaded), MTP tensors it would drop (vllm-unexpected), "
+               "tensors its loader refuses (vllm-load). Run ckpt where vLLM is installed.")
 LINK_HELP = ("With --fix-quant-config: how shards reach OUT: copy | reflink (refused where the filesystem has none) | "
              "hardlink | remote")
 
@@ -86,6 +89,7 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="With --fix-quant-config: print the config diff, "
                                                               "write nothing."),
         overwrite: bool = typer.Option(False, "--overwrite", help="With --fix-quant-config: replace OUT."),
+        engine: str | None = typer.Option(None, "--engine", metavar="ENGINE", help=ENGINE_HELP),
     ) -> None:
         """Check format, index and config-vs-tensor rules; report every problem (exit 1 if any)."""
         from .. import api
@@ -93,7 +97,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             report = api.validate(path, arch=arch, fix_quant_config=fix_quant_config, out=out, link=link,
-                                  dry_run=dry_run, overwrite=overwrite, progress=not json_output)
+                                  dry_run=dry_run, overwrite=overwrite, progress=not json_output, engine=engine)
         except CheckFailed as e:  # problems: the report as for a valid checkpoint, then exit 1
             _show(e.report, json_output, fix_quant_config, dry_run)
             raise typer.Exit(e.exit_code) from None

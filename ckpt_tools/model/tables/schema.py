@@ -151,6 +151,17 @@ class MtpDef(_Strict):
 VLLM_CHECKS = ("served", "loaded", "names")
 
 
+class VllmVariant(_Strict):
+    """Another draft class vLLM picks for the family's MTP layers, and when (e.g. a multimodal variant of the
+    same checkpoint layout): ``validate --engine vllm`` accepts it where the config says so."""
+
+    architecture: str  # registry key, as vllm.architecture
+    cls: str = Field(alias="class")  # registry module and class
+    when: str  # what in config.json makes vLLM pick it
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
 class VllmDef(_Strict):
     """How vLLM serves the family's MTP layers, and how far a test checked it (tests/test_vllm_tables.py).
 
@@ -165,7 +176,7 @@ class VllmDef(_Strict):
     depths: int | None = None  # MTP depths vLLM builds when fewer than the checkpoint has
     device: Literal["cpu", "meta"] = "cpu"  # where the load check builds the class
     dtype: Literal["float32", "bfloat16"] = "float32"  # the dtype the CPU layers accept
-    # CPU stand-ins the load check installs (named in tests/consumers/vllm_load.py), for layers whose
+    # CPU stand-ins the load check installs (named in ckpt_tools/ops/check/vllm_cpu.py), for layers whose
     # construction needs a GPU kernel although loading does not
     stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports"]] = Field(
         default_factory=list)
@@ -174,6 +185,7 @@ class VllmDef(_Strict):
     # relative to the block (e.g. attention.g_proj.weight)
     unread: list[str] = Field(default_factory=list)
     note: str | None = None  # why the check stops where it does; disagreements with vLLM
+    variants: list[VllmVariant] = Field(default_factory=list)  # other draft classes vLLM picks for the layout
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -152,8 +152,10 @@ def _serve(vllm, model: Path, depth: int | None, inputs: list, req: ProbeRequest
     """Greedy outputs of ``model`` in one vLLM engine (MTP speculation at ``depth``, or none), and vLLM's
     speculative-decoding counters over that run."""
     spec = None if depth is None else {"method": SPEC_METHOD, "num_speculative_tokens": depth}
+    # prefix caching stated off (each prompt is served once): vLLM's CPU platform turns it off for MLA models
+    # without AMX only after the hybrid-model hook sized mamba_block_size for it being on, and then refuses
     kwargs = dict(model=str(model), skip_tokenizer_init=not text, dtype=_dtype(req.dtype), enforce_eager=True,
-                  disable_log_stats=False, speculative_config=spec, seed=0,
+                  disable_log_stats=False, speculative_config=spec, seed=0, enable_prefix_caching=False,
                   tensor_parallel_size=opts.tensor_parallel_size, pipeline_parallel_size=opts.pipeline_parallel_size)
     if opts.distributed_executor_backend:
         kwargs["distributed_executor_backend"] = opts.distributed_executor_backend
