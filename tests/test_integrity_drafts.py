@@ -361,15 +361,38 @@ def test_an_init_manifest_beside_other_bytes_is_not_evidence(tmp_path):
     assert "[manifest-mismatch]" in rep["manifest_mismatch"] and rep["provenance"].startswith("config.json")
 
 
-def test_a_manifest_family_over_other_bytes_proves_nothing(tmp_path):
-    """Its family claim goes with its digests too: a draft whose config names no model is then unproven."""
+def test_a_trained_init_draft_keeps_its_family_but_is_judged_as_a_finetune(tmp_path):
+    """Training changes values, not names, dtypes or shapes: the manifest's family claim stands (the config here
+    names no model), its init claim does not (its digests are of the untrained bytes), so the draft is judged as
+    a finetune of the verifier's MTP, which it is not."""
+    draft = tmp_path / "init"
+    ckpt("init-draft", PRODUCED, "-o", draft)
+
+    def train(t):
+        for k, v in t.items():
+            t[k] = (v.float() * 1.01).to(v.dtype)
+
+    edit(draft, train)
+    config = json.loads((draft / "config.json").read_text())
+    for field in ("model_type", "architectures"):
+        config.pop(field, None)
+    (draft / "config.json").write_text(json.dumps(config))
+    text = refused(draft, PRODUCED, tmp_path, "divergent")
+    assert "[manifest-mismatch]" in text and "exempt" in text
+    rep = json.loads(ckpt("stitch", draft, PRODUCED, "-o", tmp_path / "out", "--accept-divergent", "--json").output)
+    assert rep["provenance"].startswith("ckpt_manifest.json") and "[manifest-mismatch]" in rep["manifest_mismatch"]
+
+
+def test_a_manifest_of_other_tensors_proves_no_family(tmp_path):
+    """The init manifest lists the draft's router in another dtype: it describes another draft, so its family claim
+    is not evidence, and a draft whose config names no model is unproven."""
     draft = _swapped_halves_with_an_init_manifest(tmp_path)
     config = json.loads((draft / "config.json").read_text())
     for field in ("model_type", "architectures"):
         config.pop(field, None)
     (draft / "config.json").write_text(json.dumps(config))
     text = refused(draft, PRODUCED, tmp_path, "draft-unproven")
-    assert "[manifest-mismatch]" in text
+    assert "[manifest-mismatch]" in text and "lists no tensor of this name" in text
 
 
 def test_an_untouched_init_draft_of_a_real_checkpoint_stays_exempt(tmp_path):

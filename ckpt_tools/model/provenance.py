@@ -10,9 +10,11 @@ A name is the verifier's when its table detects it or its own config carries it.
 a draft of another model (``wrong-family``); no evidence at all is ``draft-unproven``.
 ``--arch FAMILY`` asserts the family and skips this check.
 
-A manifest is evidence only of the bytes it describes (``manifest_mismatch``): when the digests it records for
-the tensors a claim relies on (its ``family``, its ``init``) are not those of the draft's bytes, it is a copy beside
-another draft, or the draft changed since (``manifest-mismatch``), and the draft is judged as without it.
+A manifest is evidence only of what it describes (``manifest-mismatch``): its ``family`` only while it lists every
+tensor of the draft under its name with its dtype and shape (``manifest_unlike``: finetuning changes values, not
+those); its ``init`` (an initialised draft, exempt from the divergence check) only while its digests are the
+draft's bytes (``manifest_mismatch``): a trained or edited draft, or a manifest copied beside other bytes, is
+judged as a finetune.
 """
 
 from __future__ import annotations
@@ -78,17 +80,13 @@ def manifest_mismatch(draft: Checkpoint, keys: Collection[str], known: MutableMa
     ``hash_tensor`` and added to ``known`` (the fingerprint then reads nothing again), but only while none
     differs: one wrong digest settles it.
     """
-    entries = (draft.manifest or {}).get("tensors")
-    entries = entries if isinstance(entries, dict) else {}
     algo = digest.MANIFEST_ALGO
     where = f"{draft.root}/{MANIFEST_NAME}"
     refs = [draft.tensors[k] for k in sorted(keys) if k in draft.tensors]
 
     def recorded(ref: TensorRef) -> str | None:
-        entry = entries.get(prefix + ref.key)
-        if not isinstance(entry, dict) or entry.get("dtype") != ref.dtype or entry.get("shape") != list(ref.shape):
-            return None
-        value = entry.get(algo)
+        entry = _entry(draft, ref, prefix)
+        value = entry.get(algo) if entry is not None else None
         return value if digest.well_formed(value) else None
 
     wrong = [ref.key for ref in refs if ref.segment() in known and known[ref.segment()] != recorded(ref)]
@@ -105,8 +103,29 @@ def manifest_mismatch(draft: Checkpoint, keys: Collection[str], known: MutableMa
     what = (f"the manifest's {algo} digest is not that of the draft's bytes" if recorded(draft.tensors[wrong[0]])
             else "the manifest lists no digest for it with this dtype and shape")
     return (f"{where}: [manifest-mismatch]: {prefix + wrong[0]}: {what} ({len(wrong)} of {checked} tensor(s) checked "
-            "differ): the manifest describes other bytes, so its family and init claims are not evidence and the "
-            "draft is judged without it")
+            "differ): the manifest describes other bytes (the draft was trained or edited since, or the manifest "
+            "was copied beside another draft), so its init claim exempts nothing from the divergence check")
+
+
+def manifest_unlike(draft: Checkpoint, keys: Collection[str], prefix: str = "") -> str | None:
+    """Why the draft's manifest does not describe its tensors ``keys`` at all (None: it lists each under its name,
+    ``prefix + key``, with its dtype and shape): its family claim is then not evidence. Reads headers only."""
+    for key in sorted(keys):
+        ref = draft.tensors.get(key)
+        if ref is not None and _entry(draft, ref, prefix) is None:
+            return (f"{draft.root}/{MANIFEST_NAME}: [manifest-mismatch]: {prefix + key}: the manifest lists no tensor "
+                    f"of this name with dtype {ref.dtype} and shape {list(ref.shape)}: it describes another draft, so "
+                    "its family and init claims are not evidence and the draft is judged without it")
+    return None
+
+
+def _entry(draft: Checkpoint, ref: TensorRef, prefix: str) -> dict | None:
+    """The manifest's entry for ``ref`` when it records the tensor's dtype and shape (None otherwise)."""
+    entries = (draft.manifest or {}).get("tensors")
+    entry = entries.get(prefix + ref.key) if isinstance(entries, dict) else None
+    if not isinstance(entry, dict) or entry.get("dtype") != ref.dtype or entry.get("shape") != list(ref.shape):
+        return None
+    return entry
 
 
 def config_claims(config: dict, fields: list[str]) -> list[tuple[str, str]]:

@@ -28,7 +28,7 @@ from ...model.formats import Correspondence, correspond, detect_format, get_form
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
 from ...model.prefixes import Unwrapped, unwrap
-from ...model.provenance import manifest_claims, manifest_mismatch, prove_family
+from ...model.provenance import manifest_claims, manifest_mismatch, manifest_unlike, prove_family
 from ...model.quant.companions import weight_format
 from ...model.quant.dequant import format_of
 from ...model.quant.encode_plan import FusedGroups, encodable, encode_module
@@ -591,18 +591,22 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
 
 def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, report: StitchReport,
                        req: StitchRequest) -> str | None:
-    """Why the draft's manifest is not evidence (None: it is, or it claims nothing): its digests of the tensors
-    taken must be their bytes' (those the comparison read whole are not read again; the rest hashed here go to the
-    fingerprint). Then the family is proved again without it (``report.provenance``), and judge exempts nothing."""
+    """Why the draft's manifest is not evidence (None: it is, or it claims nothing). It must list the tensors taken
+    with their names, dtypes and shapes, or the family is proved again without it (``report.provenance``); an
+    ``init`` claim needs their digests too (those the comparison read whole are not read again; the rest hashed here
+    go to the fingerprint), or judge exempts nothing. A family claim alone hashes nothing."""
     draft = unwrapped.ckpt
     if not manifest_claims(draft):
         return None
-    why = manifest_mismatch(draft, builder.used, builder.digests, tensor_digest, unwrapped.prefix)
+    unlike = manifest_unlike(draft, builder.used, unwrapped.prefix)
+    why = unlike
+    if why is None and isinstance((draft.manifest or {}).get("init"), dict):
+        why = manifest_mismatch(draft, builder.used, builder.digests, tensor_digest, unwrapped.prefix)
     if why is None:
         return None
     report.manifest = why
-    if not req.arch and (setup.draft.manifest or {}).get("family"):  # the family came from it
-        report.provenance = prove_family(setup.draft, setup.fmt, setup.table, setup.verifier, no_manifest=why)
+    if unlike and not req.arch and (setup.draft.manifest or {}).get("family"):  # the family came from it
+        report.provenance = prove_family(setup.draft, setup.fmt, setup.table, setup.verifier, no_manifest=unlike)
     return why
 
 
