@@ -10,11 +10,8 @@ A name is the verifier's when its table detects it or its own config carries it.
 a draft of another model (``wrong-family``); no evidence at all is ``draft-unproven``.
 ``--arch FAMILY`` asserts the family and skips this check.
 
-A manifest is evidence only of what it describes (``manifest-mismatch``): its ``family`` only while it lists every
-tensor of the draft under its name with its dtype and shape (``manifest_unlike``: finetuning changes values, not
-those); its ``init`` (an initialised draft, exempt from the divergence check) only while its digests are the
-draft's bytes (``manifest_mismatch``): a trained or edited draft, or a manifest copied beside other bytes, is
-judged as a finetune.
+A manifest is evidence only of what it describes (``manifest-mismatch``): its ``family`` while it lists the draft's
+names, dtypes and shapes (``manifest_unlike``), its ``init`` while its digests are the bytes (``manifest_mismatch``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from . import consistency as c
 from .consistency import Problem
 from .quant.agree import RULE as AGREE_RULE
 from .quant.agree import agree_problems
+from .quant.arg_rules import ARG_RULES
 from .quant.audit import ORDER_RULE
 from .quant.block_audit import BLOCK_SIZE_RULE, block_problems
 from .quant.kv_scales import RULE as KV_SCALE_RULE
@@ -32,7 +33,6 @@ from .quant.patterns import RULE as PATTERN_RULE
 from .quant.patterns import pattern_problems
 from .quant.scale_values import RULE as SCALE_VALUE_RULE
 from .quant.scale_values import scale_value_problems
-from .quant.schema import ARG_RULES
 from .stored_dtype import RULE as STORED_DTYPE_RULE
 from .stored_dtype import stored_dtype_problems
 

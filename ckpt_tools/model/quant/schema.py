@@ -27,10 +27,6 @@ Scalar = str | int | float | bool | None
 MATCHERS = ("compressed-tensors", "quark", "modelopt", "transformers", "exact")
 CODES = ("fp8", "e4m3", "e5m2", "e2m1", "int")
 ROLES = ("scale", "global_scale", "zero_point", "input_scale", "shape", "g_idx", "other")
-# rules a module's declared arguments are judged by (storage._check; docs/integrity.md): a tensor the arguments
-# exclude or require (by its role), scale tiles that must divide the columns, an argument the consumers refuse
-ARG_RULES = ("quant-zero-point", "quant-group-size", "quant-actorder")
-ROLE_RULES = {"zero_point": "quant-zero-point", "g_idx": "quant-actorder"}
 
 
 class _Strict(BaseModel):

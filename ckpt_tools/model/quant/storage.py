@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ...dtypes import FLOAT_DTYPES
 from ..expr import ExprError, evaluate, names_in
+from .arg_rules import ROLE_RULES
 from .detect import QuantScheme
-from .schema import ROLE_RULES
 from .tables import loaded_schemes
 
 if TYPE_CHECKING:
