@@ -13,14 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-
-from ckpt_tools.io.checkpoint import Checkpoint  # noqa: E402
-from ckpt_tools.testing import make_checkpoint  # noqa: E402
-from ckpt_tools.testing.gguf_trunk import write_trunk_gguf  # noqa: E402
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.testing import make_checkpoint
+from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,6 +6,7 @@ as numpy / PyTorch order (outermost first), the reverse of GGUF's ``ne``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class GgufFile:
         return len(tokens.value) if tokens is not None else None
 
 
-def read_gguf(path: str | Path) -> GgufFile:
+def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
     """The metadata of the GGUF file at ``path``; an unreadable file is refused (rule gguf-read)."""
     from gguf import GGUFReader, GGUFValueType
 
@@ -88,7 +89,7 @@ def read_gguf(path: str | Path) -> GgufFile:
     return out
 
 
-def tensor_values(path: str | Path, name: str):
+def tensor_values(path: str | os.PathLike[str], name: str):
     """One tensor's stored data (numpy: floats as they are, quantized types as raw bytes per row)."""
     from gguf import GGUFReader
 

@@ -24,11 +24,11 @@ from ...model.expert_layouts import ExpertLayout
 from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
 from ...model.gate import require_consistent
+from ...model.gguf_names import GLUE_NAMES, TensorNames, keeps_f32
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor
 from .build import draft_tensors
-from .gguf_names import GLUE_NAMES, TensorNames, keeps_f32
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 RULE_MISMATCH = "gguf-trunk-mismatch"
