@@ -58,7 +58,8 @@ def sidecars(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", sorted(LLAMA))
 def test_each_family_sidecar_is_complete_for_its_table(sidecars, family):
-    s = inspect_gguf(sidecars[family]).summary
+    assert family in inspect_gguf(sidecars[family]).summary.matching  # among the tables of its llama.cpp arch
+    s = inspect_gguf(sidecars[family], arch=family).summary
     assert s.kind == "mtp-sidecar" and s.family == family
     assert s.problems == []
     for m in s.mtp.values():

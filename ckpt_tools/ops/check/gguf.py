@@ -48,6 +48,7 @@ class GgufSummary:
     shared: list[str]
     mtp: dict[int, dict[str, list[str]]] = field(default_factory=dict)  # block -> present / missing / unexpected
     problems: list[GgufProblem] = field(default_factory=list)
+    matching: list[str] = field(default_factory=list)  # the families that explain the MTP blocks equally well
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "format": "gguf", "architecture": self.arch, "kind": self.kind,
@@ -55,7 +56,7 @@ class GgufSummary:
                 "trunk_layers": self.trunk_layers, "family": self.family, "families": self.families,
                 "tensors": self.tensors, "types": self.types, "shared": self.shared,
                 "mtp": {str(b): v for b, v in self.mtp.items()},
-                "problems": [p.to_json() for p in self.problems], "ok": not self.problems}
+                "matching": self.matching, "problems": [p.to_json() for p in self.problems], "ok": not self.problems}
 
 
 def _block_of(name: str) -> int | None:
@@ -147,6 +148,7 @@ def summarize(g: GgufFile, family: str | None = None) -> GgufSummary:
         s.family = family or (next(iter(tables)) if len(tables) == 1 else None)
         return s
     best: tuple[int, str, dict, list] | None = None
+    scores: dict[str, int] = {}
     for name in ([family] if family else sorted(tables)):
         table = tables[name]
         names = TensorNames(table.llama_cpp, blocks, name)
@@ -161,10 +163,12 @@ def summarize(g: GgufFile, family: str | None = None) -> GgufSummary:
                          for k in missing]
             problems += [GgufProblem(RULE_UNEXPECTED, f"{name}: no tensor of the table maps to it", key=k, path=where)
                          for k in unexpected]
+        scores[name] = len(problems)
         if best is None or len(problems) < best[0]:
             best = (len(problems), name, report, problems)
     assert best is not None
     _, s.family, s.mtp, problems = best
+    s.matching = [n for n, score in scores.items() if score == best[0]]
     s.problems += problems
     return s
 
