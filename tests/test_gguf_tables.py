@@ -1,8 +1,8 @@
 """Every table's ``llama_cpp`` section holds: its names come from the gguf package (what the package lacks is
 said, and is really absent), each family's tiny fixture gives a sidecar with every MTP tensor named and nothing
-missing or unexpected, and, where llama.cpp b11434's own source tree is at hand (``LLAMA_CPP_SRC``: its
-``llama.cpp`` directory, as the llama.cpp CI target unpacks it), every tensor we write is one of the kinds
-llama.cpp b11434 lists for that architecture and the architecture is one it names.
+missing or unexpected, and, where llama.cpp b11434's own source tree is at hand (``LLAMA_CPP_SRC``, else
+``.llama-cpp/src`` as ``make llama-cpp`` unpacks it), every tensor we write is one of the kinds llama.cpp b11434
+lists for that architecture and the architecture is one it names.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from ckpt_tools.testing import make_checkpoint
 from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
 
 LLAMA = {n: t for n, t in sorted(all_tables().items()) if t.llama_cpp is not None}
-SRC = os.environ.get("LLAMA_CPP_SRC")
+_TREE = Path(os.environ.get("LLAMA_CPP_SRC") or Path(__file__).resolve().parent.parent / ".llama-cpp" / "src")
+SRC = str(_TREE) if (_TREE / "gguf-py").is_dir() else None
 
 
 def test_the_two_families_issue_41_starts_with_are_covered():
@@ -95,7 +96,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not SRC, reason="LLAMA_CPP_SRC (llama.cpp b11434's source tree) not set")
+@pytest.mark.skipif(not SRC, reason="no llama.cpp b11434 source tree (LLAMA_CPP_SRC or .llama-cpp/src)")
 def test_every_name_and_architecture_is_llama_cpp_b11434s(sidecars):
     want = {}
     for family, path in sidecars.items():

@@ -103,6 +103,10 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         "block_count": blocks,
         "nextn_predict_layers": view.count,
         "gguf_type": req.gguf_type,
+        # arrays of one value per trunk layer, copied as they are (as llama.cpp's converter writes its --mtp
+        # sidecar: e.g. glm-dsa.attention.indexer.types)
+        "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
+                                 and isinstance(v.value, list) and len(v.value) == trunk_layers),
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
@@ -144,11 +148,6 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
         if int(theirs) != int(ours):
             raise InputError(f"{what}: trunk {theirs}, source {var} = {ours}", rule=RULE_MISMATCH, path=where,
                              key=what)
-    for key, kv in trunk.kv.items():
-        # a per-layer array would need values for the MTP layers, which the trunk cannot give
-        if key.startswith(f"{trunk.arch}.") and isinstance(kv.value, list) and len(kv.value) == trunk.block_count:
-            raise InputError(f"{key} holds one value per layer ({len(kv.value)}); the sidecar's MTP layers would "
-                             "need theirs", rule=RULE_TRUNK, path=where, key=key)
     return layers
 
 
