@@ -26,7 +26,8 @@ SRC = Path(os.environ.get("LLAMA_CPP_SRC") or ROOT / ".llama-cpp" / "src")
 CONVERT = ROOT / "tests" / "consumers" / "llama_convert.py"
 VOCAB = 128
 # family -> the output types compared (every type for one family; f16, the default, for the others)
-CASES = {"glm4_moe": ("f32", "f16", "bf16", "q8_0"), "glm4_moe_lite": ("f16",), "glm_moe_dsa": ("f16",)}
+CASES = {"glm4_moe": ("f32", "f16", "bf16", "q8_0"), "glm4_moe_lite": ("f16",), "glm_moe_dsa": ("f16",),
+         "qwen3_next": ("f16",), "qwen3_5": ("f16",), "qwen3_5_moe": ("f16",)}
 
 pytestmark = [
     pytest.mark.slow,
@@ -63,8 +64,12 @@ def _fields(r) -> dict:
 
 @pytest.mark.parametrize("family,gguf_type", [(f, t) for f, ts in CASES.items() for t in ts])
 def test_our_sidecar_is_the_converters(converted, family, gguf_type):
+    from ckpt_tools.api.validating import validate_gguf
+
     src, trunk, theirs_path, root = converted[(family, gguf_type)]
     ours_path = Path(extract_gguf(src, root / f"ours-{family}-{gguf_type}", trunk, gguf_type=gguf_type).path)
+    assert validate_gguf(ours_path, trunk=trunk, arch=family).ok  # and the pair check agrees
+    assert validate_gguf(theirs_path, trunk=trunk, arch=family).ok
     ours, theirs = gguf.GGUFReader(ours_path), gguf.GGUFReader(theirs_path)
     a, b = _fields(ours), _fields(theirs)
     a.pop("general.size_label", None)

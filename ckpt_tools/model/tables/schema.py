@@ -188,6 +188,7 @@ class VllmDef(_Strict):
 
 
 LLAMA_CPP_CHECKS = ("served", "converter", "names")
+LLAMA_CPP_COMPARE = {"hidden": "embedding_length", "heads": "attention.head_count", "experts": "expert_count"}
 
 
 class LlamaCppSplitDef(_Strict):
@@ -231,9 +232,12 @@ class LlamaCppDef(_Strict):
     # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
     norm_offset: float = 0.0
     f32: list[str] = Field(default_factory=list)  # further MODEL_TENSOR kinds the family's converter keeps F32
+    # ``{arch}.<key>`` arrays of one value per trunk layer that the converter extends with this value for each
+    # MTP layer (e.g. attention.recurrent_layers: false, an MTP block attends); others are copied as they are
+    extend: dict[str, bool | int | float] = Field(default_factory=dict)
     # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
-    compare: dict[str, str] = Field(default_factory=lambda: {
-        "hidden": "embedding_length", "heads": "attention.head_count", "experts": "expert_count"})
+    # (the defaults apply where the table declares the variable: a dense family has no ``experts``)
+    compare: dict[str, str] = Field(default_factory=lambda: dict(LLAMA_CPP_COMPARE))
     note: str | None = None
 
     @model_validator(mode="after")

@@ -202,6 +202,9 @@ def check_pair(sidecar: GgufFile, trunk: GgufFile, family: str | None = None) ->
         other = sidecar.kv.get(key)
         if other is None:
             bad(f"{key}: in the trunk, absent from the sidecar", key)
+        elif isinstance(kv.value, list) and isinstance(other.value, list) and len(kv.value) == trunk_layers \
+                and len(other.value) == trunk_layers + sidecar.nextn and other.value[:trunk_layers] == kv.value:
+            continue  # one value per layer, the MTP layers' appended (the table's llama_cpp.extend)
         elif other.value != kv.value:
             bad(f"{key}: sidecar {_short(other.value)}, trunk {_short(kv.value)}", key)
     for key in sidecar.kv:

@@ -91,7 +91,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     out: list[GgufTensorOut] = []
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, ckpt, table.family)
-    kv = _kv(trunk, blocks, view.count, req.gguf_type)
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -107,6 +107,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         # sidecar: e.g. glm-dsa.attention.indexer.types)
         "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
                                  and isinstance(v.value, list) and len(v.value) == trunk_layers),
+        "per_layer_keys_extended": {f"{trunk.arch}.{k}": v for k, v in lc.extend.items()},
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
@@ -137,7 +138,8 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
     layers = int(trunk.block_count) - trunk.nextn
     pairs = [("num_layers", layers, f"{trunk.arch}.block_count - nextn_predict_layers"),
              ("vocab", trunk.vocab_size, "vocabulary (tokenizer.ggml.tokens)")]
-    pairs += [(var, trunk.arch_value(key), f"{trunk.arch}.{key}") for var, key in lc.compare.items()]
+    pairs += [(var, trunk.arch_value(key), f"{trunk.arch}.{key}") for var, key in lc.compare.items()
+              if var in table.config]
     for var, theirs, what in pairs:
         ours = env.get(var)
         if ours is None or theirs is None:
@@ -151,13 +153,29 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
     return layers
 
 
-def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str) -> list[tuple[str, Any, Any, Any]]:
+def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any) -> dict[str, list]:
+    """The per-layer arrays the table says the converter extends for the MTP layers, extended."""
+    out = {}
+    for suffix, value in lc.extend.items():
+        key = f"{trunk.arch}.{suffix}"
+        kv = trunk.kv.get(key)
+        if kv is None:
+            continue
+        if not isinstance(kv.value, list) or len(kv.value) != layers:
+            raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
+                             path=str(trunk.path), key=key)
+        out[key] = [*kv.value, *([value] * nextn)]
+    return out
+
+
+def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]
+        ) -> list[tuple[str, Any, Any, Any]]:
     import gguf
 
     arch = trunk.arch
     kv = []
     set_keys = {f"{arch}.block_count": blocks, f"{arch}.nextn_predict_layers": nextn,
-                "general.file_type": _file_type(gguf_type)}
+                "general.file_type": _file_type(gguf_type), **extended}
     for key, v in trunk.kv.items():
         value = set_keys.pop(key, v.value)
         kv.append((key, value, v.vtype, v.sub_type))
