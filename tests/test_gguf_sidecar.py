@@ -212,3 +212,36 @@ def test_options_that_do_not_apply_are_usage_errors(glm, tmp_path):
     r = _extract(src, trunk, tmp_path / "out", "--gguf-type", "q4_k")
     assert r.returncode == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_source_fetches_only_the_mtp_and_shared_bytes(monkeypatch, tmp_path, tmp_path_factory):
+    """From hf:// (the test Hub): the same sidecar as from the local copy, and the bytes fetched are the MTP
+    layer's, the shared embedding / final norm / head and the headers, config and index."""
+    from hubserver import serve_hub
+
+    from ckpt_tools.api.writing import extract_gguf
+
+    src, trunk = _ckpt(tmp_path_factory, "deepseek_v3", fp8=True)
+    gen = serve_hub(monkeypatch, tmp_path)
+    hub = next(gen)
+    try:
+        hub.state.add_repo("org/verifier", src)
+        local = Path(extract_gguf(src, tmp_path / "local", trunk).path)
+        hub.state.stats.reset()
+        remote = Path(extract_gguf("hf://org/verifier", tmp_path / "remote", trunk).path)
+        served = hub.state.stats.served
+    finally:
+        gen.close()
+    assert local.read_bytes() == remote.read_bytes()
+    with Checkpoint.open(src) as ck:
+        from ckpt_tools.model.mtp import open_mtp
+
+        view = open_mtp(ck)
+        mtp = sum(ck.tensors[s.key].nbytes for s in view.present)
+        scales = sum(ref.nbytes for k, ref in ck.tensors.items() if k.endswith("_scale_inv")
+                     and k.startswith("model.layers.3."))
+        shared = sum(ck.tensors[k].nbytes for k in ("model.embed_tokens.weight", "model.norm.weight",
+                                                     "lm_head.weight"))
+        # the headers, and the small files opening a checkpoint reads (config, index, generation / tokenizer config)
+        meta = ck.header_bytes() + sum(f.stat().st_size for f in src.iterdir() if f.suffix != ".safetensors")
+    assert mtp + shared <= served <= mtp + scales + shared + meta, (served, mtp, shared, meta)

@@ -365,6 +365,7 @@ def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env
         raise InputError(f"{t.key}: {t.shape[0]} rows, not heads {heads} x ({first} + {second})",
                          rule="shape-mismatch", key=t.key)
     outs = []
+    held: dict[str, Any] = {}  # the decoded source, read once for both parts (written one after the other)
     for j, sub in enumerate(sp.into):
         found = names.lookup(base + sub)
         if found is None:
@@ -374,20 +375,25 @@ def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env
         shape = (heads, cols, first) if (j == 0 and sp.transpose_first) else (heads, first if j == 0 else second, cols)
         qtype = _out_qtype(tkind, gname, shape, lc, gguf_type)
         meta = {"source": list(t.meta.get("source", [t.key])), "split": f"{sp.key}[{j}]"}
-        outs.append(GgufTensorOut(gname, shape, qtype, lambda j=j, qtype=qtype: _split_values(t, j, heads, first,
-                                                                                            second, sp, qtype), meta))
+        outs.append(GgufTensorOut(gname, shape, qtype, lambda j=j, qtype=qtype: _split_values(
+            t, j, heads, first, second, sp, qtype, held), meta))
     return outs
 
 
-def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: int, sp: Any, qtype) -> Iterator[bytes]:
+def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: int, sp: Any, qtype,
+                  held: dict[str, Any]) -> Iterator[bytes]:
     import numpy as np
 
     from ...arrays import decode_floats
     from ...numeric.transforms import RecipeReader
 
     cols = t.shape[-1]
-    buf = RecipeReader(t.recipe).read(t.nbytes)  # one attention projection: small beside the layer
-    kv = decode_floats(buf, t.dtype).astype(np.float32).reshape(heads, first + second, cols)
+    kv = held.pop("values", None)
+    if kv is None:  # one attention projection: small beside the layer
+        buf = RecipeReader(t.recipe).read(t.nbytes)
+        kv = decode_floats(buf, t.dtype).astype(np.float32).reshape(heads, first + second, cols)
+    if part == 0:
+        held["values"] = kv  # for the second part, written next
     if part == 0:
         values = kv[:, :first, :]
         if sp.transpose_first:
