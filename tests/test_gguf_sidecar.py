@@ -217,9 +217,9 @@ def test_options_that_do_not_apply_are_usage_errors(glm, tmp_path):
 def test_hf_source_fetches_only_the_mtp_and_shared_bytes(monkeypatch, tmp_path, tmp_path_factory):
     """From hf:// (the test Hub): the same sidecar as from the local copy, and the bytes fetched are the MTP
     layer's, the shared embedding / final norm / head and the headers, config and index."""
-    from hubserver import serve_hub
-
     from ckpt_tools.api.writing import extract_gguf
+
+    from hubserver import serve_hub
 
     src, trunk = _ckpt(tmp_path_factory, "deepseek_v3", fp8=True)
     gen = serve_hub(monkeypatch, tmp_path)
