@@ -410,6 +410,7 @@ def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: in
 
 def write_sidecar(plan: SidecarPlan, out_dir: Path, overwrite: bool = False) -> tuple[Path, int]:
     """The sidecar at ``out_dir/plan.name`` and ``ckpt_manifest.json`` beside it: (its path, its size)."""
+    import contextlib
     import json
     import os
 
@@ -420,11 +421,18 @@ def write_sidecar(plan: SidecarPlan, out_dir: Path, overwrite: bool = False) -> 
     manifest_path = out_dir / "ckpt_manifest.json"
     if not overwrite and (target.exists() or manifest_path.exists()):
         raise UsageError(f"{target if target.exists() else manifest_path} exists; pass --overwrite to replace it")
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create the output directory: {e.strerror or e}", path=str(out_dir)) from None
-    size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
+    try:
+        size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
+    except BaseException:
+        if created:  # a refusal while writing leaves nothing behind, not even the directory it made
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
     manifest = {**plan.manifest, "file": {"name": plan.name, "size": size},
                 "tensor_blake3": digests}
     tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
