@@ -90,7 +90,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     tensors = _source_tensors(view)
     out: list[GgufTensorOut] = []
     for t, hf_name, spec_kind in tensors:
-        out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, ckpt, table.family)
+        out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
     kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
@@ -292,7 +292,7 @@ def _trunk_layers(res: Any) -> int:
 
 
 def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: Any, env: dict, gguf_type: str,
-             ckpt: Checkpoint, family: str) -> list[GgufTensorOut]:
+             family: str) -> list[GgufTensorOut]:
     for sp in lc.split:
         if hf_name.endswith("." + sp.key):
             return _split(t, hf_name[: -len(sp.key)], sp, names, lc, env, gguf_type, family)
