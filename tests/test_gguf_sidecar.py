@@ -245,3 +245,30 @@ def test_hf_source_fetches_only_the_mtp_and_shared_bytes(monkeypatch, tmp_path, 
         # the headers, and the small files opening a checkpoint reads (config, index, generation / tokenizer config)
         meta = ck.header_bytes() + sum(f.stat().st_size for f in src.iterdir() if f.suffix != ".safetensors")
     assert mtp + shared <= served <= mtp + scales + shared + meta, (served, mtp, shared, meta)
+
+
+def test_a_native_draft_goes_straight_to_a_sidecar_with_the_trunks_shared_tensors(glm, tmp_path):
+    """A draft (MTP layers only, e.g. finetuned, in the verifier's names) has no embedding, final norm or head:
+    the sidecar carries the trunk's own, byte for byte and in the trunk's type; its MTP tensors are the draft's."""
+    from ckpt_tools.api.writing import extract
+
+    src, trunk = glm
+    extract(src, tmp_path / "draft")
+    with Checkpoint.open(tmp_path / "draft") as ck:
+        assert "model.embed_tokens.weight" not in ck.tensors
+    r = _extract(tmp_path / "draft", trunk, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    ts = _tensors(_read(tmp_path / "out"))
+    trunk_ts = _tensors(gguf.GGUFReader(trunk))
+    for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        assert ts[name].tensor_type == trunk_ts[name].tensor_type  # F32 in this trunk, though the sidecar is F16
+        assert np.asarray(ts[name].data).tobytes() == np.asarray(trunk_ts[name].data).tobytes()
+    full = tmp_path / "full"
+    assert _extract(src, trunk, full).returncode == 0
+    full_ts = _tensors(_read(full))
+    assert sorted(ts) == sorted(full_ts)
+    for name, t in full_ts.items():
+        if name.startswith("blk."):
+            assert np.asarray(ts[name].data).tobytes() == np.asarray(t.data).tobytes(), name
+    manifest = json.loads((tmp_path / "out" / "ckpt_manifest.json").read_text())
+    assert manifest["tensors"]["token_embd.weight"]["from_trunk"] is True

@@ -30,6 +30,20 @@ class GgufTensor:
     type_name: str  # F32, F16, BF16, Q8_0, ...
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # where its data starts in the file
+
+    def chunks(self, path: Path, size: int = 64 << 20):
+        """Its stored bytes, read from ``path`` a piece at a time."""
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            left = self.nbytes
+            while left:
+                piece = f.read(min(size, left))
+                if not piece:
+                    raise InputError(f"tensor {self.name}: the file ends before its data does", rule=RULE,
+                                     path=str(path), key=self.name)
+                left -= len(piece)
+                yield piece
 
 
 @dataclass
@@ -85,7 +99,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
         out.kv[key] = GgufKV(key, f.contents(), vtype, sub)
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out.tensors[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes))
+        out.tensors[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes), int(t.data_offset))
     return out
 
 

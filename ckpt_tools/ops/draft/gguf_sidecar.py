@@ -87,8 +87,8 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     trunk_layers = check_trunk(trunk, table, env, lc)
     blocks = trunk_layers + view.count
     names = TensorNames(lc, blocks, table.family)
-    tensors = _source_tensors(view)
-    out: list[GgufTensorOut] = []
+    tensors, from_trunk = _source_tensors(view)
+    out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
     kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc))
@@ -188,8 +188,22 @@ def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict
 # the source: every MTP tensor decoded to floats, plus the shared embedding, final norm and head
 
 
-def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
-    """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order."""
+def _from_trunk(trunk: GgufFile, key: str, names: TensorNames, family: str) -> GgufTensorOut:
+    """A shared tensor SRC does not hold (a draft): the trunk's own, its bytes as they are."""
+    found = names.lookup(key)
+    t = trunk.tensors.get(found[1]) if found is not None else None
+    if t is None:
+        raise InputError(f"{key}: SRC does not hold it and the trunk has no {found[1] if found else 'such'} tensor; "
+                         "the sidecar carries it", rule="mtp-missing", path=str(trunk.path), key=key)
+    import gguf
+
+    return GgufTensorOut(t.name, t.shape, gguf.GGMLQuantizationType[t.type_name],
+                         lambda: t.chunks(trunk.path), {"source": [f"trunk:{t.name}"], "from_trunk": True})
+
+
+def _source_tensors(view: MtpView) -> tuple[list[tuple[OutputTensor, str, str]], list[str]]:
+    """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order,
+    and the shared tensors SRC does not hold (a draft: the trunk's are carried)."""
     ckpt, res = view.ckpt, view.resolved
     fmt_q = view.block_format
     quantized = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
@@ -212,14 +226,15 @@ def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
                     pieces[e.draft.key(slot, x)] = (g.key(slot), x)
     produced = _laid_end_to_end(produced, pieces)
     out: list[tuple[OutputTensor, str, str]] = []
+    from_trunk: list[str] = []
     for role in ("embed", "final_norm", "head"):
         spec = res.shared.get(role)
         if spec is None:
             continue  # a tied head: llama.cpp takes token_embd, as its converter writes no output
         ref = ckpt.tensors.get(spec.key)
-        if ref is None:
-            raise InputError(f"the shared {role} {spec.key} is absent; the sidecar carries it", rule="mtp-missing",
-                             path=str(ckpt.root), key=spec.key)
+        if ref is None:  # a draft holds MTP layers only: the trunk's own embedding, norm and head go along
+            from_trunk.append(spec.key)
+            continue
         if ref.dtype not in FLOAT_DTYPES:
             raise InputError(f"the shared {role} {spec.key} is stored as {ref.dtype}; only float shared tensors "
                              "are read", rule=RULE_NAME, path=str(ckpt.root), key=spec.key)
@@ -246,7 +261,7 @@ def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
         else:
             raise InputError(f"{spec.key}: role {spec.role} (sub-block {spec.block}) has no place in llama.cpp's "
                              "MTP layout", rule=RULE_NAME, key=spec.key)
-    return out
+    return out, from_trunk
 
 
 def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:
