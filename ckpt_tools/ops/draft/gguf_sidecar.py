@@ -35,7 +35,7 @@ RULE_MISMATCH = "gguf-trunk-mismatch"
 RULE_TRUNK = "gguf-trunk"
 RULE_NAME = "gguf-name"
 RULE_FAMILY = "gguf-family"
-BAND_BYTES = 64 << 20  # rows converted at a time (float32 of one band)
+BAND_BYTES = 8 << 20  # float32 values of the rows converted at a time: memory stays a few bands
 
 
 @dataclass
@@ -357,7 +357,7 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[bytes]:
     while done < rows:
         n = min(per, rows - done)
         buf = reader.read(n * cols * _itemsize(t.dtype))
-        values = decode_floats(buf, t.dtype).astype(np.float32).reshape(n, cols)
+        values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)
         if offset:
             values = values + np.float32(offset)
         yield _encode(values, qtype)
@@ -406,7 +406,7 @@ def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: in
     kv = held.pop("values", None)
     if kv is None:  # one attention projection: small beside the layer
         buf = RecipeReader(t.recipe).read(t.nbytes)
-        kv = decode_floats(buf, t.dtype).astype(np.float32).reshape(heads, first + second, cols)
+        kv = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(heads, first + second, cols)
     if part == 0:
         held["values"] = kv  # for the second part, written next
     if part == 0:
