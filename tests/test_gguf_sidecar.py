@@ -272,3 +272,13 @@ def test_a_native_draft_goes_straight_to_a_sidecar_with_the_trunks_shared_tensor
             assert np.asarray(ts[name].data).tobytes() == np.asarray(t.data).tobytes(), name
     manifest = json.loads((tmp_path / "out" / "ckpt_manifest.json").read_text())
     assert manifest["tensors"]["token_embd.weight"]["from_trunk"] is True
+
+
+def test_a_family_without_a_llama_cpp_section_is_refused(glm, tmp_path):
+    from ckpt_tools.model.tables.loader import all_tables
+
+    family = next(n for n, t in sorted(all_tables().items()) if t.kind == "mtp" and t.llama_cpp is None)
+    src = make_checkpoint(family, tmp_path / "src")
+    r = _extract(src, glm[1], tmp_path / "out")
+    assert r.returncode == 3 and "gguf-family" in r.stderr and family in r.stderr
+    assert not (tmp_path / "out").exists()
