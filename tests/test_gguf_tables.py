@@ -84,10 +84,11 @@ for family, (arch, names) in want.items():
         allowed.add(gguf.TENSOR_NAMES[kind])
     bad = []
     for name in names:
-        stem = name.rsplit(".", 1)[0]
-        parts = stem.split(".")
+        parts = name.split(".")
         if parts[0] == "blk":
-            stem = ".".join(["blk", "{bid}", *parts[2:]])
+            parts[1] = "{bid}"
+        full = ".".join(parts)
+        stem = full.rsplit(".", 1)[0] if parts[-1] in ("weight", "bias") else full
         if stem not in allowed:
             bad.append(name)
     if bad:
