@@ -36,7 +36,15 @@ def register(app: typer.Typer) -> None:
         out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
         layers: str = typer.Option(None, "--layers", help="MTP depths to extract, e.g. 0 or 0,1 (default: all)."),
-        fmt: str = typer.Option("native", "--format", help="native | speculators | angelspec | sglang-nextn"),
+        fmt: str = typer.Option("native", "--format",
+                                help="native | speculators | angelspec | sglang-nextn | gguf (llama.cpp's MTP "
+                                     "sidecar; needs --gguf-trunk)"),
+        gguf_trunk: str = typer.Option(None, "--gguf-trunk",
+                                       help="--format gguf: the trunk GGUF the sidecar goes with (its metadata and "
+                                            "vocabulary are copied; its dimensions must be SRC's)."),
+        gguf_type: str = typer.Option("f16", "--gguf-type",
+                                      help="--format gguf: f32 | f16 | bf16 | q8_0 (norms, 1-D tensors and routers "
+                                           "stay F32, as llama.cpp's converter keeps them)."),
         with_embed: bool = typer.Option(None, "--with-embed/--no-embed",
                                         help="Carry the embedding (per-layer copy, else the shared one)."),
         with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
@@ -61,6 +69,14 @@ def register(app: typer.Typer) -> None:
         from .. import api
         from .render import render_plan
 
+        if fmt == "gguf" or gguf_trunk is not None:
+            given = {"--layers": layers, "--with-embed/--no-embed": with_embed, "--with-head/--no-head": with_head,
+                     "--dequant": dequant, "--verifier-name": verifier_name, "--plan-json": plan_json,
+                     "--dtype": None if dtype == "keep" else dtype, "--drop-mtp": drop_mtp or None,
+                     "--resume": resume or None, "--threads": threads}
+            _gguf(src, out, fmt, gguf_trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output,
+                  [k for k, v in given.items() if v is not None])
+            return
         with invoked():
             report = api.extract(src, out, arch=arch, layers=parse_layers(layers), format=fmt, with_embed=with_embed,
                                  with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
@@ -80,3 +96,27 @@ def register(app: typer.Typer) -> None:
             if report.kept_dtype:
                 kept = ", ".join(f"{k} {d}" for k, d in sorted(report.kept_dtype.items()))
                 c.print(f"kept as stored (not quantized, or a dtype the table pins): {kept}", soft_wrap=True)
+
+
+def _gguf(src, out, fmt, trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output, given) -> None:
+    from .. import api
+    from ..errors import UsageError
+
+    if fmt != "gguf" or trunk is None:
+        raise UsageError("--format gguf and --gguf-trunk TRUNK.gguf go together")
+    if given:
+        raise UsageError(f"--format gguf writes every MTP layer as llama.cpp's converter does: {', '.join(given)} "
+                         "do not apply (--gguf-type chooses the type)")
+    with invoked():
+        report = api.extract_gguf(src, out, trunk, gguf_type=gguf_type, arch=arch, dry_run=dry_run,
+                                  overwrite=overwrite, allow_invalid=tuple(allow_invalid or ()))
+    if json_output:
+        emit_json(report.to_json())
+        return
+    c = out_console()
+    m = report.manifest
+    what = "would write" if report.path is None else f"wrote {report.path} ({report.size:,} bytes)"
+    c.print(f"{what}: {len(m['tensors'])} tensors, llama.cpp {m['llama_cpp_arch']}, block_count {m['block_count']}, "
+            f"nextn_predict_layers {m['nextn_predict_layers']}, {m['gguf_type']}", soft_wrap=True)
+    if report.path is not None:
+        c.print(f"serve: llama-server -m {m['trunk']['path']} -md {report.path} --spec-type draft-mtp", soft_wrap=True)
