@@ -38,7 +38,7 @@ CALLS = {
     "validate": (["validate", "P", "--fix-quant-config", "-o", "O", "--link", "hardlink", "--dry-run", "--overwrite",
                   "--json"],
                  ("P",), dict(arch=None, fix_quant_config=True, out="O", link="hardlink", dry_run=True,
-                              overwrite=True, progress=False)),
+                              overwrite=True, progress=False, engine=None)),
     "diff": (["diff", "A", "B", "--keys", "mtp", "--stats", "--all", "--allow-invalid", "total-size", "--json"],
              ("A", "B"), dict(keys="mtp", stats=True, dequant=False, all=True, allow_invalid=["total-size"],
                               progress=False)),
