@@ -36,6 +36,7 @@ SPEC_TYPE = "draft-mtp"  # llama.cpp's speculative type for a model's own MTP la
 RULE = "probe-llama-cpp"
 RUNS = 3  # attempts per run whose final counters are missing
 TIMEOUT = 3600  # seconds per run (one prompt, one MTP)
+# llama-speculative-simple generates n_predict + 1 tokens (it stops once it has more than -n): -n is one less
 ENDING = b"\n\n\n\n"  # what llama-speculative-simple prints after the generation (two LOG("\n\n"))
 _COUNT = re.compile(rb"n_(drafted|accept)\s*=\s*(\d+)")
 _ENCODED = re.compile(rb"encoded\s+(\d+) tokens")
@@ -252,7 +253,7 @@ def _check_tokens(run: Run, expected: int | None, line: int, path: str | None) -
 def _run(binary: Path, model: str, draft: str | None, prompt: Path, depth: int, req: ProbeRequest,
          opts: LlamaCppOptions, ctx: int, work: Path, text: bytes, line: int) -> Run:
     cmd = [str(binary), "-m", model, *(["-md", draft] if draft else []), "-bf", str(prompt), "--no-escape",
-           "-n", str(req.max_new_tokens), "--temp", "0", "--top-k", "1", "--seed", "0", "--ignore-eos",
+           "-n", str(req.max_new_tokens - 1), "--temp", "0", "--top-k", "1", "--seed", "0", "--ignore-eos",
            "-c", str(ctx), "-t", str(opts.threads), "--spec-type", SPEC_TYPE, "--spec-draft-n-max", str(depth),
            "--spec-draft-p-min", "0", "-lv", "4"]
     what = f"{model}{'' if draft is None else ' with ' + draft} (prompt line {line})"
