@@ -248,10 +248,26 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             dtype: str = "keep", dequant: str | None = None, drop_mtp: bool = False,
             verifier_name: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
             plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
-            allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None) -> ExtractReport:
+            allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None,
+            gguf_trunk: PathArg | None = None, gguf_type: str = "f16") -> ExtractReport | GgufReport:
     """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
-    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
-    of ``dequant`` (None: every core)."""
+    angelspec | sglang-nextn | gguf), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
+    of ``dequant`` (None: every core). ``format="gguf"`` writes llama.cpp's MTP sidecar for the trunk GGUF
+    ``gguf_trunk`` (``gguf_type``: f32 | f16 | bf16 | q8_0)."""
+    if format == "gguf" or gguf_trunk is not None:
+        from ..errors import UsageError
+
+        if format != "gguf" or gguf_trunk is None:
+            raise UsageError("--format gguf and --gguf-trunk TRUNK.gguf go together")
+        other = {"layers": layers, "with_embed": with_embed, "with_head": with_head, "dequant": dequant,
+                 "verifier_name": verifier_name, "plan_json": plan_json}
+        given = [k for k, v in other.items() if v is not None] + (["dtype"] if dtype != "keep" else []) + (
+            ["drop_mtp"] if drop_mtp else []) + (["resume"] if resume else [])
+        if given:
+            raise UsageError(f"--format gguf writes every MTP layer as llama.cpp's converter would: "
+                             f"{', '.join(given)} do not apply (--gguf-type chooses the type)")
+        return extract_gguf(source, out, gguf_trunk, gguf_type=gguf_type, arch=arch, dry_run=dry_run,
+                            overwrite=overwrite, allow_invalid=allow_invalid)
     from ..io.checkpoint import Checkpoint
     from ..ops.draft.extract import ExtractRequest, plan_extract
     from ..ops.writing.execute import bytes_read_so_far, write_plan
@@ -281,6 +297,43 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
     written, validation = done if done is not None else (None, None)
     return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"),
                          plan.manifest.get("kept_dtype") or {})
+
+
+@dataclass
+class GgufReport(Report):
+    """``ckpt extract --format gguf``'s result: the sidecar (None on a dry run), its tensors and its manifest."""
+
+    path: str | None
+    size: int | None
+    manifest: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": "gguf", "path": self.path, "size": self.size, **self.manifest}
+
+
+def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: str = "f16", arch: str | None = None,
+                 dry_run: bool = False, overwrite: bool = False, allow_invalid: Sequence[str] = ()) -> GgufReport:
+    """The MTP sidecar llama.cpp loads beside ``trunk`` (``-m TRUNK -md OUT/mtp-NAME.gguf``), written into the
+    directory ``out`` with its ckpt_manifest.json; everything is checked before a byte is written."""
+    from pathlib import Path
+
+    from ..errors import UsageError
+    from ..io.checkpoint import Checkpoint
+    from ..io.gguf_file import read_gguf
+    from ..ops.draft.gguf_sidecar import GgufRequest, plan_sidecar, write_sidecar
+
+    if "://" in os.fspath(out):
+        raise UsageError(f"-o {os.fspath(out)}: a GGUF sidecar is written to a local directory")
+    command = _command(extract_gguf, (source, out, trunk), locals())
+    req = GgufRequest(gguf_type=gguf_type, arch=arch, command=command, allow_invalid=_allow(allow_invalid))
+    trunk_meta = read_gguf(trunk)
+    with Checkpoint.open(source) as ckpt:
+        plan = plan_sidecar(ckpt, trunk_meta, req)
+        plan.manifest["command"] = command
+        if dry_run:
+            return GgufReport(None, None, plan.manifest)
+        path, size = write_sidecar(plan, Path(out), overwrite=overwrite)
+    return GgufReport(str(path), size, plan.manifest)
 
 
 def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_layers: int | None = None,

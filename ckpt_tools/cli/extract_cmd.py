@@ -36,7 +36,15 @@ def register(app: typer.Typer) -> None:
         out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
         arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
         layers: str = typer.Option(None, "--layers", help="MTP depths to extract, e.g. 0 or 0,1 (default: all)."),
-        fmt: str = typer.Option("native", "--format", help="native | speculators | angelspec | sglang-nextn"),
+        fmt: str = typer.Option("native", "--format",
+                                help="native | speculators | angelspec | sglang-nextn | gguf (llama.cpp's MTP "
+                                     "sidecar; needs --gguf-trunk)"),
+        gguf_trunk: str = typer.Option(None, "--gguf-trunk",
+                                       help="--format gguf: the trunk GGUF the sidecar goes with (its metadata and "
+                                            "vocabulary are copied; its dimensions must be SRC's)."),
+        gguf_type: str = typer.Option("f16", "--gguf-type",
+                                      help="--format gguf: f32 | f16 | bf16 | q8_0 (norms, 1-D tensors and routers "
+                                           "stay F32, as llama.cpp's converter keeps them)."),
         with_embed: bool = typer.Option(None, "--with-embed/--no-embed",
                                         help="Carry the embedding (per-layer copy, else the shared one)."),
         with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
@@ -66,7 +74,10 @@ def register(app: typer.Typer) -> None:
                                  verifier_name=verifier_name, max_shard_size=max_shard_size, dry_run=dry_run,
                                  plan_json=plan_json, overwrite=overwrite, resume=resume,
                                  allow_invalid=tuple(allow_invalid or ()), progress=not json_output,
-                                 threads=threads)
+                                 threads=threads, gguf_trunk=gguf_trunk, gguf_type=gguf_type)
+        if fmt == "gguf":
+            _say_gguf(report, json_output, dry_run)
+            return
         if json_output:
             emit_json(report.to_json())
         elif report.written is None:
@@ -79,3 +90,16 @@ def register(app: typer.Typer) -> None:
             if report.kept_dtype:
                 kept = ", ".join(f"{k} {d}" for k, d in sorted(report.kept_dtype.items()))
                 c.print(f"kept as stored (not quantized; --dtype casts them): {kept}", soft_wrap=True)
+
+
+def _say_gguf(report, json_output: bool, dry_run: bool) -> None:
+    if json_output:
+        emit_json(report.to_json())
+        return
+    c = out_console()
+    m = report.manifest
+    what = "would write" if report.path is None else f"wrote {report.path} ({report.size:,} bytes)"
+    c.print(f"{what}: {len(m['tensors'])} tensors, llama.cpp {m['llama_cpp_arch']}, block_count {m['block_count']}, "
+            f"nextn_predict_layers {m['nextn_predict_layers']}, {m['gguf_type']}", soft_wrap=True)
+    if report.path is not None:
+        c.print(f"serve: llama-server -m {m['trunk']['path']} -md {report.path} --spec-type draft-mtp", soft_wrap=True)

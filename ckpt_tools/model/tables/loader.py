@@ -123,6 +123,14 @@ def _check_names(table: Table, path: Path) -> None:
             if ref.part not in table.parts:
                 raise TableError(f"field mtp.blocks[{j}].parts: unknown part {ref.part!r}", path=str(path))
             check(ref.when, f"mtp.blocks[{j}].parts.when")
+    if table.llama_cpp is not None:
+        for j, sp in enumerate(table.llama_cpp.split):
+            for fld in ("heads", "first", "second"):
+                check(getattr(sp, fld), f"llama_cpp.split[{j}].{fld}")
+        unknown = sorted(set(table.llama_cpp.compare) - set(table.config))
+        if unknown:
+            raise TableError(f"field llama_cpp.compare: {', '.join(unknown)} not declared under 'config'",
+                             path=str(path))
     if m.count_field is not None and m.count_field not in table.config:
         raise TableError(f"field mtp.count_field: {m.count_field!r} is not a config variable", path=str(path))
 

@@ -187,6 +187,62 @@ class VllmDef(_Strict):
         return self
 
 
+LLAMA_CPP_CHECKS = ("served", "converter", "names")
+
+
+class LlamaCppSplitDef(_Strict):
+    """One tensor llama.cpp's graph wants split in two along its rows, per head (MLA's ``kv_b_proj`` into
+    ``k_b_proj`` / ``v_b_proj``): rows ``[heads, first + second, cols]``; the first part is transposed per head
+    when ``transpose_first`` (``attn_k_b`` is ``[heads, cols, first]``), as llama.cpp's converter does."""
+
+    key: str  # block-relative key of the source tensor, e.g. self_attn.kv_b_proj.weight
+    heads: str  # expressions over the table's config variables
+    first: str
+    second: str
+    into: list[str]  # the two block-relative names the tensor map knows, e.g. [self_attn.k_b_proj.weight, ...]
+    transpose_first: bool = True
+
+    @field_validator("into")
+    @classmethod
+    def _two(cls, v):
+        if len(v) != 2 or v[0] == v[1]:
+            raise ValueError("llama_cpp.split.into needs two distinct names")
+        return v
+
+
+class LlamaCppDef(_Strict):
+    """How llama.cpp (build b11434) drafts with the family's MTP layers, and what its GGUF holds.
+
+    Tensor names are never typed here: they come from the ``gguf`` package's tensor map of ``tensor_arch``
+    (``get_tensor_name_map``). What the package (0.19.0, older than b11434) lacks is said as data: an
+    ``arch`` string it has no ``MODEL_ARCH`` for, and ``package_lacks``, the ``MODEL_TENSOR`` kinds llama.cpp
+    b11434 has for the architecture that the package's list for ``tensor_arch`` does not (the NextN kinds).
+    ``check``: ``served`` (llama.cpp served our sidecar with draft-mtp in tests/), ``converter`` (our names
+    and shapes equal llama.cpp's converter output), ``names`` (read from llama.cpp's converter and loader
+    only: say why in ``note``).
+    """
+
+    arch: str  # general.architecture llama.cpp b11434 reads, e.g. glm4moe, deepseek2
+    tensor_arch: str  # the gguf package's MODEL_ARCH member whose tensor map names our tensors
+    package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
+    check: Literal["served", "converter", "names"]
+    stack_experts: bool = True  # routed experts as one [experts, out, in] tensor per projection
+    split: list[LlamaCppSplitDef] = Field(default_factory=list)
+    # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
+    norm_offset: float = 0.0
+    f32: list[str] = Field(default_factory=list)  # further MODEL_TENSOR kinds the family's converter keeps F32
+    # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
+    compare: dict[str, str] = Field(default_factory=lambda: {
+        "hidden": "embedding_length", "heads": "attention.head_count", "experts": "expert_count"})
+    note: str | None = None
+
+    @model_validator(mode="after")
+    def _names_say_why(self):
+        if self.check == "names" and not self.note:
+            raise ValueError("llama_cpp.check: names needs a note saying why nothing ran")
+        return self
+
+
 class DetectDef(_Strict):
     architectures: list[str] = Field(default_factory=list)
     model_types: list[str] = Field(default_factory=list)
@@ -213,6 +269,7 @@ class Table(_Strict):
     # k_proj, v_proj]}. Quantization exclusions must name both spellings (ckpt_tools.model.quant.audit).
     fused_modules: dict[str, list[str]] = Field(default_factory=dict)
     vllm: VllmDef | None = None  # vLLM's MTP class for the family and the level it was checked at
+    llama_cpp: LlamaCppDef | None = None  # llama.cpp's architecture for the family (GGUF sidecars)
     demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]

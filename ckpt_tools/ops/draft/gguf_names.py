@@ -1,0 +1,85 @@
+"""GGUF tensor names for a family's tensors, from the ``gguf`` package's tensor map and the table's ``llama_cpp``
+section: never typed here. Each tensor is first given the name llama.cpp's converter gives it before its map
+(the MTP glue under the trunk's layer prefix at block ``trunk layers + depth``, as its converters remap every
+family's MTP), then looked up in ``get_tensor_name_map(tensor_arch, block_count)``, widened by the kinds the
+table says the package lacks.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from ...errors import TableError
+
+# the converter's names for the MTP glue roles (llama.cpp conversion/qwen.py's remapper and glm.py / deepseek.py
+# keys); llama.cpp's tensor map knows them under the layer prefix
+GLUE_NAMES = {
+    "embed_norm": "enorm.weight",
+    "hidden_norm": "hnorm.weight",
+    "fusion": "eh_proj.weight",
+    "final_norm": "shared_head.norm.weight",
+    "embed": "embed_tokens.weight",
+    "head": "shared_head.head.weight",
+}
+# renames every llama.cpp converter applies before its map (conversion/base.py TextModel.filter_tensors)
+CONVERTER_RENAMES = (("e_score_correction_bias", "e_score_correction.bias"), ("language_model.", ""))
+SUFFIXES = (".weight", ".bias")  # the converter's map_tensor_name suffixes
+# kinds llama.cpp's converter stores F32 whatever the output type (conversion/base.py prepare_tensors), besides
+# every tensor of one dimension, every name ending in _norm.weight and every name not ending in .weight
+F32_KINDS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "SSM_CONV1D", "SHORTCONV_CONV",
+             "INDEXER_PROJ", "SSM_CONV1D_Q", "SSM_CONV1D_K", "SSM_CONV1D_V")
+
+
+class TensorNames:
+    """HF-style name -> (MODEL_TENSOR kind name, GGUF name) for one family at ``block_count`` blocks."""
+
+    def __init__(self, lc: Any, block_count: int, family: str) -> None:
+        self.lc, self.block_count, self.family = lc, block_count, family
+
+    @cached_property
+    def _map(self) -> dict[str, tuple[Any, str]]:
+        import gguf
+
+        arch = getattr(gguf.MODEL_ARCH, self.lc.tensor_arch, None)
+        if arch is None:
+            raise TableError(f"{self.family}: llama_cpp.tensor_arch {self.lc.tensor_arch!r} is no gguf.MODEL_ARCH "
+                             f"member (gguf {gguf.__version__ if hasattr(gguf, '__version__') else ''})",
+                             rule="gguf-table")
+        # a fresh copy of the block templates: TensorNameMap updates its class-level dict per architecture
+        saved = dict(gguf.TensorNameMap.block_mappings_cfg)
+        try:
+            mapping = dict(gguf.get_tensor_name_map(arch, self.block_count).mapping)
+        finally:
+            gguf.TensorNameMap.block_mappings_cfg = saved
+        for kind_name in self.lc.package_lacks:
+            kind = getattr(gguf.MODEL_TENSOR, kind_name, None)
+            if kind is None:
+                raise TableError(f"{self.family}: llama_cpp.package_lacks {kind_name!r} is no gguf.MODEL_TENSOR member",
+                                 rule="gguf-table")
+            templates = saved.get(kind) or gguf.TensorNameMap.mappings_cfg.get(kind, ())
+            for bid in range(self.block_count):
+                name = gguf.TENSOR_NAMES[kind].format(bid=bid)
+                for t in templates:
+                    mapping.setdefault(t.format(bid=bid), (kind, name))
+        return mapping
+
+    def lookup(self, name: str) -> tuple[str, str] | None:
+        """(kind name, GGUF name with suffix) for an HF-style name, or None."""
+        for old, new in CONVERTER_RENAMES:
+            name = name.replace(old, new)
+        hit = self._map.get(name)
+        if hit is not None:
+            return hit[0].name, hit[1]
+        for suffix in SUFFIXES:
+            if name.endswith(suffix):
+                hit = self._map.get(name[: -len(suffix)])
+                if hit is not None:
+                    return hit[0].name, hit[1] + suffix
+        return None
+
+
+def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str]) -> bool:
+    """Whether llama.cpp's converter stores this tensor F32 whatever the output type."""
+    return (ndim <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
+            or kind in F32_KINDS or kind in extra)

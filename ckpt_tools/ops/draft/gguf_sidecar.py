@@ -1,0 +1,414 @@
+"""`ckpt extract --format gguf`: the MTP sidecar llama.cpp loads beside a trunk GGUF (``-m TRUNK -md SIDECAR``).
+
+Its layout is the one llama.cpp's converter writes with ``--mtp``: the trunk's key-values (architecture and
+vocabulary) with ``block_count`` = trunk layers + MTP layers and ``nextn_predict_layers``; then ``token_embd``,
+``output_norm``, ``output`` and the MTP blocks' tensors, transformed as the family's table says (experts
+stacked, MLA's ``kv_b_proj`` split). Everything is checked before a byte is written; values are decoded one
+tensor (one expert, one band of rows) at a time and converted as the converter converts them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ... import __version__
+from ...dtypes import FLOAT_DTYPES
+from ...errors import InputError, UsageError
+from ...io.checkpoint import Checkpoint, revision_of, source_name
+from ...io.gguf_file import GgufFile
+from ...model.expert_layouts import ExpertLayout
+from ...model.expr import evaluate, render
+from ...model.formats import ExpertLink, correspond, get_format
+from ...model.gate import require_consistent
+from ...model.mtp import MtpView
+from ...stream.gguf_out import GgufTensorOut
+from ...stream.plan import CopyBytes, OutputTensor
+from .build import draft_tensors
+from .gguf_names import GLUE_NAMES, TensorNames, keeps_f32
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+RULE_MISMATCH = "gguf-trunk-mismatch"
+RULE_TRUNK = "gguf-trunk"
+RULE_NAME = "gguf-name"
+RULE_FAMILY = "gguf-family"
+BAND_BYTES = 64 << 20  # rows converted at a time (float32 of one band)
+
+
+@dataclass
+class GgufRequest:
+    gguf_type: str = "f16"
+    arch: str | None = None
+    command: str = "ckpt extract --format gguf"
+    allow_invalid: frozenset[str] = frozenset()
+
+
+@dataclass
+class SidecarPlan:
+    name: str  # file name in the output directory
+    arch: str
+    kv: list[tuple[str, Any, Any, Any]]
+    tensors: list[GgufTensorOut]
+    manifest: dict = field(default_factory=dict)
+
+
+def _qtype(name: str):
+    import gguf
+
+    return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[name]
+
+
+def _file_type(name: str) -> int:
+    import gguf
+
+    return int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[name])
+
+
+def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> SidecarPlan:
+    if req.gguf_type not in GGUF_TYPES:
+        raise UsageError(f"--gguf-type {req.gguf_type!r}: one of {', '.join(GGUF_TYPES)}")
+    gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
+    view, table = gate.view, gate.table
+    lc = table.llama_cpp
+    if lc is None:
+        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): "
+                         "llama.cpp b11434 has no MTP graph we know of for it", rule=RULE_FAMILY,
+                         path=str(ckpt.root))
+    if view.count == 0:
+        raise InputError(f"{ckpt.root}: the config declares no MTP layers for {table.family}; nothing to extract",
+                         rule="no-mtp")
+    view.require_complete()
+    env = view.resolved.env
+    trunk_layers = check_trunk(trunk, table, env, lc)
+    blocks = trunk_layers + view.count
+    names = TensorNames(lc, blocks, table.family)
+    tensors = _source_tensors(view)
+    out: list[GgufTensorOut] = []
+    for t, hf_name, spec_kind in tensors:
+        out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, ckpt, table.family)
+    kv = _kv(trunk, blocks, view.count, req.gguf_type)
+    label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
+    fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
+    manifest = {
+        "kind": "mtp-gguf-sidecar",
+        "source": {"path": source_name(ckpt), "revision": revision_of(ckpt)},
+        "trunk": {"path": str(trunk.path), "architecture": trunk.arch, "block_count": trunk.block_count},
+        "family": table.family,
+        "llama_cpp_arch": lc.arch,
+        "block_count": blocks,
+        "nextn_predict_layers": view.count,
+        "gguf_type": req.gguf_type,
+        "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
+        "tool_version": __version__,
+    }
+    return SidecarPlan(fname, lc.arch, kv, out, manifest)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).strip("-") or "model"
+
+
+# ---------------------------------------------------------------------------
+# the trunk
+
+
+def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
+    """The trunk's own layer count; its architecture and dimensions must be SRC's (exit 3 naming both)."""
+    where = str(trunk.path)
+    if trunk.arch is None:
+        raise InputError("no general.architecture: not a model GGUF", rule=RULE_TRUNK, path=where)
+    if trunk.arch != lc.arch:
+        raise InputError(f"architecture: trunk {trunk.arch!r}, source {table.family} is {lc.arch!r} in llama.cpp",
+                         rule=RULE_MISMATCH, path=where, key="general.architecture")
+    if trunk.block_count is None:
+        raise InputError(f"no {trunk.arch}.block_count", rule=RULE_TRUNK, path=where)
+    if "tokenizer.ggml.model" not in trunk.kv:
+        raise InputError("no tokenizer.* keys: a sidecar carries the trunk's vocabulary, and llama.cpp loads none "
+                         "without it", rule=RULE_TRUNK, path=where, key="tokenizer.ggml.model")
+    layers = int(trunk.block_count) - trunk.nextn
+    pairs = [("num_layers", layers, f"{trunk.arch}.block_count - nextn_predict_layers"),
+             ("vocab", trunk.vocab_size, "vocabulary (tokenizer.ggml.tokens)")]
+    pairs += [(var, trunk.arch_value(key), f"{trunk.arch}.{key}") for var, key in lc.compare.items()]
+    for var, theirs, what in pairs:
+        ours = env.get(var)
+        if ours is None or theirs is None:
+            if theirs is None and ours not in (None, 0):
+                raise InputError(f"{what}: absent from the trunk, source {var} = {ours}", rule=RULE_MISMATCH,
+                                 path=where, key=what)
+            continue
+        if int(theirs) != int(ours):
+            raise InputError(f"{what}: trunk {theirs}, source {var} = {ours}", rule=RULE_MISMATCH, path=where,
+                             key=what)
+    for key, kv in trunk.kv.items():
+        # a per-layer array would need values for the MTP layers, which the trunk cannot give
+        if key.startswith(f"{trunk.arch}.") and isinstance(kv.value, list) and len(kv.value) == trunk.block_count:
+            raise InputError(f"{key} holds one value per layer ({len(kv.value)}); the sidecar's MTP layers would "
+                             "need theirs", rule=RULE_TRUNK, path=where, key=key)
+    return layers
+
+
+def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str) -> list[tuple[str, Any, Any, Any]]:
+    import gguf
+
+    arch = trunk.arch
+    kv = []
+    set_keys = {f"{arch}.block_count": blocks, f"{arch}.nextn_predict_layers": nextn,
+                "general.file_type": _file_type(gguf_type)}
+    for key, v in trunk.kv.items():
+        value = set_keys.pop(key, v.value)
+        kv.append((key, value, v.vtype, v.sub_type))
+    for key, value in set_keys.items():
+        kv.append((key, value, gguf.GGUFValueType.UINT32, None))
+    return kv
+
+
+# ---------------------------------------------------------------------------
+# the source: every MTP tensor decoded to floats, plus the shared embedding, final norm and head
+
+
+def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
+    """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order."""
+    ckpt, res = view.ckpt, view.resolved
+    fmt_q = view.block_format
+    quantized = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
+    corr = correspond(get_format("native"), view, None, with_embed=None, with_head=None)
+    # llama.cpp stacks each projection's experts [experts, out, in]: a per-expert group is laid end to end (its
+    # experts' bytes in order, decoded one expert at a time), another layout is restacked by our converters
+    stacked = ExpertLayout("stacked")
+    corr.experts = [e if e.verifier.layout.name in ("per-expert", "stacked")
+                    else ExpertLink(e.verifier.with_layout(stacked), e.verifier) for e in corr.experts]
+    produced = draft_tensors(view, corr, None, "F32" if quantized else None)
+    specs = {s.key: s for s in res.mtp_specs()}
+    groups: dict[str, tuple[Any, str]] = {}  # stacked key -> (group, projection)
+    pieces: dict[str, tuple[str, int]] = {}  # per-expert key -> (stacked key, expert)
+    for e in corr.experts:
+        g = e.draft.with_layout(stacked)
+        for slot in e.draft.projections():
+            groups[g.key(slot)] = (e.draft, slot)
+            if e.draft.layout.per_expert:
+                for x in range(e.draft.count):
+                    pieces[e.draft.key(slot, x)] = (g.key(slot), x)
+    produced = _laid_end_to_end(produced, pieces)
+    out: list[tuple[OutputTensor, str, str]] = []
+    for role in ("embed", "final_norm", "head"):
+        spec = res.shared.get(role)
+        if spec is None:
+            continue  # a tied head: llama.cpp takes token_embd, as its converter writes no output
+        ref = ckpt.tensors.get(spec.key)
+        if ref is None:
+            raise InputError(f"the shared {role} {spec.key} is absent; the sidecar carries it", rule="mtp-missing",
+                             path=str(ckpt.root), key=spec.key)
+        if ref.dtype not in FLOAT_DTYPES:
+            raise InputError(f"the shared {role} {spec.key} is stored as {ref.dtype}; only float shared tensors "
+                             "are read", rule=RULE_NAME, path=str(ckpt.root), key=spec.key)
+        out.append((OutputTensor(spec.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
+                                 meta={"source": [spec.key]}), spec.key, spec.kind))
+    prefix = res.table.trunk.prefix
+    for t in produced:
+        if t.meta.get("role") == "scale":
+            continue
+        if t.key in groups:
+            g, slot = groups[t.key]
+            base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
+            out.append((t, f"{base}{g.sub_prefix}.{slot}_proj.weight", "linear"))
+            continue
+        spec = specs.get(t.meta["source"][0])
+        if spec is None or spec.depth is None and spec.role not in GLUE_NAMES:
+            raise InputError(f"{t.key}: not an MTP tensor of the table", rule=RULE_NAME, key=t.key)
+        depth = spec.depth if spec.depth is not None else 0
+        base = render(prefix, {**res.env, "l": _trunk_layers(res) + depth})
+        if spec.role in GLUE_NAMES:
+            out.append((t, base + GLUE_NAMES[spec.role], spec.kind))
+        elif spec.role == "block" and spec.block == 0:
+            out.append((t, base + spec.sub, spec.kind))
+        else:
+            raise InputError(f"{spec.key}: role {spec.role} (sub-block {spec.block}) has no place in llama.cpp's "
+                             "MTP layout", rule=RULE_NAME, key=spec.key)
+    return out
+
+
+def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:
+    """Per-expert tensors replaced by one stacked tensor per projection, produced expert after expert."""
+    from ...numeric.transforms import RecipeReader
+    from ...stream.plan import Compute
+
+    parts: dict[str, dict[int, OutputTensor]] = {}
+    out: list[OutputTensor] = []
+    for t in produced:
+        hit = pieces.get(t.key)
+        if hit is None:
+            out.append(t)
+            continue
+        if hit[0] not in parts:
+            parts[hit[0]] = {}
+            out.append(OutputTensor(hit[0], t.dtype, (), CopyBytes([])))  # placeholder, keeps the order
+        parts[hit[0]][hit[1]] = t
+    for i, t in enumerate(out):
+        experts = parts.get(t.key)
+        if experts is None:
+            continue
+        ordered = [experts[x] for x in range(len(experts))]
+        first = ordered[0]
+
+        def produce(ordered=ordered):
+            for piece in ordered:
+                yield RecipeReader(piece.recipe).read(piece.nbytes)
+
+        out[i] = OutputTensor(t.key, first.dtype, (len(ordered), *first.shape),
+                              Compute(produce, "stack", inputs=[p.key for p in ordered]),
+                              meta={"source": [p.meta.get("source", [p.key])[0] for p in ordered],
+                                    "source_dtype": first.meta.get("source_dtype", first.dtype), "role": "expert"})
+    return out
+
+
+def _trunk_layers(res: Any) -> int:
+    return int(evaluate(res.table.trunk.count, res.env))
+
+
+# ---------------------------------------------------------------------------
+# one source tensor -> its GGUF tensor(s)
+
+
+def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: Any, env: dict, gguf_type: str,
+             ckpt: Checkpoint, family: str) -> list[GgufTensorOut]:
+    for sp in lc.split:
+        if hf_name.endswith("." + sp.key):
+            return _split(t, hf_name[: -len(sp.key)], sp, names, lc, env, gguf_type, family)
+    found = names.lookup(hf_name)
+    if found is None:
+        raise InputError(f"{t.key} ({hf_name} in llama.cpp's converter) has no name in the gguf tensor map of "
+                         f"{lc.tensor_arch}{' + ' + ', '.join(lc.package_lacks) if lc.package_lacks else ''}",
+                         rule=RULE_NAME, path=f"mappings/architectures/{family}.yaml", key=t.key)
+    tkind, gname = found
+    offset = lc.norm_offset if kind == "norm" else 0.0
+    qtype = _out_qtype(tkind, gname, t.shape, lc, gguf_type)
+    meta = {"source": list(t.meta.get("source", [t.key])), "source_dtype": t.meta.get("source_dtype", t.dtype)}
+    return [GgufTensorOut(gname, tuple(t.shape), qtype, lambda: _bands(t, qtype, offset), meta)]
+
+
+def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str):
+    import gguf
+
+    if keeps_f32(tkind, gname, len(shape), list(lc.f32)):
+        return gguf.GGMLQuantizationType.F32
+    q = _qtype(gguf_type)
+    block = gguf.GGML_QUANT_SIZES[q][0]
+    if shape[-1] % block:  # the converter falls back to F16 where the rows do not split into blocks
+        return gguf.GGMLQuantizationType.F16
+    return q
+
+
+def _encode(values, qtype) -> bytes:
+    import numpy as np
+    from gguf import quants
+
+    return np.ascontiguousarray(quants.quantize(values, qtype)).tobytes()
+
+
+def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[bytes]:
+    """The tensor's bytes in ``qtype``, a band of whole rows at a time (rows quantize independently)."""
+    import numpy as np
+
+    from ...arrays import decode_floats
+    from ...numeric.transforms import RecipeReader
+
+    reader = RecipeReader(t.recipe)
+    cols = t.shape[-1] if t.shape else 1
+    rows = t.nbytes // max(1, _itemsize(t.dtype) * cols)
+    per = max(1, BAND_BYTES // (4 * cols))
+    done = 0
+    while done < rows:
+        n = min(per, rows - done)
+        buf = reader.read(n * cols * _itemsize(t.dtype))
+        values = decode_floats(buf, t.dtype).astype(np.float32).reshape(n, cols)
+        if offset:
+            values = values + np.float32(offset)
+        yield _encode(values, qtype)
+        done += n
+
+
+def _itemsize(dtype: str) -> int:
+    from ...dtypes import DTYPES
+
+    return DTYPES[dtype].nbytes(1)
+
+
+def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env: dict, gguf_type: str,
+           family: str) -> list[GgufTensorOut]:
+    """MLA's kv_b_proj [heads * (first + second), cols] as llama.cpp's converter splits it: the first part per
+    head transposed ([heads, cols, first]), the second as it is ([heads, second, cols])."""
+    heads, first, second = (int(evaluate(e, env)) for e in (sp.heads, sp.first, sp.second))
+    cols = t.shape[-1]
+    if t.shape[0] != heads * (first + second):
+        raise InputError(f"{t.key}: {t.shape[0]} rows, not heads {heads} x ({first} + {second})",
+                         rule="shape-mismatch", key=t.key)
+    outs = []
+    for j, sub in enumerate(sp.into):
+        found = names.lookup(base + sub)
+        if found is None:
+            raise InputError(f"{base + sub} (split of {t.key}) has no name in the gguf tensor map of {lc.tensor_arch}",
+                             rule=RULE_NAME, path=f"mappings/architectures/{family}.yaml", key=t.key)
+        tkind, gname = found
+        shape = (heads, cols, first) if (j == 0 and sp.transpose_first) else (heads, first if j == 0 else second, cols)
+        qtype = _out_qtype(tkind, gname, shape, lc, gguf_type)
+        meta = {"source": list(t.meta.get("source", [t.key])), "split": f"{sp.key}[{j}]"}
+        outs.append(GgufTensorOut(gname, shape, qtype, lambda j=j, qtype=qtype: _split_values(t, j, heads, first,
+                                                                                            second, sp, qtype), meta))
+    return outs
+
+
+def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: int, sp: Any, qtype) -> Iterator[bytes]:
+    import numpy as np
+
+    from ...arrays import decode_floats
+    from ...numeric.transforms import RecipeReader
+
+    cols = t.shape[-1]
+    buf = RecipeReader(t.recipe).read(t.nbytes)  # one attention projection: small beside the layer
+    kv = decode_floats(buf, t.dtype).astype(np.float32).reshape(heads, first + second, cols)
+    if part == 0:
+        values = kv[:, :first, :]
+        if sp.transpose_first:
+            values = values.transpose(0, 2, 1)
+    else:
+        values = kv[:, first:, :]
+    for h in range(heads):
+        yield _encode(np.ascontiguousarray(values[h]), qtype)
+
+
+# ---------------------------------------------------------------------------
+# writing: the sidecar, then its manifest (last)
+
+
+def write_sidecar(plan: SidecarPlan, out_dir: Path, overwrite: bool = False) -> tuple[Path, int]:
+    """The sidecar at ``out_dir/plan.name`` and ``ckpt_manifest.json`` beside it: (its path, its size)."""
+    import json
+    import os
+
+    from ...errors import OutputError
+    from ...stream.gguf_out import write_gguf
+
+    target = out_dir / plan.name
+    manifest_path = out_dir / "ckpt_manifest.json"
+    if not overwrite and (target.exists() or manifest_path.exists()):
+        raise UsageError(f"{target if target.exists() else manifest_path} exists; pass --overwrite to replace it")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create the output directory: {e.strerror or e}", path=str(out_dir)) from None
+    size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
+    manifest = {**plan.manifest, "file": {"name": plan.name, "size": size},
+                "tensor_blake3": digests}
+    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, manifest_path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write the manifest: {e.strerror or e}", path=str(manifest_path)) from None
+    return target, size

@@ -1,0 +1,77 @@
+"""A trunk GGUF (no MTP) for a tiny fixture checkpoint, written with gguf.GGUFWriter: the key-values llama.cpp's
+converter writes for the family's architecture (dimensions, a stand-in vocabulary), and the trunk tensors whose
+names map one to one (F32). For tests of sidecars' metadata and pairing; llama.cpp's own converter (``--no-mtp``)
+makes the trunks llama.cpp serves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict | None = None,
+                     drop: tuple[str, ...] = ()) -> Path:
+    """Write ``path`` for the checkpoint at ``ckpt_dir``; ``overrides``: key -> value replacing a key-value,
+    ``drop``: keys left out."""
+    import gguf
+    import numpy as np
+
+    from ..arrays import decode_floats
+    from ..dtypes import FLOAT_DTYPES
+    from ..io.checkpoint import Checkpoint
+    from ..model.expr import evaluate, render
+    from ..model.gate import require_consistent
+    from ..ops.draft.gguf_names import TensorNames
+
+    path = Path(path)
+    with Checkpoint.open(ckpt_dir) as ckpt:
+        gate = require_consistent(ckpt)
+        table, env = gate.table, gate.view.resolved.env
+        lc = table.llama_cpp
+        layers = int(evaluate(table.trunk.count, env))
+        arch = lc.arch
+        kv: dict[str, tuple] = {
+            "general.architecture": (arch, gguf.GGUFValueType.STRING),
+            "general.name": (f"Tiny-{table.family}", gguf.GGUFValueType.STRING),
+            f"{arch}.block_count": (layers, gguf.GGUFValueType.UINT32),
+            f"{arch}.context_length": (int(ckpt.config.get("max_position_embeddings") or 512),
+                                       gguf.GGUFValueType.UINT32),
+            f"{arch}.embedding_length": (env["hidden"], gguf.GGUFValueType.UINT32),
+            f"{arch}.attention.head_count": (env["heads"], gguf.GGUFValueType.UINT32),
+            f"{arch}.vocab_size": (env["vocab"], gguf.GGUFValueType.UINT32),
+            "general.file_type": (int(gguf.LlamaFileType.ALL_F32), gguf.GGUFValueType.UINT32),
+            "tokenizer.ggml.model": ("gpt2", gguf.GGUFValueType.STRING),
+            "tokenizer.ggml.pre": ("default", gguf.GGUFValueType.STRING),
+            "tokenizer.ggml.tokens": ([f"<t{i}>" for i in range(env["vocab"])], gguf.GGUFValueType.ARRAY),
+            "tokenizer.ggml.token_type": ([1] * env["vocab"], gguf.GGUFValueType.ARRAY),
+            "tokenizer.ggml.eos_token_id": (0, gguf.GGUFValueType.UINT32),
+        }
+        if "experts" in env:
+            kv[f"{arch}.expert_count"] = (env["experts"], gguf.GGUFValueType.UINT32)
+        for k, v in (overrides or {}).items():
+            kv[k] = (v, kv[k][1] if k in kv else gguf.GGUFValueType.UINT32)
+        names = TensorNames(lc, layers, table.family)
+        w = gguf.GGUFWriter(path, arch)
+        for k, (v, t) in kv.items():
+            if k in drop or k == "general.architecture":  # the writer sets the architecture itself
+                continue
+            sub = None
+            if t == gguf.GGUFValueType.ARRAY:
+                sub = gguf.GGUFValueType.STRING if isinstance(v[0], str) else gguf.GGUFValueType.INT32
+            w.add_key_value(k, v, t, sub_type=sub)
+        keys = [s.key for s in gate.view.resolved.shared.values()]
+        keys += [k for k in ckpt.tensors if any(k.startswith(render(table.trunk.prefix, {**env, "l": j}))
+                                                for j in range(layers))]
+        for k in keys:
+            found = names.lookup(k)
+            ref = ckpt.tensors.get(k)
+            if found is None or ref is None or ref.dtype not in FLOAT_DTYPES:
+                continue
+
+            values = decode_floats(bytearray(ref.read()), ref.dtype).astype(np.float32).reshape(ref.shape)
+            w.add_tensor(found[1], values)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path

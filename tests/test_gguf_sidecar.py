@@ -1,0 +1,215 @@
+"""`ckpt extract --format gguf`: the MTP sidecar llama.cpp loads beside a trunk GGUF, read back with gguf.GGUFReader.
+
+Names, shapes and types are those llama.cpp's converter gives (experts stacked, MLA's kv_b_proj split, norms,
+1-D tensors and routers F32); values equal the source's (exactly in F32, to F16 rounding in F16, Q8_0 bytes
+equal to gguf.quants' quantizer); metadata and vocabulary come from the trunk. A trunk that does not match is
+refused with exit 3 before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from ckpt_tools.io.checkpoint import Checkpoint  # noqa: E402
+from ckpt_tools.testing import make_checkpoint  # noqa: E402
+from ckpt_tools.testing.gguf_trunk import write_trunk_gguf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ckpt(tmp_path_factory, family: str, **kw) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp(family)
+    src = make_checkpoint(family, d / "src", **kw)
+    trunk = write_trunk_gguf(src, d / "trunk.gguf")
+    return src, trunk
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "glm4_moe")
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory):
+    return _ckpt(tmp_path_factory, "deepseek_v3")
+
+
+def _extract(src, trunk, out, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "ckpt_tools", "extract", str(src), "--format", "gguf", "--gguf-trunk", str(trunk),
+           "-o", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+
+def _read(out: Path):
+    files = sorted(out.glob("mtp-*.gguf"))
+    assert len(files) == 1, list(out.iterdir())
+    return gguf.GGUFReader(files[0])
+
+
+def _tensors(reader) -> dict:
+    return {t.name: t for t in reader.tensors}
+
+
+def _source(src: Path, key: str) -> np.ndarray:
+    from ckpt_tools.arrays import decode_floats
+
+    with Checkpoint.open(src) as ck:
+        ref = ck.tensors[key]
+        return decode_floats(bytearray(ref.read()), ref.dtype).astype(np.float32).reshape(ref.shape)
+
+
+def _values(t) -> np.ndarray:
+    shape = tuple(reversed(t.shape.tolist()))
+    if t.tensor_type.name in ("F32", "F16"):
+        return np.asarray(t.data, dtype=np.float32).reshape(shape)
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+
+
+GLM_MTP = {"blk.3.nextn." + n for n in ("eh_proj.weight", "embed_tokens.weight", "enorm.weight", "hnorm.weight",
+                                        "shared_head_head.weight", "shared_head_norm.weight")}
+
+
+def test_glm_sidecar_layout_metadata_and_f32_values(glm, tmp_path):
+    src, trunk = glm
+    r = _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32")
+    assert r.returncode == 0, r.stderr
+    reader = _read(tmp_path / "out")
+    fields = reader.fields
+    assert fields["general.architecture"].contents() == "glm4moe"
+    assert fields["glm4moe.block_count"].contents() == 4  # 3 trunk layers + 1 MTP
+    assert fields["glm4moe.nextn_predict_layers"].contents() == 1
+    trunk_reader = gguf.GGUFReader(trunk)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.model", "tokenizer.ggml.pre", "glm4moe.embedding_length",
+                "glm4moe.expert_count", "general.name"):
+        assert fields[key].contents() == trunk_reader.fields[key].contents(), key
+    ts = _tensors(reader)
+    assert set(ts) >= GLM_MTP
+    assert {"token_embd.weight", "output_norm.weight", "output.weight"} <= set(ts)
+    # nothing of the trunk's own layers
+    assert not [n for n in ts if n.startswith(("blk.0.", "blk.1.", "blk.2."))]
+    exps = ts["blk.3.ffn_gate_exps.weight"]
+    assert tuple(reversed(exps.shape.tolist())) == (4, 32, 64)  # [experts, moe_inter, hidden], stacked
+    want = np.stack([_source(src, f"model.layers.3.mlp.experts.{e}.gate_proj.weight") for e in range(4)])
+    np.testing.assert_array_equal(_values(exps), want)
+    np.testing.assert_array_equal(_values(ts["blk.3.nextn.eh_proj.weight"]),
+                                  _source(src, "model.layers.3.eh_proj.weight"))
+    np.testing.assert_array_equal(_values(ts["blk.3.exp_probs_b.bias"]),
+                                  _source(src, "model.layers.3.mlp.gate.e_score_correction_bias"))
+    np.testing.assert_array_equal(_values(ts["token_embd.weight"]), _source(src, "model.embed_tokens.weight"))
+    assert all(t.tensor_type.name == "F32" for t in ts.values())
+    manifest = json.loads((tmp_path / "out" / "ckpt_manifest.json").read_text())
+    assert manifest["kind"] == "mtp-gguf-sidecar" and manifest["llama_cpp_arch"] == "glm4moe"
+    assert set(manifest["tensor_blake3"]) == set(ts)
+
+
+def test_glm_sidecar_f16_types_as_llama_cpp_converter(glm, tmp_path):
+    src, trunk = glm
+    r = _extract(src, trunk, tmp_path / "out")  # default: f16
+    assert r.returncode == 0, r.stderr
+    ts = _tensors(_read(tmp_path / "out"))
+    types = {n: t.tensor_type.name for n, t in ts.items()}
+    # the converter keeps norms, 1-D tensors, biases and the router F32; every other matrix F16
+    for n in ("blk.3.nextn.enorm.weight", "blk.3.attn_norm.weight", "blk.3.attn_q.bias", "blk.3.ffn_gate_inp.weight",
+              "blk.3.exp_probs_b.bias", "output_norm.weight", "blk.3.attn_q_norm.weight"):
+        assert types[n] == "F32", n
+    for n in ("blk.3.nextn.eh_proj.weight", "blk.3.ffn_down_exps.weight", "token_embd.weight", "output.weight",
+              "blk.3.attn_q.weight"):
+        assert types[n] == "F16", n
+    src_v = _source(src, "model.layers.3.self_attn.o_proj.weight")
+    np.testing.assert_array_equal(_values(ts["blk.3.attn_output.weight"]), src_v.astype(np.float16).astype(np.float32))
+    assert (tmp_path / "out").joinpath("ckpt_manifest.json").is_file()
+
+
+def test_deepseek_v3_sidecar_splits_kv_b_and_q8_0_bytes_equal_gguf_quants(dsv3, tmp_path):
+    src, trunk = dsv3
+    r = _extract(src, trunk, tmp_path / "out", "--gguf-type", "q8_0")
+    assert r.returncode == 0, r.stderr
+    reader = _read(tmp_path / "out")
+    assert reader.fields["general.architecture"].contents() == "deepseek2"
+    assert reader.fields["deepseek2.nextn_predict_layers"].contents() == 1
+    ts = _tensors(reader)
+    assert set(ts) >= GLM_MTP
+    assert "blk.3.attn_kv_b.weight" not in ts
+    kv_b = _source(src, "model.layers.3.self_attn.kv_b_proj.weight").reshape(4, 8 + 8, 16)  # heads, nope+v, rank
+    k_b, v_b = ts["blk.3.attn_k_b.weight"], ts["blk.3.attn_v_b.weight"]
+    assert tuple(reversed(k_b.shape.tolist())) == (4, 16, 8)  # per head transposed: [heads, kv_lora, nope]
+    assert tuple(reversed(v_b.shape.tolist())) == (4, 8, 16)
+    # rows of 8 do not split into Q8_0 blocks of 32: F16, as the converter falls back
+    assert k_b.tensor_type.name == "F16"
+    np.testing.assert_array_equal(_values(k_b), kv_b[:, :8, :].transpose(0, 2, 1).astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(_values(v_b), kv_b[:, 8:, :].astype(np.float16).astype(np.float32))
+    eh = ts["blk.3.nextn.eh_proj.weight"]
+    assert eh.tensor_type.name == "Q8_0"
+    want = gguf.quants.quantize(_source(src, "model.layers.3.eh_proj.weight"), gguf.GGMLQuantizationType.Q8_0)
+    assert bytes(np.asarray(eh.data)) == want.tobytes()
+    down = ts["blk.3.ffn_down_exps.weight"]
+    stacked = np.stack([_source(src, f"model.layers.3.mlp.experts.{e}.down_proj.weight") for e in range(4)])
+    assert bytes(np.asarray(down.data)) == gguf.quants.quantize(stacked, gguf.GGMLQuantizationType.Q8_0).tobytes()
+
+
+def test_quantized_source_is_decoded_as_extract_dequant_decodes(tmp_path_factory, tmp_path):
+    from ckpt_tools.api.writing import extract
+
+    src, trunk = _ckpt(tmp_path_factory, "deepseek_v3", fp8=True)
+    with Checkpoint.open(src) as ck:
+        assert ck.tensors["model.layers.3.self_attn.q_a_proj.weight"].dtype == "F8_E4M3"
+    r = _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32")
+    assert r.returncode == 0, r.stderr
+    ts = _tensors(_read(tmp_path / "out"))
+    extract(src, tmp_path / "native", dequant="fp32")
+    with Checkpoint.open(tmp_path / "native") as ck:
+        native = {k: ref.numpy() for k, ref in ck.tensors.items() if ref.dtype == "F32"}
+    np.testing.assert_array_equal(_values(ts["blk.3.attn_q_a.weight"]),
+                                  native["model.layers.3.self_attn.q_a_proj.weight"])
+    stacked = np.stack([native[f"model.layers.3.mlp.experts.{e}.up_proj.weight"] for e in range(4)])
+    np.testing.assert_array_equal(_values(ts["blk.3.ffn_up_exps.weight"]), stacked)
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("glm4moe.embedding_length", 128, "trunk 128, source hidden = 64"),
+    ("glm4moe.block_count", 5, "trunk 5, source num_layers = 3"),
+    ("glm4moe.expert_count", 8, "trunk 8, source experts = 4"),
+    ("glm4moe.attention.head_count", 8, "trunk 8, source heads = 4"),
+    ("glm4moe.vocab_size", 300, "trunk 300, source vocab = 256"),
+])
+def test_mismatched_trunk_is_refused_and_nothing_written(glm, tmp_path, key, value, named):
+    src, _ = glm
+    bad = write_trunk_gguf(src, tmp_path / "bad.gguf", overrides={key: value})
+    r = _extract(src, bad, tmp_path / "out")
+    assert r.returncode == 3, r.stderr
+    assert named in r.stderr and "gguf-trunk-mismatch" in r.stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_trunk_of_another_architecture_is_refused(glm, dsv3, tmp_path):
+    src, _ = glm
+    r = _extract(src, dsv3[1], tmp_path / "out")
+    assert r.returncode == 3
+    assert "trunk 'deepseek2'" in r.stderr and "'glm4moe'" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_trunk_without_vocabulary_is_refused(glm, tmp_path):
+    src, _ = glm
+    bad = write_trunk_gguf(src, tmp_path / "novocab.gguf",
+                           drop=("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"))
+    r = _extract(src, bad, tmp_path / "out")
+    assert r.returncode == 3 and "tokenizer" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_options_that_do_not_apply_are_usage_errors(glm, tmp_path):
+    src, trunk = glm
+    r = _extract(src, trunk, tmp_path / "out", "--dequant", "bf16")
+    assert r.returncode == 2 and "--dequant" not in r.stdout
+    r = _extract(src, trunk, tmp_path / "out", "--gguf-type", "q4_k")
+    assert r.returncode == 2
+    assert not (tmp_path / "out").exists()
