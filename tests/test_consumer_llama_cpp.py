@@ -227,7 +227,7 @@ import os, sys
 from pathlib import Path
 args = sys.argv[1:]
 if args == ["--version"]:
-    sys.stderr.write("version: 11434 (0123abc)\nbuilt with GNU\n")
+    sys.stderr.write("version: 0.6.0-dev (build 11434, commit 0123abc)\nbuilt with GNU\n")
     sys.exit(0)
 calls = Path(os.environ["FAKE_CALLS"])
 n = int(calls.read_text()) + 1 if calls.exists() else 1
@@ -236,18 +236,21 @@ if os.environ.get("FAKE_FAIL"):
     sys.stderr.write("llama_model_load: error loading model: key not found in model: tokenizer.ggml.model\n")
     sys.exit(1)
 prompt = Path(args[args.index("-bf") + 1]).read_bytes()
-k = int(args[args.index("--spec-draft-n-max") + 1])
-sys.stdout.buffer.write(b"\n\n" + prompt + b"xy" + b"\n\n\n\n")
-sys.stderr.write("main: encoded %4d tokens in 0.1 seconds\n" % len(prompt.replace(b"<|user|>", b"U")))
+k = 0 if float(args[args.index("--spec-draft-p-min") + 1]) > 1 else int(args[args.index("--spec-draft-n-max") + 1])
+log = open(args[args.index("--log-file") + 1], "wb")
+log.write(b"0.00.000.001 I llama_model_loader: loaded\n\n\n" + prompt + b"0.00.000.001 I spec: adding\nx\n\ny")
+sys.stdout.buffer.write(b"\n\n" + prompt + b"x\n\ny\n\n")
+log.write(b"\n\n0.00.000.002 I encoded %4d tokens in 0.1 seconds\n" % len(prompt.replace(b"<|user|>", b"U")))
+log.write(b"0.00.000.002 I decoded    3 tokens in 0.1 seconds\n")
 if n == 1 or os.environ.get("FAKE_NEVER"):
     sys.exit(0)  # the logging thread lost the final lines
 if k:
-    sys.stderr.write("main: n_drafted = 4\nmain: n_accept  = 3\nmain: accept    = 75.000%\n")
-    sys.stderr.write("spec common_specu: statistics     draft-mtp: #calls(b,g,a) =    1      4      4, #gen drafts ="
-                     "      4, #acc drafts =     3, #gen tokens =      4, #acc tokens =     3, #mean acc len = 1.75, "
-                     "#acc rate/pos = (0.750)\n")
+    log.write(b"0.00.000.003 I n_drafted = 4\n0.00.000.003 I n_accept  = 3\n0.00.000.003 I accept    = 75.000%\n")
+    log.write(b"0.00.000.004 I spec common_specu: statistics     draft-mtp: #calls(b,g,a) =    1      4      4, #gen "
+              b"drafts =      4, #acc drafts =     3, #gen tokens =      4, #acc tokens =     3, #mean acc len = 1.75, "
+              b"#acc rate/pos = (0.750)\n")
 else:
-    sys.stderr.write("main: n_drafted = 0\nmain: n_accept  = 0\n")
+    log.write(b"0.00.000.003 I n_drafted = 0\n0.00.000.003 I n_accept  = 0\n")
 '''
 
 
@@ -293,7 +296,7 @@ def test_engine_counters_never_come_is_refused(fake_llama, tmp_path, monkeypatch
     monkeypatch.setenv("FAKE_NEVER", "1")
     r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", fake_llama, "--prompts",
              tmp_path / "p.jsonl", "--max-new-tokens", "3", code=3)
-    assert "[probe-llama-cpp]" in r.output and "missing in 3 runs" in r.output
+    assert "[probe-llama-cpp]" in r.output and "missing in 10 runs" in r.output
 
 
 def test_engine_llama_cpps_refusal_is_an_input_error_with_its_reason(fake_llama, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ The verifier is a GGUF file; each MTP measured is served by llama.cpp's ``llama-
 (``-md``), as ``llama-server -m TRUNK.gguf -md mtp.gguf --spec-type draft-mtp`` loads it. One process per
 prompt and MTP, greedy (``--temp 0 --top-k 1``), ``--ignore-eos`` (llama.cpp then bars its end-of-generation
 ids), ``--spec-draft-p-min 0`` (every position drafted, as vLLM drafts). The reference output is the same
-binary with nothing drafted (``--spec-draft-n-max 0``).
+binary drafting nothing (``--spec-draft-p-min 2``: no draft token is that probable).
 
 Per MTP, from llama.cpp's own counters, summed over prompts: ``n_drafted`` / ``n_accept`` (the final lines of
 the run) and its speculative statistics line (``-lv 4``: drafts generated, accepted tokens per draft position
@@ -34,15 +34,24 @@ from .probe import DraftResult, ProbeRequest, ProbeResult, check_prompts, read_p
 BINARY = "llama-speculative-simple"
 SPEC_TYPE = "draft-mtp"  # llama.cpp's speculative type for a model's own MTP layers (model cards print it)
 RULE = "probe-llama-cpp"
-RUNS = 3  # attempts per run whose final counters are missing
+# llama.cpp logs from a thread that is not waited for at exit: the entries still queued then are lost (the more
+# often, the busier the machine; about 1 run in 6 on 2 loaded cores for a tiny model). A run whose log lacks the
+# counters is repeated.
+RUNS = 10
 TIMEOUT = 3600  # seconds per run (one prompt, one MTP)
+# the reference run drafts nothing: a draft token needs a probability of at least --spec-draft-p-min, here above 1
+# (--spec-type none and --spec-draft-n-max 0 are refused or abort in b11434's llama-speculative-simple)
+NEVER = "2"
 # llama-speculative-simple generates n_predict + 1 tokens (it stops once it has more than -n): -n is one less
-ENDING = b"\n\n\n\n"  # what llama-speculative-simple prints after the generation (two LOG("\n\n"))
 _COUNT = re.compile(rb"n_(drafted|accept)\s*=\s*(\d+)")
-_ENCODED = re.compile(rb"encoded\s+(\d+) tokens")
+# its log file (--log-file) holds everything in order: log lines (timestamp and level first) and the output
+# (... the last setup line, the generated text, "\n\n", then the "encoded N tokens" line)
+_DECODED = re.compile(rb"decoded\s+(\d+) tokens")
+_LINE = re.compile(rb"\d+\.\d\d\.\d\d\d\.\d\d\d [A-Z] [^\n]*\n")  # anywhere: output can precede one
+_ENCODED = re.compile(rb"\n\n\d+\.\d+\.\d+\.\d+ [A-Z] encoded\s+(\d+) tokens")
 _STATS = re.compile(rb"statistics\s+draft-mtp: #calls\(b,g,a\) = +\d+ +\d+ +(\d+), #gen drafts = +(\d+)"
                     rb"(?:.*?#acc rate/pos = \(([^)]*)\))?")
-_VERSION = re.compile(r"version: (\d+) \(([0-9a-f]+)\)")
+_VERSION = re.compile(r"version: \S+ \(build (\d+), commit ([^)]*)\)")
 
 
 @dataclass
@@ -58,6 +67,7 @@ class Run:
 
     output: bytes
     encoded: int  # prompt tokens as llama.cpp tokenized them
+    tokens: int  # tokens generated
     drafted: int
     accepted: int
     drafts: int  # drafts generated (speculative steps that drafted)
@@ -179,7 +189,8 @@ def probe_llama_cpp(req: ProbeRequest, opts: LlamaCppOptions, progress: Callable
         for i, (line, text, expected) in enumerate(prompts):
             prompt_file = Path(work) / f"prompt-{i}.bin"
             prompt_file.write_bytes(text)
-            ref = _run(binary, req.verifier, served[0][1], prompt_file, 0, req, opts, ctx, Path(work), text, line)
+            echo = _bos(verifier) + text  # what llama.cpp prints of the prompt
+            ref = _run(binary, req.verifier, served[0][1], prompt_file, 0, req, opts, ctx, Path(work), echo, line)
             _check_tokens(ref, expected, line, req.prompts)
             reference.append(ref)
             done += 1
@@ -187,7 +198,7 @@ def probe_llama_cpp(req: ProbeRequest, opts: LlamaCppOptions, progress: Callable
                 progress(done, steps)
             for _, draft in served:
                 runs.setdefault(draft, []).append(_run(binary, req.verifier, draft, prompt_file, req.depth, req, opts,
-                                                       ctx, Path(work), text, line))
+                                                       ctx, Path(work), echo, line))
                 done += 1
                 if progress is not None:
                     progress(done, steps)
@@ -236,6 +247,18 @@ def _detokenize(ids: list[int], g: Gguf, line: int, path: str | None) -> bytes:
     return bytes(out)
 
 
+def _bos(g: Gguf) -> bytes:
+    """The BOS token's text when llama.cpp adds one to every prompt (tokenizer.ggml.add_bos_token)."""
+    if not g.add_bos or g.bos is None or not 0 <= g.bos < len(g.tokens):
+        return b""
+    piece = g.tokens[g.bos]
+    decode = _byte_decoder()
+    if g.tokenizer == "gpt2" and not (g.token_types and g.token_types[g.bos] in (3, 4)) and all(
+            c in decode for c in piece):
+        return bytes(decode[c] for c in piece)
+    return piece.encode("utf-8")
+
+
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte (printable Latin-1 bytes are themselves)."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -251,50 +274,60 @@ def _check_tokens(run: Run, expected: int | None, line: int, path: str | None) -
 
 
 def _run(binary: Path, model: str, draft: str | None, prompt: Path, depth: int, req: ProbeRequest,
-         opts: LlamaCppOptions, ctx: int, work: Path, text: bytes, line: int) -> Run:
+         opts: LlamaCppOptions, ctx: int, work: Path, echo: bytes, line: int) -> Run:
+    log = work / "log"
     cmd = [str(binary), "-m", model, *(["-md", draft] if draft else []), "-bf", str(prompt), "--no-escape",
            "-n", str(req.max_new_tokens - 1), "--temp", "0", "--top-k", "1", "--seed", "0", "--ignore-eos",
-           "-c", str(ctx), "-t", str(opts.threads), "--spec-type", SPEC_TYPE, "--spec-draft-n-max", str(depth),
-           "--spec-draft-p-min", "0", "-lv", "4"]
+           "-c", str(ctx), "-t", str(opts.threads), "--spec-type", SPEC_TYPE, "--spec-draft-n-max", str(depth or 1),
+           "--spec-draft-p-min", "0" if depth else NEVER, "-lv", "4", "--log-file", str(log)]
     what = f"{model}{'' if draft is None else ' with ' + draft} (prompt line {line})"
-    last = b""
+    stderr = b""
     for _ in range(RUNS):
+        log.unlink(missing_ok=True)
         with open(work / "out", "wb") as out, open(work / "err", "wb") as err:
             try:
                 code = subprocess.run(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,  # noqa: S603
                                       timeout=TIMEOUT).returncode
             except subprocess.TimeoutExpired:
                 raise InputError(f"llama.cpp ran {what} for more than {TIMEOUT} s", rule=RULE, path=model) from None
-        stdout, stderr = (work / "out").read_bytes(), (work / "err").read_bytes()
+        stderr = (work / "err").read_bytes()
         if code != 0:
             raise InputError(f"llama.cpp cannot serve {what} (exit {code}): {_gist(stderr)}", rule=RULE, path=model)
-        run = _parse(stdout, stderr, text, depth)
+        run = _parse(log.read_bytes() if log.is_file() else b"", (work / "out").read_bytes(), echo, depth, what,
+                     model)
+        if run is not None and not depth and run.drafted:
+            raise InputError(f"llama.cpp drafted {run.drafted} token(s) in the reference run of {what}, which must "
+                             f"draft none (--spec-draft-p-min {NEVER})", rule=RULE, path=model)
         if run is not None:
             return run
-        last = stderr
     raise InputError(f"llama.cpp's counters for {what} were missing in {RUNS} runs (its last lines: "
-                     f"{_gist(last)})", rule=RULE, path=model)
+                     f"{_gist(stderr)})", rule=RULE, path=model)
 
 
-def _parse(stdout: bytes, stderr: bytes, text: bytes, depth: int) -> Run | None:
-    """The run's output and counters; None when its final lines are missing (the run is repeated)."""
-    counts = {k.decode(): int(v) for k, v in _COUNT.findall(stderr)}
-    encoded = _ENCODED.search(stderr)
-    start = stdout.find(text, 2) if text else 2
-    if "drafted" not in counts or "accept" not in counts or encoded is None or start < 0 or \
-            not stdout.endswith(ENDING):
+def _parse(log: bytes, stdout: bytes, echo: bytes, depth: int, what: str, model: str) -> Run | None:
+    """The run's output and counters from its log file (all of its lines and its output, in order) and stdout (its
+    output); None when the log's final lines are missing (run it again)."""
+    counts = {k.decode(): int(v) for k, v in _COUNT.findall(log)}
+    encoded = _ENCODED.search(log)
+    stats = _STATS.search(log)
+    decoded = _DECODED.search(log)
+    if "drafted" not in counts or "accept" not in counts or encoded is None or decoded is None or (
+            depth and stats is None):
         return None
-    output = stdout[start + len(text): -len(ENDING)]
+    # the generated text: after the last log line before "encoded" (llama.cpp logs nothing while it generates)
+    before = list(_LINE.finditer(log, 0, encoded.start() + 1))
+    output = log[before[-1].end() if before else 0: encoded.start()]
+    if not stdout.startswith(b"\n\n" + echo + output + b"\n\n"):  # its output: the prompt echoed, then that
+        raise InputError(f"llama.cpp echoed the prompt of {what} as other text ({stdout[2:2 + len(echo) + 16]!r}, "
+                         f"not {echo!r})", rule=RULE, path=model)
     drafts, per_pos = 0, [0] * depth
-    if depth:
-        stats = _STATS.search(stderr)
-        if stats is None:
-            return None
+    if stats is not None:
         calls, drafts = int(stats.group(1)), int(stats.group(2))
         rates = [float(r) for r in stats.group(3).split(b",")] if stats.group(3) else []
         # the rates are over verification steps, printed to 3 decimals: exact counts below 1000 steps
         per_pos = [round(r * calls) for r in rates[:depth]] + [0] * (depth - len(rates[:depth]))
-    return Run(output, int(encoded.group(1)), counts["drafted"], counts["accept"], drafts, per_pos)
+    return Run(output, int(encoded.group(1)), int(decoded.group(1)), counts["drafted"], counts["accept"], drafts,
+               per_pos)
 
 
 def _result(name: str, depth: int, reference: list[Run], runs: list[Run], texts: list[bytes]) -> DraftResult:
@@ -306,7 +339,7 @@ def _result(name: str, depth: int, reference: list[Run], runs: list[Run], texts:
     mismatch = None
     rows = []
     for i, (ref, run) in enumerate(zip(reference, runs, strict=True)):
-        equal = ref.output == run.output
+        equal = _same_greedy(ref, run)
         if not equal and mismatch is None:
             at = next((j for j, (a, b) in enumerate(zip(ref.output, run.output, strict=False)) if a != b),
                       min(len(ref.output), len(run.output)))
@@ -316,6 +349,15 @@ def _result(name: str, depth: int, reference: list[Run], runs: list[Run], texts:
     per_pos = [sum(r.per_pos[k] for r in runs) for k in range(depth)]
     return DraftResult(name, [p / drafts for p in per_pos], [], drafts, mismatch is None, mismatch, rows,
                        mean_acceptance_length=1 + accepted / drafts, num_drafts=drafts)
+
+
+def _same_greedy(ref: Run, run: Run) -> bool:
+    """The same greedy text. A run that drafts can end one token past -n (its last draft is not cut to the
+    budget): then the reference's text is where the longer one starts."""
+    if ref.tokens == run.tokens:
+        return ref.output == run.output
+    short, long = (ref, run) if ref.tokens < run.tokens else (run, ref)
+    return long.output.startswith(short.output)
 
 
 def _gist(stderr: bytes) -> str:
