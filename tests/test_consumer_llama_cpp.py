@@ -93,6 +93,14 @@ def greedy_barred(checkpoint: Path, family: str, prompts: list[list[int]], n: in
     return out
 
 
+def eog(gguf: Path, vocab: int) -> list[int]:
+    """The end-of-generation ids llama.cpp derives for the converter's GGUF (which --ignore-eos bars)."""
+    from ckpt_tools.io.gguf_file import read_gguf
+
+    kv = read_gguf(gguf).kv
+    return tokenizer.eog_ids(vocab, {k: kv[k].value for k in tokenizer.EOG_KEYS if k in kv})
+
+
 def read_prompts(path: Path) -> list[list[int]]:
     return [json.loads(line)["input_ids"] for line in path.read_text().splitlines() if line.strip()]
 
@@ -109,8 +117,9 @@ def build(family: str, root: Path) -> dict:
     api.extract(verifier, draft)
     swapped = probe_model.edited(draft, root / "swapped", probe_model.swap_eh_proj_halves)
     api.stitch(swapped, verifier, root / "swapped-verifier", accept_divergent=True)
-    jobs = [[verifier, "--outfile", root / "trunk.gguf", "--outtype", "f32", "--no-mtp"]]
-    single = family == "glm4_moe"  # the converter keeps GLM-4-MoE's MTP layers, drops DeepSeek-V3's
+    # the converter keeps GLM-4-MoE's MTP layers unless --no-mtp; it drops DeepSeek-V3's and takes no --no-mtp there
+    single = family == "glm4_moe"
+    jobs = [[verifier, "--outfile", root / "trunk.gguf", "--outtype", "f32", *(["--no-mtp"] if single else [])]]
     if single:
         jobs += [[verifier, "--outfile", root / "single.gguf", "--outtype", "f32"],
                  [verifier, "--outfile", root / "converter-mtp.gguf", "--outtype", "f32", "--mtp"]]
@@ -121,12 +130,16 @@ def build(family: str, root: Path) -> dict:
     prompts = probe_model.write_prompts(root, PROMPTS, PROMPT_LEN, seed=5)
     job = dict(prompts=prompts, max_new_tokens=TOKENS, engine="llama.cpp", llama_cpp=LLAMA_CPP)
     drafts = ([root / "converter-mtp.gguf"] if single else []) + [ours, ours_swapped]
-    out = {"root": root, "verifier": verifier, "trunk": trunk, "ours": ours, "prompts": prompts, "vocab": vocab,
+    out = {"root": root, "verifier": verifier, "trunk": trunk, "ours": ours, "ours_swapped": ours_swapped,
+           "prompts": prompts, "vocab": vocab,
            "pair": api.probe(trunk, drafts=drafts, **job).to_json(), "family": name}
     if single:
         out["single"] = api.probe(root / "single.gguf", **job).to_json()
     out["transformers"] = api.probe(verifier, prompts=prompts, max_new_tokens=TOKENS).to_json()
-    out["greedy"] = greedy_barred(verifier, name, read_prompts(prompts), TOKENS, tokenizer.eog_ids(vocab))
+    out["eog"] = eog(trunk, vocab)
+    out["greedy"] = greedy_barred(verifier, name, read_prompts(prompts), TOKENS, out["eog"])
+    out["greedy_free"] = greedy_barred(verifier, name, read_prompts(prompts), TOKENS, [])  # as `ckpt probe` goes
+    (root / "measured.json").write_text(json.dumps(out, default=str, indent=1))  # the numbers, for a failure's reader
     return out
 
 
@@ -136,8 +149,8 @@ def measured(request, tmp_path_factory) -> dict:
     return build(request.param, tmp_path_factory.mktemp(f"llama-{request.param}"))
 
 
-def by_name(report: dict, suffix: str) -> dict:
-    [d] = [d for d in report["drafts"] if d["name"].endswith(suffix)]
+def by_name(report: dict, path: Path) -> dict:
+    [d] = [d for d in report["drafts"] if d["name"] == str(path)]
     return d
 
 
@@ -158,7 +171,8 @@ def test_our_sidecar_drafts_as_the_converters(measured):
     the same: same greedy output per prompt, same drafts, same acceptance."""
     if "single" not in measured:
         pytest.skip("llama.cpp's converter writes no MTP for DeepSeek-V3 (skip_mtp): nothing of its to compare")
-    ours, theirs = by_name(measured["pair"], measured["ours"].name), by_name(measured["pair"], "converter-mtp.gguf")
+    ours = by_name(measured["pair"], measured["ours"])
+    theirs = by_name(measured["pair"], measured["root"] / "converter-mtp.gguf")
     single = measured["single"]["drafts"][0]
     assert single["name"] == "verifier"
     for other in (theirs, single):
@@ -169,7 +183,7 @@ def test_our_sidecar_drafts_as_the_converters(measured):
 def test_greedy_output_equals_transformers(measured):
     """llama.cpp's greedy output (trunk + our sidecar, speculating) equals transformers' on every prompt, with the
     end-of-generation ids barred on both sides; and equals llama.cpp's own output without drafting."""
-    ours = by_name(measured["pair"], measured["ours"].name)
+    ours = by_name(measured["pair"], measured["ours"])
     assert ours["greedy_equal"] is True, ours.get("mismatch")
     import hashlib
 
@@ -183,10 +197,9 @@ def test_acceptance_agrees_with_ckpt_probe(measured):
     """Depth 1: llama.cpp's n_accept / n_drafted against `ckpt probe`'s (transformers engine) agreement on the same
     checkpoint, over the prompts whose greedy path is the same in both (no end-of-generation id on it, which
     llama.cpp bars): within ENGINES_AGREE."""
-    eog = set(tokenizer.eog_ids(measured["vocab"]))
-    ours = by_name(measured["pair"], measured["ours"].name)
+    ours = by_name(measured["pair"], measured["ours"])
     theirs = measured["transformers"]["drafts"][0]
-    same = [i for i, g in enumerate(measured["greedy"]) if not eog & set(g)]
+    same = [i for i, (a, b) in enumerate(zip(measured["greedy"], measured["greedy_free"], strict=True)) if a == b]
     assert len(same) >= PROMPTS // 2, same
     drafted = sum(ours["prompts"][i]["drafted"] for i in same)
     accepted = sum(ours["prompts"][i]["accepted"] for i in same)
@@ -200,7 +213,7 @@ def test_acceptance_agrees_with_ckpt_probe(measured):
 def test_a_draft_with_exchanged_halves_falls_below_0_2(measured):
     """Our sidecar of a draft whose eh_proj halves are exchanged (stitched with --accept-divergent) drafts badly
     in llama.cpp, and llama.cpp's output is still its greedy output."""
-    [swapped] = [d for d in measured["pair"]["drafts"] if "ours-swapped" in d["name"]]
+    swapped = by_name(measured["pair"], measured["ours_swapped"])
     assert swapped["greedy_equal"] is True  # speculation never changes greedy output, however bad the draft
     assert swapped["agreement"][0] < 0.2, swapped
 
@@ -216,7 +229,7 @@ def test_cli_json_report(measured, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     assert report["engine"]["name"] == "llama.cpp" and report["engine"]["version"] == "b11434"
-    assert report["drafts"][0]["agreement"] == by_name(measured["pair"], measured["ours"].name)["agreement"]
+    assert report["drafts"][0]["agreement"] == by_name(measured["pair"], measured["ours"])["agreement"]
 
 
 # -- the engine's own logic, against a stand-in binary (no llama.cpp build needed) ---------------------------------

@@ -8,8 +8,8 @@ A `tokenizers` byte-level BPE of ``vocab_size`` ids, written as tokenizer.json +
   (trained on ids >= 3) never emit it.
 - ids 1, 2: ``[gMASK]`` (bos) and ``<|endoftext|>`` (eos), the tiny configs' bos_token_id 1 / eos_token_id 2.
 - the last two ids: ``<|user|>`` and ``<|observation|>``. GLM's converter looks up all four special tokens
-  (bos, eot, unk, eom); llama.cpp counts eot / eom / ``<|endoftext|>`` as end of generation, which
-  ``--ignore-eos`` bars: ``eog_ids`` says which ids a reference must bar to compare with it.
+  (bos, eot, unk, eom); llama.cpp counts the GGUF's eos / eot / eom and ``<|endoftext|>`` as end of
+  generation, which ``--ignore-eos`` bars: ``eog_ids`` says which ids a reference must bar to compare with it.
 - every other id: one byte (ASCII without NUL and CR, printable first), as GPT-2's byte-level alphabet spells it.
   The text of a prompt of such ids is its bytes, and llama.cpp prints each generated id as its byte.
 """
@@ -22,8 +22,10 @@ from pathlib import Path
 MERGED = 0
 SPECIALS = {1: "[gMASK]", 2: "<|endoftext|>"}
 TAIL_SPECIALS = ("<|user|>", "<|observation|>")  # the last two ids
-# what llama.cpp b11434 counts as end of generation here (src/llama-vocab.cpp: eos, eot, eom, and tokens so named)
-EOG_NAMES = ("<|endoftext|>", "<|user|>", "<|observation|>")
+# llama.cpp b11434 counts as end of generation (src/llama-vocab.cpp) the GGUF's eos / eot / eom ids (GLM's converter
+# sets eot <|user|> and eom <|observation|>; DeepSeek's neither) and tokens so named: of ours, <|endoftext|>
+NAMED_EOG = ("<|endoftext|>",)
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # the bytes single-byte ids stand for: printable ASCII, space, tab / newline / VT / FF, then the other controls
 # (no NUL: llama.cpp prints pieces as C strings; no CR)
 BYTES = ([*range(0x21, 0x7F), 0x20, 0x09, 0x0A, 0x0B, 0x0C, *range(0x01, 0x09), *range(0x0E, 0x20), 0x7F])
@@ -55,10 +57,11 @@ def special_ids(vocab_size: int) -> dict[str, int]:
             **{s: vocab_size - len(TAIL_SPECIALS) + k for k, s in enumerate(TAIL_SPECIALS)}}
 
 
-def eog_ids(vocab_size: int) -> list[int]:
-    """The ids llama.cpp bars under ``--ignore-eos`` for a GGUF converted with this tokenizer."""
+def eog_ids(vocab_size: int, kv: dict) -> list[int]:
+    """The ids llama.cpp bars under ``--ignore-eos`` for a GGUF converted with this tokenizer, whose ``kv`` holds the
+    EOG_KEYS the converter wrote (key -> id)."""
     ids = special_ids(vocab_size)
-    return sorted(ids[n] for n in EOG_NAMES)
+    return sorted({int(kv[k]) for k in EOG_KEYS if kv.get(k) is not None} | {ids[n] for n in NAMED_EOG})
 
 
 def text_of(ids: list[int], vocab_size: int) -> bytes:
