@@ -84,12 +84,14 @@ def greedy_barred(checkpoint: Path, family: str, prompts: list[list[int]], n: in
     out = []
     with torch.no_grad():
         for ids in prompts:
-            x = torch.tensor([ids])
+            step = model(torch.tensor([ids]), use_cache=True)
+            generated: list[int] = []
             for _ in range(n):
-                logits = model(x).logits[0, -1]
+                logits = step.logits[0, -1]
                 logits[barred] = float("-inf")
-                x = torch.cat([x, logits.argmax().view(1, 1)], dim=1)
-            out.append(x[0, len(ids):].tolist())
+                generated.append(int(logits.argmax()))
+                step = model(torch.tensor([generated[-1:]]), cache=step.past_key_values, use_cache=True)
+            out.append(generated)
     return out
 
 
