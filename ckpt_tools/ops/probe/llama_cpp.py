@@ -1,19 +1,15 @@
 """`ckpt probe --engine llama.cpp`: MTP acceptance measured by llama.cpp itself, the engine people run at home.
 
-The verifier is a GGUF file; each MTP measured is served by llama.cpp's ``llama-speculative-simple`` with
-``--spec-type draft-mtp`` (its model's own NextN layers): the verifier's own MTP layers when the file has them
-(``{arch}.nextn_predict_layers`` > 0), then each ``--draft``, an MTP sidecar GGUF loaded beside the verifier
-(``-md``), as ``llama-server -m TRUNK.gguf -md mtp.gguf --spec-type draft-mtp`` loads it. One process per
-prompt and MTP, greedy (``--temp 0 --top-k 1``), ``--ignore-eos`` (llama.cpp then bars its end-of-generation
-ids), ``--spec-draft-p-min 0`` (every position drafted, as vLLM drafts). The reference output is the same
-binary drafting nothing (``--spec-draft-p-min 2``: no draft token is that probable).
+The verifier is a GGUF file. llama.cpp's ``llama-speculative-simple --spec-type draft-mtp`` serves the verifier's
+own MTP layers when it has them (``{arch}.nextn_predict_layers`` > 0), then each ``--draft``, an MTP sidecar
+loaded beside it (``-md``) as ``llama-server -m TRUNK.gguf -md mtp.gguf`` loads one. One process per prompt and
+MTP: greedy, ``--ignore-eos`` (llama.cpp then bars its end-of-generation ids), ``--spec-draft-p-min 0`` (every
+position drafted). The reference output: the same binary drafting nothing (``--spec-draft-p-min 2``).
 
-Per MTP, from llama.cpp's own counters, summed over prompts: ``n_drafted`` / ``n_accept`` (the final lines of
-the run) and its speculative statistics line (``-lv 4``: drafts generated, accepted tokens per draft position
-as rates over verification steps): ``agreement[k]`` = drafts whose first k tokens were accepted / drafts
-(vLLM's definition), ``mean_acceptance_length`` = 1 + accepted / drafts, ``num_drafts``, and ``greedy_equal``:
-the output equals the reference on every prompt. llama.cpp gives no distributions, so ``kl`` is empty.
-The final lines come from llama.cpp's logging thread and are now and then missing: the run is repeated.
+Per MTP, from llama.cpp's own counters summed over prompts (``n_drafted``, ``n_accept`` and, at ``-lv 4``, its
+speculative statistics line: drafts, acceptance rate per draft position): ``agreement[k]`` = drafts whose first
+k tokens were accepted / drafts (vLLM's definition), ``mean_acceptance_length`` = 1 + accepted / drafts,
+``num_drafts``, and ``greedy_equal`` (the output equals the reference on every prompt); ``kl`` is empty.
 """
 
 from __future__ import annotations
