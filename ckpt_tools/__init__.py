@@ -14,15 +14,18 @@ if TYPE_CHECKING:  # the verbs' types for a type checker; at run time __getattr_
     from .api import dequant as dequant
     from .api import diff as diff
     from .api import extract as extract
+    from .api import extract_gguf as extract_gguf
     from .api import fuse_experts as fuse_experts
     from .api import graft as graft
     from .api import init_draft as init_draft
     from .api import inspect as inspect
+    from .api import inspect_gguf as inspect_gguf
     from .api import probe as probe
     from .api import push as push
     from .api import stitch as stitch
     from .api import unfuse_experts as unfuse_experts
     from .api import validate as validate
+    from .api import validate_gguf as validate_gguf
 
 __version__ = "0.1.0"
 
@@ -30,15 +33,18 @@ _VERBS = (
     "dequant",
     "diff",
     "extract",
+    "extract_gguf",
     "fuse_experts",
     "graft",
     "init_draft",
     "inspect",
+    "inspect_gguf",
     "probe",
     "push",
     "stitch",
     "unfuse_experts",
     "validate",
+    "validate_gguf",
 )
 __all__ = [*_VERBS, "CheckFailed", "CkptError", "InputError", "OutputError", "UsageError", "__version__"]
 

@@ -13,14 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-
-from ckpt_tools.io.checkpoint import Checkpoint  # noqa: E402
-from ckpt_tools.testing import make_checkpoint  # noqa: E402
-from ckpt_tools.testing.gguf_trunk import write_trunk_gguf  # noqa: E402
+from ckpt_tools.io.checkpoint import Checkpoint
+from ckpt_tools.testing import make_checkpoint
+from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -212,4 +211,74 @@ def test_options_that_do_not_apply_are_usage_errors(glm, tmp_path):
     assert r.returncode == 2 and "--dequant" not in r.stdout
     r = _extract(src, trunk, tmp_path / "out", "--gguf-type", "q4_k")
     assert r.returncode == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_source_fetches_only_the_mtp_and_shared_bytes(monkeypatch, tmp_path, tmp_path_factory):
+    """From hf:// (the test Hub): the same sidecar as from the local copy, and the bytes fetched are the MTP
+    layer's, the shared embedding / final norm / head and the headers, config and index."""
+    from ckpt_tools.api.writing import extract_gguf
+
+    from hubserver import serve_hub
+
+    src, trunk = _ckpt(tmp_path_factory, "deepseek_v3", fp8=True)
+    gen = serve_hub(monkeypatch, tmp_path)
+    hub = next(gen)
+    try:
+        hub.state.add_repo("org/verifier", src)
+        local = Path(extract_gguf(src, tmp_path / "local", trunk).path)
+        hub.state.stats.reset()
+        remote = Path(extract_gguf("hf://org/verifier", tmp_path / "remote", trunk).path)
+        served = hub.state.stats.served
+    finally:
+        gen.close()
+    assert local.read_bytes() == remote.read_bytes()
+    with Checkpoint.open(src) as ck:
+        from ckpt_tools.model.mtp import open_mtp
+
+        view = open_mtp(ck)
+        mtp = sum(ck.tensors[s.key].nbytes for s in view.present)
+        scales = sum(ref.nbytes for k, ref in ck.tensors.items() if k.endswith("_scale_inv")
+                     and k.startswith("model.layers.3."))
+        shared = sum(ck.tensors[k].nbytes for k in ("model.embed_tokens.weight", "model.norm.weight",
+                                                     "lm_head.weight"))
+        # the headers, and the small files opening a checkpoint reads (config, index, generation / tokenizer config)
+        meta = ck.header_bytes() + sum(f.stat().st_size for f in src.iterdir() if f.suffix != ".safetensors")
+    assert mtp + shared <= served <= mtp + scales + shared + meta, (served, mtp, shared, meta)
+
+
+def test_a_native_draft_goes_straight_to_a_sidecar_with_the_trunks_shared_tensors(glm, tmp_path):
+    """A draft (MTP layers only, e.g. finetuned, in the verifier's names) has no embedding, final norm or head:
+    the sidecar carries the trunk's own, byte for byte and in the trunk's type; its MTP tensors are the draft's."""
+    from ckpt_tools.api.writing import extract
+
+    src, trunk = glm
+    extract(src, tmp_path / "draft")
+    with Checkpoint.open(tmp_path / "draft") as ck:
+        assert "model.embed_tokens.weight" not in ck.tensors
+    r = _extract(tmp_path / "draft", trunk, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    ts = _tensors(_read(tmp_path / "out"))
+    trunk_ts = _tensors(gguf.GGUFReader(trunk))
+    for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        assert ts[name].tensor_type == trunk_ts[name].tensor_type  # F32 in this trunk, though the sidecar is F16
+        assert np.asarray(ts[name].data).tobytes() == np.asarray(trunk_ts[name].data).tobytes()
+    full = tmp_path / "full"
+    assert _extract(src, trunk, full).returncode == 0
+    full_ts = _tensors(_read(full))
+    assert sorted(ts) == sorted(full_ts)
+    for name, t in full_ts.items():
+        if name.startswith("blk."):
+            assert np.asarray(ts[name].data).tobytes() == np.asarray(t.data).tobytes(), name
+    manifest = json.loads((tmp_path / "out" / "ckpt_manifest.json").read_text())
+    assert manifest["tensors"]["token_embd.weight"]["from_trunk"] is True
+
+
+def test_a_family_without_a_llama_cpp_section_is_refused(glm, tmp_path):
+    from ckpt_tools.model.tables.loader import all_tables
+
+    family = next(n for n, t in sorted(all_tables().items()) if t.kind == "mtp" and t.llama_cpp is None)
+    src = make_checkpoint(family, tmp_path / "src")
+    r = _extract(src, glm[1], tmp_path / "out")
+    assert r.returncode == 3 and "gguf-family" in r.stderr and family in r.stderr
     assert not (tmp_path / "out").exists()

@@ -14,11 +14,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what a type checker sees; at run time __getattr__ imports each verb on first use
     from .diffing import diff as diff
     from .inspecting import inspect as inspect
+    from .inspecting import inspect_gguf as inspect_gguf
     from .measure import probe as probe
     from .publish import push as push
     from .validating import validate as validate
+    from .validating import validate_gguf as validate_gguf
     from .writing import dequant as dequant
     from .writing import extract as extract
+    from .writing import extract_gguf as extract_gguf
     from .writing import fuse_experts as fuse_experts
     from .writing import graft as graft
     from .writing import init_draft as init_draft
@@ -31,6 +34,9 @@ _WHERE = {
     "validate": "validating",
     "diff": "diffing",
     "extract": "writing",
+    "extract_gguf": "writing",
+    "inspect_gguf": "inspecting",
+    "validate_gguf": "validating",
     "stitch": "writing",
     "graft": "writing",
     "fuse_experts": "writing",

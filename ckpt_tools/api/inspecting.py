@@ -90,3 +90,28 @@ def _discover(path: str, write: str | None, allow: frozenset[str]) -> DiscoverRe
     if write:
         write_draft(found, write)
     return DiscoverReport(found, write, [p.to_json() for p in gate.allowed])
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GgufInspectReport(Report):
+    """``ckpt inspect X.gguf --json``: trunk, MTP sidecar or both; architecture, blocks, MTP layers, tensor types,
+    the MTP tensors missing or unexpected for the family's table (keys: ops/check/gguf.py)."""
+
+    summary: Any
+
+    def to_json(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.summary.to_json()
+        return result
+
+
+def inspect_gguf(path: PathLike, *, arch: str | None = None) -> GgufInspectReport:
+    """Describe a GGUF file (metadata only): what it is for llama.cpp's MTP drafting and what its MTP blocks
+    lack or hold beyond the family's table (``arch``: that family's table instead of every table of the file's
+    llama.cpp architecture). Never raises for a readable GGUF: problems are in the report."""
+    from ..io.gguf_file import read_gguf
+    from ..ops.check.gguf import summarize
+
+    return GgufInspectReport(summarize(read_gguf(path), arch))

@@ -7,7 +7,7 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..errors import CheckFailed, UsageError
 from ..ops.check import validate as _validate
@@ -103,3 +103,44 @@ def _fix_command(path: PathLike, arch: str | None, out: object, link: str) -> st
     words += ["--arch", arch] if arch else []
     words += ["--link", link] if link != "copy" else []
     return shlex.join(words)
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GgufValidateReport(Report):
+    """``ckpt validate X.gguf [--gguf-trunk TRUNK.gguf] --json``: the file's summary and every problem."""
+
+    summary: Any
+    trunk: str | None
+    problems: list[Any]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.summary.to_json(), "trunk": self.trunk, "problems": [p.to_json() for p in self.problems],
+                "ok": self.ok}
+
+
+def validate_gguf(path: PathLike, *, trunk: PathLike | None = None, arch: str | None = None) -> GgufValidateReport:
+    """Check a GGUF file's MTP blocks against the family's table and, with ``trunk``, that the sidecar ``path``
+    goes with that trunk GGUF (architecture, block count, every architecture and tokenizer key, shared tensor
+    shapes). Raises ``CheckFailed`` (its ``report`` a ``GgufValidateReport``) when there is a problem."""
+    from ..io.gguf_file import read_gguf
+    from ..ops.check.gguf import check_pair, summarize
+
+    g = read_gguf(path)
+    extra: list[Any] = []
+    if trunk is None:
+        summary = summarize(g, arch)
+    else:
+        summary, extra = check_pair(g, read_gguf(trunk), arch)
+    report = GgufValidateReport(summary, None if trunk is None else os.fspath(trunk), [*summary.problems, *extra])
+    if not report.ok:
+        rules = sorted({p.rule for p in report.problems})
+        raise CheckFailed(f"{len(report.problems)} problem(s): {', '.join(rules)}", report=report,
+                          path=os.fspath(path))
+    return report

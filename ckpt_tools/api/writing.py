@@ -248,26 +248,10 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             dtype: str = "keep", dequant: str | None = None, drop_mtp: bool = False,
             verifier_name: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
             plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
-            allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None,
-            gguf_trunk: PathArg | None = None, gguf_type: str = "f16") -> ExtractReport | GgufReport:
+            allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None) -> ExtractReport:
     """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
-    angelspec | sglang-nextn | gguf), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
-    of ``dequant`` (None: every core). ``format="gguf"`` writes llama.cpp's MTP sidecar for the trunk GGUF
-    ``gguf_trunk`` (``gguf_type``: f32 | f16 | bf16 | q8_0)."""
-    if format == "gguf" or gguf_trunk is not None:
-        from ..errors import UsageError
-
-        if format != "gguf" or gguf_trunk is None:
-            raise UsageError("--format gguf and --gguf-trunk TRUNK.gguf go together")
-        other = {"layers": layers, "with_embed": with_embed, "with_head": with_head, "dequant": dequant,
-                 "verifier_name": verifier_name, "plan_json": plan_json}
-        given = [k for k, v in other.items() if v is not None] + (["dtype"] if dtype != "keep" else []) + (
-            ["drop_mtp"] if drop_mtp else []) + (["resume"] if resume else [])
-        if given:
-            raise UsageError(f"--format gguf writes every MTP layer as llama.cpp's converter would: "
-                             f"{', '.join(given)} do not apply (--gguf-type chooses the type)")
-        return extract_gguf(source, out, gguf_trunk, gguf_type=gguf_type, arch=arch, dry_run=dry_run,
-                            overwrite=overwrite, allow_invalid=allow_invalid)
+    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
+    of ``dequant`` (None: every core). llama.cpp's GGUF sidecar (``--format gguf``): ``extract_gguf``."""
     from ..io.checkpoint import Checkpoint
     from ..ops.draft.extract import ExtractRequest, plan_extract
     from ..ops.writing.execute import bytes_read_so_far, write_plan

@@ -68,16 +68,21 @@ def register(app: typer.Typer) -> None:
         from .. import api
         from .render import render_plan
 
+        if fmt == "gguf" or gguf_trunk is not None:
+            given = {"--layers": layers, "--with-embed/--no-embed": with_embed, "--with-head/--no-head": with_head,
+                     "--dequant": dequant, "--verifier-name": verifier_name, "--plan-json": plan_json,
+                     "--dtype": None if dtype == "keep" else dtype, "--drop-mtp": drop_mtp or None,
+                     "--resume": resume or None, "--threads": threads}
+            _gguf(src, out, fmt, gguf_trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output,
+                  [k for k, v in given.items() if v is not None])
+            return
         with invoked():
             report = api.extract(src, out, arch=arch, layers=parse_layers(layers), format=fmt, with_embed=with_embed,
                                  with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
                                  verifier_name=verifier_name, max_shard_size=max_shard_size, dry_run=dry_run,
                                  plan_json=plan_json, overwrite=overwrite, resume=resume,
                                  allow_invalid=tuple(allow_invalid or ()), progress=not json_output,
-                                 threads=threads, gguf_trunk=gguf_trunk, gguf_type=gguf_type)
-        if fmt == "gguf":
-            _say_gguf(report, json_output, dry_run)
-            return
+                                 threads=threads)
         if json_output:
             emit_json(report.to_json())
         elif report.written is None:
@@ -92,7 +97,18 @@ def register(app: typer.Typer) -> None:
                 c.print(f"kept as stored (not quantized; --dtype casts them): {kept}", soft_wrap=True)
 
 
-def _say_gguf(report, json_output: bool, dry_run: bool) -> None:
+def _gguf(src, out, fmt, trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output, given) -> None:
+    from .. import api
+    from ..errors import UsageError
+
+    if fmt != "gguf" or trunk is None:
+        raise UsageError("--format gguf and --gguf-trunk TRUNK.gguf go together")
+    if given:
+        raise UsageError(f"--format gguf writes every MTP layer as llama.cpp's converter does: {', '.join(given)} "
+                         "do not apply (--gguf-type chooses the type)")
+    with invoked():
+        report = api.extract_gguf(src, out, trunk, gguf_type=gguf_type, arch=arch, dry_run=dry_run,
+                                  overwrite=overwrite, allow_invalid=tuple(allow_invalid or ()))
     if json_output:
         emit_json(report.to_json())
         return

@@ -241,6 +241,11 @@ def register(app: typer.Typer) -> None:
         verbs would refuse it for (exit 0 whenever it can be read: `ckpt validate` is the check)."""
         from .. import api
 
+        if path.endswith(".gguf") and not (discover or write):  # llama.cpp's format: metadata, against the tables
+            from .gguf_render import show_inspect
+
+            show_inspect(api.inspect_gguf(path, arch=arch), json_output)
+            return
         report = api.inspect(path, arch=arch, discover=discover or write is not None, write=write,
                              allow_invalid=allow_invalid or (), progress=not json_output)
         say_allowed(report.allowed_invalid)

@@ -7,13 +7,19 @@ from .layout import Col, print_table
 
 # the MTP prefix templates and the longest architecture names leave first: the family view has them
 COLUMNS = (Col("family", "id"), Col("kind", "id"), Col("title", drop=2), Col("formats", "ids"),
-           Col("vLLM MTP class (check)", "ids", drop=1), Col("architectures / model_type", "ids", drop=3),
+           Col("vLLM MTP class (check)", "ids", drop=1), Col("llama.cpp (check)", "ids", drop=1),
+           Col("architectures / model_type", "ids", drop=3),
            Col("MTP prefix", "id", drop=4))
 
 
 def _vllm_cell(r: dict) -> str:
     v = r.get("vllm")
     return f"{v['class'].rsplit('.', 1)[-1]} ({v['check']})" if v else "-"
+
+
+def _llama_cpp_cell(r: dict) -> str:
+    v = r.get("llama_cpp")
+    return f"{v['arch']} ({v['check']})" if v else "-"
 
 
 def _probe_cell(r: dict) -> str:
@@ -30,7 +36,7 @@ def render_tables(rows: list[dict], probe: bool) -> None:
     cells = []
     for r in rows:
         ok = [f for f, why in r["formats"].items() if why == "ok"]
-        cells.append([r["family"], r["kind"], r["title"] or "", ", ".join(ok) or "-", _vllm_cell(r),
+        cells.append([r["family"], r["kind"], r["title"] or "", ", ".join(ok) or "-", _vllm_cell(r), _llama_cpp_cell(r),
                       ", ".join(r["architectures"] + r["model_types"]), r["mtp_prefix"],
                       *((_probe_cell(r),) if probe else ())])
     dropped = print_table(con, cols, cells, title="architecture tables")
@@ -60,6 +66,13 @@ def render_family(r: dict) -> None:
                                + (f", {v['depths']} depth(s) built" if "depths" in v else "")))
         if "note" in v:
             fields.append(("", v["note"]))
+    lc = r.get("llama_cpp")
+    if lc:
+        lacks = f"; the gguf package lacks {', '.join(lc['package_lacks'])}" if "package_lacks" in lc else ""
+        fields.append(("llama.cpp", f"{lc['arch']} (names from gguf {lc['tensor_arch']}{lacks}), checked: "
+                                    f"{lc['check']}"))
+        if "note" in lc:
+            fields.append(("", lc["note"]))
     if "probe" in r:
         fields.append(("probe", (f"yes{' (checked against transformers MtpModel)' if r['probe_reference'] else ''}"
                                  if r["probe"] else f"no ({r.get('probe_reason', '')})")))

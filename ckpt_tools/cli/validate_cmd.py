@@ -86,10 +86,22 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="With --fix-quant-config: print the config diff, "
                                                               "write nothing."),
         overwrite: bool = typer.Option(False, "--overwrite", help="With --fix-quant-config: replace OUT."),
+        gguf_trunk: str | None = typer.Option(None, "--gguf-trunk", metavar="TRUNK.gguf",
+                                              help="PATH is an MTP sidecar GGUF: check it goes with this trunk GGUF."),
     ) -> None:
         """Check format, index and config-vs-tensor rules; report every problem (exit 1 if any)."""
         from .. import api
         from ..errors import CheckFailed
+
+        if path.endswith(".gguf") or gguf_trunk is not None:  # llama.cpp's format (ops/check/gguf.py)
+            from .gguf_render import show_validate
+
+            try:
+                show_validate(api.validate_gguf(path, trunk=gguf_trunk, arch=arch), json_output)
+            except CheckFailed as e:
+                show_validate(e.report, json_output)
+                raise typer.Exit(e.exit_code) from None
+            return
 
         try:
             report = api.validate(path, arch=arch, fix_quant_config=fix_quant_config, out=out, link=link,

@@ -6,6 +6,7 @@ as numpy / PyTorch order (outermost first), the reverse of GGUF's ``ne``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,20 @@ class GgufTensor:
     type_name: str  # F32, F16, BF16, Q8_0, ...
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # where its data starts in the file
+
+    def chunks(self, path: Path, size: int = 64 << 20):
+        """Its stored bytes, read from ``path`` a piece at a time."""
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            left = self.nbytes
+            while left:
+                piece = f.read(min(size, left))
+                if not piece:
+                    raise InputError(f"tensor {self.name}: the file ends before its data does", rule=RULE,
+                                     path=str(path), key=self.name)
+                left -= len(piece)
+                yield piece
 
 
 @dataclass
@@ -64,7 +79,7 @@ class GgufFile:
         return len(tokens.value) if tokens is not None else None
 
 
-def read_gguf(path: str | Path) -> GgufFile:
+def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
     """The metadata of the GGUF file at ``path``; an unreadable file is refused (rule gguf-read)."""
     from gguf import GGUFReader, GGUFValueType
 
@@ -84,11 +99,11 @@ def read_gguf(path: str | Path) -> GgufFile:
         out.kv[key] = GgufKV(key, f.contents(), vtype, sub)
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        out.tensors[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes))
+        out.tensors[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes), int(t.data_offset))
     return out
 
 
-def tensor_values(path: str | Path, name: str):
+def tensor_values(path: str | os.PathLike[str], name: str):
     """One tensor's stored data (numpy: floats as they are, quantized types as raw bytes per row)."""
     from gguf import GGUFReader
 

@@ -21,7 +21,7 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
     from ..io.checkpoint import Checkpoint
     from ..model.expr import evaluate, render
     from ..model.gate import require_consistent
-    from ..ops.draft.gguf_names import TensorNames
+    from ..model.gguf_names import TensorNames
 
     path = Path(path)
     with Checkpoint.open(ckpt_dir) as ckpt:

@@ -127,7 +127,9 @@ def _check_names(table: Table, path: Path) -> None:
         for j, sp in enumerate(table.llama_cpp.split):
             for fld in ("heads", "first", "second"):
                 check(getattr(sp, fld), f"llama_cpp.split[{j}].{fld}")
-        unknown = sorted(set(table.llama_cpp.compare) - set(table.config))
+        from .schema import LLAMA_CPP_COMPARE
+
+        unknown = sorted(set(table.llama_cpp.compare) - set(table.config) - set(LLAMA_CPP_COMPARE))
         if unknown:
             raise TableError(f"field llama_cpp.compare: {', '.join(unknown)} not declared under 'config'",
                              path=str(path))

@@ -188,6 +188,7 @@ class VllmDef(_Strict):
 
 
 LLAMA_CPP_CHECKS = ("served", "converter", "names")
+LLAMA_CPP_COMPARE = {"hidden": "embedding_length", "heads": "attention.head_count", "experts": "expert_count"}
 
 
 class LlamaCppSplitDef(_Strict):
@@ -213,27 +214,31 @@ class LlamaCppSplitDef(_Strict):
 class LlamaCppDef(_Strict):
     """How llama.cpp (build b11434) drafts with the family's MTP layers, and what its GGUF holds.
 
-    Tensor names are never typed here: they come from the ``gguf`` package's tensor map of ``tensor_arch``
-    (``get_tensor_name_map``). What the package (0.19.0, older than b11434) lacks is said as data: an
-    ``arch`` string it has no ``MODEL_ARCH`` for, and ``package_lacks``, the ``MODEL_TENSOR`` kinds llama.cpp
-    b11434 has for the architecture that the package's list for ``tensor_arch`` does not (the NextN kinds).
-    ``check``: ``served`` (llama.cpp served our sidecar with draft-mtp in tests/), ``converter`` (our names
-    and shapes equal llama.cpp's converter output), ``names`` (read from llama.cpp's converter and loader
-    only: say why in ``note``).
+    Routed experts are always stacked (one ``[experts, out, in]`` tensor per projection), as every llama.cpp
+    converter with MTP stacks them. Tensor names are never typed here: they come from the ``gguf`` package's
+    tensor map of ``tensor_arch`` (``get_tensor_name_map``). What the package (0.19.0, older than b11434) lacks
+    is said as data: an ``arch`` string it has no ``MODEL_ARCH`` for, and ``package_lacks``, the
+    ``MODEL_TENSOR`` kinds llama.cpp b11434 has for the architecture that the package's list for
+    ``tensor_arch`` does not (the NextN kinds). ``check``: ``served`` (llama.cpp drafted with our sidecar in a
+    test), ``converter`` (every tensor and key equal llama.cpp's converter --mtp output,
+    tests/test_gguf_converter.py), ``names`` (names and kinds checked against llama.cpp b11434's gguf-py,
+    tests/test_gguf_tables.py: say why no more in ``note``).
     """
 
     arch: str  # general.architecture llama.cpp b11434 reads, e.g. glm4moe, deepseek2
     tensor_arch: str  # the gguf package's MODEL_ARCH member whose tensor map names our tensors
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
     check: Literal["served", "converter", "names"]
-    stack_experts: bool = True  # routed experts as one [experts, out, in] tensor per projection
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
     # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
     norm_offset: float = 0.0
     f32: list[str] = Field(default_factory=list)  # further MODEL_TENSOR kinds the family's converter keeps F32
+    # ``{arch}.<key>`` arrays of one value per trunk layer that the converter extends with this value for each
+    # MTP layer (e.g. attention.recurrent_layers: false, an MTP block attends); others are copied as they are
+    extend: dict[str, bool | int | float] = Field(default_factory=dict)
     # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
-    compare: dict[str, str] = Field(default_factory=lambda: {
-        "hidden": "embedding_length", "heads": "attention.head_count", "experts": "expert_count"})
+    # (the defaults apply where the table declares the variable: a dense family has no ``experts``)
+    compare: dict[str, str] = Field(default_factory=lambda: dict(LLAMA_CPP_COMPARE))
     note: str | None = None
 
     @model_validator(mode="after")

@@ -24,18 +24,18 @@ from ...model.expert_layouts import ExpertLayout
 from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
 from ...model.gate import require_consistent
+from ...model.gguf_names import GLUE_NAMES, TensorNames, keeps_f32
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor
 from .build import draft_tensors
-from .gguf_names import GLUE_NAMES, TensorNames, keeps_f32
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 RULE_MISMATCH = "gguf-trunk-mismatch"
 RULE_TRUNK = "gguf-trunk"
 RULE_NAME = "gguf-name"
 RULE_FAMILY = "gguf-family"
-BAND_BYTES = 64 << 20  # rows converted at a time (float32 of one band)
+BAND_BYTES = 8 << 20  # float32 values of the rows converted at a time: memory stays a few bands
 
 
 @dataclass
@@ -87,11 +87,11 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     trunk_layers = check_trunk(trunk, table, env, lc)
     blocks = trunk_layers + view.count
     names = TensorNames(lc, blocks, table.family)
-    tensors = _source_tensors(view)
-    out: list[GgufTensorOut] = []
+    tensors, from_trunk = _source_tensors(view)
+    out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
-        out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, ckpt, table.family)
-    kv = _kv(trunk, blocks, view.count, req.gguf_type)
+        out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -103,6 +103,11 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         "block_count": blocks,
         "nextn_predict_layers": view.count,
         "gguf_type": req.gguf_type,
+        # arrays of one value per trunk layer, copied as they are (as llama.cpp's converter writes its --mtp
+        # sidecar: e.g. glm-dsa.attention.indexer.types)
+        "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
+                                 and isinstance(v.value, list) and len(v.value) == trunk_layers),
+        "per_layer_keys_extended": {f"{trunk.arch}.{k}": v for k, v in lc.extend.items()},
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
@@ -133,7 +138,8 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
     layers = int(trunk.block_count) - trunk.nextn
     pairs = [("num_layers", layers, f"{trunk.arch}.block_count - nextn_predict_layers"),
              ("vocab", trunk.vocab_size, "vocabulary (tokenizer.ggml.tokens)")]
-    pairs += [(var, trunk.arch_value(key), f"{trunk.arch}.{key}") for var, key in lc.compare.items()]
+    pairs += [(var, trunk.arch_value(key), f"{trunk.arch}.{key}") for var, key in lc.compare.items()
+              if var in table.config]
     for var, theirs, what in pairs:
         ours = env.get(var)
         if ours is None or theirs is None:
@@ -144,21 +150,32 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
         if int(theirs) != int(ours):
             raise InputError(f"{what}: trunk {theirs}, source {var} = {ours}", rule=RULE_MISMATCH, path=where,
                              key=what)
-    for key, kv in trunk.kv.items():
-        # a per-layer array would need values for the MTP layers, which the trunk cannot give
-        if key.startswith(f"{trunk.arch}.") and isinstance(kv.value, list) and len(kv.value) == trunk.block_count:
-            raise InputError(f"{key} holds one value per layer ({len(kv.value)}); the sidecar's MTP layers would "
-                             "need theirs", rule=RULE_TRUNK, path=where, key=key)
     return layers
 
 
-def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str) -> list[tuple[str, Any, Any, Any]]:
+def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any) -> dict[str, list]:
+    """The per-layer arrays the table says the converter extends for the MTP layers, extended."""
+    out = {}
+    for suffix, value in lc.extend.items():
+        key = f"{trunk.arch}.{suffix}"
+        kv = trunk.kv.get(key)
+        if kv is None:
+            continue
+        if not isinstance(kv.value, list) or len(kv.value) != layers:
+            raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
+                             path=str(trunk.path), key=key)
+        out[key] = [*kv.value, *([value] * nextn)]
+    return out
+
+
+def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]
+        ) -> list[tuple[str, Any, Any, Any]]:
     import gguf
 
     arch = trunk.arch
     kv = []
     set_keys = {f"{arch}.block_count": blocks, f"{arch}.nextn_predict_layers": nextn,
-                "general.file_type": _file_type(gguf_type)}
+                "general.file_type": _file_type(gguf_type), **extended}
     for key, v in trunk.kv.items():
         value = set_keys.pop(key, v.value)
         kv.append((key, value, v.vtype, v.sub_type))
@@ -171,8 +188,22 @@ def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str) -> list[tuple[
 # the source: every MTP tensor decoded to floats, plus the shared embedding, final norm and head
 
 
-def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
-    """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order."""
+def _from_trunk(trunk: GgufFile, key: str, names: TensorNames, family: str) -> GgufTensorOut:
+    """A shared tensor SRC does not hold (a draft): the trunk's own, its bytes as they are."""
+    found = names.lookup(key)
+    t = trunk.tensors.get(found[1]) if found is not None else None
+    if t is None:
+        raise InputError(f"{key}: SRC does not hold it and the trunk has no {found[1] if found else 'such'} tensor; "
+                         "the sidecar carries it", rule="mtp-missing", path=str(trunk.path), key=key)
+    import gguf
+
+    return GgufTensorOut(t.name, t.shape, gguf.GGMLQuantizationType[t.type_name],
+                         lambda: t.chunks(trunk.path), {"source": [f"trunk:{t.name}"], "from_trunk": True})
+
+
+def _source_tensors(view: MtpView) -> tuple[list[tuple[OutputTensor, str, str]], list[str]]:
+    """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order,
+    and the shared tensors SRC does not hold (a draft: the trunk's are carried)."""
     ckpt, res = view.ckpt, view.resolved
     fmt_q = view.block_format
     quantized = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
@@ -195,14 +226,15 @@ def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
                     pieces[e.draft.key(slot, x)] = (g.key(slot), x)
     produced = _laid_end_to_end(produced, pieces)
     out: list[tuple[OutputTensor, str, str]] = []
+    from_trunk: list[str] = []
     for role in ("embed", "final_norm", "head"):
         spec = res.shared.get(role)
         if spec is None:
             continue  # a tied head: llama.cpp takes token_embd, as its converter writes no output
         ref = ckpt.tensors.get(spec.key)
-        if ref is None:
-            raise InputError(f"the shared {role} {spec.key} is absent; the sidecar carries it", rule="mtp-missing",
-                             path=str(ckpt.root), key=spec.key)
+        if ref is None:  # a draft holds MTP layers only: the trunk's own embedding, norm and head go along
+            from_trunk.append(spec.key)
+            continue
         if ref.dtype not in FLOAT_DTYPES:
             raise InputError(f"the shared {role} {spec.key} is stored as {ref.dtype}; only float shared tensors "
                              "are read", rule=RULE_NAME, path=str(ckpt.root), key=spec.key)
@@ -229,7 +261,7 @@ def _source_tensors(view: MtpView) -> list[tuple[OutputTensor, str, str]]:
         else:
             raise InputError(f"{spec.key}: role {spec.role} (sub-block {spec.block}) has no place in llama.cpp's "
                              "MTP layout", rule=RULE_NAME, key=spec.key)
-    return out
+    return out, from_trunk
 
 
 def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:
@@ -275,7 +307,7 @@ def _trunk_layers(res: Any) -> int:
 
 
 def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: Any, env: dict, gguf_type: str,
-             ckpt: Checkpoint, family: str) -> list[GgufTensorOut]:
+             family: str) -> list[GgufTensorOut]:
     for sp in lc.split:
         if hf_name.endswith("." + sp.key):
             return _split(t, hf_name[: -len(sp.key)], sp, names, lc, env, gguf_type, family)
@@ -325,7 +357,7 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[bytes]:
     while done < rows:
         n = min(per, rows - done)
         buf = reader.read(n * cols * _itemsize(t.dtype))
-        values = decode_floats(buf, t.dtype).astype(np.float32).reshape(n, cols)
+        values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)
         if offset:
             values = values + np.float32(offset)
         yield _encode(values, qtype)
@@ -348,6 +380,7 @@ def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env
         raise InputError(f"{t.key}: {t.shape[0]} rows, not heads {heads} x ({first} + {second})",
                          rule="shape-mismatch", key=t.key)
     outs = []
+    held: dict[str, Any] = {}  # the decoded source, read once for both parts (written one after the other)
     for j, sub in enumerate(sp.into):
         found = names.lookup(base + sub)
         if found is None:
@@ -357,20 +390,25 @@ def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env
         shape = (heads, cols, first) if (j == 0 and sp.transpose_first) else (heads, first if j == 0 else second, cols)
         qtype = _out_qtype(tkind, gname, shape, lc, gguf_type)
         meta = {"source": list(t.meta.get("source", [t.key])), "split": f"{sp.key}[{j}]"}
-        outs.append(GgufTensorOut(gname, shape, qtype, lambda j=j, qtype=qtype: _split_values(t, j, heads, first,
-                                                                                            second, sp, qtype), meta))
+        outs.append(GgufTensorOut(gname, shape, qtype, lambda j=j, qtype=qtype: _split_values(
+            t, j, heads, first, second, sp, qtype, held), meta))
     return outs
 
 
-def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: int, sp: Any, qtype) -> Iterator[bytes]:
+def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: int, sp: Any, qtype,
+                  held: dict[str, Any]) -> Iterator[bytes]:
     import numpy as np
 
     from ...arrays import decode_floats
     from ...numeric.transforms import RecipeReader
 
     cols = t.shape[-1]
-    buf = RecipeReader(t.recipe).read(t.nbytes)  # one attention projection: small beside the layer
-    kv = decode_floats(buf, t.dtype).astype(np.float32).reshape(heads, first + second, cols)
+    kv = held.pop("values", None)
+    if kv is None:  # one attention projection: small beside the layer
+        buf = RecipeReader(t.recipe).read(t.nbytes)
+        kv = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(heads, first + second, cols)
+    if part == 0:
+        held["values"] = kv  # for the second part, written next
     if part == 0:
         values = kv[:, :first, :]
         if sp.transpose_first:
@@ -387,6 +425,7 @@ def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: in
 
 def write_sidecar(plan: SidecarPlan, out_dir: Path, overwrite: bool = False) -> tuple[Path, int]:
     """The sidecar at ``out_dir/plan.name`` and ``ckpt_manifest.json`` beside it: (its path, its size)."""
+    import contextlib
     import json
     import os
 
@@ -397,11 +436,18 @@ def write_sidecar(plan: SidecarPlan, out_dir: Path, overwrite: bool = False) -> 
     manifest_path = out_dir / "ckpt_manifest.json"
     if not overwrite and (target.exists() or manifest_path.exists()):
         raise UsageError(f"{target if target.exists() else manifest_path} exists; pass --overwrite to replace it")
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create the output directory: {e.strerror or e}", path=str(out_dir)) from None
-    size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
+    try:
+        size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
+    except BaseException:
+        if created:  # a refusal while writing leaves nothing behind, not even the directory it made
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
     manifest = {**plan.manifest, "file": {"name": plan.name, "size": size},
                 "tensor_blake3": digests}
     tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")

@@ -42,6 +42,16 @@ def _vllm(table) -> dict | None:
             **({"depths": v.depths} if v.depths is not None else {}), **({"note": v.note} if v.note else {})}
 
 
+def _llama_cpp(table) -> dict | None:
+    """llama.cpp's architecture for the family (GGUF sidecars), from the ``llama_cpp`` section, and its check."""
+    lc = table.llama_cpp
+    if lc is None:
+        return None
+    return {"arch": lc.arch, "tensor_arch": lc.tensor_arch, "check": lc.check,
+            **({"package_lacks": list(lc.package_lacks)} if lc.package_lacks else {}),
+            **({"note": lc.note} if lc.note else {})}
+
+
 def tables_info(family: str | None = None, probe_support: Callable[[Any], dict] | None = None) -> list[dict]:
     """``family``: that family only (a UsageError naming the known ones when no table has that name).
     ``probe_support``: the fields saying whether `ckpt probe` supports a table's family (the probe room's
@@ -78,6 +88,8 @@ def tables_info(family: str | None = None, probe_support: Callable[[Any], dict] 
             "formats": formats,
             # vLLM's MTP class for the family and the check level (served / loaded / names)
             "vllm": _vllm(table),
+            # llama.cpp's architecture for the family's GGUF sidecars and the check level (served / converter / names)
+            "llama_cpp": _llama_cpp(table),
             # `ckpt probe`: our engine builds the MTP of the table's fixture config (and MtpModel too?)
             **(probe_support(table) if probe_support is not None else {}),
         })

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
-from ...errors import TableError
+from ..errors import TableError
 
 # the converter's names for the MTP glue roles (llama.cpp conversion/qwen.py's remapper and glm.py / deepseek.py
 # keys); llama.cpp's tensor map knows them under the layer prefix
