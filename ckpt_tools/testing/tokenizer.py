@@ -22,8 +22,8 @@ from pathlib import Path
 MERGED = 0
 SPECIALS = {1: "[gMASK]", 2: "<|endoftext|>"}
 TAIL_SPECIALS = ("<|user|>", "<|observation|>")  # the last two ids
-# llama.cpp b11434 counts as end of generation (src/llama-vocab.cpp) the GGUF's eos / eot / eom ids (GLM's converter
-# sets eot <|user|> and eom <|observation|>; DeepSeek's neither) and tokens so named: of ours, <|endoftext|>
+# llama.cpp b11434 counts as end of generation (its vocabulary loader) the GGUF's eos / eot / eom ids (GLM's
+# converter sets eot <|user|> and eom <|observation|>; DeepSeek's neither) and tokens so named: of ours, <|endoftext|>
 NAMED_EOG = ("<|endoftext|>",)
 EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # the bytes single-byte ids stand for: printable ASCII, space, tab / newline / VT / FF, then the other controls

@@ -179,7 +179,7 @@ def probe_llama_cpp(req: ProbeRequest, opts: LlamaCppOptions, progress: Callable
     if progress is not None:
         progress(0, steps)
     done = 0
-    with tempfile.TemporaryDirectory(prefix="ckpt-probe-llama-") as work:
+    with tempfile.TemporaryDirectory(prefix="ckpt-probe-llamacpp-") as work:
         runs: dict[str | None, list[Run]] = {}
         reference: list[Run] = []
         for i, (line, text, expected) in enumerate(prompts):
