@@ -98,7 +98,7 @@ llama-cpp: $(LLAMA_CPP)/.installed
 
 # A consumer venv that cannot be built: on a developer's machine its tests skip, saying why; under CI (CI=true)
 # the run fails here (and its tests would fail too: tests/consumer_venv.py).
-CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: a consumer venv is required"; false; }
+CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: every consumer (venv, llama.cpp build) is required"; false; }
 
 # The venvs build side by side: each is mostly one pip process unpacking and byte-compiling wheels on one core.
 # llama.cpp's compile (the longest, CPU-bound) starts with them, so that its minutes overlap theirs.
