@@ -324,3 +324,11 @@ def test_engine_llama_cpps_refusal_is_an_input_error_with_its_reason(fake_llama,
 def test_engine_without_llama_cpp_is_a_usage_error(tmp_path):
     r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", tmp_path, code=2)
     assert "llama-speculative-simple" in r.output and "[missing-extra]" in r.output
+
+
+def test_served_means_this_module_serves_it():
+    """The tables' llama.cpp ``check: served`` exactly for the families served above (docs/gguf.md)."""
+    from ckpt_tools.model.tables.loader import all_tables
+
+    served = {n for n, t in all_tables().items() if t.llama_cpp is not None and t.llama_cpp.check == "served"}
+    assert served == set(FAMILIES)
