@@ -332,3 +332,23 @@ def test_served_means_this_module_serves_it():
 
     served = {n for n, t in all_tables().items() if t.llama_cpp is not None and t.llama_cpp.check == "served"}
     assert served == set(FAMILIES)
+
+
+def test_min_acceptance_checks_every_sidecar_of_a_trunk_without_mtp(fake_llama, tmp_path):
+    """A trunk without MTP layers measured with two sidecars: --min-acceptance checks both (neither is the
+    verifier's own MTP), exit 1 naming each."""
+    import gguf
+
+    for name in ("trunk", "s1", "s2"):
+        w = gguf.GGUFWriter(tmp_path / f"{name}.gguf", "glm4moe")
+        w.add_uint32("glm4moe.nextn_predict_layers", 0 if name == "trunk" else 1)
+        w.add_tokenizer_model("gpt2")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    (tmp_path / "t.txt").write_text("ab\n")
+    r = ckpt("probe", tmp_path / "trunk.gguf", "--engine", "llama.cpp", "--llama-cpp", fake_llama, "--prompts",
+             tmp_path / "t.txt", "--max-new-tokens", "3", "--draft", tmp_path / "s1.gguf", "--draft",
+             tmp_path / "s2.gguf", "--min-acceptance", "0.9", code=1)
+    assert "s1.gguf: depth-1 agreement 0.7500" in r.output and "s2.gguf: depth-1 agreement 0.7500" in r.output

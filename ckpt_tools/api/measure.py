@@ -43,7 +43,8 @@ class ProbeReport(_probe.ProbeResult, Report):
         ``min_acceptance``."""
         if self.min_acceptance is None:
             return []
-        checked = self.drafts[1:] or self.drafts[:1]
+        # the verifier's own MTP is named "verifier"; --engine llama.cpp measures a trunk without one too
+        checked = [d for d in self.drafts if d.name != "verifier"] or self.drafts[:1]
         return [d for d in checked if d.agreement[0] < self.min_acceptance]
 
     def failures(self) -> list[str]:
