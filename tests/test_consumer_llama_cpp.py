@@ -255,7 +255,8 @@ k = 0 if float(args[args.index("--spec-draft-p-min") + 1]) > 1 else int(args[arg
 log = open(args[args.index("--log-file") + 1], "wb")
 log.write(b"0.00.000.001 I llama_model_loader: loaded\n\n\n" + prompt + b"0.00.000.001 I spec: adding\nx\n\ny")
 sys.stdout.buffer.write(b"\n\n" + prompt + b"x\n\ny\n\n")
-log.write(b"\n\n0.00.000.002 I encoded %4d tokens in 0.1 seconds\n" % len(prompt.replace(b"<|user|>", b"U")))
+count = len(prompt.replace(b"<|user|>", b"U")) + -int(os.environ.get("FAKE_MERGES", "0"))
+log.write(b"\n\n0.00.000.002 I encoded %4d tokens in 0.1 seconds\n" % count)
 log.write(b"0.00.000.002 I decoded    3 tokens in 0.1 seconds\n")
 if n == 1 or os.environ.get("FAKE_NEVER"):
     sys.exit(0)  # the logging thread lost the final lines
@@ -417,3 +418,12 @@ def test_what_llama_cpp_cannot_run_at_fixture_size_fails_as_its_converters_file_
     assert "error" in ours and "error" in theirs, f"llama.cpp now runs {family} here: serve it above"
     for out in (ours, theirs):
         assert "[probe-llama-cpp]" in out["error"] and NOT_AT_FIXTURE_SIZE[family] in out["error"], out
+
+
+def test_engine_token_ids_llama_cpp_tokenizes_otherwise_are_refused(fake_llama, tmp_path, monkeypatch):
+    """llama-speculative-simple reads text: when llama.cpp tokenizes the ids' text into another count (a merge),
+    it would measure another prompt: exit 3 [prompts], naming the line."""
+    monkeypatch.setenv("FAKE_MERGES", "1")
+    r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", fake_llama, "--prompts",
+             tmp_path / "p.jsonl", "--max-new-tokens", "3", code=3)
+    assert "[prompts]" in r.output and "line 1" in r.output and "into 3 tokens" in r.output
