@@ -255,7 +255,7 @@ k = 0 if float(args[args.index("--spec-draft-p-min") + 1]) > 1 else int(args[arg
 log = open(args[args.index("--log-file") + 1], "wb")
 log.write(b"0.00.000.001 I llama_model_loader: loaded\n\n\n" + prompt + b"0.00.000.001 I spec: adding\nx\n\ny")
 sys.stdout.buffer.write(b"\n\n" + prompt + b"x\n\ny\n\n")
-count = len(prompt.replace(b"<|user|>", b"U")) + -int(os.environ.get("FAKE_MERGES", "0"))
+count = len(prompt.replace(b"<|user|>", b"U")) - int(os.environ.get("FAKE_MERGES", "0"))
 log.write(b"\n\n0.00.000.002 I encoded %4d tokens in 0.1 seconds\n" % count)
 log.write(b"0.00.000.002 I decoded    3 tokens in 0.1 seconds\n")
 if n == 1 or os.environ.get("FAKE_NEVER"):
