@@ -394,6 +394,19 @@ def test_benchmarks_md_opens_with_the_answer():
     assert figures, "no figures in BENCHMARKS.md's opening"
     untraced = sorted(f for f in figures if not re.search(rf"(?<![\w.]){re.escape(f)}(?![\d])", history))
     assert not untraced, f"figures of BENCHMARKS.md's opening found nowhere in benchmarks/history/: {untraced}"
+    days = {d for line in opening for d in re.findall(r"\b20\d\d-\d\d-\d\d\b", line)}
+    assert days and days <= {p.stem for p in HISTORY.glob("*.md")}, f"dates without a history file: {sorted(days)}"
+
+
+def test_benchmarks_md_describes_the_replica_the_harness_builds():
+    from benchmarks import release
+
+    text = " ".join(BENCHMARKS_MD.read_text().split())
+    tensors = sum(len(shard) for shard in release.shard_entries())
+    for claim in re.findall(r"(\d+) shards and ([\d,]+) tensors|(\d+) shards, ([\d,]+) tensors", text):
+        shards, count = (claim[0], claim[1]) if claim[0] else (claim[2], claim[3])
+        assert (int(shards), int(count.replace(",", ""))) == (release.SHARDS, tensors), claim
+    assert f"{tensors:,}-tensor" in text or f"{tensors:,} tensors" in text
 
 
 def test_benchmarks_md_names_and_links_resolve():
