@@ -17,6 +17,7 @@ import tokenize
 from pathlib import Path
 
 import click
+import pytest
 import typer.main
 
 import ckpt_tools
@@ -423,3 +424,21 @@ def test_benchmarks_md_names_and_links_resolve():
             if not dest.exists() or (anchor and anchor not in slugs):
                 bad.append(f"{page.relative_to(ROOT)}: {target}")
     assert not bad, bad
+
+
+def test_the_option_bounds_verbs_md_gives_are_the_checks_own():
+    """`--seed` from 0 to 2**63-1, `--num-layers` from 1 to 64, `--layers` from 0 to 63: what the parsers refuse."""
+    from ckpt_tools.errors import UsageError
+    from ckpt_tools.model.tables.resolve import MAX_MTP_LAYERS
+    from ckpt_tools.options import MAX_SEED, index_list
+
+    text = " ".join(VERBS_MD.read_text().split())
+    seed = re.search(r"`--seed` from 0 to 2\*\*(\d+)-1", text)
+    layers = re.search(r"`--num-layers` from 1 to (\d+)", text)
+    indices = re.search(r"`--layers` distinct indices from 0 to (\d+)", text)
+    assert seed and layers and indices, "docs/verbs.md no longer states the bounds of --seed, --num-layers, --layers"
+    assert 2 ** int(seed.group(1)) - 1 == MAX_SEED and int(layers.group(1)) == MAX_MTP_LAYERS
+    top = int(indices.group(1))
+    assert index_list("--layers", str(top), MAX_MTP_LAYERS - 1) is not None
+    with pytest.raises(UsageError):
+        index_list("--layers", str(top + 1), MAX_MTP_LAYERS - 1)
