@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--verbs", help="comma-separated (default: the default set; `python -m benchmarks list`)")
     r.add_argument("--runs", type=int, default=3, help="runs per figure (median, min, max); default 3")
     r.add_argument("--json", type=Path, help="write the results here")
-    r.add_argument("--markdown", type=Path, help="write the tables as Markdown here (for BENCHMARKS.md)")
+    r.add_argument("--markdown", type=Path,
+                   help="write the tables as Markdown here (for a dated entry in benchmarks/history/)")
     r.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ckpt-bench",
                    help="where checkpoints, outputs and the peer venv go (default: $TMPDIR/ckpt-bench)")
     r.add_argument("--family", default="qwen3_next", help="table of the synthetic checkpoints (default qwen3_next)")

@@ -28,7 +28,7 @@ class Case:
     max_wall: float  # seconds (the issue's target)
     max_rss: int | None = None  # bytes
     # CPU seconds measured with every rule in force (issue 32's scale values and trunk quant config read ~190 MB of
-    # scales and audit 46,000 modules), medians of 6 alternating runs on 2026-12-05 (BENCHMARKS.md):
+    # scales and audit 46,000 modules), medians of 6 alternating runs on 2026-12-05 (benchmarks/history/2026-12-05.md):
     # tests/test_release_scale.py holds each command within twice this, so that a regression shows whether or not
     # the issue's target is met
     measured: float | None = None
