@@ -150,7 +150,8 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     ``report``: also write the JSON report there; ``plot``: draw acceptance (and KL) per depth into that PNG
     (needs the ``plot`` extra, matplotlib). ``mtp_quant``: schemes (a comma list, or ``all``) the verifier's own MTP is
     also measured in, encoded as ``graft --mtp-quant`` writes it and decoded as ``dequant`` reads it (the report's
-    ``mtp_quant`` rows: bytes, agreement and KL per depth, the change from the MTP as stored). The report names what was measured: the digest of each MTP's
+    ``mtp_quant`` rows: bytes, agreement and KL per depth, the change from the MTP as stored).
+    The report names what was measured: the digest of each MTP's
     checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256.
     ``arch``: the drafts' family, as stitch's ``--arch`` (a state
     dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine

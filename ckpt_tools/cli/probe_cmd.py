@@ -175,9 +175,12 @@ def _render_mtp_quant(rows: list[dict], depth: int) -> None:
     t.add_column("change@1")
     for r in rows:
         if "agreement" not in r:
-            t.add_row(r["scheme"], "-", *["-"] * (2 * depth), "-", f"{r['status']}: {r.get('reason', '')}")
+            t.add_row(r["scheme"], "-", *["-"] * (2 * depth), "-", r["status"])
             continue
         cells = [c for a, kl in zip(r["agreement"], r["kl"], strict=True) for c in (f"{a:.3f}", f"{kl:.4f}")]
         change = r.get("agreement_change") or [0.0]
         t.add_row(r["scheme"], human_bytes(r["bytes"]), *cells, f"{r['expected_accepted']:.3f}", f"{change[0]:+.3f}")
     out_console().print(t)
+    for r in rows:
+        if r.get("reason"):
+            out_console().print(f"{r['scheme']} ({r['status']}): {r['reason']}", markup=False, soft_wrap=True)

@@ -53,8 +53,9 @@ def parse_schemes(text: str | list[str] | tuple[str, ...]) -> list[str]:
         return known
     bad = [n for n in names if n not in known]
     if not names or bad:
-        raise UsageError(f"--mtp-quant {','.join(names) or repr(text)}: {'unknown scheme ' + bad[0] if bad else 'empty'}"
-                         f"; use all or a comma list of {', '.join(known)}", rule="mtp-quant-scheme")
+        what = f"unknown scheme {bad[0]!r}" if bad else "no scheme named"
+        raise UsageError(f"--mtp-quant {','.join(names) or repr(text)}: {what}; use all or a comma list of "
+                         f"{', '.join(known)}", rule="mtp-quant-scheme")
     return list(dict.fromkeys(names))
 
 
@@ -88,9 +89,10 @@ def plan_rows(verifier: Checkpoint, schemes: list[str], encoders: tuple[str, ...
 
 
 def decoded_state(verifier: Checkpoint, scheme: str, encode: Encoder, dtype: str,
-                  stack: contextlib.ExitStack) -> tuple[dict, int]:
+                  stack: contextlib.ExitStack) -> tuple[dict, int, int]:
     """The MTP's tensors as an engine loading ``scheme``'s bytes sees them: (key -> OutputTensor, decoded
-    where encoded; the bytes written). The bytes live in an in-memory checkpoint ``stack`` closes."""
+    where encoded; the bytes written; how many weights were encoded). The bytes live in an in-memory
+    checkpoint ``stack`` closes."""
     import torch
 
     from ...arrays import bytes_to_torch
@@ -107,13 +109,15 @@ def decoded_state(verifier: Checkpoint, scheme: str, encode: Encoder, dtype: str
         raw[key] = bytes_to_torch(buf, t.dtype, tuple(t.shape)).clone() if t.nbytes else torch.empty(tuple(t.shape))
     refs = stored_tensors(stack.enter_context(Checkpoint.open(raw)))
     state: dict = {}
+    encoded = 0
     for key, (tensors, stored) in pieces.items():
         st = stored.storage if stored is not None else None
         if st is not None and stored.state == "quantized" and st.scheme == scheme:
+            encoded += 1
             state[key] = dequant_parts(key, {sfx: refs[k] for sfx, k in st.tensors.items()}, st, TORCH_DTYPES[dtype])
         else:
             state.update({t.key: refs[t.key] for t in tensors})
-    return state, sum(t.nbytes for t in written.values())
+    return state, sum(t.nbytes for t in written.values()), encoded
 
 
 def encoders() -> tuple[str, ...]:
@@ -139,10 +143,13 @@ def drafters(main, loaded, verifier: Checkpoint, req, device: str, first: int) -
             if row.status != "measured":
                 continue
             try:
-                state, row.bytes = decoded_state(verifier, row.scheme, req.encode_mtp, req.dtype, stack)
+                state, row.bytes, encoded = decoded_state(verifier, row.scheme, req.encode_mtp, req.dtype, stack)
             except (PlanError, UsageError) as e:  # graft would refuse these weights in this scheme too
                 row.status, row.reason = "unencodable", f"graft --mtp-quant {row.scheme} refuses: {e.message}"
                 continue
+            if not encoded:  # said, so that a row equal to the MTP as stored is not read as "lossless"
+                row.reason = ("the family table marks no MTP weight quantizable (quant: true): graft writes every "
+                              "tensor as stored")
             engine, _ = mtp_engine.build(main, verifier, state, loaded.scheme, req.dtype, device, verifier.root)
             row.draft = first + len(out)
             out.append(Drafter(f"mtp-quant {row.scheme}", engine))

@@ -250,8 +250,9 @@ def mtp_quants() -> tuple[str, ...]:
 
 def mtp_in_scheme(ckpt: Checkpoint, scheme: str) -> dict[str, tuple[list[OutputTensor], Stored | None]]:
     """``ckpt``'s own MTP tensors as ``graft ckpt ckpt --mtp-quant scheme`` would write them (the table's default
-    parameters: no target declares others), per weight (its logical key): (its tensors, weight first; how they are stored). The
-    plan's recipes, run by no writer: ``ckpt probe --mtp-quant`` reads their bytes and decodes them in memory."""
+    parameters: no target declares others), per weight (its logical key): (its tensors, weight first; how they
+    are stored). The plan's recipes, run by no writer: ``ckpt probe --mtp-quant`` reads their bytes and decodes
+    them in memory."""
     from ...model.mtp import open_mtp
 
     if scheme not in mtp_quants():
