@@ -36,8 +36,24 @@ def probe(verifier, prompts, *extra, code: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def table(trained, prompts) -> dict:
-    return probe(trained, prompts, "--mtp-quant", "all")
+def reported(trained, prompts, tmp_path_factory) -> Path:
+    """--mtp-quant all, with --report and --plot (the JSON on stdout is the report's)."""
+    out = tmp_path_factory.mktemp("reported")
+    data = probe(trained, prompts, "--mtp-quant", "all", "--report", out / "r.json", "--plot", out / "p.png")
+    assert json.loads((out / "r.json").read_text()) == data
+    return out
+
+
+@pytest.fixture(scope="module")
+def table(reported) -> dict:
+    return json.loads((reported / "r.json").read_text())
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    from hubserver import serve_hub
+
+    yield from serve_hub(monkeypatch, tmp_path)
 
 
 def _rows(report: dict) -> dict[str, dict]:
@@ -118,3 +134,40 @@ def test_unknown_schemes_and_the_vllm_engine_are_refused(trained, prompts):
     assert "[mtp-quant-scheme]" in r.output and "nope" in r.output
     r = ckpt("probe", trained, "--prompts", prompts, "--mtp-quant", "all", "--engine", "vllm", code=2)
     assert "--engine transformers" in r.output
+
+
+def test_the_table_goes_into_the_plot_and_the_card(hub, trained, reported, table, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from ckpt_tools.ops.probe.plot import quant_series
+
+    assert (reported / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    measured = [r["scheme"] for r in table["mtp_quant"] if r["status"] == "measured" and r["scheme"] != "as stored"]
+    assert [s["name"] for s in quant_series(table)] == [f"mtp-quant {n}" for n in measured] and measured
+    d = tmp_path / "verifier"
+    shutil.copytree(trained, d)
+    shutil.copy(reported / "r.json", d / "probe-report.json")
+    ckpt("push", d, "me/verifier")
+    text = hub.state.files("me/verifier")["README.md"].decode()
+    ModelCard(text)  # parses
+    assert "### The MTP per storage scheme" in text
+    fp8 = _rows(table)["fp8-block"]
+    row = next(line for line in text.splitlines() if line.startswith("| fp8-block |"))
+    assert f"| {fp8['bytes']} | {fp8['agreement'][0]:.4f} |" in row
+    assert "| quark-mxfp4 | - |" in text and "no-encoder: its table names no encoder" in text
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda rows: rows[1].update(kl=[None, 0.1]), "mtp_quant[1].kl[0] (depth 1) is null, not a finite number"),
+    (lambda rows: rows[1].update(status="great"), "mtp_quant[1].status is \"great\", not one of measured"),
+    (lambda rows: rows[1].update(agreement=[1.5, 1.0]), "mtp_quant[1].agreement[0] (depth 1) is 1.5, not a share"),
+    (lambda rows: rows[-1].update(agreement=[1.0]), "holds numbers: only a measured row does"),
+])
+def test_a_report_whose_mtp_quant_rows_are_not_probes_is_refused(trained, table, tmp_path, edit, named):
+    report = json.loads(json.dumps(table))
+    edit(report["mtp_quant"])
+    bad = tmp_path / "edited-report.json"
+    bad.write_text(json.dumps(report))
+    r = ckpt("push", trained, "me/v", "--probe-report", bad, "--dry-run", code=3)
+    out = " ".join((r.output + (r.stderr or "")).split())
+    assert "[probe-report]" in out and named in out
