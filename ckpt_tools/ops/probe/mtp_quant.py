@@ -11,7 +11,7 @@ family (a scheme table's ``unserved``), is listed with the reason and not measur
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...errors import PlanError, UsageError
@@ -43,7 +43,7 @@ class QuantRow:
         return out
 
 
-def parse_schemes(text: str | list[str] | tuple[str, ...]) -> list[str]:
+def parse_schemes(text: str | Sequence[str]) -> list[str]:
     """``all`` (every scheme table), or a comma list of scheme names (each a table's name)."""
     from ...model.quant import all_schemes
 
