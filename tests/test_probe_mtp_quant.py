@@ -171,3 +171,14 @@ def test_a_report_whose_mtp_quant_rows_are_not_probes_is_refused(trained, table,
     r = ckpt("push", trained, "me/v", "--probe-report", bad, "--dry-run", code=3)
     out = " ".join((r.output + (r.stderr or "")).split())
     assert "[probe-report]" in out and named in out
+
+
+def test_glm4_moe_rows_say_its_table_marks_no_mtp_weight_quantizable(prompts):
+    """The GLM-4-MoE table marks no MTP weight `quant: true` (its FP8 releases' MTP scales are unverified): graft
+    writes its MTP as stored in every scheme, and each row says so rather than read as lossless."""
+    glm, _ = probe_model.build(CACHE, "glm4_moe")
+    rows = _rows(probe(glm, prompts, "--mtp-quant", "fp8-block,ct-nvfp4"))
+    for name in ("fp8-block", "ct-nvfp4"):
+        assert rows[name]["status"] == "measured" and "marks no MTP weight quantizable" in rows[name]["reason"]
+        assert rows[name]["bytes"] == rows["as stored"]["bytes"]
+        assert rows[name]["agreement"] == rows["as stored"]["agreement"]

@@ -138,10 +138,11 @@ def drafters(main, loaded, verifier: Checkpoint, req, device: str, first: int) -
     rows = plan_rows(verifier, parse_schemes(req.mtp_quant), encoders())
     rows[0].draft = 0
     out = []
-    with contextlib.ExitStack() as stack:
-        for row in rows[1:]:
-            if row.status != "measured":
-                continue
+    for row in rows[1:]:
+        if row.status != "measured":
+            continue
+        # one scheme's bytes at a time: dropped once its engine holds the decoded weights
+        with contextlib.ExitStack() as stack:
             try:
                 state, row.bytes, encoded = decoded_state(verifier, row.scheme, req.encode_mtp, req.dtype, stack)
             except (PlanError, UsageError) as e:  # graft would refuse these weights in this scheme too
@@ -151,6 +152,6 @@ def drafters(main, loaded, verifier: Checkpoint, req, device: str, first: int) -
                 row.reason = ("the family table marks no MTP weight quantizable (quant: true): graft writes every "
                               "tensor as stored")
             engine, _ = mtp_engine.build(main, verifier, state, loaded.scheme, req.dtype, device, verifier.root)
-            row.draft = first + len(out)
-            out.append(Drafter(f"mtp-quant {row.scheme}", engine))
+        row.draft = first + len(out)
+        out.append(Drafter(f"mtp-quant {row.scheme}", engine))
     return rows, out
