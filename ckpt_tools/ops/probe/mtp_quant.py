@@ -18,8 +18,8 @@ from ...errors import PlanError, UsageError
 from ...io.checkpoint import Checkpoint
 
 AS_STORED = "as stored"  # the row of the verifier's own MTP
-# (verifier, scheme) -> per weight: (its tensors as graft writes them, weight first; its Stored)
-Encoder = Callable[[Checkpoint, str], list]
+# (verifier, scheme) -> {weight's logical key: (its tensors as graft writes them, weight first; its Stored)}
+Encoder = Callable[[Checkpoint, str], dict]
 
 
 @dataclass
@@ -28,7 +28,7 @@ class QuantRow:
     status: str  # measured | no-encoder | unserved | unencodable (graft refuses these weights in it)
     reason: str | None = None
     bytes: int | None = None  # of the MTP layers' tensors in this scheme
-    draft: int | None = None  # the index of its measurement in ProbeResult.drafts
+    draft: int | None = None  # the index of its measurement among the MTPs probe measured (0: the verifier's)
 
     def to_json(self, drafts: list, base: list[float] | None) -> dict:
         out: dict = {"scheme": self.scheme, "status": self.status, "bytes": self.bytes}

@@ -120,11 +120,11 @@ class ProbeResult:
 
     def to_json(self) -> dict:
         extra = {} if self.mtp_quant is None else {"mtp_quant": self.mtp_quant}
-        return {**extra, "drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
+        return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
                 "needed_bytes": self.needed_bytes, "chain": self.chain, "loaded": self.loaded,
                 "mtp_loaded": self.mtp_loaded, "engine": self.engine, "reference": self.reference,
                 "dtype": self.dtype, "device": self.device, "max_new_tokens": self.max_new_tokens,
-                "prompts_sha256": self.prompts_sha256, "plot": self.plot}
+                "prompts_sha256": self.prompts_sha256, "plot": self.plot, **extra}
 
 
 # --- inputs -------------------------------------------------------------------------------------
