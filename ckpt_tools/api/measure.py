@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..ops.probe import mtp_quant as _probe_mtp_quant
 from ..ops.probe import probe as _probe
 from .report import Report, progress_sink
 
@@ -140,7 +141,8 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
           tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
           distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
           max_model_len: int | None = None, attention_backend: str | None = None,
-          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = 1) -> ProbeReport:
+          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = 1,
+          mtp_quant: str | Sequence[str] | None = None) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
     ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
@@ -148,7 +150,10 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
     1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
     ``report``: also write the JSON report there; ``plot``: draw acceptance (and KL) per depth into that PNG
-    (needs the ``plot`` extra, matplotlib). The report names what was measured: the digest of each MTP's
+    (needs the ``plot`` extra, matplotlib). ``mtp_quant``: schemes (a comma list, or ``all``) the verifier's own MTP is
+    also measured in, encoded as ``graft --mtp-quant`` writes it and decoded as ``dequant`` reads it (the report's
+    ``mtp_quant`` rows: bytes, agreement and KL per depth, the change from the MTP as stored).
+    The report names what was measured: the digest of each MTP's
     checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256.
     ``arch``: the drafts' family, as stitch's ``--arch`` (a state
     dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
@@ -178,6 +183,9 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
         matplotlib_pyplot()  # a missing extra is one line, before anything is measured
     if engine not in ENGINES:
         raise UsageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
+    schemes = None if mtp_quant is None else _probe_mtp_quant.parse_schemes(mtp_quant)
+    if schemes is not None and engine != "transformers":
+        raise UsageError(f"--mtp-quant measures with the table engine: use --engine transformers, not {engine}")
     if engine == "llama.cpp":
         result = _probe_llama_cpp(verifier, draft_list, prompts, max_new_tokens, depth, device, dtype, progress,
                                   llama_cpp, threads)
@@ -188,11 +196,13 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     else:
         resolved = _probe.resolve_device(device)
         _probe.transformers_module()  # a missing extra is one line, before anything else
+        from ..ops.stitch.graft import mtp_in_scheme
         from ..ops.stitch.plan import mapped_draft
 
         req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
                                   None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
-                                  dtype, chain, arch=arch, map_draft=mapped_draft)
+                                  dtype, chain, arch=arch, map_draft=mapped_draft, mtp_quant=schemes or [],
+                                  encode_mtp=mtp_in_scheme)
         with _display(progress) as display, _quiet_transformers(not progress):
             result = _probe.probe(req, display.bar, display.announce)
     check_finite(result, os.fspath(verifier))  # a NaN is no measurement: refused, never reported

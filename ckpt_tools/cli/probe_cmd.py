@@ -54,6 +54,10 @@ def register(app: typer.Typer) -> None:
                                           help="--engine vllm: vLLM's context length (default: the config's)."),
         attention_backend: str = typer.Option(None, "--attention-backend",
                                               help="--engine vllm: vLLM's attention backend (e.g. CPU_MLA)."),
+        mtp_quant: str = typer.Option(
+            None, "--mtp-quant", metavar="SCHEMES",
+            help="Also measure the verifier's own MTP encoded into each scheme (a comma list, or all) as graft "
+                 "--mtp-quant writes it, then decoded: bytes, agreement and KL per depth, change from as stored."),
         json_output: bool = json_option(),
         report_file: Path = report_option(),
         plot: Path = typer.Option(None, "--plot", metavar="FILE.png",
@@ -78,7 +82,7 @@ def register(app: typer.Typer) -> None:
                                    pipeline_parallel_size=pipeline_parallel_size,
                                    distributed_executor_backend=distributed_executor_backend, work_dir=work_dir,
                                    max_model_len=max_model_len, attention_backend=attention_backend, plot=plot,
-                                   llama_cpp=llama_cpp, threads=threads)
+                                    llama_cpp=llama_cpp, threads=threads, mtp_quant=mtp_quant)
         except CheckFailed as e:  # measured, and a check failed: the report as for a pass, each failure, exit 1
             _show(e.report, json_output, depth)
             for line in e.report.failures():
@@ -152,6 +156,8 @@ def _render(result, depth: int) -> None:
                  for c in (f"{a:.3f}", "-" if kl is None else f"{kl:.4f}")]
         t.add_row(d.name, *cells, f"{d.expected_accepted():.3f}", str(d.positions), "yes" if d.greedy_equal else "NO")
     out_console().print(t)
+    if getattr(result, "mtp_quant", None):
+        _render_mtp_quant(result.mtp_quant, depth)
     loaded = result.loaded if result.loaded == result.mtp_loaded else f"{result.loaded}; MTP {result.mtp_loaded}"
     out_console().print(f"verifier loaded {loaded}", markup=False, soft_wrap=True)
     for d in result.drafts:
@@ -159,3 +165,28 @@ def _render(result, depth: int) -> None:
             out_console().print(f"{d.name}: mean acceptance length {d.mean_acceptance_length:.3f} over {d.num_drafts} "
                                 f"draft(s) ({result.engine.get('name')} {result.engine.get('version')})",
                                 markup=False, soft_wrap=True)
+
+
+def _render_mtp_quant(rows: list[dict], depth: int) -> None:
+    """--mtp-quant: one row per scheme (measured, or the reason it is not)."""
+    from rich.table import Table
+
+    t = Table(title="the verifier's MTP per scheme (encoded as graft writes it, decoded as the engine reads it)")
+    t.add_column("scheme")
+    t.add_column("MTP bytes")
+    for k in range(1, depth + 1):
+        t.add_column(f"agree@{k}")
+        t.add_column(f"KL@{k}")
+    t.add_column("E[accepted]/step")
+    t.add_column("change@1")
+    for r in rows:
+        if "agreement" not in r:
+            t.add_row(r["scheme"], "-", *["-"] * (2 * depth), "-", r["status"])
+            continue
+        cells = [c for a, kl in zip(r["agreement"], r["kl"], strict=True) for c in (f"{a:.3f}", f"{kl:.4f}")]
+        change = r.get("agreement_change") or [0.0]
+        t.add_row(r["scheme"], human_bytes(r["bytes"]), *cells, f"{r['expected_accepted']:.3f}", f"{change[0]:+.3f}")
+    out_console().print(t)
+    for r in rows:
+        if r.get("reason"):
+            out_console().print(f"{r['scheme']} ({r['status']}): {r['reason']}", markup=False, soft_wrap=True)

@@ -116,6 +116,31 @@ def markdown(evidence: ProbeEvidence) -> list[str]:
         cells += [str(d["positions"]), "-" if greedy is None else ("yes" if greedy else "NO"),
                   f"`{str((d.get('tensors') or {}).get('sha256') or '-')[:12]}`"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += quant_markdown(report.get("mtp_quant") or [], depth)
     if evidence.plot_path:
         lines += ["", f"![acceptance per depth]({evidence.plot_path})"]
+    return lines
+
+
+def quant_markdown(rows: list[dict], depth: int) -> list[str]:
+    """``ckpt probe --mtp-quant``: the verifier's own MTP per storage scheme (empty without the section)."""
+    if not rows:
+        return []
+    head = ["scheme", "MTP bytes", *(f"acceptance@{k}" for k in range(1, depth + 1)),
+            *(f"KL@{k}" for k in range(1, depth + 1)), "E[accepted]/step", "change@1", "note"]
+    lines = ["", "### The MTP per storage scheme", "",
+             "The verifier's own MTP encoded into each scheme as `ckpt graft --mtp-quant` writes it, decoded as "
+             "`ckpt dequant` reads it, and measured on the same prompts and greedy path; change@1 is the depth-1 "
+             "acceptance minus the MTP's as stored.", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        agreement, kl = r.get("agreement") or [], r.get("kl") or []
+        pad = ["-"] * (depth - len(agreement))
+        change = r.get("agreement_change") or []
+        cells = [str(r.get("scheme")), "-" if r.get("bytes") is None else str(r["bytes"]),
+                 *(f"{a:.4f}" for a in agreement), *pad, *(f"{v:.4f}" for v in kl), *["-"] * (depth - len(kl)),
+                 f"{r['expected_accepted']:.4f}" if "expected_accepted" in r else "-",
+                 f"{change[0]:+.4f}" if change else "-",
+                 r["status"] + (f": {r['reason']}" if r.get("reason") else "")]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines

@@ -197,6 +197,8 @@ def _fp4_layout(scale2: str, scale2_shape: tuple[int, ...]) -> Layout:
     def layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
         rows, cols = shape
         group = int(args.params.get("group_size") or 16)
+        if cols % group or cols % 2:  # refused when planned: the encoder's unflatten would fail mid-write
+            raise PlanError(f"NVFP4 needs columns divisible by {group}, got {cols}", rule="quant-encode")
         weight = "weight_packed" if scale2 == "weight_global_scale" else "weight"
         return {weight: ("U8", (rows, cols // 2)), "weight_scale": ("F8_E4M3", (rows, cols // group)),
                 scale2: ("F32", scale2_shape)}

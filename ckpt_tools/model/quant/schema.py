@@ -208,6 +208,17 @@ class FormatDef(_Strict):
         return self
 
 
+class UnservedDef(_Strict):
+    """A serving engine that does not serve MTP layers stored in this scheme for some families: ``ckpt probe
+    --mtp-quant`` lists the scheme with ``reason`` and never recommends it there."""
+
+    engine: str  # the engine and version (and build) the limit was read or measured in
+    families: list[str] | None = None  # the families it refuses; None: every family not in ``only``
+    only: list[str] | None = None  # it serves the scheme for these families only
+    experts: bool = False  # the limit holds only where the MTP layer holds routed experts
+    reason: str
+
+
 class SchemeTable(_Strict, SchemeParams):
     scheme: str
     title: str
@@ -220,6 +231,8 @@ class SchemeTable(_Strict, SchemeParams):
     # (vLLM maybe_remap_kv_scale_name: ``self_attn.k_proj.k_scale``, ``self_attn.k_scale``, ...): each value
     # must be finite and positive (rule kv-scale-value, quant/kv_scales.py)
     kv_cache_scales: list[str] = Field(default_factory=list)
+    # serving engines that do not load MTP layers in this scheme for some families (UnservedDef)
+    unserved: list[UnservedDef] = Field(default_factory=list)
 
     # ``params`` (SchemeParams): every parameter name its declarations read
 

@@ -45,6 +45,8 @@ def check_finite(result: Any, where: str | None = None) -> None:
             raise InputError(f"draft {name!r}: expected_accepted is {ea!r}, not a finite number", rule=RULE, path=where)
         for p, row in enumerate(draft.get("prompts") or []):
             _require_finite_fields(row, f"draft {name!r}, prompt {p + 1}", where)
+    for row in report.get("mtp_quant") or []:  # --mtp-quant: the MTP decoded from a scheme's bytes
+        _require_finite_fields(row, f"--mtp-quant {row.get('scheme')!r}", where)
     ref = report.get("reference") or {}
     if "max_abs_diff" in ref and _bad([ref["max_abs_diff"]]) is not None:
         raise InputError(f"reference max_abs_diff is {ref['max_abs_diff']!r}, not a finite number", rule=RULE,

@@ -40,7 +40,7 @@ def acceptance_label(report: dict) -> str:
 def draw(report: dict, path: str | os.PathLike[str]) -> None:
     """Writes the PNG at ``path`` from a probe report's JSON."""
     plt = matplotlib_pyplot()
-    drafts = report.get("drafts") or []
+    drafts = (report.get("drafts") or []) + quant_series(report)
     with_kl = any(d.get("kl") for d in drafts)
     fig, axes = plt.subplots(1, 2 if with_kl else 1, figsize=SIZE if with_kl else (SIZE[0] / 2 + 1, SIZE[1]),
                              squeeze=False)
@@ -75,6 +75,12 @@ def draw(report: dict, path: str | os.PathLike[str]) -> None:
         raise OutputError(f"cannot write the plot: {e.strerror or e}", path=os.fspath(path)) from None
     finally:
         plt.close(fig)
+
+
+def quant_series(report: dict) -> list[dict]:
+    """--mtp-quant: each measured scheme's row as one more line (the row as stored is the verifier's own MTP)."""
+    return [{"name": f"mtp-quant {r['scheme']}", "agreement": r["agreement"], "kl": r.get("kl")}
+            for r in report.get("mtp_quant") or [] if r.get("agreement") and r.get("scheme") != "as stored"]
 
 
 def _short(name: str, width: int = 40) -> str:

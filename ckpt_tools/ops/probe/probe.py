@@ -59,6 +59,10 @@ class ProbeRequest:
     # a draft's tensors in the verifier's MTP names: stitch's correspondence (``ops.stitch.plan.mapped_draft``),
     # given by the caller so that probe imports no other verb; needed only when there are drafts
     map_draft: DraftMapper | None = None
+    # --mtp-quant: schemes the verifier's own MTP is measured in too, encoded as graft encodes it by
+    # ``encode_mtp`` (``ops.stitch.graft.mtp_in_scheme``, given by the caller as map_draft is): mtp_quant.py
+    mtp_quant: list[str] = field(default_factory=list)
+    encode_mtp: Callable[[Checkpoint, str], dict] | None = None
 
 
 @dataclass
@@ -112,13 +116,15 @@ class ProbeResult:
     max_new_tokens: int | None = None
     prompts_sha256: str | None = None  # of the prompts file's bytes (of the built-in prompts' lines without one)
     plot: str | None = None  # the plot drawn with the report (--plot), relative to the report's directory
+    mtp_quant: list[dict] | None = None  # --mtp-quant: one row per scheme (mtp_quant.QuantRow.to_json)
 
     def to_json(self) -> dict:
+        extra = {} if self.mtp_quant is None else {"mtp_quant": self.mtp_quant}
         return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
                 "needed_bytes": self.needed_bytes, "chain": self.chain, "loaded": self.loaded,
                 "mtp_loaded": self.mtp_loaded, "engine": self.engine, "reference": self.reference,
                 "dtype": self.dtype, "device": self.device, "max_new_tokens": self.max_new_tokens,
-                "prompts_sha256": self.prompts_sha256, "plot": self.plot}
+                "prompts_sha256": self.prompts_sha256, "plot": self.plot, **extra}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -615,13 +621,19 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
                   getattr(text_config, "max_position_embeddings", None), req.max_new_tokens)
     with Checkpoint.open(req.verifier) as verifier:
         require_mtp(verifier, len(req.drafts))
-        need = check_memory(verifier, req.dtype, len(req.drafts))
+        need = check_memory(verifier, req.dtype, len(req.drafts) + len(req.mtp_quant))
         if announce is not None:
             announce(need, available_memory())
         loaded = load_verifier(req.verifier, config, device, req.dtype, verifier)
         main = loaded.main
         models = [Drafter("verifier", loaded.mtp, loaded.reference)] + [
             draft_mtp(main, loaded, verifier, p, _mapper(req), req.arch, req.dtype, device) for p in req.drafts]
+        quant_rows = None
+        if req.mtp_quant:
+            from . import mtp_quant
+
+            quant_rows, quantized = mtp_quant.drafters(main, loaded, verifier, req, device, len(models))
+            models += quantized
     reference = {"implementation": REFERENCE, "max_abs_diff": 0.0} if loaded.reference is not None else {
         "skipped": loaded.reference_note}
     tokenizer = _tokenizer(req.verifier) if any(isinstance(p, str) for p in prompts) else None
@@ -663,8 +675,11 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     import transformers
 
     engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}
-    result = ProbeResult(results, len(prompts), need, req.chain, loaded.loaded, loaded.mtp_loaded, engine, reference)
+    result = ProbeResult(results[:1 + len(req.drafts)], len(prompts), need, req.chain, loaded.loaded,
+                         loaded.mtp_loaded, engine, reference)
     result.device = device
+    if quant_rows is not None:
+        result.mtp_quant = [r.to_json(results, results[0].agreement) for r in quant_rows]
     return name_measured(result, req)
 
 

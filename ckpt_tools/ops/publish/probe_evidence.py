@@ -113,12 +113,29 @@ REPORT_FIELDS: dict[str, tuple[Any, str]] = {
 }
 
 
+QUANT_STATUS = ("measured", "no-encoder", "unserved", "unencodable")  # ops.probe.mtp_quant.QuantRow.status
+QUANT_FIELDS: dict[str, tuple[Any, str]] = {  # a row of --mtp-quant's table
+    "scheme": (_text, "a string"),
+    "status": (lambda v: v in QUANT_STATUS, f"one of {', '.join(QUANT_STATUS)}"),
+    "bytes": (_optional(_count), "a count or null"),
+    "reason": (_optional(_text), "a string or null"),
+}
+QUANT_MEASURED: dict[str, tuple[Any, str]] = {  # and of a measured one
+    "bytes": (_count, "a count (an integer >= 0)"),
+    "expected_accepted": (_finite, _NUMBER),
+    "positions": (_count, "a count (an integer >= 0)"),
+}
+
+
 def report_problem(data: dict) -> str | None:
     """The first field of a probe report that is not what probe writes (``drafts[1].kl[0] is null, not a finite
     number``), or None."""
     for name, (check, what) in REPORT_FIELDS.items():
         if not check(data.get(name)):
             return f"{name} is {json.dumps(data.get(name))}, not {what}"
+    problem = quant_problem(data)
+    if problem is not None:
+        return problem
     for i, d in enumerate(data["drafts"]):
         if "mean_acceptance_length" not in d and "expected_accepted" not in d:
             return f"drafts[{i}] has neither expected_accepted nor mean_acceptance_length"
@@ -136,6 +153,37 @@ def report_problem(data: dict) -> str | None:
                 if not _finite(v) or (field == "agreement" and not 0 <= v <= 1):
                     what = "a share in [0, 1]" if field == "agreement" else _NUMBER
                     return f"drafts[{i}].{field}[{k}] (depth {k + 1}) is {json.dumps(v)}, not {what}"
+    return None
+
+
+def quant_problem(data: dict) -> str | None:
+    """The first field of the ``mtp_quant`` section (``ckpt probe --mtp-quant``) that is not what probe writes."""
+    if "mtp_quant" not in data:
+        return None
+    rows = data["mtp_quant"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        return f"mtp_quant is {json.dumps(rows)[:80]}, not a list of rows (objects)"
+    for i, r in enumerate(rows):
+        measured = r.get("status") == "measured"
+        for name, (check, what) in [*QUANT_FIELDS.items(), *(QUANT_MEASURED.items() if measured else ())]:
+            if not check(r.get(name)):
+                return f"mtp_quant[{i}].{name} is {json.dumps(r.get(name))}, not {what}"
+        if not measured:
+            if any(k in r for k in ("agreement", "kl", "agreement_change")):
+                return f"mtp_quant[{i}] ({r['status']}) holds numbers: only a measured row does"
+            continue
+        agreement = r.get("agreement")
+        if not isinstance(agreement, list) or not agreement:
+            return f"mtp_quant[{i}].agreement is {json.dumps(agreement)[:80]}, not a list of one share per depth"
+        for field in ("agreement", "kl", "agreement_change"):
+            values = r.get(field)
+            if not isinstance(values, list) or len(values) != len(agreement):
+                return (f"mtp_quant[{i}].{field} is {json.dumps(values)[:80]}, not a list of one number per depth "
+                        f"({len(agreement)})")
+            for k, v in enumerate(values):
+                if not _finite(v) or (field == "agreement" and not 0 <= v <= 1):
+                    what = "a share in [0, 1]" if field == "agreement" else _NUMBER
+                    return f"mtp_quant[{i}].{field}[{k}] (depth {k + 1}) is {json.dumps(v)}, not {what}"
     return None
 
 

@@ -248,6 +248,21 @@ def mtp_quants() -> tuple[str, ...]:
     return tuple(sorted(n for n, t in all_schemes().items() if any(f.encoder for f in t.storage)))
 
 
+def mtp_in_scheme(ckpt: Checkpoint, scheme: str) -> dict[str, tuple[list[OutputTensor], Stored | None]]:
+    """``ckpt``'s own MTP tensors as ``graft ckpt ckpt --mtp-quant scheme`` would write them (the table's default
+    parameters: no target declares others), per weight (its logical key): (its tensors, weight first; how they
+    are stored). The plan's recipes, run by no writer: ``ckpt probe --mtp-quant`` reads their bytes and decodes
+    them in memory."""
+    from ...model.mtp import open_mtp
+
+    if scheme not in mtp_quants():
+        raise UsageError(f"--mtp-quant {scheme!r}: no encoder; use one of {', '.join(mtp_quants())}",
+                         rule="mtp-quant-scheme")
+    view = open_mtp(ckpt)
+    pieces = _Grafter(view, view, GraftRequest(mtp_quant=scheme)).build()
+    return {k: (p.tensors, p.stored) for k, p in pieces.items()}
+
+
 def _require_declared(target: Checkpoint, scheme_name: str):
     """--mtp-quant SCHEME writes that scheme's storage: the target's config must declare it, and (a scheme written
     by its encoder) its trunk modules must not carry calibrated activation scales graft cannot compute."""
