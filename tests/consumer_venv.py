@@ -20,16 +20,22 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
-def consumer_python(venv: Path, what: str, target: str) -> Path:
-    """``venv``'s interpreter; when it was not built, fails (CI) or skips (elsewhere) with the build log's tail."""
-    if not (venv / ".installed").is_file():
-        log = Path(f"{venv}.log")
+def require_built(where: Path, what: str, target: str) -> Path:
+    """``where`` (a consumer `make TARGET` built, stamped ``.installed``); when it was not built, fails (CI) or skips
+    (elsewhere) with the build log's tail."""
+    if not (where / ".installed").is_file():
+        log = Path(f"{where}.log")
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
-        message = f"{what} venv {venv} could not be built (make {target}): {' | '.join(tail)}"
+        message = f"{what} in {where} could not be built (make {target}): {' | '.join(tail)}"
         if in_ci():
             pytest.fail(f"CI=true: {message}", pytrace=False)
         pytest.skip(message)
-    return venv / "bin" / "python"
+    return where
+
+
+def consumer_python(venv: Path, what: str, target: str) -> Path:
+    """``venv``'s interpreter (``require_built``)."""
+    return require_built(venv, f"{what} venv", target) / "bin" / "python"
 
 
 def speculators_python() -> Path:

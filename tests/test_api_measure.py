@@ -48,7 +48,8 @@ def test_the_cli_calls_the_public_function(monkeypatch, tmp_path):
                       "min_acceptance": 0.5, "report": tmp_path / "r.json", "arch": "deepseek_v3",
                       "progress": False, "engine": "transformers", "tensor_parallel_size": 1,
                       "pipeline_parallel_size": 1, "distributed_executor_backend": None, "work_dir": None,
-                      "max_model_len": None, "attention_backend": None, "plot": None}
+                      "max_model_len": None, "attention_backend": None, "plot": None,
+                      "llama_cpp": None, "threads": 1, "mtp_quant": None}
 
 
 def test_json_is_the_reports_to_json(tmp_path):

@@ -26,7 +26,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import probe_model  # noqa: E402
-from consumer_venv import in_ci  # noqa: E402
+from consumer_venv import require_built  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
 
 from ckpt_tools import api  # noqa: E402
@@ -50,14 +50,7 @@ FAMILIES = {"glm4_moe": "glm4_moe_gqa32", "deepseek_v3": "deepseek_v3_dense"}  #
 
 def llama_cpp_dir() -> Path:
     """The llama.cpp build (`make llama-cpp`); when it was not built, fails (CI) or skips with the log's tail."""
-    if not (LLAMA_CPP / ".installed").is_file():
-        log = Path(f"{LLAMA_CPP}.log")
-        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else ["never built"]
-        message = f"llama.cpp b11434 in {LLAMA_CPP} could not be built (make llama-cpp): {' | '.join(tail)}"
-        if in_ci():
-            pytest.fail(f"CI=true: {message}", pytrace=False)
-        pytest.skip(message)
-    return LLAMA_CPP
+    return require_built(LLAMA_CPP, "llama.cpp b11434", "llama-cpp")
 
 
 def convert(jobs: list[list], cwd: Path) -> None:

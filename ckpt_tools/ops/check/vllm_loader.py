@@ -337,7 +337,7 @@ def check(path: str | os.PathLike[str], arch: str | None = None) -> tuple[list[P
         job = job_for(root, table, open_mtp(ckpt, table), meta=True)
         where = {k: str(root / ckpt.shard_of(k)) for k in ckpt.tensors}
     prepare()
-    with tempfile.TemporaryDirectory(prefix="ckpt-vllm-") as tmp, _stdout_to_stderr():
+    with tempfile.TemporaryDirectory(prefix="ckpt-vllm-") as tmp, stdout_to_stderr():
         rep = run_job(job, tmp)
     rep["version"] = version
     return (*findings(rep, job, str(root), where), rep)
@@ -384,8 +384,9 @@ def _depth(job: dict, key: str) -> int:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """vLLM logs to file descriptor 1: while it runs, fd 1 is stderr, so that stdout holds only the report."""
+def stdout_to_stderr() -> Iterator[None]:
+    """vLLM logs to file descriptor 1 (from its engine's threads too): while it runs, fd 1 is stderr, so that stdout
+    holds only the report (``--json``). probe --engine vllm uses it too."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)

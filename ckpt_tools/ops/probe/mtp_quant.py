@@ -128,10 +128,10 @@ def encoders() -> tuple[str, ...]:
 
 
 def drafters(main, loaded, verifier: Checkpoint, req, device: str, first: int) -> tuple[list[QuantRow], list]:
-    """The rows of ``req.mtp_quant`` and, for each measured one, its MTP in the table engine (probe.Drafter),
+    """The rows of ``req.mtp_quant`` and, for each measured one, its MTP in the table engine (drafter.Drafter),
     numbered in probe's list of MTPs from ``first`` (the verifier's own MTP is number 0)."""
     from . import mtp_engine
-    from .probe import Drafter
+    from .drafter import Drafter
 
     if req.encode_mtp is None:
         raise TypeError("ProbeRequest.encode_mtp is needed for --mtp-quant (ops.stitch.graft.mtp_in_scheme)")

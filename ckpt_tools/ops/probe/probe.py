@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...errors import InputError, UsageError
 from ...io.checkpoint import Checkpoint
+from .drafter import Drafter
 
 if TYPE_CHECKING:
     import torch
@@ -367,15 +368,6 @@ def load_verifier(path: str, config, device: str, dtype: str, verifier: Checkpoi
         if verifier is None:
             verifier = stack.enter_context(Checkpoint.open(path))
         return probe_load.load(path, verifier, config, device, dtype, device_map(device))
-
-
-@dataclass
-class Drafter:
-    """One MTP measured by probe: the engine's, and transformers' MtpModel of the same tensors where it loads."""
-
-    name: str
-    engine: Any
-    reference: Any = None
 
 
 def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, map_draft: DraftMapper,

