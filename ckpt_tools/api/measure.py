@@ -43,7 +43,8 @@ class ProbeReport(_probe.ProbeResult, Report):
         ``min_acceptance``."""
         if self.min_acceptance is None:
             return []
-        checked = self.drafts[1:] or self.drafts[:1]
+        # the verifier's own MTP is named "verifier"; --engine llama.cpp measures a trunk without one too
+        checked = [d for d in self.drafts if d.name != "verifier"] or self.drafts[:1]
         return [d for d in checked if d.agreement[0] < self.min_acceptance]
 
     def failures(self) -> list[str]:
@@ -139,7 +140,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
           tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
           distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
           max_model_len: int | None = None, attention_backend: str | None = None,
-          plot: PathArg | None = None) -> ProbeReport:
+          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = 1) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
     ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
@@ -153,7 +154,9 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
     around transformers' model) or vllm (vLLM serves each MTP and counts its own acceptance; its
     ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``max_model_len``
-    and ``attention_backend`` pass through; drafts are stitched into hard-linked copies under ``work_dir``).
+    and ``attention_backend`` pass through; drafts are stitched into hard-linked copies under ``work_dir``) or
+    llama.cpp (``verifier`` a GGUF file, each draft an MTP sidecar GGUF; llama.cpp's llama-speculative-simple
+    from the directory ``llama_cpp`` or PATH counts its own acceptance, on ``threads`` threads).
     Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
     on a greedy mismatch or when a draft's depth-1 agreement is below ``min_acceptance``; ``InputError`` for
     a verifier or draft that cannot be used; ``UsageError`` for a bad option or a missing extra.
@@ -175,7 +178,10 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
         matplotlib_pyplot()  # a missing extra is one line, before anything is measured
     if engine not in ENGINES:
         raise UsageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
-    if engine == "vllm":
+    if engine == "llama.cpp":
+        result = _probe_llama_cpp(verifier, draft_list, prompts, max_new_tokens, depth, device, dtype, progress,
+                                  llama_cpp, threads)
+    elif engine == "vllm":
         result = _probe_vllm(verifier, draft_list, prompts, max_new_tokens, depth, device, dtype, arch, progress,
                              tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, work_dir,
                              max_model_len, attention_backend)
@@ -204,7 +210,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     return out
 
 
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "llama.cpp")
 
 
 def _relative(plot: PathArg, report: PathArg | None) -> str:
@@ -234,6 +240,26 @@ def _probe_vllm(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, m
     with _stitched_drafts(verifier, drafts, arch, work_dir) as served, _display(progress) as display:
         result = probe_vllm(req, opts, served, display.bar)
     return _probe.name_measured(result, req)  # the drafts' own files, not the stitched copies served
+
+
+def _probe_llama_cpp(verifier: PathArg, drafts: list[Any], prompts: PathArg | None, max_new_tokens: int, depth: int,
+                     device: str, dtype: str, progress: bool, llama_cpp: PathArg | None,
+                     threads: int) -> _probe.ProbeResult:
+    """``engine="llama.cpp"``: llama.cpp serves the verifier GGUF's own MTP and each sidecar GGUF beside it;
+    ops/probe/llama_cpp.py measures. The GGUF files are measured as they are (``dtype`` is theirs)."""
+    from ..errors import UsageError
+    from ..ops.probe.llama_cpp import LlamaCppOptions, probe_llama_cpp
+
+    if any(not isinstance(d, str) for d in drafts):
+        raise UsageError("--engine llama.cpp measures drafts from GGUF files (a draft in memory has no files)")
+    req = _probe.ProbeRequest(os.fspath(verifier), drafts, None if prompts is None else os.fspath(prompts),
+                              max_new_tokens, depth, device, dtype, "llama.cpp")
+    opts = LlamaCppOptions(None if llama_cpp is None else os.fspath(llama_cpp), threads)
+    with _display(progress) as display:
+        result = probe_llama_cpp(req, opts, display.bar)
+    result.device, result.max_new_tokens = "cpu", max_new_tokens
+    result.prompts_sha256 = _probe.prompts_sha256(req.prompts)
+    return result
 
 
 @contextlib.contextmanager

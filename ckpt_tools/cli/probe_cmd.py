@@ -34,8 +34,14 @@ def register(app: typer.Typer) -> None:
                                                       "(a trainer's output without config.json), as stitch's --arch."),
         engine: str = typer.Option(
             "transformers", "--engine",
-            help="transformers (our table engine around transformers' model: agreement, KL, per prompt) or vllm "
-                 "(vLLM serves each MTP and counts its own acceptance; needs the extra ckpt-tools[vllm])."),
+            help="transformers (our table engine around transformers' model: agreement, KL, per prompt), vllm "
+                 "(vLLM serves each MTP and counts its own acceptance; needs the extra ckpt-tools[vllm]) or "
+                 "llama.cpp (VERIFIER a GGUF file, each --draft an MTP sidecar GGUF; llama.cpp's "
+                 "llama-speculative-simple counts its own acceptance)."),
+        llama_cpp: Path = typer.Option(None, "--llama-cpp", metavar="DIR",
+                                       help="--engine llama.cpp: a llama.cpp build holding llama-speculative-simple "
+                                            "(in DIR, DIR/bin or DIR/build/bin; default: PATH)."),
+        threads: int = typer.Option(1, "--threads", help="--engine llama.cpp: llama.cpp's threads (-t)."),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="--engine vllm: GPUs per stage."),
         pipeline_parallel_size: int = typer.Option(1, "--pipeline-parallel-size",
                                                    help="--engine vllm: pipeline stages (e.g. nodes)."),
@@ -71,7 +77,8 @@ def register(app: typer.Typer) -> None:
                                    tensor_parallel_size=tensor_parallel_size,
                                    pipeline_parallel_size=pipeline_parallel_size,
                                    distributed_executor_backend=distributed_executor_backend, work_dir=work_dir,
-                                   max_model_len=max_model_len, attention_backend=attention_backend, plot=plot)
+                                   max_model_len=max_model_len, attention_backend=attention_backend, plot=plot,
+                                   llama_cpp=llama_cpp, threads=threads)
         except CheckFailed as e:  # measured, and a check failed: the report as for a pass, each failure, exit 1
             _show(e.report, json_output, depth)
             for line in e.report.failures():
