@@ -177,3 +177,20 @@ def test_a_report_older_than_the_file_it_names_is_refused(hub, sidecar, tmp_path
     os.utime(measured, (t + 10, t + 10))
     r = ckpt("push", d, "me/later", "--dry-run", code=3)
     assert "[probe-report-stale]" in r.output and "modified after the report was written" in r.output
+
+
+def test_push_without_the_trunk_at_hand_says_the_pair_was_not_checked(hub, sidecar, tmp_path):
+    """The manifest's trunk is not on this machine: the sidecar is checked against its table only, and the card
+    says so (and still names the trunk by its file name)."""
+    d = _copy(sidecar, tmp_path / "out")
+    manifest = json.loads((d / "ckpt_manifest.json").read_text())
+    manifest["trunk"]["path"] = str(tmp_path / "elsewhere" / "trunk.gguf")
+    (d / "ckpt_manifest.json").write_text(json.dumps(manifest))
+    r = ckpt("push", d, "me/alone", "--dry-run", "--json")
+    plan = json.loads(r.stdout)
+    assert plan["validation"]["ok"] is True
+    ckpt("push", d, "me/alone")
+    text = hub.state.files("me/alone")["README.md"].decode()
+    assert "the trunk was not at hand, so the pair was not checked" in text
+    assert "checked against its family's table only: not against a trunk" in text
+    assert "llama-server -m trunk.gguf -md" in text
