@@ -209,9 +209,82 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in Path(path).iterdir())
 
 
-if __name__ == "__main__":  # python -m benchmarks.release DIR [--nomtp]
+# --- extract --format gguf on the replica: bytes read (issue 41) ------------------------------------------------
+
+SHARED = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+SCALE_SUFFIX = "_scale_inv"
+
+
+def sidecar_bytes(c: dict = CONFIG) -> dict[str, int]:
+    """What a GGUF sidecar of the release reads, by the release's tensor list: the MTP layer's tensors, the shared
+    ones (embedding, final norm, head), and what every verb's gate reads besides: every FP8 scale of the trunk
+    (rule quant-scale-value). ``all``: every tensor's bytes."""
+    m = f"model.layers.{c['num_hidden_layers']}."
+    entries = [e for shard in shard_entries(c) for e in shard]
+    return {"mtp": sum(nbytes(e) for e in entries if e[0].startswith(m)),
+            "shared": sum(nbytes(e) for e in entries if e[0] in SHARED),
+            "trunk_scales": sum(nbytes(e) for e in entries if e[0].endswith(SCALE_SUFFIX) and not e[0].startswith(m)),
+            "all": sum(nbytes(e) for e in entries)}
+
+
+def header_bytes(src: Path) -> int:
+    """The shards' headers (8 + JSON) and the side files (config, index ...): what any reader reads first."""
+    total = 0
+    for p in Path(src).iterdir():
+        if p.suffix == ".safetensors":
+            with open(p, "rb") as f:
+                total += 8 + struct.unpack("<Q", f.read(8))[0]
+        elif p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def trunk_gguf(src: Path, path: Path) -> Path:
+    """A trunk GGUF for the replica: llama.cpp's key-values and a stand-in vocabulary of the release's size, no
+    tensors (a sidecar takes nothing else of its trunk)."""
+    from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
+
+    from .scale import _zero_scales
+
+    if not Path(path).exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_trunk_gguf(src, path, tensors=False, allow=tuple(_zero_scales()[1:]))
+    return Path(path)
+
+
+def gguf_read(workdir: Path, out: Path | None = None) -> dict:
+    """``ckpt extract REPLICA --format gguf`` in a child process, its bytes read (/proc/PID/io ``rchar``: every
+    read-like syscall, imports included; ``read_bytes``: from the device) against what the sidecar needs. No
+    timing: the wall time is the lead's to take on a quiet machine."""
+    import shutil
+
+    from .measure import run
+    from .scale import _zero_scales, build_inputs, ckpt_argv
+
+    src, _ = build_inputs(workdir)
+    trunk = trunk_gguf(src, workdir / "trunk" / "trunk.gguf")
+    out = out or workdir / "sidecar"
+    shutil.rmtree(out, ignore_errors=True)
+    argv = ckpt_argv() + ["extract", str(src), "--format", "gguf", "--gguf-trunk", str(trunk), "-o", str(out),
+                          *_zero_scales()]
+    s = run(argv, log=workdir / "logs" / "extract-gguf.log", timeout=6 * 3600.0)
+    need = sidecar_bytes()
+    headers = header_bytes(src)
+    bound = need["mtp"] + need["shared"] + need["trunk_scales"] + headers
+    written = sum(p.stat().st_size for p in out.glob("*.gguf")) if out.is_dir() else 0
+    shutil.rmtree(out, ignore_errors=True)
+    return {"returncode": s.returncode, "rchar": s.rchar, "read_bytes": s.read_bytes, "wchar": s.wchar,
+            "written": written, **need, "headers": headers, "bound": bound,
+            "rchar_over_needed": s.rchar / (need["mtp"] + need["shared"]), "rchar_over_bound": s.rchar / bound,
+            "error": None if s.returncode == 0 else s.stderr_tail[-800:]}
+
+
+if __name__ == "__main__":  # python -m benchmarks.release DIR [--nomtp] | --gguf-read WORKDIR
     import sys
 
+    if sys.argv[1] == "--gguf-read":
+        print(json.dumps(gguf_read(Path(sys.argv[2])), indent=1))
+        sys.exit(0)
     d = build(sys.argv[1], nomtp="--nomtp" in sys.argv)
     print(f"{d}: {sum(1 for _ in d.glob('*.safetensors'))} shards, "
           f"{len(json.loads((d / INDEX).read_text())['weight_map'])} tensors, {disk_bytes(d) / 1e6:.1f} MB on disk")

@@ -69,6 +69,28 @@ class Ctx:
         ext = layout.extents(syn.path)
         return [ext[k] for k in syn.mtp_keys]
 
+    def trunk_gguf(self, variant: str) -> Path:
+        """A trunk GGUF for ``variant`` (llama.cpp's key-values and a stand-in vocabulary; no tensors: a sidecar
+        takes nothing else of its trunk), the --gguf-trunk of extract --format gguf."""
+        from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
+
+        path = self.root / f"trunk-{variant}" / "trunk.gguf"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_trunk_gguf(self.variant(variant).path, path, tensors=False)
+        return path
+
+    def sidecar_extents(self, variant: str) -> list[layout.Extent]:
+        """The bytes a GGUF sidecar reads: the MTP tensors and the shared ones (embedding, final norm, head)."""
+        from ckpt_tools.io.checkpoint import Checkpoint
+        from ckpt_tools.model.gate import require_consistent
+
+        syn = self.variant(variant)
+        with Checkpoint.open(syn.path) as ckpt:
+            shared = [s.key for s in require_consistent(ckpt).view.resolved.shared.values()]
+        ext = layout.extents(syn.path)
+        return [ext[k] for k in dict.fromkeys([*syn.mtp_keys, *shared]) if k in ext]
+
     def native_draft(self) -> Path:
         """A finetuned draft in the verifier's own names: the verifier's values each moved a little
         (stitch refuses unrelated values as divergent), one file, no manifest."""
@@ -342,6 +364,13 @@ VERBS: dict[str, Verb] = {
         Verb("extract", "extract the MTP layers, native names (bf16 input)", "extract", (),
              lambda ctx, out: ["extract", str(ctx.variant("bf16").path), "-o", str(out)],
              floor=_mtp_floor("bf16"), naive=_naive_extract("bf16"), max_floor_ratio=1.3),
+        Verb("extract-gguf", "extract the MTP layers as a GGUF sidecar for llama.cpp (bf16 input, f16 output: the "
+             "same bytes); floor: an fsync'd copy of the MTP tensors and the shared ones (embedding, final norm, "
+             "head), the bytes the sidecar holds (target <= 1.2x)", "extract", ("--gguf-trunk",),
+             lambda ctx, out: ["extract", str(ctx.variant("bf16").path), "--format", "gguf", "--gguf-trunk",
+                               str(ctx.trunk_gguf("bf16")), "-o", str(out)],
+             floor=lambda ctx, out: _one_file(out, layout.pieces(ctx.sidecar_extents("bf16")), "sidecar.gguf"),
+             max_floor_ratio=1.2),
         Verb("extract-speculators", "extract into the speculators format (experts fused)", "extract",
              ("--format", "speculators"),
              lambda ctx, out: ["extract", str(ctx.variant("bf16").path), "-o", str(out), "--format", "speculators"],

@@ -456,3 +456,26 @@ def test_inline_executor_runs_on_the_callers_thread_and_keeps_errors_for_result(
     pool = digest.executor(2)
     assert pool.submit(threading.get_ident).result() != threading.get_ident()
     pool.shutdown()
+
+
+def test_extract_gguf_verb_writes_a_sidecar_and_its_floor_copies_the_bytes_it_holds(tmp_path):
+    """The extract-gguf verb (issue 41): its trunk GGUF has no tensors, and the sidecar it writes holds the tensor
+    bytes its floor copies (the MTP and shared tensors; bf16 in, f16 out)."""
+    pytest.importorskip("gguf")
+    from benchmarks.verbs import VERBS, Ctx
+
+    from conftest import run_ckpt
+
+    sizing = solve("qwen3_next", TINY)
+    ctx = Ctx(tmp_path, "qwen3_next", sizing, 4, None, log=lambda _: None)
+    verb = VERBS["extract-gguf"]
+    out = tmp_path / "out"
+    run_ckpt(*verb.command(ctx, out))
+    import gguf
+
+    assert not gguf.GGUFReader(ctx.trunk_gguf("bf16")).tensors
+    [sidecar] = out.glob("mtp-*.gguf")
+    held = sum(int(t.n_bytes) for t in gguf.GGUFReader(sidecar).tensors)
+    floor_bytes = sum(p[2] for f in verb.floor(ctx, tmp_path / "floor")["files"] for p in f["pieces"])
+    # the same bytes, but for the norms, routers and biases llama.cpp keeps in F32 (twice their bf16 bytes)
+    assert floor_bytes <= held < 1.01 * floor_bytes, (held, floor_bytes)

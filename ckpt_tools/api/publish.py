@@ -81,7 +81,8 @@ def push(source: PathArg, repo_id: str, *, revision: str | None = None, private:
     (ORG/NAME; ``revision`` a branch, created if missing). ``base``: a repository (ORG/NAME[@REV]) whose
     byte-identical files are copied server-side instead of uploaded. ``probe_report``: a ``ckpt probe`` report
     (default: probe-report.json in ``source``) whose numbers the card carries; it must name ``source``'s tensors'
-    digest (else ``InputError`` rule probe-report-stale); ``probe_plot``: its plot (default: the one beside it).
+    digest (a GGUF sidecar directory, whose llama.cpp report names no tensor digest: name a file with the pushed
+    file's bytes; else ``InputError`` rule probe-report-stale); ``probe_plot``: its plot (default: the one beside it).
     The token comes from HF_TOKEN or
     ``hf auth login``. Hub failures are ``OutputError`` (exit 4), a missing base ``InputError``."""
     from pathlib import Path

@@ -27,6 +27,13 @@ class ProbeEvidence:
     digest: str  # sha256 of the pushed checkpoint's tensors (ops.shared.tensors_digest)
     matched: list[int] = field(default_factory=list)  # indices of report["drafts"] that measured these tensors
     plot_path: str | None = None  # in the repository
+    # what ``digest`` is: "tensors" (tensors_digest, recorded in the report) or "gguf-file" (the sha256 of the
+    # pushed GGUF file that the report's MTP named, as llama.cpp reports no tensor digest)
+    basis: str = "tensors"
+
+    @property
+    def digest_key(self) -> str:
+        return "tensors_sha256" if self.basis == "tensors" else "gguf_sha256"
 
     @property
     def depth(self) -> int:
@@ -72,7 +79,7 @@ def eval_results(evidence: ProbeEvidence) -> list:
     out = []
     for i in evidence.matched:
         entry = report["drafts"][i]
-        args = {**conditions(report), "tensors_sha256": evidence.digest}
+        args = {**conditions(report), evidence.digest_key: evidence.digest}
         for metric_type, metric_name, value in metrics(entry):
             out.append(EvalResult(
                 task_type=TASK_TYPE, task_name=TASK_NAME, dataset_type=DATASET_TYPE,
@@ -89,14 +96,18 @@ def markdown(evidence: ProbeEvidence) -> list[str]:
     depth = max(len(d["agreement"]) for d in drafts)
     with_kl = any(d.get("kl") for d in drafts)
     vllm = any(d.get("mean_acceptance_length") is not None for d in drafts)
+    # llama.cpp's report has no dtype (the GGUF's types are the file's) and chains as it drafts: not said then
+    setting = (f"{c['dtype']} on {c['device']}, depth chained as {c['chain']}" if c["dtype"] is not None
+               else f"on {c['device']}")
     lines = ["## Measured acceptance", "",
-             f"Measured with `ckpt probe` ({c['engine']} {c['engine_version']}, {c['dtype']} on {c['device']}, depth "
-             f"chained as {c['chain']}) on {report.get('prompts')} prompt(s) x {report.get('max_new_tokens')} "
+             f"Measured with `ckpt probe` ({c['engine']} {c['engine_version']}, {setting}) "
+             f"on {report.get('prompts')} prompt(s) x {report.get('max_new_tokens')} "
              f"generated tokens (prompts file sha256 `{report.get('prompts_sha256')}`); the report is "
              f"[`{evidence.report_path}`]({evidence.report_path}).", ""]
     if vllm:
-        lines += ["Acceptance at depth k is vLLM's own count: the share of drafts whose first k tokens were accepted.",
-                  ""]
+        counted = "vLLM" if c["engine"] in (None, "vllm") else c["engine"]
+        lines += [f"Acceptance at depth k is {counted}'s own count: the share of drafts whose first k tokens were "
+                  "accepted.", ""]
     else:
         lines += ["Acceptance at depth k is the share of generated positions where the depth-k draft token equals "
                   "the verifier's greedy token; KL is from the verifier's next-token distribution to the draft's.", ""]
@@ -117,6 +128,11 @@ def markdown(evidence: ProbeEvidence) -> list[str]:
                   f"`{str((d.get('tensors') or {}).get('sha256') or '-')[:12]}`"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += quant_markdown(report.get("mtp_quant") or [], depth)
+    if evidence.basis == "gguf-file":
+        named = ", ".join(f"`{display_name(drafts[i])}`" for i in evidence.matched)
+        lines += ["", f"llama.cpp reports no tensor digest (it reads the GGUF file itself): {named} was matched to "
+                      f"the pushed file by its bytes (sha256 `{evidence.digest}`), unchanged since the report was "
+                      "written."]
     if evidence.plot_path:
         lines += ["", f"![acceptance per depth]({evidence.plot_path})"]
     return lines

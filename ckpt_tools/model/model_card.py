@@ -20,6 +20,7 @@ from .card_probe import ProbeEvidence, eval_results, markdown
 
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DRAFT_KINDS = ("mtp-draft", "draft")
+GGUF_KIND = "mtp-gguf-sidecar"  # ckpt extract --format gguf's manifest kind
 
 
 @dataclass
@@ -44,6 +45,8 @@ class CardFacts:
     engines: dict[str, str] = field(default_factory=dict)  # the family table's serving engines (``engines:``)
     probe: ProbeEvidence | None = None  # a probe report of these tensors (ops.publish.probe_evidence)
     vllm_method: str | None = None  # vLLM's speculative method, as ckpt probe --engine vllm passes it (ops sets it)
+    # a GGUF directory (ops.publish.gguf_publish.gguf_facts): files, trunk, llama_cpp_arch, nextn_predict_layers ...
+    gguf: dict | None = None
 
 
 def _sources(manifest: dict) -> list[dict]:
@@ -116,8 +119,10 @@ def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: 
     tags = ["mtp", "speculative-decoding", "ckpt-tools"]
     if family:
         tags.append(family.replace("_", "-"))
-    if kind in DRAFT_KINDS:
+    if kind in DRAFT_KINDS or kind == GGUF_KIND:
         tags.append("mtp-draft")
+    if kind == GGUF_KIND:
+        tags += ["gguf", "llama.cpp"]
     elif "stitch" in kind:
         tags.append("stitched")
     fmt = manifest.get("format")
@@ -165,9 +170,28 @@ def speculative_tokens(f: CardFacts) -> int:
     return f.probe.depth if f.probe is not None and f.probe.matched else f.mtp_count
 
 
+SPEC_TYPE = "draft-mtp"  # llama.cpp's speculative type for a model's own MTP layers (ops.probe.llama_cpp)
+
+
+def llama_cpp_snippets(f: CardFacts) -> list[tuple[str, str]]:
+    """llama.cpp's commands for a GGUF sidecar: the trunk (``-m``, named by the manifest) with the sidecar (``-md``)."""
+    g = f.gguf or {}
+    k = speculative_tokens(f)
+    trunk = g.get("trunk") or "TRUNK.gguf"
+    out: list[tuple[str, str]] = []
+    for name in g.get("files") or []:
+        spec = f"--spec-type {SPEC_TYPE} --spec-draft-n-max {k}"
+        out += [(f"llama.cpp server (`{name}` beside the trunk `{trunk}`)",
+                 f"hf download {f.repo_id} {name} --local-dir .\nllama-server -m {trunk} -md {name} {spec}"),
+                ("llama.cpp, one prompt", f"llama-speculative-simple -m {trunk} -md {name} {spec} -p \"Hello\" -n 64")]
+    return out
+
+
 def serving_snippets(f: CardFacts) -> list[tuple[str, str]]:
     """(title, shell command) pairs to serve the pushed checkpoint with MTP speculative decoding, for the engines
     the family table lists (``engines:``); ``f.vllm_method`` is the method ``ckpt probe --engine vllm`` passes."""
+    if f.gguf is not None:
+        return llama_cpp_snippets(f)
     k = speculative_tokens(f)
     vllm = f.vllm_method is not None and any(key in f.engines for key in VLLM_KEYS)
     sglang = any(key in f.engines for key in SGLANG_KEYS)
@@ -205,6 +229,8 @@ _DESCRIPTIONS = {
                 "speculative decoding.",
     "trunk": "{base} without its multi-token-prediction (MTP) layers.",
     "experts": "{base} with its expert weights re-laid out (same values, another tensor layout).",
+    GGUF_KIND: "The multi-token-prediction (MTP) layers of {base} as a GGUF MTP sidecar for llama.cpp: loaded beside "
+               "a trunk GGUF (`-md`), it drafts with llama.cpp's `--spec-type draft-mtp`.",
 }
 
 
@@ -217,8 +243,8 @@ def render(f: CardFacts) -> str:
         extra.update(model_name=f.repo_id.split("/")[-1], eval_results=eval_results(f.probe))
     data = ModelCardData(
         base_model=(f.base_model[0] if len(f.base_model) == 1 else f.base_model) or None,
-        library_name=None if f.kind in DRAFT_KINDS else "transformers",
-        pipeline_tag=None if f.kind in DRAFT_KINDS else "text-generation",
+        library_name="gguf" if f.gguf is not None else None if f.kind in DRAFT_KINDS else "transformers",
+        pipeline_tag=None if f.kind in DRAFT_KINDS or f.gguf is not None else "text-generation",
         tags=f.tags,
         **extra,
     )
@@ -232,6 +258,7 @@ def render(f: CardFacts) -> str:
         lines.append(f"- Model family: `{f.family}`; MTP layers: {f.mtp_count}")
     if f.draft_format:
         lines.append(f"- Draft format: `{f.draft_format}`")
+    lines += gguf_lines(f)
     if f.command:
         lines += ["- Command:", "", "```bash", f.command, "```"]
     if f.sources:
@@ -244,6 +271,11 @@ def render(f: CardFacts) -> str:
     lines += ["", "## Validation", ""]
     if f.validation_ok is None:
         lines.append("Not validated.")
+    elif f.validation_ok and f.gguf is not None:
+        pair = (f" and each sidecar against the trunk `{f.gguf['trunk']}` (architecture, block count, architecture "
+                "and tokenizer keys, shared tensor shapes)" if f.gguf.get("trunk_checked") else
+                "; the trunk was not at hand, so the pair was not checked")
+        lines.append(f"`ckpt validate` found no problems (GGUF: the MTP tensors against the family's table{pair}).")
     elif f.validation_ok:
         lines.append("`ckpt validate` found no problems (safetensors format, index, MTP tensors against the "
                      "config, FP8 scales).")
@@ -266,6 +298,20 @@ def render(f: CardFacts) -> str:
         lines.append("The family's table lists no serving engine with a draft class for its MTP layers.")
     content = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines).rstrip() + "\n"
     return str(ModelCard(content))
+
+
+def gguf_lines(f: CardFacts) -> list[str]:
+    """The card's GGUF facts: llama.cpp's architecture, the MTP layers, the files and the trunk they go with."""
+    g = f.gguf
+    if g is None:
+        return []
+    nextn, blocks = g.get("nextn_predict_layers"), g.get("block_count")
+    trunk_layers = blocks - nextn if isinstance(blocks, int) and isinstance(nextn, int) else "?"
+    out = [f"- llama.cpp architecture: `{g.get('llama_cpp_arch') or '?'}`; MTP layers (`nextn_predict_layers`): "
+           f"{nextn if nextn is not None else '?'} after {trunk_layers} trunk layers; type {g.get('gguf_type') or '?'}"]
+    out.append(f"- Files: {', '.join(f'`{n}`' for n in g.get('files') or [])}; trunk (not in this repository): "
+               f"`{g.get('trunk') or 'TRUNK.gguf'}`")
+    return out
 
 
 def read_json(path: Path) -> dict | None:

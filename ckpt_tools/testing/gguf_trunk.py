@@ -10,9 +10,11 @@ from pathlib import Path
 
 
 def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict | None = None,
-                     drop: tuple[str, ...] = ()) -> Path:
+                     drop: tuple[str, ...] = (), tensors: bool = True, allow: tuple[str, ...] = ()) -> Path:
     """Write ``path`` for the checkpoint at ``ckpt_dir``; ``overrides``: key -> value replacing a key-value,
-    ``drop``: keys left out."""
+    ``drop``: keys left out; ``tensors`` False: the key-values only (a trunk for a release-scale source, whose
+    trunk is never read by a sidecar); ``allow``: rules the source is let through (a sparse replica's zero
+    scales)."""
     import gguf
     import numpy as np
 
@@ -25,7 +27,7 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
 
     path = Path(path)
     with Checkpoint.open(ckpt_dir) as ckpt:
-        gate = require_consistent(ckpt)
+        gate = require_consistent(ckpt, allow=allow)
         table, env = gate.table, gate.view.resolved.env
         lc = table.llama_cpp
         layers = int(evaluate(table.trunk.count, env))
@@ -59,9 +61,10 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
             if t == gguf.GGUFValueType.ARRAY:
                 sub = gguf.GGUFValueType.STRING if isinstance(v[0], str) else gguf.GGUFValueType.INT32
             w.add_key_value(k, v, t, sub_type=sub)
-        keys = [s.key for s in gate.view.resolved.shared.values()]
-        keys += [k for k in ckpt.tensors if any(k.startswith(render(table.trunk.prefix, {**env, "l": j}))
-                                                for j in range(layers))]
+        keys = [s.key for s in gate.view.resolved.shared.values()] if tensors else []
+        if tensors:
+            keys += [k for k in ckpt.tensors if any(k.startswith(render(table.trunk.prefix, {**env, "l": j}))
+                                                    for j in range(layers))]
         for k in keys:
             found = names.lookup(k)
             ref = ckpt.tensors.get(k)

@@ -3,9 +3,10 @@
 The report is ``--probe-report FILE`` or ``probe-report.json`` in the pushed directory. It must name the pushed
 checkpoint's tensors: one of its MTPs (the verifier's own, or a draft) has the digest of the pushed files'
 tensors (``tensors_digest``), else it is refused, naming both digests, so a number measured on other files is
-never published. The plot is ``--probe-plot FILE``, else the one the report names (``plot``, relative to the
-report's directory), else ``probe-plot.png`` beside the report. A report or plot outside the directory is
-uploaded under ``probe-report.json`` / ``probe-plot.png``.
+never published (a GGUF directory's report, llama.cpp's, names no tensor digest: its MTPs are matched to the
+pushed files by their bytes, see gguf_publish). The plot is ``--probe-plot FILE``, else the one the report names
+(``plot``, relative to the report's directory), else ``probe-plot.png`` beside the report. A report or plot
+outside the directory is uploaded under ``probe-report.json`` / ``probe-plot.png``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def find(folder: Path, report: Path | None, plot: Path | None) -> tuple[ProbeEvi
                                  "directory)", rule="probe-report", path=str(plot))
             return None, {}
     data = _read(report)
+    from .gguf_publish import gguf_files
+
+    ggufs = gguf_files(folder)
+    if ggufs:
+        return _gguf_evidence(folder, ggufs, report, plot, data, found)
     digest = tensors_digest(folder)
     matched = [i for i, d in enumerate(data["drafts"]) if (d.get("tensors") or {}).get("sha256") == digest.sha256]
     if not matched:
@@ -44,13 +50,32 @@ def find(folder: Path, report: Path | None, plot: Path | None) -> tuple[ProbeEvi
                          f"{digest.sha256} over its {digest.tensors} tensors): probe these files again"
                          + (f" (or remove {REPORT_NAME} from the directory)" if found else ""),
                          rule="probe-report-stale", path=str(report))
+    return _evidence(folder, report, plot, data, digest.sha256, matched)
+
+
+def _evidence(folder: Path, report: Path, plot: Path | None, data: dict, digest: str, matched: list[int],
+              basis: str = "tensors") -> tuple[ProbeEvidence, dict[str, Path]]:
     uploads: dict[str, Path] = {}
     report_path = _in_repo(folder, report, REPORT_NAME, uploads)
     plot = plot if plot is not None else _plot_beside(report, data)
     if plot is not None and not plot.is_file():
         raise InputError("no such plot", rule="probe-report", path=str(plot))
     plot_path = None if plot is None else _in_repo(folder, plot, PLOT_NAME, uploads)
-    return ProbeEvidence(data, report_path, digest.sha256, matched, plot_path), uploads
+    return ProbeEvidence(data, report_path, digest, matched, plot_path, basis), uploads
+
+
+def _gguf_evidence(folder: Path, files: list[Path], report: Path, plot: Path | None, data: dict,
+                   found: bool) -> tuple[ProbeEvidence, dict[str, Path]]:
+    """A llama.cpp report (no tensor digest) matched to the pushed GGUF files by their bytes (gguf_publish)."""
+    from .gguf_publish import match_report
+
+    matched, digest, why = match_report(files, report, data["drafts"])
+    if not matched or digest is None:
+        raise InputError(f"the probe report measured no file with the bytes of {', '.join(f.name for f in files)} "
+                         f"({'; '.join(why)}): probe these files again"
+                         + (f" (or remove {REPORT_NAME} from the directory)" if found else ""),
+                         rule="probe-report-stale", path=str(report))
+    return _evidence(folder, report, plot, data, digest, matched, "gguf-file")
 
 
 def _read(path: Path) -> dict:

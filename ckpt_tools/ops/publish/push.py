@@ -26,6 +26,7 @@ from ...io.artefacts import LOCK_NAME, MANIFEST_NAME
 from ...io.hub import HubPushError, HubRef, call, get_api
 from ...model.model_card import gather, read_json, render
 from . import probe_evidence
+from .gguf_publish import gguf_facts
 
 CARD_NAME = "README.md"
 STITCH_REPORT = "stitch-report.json"
@@ -127,7 +128,8 @@ def _probe_json(facts: object | None) -> dict | None:
     ev = getattr(facts, "probe", None)
     if ev is None:
         return None
-    return {"report": ev.report_path, "plot": ev.plot_path, "tensors_sha256": ev.digest,
+    return {"report": ev.report_path, "plot": ev.plot_path, "tensors_sha256": ev.digest if ev.basis == "tensors"
+            else None, **({} if ev.basis == "tensors" else {ev.digest_key: ev.digest}),
             "measured": [ev.report["drafts"][i].get("name") for i in ev.matched]}
 
 
@@ -186,7 +188,11 @@ def _git_blob_sha1_bytes(data: bytes) -> str:
 
 def run_validation(folder: Path):
     from ..check.validate import validate
+    from .gguf_publish import gguf_files, validate_folder
 
+    ggufs = gguf_files(folder)
+    if ggufs:  # llama.cpp's files (extract --format gguf): the GGUF checks, with the manifest's trunk when here
+        return validate_folder(ggufs, read_json(folder / MANIFEST_NAME))
     return validate(folder)
 
 
@@ -282,6 +288,7 @@ def _card(req: PushRequest, files: dict[str, Path], manifest: dict | None, valid
     facts = gather(req.repo_id, folder, manifest=manifest, stitch_report=stitch_report, validation=validation,
                    base=req.base.repo_id if req.base else None, probe=evidence)
     facts.vllm_method = req.vllm_method
+    facts.gguf = gguf_facts(folder, manifest, validation)
     if CARD_NAME in files and req.card == "keep":
         return _Card(None, "kept", facts, evidence)
     action = "overwritten" if CARD_NAME in files else "generated"
@@ -497,7 +504,8 @@ def execute_push(plan: PushPlan) -> PushResult:
 
 def _default_message(plan: PushPlan) -> str:
     kind = getattr(plan.card_facts, "kind", "checkpoint")
-    what = {"mtp-draft": "MTP draft", "stitched": "stitched checkpoint", "trunk": "trunk"}.get(kind, "checkpoint")
+    what = {"mtp-draft": "MTP draft", "stitched": "stitched checkpoint", "trunk": "trunk",
+            "mtp-gguf-sidecar": "MTP GGUF sidecar"}.get(kind, "checkpoint")
     return f"Upload {what} with ckpt-tools"
 
 
