@@ -282,3 +282,18 @@ def test_a_family_without_a_llama_cpp_section_is_refused(glm, tmp_path):
     r = _extract(src, glm[1], tmp_path / "out")
     assert r.returncode == 3 and "gguf-family" in r.stderr and family in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16_to_f16_bands_are_numpys_cast_bit_for_bit():
+    """A bf16 tensor's F16 bytes come from a lookup (the cast is element-wise in numpy, 25x slower): they must be
+    what llama.cpp's converter writes (bf16 -> f32 -> numpy astype) for every bf16 bit pattern, NaN payloads
+    included, read in little-endian order from the band's bytes."""
+    import numpy as np
+
+    from ckpt_tools.ops.draft.gguf_sidecar import _bf16_to_f16
+
+    bits = np.arange(65536, dtype=np.uint32).astype("<u2")
+    looked_up = _bf16_to_f16()[np.frombuffer(bits.tobytes(), dtype="<u2")]
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float16)
+    assert looked_up.tobytes() == cast.tobytes()

@@ -9,6 +9,7 @@ tensor (one expert, one band of rows) at a time and converted as the converter c
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -354,14 +355,36 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[bytes]:
     rows = t.nbytes // max(1, _itemsize(t.dtype) * cols)
     per = max(1, BAND_BYTES // (4 * cols))
     done = 0
+    table = _bf16_to_f16() if (t.dtype == "BF16" and not offset and _is_f16(qtype)) else None
     while done < rows:
         n = min(per, rows - done)
         buf = reader.read(n * cols * _itemsize(t.dtype))
+        if table is not None:  # numpy's own cast of every bf16 value, looked up: the same bytes, 25x faster
+            yield table[np.frombuffer(buf, dtype="<u2")].tobytes()
+            done += n
+            continue
         values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)
         if offset:
             values = values + np.float32(offset)
         yield _encode(values, qtype)
         done += n
+
+
+def _is_f16(qtype) -> bool:
+    import gguf
+
+    return qtype == gguf.GGMLQuantizationType.F16
+
+
+@functools.cache
+def _bf16_to_f16():
+    """F16 of every bf16 bit pattern, as llama.cpp's converter casts (bf16 -> f32 exactly, then numpy's astype:
+    NaN payloads included), indexed by the bf16 bits. numpy casts f32 -> f16 element by element (about 11M
+    values/s here); the lookup is a gather."""
+    import numpy as np
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32).astype(np.float16)
 
 
 def _itemsize(dtype: str) -> int:
