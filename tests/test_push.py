@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
 from ckpt_tools.io.checkpoint import Checkpoint
-from ckpt_tools.ops.publish.push import sha256_file
+from ckpt_tools.io.digest import file_sha256
 
 from hubserver import READ_TOKEN, WRITE_TOKEN, serve_hub
 
@@ -137,8 +137,8 @@ def test_push_with_base_copies_unchanged_shards_server_side(hub, ds, tmp_path):
         assert got[name] == data, name
     # The copied shards' bytes never crossed the wire: only the changed shard was PUT.
     st = hub.state.stats
-    copied_oids = {sha256_file(d / s) for s in copied}
-    assert st.uploaded_oids == [sha256_file(d / changed)]
+    copied_oids = {file_sha256(d / s) for s in copied}
+    assert st.uploaded_oids == [file_sha256(d / changed)]
     assert not copied_oids & set(st.uploaded_oids)
     small = sum(len(b) for n, b in files_of(d).items() if not n.endswith(".safetensors"))
     assert st.uploaded == (d / changed).stat().st_size + small + len(got["README.md"])
@@ -311,7 +311,7 @@ def test_push_a_real_stitch_uploads_only_rewritten_shards(hub, ds, tmp_path):
     js = json.loads(r.stdout)
     shards = {p.name for p in out.glob("*.safetensors")}
     assert {o["path"] for o in js["operations"] if o["op"] == "copy"} == shards - rewritten
-    assert set(hub.state.stats.uploaded_oids) == {sha256_file(out / s) for s in rewritten}
+    assert set(hub.state.stats.uploaded_oids) == {file_sha256(out / s) for s in rewritten}
     got = hub.state.files("me/stitched")
     for name, data in files_of(out).items():
         if name != "README.md":
@@ -387,4 +387,4 @@ def test_remote_stitch_downloads_only_affected_shards_and_push_copies_the_rest(h
         assert got[s] == (ds / s).read_bytes()
     for s in rewritten:
         assert got[s] == (out / s).read_bytes()
-    assert set(hub.state.stats.uploaded_oids) == {sha256_file(out / s) for s in rewritten}
+    assert set(hub.state.stats.uploaded_oids) == {file_sha256(out / s) for s in rewritten}

@@ -107,3 +107,12 @@ def recorded(entry: dict) -> tuple[str, object] | None:
 def well_formed(value: object) -> bool:
     """Both algorithms give 32 bytes, written as 64 lowercase hex digits."""
     return isinstance(value, str) and _HEX64.fullmatch(value) is not None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a whole file, read in 8 MiB chunks (what the Hub's LFS pointers and our GGUF matching name)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

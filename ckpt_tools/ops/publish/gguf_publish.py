@@ -11,11 +11,11 @@ file whose sha256 is the pushed file's and which was not modified after the repo
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...io.digest import file_sha256
 from ...model.problem import Problem
 
 SUFFIX = ".gguf"
@@ -26,14 +26,6 @@ def gguf_files(folder: Path) -> list[Path]:
     if any(folder.glob("*.safetensors")):
         return []
     return sorted(p for p in folder.glob(f"*{SUFFIX}") if p.is_file() and not p.name.startswith("."))
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

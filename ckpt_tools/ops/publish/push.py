@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ...errors import CkptError, InputError, UsageError
 from ...io.artefacts import LOCK_NAME, MANIFEST_NAME
+from ...io.digest import file_sha256
 from ...io.hub import HubPushError, HubRef, call, get_api
 from ...model.model_card import gather, read_json, render
 from . import probe_evidence
@@ -165,14 +166,6 @@ def _refuse_if_being_written(folder: Path) -> None:
                          rule="incomplete-output", path=str(folder))
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def git_blob_sha1(path: Path) -> str:
     h = hashlib.sha1(usedforsecurity=False)
     h.update(b"blob %d\0" % path.stat().st_size)
@@ -232,7 +225,7 @@ def _same_content(local: Path, remote, hashes: dict[Path, str]) -> bool:
         return False
     if remote.lfs is not None:
         if local not in hashes:
-            hashes[local] = sha256_file(local)
+            hashes[local] = file_sha256(local)
         return hashes[local] == remote.lfs.sha256
     return git_blob_sha1(local) == remote.blob_id
 
@@ -318,7 +311,7 @@ def _file_ops(files: dict[str, Path], remote: dict, base_by_size: dict[int, list
     need = [p for n, p in files.items() if (n in remote and remote[n].lfs is not None and
                                             remote[n].size == p.stat().st_size) or p.stat().st_size in base_by_size]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        hashes: dict[Path, str] = dict(zip(need, pool.map(sha256_file, need), strict=True))
+        hashes: dict[Path, str] = dict(zip(need, pool.map(file_sha256, need), strict=True))
     ops: list[Op] = []
     for path, local in files.items():
         size = local.stat().st_size
@@ -336,7 +329,7 @@ def _base_copy(local: Path, path: str, candidates: list, hashes: dict[Path, str]
     if not candidates:
         return None
     if local not in hashes:
-        hashes[local] = sha256_file(local)
+        hashes[local] = file_sha256(local)
     match = [e for e in candidates if e.lfs.sha256 == hashes[local]]
     if not match:
         return None
