@@ -297,3 +297,26 @@ def test_bf16_to_f16_bands_are_numpys_cast_bit_for_bit():
     with np.errstate(over="ignore", invalid="ignore"):
         cast = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float16)
     assert looked_up.tobytes() == cast.tobytes()
+
+
+def test_the_output_policy_of_every_writer_holds(glm, tmp_path):
+    """-o is never an input (the source's directory would get our manifest), an existing output needs --overwrite
+    (exit 4 as for every writer), and --overwrite leaves exactly what the new run writes: the sidecar of the earlier
+    type is gone, a user's own file stays."""
+    src, trunk = glm
+    inside = _extract(src, trunk, src)
+    assert inside.returncode == 2 and "[output-overlaps-input]" in inside.stderr, inside.stderr
+    beside_trunk = _extract(src, trunk, trunk.parent)
+    assert beside_trunk.returncode == 2 and "[output-overlaps-input]" in beside_trunk.stderr
+
+    out = tmp_path / "out"
+    assert _extract(src, trunk, out, "--gguf-type", "q8_0").returncode == 0
+    (out / "notes.txt").write_text("mine")
+    again = _extract(src, trunk, out, "--gguf-type", "f16")
+    assert again.returncode == 4 and "--overwrite" in again.stderr, again.stderr
+    assert _extract(src, trunk, out, "--gguf-type", "f16", "--overwrite").returncode == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert [n for n in names if n.endswith(".gguf")] == [n for n in names if n.endswith("-F16.gguf")] != []
+    assert "notes.txt" in names and "ckpt_manifest.json" in names
+    manifest = json.loads((out / "ckpt_manifest.json").read_text())
+    assert sorted(manifest["written"]) == sorted(n for n in names if n not in ("notes.txt",))

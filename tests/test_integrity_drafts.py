@@ -361,6 +361,14 @@ def test_an_init_manifest_beside_other_bytes_is_not_evidence(tmp_path):
     assert "[manifest-mismatch]" in rep["manifest_mismatch"] and rep["provenance"].startswith("config.json")
 
 
+def _name_no_model(draft: Path) -> None:
+    """The draft's config.json without the fields that name its model: only its manifest could say."""
+    config = json.loads((draft / "config.json").read_text())
+    for field in ("model_type", "architectures"):
+        config.pop(field, None)
+    (draft / "config.json").write_text(json.dumps(config))
+
+
 def test_a_trained_init_draft_keeps_its_family_but_is_judged_as_a_finetune(tmp_path):
     """Training changes values, not names, dtypes or shapes: the manifest's family claim stands (the config here
     names no model), its init claim does not (its digests are of the untrained bytes), so the draft is judged as
@@ -373,10 +381,7 @@ def test_a_trained_init_draft_keeps_its_family_but_is_judged_as_a_finetune(tmp_p
             t[k] = (v.float() * 1.01).to(v.dtype)
 
     edit(draft, train)
-    config = json.loads((draft / "config.json").read_text())
-    for field in ("model_type", "architectures"):
-        config.pop(field, None)
-    (draft / "config.json").write_text(json.dumps(config))
+    _name_no_model(draft)
     text = refused(draft, PRODUCED, tmp_path, "divergent")
     assert "[manifest-mismatch]" in text and "exempt" in text
     rep = json.loads(ckpt("stitch", draft, PRODUCED, "-o", tmp_path / "out", "--accept-divergent", "--json").output)
@@ -387,10 +392,7 @@ def test_a_manifest_of_other_tensors_proves_no_family(tmp_path):
     """The init manifest lists the draft's router in another dtype: it describes another draft, so its family claim
     is not evidence, and a draft whose config names no model is unproven."""
     draft = _swapped_halves_with_an_init_manifest(tmp_path)
-    config = json.loads((draft / "config.json").read_text())
-    for field in ("model_type", "architectures"):
-        config.pop(field, None)
-    (draft / "config.json").write_text(json.dumps(config))
+    _name_no_model(draft)
     text = refused(draft, PRODUCED, tmp_path, "draft-unproven")
     assert "[manifest-mismatch]" in text and "lists no tensor of this name" in text
 

@@ -316,7 +316,8 @@ def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: st
         plan.manifest["command"] = command
         if dry_run:
             return GgufReport(None, None, plan.manifest)
-        path, size = write_sidecar(plan, Path(out), overwrite=overwrite)
+        inputs = [os.fspath(trunk)] + ([os.fspath(source)] if "://" not in os.fspath(source) else [])
+        path, size = write_sidecar(plan, Path(out), inputs, overwrite=overwrite)
     return GgufReport(str(path), size, plan.manifest)
 
 

@@ -446,38 +446,55 @@ def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: in
 # writing: the sidecar, then its manifest (last)
 
 
-def write_sidecar(plan: SidecarPlan, out_dir: Path, overwrite: bool = False) -> tuple[Path, int]:
-    """The sidecar at ``out_dir/plan.name`` and ``ckpt_manifest.json`` beside it: (its path, its size)."""
+def write_sidecar(plan: SidecarPlan, out_dir: Path, inputs: list[str], overwrite: bool = False) -> tuple[Path, int]:
+    """The sidecar at ``out_dir/plan.name`` and ``ckpt_manifest.json`` beside it: (its path, its size).
+
+    The -o policy of every writer (stream/output_dir.py): never an input (``inputs``: the source and the trunk), not
+    through a dangling link, an existing non-empty directory only with ``--overwrite``, under the directory's lock.
+    ``--overwrite`` removes the manifest first (the output reads as incomplete), then what the earlier run listed
+    as ``written`` (a sidecar of another type or name included); the new manifest, written last, lists its own."""
     import contextlib
     import json
     import os
 
     from ...errors import OutputError
+    from ...io.artefacts import MANIFEST_NAME
     from ...stream.gguf_out import write_gguf
+    from ...stream.output_dir import DirLock, check_not_an_input, check_output_dir, clear_previous_output
 
-    target = out_dir / plan.name
-    manifest_path = out_dir / "ckpt_manifest.json"
-    if not overwrite and (target.exists() or manifest_path.exists()):
-        raise UsageError(f"{target if target.exists() else manifest_path} exists; pass --overwrite to replace it")
+    check_not_an_input(out_dir, inputs)
+    check_output_dir(out_dir, overwrite=overwrite, resume=False)
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create the output directory: {e.strerror or e}", path=str(out_dir)) from None
+    target = out_dir / plan.name
+    manifest_path = out_dir / MANIFEST_NAME
+    lock: DirLock | None = DirLock(out_dir)
     try:
-        size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
-    except BaseException:
-        if created:  # a refusal while writing leaves nothing behind, not even the directory it made
-            with contextlib.suppress(OSError):
-                out_dir.rmdir()
-        raise
-    manifest = {**plan.manifest, "file": {"name": plan.name, "size": size},
-                "tensor_blake3": digests}
-    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, manifest_path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write the manifest: {e.strerror or e}", path=str(manifest_path)) from None
+        check_output_dir(out_dir, overwrite=overwrite, resume=False)  # again under the lock
+        if overwrite:
+            clear_previous_output(out_dir, [MANIFEST_NAME])
+        try:
+            size, digests = write_gguf(target, plan.arch, plan.kv, plan.tensors)
+        except BaseException:
+            if created:  # a refusal while writing leaves nothing behind, not even the directory it made
+                lock.release()
+                lock = None
+                with contextlib.suppress(OSError):
+                    out_dir.rmdir()
+            raise
+        manifest = {**plan.manifest, "file": {"name": plan.name, "size": size},
+                    "written": sorted([plan.name, MANIFEST_NAME]), "tensor_blake3": digests}
+        tmp = manifest_path.with_name(f".{manifest_path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+            os.replace(tmp, manifest_path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"cannot write the manifest: {e.strerror or e}", path=str(manifest_path)) from None
+    finally:
+        if lock is not None:
+            lock.release()
     return target, size
