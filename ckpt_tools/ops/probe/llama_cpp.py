@@ -126,24 +126,21 @@ class Gguf:
 
 
 def read_gguf(path: str, what: str) -> Gguf:
-    """The metadata of ``path``, through the gguf package (llama.cpp's gguf-py); InputError when unreadable."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise UsageError(f"--engine llama.cpp reads GGUF metadata with the gguf package ({e.msg}): pip install gguf",
-                         rule="missing-extra") from None
+    """The metadata of ``path`` (io.gguf_file's reader); InputError when unreadable."""
+    from ...io.gguf_file import read_gguf as read_metadata
+
     p = Path(path)
     if not p.is_file():
         raise InputError(f"--engine llama.cpp measures GGUF files: the {what} is not a file", rule="probe-load",
                          path=path)
     try:
-        reader = GGUFReader(p, "r")
-    except (OSError, ValueError, KeyError, IndexError) as e:
-        raise InputError(f"the {what} is not a readable GGUF file: {e}", rule="probe-load", path=path) from None
+        kv = read_metadata(p).kv
+    except InputError as e:
+        raise InputError(f"the {what} is {e.message}", rule="probe-load", path=path) from None
 
     def value(key: str, default=None):
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        f = kv.get(key)
+        return default if f is None else f.value
 
     arch = value("general.architecture")
     if not isinstance(arch, str):
