@@ -10,7 +10,7 @@ each tensor range or whole file through the hash in fixed-size chunks (memory st
 chunk), file by file in offset order. A tensor the checkpoint holds but the manifest does not
 list is a problem (``unlisted``), as is a listed tensor without any digest (``no-hash``).
 Shards left on the Hub (``stitch --link remote``) cannot be verified locally: they are counted
-and the report is not OK.
+and the report is not OK. A GGUF sidecar directory is verified by ``verify_gguf``.
 """
 
 from __future__ import annotations
@@ -18,51 +18,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...errors import InputError
 from ...io import digest
 from ...io.checkpoint import MANIFEST_NAME, Checkpoint, open_lenient
-from ...io.safetensors_io import COPY_CHUNK, Segment, iter_chunks
+from ...io.safetensors_io import Segment, iter_chunks
 from ...stream.progress import Progress
-
-HASH_CHUNK = min(COPY_CHUNK, 8 << 20)
-
-
-@dataclass
-class Mismatch:
-    key: str  # a tensor key, or a file name for whole-file problems
-    problem: str  # digest | missing | file | dtype | shape | no-hash | unlisted | file-digest | file-size
-    file: str | None
-    expected: str | None
-    actual: str | None
-
-    def to_json(self) -> dict:
-        return {"key": self.key, "problem": self.problem, "file": self.file, "expected": self.expected,
-                "actual": self.actual}
-
-
-@dataclass
-class VerifyReport:
-    root: str
-    listed: int = 0  # tensors in the manifest
-    verified: int = 0  # proven by their own digest or by their file's
-    bytes_hashed: int = 0
-    unlisted: int = 0  # tensors of the checkpoint the manifest does not list (each one a mismatch too)
-    files_verified: int = 0  # shards proven by their whole-file digest
-    remote_tensors: int = 0  # listed in shards left on the Hub: not verifiable locally
-    remote_files: list[str] = field(default_factory=list)
-    mismatches: list[Mismatch] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches and not self.remote_files
-
-    def to_json(self) -> dict:
-        return {"root": self.root, "ok": self.ok, "listed": self.listed, "verified": self.verified,
-                "bytes_hashed": self.bytes_hashed, "unlisted": self.unlisted, "files_verified": self.files_verified,
-                "remote_tensors": self.remote_tensors, "remote_files": self.remote_files,
-                "mismatches": [m.to_json() for m in self.mismatches]}
+from .verify_gguf import gguf_manifest, verify_gguf
+from .verify_report import HASH_CHUNK, Mismatch, VerifyReport
 
 
 def load_manifest(ckpt: Checkpoint) -> dict:
@@ -121,6 +85,8 @@ def open_output(path: str | os.PathLike) -> Checkpoint:
 
 
 def verify_manifest(path: str | os.PathLike, progress: Progress | None = None) -> VerifyReport:
+    if "://" not in str(path) and (sidecar := gguf_manifest(Path(path))) is not None:
+        return verify_gguf(Path(path), sidecar, progress or Progress())
     with open_output(path) as ckpt:
         return _verify(ckpt, load_manifest(ckpt), progress or Progress())
 
