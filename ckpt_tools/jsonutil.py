@@ -59,17 +59,30 @@ def dumps_strict(obj: Any, **kw: Any) -> str:
 def write_json_file(path: str | os.PathLike, obj: Any, option: str, inputs: Iterable[str | os.PathLike] = ()) -> None:
     """Strict JSON into a file the user named (``--plan-json``, ``--report``).
 
-    A path inside one of the command's ``inputs`` is refused (it would change an input), and a
-    path that cannot be written is an output error naming the option, never an internal error.
+    A path inside one of the command's ``inputs`` is refused (it would change an input), as is one through a
+    dangling link (as every -o); a path that cannot be written is an output error naming the option, never an
+    internal error. The file appears whole or not at all (a temporary file renamed; through a link to an
+    existing file, that file is replaced).
     """
+    from pathlib import Path
+
     from .errors import OutputError
-    from .options import outside_inputs
+    from .options import dangling_link, outside_inputs
 
     outside_inputs(option, path, inputs)
+    link = dangling_link(Path(path))
+    if link is not None:
+        raise OutputError(f"{option}: {link} is a dangling symbolic link (to {os.readlink(link)}); create its "
+                          "target, remove the link, or name another file", rule="output-dangling-link",
+                          path=os.fspath(path))
+    final = Path(path).resolve() if Path(path).is_symlink() else Path(path)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
-        with open(path, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(dumps_strict(obj, indent=2) + "\n")
+        os.replace(tmp, final)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         raise OutputError(f"{option}: cannot write it ({e.strerror or e})", path=os.fspath(path)) from None
 
 

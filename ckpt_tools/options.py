@@ -75,6 +75,17 @@ def outside_inputs(option: str, path: str | os.PathLike, inputs: Iterable[str | 
             raise UsageError(f"{option} {path}: inside the input {src}; write it somewhere else")
 
 
+def dangling_link(path: Path) -> Path | None:
+    """The first of ``path`` and its ancestors that is a symbolic link to nothing (None: none is)."""
+    p = Path(os.path.abspath(path))
+    for q in (p, *p.parents):
+        if q.is_symlink() and not q.exists():
+            return q
+        if q.exists():
+            return None
+    return None
+
+
 def _shown(value: object, limit: int = 60) -> str:
     """A value quoted for a message, cut short: a message names the value, it does not echo megabytes."""
     if isinstance(value, int) and value.bit_length() > 200:  # repr of a huge int is slow, or refused

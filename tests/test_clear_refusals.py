@@ -42,6 +42,26 @@ def test_an_output_through_a_dangling_link_is_named_with_its_target(make_fixture
     assert not (tmp_path / "gone").exists() and link.is_symlink()  # nothing created through it
 
 
+@pytest.mark.parametrize("option", ["--plan-json", "--report"])
+def test_a_json_file_through_a_dangling_link_is_refused_and_one_through_a_link_replaces_its_target(
+        make_fixture, tmp_path, option):
+    src = make_fixture("deepseek_v3")
+    verb = ["extract", src]
+    if option == "--report":
+        ckpt("extract", src, "-o", tmp_path / "draft")
+        verb = ["stitch", tmp_path / "draft", src]
+    (tmp_path / "j").mkdir()
+    link, target = tmp_path / "j" / "report.json", tmp_path / "j" / "gone.json"
+    link.symlink_to(target)
+    r = ckpt(*verb, "-o", tmp_path / "out", "--dry-run", option, link, code=4)
+    assert "[output-dangling-link]" in said(r) and option in said(r)
+    assert not target.exists() and link.is_symlink()
+    target.write_text("old")
+    ckpt(*verb, "-o", tmp_path / "out", "--dry-run", option, link)
+    assert link.is_symlink() and isinstance(json.loads(target.read_text()), dict)
+    assert sorted(p.name for p in link.parent.iterdir()) == ["gone.json", "report.json"]  # no temporary file left
+
+
 # -- probe's prompts file ------------------------------------------------------------------------------------------
 
 

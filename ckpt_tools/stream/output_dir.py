@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import OutputError, UsageError
 from ..io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
+from ..options import dangling_link
 from .plan import Plan, fingerprint_change
 
 # Files a previous run of ours may have left; --overwrite clears them before writing (with what its record lists).
@@ -68,17 +69,6 @@ def check_not_an_input(out: Path, inputs: Iterable[str | os.PathLike]) -> None:
             continue
         raise UsageError(f"output directory {out} {where}; choose an -o outside every input",
                          rule="output-overlaps-input")
-
-
-def dangling_link(path: Path) -> Path | None:
-    """The first of ``path`` and its ancestors that is a symbolic link to nothing (None: none is)."""
-    p = Path(os.path.abspath(path))
-    for q in (p, *p.parents):
-        if q.is_symlink() and not q.exists():
-            return q
-        if q.exists():
-            return None
-    return None
 
 
 def check_output_dir(out: Path, *, overwrite: bool, resume: bool) -> None:
