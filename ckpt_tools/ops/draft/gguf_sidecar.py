@@ -24,6 +24,7 @@ from ...io.gguf_file import GgufFile
 from ...model.expert_layouts import ExpertLayout
 from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
+from ...model.formats.reverse import as_verifier
 from ...model.gate import require_consistent
 from ...model.gguf_names import GLUE_NAMES, TensorNames, keeps_f32
 from ...model.mtp import MtpView
@@ -73,7 +74,9 @@ def _file_type(name: str) -> int:
 def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> SidecarPlan:
     if req.gguf_type not in GGUF_TYPES:
         raise UsageError(f"--gguf-type {req.gguf_type!r}: one of {', '.join(GGUF_TYPES)}")
-    gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
+    # a draft in another format is read as its verifier's MTP layers; the trunk says how many layers precede them
+    ckpt, arch = as_verifier(ckpt, int(trunk.block_count or 0) - trunk.nextn, req.arch)
+    gate = require_consistent(ckpt, arch=arch, allow=req.allow_invalid)
     view, table = gate.view, gate.table
     lc = table.llama_cpp
     if lc is None:
