@@ -253,7 +253,7 @@ def _source_tensors(view: MtpView) -> tuple[list[tuple[OutputTensor, str, str]],
             base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
             out.append((t, f"{base}{g.sub_prefix}.{slot}_proj.weight", "linear"))
             continue
-        spec = specs.get(t.meta["source"][0])
+        spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
         if spec is None or spec.depth is None and spec.role not in GLUE_NAMES:
             raise InputError(f"{t.key}: not an MTP tensor of the table", rule=RULE_NAME, key=t.key)
         depth = spec.depth if spec.depth is not None else 0
