@@ -20,7 +20,8 @@ from ...errors import InputError
 from ...io.config import ConfigView
 from ..expr import render_key
 from ..mtp import MtpView
-from ..tables.loader import detect_table, get_table
+from ..provenance import config_claims
+from ..tables.loader import all_tables, detect_table, get_table
 from ..tables.resolve import resolve
 from .links import correspond
 from .table import detect_format
@@ -40,8 +41,7 @@ def as_verifier(draft: Checkpoint, trunk_layers: int, arch: str | None = None) -
     fmt = detect_format(draft.config.raw, draft.manifest, draft.tensors)
     if fmt.rename == "native":
         return draft, arch
-    family = arch or (draft.manifest or {}).get("family")
-    table, config = _verifier_config(fmt, draft, trunk_layers, family)
+    table, config = _verifier_config(fmt, draft, trunk_layers, arch or _family(fmt, draft))
     cv = ConfigView(config, f"{draft.root} ({fmt.name} config, read back)")
     count = fmt.max_layers or 1
     res = resolve(table, cv, mtp_count=count)
@@ -85,7 +85,21 @@ def _moved(key: str, names: dict[str, str]) -> str | None:
     return None
 
 
+def _family(fmt: Format, draft: Checkpoint) -> str | None:
+    """The family the draft's manifest names, else the one table its config's evidence fields name."""
+    family = (draft.manifest or {}).get("family")
+    if isinstance(family, str) and family:
+        return family
+    names = {v for _, v in config_claims(draft.config.raw, fmt.evidence)}
+    found = {t.family for t in all_tables().values() if t.kind == "mtp" and names & (
+        set(t.detect.architectures) | set(t.detect.model_types) | set(t.engines.values()))}
+    return found.pop() if len(found) == 1 else None
+
+
 def _verifier_config(fmt: Format, draft: Checkpoint, trunk_layers: int, family: str | None) -> tuple[Table, dict]:
+    if not draft.config_present:
+        raise InputError(f"no config.json: a {fmt.name} draft's dimensions are in it (a trainer's step folder has "
+                         "none; its exported model directory does)", rule="no-config", path=str(draft.root))
     raw = draft.config.raw
     set_ = fmt.config.set
     if fmt.config.base == "source":  # the source's config, but for the fields the format sets
@@ -95,8 +109,9 @@ def _verifier_config(fmt: Format, draft: Checkpoint, trunk_layers: int, family: 
         config = copy.deepcopy(raw[embedded[0]]) if embedded and isinstance(raw.get(embedded[0]), dict) else {}
     table = get_table(family) if family else detect_table(ConfigView(config)) if config else None
     if table is None:
-        raise InputError(f"a {fmt.name} draft does not name its verifier's family (no ckpt_manifest.json says it); "
-                         "pass --arch NAME", rule="unknown-family", path=str(draft.root))
+        raise InputError(f"a {fmt.name} draft that does not name its verifier's family (no ckpt_manifest.json, no "
+                         f"evidence field {fmt.evidence} naming one table): pass --arch NAME", rule="unknown-family",
+                         path=str(draft.root))
     if not config:  # single variables copied by the template: each back under the family's first key
         for field, template in set_.items():
             m = _VAR.match(template) if isinstance(template, str) else None

@@ -75,7 +75,10 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     if req.gguf_type not in GGUF_TYPES:
         raise UsageError(f"--gguf-type {req.gguf_type!r}: one of {', '.join(GGUF_TYPES)}")
     # a draft in another format is read as its verifier's MTP layers; the trunk says how many layers precede them
-    ckpt, arch = as_verifier(ckpt, int(trunk.block_count or 0) - trunk.nextn, req.arch)
+    draft = ckpt
+    ckpt, arch = as_verifier(draft, int(trunk.block_count or 0) - trunk.nextn, req.arch)
+    if ckpt is not draft:  # the draft's files judged as they are; its MTP layers below, in the verifier's names
+        require_consistent(draft, scope="files", allow=req.allow_invalid, role="draft")
     gate = require_consistent(ckpt, arch=arch, allow=req.allow_invalid)
     view, table = gate.view, gate.table
     lc = table.llama_cpp
