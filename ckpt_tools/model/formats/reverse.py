@@ -59,18 +59,13 @@ def as_verifier(draft: Checkpoint, trunk_layers: int, arch: str | None = None) -
         spec = res.shared.get(role)
         if template and spec is not None and role not in fmt.drop_roles:
             names.setdefault(_module(render_key(template, "", {"i": 0})), _module(spec.key))
-    renamed = {}
     for e in corr.experts:  # the draft's layout, under the verifier's prefix (read as the view finds it)
         back = e.verifier.with_layout(e.draft.layout)
-        renamed.update(zip((t.key for t in e.draft.tensors()), (t.key for t in back.tensors()), strict=True))
-    tensors = {}
-    for key, ref in draft.tensors.items():
-        new = renamed.get(key) or _moved(key, names)
-        if new is None:
-            continue  # not an MTP tensor of the format (an ignored placeholder head): never read
-        tensors[new] = ref._replace(key=new)
-    shard_keys = {shard: [renamed.get(k) or _moved(k, names) for k in keys if (renamed.get(k) or _moved(k, names))]
-                  for shard, keys in draft.shard_keys.items()}
+        names.update(zip((_module(t.key) for t in e.draft.tensors()), (_module(t.key) for t in back.tensors()),
+                         strict=True))
+    moved = {key: new for key in draft.tensors if (new := _moved(key, names)) is not None}  # others: never read
+    tensors = {new: draft.tensors[key]._replace(key=new) for key, new in moved.items()}
+    shard_keys = {shard: [moved[k] for k in keys if k in moved] for shard, keys in draft.shard_keys.items()}
     return dataclasses.replace(draft, config=cv, tensors=tensors, shard_keys=shard_keys, index=None), table.family
 
 
