@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..tables.schema import Table
     from .table import Format
 
-RULE = "draft-format"
+RULE = "draft-transformed"
 _VAR = re.compile(r"^\{(\w+)\}$")
 
 
