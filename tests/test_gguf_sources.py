@@ -85,6 +85,21 @@ def test_a_real_speculators_draft_gives_its_verifiers_sidecar(tmp_path, producer
     assert _sidecar(PRODUCERS / producer, tmp_path / "d", trunk) == want
 
 
+def test_a_draft_with_a_wrapper_prefix_and_no_manifest_is_read_as_stitch_reads_it(tmp_path):
+    """speculators' draft saved from a wrapped module (``module.``): the prefix stripped, the family from its
+    config's evidence (no ckpt_manifest.json), the verifier's sidecar."""
+    from safetensors.torch import load_file, save_file
+
+    producer, verifier = PRODUCERS / "speculators-qwen3_next", PRODUCERS / "transformers-qwen3_next"
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_bytes((producer / "config.json").read_bytes())
+    state = load_file(producer / "model.safetensors")
+    save_file({f"module.{k}": v for k, v in state.items()}, draft / "model.safetensors", metadata={"format": "pt"})
+    trunk = write_trunk_gguf(verifier, tmp_path / "trunk.gguf", gguf_type="f16")
+    assert _sidecar(draft, tmp_path / "d", trunk) == _sidecar(verifier, tmp_path / "v", trunk)
+
+
 def test_a_trained_angelspec_draft_goes_to_llama_cpps_names(tmp_path):
     """AngelSpec's exported draft (trained: every MTP tensor differs from the verifier's; its config names no
     family, so --arch): its own values under llama.cpp's names, experts [E, H, I] turned to [E, I, H]; its

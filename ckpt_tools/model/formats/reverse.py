@@ -1,6 +1,7 @@
 """A draft of any format read as its verifier's MTP layers, without the verifier (extract --format gguf from a
 finetuned draft): the verifier's config given back by the format's own config template, run backwards, and the
-draft's tensors renamed along the correspondence links (references only: no byte is read or copied).
+draft's tensors renamed along the correspondence links (references only: no byte is read or copied), a trainer's
+wrapper prefix stripped as stitch strips it.
 
 The template runs backwards three ways: a format built on the source config (SGLang NextN) keeps it, but for the
 fields it sets itself; one that embeds the source's text config (speculators' ``transformer_layer_config``)
@@ -20,11 +21,12 @@ from ...errors import InputError
 from ...io.config import ConfigView
 from ..expr import render_key
 from ..mtp import MtpView
+from ..prefixes import unwrap
 from ..provenance import config_claims
 from ..tables.loader import all_tables, detect_table, get_table
 from ..tables.resolve import resolve
 from .links import correspond
-from .table import detect_format
+from .table import detect_format, wrappers_of
 
 if TYPE_CHECKING:
     from ...io.checkpoint import Checkpoint
@@ -63,6 +65,8 @@ def as_verifier(draft: Checkpoint, trunk_layers: int, arch: str | None = None) -
         back = e.verifier.with_layout(e.draft.layout)
         names.update(zip((_module(t.key) for t in e.draft.tensors()), (_module(t.key) for t in back.tensors()),
                          strict=True))
+    known = {*corr.draft_keys(), *fmt.ignore_keys, *(t[1:] for t in (fmt.embed, fmt.head) if t and t[0] == "/")}
+    draft = unwrap(draft, known, wrappers=wrappers_of(fmt)[0]).ckpt  # a trainer's wrapper prefix (module., ...)
     moved = {key: new for key in draft.tensors if (new := _moved(key, names)) is not None}  # others: never read
     tensors = {new: draft.tensors[key]._replace(key=new) for key, new in moved.items()}
     shard_keys = {shard: [moved[k] for k in keys if k in moved] for shard, keys in draft.shard_keys.items()}
