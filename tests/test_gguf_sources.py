@@ -17,8 +17,6 @@ holds what every draft format can give back.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -30,6 +28,8 @@ from ckpt_tools.arrays import decode_floats
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.testing import make_checkpoint
 from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
+
+from conftest import run_ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCERS = ROOT / "fixtures" / "producers"
@@ -63,9 +63,10 @@ def verifiers(tmp_path_factory) -> dict[str, tuple[Path, Path, bytes]]:
     return out
 
 
-def _cli(src, trunk, out, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_tools", "extract", str(src), "--format", "gguf",
-                           "--gguf-trunk", str(trunk), "-o", str(out), *args], capture_output=True, text=True, cwd=ROOT)
+def _refused(src, trunk, out, *args: str) -> str:
+    """The CLI run in-process: exit 3, and its message."""
+    r = run_ckpt("extract", src, "--format", "gguf", "--gguf-trunk", trunk, "-o", out, *args, code=3)
+    return r.output + r.stderr
 
 
 @pytest.mark.parametrize("family,fmt", [(f, x) for f, xs in FORMATS.items() for x in xs])
@@ -116,8 +117,8 @@ def test_a_trained_angelspec_draft_goes_to_llama_cpps_names(tmp_path):
         assert ts["blk.2.ffn_gate_exps.weight"][1] == np.ascontiguousarray(gate.transpose(0, 2, 1)).tobytes()
         assert ts["blk.2.nextn.eh_proj.weight"][1] == value("eh_proj.weight").tobytes()
         assert ts["token_embd.weight"][1] == value("embed_tokens.weight").tobytes()
-    r = _cli(PRODUCERS / "angelspec-dcp-hy_v3" / "iter_0000001", trunk, tmp_path / "dcp", "--arch", "hy_v3")
-    assert r.returncode == 3 and "[no-config]" in r.stderr, r.stderr
+    assert "[no-config]" in _refused(PRODUCERS / "angelspec-dcp-hy_v3" / "iter_0000001", trunk, tmp_path / "dcp",
+                                     "--arch", "hy_v3")
     assert not (tmp_path / "dcp").exists()
 
 
@@ -131,9 +132,8 @@ def test_a_draft_that_disagrees_with_the_trunk_is_refused_before_writing(verifie
     trunk = verifiers[family][1]
     other = make_checkpoint(family, tmp_path / "other", with_optional=False, config_overrides=override)
     extract(other, tmp_path / "draft", format=fmt)
-    r = _cli(tmp_path / "draft", trunk, tmp_path / "out")
-    assert r.returncode == 3, r.stderr
-    assert named in r.stderr and "[gguf-trunk-mismatch]" in r.stderr, r.stderr
+    message = _refused(tmp_path / "draft", trunk, tmp_path / "out")
+    assert named in message and "[gguf-trunk-mismatch]" in message, message
     assert not (tmp_path / "out").exists()
 
 
@@ -149,8 +149,8 @@ def test_what_a_format_drops_comes_from_the_trunk_or_is_left_to_llama_cpp(tmp_pa
     assert set(want) - set(got) == {"blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight"}
     assert all(got[k] == want[k] for k in got)
     bare = write_trunk_gguf(src, tmp_path / "bare.gguf", tensors=False)
-    r = _cli(tmp_path / "draft", bare, tmp_path / "out")
-    assert r.returncode == 3 and "[mtp-missing]" in r.stderr and "model.embed_tokens.weight" in r.stderr, r.stderr
+    message = _refused(tmp_path / "draft", bare, tmp_path / "out")
+    assert "[mtp-missing]" in message and "model.embed_tokens.weight" in message, message
     assert not (tmp_path / "out").exists()
 
 
