@@ -1,6 +1,8 @@
 """A trunk GGUF (no MTP) for a tiny fixture checkpoint, written with gguf.GGUFWriter: the key-values llama.cpp's
 converter writes for the family's architecture (dimensions, a stand-in vocabulary), and the trunk tensors whose
-names map one to one (F32). For tests of sidecars' metadata and pairing; llama.cpp's own converter (``--no-mtp``)
+names map one to one (F32, or F16 matrices as the converter's ``--outtype f16`` writes them; the shared norm
+with the table's ``norm_offset`` added, as the converter adds it).
+For tests of sidecars' metadata and pairing; llama.cpp's own converter (``--no-mtp``)
 makes the trunks llama.cpp serves.
 """
 
@@ -10,11 +12,12 @@ from pathlib import Path
 
 
 def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict | None = None,
-                     drop: tuple[str, ...] = (), tensors: bool = True, allow: tuple[str, ...] = ()) -> Path:
+                     drop: tuple[str, ...] = (), tensors: bool = True, allow: tuple[str, ...] = (),
+                     gguf_type: str = "f32") -> Path:
     """Write ``path`` for the checkpoint at ``ckpt_dir``; ``overrides``: key -> value replacing a key-value,
     ``drop``: keys left out; ``tensors`` False: the key-values only (a trunk for a release-scale source, whose
     trunk is never read by a sidecar); ``allow``: rules the source is let through (a sparse replica's zero
-    scales)."""
+    scales); ``gguf_type`` f16: matrices F16 (1-D tensors stay F32)."""
     import gguf
     import numpy as np
 
@@ -41,7 +44,8 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
             f"{arch}.embedding_length": (env["hidden"], gguf.GGUFValueType.UINT32),
             f"{arch}.attention.head_count": (env["heads"], gguf.GGUFValueType.UINT32),
             f"{arch}.vocab_size": (env["vocab"], gguf.GGUFValueType.UINT32),
-            "general.file_type": (int(gguf.LlamaFileType.ALL_F32), gguf.GGUFValueType.UINT32),
+            "general.file_type": (int(gguf.LlamaFileType.MOSTLY_F16 if gguf_type == "f16"
+                                      else gguf.LlamaFileType.ALL_F32), gguf.GGUFValueType.UINT32),
             "tokenizer.ggml.model": ("gpt2", gguf.GGUFValueType.STRING),
             "tokenizer.ggml.pre": ("default", gguf.GGUFValueType.STRING),
             "tokenizer.ggml.tokens": ([f"<t{i}>" for i in range(env["vocab"])], gguf.GGUFValueType.ARRAY),
@@ -61,7 +65,8 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
             if t == gguf.GGUFValueType.ARRAY:
                 sub = gguf.GGUFValueType.STRING if isinstance(v[0], str) else gguf.GGUFValueType.INT32
             w.add_key_value(k, v, t, sub_type=sub)
-        keys = [s.key for s in gate.view.resolved.shared.values()] if tensors else []
+        shared = {s.key: s for s in gate.view.resolved.shared.values()}
+        keys = list(shared) if tensors else []
         if tensors:
             keys += [k for k in ckpt.tensors if any(k.startswith(render(table.trunk.prefix, {**env, "l": j}))
                                                     for j in range(layers))]
@@ -72,6 +77,10 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
                 continue
 
             values = decode_floats(bytearray(ref.read()), ref.dtype).astype(np.float32).reshape(ref.shape)
+            if k in shared and shared[k].kind == "norm" and lc.norm_offset:
+                values = values + np.float32(lc.norm_offset)
+            if gguf_type == "f16" and values.ndim > 1:
+                values = values.astype(np.float16)
             w.add_tensor(found[1], values)
         w.write_header_to_file()
         w.write_kv_data_to_file()

@@ -24,6 +24,7 @@ from ...io.gguf_file import GgufFile
 from ...model.expert_layouts import ExpertLayout
 from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
+from ...model.formats.reverse import as_verifier
 from ...model.gate import require_consistent
 from ...model.gguf_names import GLUE_NAMES, TensorNames, keeps_f32
 from ...model.mtp import MtpView
@@ -73,7 +74,12 @@ def _file_type(name: str) -> int:
 def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> SidecarPlan:
     if req.gguf_type not in GGUF_TYPES:
         raise UsageError(f"--gguf-type {req.gguf_type!r}: one of {', '.join(GGUF_TYPES)}")
-    gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
+    # a draft in another format is read as its verifier's MTP layers; the trunk says how many layers precede them
+    draft = ckpt
+    ckpt, arch = as_verifier(draft, int(trunk.block_count or 0) - trunk.nextn, req.arch)
+    if ckpt is not draft:  # the draft's files judged as they are; its MTP layers below, in the verifier's names
+        require_consistent(draft, scope="files", allow=req.allow_invalid, role="draft")
+    gate = require_consistent(ckpt, arch=arch, allow=req.allow_invalid)
     view, table = gate.view, gate.table
     lc = table.llama_cpp
     if lc is None:
@@ -250,7 +256,7 @@ def _source_tensors(view: MtpView) -> tuple[list[tuple[OutputTensor, str, str]],
             base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
             out.append((t, f"{base}{g.sub_prefix}.{slot}_proj.weight", "linear"))
             continue
-        spec = specs.get(t.meta["source"][0])
+        spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
         if spec is None or spec.depth is None and spec.role not in GLUE_NAMES:
             raise InputError(f"{t.key}: not an MTP tensor of the table", rule=RULE_NAME, key=t.key)
         depth = spec.depth if spec.depth is not None else 0
