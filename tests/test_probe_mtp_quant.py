@@ -65,8 +65,13 @@ def test_the_table_covers_every_scheme_and_its_first_row_is_plain_probe(trained,
     from ckpt_tools.ops.stitch.graft import mtp_quants
 
     rows = _rows(table)
-    assert list(rows)[0] == "as stored" and set(rows) == {"as stored", *all_schemes()}
+    gguf = ["gguf-f32", "gguf-f16", "gguf-bf16", "gguf-q8_0"]  # the sidecar types, in `all` after the tables
+    assert list(rows)[0] == "as stored" and set(rows) == {"as stored", *all_schemes(), *gguf}
+    assert list(rows)[-4:] == gguf and all(rows[g]["status"] == "measured" for g in gguf)
+    assert rows["gguf-q8_0"]["bytes"] < rows["gguf-f16"]["bytes"] < rows["gguf-f32"]["bytes"]
+    assert "reason" not in rows["gguf-q8_0"]  # not "the family table marks no MTP weight quantizable"
     plain = probe(trained, prompts)["drafts"][0]
+    assert rows["gguf-f32"]["agreement"] == plain["agreement"] and rows["gguf-f32"]["kl"] == plain["kl"]
     assert rows["as stored"]["agreement"] == plain["agreement"] and rows["as stored"]["kl"] == plain["kl"]
     assert table["drafts"][0]["agreement"] == plain["agreement"] and len(table["drafts"]) == 1  # rows: no drafts
     assert rows["quark-mxfp4"]["status"] == "no-encoder" and "agreement" not in rows["quark-mxfp4"]
