@@ -124,7 +124,7 @@ def test_gguf_type_auto_writes_the_sidecar_whose_bytes_the_table_measured(prompt
     import gguf
     import numpy as np
 
-    from ckpt_tools.api.measure import encode_mtp
+    from ckpt_tools.api.mtp_choice import encode_mtp
     from ckpt_tools.io.checkpoint import Checkpoint
     from ckpt_tools.testing.gguf_trunk import write_trunk_gguf
 

@@ -197,6 +197,7 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
         resolved = _probe.resolve_device(device)
         _probe.transformers_module()  # a missing extra is one line, before anything else
         from ..ops.stitch.plan import mapped_draft
+        from .mtp_choice import encode_mtp
 
         req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
                                   None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
@@ -220,21 +221,6 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
 
 
 ENGINES = ("transformers", "vllm", "llama.cpp")
-
-
-def encode_mtp(ckpt: Any, scheme: str, target: Any = None) -> dict:
-    """``ckpt``'s own MTP in ``scheme`` as the writer would write it (``--mtp-quant``'s rows): a scheme table's as
-    ``graft`` encodes it (with ``target``'s declared parameters when given), a GGUF sidecar type (gguf-TYPE) as
-    ``extract --format gguf`` converts it, decoded back."""
-    from ..model.gguf_names import GGUF_ROW
-
-    if scheme.startswith(GGUF_ROW):
-        from ..ops.draft.gguf_sidecar import mtp_in_gguf
-
-        return mtp_in_gguf(ckpt, scheme.removeprefix(GGUF_ROW))
-    from ..ops.stitch.graft import mtp_in_scheme
-
-    return mtp_in_scheme(ckpt, scheme, target)
 
 
 def _relative(plot: PathArg, report: PathArg | None) -> str:

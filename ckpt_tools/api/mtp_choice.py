@@ -40,7 +40,7 @@ class Measure:
             raise UsageError(f"--max-drop {self.max_drop!r}: an acceptance drop from 0 to 1", rule=RULE)
 
 
-def graft_choice(source: Any, target: Any, how: Measure) -> dict:
+def graft_choice(source: Any, target: Any, how: Measure) -> dict[str, Any]:
     """``graft --mtp-quant auto``: the record (``chosen`` a scheme, or ``as stored``)."""
     from ..io.checkpoint import Checkpoint
     from ..model.quant import detect_scheme
@@ -55,22 +55,34 @@ def graft_choice(source: Any, target: Any, how: Measure) -> dict:
                        how, None)
 
 
-def gguf_choice(source: Any, how: Measure) -> dict:
+def gguf_choice(source: Any, how: Measure) -> dict[str, Any]:
     """``extract --format gguf --gguf-type auto``: the record (``chosen`` a gguf-TYPE row)."""
     from ..model.gguf_names import GGUF_ROW, GGUF_TYPES
-    from .measure import encode_mtp
-
     how.check()
     rows = [GGUF_ROW + t for t in GGUF_TYPES]
     return _choose(_measured(source, rows, how, encode_mtp), rows, how, GGUF_ROW + "f32")
 
 
-def _declared_by(target: Any, candidates: list[str]) -> Callable[[Any, str], dict]:
+def encode_mtp(ckpt: Any, scheme: str, target: Any = None) -> dict[str, Any]:
+    """``ckpt``'s own MTP in ``scheme`` as the writer would write it (``--mtp-quant``'s rows): a scheme table's as
+    ``graft`` encodes it (with ``target``'s declared parameters when given), a GGUF sidecar type (gguf-TYPE) as
+    ``extract --format gguf`` converts it, decoded back."""
+    from ..model.gguf_names import GGUF_ROW
+
+    if scheme.startswith(GGUF_ROW):
+        from ..ops.draft.gguf_sidecar import mtp_in_gguf
+
+        return mtp_in_gguf(ckpt, scheme.removeprefix(GGUF_ROW))
+    from ..ops.stitch.graft import mtp_in_scheme
+
+    return mtp_in_scheme(ckpt, scheme, target)
+
+
+def _declared_by(target: Any, candidates: list[str]) -> Callable[[Any, str], dict[str, Any]]:
     """The encoder of the rows: a candidate with the parameters ``target`` declares (what graft writes)."""
     from ..errors import InputError, UsageError
-    from .measure import encode_mtp
 
-    def encode(ckpt: Any, scheme: str) -> dict:
+    def encode(ckpt: Any, scheme: str) -> dict[str, Any]:
         try:
             return encode_mtp(ckpt, scheme, target if scheme in candidates else None)
         except InputError as e:  # graft refuses the target for it (calibrated activation scales): a row's reason
@@ -79,7 +91,8 @@ def _declared_by(target: Any, candidates: list[str]) -> Callable[[Any, str], dic
     return encode
 
 
-def _measured(source: Any, schemes: list[str], how: Measure, encode: Callable[[Any, str], dict]) -> dict:
+def _measured(source: Any, schemes: list[str], how: Measure,
+              encode: Callable[[Any, str], dict[str, Any]]) -> dict[str, Any]:
     """``ckpt probe SOURCE --mtp-quant SCHEMES --json``, the rows encoded by ``encode``."""
     from ..ops.probe import probe as _probe
     from ..ops.probe.numbers import check_finite
@@ -93,7 +106,7 @@ def _measured(source: Any, schemes: list[str], how: Measure, encode: Callable[[A
     return result.to_json()
 
 
-def _choose(report: dict, candidates: list[str], how: Measure, fallback: str | None) -> dict:
+def _choose(report: dict[str, Any], candidates: list[str], how: Measure, fallback: str | None) -> dict[str, Any]:
     """The smallest candidate row within ``max_drop`` at every depth; else ``fallback`` (None: the MTP as stored,
     itself a choice whenever no qualifying candidate is smaller)."""
     rows = report["mtp_quant"]

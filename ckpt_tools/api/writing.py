@@ -518,7 +518,7 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
 
 
 def _auto(value: str | None, option: str, prompts: PathArg | None, max_drop: float, depth: int, max_new_tokens: int,
-          choose: Callable[[Any], dict]) -> dict | None:
+          choose: Callable[[Any], dict[str, Any]]) -> dict[str, Any] | None:
     """``option auto``: ``choose(how)``'s record; None for a named storage (``prompts`` then has nothing to do)."""
     from ..errors import UsageError
 

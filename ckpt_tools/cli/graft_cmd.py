@@ -24,7 +24,7 @@ from .write_options import (
 # list equal to the shipped tables', read without loading them at start-up)
 MTP_QUANTS = " | ".join(("ct-fp8", "ct-int8", "ct-mxfp4", "ct-nvfp4", "ct-pack", "deepseek-v4", "fp8-block",
                          "modelopt-fp8", "modelopt-nvfp4"))
-MTP_QUANT_HELP = (f"{MTP_QUANTS} (every scheme table whose storage names an encoder, registered ones included): "
+MTP_QUANT_HELP = (f"{MTP_QUANTS} | auto (every scheme table whose storage names an encoder, registered ones included): "
                   "the linear weights the family table marks quantizable in that scheme (a target whose config "
                   "declares it); the other MTP tensors as --mtp-dtype says, else as the source stores them; auto: "
                   "the smallest scheme the target declares whose acceptance on --prompts is within --max-drop at "
