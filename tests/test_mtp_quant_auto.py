@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import probe_model  # noqa: E402
 from probe_model import CACHE, one_thread_per_module  # noqa: E402, F401 (the fixture applies to this module)
-from test_probe_mtp_quant import _plant_outliers  # noqa: E402
+from test_probe_mtp_quant import planted_outliers  # noqa: E402
 
 MEASURE = ("--max-new-tokens", "8", "--depth", "2")
 
@@ -98,15 +98,7 @@ def test_auto_does_not_choose_a_scheme_that_loses_acceptance(prompts, tmp_path):
     """A planted outlier (a down_proj column of 1e6 behind a silenced unit: nothing changes in float) makes block
     FP8 flush every other weight of the matrix: its acceptance drops, so auto writes the MTP as stored; on the
     same verifier without the outlier it chooses block FP8 (the test above)."""
-    from safetensors.torch import load_file, save_file
-
-    trained, _ = probe_model.build(CACHE)
-    planted = tmp_path / "planted"
-    shutil.copytree(trained, planted)
-    f = planted / "model-mtp.safetensors"
-    tensors = load_file(str(f))
-    _plant_outliers(tensors)
-    save_file(tensors, str(f), metadata={"format": "pt"})
+    planted = planted_outliers(probe_model.build(CACHE)[0], tmp_path / "planted")
     out = tmp_path / "out"
     choice = _graft_auto(planted, _fp8_mtp_target(planted, tmp_path / "target"), out, prompts)
     rows = _rows(choice)

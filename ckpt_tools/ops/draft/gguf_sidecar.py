@@ -471,7 +471,8 @@ def mtp_in_gguf(ckpt: Checkpoint, gguf_type: str) -> dict[str, tuple[list[Output
             continue
         parts, nbytes, encoded = [], 0, False
         for g in _convert(t, hf_name, kind, names, lc, res.env, gguf_type, table.family):
-            raw = np.frombuffer(b"".join(bytes(c) for c in g.chunks()), dtype=np.uint8)
+            with np.errstate(over="ignore"):  # a value beyond the type's range: refused below, by name
+                raw = np.frombuffer(b"".join(bytes(c) for c in g.chunks()), dtype=np.uint8)
             parts.append(quants.dequantize(raw, g.qtype).reshape(g.shape))
             nbytes += g.nbytes
             encoded |= g.qtype != GGMLQuantizationType.F32
@@ -479,6 +480,10 @@ def mtp_in_gguf(ckpt: Checkpoint, gguf_type: str) -> dict[str, tuple[list[Output
         if kind == "norm" and lc.norm_offset:
             values = values - np.float32(lc.norm_offset)
         values = values.astype(np.float32).reshape(t.shape)
+        bad = int(values.size - np.isfinite(values).sum())
+        if bad:  # beyond the type's range (F16: 65504): the sidecar would hold inf, the row is no measurement
+            raise UsageError(f"{t.key}: {bad} value(s) are not finite once stored as {gguf_type} (beyond its range)",
+                             rule="nonfinite")
         if (len(sources) > 1 and len(sources) != t.shape[0]) or sources[0] in out:
             raise UsageError(f"{t.key}: the sidecar restacks it from another expert layout; not decoded back",
                              rule=RULE_NAME)
