@@ -147,7 +147,7 @@ def drafters(main, loaded, verifier: Checkpoint, req, device: str, first: int) -
     from .drafter import Drafter
 
     if req.encode_mtp is None:
-        raise TypeError("ProbeRequest.encode_mtp is needed for --mtp-quant (ops.stitch.graft.mtp_in_scheme)")
+        raise TypeError("ProbeRequest.encode_mtp is needed for --mtp-quant (api.mtp_choice.encode_mtp)")
     rows = plan_rows(verifier, parse_schemes(req.mtp_quant), encoders())
     rows[0].draft = 0
     out = []
