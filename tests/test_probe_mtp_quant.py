@@ -65,8 +65,13 @@ def test_the_table_covers_every_scheme_and_its_first_row_is_plain_probe(trained,
     from ckpt_tools.ops.stitch.graft import mtp_quants
 
     rows = _rows(table)
-    assert list(rows)[0] == "as stored" and set(rows) == {"as stored", *all_schemes()}
+    gguf = ["gguf-f32", "gguf-f16", "gguf-bf16", "gguf-q8_0"]  # the sidecar types, in `all` after the tables
+    assert list(rows)[0] == "as stored" and set(rows) == {"as stored", *all_schemes(), *gguf}
+    assert list(rows)[-4:] == gguf and all(rows[g]["status"] == "measured" for g in gguf)
+    assert rows["gguf-q8_0"]["bytes"] < rows["gguf-f16"]["bytes"] < rows["gguf-f32"]["bytes"]
+    assert "reason" not in rows["gguf-q8_0"]  # not "the family table marks no MTP weight quantizable"
     plain = probe(trained, prompts)["drafts"][0]
+    assert rows["gguf-f32"]["agreement"] == plain["agreement"] and rows["gguf-f32"]["kl"] == plain["kl"]
     assert rows["as stored"]["agreement"] == plain["agreement"] and rows["as stored"]["kl"] == plain["kl"]
     assert table["drafts"][0]["agreement"] == plain["agreement"] and len(table["drafts"]) == 1  # rows: no drafts
     assert rows["quark-mxfp4"]["status"] == "no-encoder" and "agreement" not in rows["quark-mxfp4"]
@@ -102,27 +107,28 @@ def test_a_row_equals_probe_on_the_checkpoint_graft_writes(trained, prompts, tab
     assert written["drafts"][0]["agreement"] == row["agreement"] and written["drafts"][0]["kl"] == row["kl"]
 
 
-def _plant_outliers(tensors: dict) -> None:
-    """In every MLP of the MTP layer: intermediate unit 0 silenced (its up_proj row zero) and its down_proj column
-    set to 1e6. The float model computes 0 * 1e6 = 0 (unchanged but for that unit); a per-tensor or per-block
-    FP8 scale set by the outlier flushes every other down_proj weight to zero."""
+def planted_outliers(verifier: Path, out: Path) -> Path:
+    """A copy of ``verifier`` where, in every MLP of the MTP layer, intermediate unit 0 is silenced (its up_proj row
+    zero) and its down_proj column set to 1e6. The float model computes 0 * 1e6 = 0 (unchanged but for that unit);
+    a per-tensor or per-block FP8 scale set by the outlier flushes every other down_proj weight to zero."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(verifier, out)
+    f = out / "model-mtp.safetensors"
+    tensors = load_file(str(f))
     for key in [k for k in tensors if k.endswith("down_proj.weight")]:
-        up = key.replace("down_proj", "up_proj")
-        tensors[up][0] = 0.0
+        tensors[key.replace("down_proj", "up_proj")][0] = 0.0
         tensors[key][:, 0] = 1e6
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return out
 
 
 def test_a_planted_outlier_mtp_drops_under_fp8(trained, prompts, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    planted = tmp_path / "planted"
-    shutil.copytree(trained, planted)
-    f = planted / "model-mtp.safetensors"
-    tensors = load_file(str(f))
-    _plant_outliers(tensors)
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    rows = _rows(probe(planted, prompts, "--mtp-quant", "modelopt-fp8,fp8-block"))
-    assert list(rows) == ["as stored", "modelopt-fp8", "fp8-block"]
+    planted = planted_outliers(trained, tmp_path / "planted")
+    rows = _rows(probe(planted, prompts, "--mtp-quant", "modelopt-fp8,fp8-block,gguf-f16"))
+    assert list(rows) == ["as stored", "modelopt-fp8", "fp8-block", "gguf-f16"]
+    # 1e6 is beyond F16 (65504): the sidecar would hold inf; listed with the reason, not measured (nor a NaN report)
+    assert rows["gguf-f16"]["status"] == "unencodable" and "not finite once stored as f16" in rows["gguf-f16"]["reason"]
     stored = rows["as stored"]["agreement"][0]
     for name in ("modelopt-fp8", "fp8-block"):
         assert rows[name]["agreement"][0] < stored - 0.1, (name, rows[name]["agreement"], stored)
@@ -161,7 +167,8 @@ def test_the_table_goes_into_the_plot_and_the_card(hub, trained, reported, table
     (lambda rows: rows[1].update(kl=[None, 0.1]), "mtp_quant[1].kl[0] (depth 1) is null, not a finite number"),
     (lambda rows: rows[1].update(status="great"), "mtp_quant[1].status is \"great\", not one of measured"),
     (lambda rows: rows[1].update(agreement=[1.5, 1.0]), "mtp_quant[1].agreement[0] (depth 1) is 1.5, not a share"),
-    (lambda rows: rows[-1].update(agreement=[1.0]), "holds numbers: only a measured row does"),
+    (lambda rows: next(r for r in rows if r["status"] == "no-encoder").update(agreement=[1.0]),
+     "holds numbers: only a measured row does"),
 ])
 def test_a_report_whose_mtp_quant_rows_are_not_probes_is_refused(trained, table, tmp_path, edit, named):
     report = json.loads(json.dumps(table))

@@ -196,13 +196,13 @@ def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathAr
     else:
         resolved = _probe.resolve_device(device)
         _probe.transformers_module()  # a missing extra is one line, before anything else
-        from ..ops.stitch.graft import mtp_in_scheme
         from ..ops.stitch.plan import mapped_draft
+        from .mtp_choice import encode_mtp
 
         req = _probe.ProbeRequest(os.fspath(verifier), draft_list,
                                   None if prompts is None else os.fspath(prompts), max_new_tokens, depth, resolved,
                                   dtype, chain, arch=arch, map_draft=mapped_draft, mtp_quant=schemes or [],
-                                  encode_mtp=mtp_in_scheme)
+                                  encode_mtp=encode_mtp)
         with _display(progress) as display, _quiet_transformers(not progress):
             result = _probe.probe(req, display.bar, display.announce)
     check_finite(result, os.fspath(verifier))  # a NaN is no measurement: refused, never reported

@@ -18,6 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import mtp_choice
 from .report import Report, progress_sink
 
 if TYPE_CHECKING:
@@ -296,9 +297,13 @@ class GgufReport(Report):
 
 
 def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: str = "f16", arch: str | None = None,
-                 dry_run: bool = False, overwrite: bool = False, allow_invalid: Sequence[str] = ()) -> GgufReport:
+                 dry_run: bool = False, overwrite: bool = False, allow_invalid: Sequence[str] = (),
+                 prompts: PathArg | None = None, max_drop: float = 0.01, depth: int = 1,
+                 max_new_tokens: int = 32) -> GgufReport:
     """The MTP sidecar llama.cpp loads beside ``trunk`` (``-m TRUNK -md OUT/mtp-NAME.gguf``), written into the
-    directory ``out`` with its ckpt_manifest.json; everything is checked before a byte is written."""
+    directory ``out`` with its ckpt_manifest.json; everything is checked before a byte is written.
+    ``gguf_type="auto"``: the smallest type whose acceptance on ``prompts`` is within ``max_drop`` of the MTP as
+    stored at every depth up to ``depth`` (api.mtp_choice; the table in the manifest's ``mtp_quant_auto``)."""
     from pathlib import Path
 
     from ..errors import UsageError
@@ -309,11 +314,17 @@ def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: st
     if "://" in os.fspath(out):
         raise UsageError(f"-o {os.fspath(out)}: a GGUF sidecar is written to a local directory")
     command = _command(extract_gguf, (source, out, trunk), locals())
+    choice = _auto(gguf_type, "--gguf-type", prompts, max_drop, depth, max_new_tokens,
+                   lambda how: mtp_choice.gguf_choice(source, how))
+    if choice is not None:
+        gguf_type = choice["chosen"].removeprefix("gguf-")
     req = GgufRequest(gguf_type=gguf_type, arch=arch, command=command, allow_invalid=_allow(allow_invalid))
     trunk_meta = read_gguf(trunk)
     with Checkpoint.open(source) as ckpt:
         plan = plan_sidecar(ckpt, trunk_meta, req)
         plan.manifest["command"] = command
+        if choice is not None:
+            plan.manifest["mtp_quant_auto"] = choice
         if dry_run:
             return GgufReport(None, None, plan.manifest)
         inputs = [os.fspath(trunk)] + ([os.fspath(source)] if "://" not in os.fspath(source) else [])
@@ -481,21 +492,41 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
           mtp_quant: str | None = None, link: str = "copy", arch: str | None = None,
           max_shard_size: int | str = "5GB", dry_run: bool = False, plan_json: PathArg | None = None,
           report: PathArg | None = None, overwrite: bool = False, resume: bool = False,
-          allow_invalid: Sequence[str] = (), progress: bool = False) -> GraftReport:
+          allow_invalid: Sequence[str] = (), progress: bool = False, prompts: PathArg | None = None,
+          max_drop: float = 0.01, depth: int = 1, max_new_tokens: int = 32) -> GraftReport:
     """``target`` (a converted checkpoint that lost its MTP) with ``source``'s MTP layers: config count and
-    quantization config repaired. ``report``: also write the report there."""
+    quantization config repaired. ``report``: also write the report there. ``mtp_quant="auto"``: the smallest
+    scheme the target declares whose acceptance on ``prompts`` is within ``max_drop`` of the MTP as stored at
+    every depth up to ``depth``, else the MTP as stored (api.mtp_choice; the table in the report and manifest's
+    ``mtp_quant_auto``)."""
     from ..ops.stitch.graft import GraftRequest, plan_graft
     from ..stream.plan import parse_size
 
     command = _command(graft, (source, target, out), locals())
+    choice = _auto(mtp_quant, "--mtp-quant", prompts, max_drop, depth, max_new_tokens,
+                   lambda how: mtp_choice.graft_choice(source, target, how))
+    if choice is not None:
+        mtp_quant = None if choice["chosen"] == mtp_choice.AS_STORED else choice["chosen"]
     allow = _allow(allow_invalid)
     dest = _out(out)
     req = GraftRequest(link=link, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, arch=arch,
                        max_shard_size=parse_size(max_shard_size), command=command, allow_invalid=allow,
-                       check_values=not dry_run)
+                       check_values=not dry_run, measured=choice)
     details = _merge_and_write(plan_graft, source, target, req, "graft-report.json", allow, progress,
                                lambda: _outputs(dest, dry_run, plan_json, report, overwrite, resume))
     return GraftReport(details, dry_run)
+
+
+def _auto(value: str | None, option: str, prompts: PathArg | None, max_drop: float, depth: int, max_new_tokens: int,
+          choose: Callable[[Any], dict[str, Any]]) -> dict[str, Any] | None:
+    """``option auto``: ``choose(how)``'s record; None for a named storage (``prompts`` then has nothing to do)."""
+    from ..errors import UsageError
+
+    if value != "auto":
+        if prompts is not None:
+            raise UsageError(f"--prompts measures for {option} auto only", rule=mtp_choice.RULE)
+        return None
+    return choose(mtp_choice.Measure(option, prompts, max_drop, depth, max_new_tokens))
 
 
 def _merge_and_write(planner: Callable[[Any, Any, Any], tuple[Plan, Any]], first: Any, second: Any, request: Any,

@@ -84,7 +84,10 @@ def _plain_class(base: type) -> type:
                 return list(value)
             if k == "bool" and isinstance(value, bool):
                 return value
-            if k in ("int", "float") and isinstance(value, str) and (_INT if k == "int" else _FLOAT).match(value):
+            # a default is a number already (bool is not one here)
+            number_given = type(value) is int or (k == "float" and type(value) is float)
+            text = isinstance(value, str) and (_INT if k == "int" else _FLOAT).match(value)
+            if k in ("int", "float") and (number_given or text):
                 number = int(value) if k == "int" else float(value)
                 low, high = self.parameter_info.min, self.parameter_info.max
                 if (low is None or number >= low) and (high is None or number <= high):

@@ -9,6 +9,7 @@ import typer
 from .common import OUT_HELP, command, emit_json, out_console
 from .gate_options import allow_invalid_option
 from .write_options import (
+    auto_options,
     invoked,
     json_option,
     overwrite_option,
@@ -18,6 +19,8 @@ from .write_options import (
     threads_option,
 )
 from .write_options import layers as parse_layers
+
+AUTO = auto_options()
 
 # every scheme table under mappings/quantization/ has a decoder (tests/test_quant_extract.py checks this list)
 DEQUANT_HELP = ("bf16 | fp16 | fp32: decode the quantized MTP weights of every scheme in mappings/quantization/ "
@@ -44,7 +47,8 @@ def register(app: typer.Typer) -> None:
                                             "vocabulary are copied; its dimensions must be SRC's)."),
         gguf_type: str = typer.Option("f16", "--gguf-type",
                                       help="--format gguf: f32 | f16 | bf16 | q8_0 (norms, 1-D tensors and routers "
-                                           "stay F32, as llama.cpp's converter keeps them)."),
+                                           "stay F32, as llama.cpp's converter keeps them) | auto (the smallest "
+                                           "whose acceptance on --prompts is within --max-drop at every depth)."),
         with_embed: bool = typer.Option(None, "--with-embed/--no-embed",
                                         help="Carry the embedding (per-layer copy, else the shared one)."),
         with_head: bool = typer.Option(None, "--with-head/--no-head", help="Carry the LM head likewise."),
@@ -64,6 +68,10 @@ def register(app: typer.Typer) -> None:
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
         threads: int = threads_option(),
+        prompts: str = AUTO["prompts"],
+        max_drop: float = AUTO["max_drop"],
+        depth: int = AUTO["depth"],
+        max_new_tokens: int = AUTO["max_new_tokens"],
     ) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
         from .. import api
@@ -75,8 +83,12 @@ def register(app: typer.Typer) -> None:
                      "--dtype": None if dtype == "keep" else dtype, "--drop-mtp": drop_mtp or None,
                      "--resume": resume or None, "--threads": threads}
             _gguf(src, out, fmt, gguf_trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output,
-                  [k for k, v in given.items() if v is not None])
+                  [k for k, v in given.items() if v is not None], (prompts, max_drop, depth, max_new_tokens))
             return
+        if prompts is not None:
+            from ..errors import UsageError
+
+            raise UsageError("--prompts measures for --format gguf --gguf-type auto only", rule="mtp-quant-auto")
         with invoked():
             report = api.extract(src, out, arch=arch, layers=parse_layers(layers), format=fmt, with_embed=with_embed,
                                  with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
@@ -98,7 +110,8 @@ def register(app: typer.Typer) -> None:
                 c.print(f"kept as stored (not quantized, or a dtype the table pins): {kept}", soft_wrap=True)
 
 
-def _gguf(src, out, fmt, trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output, given) -> None:
+def _gguf(src, out, fmt, trunk, gguf_type, arch, dry_run, overwrite, allow_invalid, json_output, given,
+          auto) -> None:
     from .. import api
     from ..errors import UsageError
 
@@ -109,7 +122,8 @@ def _gguf(src, out, fmt, trunk, gguf_type, arch, dry_run, overwrite, allow_inval
                          "do not apply (--gguf-type chooses the type)")
     with invoked():
         report = api.extract_gguf(src, out, trunk, gguf_type=gguf_type, arch=arch, dry_run=dry_run,
-                                  overwrite=overwrite, allow_invalid=tuple(allow_invalid or ()))
+                                  overwrite=overwrite, allow_invalid=tuple(allow_invalid or ()), prompts=auto[0],
+                                  max_drop=auto[1], depth=auto[2], max_new_tokens=auto[3])
     if json_output:
         emit_json(report.to_json())
         return
@@ -118,5 +132,7 @@ def _gguf(src, out, fmt, trunk, gguf_type, arch, dry_run, overwrite, allow_inval
     what = "would write" if report.path is None else f"wrote {report.path} ({report.size:,} bytes)"
     c.print(f"{what}: {len(m['tensors'])} tensors, llama.cpp {m['llama_cpp_arch']}, block_count {m['block_count']}, "
             f"nextn_predict_layers {m['nextn_predict_layers']}, {m['gguf_type']}", soft_wrap=True)
+    if "mtp_quant_auto" in m:
+        c.print(f"--gguf-type auto: {m['mtp_quant_auto']['chosen']}: {m['mtp_quant_auto']['why']}", soft_wrap=True)
     if report.path is not None:
         c.print(f"serve: llama-server -m {m['trunk']['path']} -md {report.path} --spec-type draft-mtp", soft_wrap=True)

@@ -10,6 +10,7 @@ from .common import OUT_HELP, command, emit_json, out_console
 from .gate_options import allow_invalid_option
 from .write_options import (
     all_tensors_option,
+    auto_options,
     invoked,
     json_option,
     overwrite_option,
@@ -23,9 +24,12 @@ from .write_options import (
 # list equal to the shipped tables', read without loading them at start-up)
 MTP_QUANTS = " | ".join(("ct-fp8", "ct-int8", "ct-mxfp4", "ct-nvfp4", "ct-pack", "deepseek-v4", "fp8-block",
                          "modelopt-fp8", "modelopt-nvfp4"))
-MTP_QUANT_HELP = (f"{MTP_QUANTS} (every scheme table whose storage names an encoder, registered ones included): "
+MTP_QUANT_HELP = (f"{MTP_QUANTS} | auto (every scheme table whose storage names an encoder, registered ones included): "
                   "the linear weights the family table marks quantizable in that scheme (a target whose config "
-                  "declares it); the other MTP tensors as --mtp-dtype says, else as the source stores them")
+                  "declares it); the other MTP tensors as --mtp-dtype says, else as the source stores them; auto: "
+                  "the smallest scheme the target declares whose acceptance on --prompts is within --max-drop at "
+                  "every depth, else as stored")
+AUTO = auto_options()
 
 
 def register(app: typer.Typer) -> None:
@@ -54,6 +58,10 @@ def register(app: typer.Typer) -> None:
         show_all: bool = all_tensors_option(),
         json_output: bool = json_option(),
         allow_invalid: list[str] = allow_invalid_option(),
+        prompts: str = AUTO["prompts"],
+        max_drop: float = AUTO["max_drop"],
+        depth: int = AUTO["depth"],
+        max_new_tokens: int = AUTO["max_new_tokens"],
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
         from .. import api
@@ -64,7 +72,8 @@ def register(app: typer.Typer) -> None:
             result = api.graft(source, target, out, mtp_dtype=mtp_dtype, mtp_quant=mtp_quant, link=link, arch=arch,
                                max_shard_size=max_shard_size, dry_run=dry_run, plan_json=plan_json,
                                report=report_file, overwrite=overwrite, resume=resume,
-                               allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
+                               allow_invalid=tuple(allow_invalid or ()), progress=not json_output,
+                               prompts=prompts, max_drop=max_drop, depth=depth, max_new_tokens=max_new_tokens)
         if json_output:
             emit_json(result.to_json())
             return
@@ -75,6 +84,9 @@ def register(app: typer.Typer) -> None:
         c = out_console()
         n = report.count
         c.print(f"MTP count ({n['field']}): {n['before']} -> {n['after']}")
+        if report.mtp_quant_auto is not None:
+            c.print(f"--mtp-quant auto: {report.mtp_quant_auto['chosen']}: {report.mtp_quant_auto['why']}",
+                    soft_wrap=True)
         say_config_changes(report.quant_config)
         if not dry_run:
             say_shards_written(out, report)

@@ -46,6 +46,17 @@ def threads_option():
                              "may use).")
 
 
+def auto_options() -> dict:
+    """--prompts, --max-drop, --depth, --max-new-tokens: how ``--mtp-quant auto`` / ``--gguf-type auto`` measure."""
+    return {
+        "prompts": typer.Option(None, "--prompts", help="With auto: the prompts the MTP's acceptance is measured on "
+                                                        "(FILE.jsonl or one prompt a line; required)."),
+        "max_drop": typer.Option(0.01, "--max-drop", help="With auto: the acceptance drop accepted at each depth."),
+        "depth": typer.Option(1, "--depth", help="With auto: acceptance measured at depths 1..K."),
+        "max_new_tokens": typer.Option(32, "--max-new-tokens", help="With auto: tokens generated per prompt."),
+    }
+
+
 def json_option():
     return typer.Option(False, "--json", help="Print a JSON report.")
 

@@ -160,3 +160,17 @@ def quant_markdown(rows: list[dict], depth: int) -> list[str]:
                  r["status"] + (f": {r['reason']}" if r.get("reason") else "")]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return lines
+
+
+def auto_markdown(choice: dict) -> list[str]:
+    """``--mtp-quant auto`` / ``--gguf-type auto``: the storage the writer chose by measuring, why, and the table."""
+    m = choice.get("measured") or {}
+    rows = choice.get("rows") or []
+    depth = max((len(r.get("agreement") or []) for r in rows), default=1)
+    return ["## MTP precision chosen by measurement", "",
+            f"`{choice.get('option')}` chose **{choice.get('chosen')}**: {choice.get('why')}. Measured with "
+            f"`ckpt probe --mtp-quant` ({m.get('dtype')} on {m.get('device')}) on {m.get('prompts')} prompt(s) x "
+            f"{m.get('max_new_tokens')} generated tokens (prompts file sha256 `{m.get('prompts_sha256')}`), "
+            f"candidates {', '.join(choice.get('candidates') or []) or 'none'}, accepted drop "
+            f"{choice.get('max_drop')}.",
+            *quant_markdown(rows, depth)]

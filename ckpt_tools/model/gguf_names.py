@@ -12,6 +12,10 @@ from typing import Any
 
 from ..errors import TableError
 
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # the sidecar's output types (extract --format gguf --gguf-type)
+# ``ckpt probe --mtp-quant`` names a sidecar type gguf-TYPE; no scheme table may take the prefix (quant.tables)
+GGUF_ROW = "gguf-"
+
 # the converter's names for the MTP glue roles (llama.cpp conversion/qwen.py's remapper and glm.py / deepseek.py
 # keys); llama.cpp's tensor map knows them under the layer prefix
 GLUE_NAMES = {

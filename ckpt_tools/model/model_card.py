@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..io.config import ConfigView
-from .card_probe import ProbeEvidence, eval_results, markdown
+from .card_probe import ProbeEvidence, auto_markdown, eval_results, markdown
 
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DRAFT_KINDS = ("mtp-draft", "draft")
@@ -47,6 +47,7 @@ class CardFacts:
     vllm_method: str | None = None  # vLLM's speculative method, as ckpt probe --engine vllm passes it (ops sets it)
     # a GGUF directory (ops.publish.gguf_publish.gguf_facts): files, trunk, llama_cpp_arch, nextn_predict_layers ...
     gguf: dict | None = None
+    mtp_quant_auto: dict | None = None  # the manifest's: the MTP's storage chosen by measuring (--mtp-quant auto)
 
 
 def _sources(manifest: dict) -> list[dict]:
@@ -139,6 +140,8 @@ def gather(repo_id: str, folder: Path, *, manifest: dict | None, stitch_report: 
         facts.stitch_summary = _stitch_summary(stitch_report)
     facts.engines = engines
     facts.probe = probe
+    auto = manifest.get("mtp_quant_auto")
+    facts.mtp_quant_auto = auto if isinstance(auto, dict) else None
     return facts
 
 
@@ -288,6 +291,8 @@ def render(f: CardFacts) -> str:
             lines.append(f"- ... and {len(f.problems) - 20} more")
     if f.notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in f.notes]
+    if f.mtp_quant_auto is not None:
+        lines += [""] + auto_markdown(f.mtp_quant_auto)
     if f.probe is not None:
         lines += [""] + markdown(f.probe)
     lines += ["", "## Serving with MTP speculative decoding", ""]

@@ -178,6 +178,9 @@ def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
         raise TableError(_errors(e), path=str(path)) from None
     if table.scheme != path.stem:
         raise TableError(f"field scheme: {table.scheme!r} must match the file name {path.stem!r}", path=str(path))
+    if table.scheme.startswith("gguf-"):  # model.gguf_names.GGUF_ROW: probe --mtp-quant's GGUF sidecar types
+        raise TableError(f"field scheme: {table.scheme!r}: names starting gguf- are the GGUF sidecar types of "
+                         "probe --mtp-quant", path=str(path))
     _check(table, path)
     return to_plain(table)  # what runs read (and the cache holds): the checked fields, without pydantic
 

@@ -26,13 +26,12 @@ from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
 from ...model.formats.reverse import as_verifier
 from ...model.gate import require_consistent
-from ...model.gguf_names import GLUE_NAMES, TensorNames, keeps_f32
+from ...model.gguf_names import GGUF_TYPES, GLUE_NAMES, TensorNames, keeps_f32
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor
 from .build import draft_tensors
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 RULE_MISMATCH = "gguf-trunk-mismatch"
 RULE_TRUNK = "gguf-trunk"
 RULE_NAME = "gguf-name"
@@ -446,6 +445,70 @@ def _split_values(t: OutputTensor, part: int, heads: int, first: int, second: in
         values = kv[:, first:, :]
     for h in range(heads):
         yield _encode(np.ascontiguousarray(values[h]), qtype)
+
+
+# ---------------------------------------------------------------------------
+# the sidecar's MTP tensors decoded back (ckpt probe --mtp-quant gguf-TYPE)
+
+
+def mtp_in_gguf(ckpt: Checkpoint, gguf_type: str) -> dict[str, tuple[list[OutputTensor], None]]:
+    """``ckpt``'s own MTP tensors as the sidecar of ``gguf_type`` stores them (``_convert``'s bytes), decoded by
+    gguf's ``dequantize`` and laid back under their checkpoint names and shapes (float32, in memory): per MTP
+    tensor, ([its values], None), meta ``stored_bytes`` (its bytes in the sidecar) and ``encoded`` (stored in a
+    type other than F32). The shared embedding, final norm and head the sidecar carries too are not MTP tensors."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from ...model.mtp import open_mtp
+    from ...stream.plan import Compute
+
+    if gguf_type not in GGUF_TYPES:
+        raise UsageError(f"gguf type {gguf_type!r}: one of {', '.join(GGUF_TYPES)}")
+    view = open_mtp(ckpt)
+    table, res, lc = view.table, view.resolved, view.table.llama_cpp
+    if lc is None:
+        raise UsageError(f"{table.family}: its table names no llama.cpp architecture", rule=RULE_FAMILY)
+    names = TensorNames(lc, _trunk_layers(res) + view.count, table.family)
+    mtp_keys = {k for _, k in view.stored()}
+    out: dict[str, tuple[list[OutputTensor], None]] = {}
+    for t, hf_name, kind in _source_tensors(view)[0]:
+        sources = list(t.meta.get("source", [t.key]))
+        if not set(sources) <= mtp_keys:
+            continue
+        parts, nbytes, encoded = [], 0, False
+        for g in _convert(t, hf_name, kind, names, lc, res.env, gguf_type, table.family):
+            with np.errstate(over="ignore"):  # a value beyond the type's range: refused below, by name
+                raw = np.frombuffer(b"".join(bytes(c) for c in g.chunks()), dtype=np.uint8)
+            parts.append(quants.dequantize(raw, g.qtype).reshape(g.shape))
+            nbytes += g.nbytes
+            encoded |= g.qtype != GGMLQuantizationType.F32
+        values = _unsplit(parts, hf_name, lc) if len(parts) > 1 else parts[0]
+        if kind == "norm" and lc.norm_offset:
+            values = values - np.float32(lc.norm_offset)
+        values = values.astype(np.float32).reshape(t.shape)
+        bad = int(values.size - np.isfinite(values).sum())
+        if bad:  # beyond the type's range (F16: 65504): the sidecar would hold inf, the row is no measurement
+            raise UsageError(f"{t.key}: {bad} value(s) are not finite once stored as {gguf_type} (beyond its range)",
+                             rule="nonfinite")
+        if (len(sources) > 1 and len(sources) != t.shape[0]) or sources[0] in out:
+            raise UsageError(f"{t.key}: the sidecar restacks it from another expert layout; not decoded back",
+                             rule=RULE_NAME)
+        pieces = list(values) if len(sources) > 1 else [values]
+        for key, v in zip(sources, pieces, strict=True):
+            blob = np.ascontiguousarray(v).tobytes()
+            out[key] = ([OutputTensor(key, "F32", tuple(v.shape), Compute(lambda b=blob: [b], "gguf-decode"),
+                                      meta={"stored_bytes": nbytes // len(pieces), "encoded": encoded})], None)
+    return out
+
+
+def _unsplit(parts: list, hf_name: str, lc: Any):
+    """MLA's kv_b_proj back from its two sidecar tensors (``_split``'s inverse)."""
+    import numpy as np
+
+    sp = next(sp for sp in lc.split if hf_name.endswith("." + sp.key))
+    first = parts[0].transpose(0, 2, 1) if sp.transpose_first else parts[0]
+    joined = np.concatenate([first, parts[1]], axis=1)
+    return joined.reshape(-1, joined.shape[-1])
 
 
 # ---------------------------------------------------------------------------

@@ -60,8 +60,8 @@ class ProbeRequest:
     # a draft's tensors in the verifier's MTP names: stitch's correspondence (``ops.stitch.plan.mapped_draft``),
     # given by the caller so that probe imports no other verb; needed only when there are drafts
     map_draft: DraftMapper | None = None
-    # --mtp-quant: schemes the verifier's own MTP is measured in too, encoded as graft encodes it by
-    # ``encode_mtp`` (``ops.stitch.graft.mtp_in_scheme``, given by the caller as map_draft is): mtp_quant.py
+    # --mtp-quant: schemes (and GGUF sidecar types) the verifier's own MTP is measured in too, encoded as the writer
+    # encodes it by ``encode_mtp`` (``api.mtp_choice.encode_mtp``, given by the caller as map_draft is)
     mtp_quant: list[str] = field(default_factory=list)
     encode_mtp: Callable[[Checkpoint, str], dict] | None = None
 

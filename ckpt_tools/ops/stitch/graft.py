@@ -54,6 +54,8 @@ class GraftRequest:
     # the source's float MTP values read and checked before anything is written; a --dry-run reads headers only
     # (at release scale the check reads gigabytes), so it does not see non-finite values
     check_values: bool = True
+    # --mtp-quant auto: the measured table and the choice (api.mtp_choice), recorded in the report and manifest
+    measured: dict | None = None
 
 
 @dataclass
@@ -62,6 +64,7 @@ class GraftReport(StitchReport):
     target: str = ""
     storage: str = "as the source stores it"
     count: dict = field(default_factory=dict)  # the config's MTP count: field, before, after
+    mtp_quant_auto: dict | None = None  # GraftRequest.measured
 
     def to_json(self) -> dict:
         return {
@@ -79,6 +82,7 @@ class GraftReport(StitchReport):
             "linked_files": self.linked_files,
             **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
             **({"validation": self.validation} if self.validation is not None else {}),
+            **({"mtp_quant_auto": self.mtp_quant_auto} if self.mtp_quant_auto is not None else {}),
         }
 
 
@@ -129,6 +133,7 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
     report = GraftReport("graft", "native", table.family, provenance=provenance, source=source_name(source),
                          target=source_name(target), storage=_storage_label(req))
     report.count = {"field": count_field(tview), "before": tview.count, "after": sview.count}
+    report.mtp_quant_auto = req.measured
     mtp = [t for p in pieces.values() for t in p.tensors]
     # every MTP-namespace tensor of the target goes (and any it holds under a name written again)
     drop = frozenset(tview.keys()) | set(tview.beyond) | set(tview.extra) | {t.key for t in mtp
@@ -153,6 +158,7 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
         "mtp_layers": sview.count,
         "mtp_storage": report.storage,
         "tool_version": __version__,
+        **({"mtp_quant_auto": req.measured} if req.measured is not None else {}),
     }
     plan = mtp_into(target, sorted(mtp, key=lambda t: t.key), config_files(target, config, repaired), req.link,
                     req.max_shard_size, req.command, [], manifest, report, drop=drop)
@@ -248,18 +254,20 @@ def mtp_quants() -> tuple[str, ...]:
     return tuple(sorted(n for n, t in all_schemes().items() if any(f.encoder for f in t.storage)))
 
 
-def mtp_in_scheme(ckpt: Checkpoint, scheme: str) -> dict[str, tuple[list[OutputTensor], Stored | None]]:
-    """``ckpt``'s own MTP tensors as ``graft ckpt ckpt --mtp-quant scheme`` would write them (the table's default
-    parameters: no target declares others), per weight (its logical key): (its tensors, weight first; how they
-    are stored). The plan's recipes, run by no writer: ``ckpt probe --mtp-quant`` reads their bytes and decodes
-    them in memory."""
+def mtp_in_scheme(ckpt: Checkpoint, scheme: str,
+                  target: Checkpoint | None = None) -> dict[str, tuple[list[OutputTensor], Stored | None]]:
+    """``ckpt``'s own MTP tensors as ``graft ckpt TARGET --mtp-quant scheme`` would write them (the parameters
+    ``target`` declares; without one, the table's defaults), per weight (its logical key): (its tensors, weight
+    first; how they are stored). The plan's recipes, run by no writer: ``ckpt probe --mtp-quant`` reads their
+    bytes and decodes them in memory."""
     from ...model.mtp import open_mtp
 
     if scheme not in mtp_quants():
         raise UsageError(f"--mtp-quant {scheme!r}: no encoder; use one of {', '.join(mtp_quants())}",
                          rule="mtp-quant-scheme")
+    declared = None if target is None else _require_declared(target, scheme)
     view = open_mtp(ckpt)
-    pieces = _Grafter(view, view, GraftRequest(mtp_quant=scheme)).build()
+    pieces = _Grafter(view, view, GraftRequest(mtp_quant=scheme), declared).build()
     return {k: (p.tensors, p.stored) for k, p in pieces.items()}
 
 
