@@ -352,12 +352,12 @@ def test_min_acceptance_checks_every_sidecar_of_a_trunk_without_mtp(fake_llama, 
 
 # table fixtures (random weights: acceptance is noise), vocabulary 128 for the test tokenizer: every family whose
 # table's llama.cpp check is `served` besides FAMILIES
-OTHER_FAMILIES = ["glm4_moe_lite", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "hy_v3"]
+OTHER_FAMILIES = ["glm4_moe_lite", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "hy_v3", "nemotron_h"]
 FIXTURE_OPTIONS = {"hy_v3": {"with_optional": False}}  # Hy3 releases ship no per-layer head copy
-# the smallest dimensions llama.cpp b11434 runs where the table fixture's are smaller: its DSA lightning indexer
-# multiplies by a Hadamard rotation of n_rot_k >= 64 columns (llama-kv-cache.cpp), ggml_can_mul_mat needs the head
-# that wide
-LLAMA_DIMS = {"glm_moe_dsa": {"index_head_dim": 64}}
+# what llama.cpp b11434 needs of a fixture beyond the table's: the smallest DSA indexer head its lightning indexer
+# runs (a Hadamard rotation of n_rot_k >= 64 columns, llama-kv-cache.cpp; ggml_can_mul_mat needs the head that
+# wide); Nemotron-H's MoE releases' layer kinds only (the converter's nemotron_h_moe counts no dense MLP layer, '-')
+LLAMA_FIXTURE = {"glm_moe_dsa": {"index_head_dim": 64}, "nemotron_h": {"hybrid_override_pattern": "ME*E"}}
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +370,7 @@ def families(tmp_path_factory) -> dict:
     prompts.write_text("".join(json.dumps({"input_ids": [10 + i, 20, 30, 40, 50, 60]}) + "\n" for i in range(4)))
     sources = {}
     for family in OTHER_FAMILIES:
-        overrides = {"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2, **LLAMA_DIMS.get(family, {})}
+        overrides = {"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2, **LLAMA_FIXTURE.get(family, {})}
         sources[family] = make_checkpoint(family, root / family, num_shards=1, **FIXTURE_OPTIONS.get(family, {}),
                                           config_overrides=overrides)
         tokenizer.write_tokenizer(sources[family], 128)

@@ -79,6 +79,23 @@ class TensorNames:
         return None
 
 
+def folded(fold: list[dict[str, str]], sub: str, base: str, bid: int) -> str:
+    """The name llama.cpp's converter gives block-relative ``sub`` in MTP block ``bid`` (``base``: its prefix):
+    renamed by a ``llama_cpp.fold`` entry (with ``{l}``: the whole name), else ``base + sub``."""
+    from .expr import render
+
+    name = next((f[sub] for f in fold if sub in f), sub)
+    return render(name, {"l": bid}) if "{" in name else base + name
+
+
+def glue_base(lc: Any, base: str, bid: int) -> str:
+    """The layer prefix the converter gives the MTP glue of block ``bid`` (the table's ``glue_prefix``, else
+    the trunk's ``base``)."""
+    from .expr import render
+
+    return render(lc.glue_prefix, {"l": bid}) if lc.glue_prefix else base
+
+
 def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str]) -> bool:
     """Whether llama.cpp's converter stores this tensor F32 whatever the output type."""
     return (ndim <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
