@@ -96,7 +96,8 @@ def glue_base(lc: Any, base: str, bid: int) -> str:
     return render(lc.glue_prefix, {"l": bid}) if lc.glue_prefix else base
 
 
-def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str]) -> bool:
-    """Whether llama.cpp's converter stores this tensor F32 whatever the output type."""
+def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str], dropped: list[str] = ()) -> bool:
+    """Whether llama.cpp's converter stores this tensor F32 whatever the output type (``extra``: further kinds,
+    ``dropped``: kinds of F32_KINDS it does not for the family's MTP block)."""
     return (ndim <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
-            or kind in F32_KINDS or kind in extra)
+            or (kind in F32_KINDS and kind not in dropped) or kind in extra)

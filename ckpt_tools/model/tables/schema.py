@@ -253,6 +253,9 @@ class LlamaCppDef(_Strict):
     # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
     norm_offset: float = 0.0
     f32: list[str] = Field(default_factory=list)  # further MODEL_TENSOR kinds the family's converter keeps F32
+    # kinds it keeps F32 elsewhere but not in the family's MTP block (Nemotron-H: its F32 check matches the source's
+    # layer number, mtp.layers.1, against the block's name, and misses)
+    not_f32: list[str] = Field(default_factory=list)
     # ``{arch}.<key>`` arrays of one value per trunk layer that the converter extends with this value (a string:
     # an expression over the config variables) for each MTP layer (e.g. attention.recurrent_layers: false, an MTP
     # block attends); others are copied as they are

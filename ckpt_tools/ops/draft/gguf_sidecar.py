@@ -352,7 +352,7 @@ def _permuted(t: OutputTensor, qtype, heads: int) -> Iterator[bytes]:
 def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str):
     import gguf
 
-    if keeps_f32(tkind, gname, len(shape), list(lc.f32)):
+    if keeps_f32(tkind, gname, len(shape), list(lc.f32), list(lc.not_f32)):
         return gguf.GGMLQuantizationType.F32
     q = _qtype(gguf_type)
     block = gguf.GGML_QUANT_SIZES[q][0]
