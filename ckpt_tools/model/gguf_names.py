@@ -88,12 +88,10 @@ def folded(fold: list[dict[str, str]], sub: str, base: str, bid: int) -> str:
     return render(name, {"l": bid}) if "{" in name else base + name
 
 
-def glue_base(lc: Any, base: str, bid: int) -> str:
-    """The layer prefix the converter gives the MTP glue of block ``bid`` (the table's ``glue_prefix``, else
-    the trunk's ``base``)."""
-    from .expr import render
-
-    return render(lc.glue_prefix, {"l": bid}) if lc.glue_prefix else base
+def glue_name(lc: Any, role: str, base: str, bid: int) -> str:
+    """The name llama.cpp's converter gives an MTP glue tensor of block ``bid`` before its map: the table's
+    ``llama_cpp.glue`` name for the role (with ``{l}``: the whole name), else GLUE_NAMES' under ``base``."""
+    return folded([lc.glue], role, base, bid) if role in lc.glue else base + GLUE_NAMES[role]
 
 
 def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str], dropped: list[str] = ()) -> bool:

@@ -265,8 +265,9 @@ class LlamaCppDef(_Strict):
     # (Nemotron-H: the MoE sub-layer's norm.weight is model.layers.{l}.post_attention_layernorm.weight); without it
     # a step of more than one sub-block is refused
     fold: list[dict[str, str]] = Field(default_factory=list)
-    # the layer prefix the converter gives the MTP glue (enorm, eh_proj, ...) before its map, when not the trunk's
-    glue_prefix: str | None = None
+    # glue role -> the name the converter gives it before its map, where not the usual one (gguf_names.GLUE_NAMES
+    # under the trunk's layer prefix): block-relative, or with ``{l}`` (the block) whole
+    glue: dict[str, str] = Field(default_factory=dict)
     # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
     # (the defaults apply where the table declares the variable: a dense family has no ``experts``)
     compare: dict[str, str] = Field(default_factory=lambda: dict(LLAMA_CPP_COMPARE))

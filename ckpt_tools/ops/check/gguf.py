@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...io.gguf_file import GgufFile
-from ...model.gguf_names import GLUE_NAMES, TensorNames, folded, glue_base
+from ...model.gguf_names import GLUE_NAMES, TensorNames, folded, glue_name
 
 RULE_MISSING = "gguf-mtp-missing"
 RULE_UNEXPECTED = "gguf-mtp-unexpected"
@@ -94,7 +94,7 @@ def _expected(table: Any, names: TensorNames, bid: int) -> tuple[set[str], set[s
 
     for role, t in table.mtp.glue.items():
         if role in GLUE_NAMES:
-            add(glue_base(lc, base, bid) + GLUE_NAMES[role], not t.optional and t.when is None)
+            add(glue_name(lc, role, base, bid), not t.optional and t.when is None)
     for block in table.mtp.blocks:
         for ref in block.parts:
             for item in table.parts[ref.part]:

@@ -25,7 +25,7 @@ from ...model.expert_layouts import ExpertLayout
 from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
 from ...model.gate import require_consistent
-from ...model.gguf_names import GLUE_NAMES, TensorNames, folded, glue_base, keeps_f32
+from ...model.gguf_names import GLUE_NAMES, TensorNames, folded, glue_name, keeps_f32
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor
@@ -263,7 +263,7 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
         base = render(prefix, {**res.env, "l": _trunk_layers(res) + depth})
         bid = _trunk_layers(res) + depth
         if spec.role in GLUE_NAMES:
-            out.append((t, glue_base(lc, base, bid) + GLUE_NAMES[spec.role], spec.kind))
+            out.append((t, glue_name(lc, spec.role, base, bid), spec.kind))
         elif spec.role == "block" and (spec.block == 0 or spec.block < len(lc.fold)):
             out.append((t, folded(lc.fold[spec.block:spec.block + 1], spec.sub, base, bid), spec.kind))
         else:
