@@ -352,8 +352,10 @@ def test_min_acceptance_checks_every_sidecar_of_a_trunk_without_mtp(fake_llama, 
 
 # table fixtures (random weights: acceptance is noise), vocabulary 128 for the test tokenizer: every family whose
 # table's llama.cpp check is `served` besides FAMILIES
-OTHER_FAMILIES = ["glm4_moe_lite", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "hy_v3", "nemotron_h"]
-FIXTURE_OPTIONS = {"hy_v3": {"with_optional": False}}  # Hy3 releases ship no per-layer head copy
+OTHER_FAMILIES = ["glm4_moe_lite", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "hy_v3", "nemotron_h",
+                  "bailing_moe_v3"]
+# Hy3 releases ship no per-layer head copy; llama.cpp's BailingMoeV3 converter maps none
+FIXTURE_OPTIONS = {"hy_v3": {"with_optional": False}, "bailing_moe_v3": {"with_optional": False}}
 # what llama.cpp b11434 needs of a fixture beyond the table's: the smallest DSA indexer head its lightning indexer
 # runs (a Hadamard rotation of n_rot_k >= 64 columns, llama-kv-cache.cpp; ggml_can_mul_mat needs the head that
 # wide); Nemotron-H's MoE releases' layer kinds only (the converter's nemotron_h_moe counts no dense MLP layer, '-')

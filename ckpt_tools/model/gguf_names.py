@@ -62,6 +62,9 @@ class TensorNames:
                 name = gguf.TENSOR_NAMES[kind].format(bid=bid)
                 for t in templates:
                     mapping.setdefault(t.format(bid=bid), (kind, name))
+        # a name in GGUF form is its own (a converter that formats a kind's name itself: format_tensor_name)
+        for kind, name in list(mapping.values()):
+            mapping.setdefault(name, (kind, name))
         return mapping
 
     def lookup(self, name: str) -> tuple[str, str] | None:

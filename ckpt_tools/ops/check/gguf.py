@@ -95,14 +95,15 @@ def _expected(table: Any, names: TensorNames, bid: int) -> tuple[set[str], set[s
     for role, t in table.mtp.glue.items():
         if role in GLUE_NAMES:
             add(glue_name(lc, role, base, bid), not t.optional and t.when is None)
-    for block in table.mtp.blocks:
+    for n, block in enumerate(table.mtp.blocks):
+        # a repeated block's sub-blocks are not told apart here: a key may take any sub-block's name (none required)
+        folds = [lc.fold[n:n + 1]] if block.repeat is None else [[], *([f] for f in lc.fold)]
         for ref in block.parts:
             for item in table.parts[ref.part]:
                 required = ref.when is None and block.repeat is None
-                # a folded step's sub-blocks are not told apart here: a key may be any sub-block's name
                 if item.tensor is not None:
                     t = item.tensor
-                    for fold in ([{}], *([f] for f in lc.fold)):
+                    for fold in folds:
                         add(folded(fold, t.key, base, bid), required and not t.optional and t.when is None)
                 else:
                     ex = item.experts
