@@ -7,7 +7,8 @@ a dense trunk, an MoE MTP layer at model.layers.61), each given the byte-level t
 (ckpt_tools/testing/tokenizer.py). llama.cpp's own converter (convert_hf_to_gguf.py from the same source tree,
 tests/consumers/llama_convert.py) makes the trunk GGUFs (``--no-mtp``) and, for GLM-4-MoE, its own MTP sidecar
 (``--mtp``) and single file; it drops DeepSeek-V3's MTP layer, so there the sidecar is ours alone. Everything in
-f32, so that greedy output can be compared with transformers' (fp32) token for token.
+f32, so that greedy output can be compared with transformers' (fp32) token for token. Every other family served:
+its table fixture, drafting output-preserving.
 
 Skipped, with the build log's tail as the reason, when llama.cpp could not be built; under CI=true they fail.
 """
