@@ -7,7 +7,8 @@ a dense trunk, an MoE MTP layer at model.layers.61), each given the byte-level t
 (ckpt_tools/testing/tokenizer.py). llama.cpp's own converter (convert_hf_to_gguf.py from the same source tree,
 tests/consumers/llama_convert.py) makes the trunk GGUFs (``--no-mtp``) and, for GLM-4-MoE, its own MTP sidecar
 (``--mtp``) and single file; it drops DeepSeek-V3's MTP layer, so there the sidecar is ours alone. Everything in
-f32, so that greedy output can be compared with transformers' (fp32) token for token.
+f32, so that greedy output can be compared with transformers' (fp32) token for token. Every other family served:
+its table fixture, drafting output-preserving.
 
 Skipped, with the build log's tail as the reason, when llama.cpp could not be built; under CI=true they fail.
 """
@@ -325,7 +326,7 @@ def test_served_means_this_module_serves_it():
     from ckpt_tools.model.tables.loader import all_tables
 
     served = {n for n, t in all_tables().items() if t.llama_cpp is not None and t.llama_cpp.check == "served"}
-    assert served == set(FAMILIES)
+    assert served == set(FAMILIES) | set(OTHER_FAMILIES)
 
 
 def test_min_acceptance_checks_every_sidecar_of_a_trunk_without_mtp(fake_llama, tmp_path):
@@ -350,17 +351,16 @@ def test_min_acceptance_checks_every_sidecar_of_a_trunk_without_mtp(fake_llama, 
 
 # -- every other family with a llama_cpp table section: loads and drafts, output preserved -------------------------
 
-# table fixtures (random weights: acceptance is noise), vocabulary 128 for the test tokenizer
-OTHER_FAMILIES = ["glm4_moe_lite", "qwen3_next", "hy_v3"]
-# what llama.cpp b11434 cannot run at the table fixtures' tiny dimensions, with its reason: its converter's own
-# single file (trunk + MTP) aborts the same way, so the sidecar is not the cause. A family whose reason goes away is
-# to be served above.
-NOT_AT_FIXTURE_SIZE = {
-    "glm_moe_dsa": "ggml_can_mul_mat",  # the DSA indexer's projections at head widths of 8
-    "qwen3_5": "sect_dims <= ne0",  # M-RoPE sections wider than the fixture's rotary dimensions
-    "qwen3_5_moe": "sect_dims <= ne0",
-}
-FIXTURE_OPTIONS = {"hy_v3": {"with_optional": False}}  # Hy3 releases ship no per-layer head copy
+# table fixtures (random weights: acceptance is noise), vocabulary 128 for the test tokenizer: every family whose
+# table's llama.cpp check is `served` besides FAMILIES
+OTHER_FAMILIES = ["glm4_moe_lite", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "hy_v3", "nemotron_h",
+                  "bailing_moe_v3"]
+# Hy3 releases ship no per-layer head copy; llama.cpp's BailingMoeV3 converter maps none
+FIXTURE_OPTIONS = {"hy_v3": {"with_optional": False}, "bailing_moe_v3": {"with_optional": False}}
+# what llama.cpp b11434 needs of a fixture beyond the table's: the smallest DSA indexer head its lightning indexer
+# runs (a Hadamard rotation of n_rot_k >= 64 columns, llama-kv-cache.cpp; ggml_can_mul_mat needs the head that
+# wide); Nemotron-H's MoE releases' layer kinds only (the converter's nemotron_h_moe counts no dense MLP layer, '-')
+LLAMA_FIXTURE = {"glm_moe_dsa": {"index_head_dim": 64}, "nemotron_h": {"hybrid_override_pattern": "ME*E"}}
 
 
 @pytest.fixture(scope="module")
@@ -371,46 +371,34 @@ def families(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("llama-families")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": [10 + i, 20, 30, 40, 50, 60]}) + "\n" for i in range(4)))
-    jobs, sources = [], {}
-    for family in OTHER_FAMILIES + list(NOT_AT_FIXTURE_SIZE):
-        src = make_checkpoint(family, root / family, num_shards=1, **FIXTURE_OPTIONS.get(family, {}),
-                              config_overrides={"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2})
-        tokenizer.write_tokenizer(src, 128)
-        sources[family] = src
-        jobs.append([src, "--outfile", root / f"{family}-trunk.gguf", "--outtype", "f32", "--no-mtp"])
-        if family in NOT_AT_FIXTURE_SIZE:
-            jobs.append([src, "--outfile", root / f"{family}-single.gguf", "--outtype", "f32"])
-    convert(jobs, root)
+    sources = {}
+    for family in OTHER_FAMILIES:
+        overrides = {"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2, **LLAMA_FIXTURE.get(family, {})}
+        sources[family] = make_checkpoint(family, root / family, num_shards=1, **FIXTURE_OPTIONS.get(family, {}),
+                                          config_overrides=overrides)
+        tokenizer.write_tokenizer(sources[family], 128)
+    convert([[src, "--outfile", root / f"{name}-trunk.gguf", "--outtype", "f32", "--no-mtp"]
+             for name, src in sources.items()], root)
     out = {}
     for family, src in sources.items():
         trunk = root / f"{family}-trunk.gguf"
         ours = sidecar(src, trunk, root / f"ours-{family}")
-        job = dict(prompts=prompts, max_new_tokens=16, engine="llama.cpp", llama_cpp=LLAMA_CPP)
-        runs = [(family, trunk, [ours])]
-        if family in NOT_AT_FIXTURE_SIZE:
-            runs.append((f"{family}-single", root / f"{family}-single.gguf", []))
-        for name, verifier, drafts in runs:
-            try:
-                out[name] = api.probe(verifier, drafts=drafts, **job).to_json()
-            except Exception as e:  # noqa: BLE001 (a refusal is what some of these expect)
-                out[name] = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            out[family] = api.probe(trunk, drafts=[ours], prompts=prompts, max_new_tokens=16, engine="llama.cpp",
+                                    llama_cpp=LLAMA_CPP).to_json()
+        except Exception as e:  # noqa: BLE001 (reported by the family's test, the others still run)
+            out[family] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
 @pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_family_sidecar_loads_and_drafts_output_preserved(families, family):
+    """llama.cpp loads the converter's trunk with our sidecar and drafts with it (draft-mtp); its greedy output
+    equals its own without drafting on every prompt."""
     out = families[family]
     assert "drafts" in out, out
     [draft] = out["drafts"]
     assert draft["greedy_equal"] is True and draft["num_drafts"] > 0, draft
-
-
-@pytest.mark.parametrize("family", list(NOT_AT_FIXTURE_SIZE))
-def test_what_llama_cpp_cannot_run_at_fixture_size_fails_as_its_converters_file_does(families, family):
-    ours, theirs = families[family], families[f"{family}-single"]
-    assert "error" in ours and "error" in theirs, f"llama.cpp now runs {family} here: serve it above"
-    for out in (ours, theirs):
-        assert "[probe-llama-cpp]" in out["error"] and NOT_AT_FIXTURE_SIZE[family] in out["error"], out
 
 
 def test_engine_token_ids_llama_cpp_tokenizes_otherwise_are_refused(fake_llama, tmp_path, monkeypatch):

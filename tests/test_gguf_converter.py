@@ -27,9 +27,11 @@ CONVERT = ROOT / "tests" / "consumers" / "llama_convert.py"
 VOCAB = 128
 # family -> the output types compared (every type for one family; f16, the default, for the others)
 CASES = {"glm4_moe": ("f32", "f16", "bf16", "q8_0"), "glm4_moe_lite": ("f16",), "glm_moe_dsa": ("f16",),
-         "qwen3_next": ("f16",), "qwen3_5": ("f16",), "qwen3_5_moe": ("f16",), "hy_v3": ("f16",)}
-# fixture options per family: Hy3 releases ship no per-layer head copy, and llama.cpp's converter maps none
-OPTIONS = {"hy_v3": {"with_optional": False}}
+         "qwen3_next": ("f16",), "qwen3_5": ("f16",), "qwen3_5_moe": ("f16",), "hy_v3": ("f16",),
+         "nemotron_h": ("f16",), "bailing_moe_v3": ("f16",)}
+# fixture options per family: Hy3 releases ship no per-layer head copy, and llama.cpp's Hy3 and BailingMoeV3
+# converters map none
+OPTIONS = {"hy_v3": {"with_optional": False}, "bailing_moe_v3": {"with_optional": False}}
 
 pytestmark = [
     pytest.mark.slow,

@@ -66,6 +66,9 @@ class TensorNames:
                 name = gguf.TENSOR_NAMES[kind].format(bid=bid)
                 for t in templates:
                     mapping.setdefault(t.format(bid=bid), (kind, name))
+        # a name in GGUF form is its own (a converter that formats a kind's name itself: format_tensor_name)
+        for kind, name in list(mapping.values()):
+            mapping.setdefault(name, (kind, name))
         return mapping
 
     def lookup(self, name: str) -> tuple[str, str] | None:
@@ -83,7 +86,23 @@ class TensorNames:
         return None
 
 
-def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str]) -> bool:
-    """Whether llama.cpp's converter stores this tensor F32 whatever the output type."""
+def folded(fold: list[dict[str, str]], sub: str, base: str, bid: int) -> str:
+    """The name llama.cpp's converter gives block-relative ``sub`` in MTP block ``bid`` (``base``: its prefix):
+    renamed by a ``llama_cpp.fold`` entry (with ``{l}``: the whole name), else ``base + sub``."""
+    from .expr import render
+
+    name = next((f[sub] for f in fold if sub in f), sub)
+    return render(name, {"l": bid}) if "{" in name else base + name
+
+
+def glue_name(lc: Any, role: str, base: str, bid: int) -> str:
+    """The name llama.cpp's converter gives an MTP glue tensor of block ``bid`` before its map: the table's
+    ``llama_cpp.glue`` name for the role (with ``{l}``: the whole name), else GLUE_NAMES' under ``base``."""
+    return folded([lc.glue], role, base, bid) if role in lc.glue else base + GLUE_NAMES[role]
+
+
+def keeps_f32(kind: str, gguf_name: str, ndim: int, extra: list[str], dropped: list[str] = ()) -> bool:
+    """Whether llama.cpp's converter stores this tensor F32 whatever the output type (``extra``: further kinds,
+    ``dropped``: kinds of F32_KINDS it does not for the family's MTP block)."""
     return (ndim <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
-            or kind in F32_KINDS or kind in extra)
+            or (kind in F32_KINDS and kind not in dropped) or kind in extra)

@@ -127,6 +127,11 @@ def _check_names(table: Table, path: Path) -> None:
         for j, sp in enumerate(table.llama_cpp.split):
             for fld in ("heads", "first", "second"):
                 check(getattr(sp, fld), f"llama_cpp.split[{j}].{fld}")
+        for j, pm in enumerate(table.llama_cpp.permute):
+            check(pm.heads, f"llama_cpp.permute[{j}].heads")
+        for key, value in table.llama_cpp.extend.items():
+            if isinstance(value, str):
+                check(value, f"llama_cpp.extend.{key}")
         from .schema import LLAMA_CPP_COMPARE
 
         unknown = sorted(set(table.llama_cpp.compare) - set(table.config) - set(LLAMA_CPP_COMPARE))

@@ -223,6 +223,13 @@ class LlamaCppSplitDef(_Strict):
         return v
 
 
+class LlamaCppPermuteDef(_Strict):
+    """A q / k projection whose rows llama.cpp's converter reorders for its rotary layout (LlamaModel.permute)."""
+
+    key: str  # block-relative key of the tensor, e.g. mixer.q_proj.weight
+    heads: str  # the heads its rows are grouped in (an expression over the table's config variables)
+
+
 class LlamaCppDef(_Strict):
     """How llama.cpp (build b11434) drafts with the family's MTP layers, and what its GGUF holds.
 
@@ -242,12 +249,25 @@ class LlamaCppDef(_Strict):
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
+    permute: list[LlamaCppPermuteDef] = Field(default_factory=list)
     # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
     norm_offset: float = 0.0
     f32: list[str] = Field(default_factory=list)  # further MODEL_TENSOR kinds the family's converter keeps F32
-    # ``{arch}.<key>`` arrays of one value per trunk layer that the converter extends with this value for each
-    # MTP layer (e.g. attention.recurrent_layers: false, an MTP block attends); others are copied as they are
-    extend: dict[str, bool | int | float] = Field(default_factory=dict)
+    # kinds it keeps F32 elsewhere but not in the family's MTP block (Nemotron-H: its F32 check matches the source's
+    # layer number, mtp.layers.1, against the block's name, and misses)
+    not_f32: list[str] = Field(default_factory=list)
+    # ``{arch}.<key>`` arrays of one value per trunk layer that the converter extends with this value (a string:
+    # an expression over the config variables) for each MTP layer (e.g. attention.recurrent_layers: false, an MTP
+    # block attends); others are copied as they are
+    extend: dict[str, bool | int | float | str] = Field(default_factory=dict)
+    # an MTP step of several sub-blocks folded into the one llama.cpp block the converter writes: per sub-block,
+    # block-relative key -> the name the converter gives it there, block-relative or, with ``{l}`` (the block), whole
+    # (Nemotron-H: the MoE sub-layer's norm.weight is model.layers.{l}.post_attention_layernorm.weight); without it
+    # a step of more than one sub-block is refused
+    fold: list[dict[str, str]] = Field(default_factory=list)
+    # glue role -> the name the converter gives it before its map, where not the usual one (gguf_names.GLUE_NAMES
+    # under the trunk's layer prefix): block-relative, or with ``{l}`` (the block) whole
+    glue: dict[str, str] = Field(default_factory=dict)
     # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
     # (the defaults apply where the table declares the variable: a dense family has no ``experts``)
     compare: dict[str, str] = Field(default_factory=lambda: dict(LLAMA_CPP_COMPARE))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...io.gguf_file import GgufFile
-from ...model.gguf_names import GLUE_NAMES, TensorNames
+from ...model.gguf_names import GLUE_NAMES, TensorNames, folded, glue_name
 
 RULE_MISSING = "gguf-mtp-missing"
 RULE_UNEXPECTED = "gguf-mtp-unexpected"
@@ -94,19 +94,22 @@ def _expected(table: Any, names: TensorNames, bid: int) -> tuple[set[str], set[s
 
     for role, t in table.mtp.glue.items():
         if role in GLUE_NAMES:
-            add(base + GLUE_NAMES[role], not t.optional and t.when is None)
-    for block in table.mtp.blocks:
+            add(glue_name(lc, role, base, bid), not t.optional and t.when is None)
+    for n, block in enumerate(table.mtp.blocks):
+        # a repeated block's sub-blocks are not told apart here: a key may take any sub-block's name (none required)
+        folds = [lc.fold[n:n + 1]] if block.repeat is None else [[], *([f] for f in lc.fold)]
         for ref in block.parts:
             for item in table.parts[ref.part]:
                 required = ref.when is None and block.repeat is None
                 if item.tensor is not None:
                     t = item.tensor
-                    add(base + t.key, required and not t.optional and t.when is None)
+                    for fold in folds:
+                        add(folded(fold, t.key, base, bid), required and not t.optional and t.when is None)
                 else:
                     ex = item.experts
                     projections = ("gate", "up", "down") if ex.gated else ("up", "down")
                     for p in projections:
-                        add(f"{base}{ex.prefix}.{p}_proj.weight", required and ex.when is None)
+                        add(f"{folded(lc.fold, ex.prefix, base, bid)}.{p}_proj.weight", required and ex.when is None)
     return must, may
 
 

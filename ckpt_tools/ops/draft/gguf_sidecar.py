@@ -26,7 +26,7 @@ from ...model.expr import evaluate, render
 from ...model.formats import ExpertLink, correspond, get_format
 from ...model.formats.reverse import as_verifier
 from ...model.gate import require_consistent
-from ...model.gguf_names import GGUF_TYPES, GLUE_NAMES, TensorNames, keeps_f32
+from ...model.gguf_names import GGUF_TYPES, GLUE_NAMES, TensorNames, folded, glue_name, keeps_f32
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor
@@ -93,11 +93,11 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     trunk_layers = check_trunk(trunk, table, env, lc)
     blocks = trunk_layers + view.count
     names = TensorNames(lc, blocks, table.family)
-    tensors, from_trunk = _source_tensors(view)
+    tensors, from_trunk = _source_tensors(view, lc)
     out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
-    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc))
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc, env))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -113,7 +113,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         # sidecar: e.g. glm-dsa.attention.indexer.types)
         "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
                                  and isinstance(v.value, list) and len(v.value) == trunk_layers),
-        "per_layer_keys_extended": {f"{trunk.arch}.{k}": v for k, v in lc.extend.items()},
+        "per_layer_keys_extended": {f"{trunk.arch}.{k}": _extend_value(v, env) for k, v in lc.extend.items()},
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
@@ -159,10 +159,11 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
     return layers
 
 
-def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any) -> dict[str, list]:
+def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any, env: dict) -> dict[str, list]:
     """The per-layer arrays the table says the converter extends for the MTP layers, extended."""
     out = {}
     for suffix, value in lc.extend.items():
+        value = _extend_value(value, env)
         key = f"{trunk.arch}.{suffix}"
         kv = trunk.kv.get(key)
         if kv is None:
@@ -172,6 +173,10 @@ def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any) -> dict[str, li
                              path=str(trunk.path), key=key)
         out[key] = [*kv.value, *([value] * nextn)]
     return out
+
+
+def _extend_value(value: Any, env: dict) -> Any:
+    return int(evaluate(value, env)) if isinstance(value, str) else value
 
 
 def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]
@@ -207,7 +212,7 @@ def _from_trunk(trunk: GgufFile, key: str, names: TensorNames, family: str) -> G
                          lambda: t.chunks(trunk.path), {"source": [f"trunk:{t.name}"], "from_trunk": True})
 
 
-def _source_tensors(view: MtpView) -> tuple[list[tuple[OutputTensor, str, str]], list[str]]:
+def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, str, str]], list[str]]:
     """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order,
     and the shared tensors SRC does not hold (a draft: the trunk's are carried)."""
     ckpt, res = view.ckpt, view.resolved
@@ -253,17 +258,19 @@ def _source_tensors(view: MtpView) -> tuple[list[tuple[OutputTensor, str, str]],
         if t.key in groups:
             g, slot = groups[t.key]
             base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
-            out.append((t, f"{base}{g.sub_prefix}.{slot}_proj.weight", "linear"))
+            bid = _trunk_layers(res) + (g.depth or 0)
+            out.append((t, f"{folded(lc.fold, g.sub_prefix, base, bid)}.{slot}_proj.weight", "linear"))
             continue
         spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
         if spec is None or spec.depth is None and spec.role not in GLUE_NAMES:
             raise InputError(f"{t.key}: not an MTP tensor of the table", rule=RULE_NAME, key=t.key)
         depth = spec.depth if spec.depth is not None else 0
         base = render(prefix, {**res.env, "l": _trunk_layers(res) + depth})
+        bid = _trunk_layers(res) + depth
         if spec.role in GLUE_NAMES:
-            out.append((t, base + GLUE_NAMES[spec.role], spec.kind))
-        elif spec.role == "block" and spec.block == 0:
-            out.append((t, base + spec.sub, spec.kind))
+            out.append((t, glue_name(lc, spec.role, base, bid), spec.kind))
+        elif spec.role == "block" and (spec.block == 0 or spec.block < len(lc.fold)):
+            out.append((t, folded(lc.fold[spec.block:spec.block + 1], spec.sub, base, bid), spec.kind))
         else:
             raise InputError(f"{spec.key}: role {spec.role} (sub-block {spec.block}) has no place in llama.cpp's "
                              "MTP layout", rule=RULE_NAME, key=spec.key)
@@ -326,13 +333,31 @@ def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: A
     offset = lc.norm_offset if kind == "norm" else 0.0
     qtype = _out_qtype(tkind, gname, t.shape, lc, gguf_type)
     meta = {"source": list(t.meta.get("source", [t.key])), "source_dtype": t.meta.get("source_dtype", t.dtype)}
+    heads = next((int(evaluate(p.heads, env)) for p in lc.permute if hf_name.endswith("." + p.key)), None)
+    if heads is not None:
+        meta["permute"] = heads
+        return [GgufTensorOut(gname, tuple(t.shape), qtype, lambda: _permuted(t, qtype, heads), meta)]
     return [GgufTensorOut(gname, tuple(t.shape), qtype, lambda: _bands(t, qtype, offset), meta)]
+
+
+def _permuted(t: OutputTensor, qtype, heads: int) -> Iterator[bytes]:
+    """Rows in llama.cpp's rotary order, as its LlamaModel.permute: each head's two halves interleaved row by row
+    ([heads, 2, rows / heads / 2, cols] with the middle axes swapped). One attention projection, read whole."""
+    import numpy as np
+
+    from ...arrays import decode_floats
+    from ...numeric.transforms import RecipeReader
+
+    rows, cols = t.shape
+    values = decode_floats(RecipeReader(t.recipe).read(t.nbytes), t.dtype).astype(np.float32, copy=False)
+    values = values.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    yield _encode(np.ascontiguousarray(values), qtype)
 
 
 def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str):
     import gguf
 
-    if keeps_f32(tkind, gname, len(shape), list(lc.f32)):
+    if keeps_f32(tkind, gname, len(shape), list(lc.f32), list(lc.not_f32)):
         return gguf.GGMLQuantizationType.F32
     q = _qtype(gguf_type)
     block = gguf.GGML_QUANT_SIZES[q][0]
