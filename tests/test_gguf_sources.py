@@ -245,3 +245,25 @@ def test_an_object_store_draft_gives_the_local_sidecar(verifiers, tmp_path):
         meta = ck.header_bytes() + sum(f.stat().st_size for f in (tmp_path / "draft").iterdir()
                                        if f.suffix != ".safetensors")
     assert tensors <= downloaded <= tensors + meta, (downloaded, tensors, meta)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "qwen3_next", "nemotron_h", "bailing_moe_v3", "hy_v3"])
+def test_the_f32_sidecar_decodes_back_to_the_checkpoints_own_mtp_values(family, tmp_path):
+    """probe --mtp-quant's GGUF rows undo every transform the sidecar applies (experts stacked, kv_b split,
+    rotary row order, norm offset): in F32 the decoded MTP equals the checkpoint's, value for value."""
+    import numpy as np
+
+    from ckpt_tools.arrays import decode_floats
+    from ckpt_tools.io.checkpoint import Checkpoint
+    from ckpt_tools.ops.draft.gguf_sidecar import mtp_in_gguf
+    from ckpt_tools.testing import make_checkpoint
+
+    src = make_checkpoint(family, tmp_path / family, with_optional=False)  # per-layer copies: not MTP-only
+    with Checkpoint.open(src) as ck:
+        decoded = mtp_in_gguf(ck, "f32")
+        assert len(decoded) > 5
+        for key, ([t], _) in decoded.items():
+            ref = ck.tensors[key]
+            want = decode_floats(ref.read(), ref.dtype).astype(np.float32).reshape(ref.shape)
+            got = np.frombuffer(b"".join(bytes(c) for c in t.recipe.produce()), dtype=np.float32).reshape(t.shape)
+            np.testing.assert_array_equal(got, want, err_msg=key)

@@ -496,7 +496,7 @@ def mtp_in_gguf(ckpt: Checkpoint, gguf_type: str) -> dict[str, tuple[list[Output
     names = TensorNames(lc, _trunk_layers(res) + view.count, table.family)
     mtp_keys = {k for _, k in view.stored()}
     out: dict[str, tuple[list[OutputTensor], None]] = {}
-    for t, hf_name, kind in _source_tensors(view)[0]:
+    for t, hf_name, kind in _source_tensors(view, lc)[0]:
         sources = list(t.meta.get("source", [t.key]))
         if not set(sources) <= mtp_keys:
             continue
@@ -504,7 +504,11 @@ def mtp_in_gguf(ckpt: Checkpoint, gguf_type: str) -> dict[str, tuple[list[Output
         for g in _convert(t, hf_name, kind, names, lc, res.env, gguf_type, table.family):
             with np.errstate(over="ignore"):  # a value beyond the type's range: refused below, by name
                 raw = np.frombuffer(b"".join(bytes(c) for c in g.chunks()), dtype=np.uint8)
-            parts.append(quants.dequantize(raw, g.qtype).reshape(g.shape))
+            v = quants.dequantize(raw, g.qtype).reshape(g.shape)
+            if heads := g.meta.get("permute"):  # llama.cpp's rotary row order (_permuted), undone
+                rows, cols = g.shape
+                v = v.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+            parts.append(v)
             nbytes += g.nbytes
             encoded |= g.qtype != GGMLQuantizationType.F32
         values = _unsplit(parts, hf_name, lc) if len(parts) > 1 else parts[0]
