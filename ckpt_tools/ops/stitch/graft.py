@@ -120,9 +120,9 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
                          f"{len(sview.present)} MTP tensor(s)): graft takes them from a checkpoint that ships them, "
                          "such as the original release", rule="no-mtp", path=source.root)
     sview.require_complete()
-    _same_dimensions(sview, target, table)
+    out_view = virtual_view(tview, sview.count)
+    _same_dimensions(sview, out_view)
     declared = _require_declared(target, req.mtp_quant) if req.mtp_quant is not None else None
-    out_view = virtual_view(target, table, sview.count)
     pieces = _Grafter(sview, out_view, req, declared).build()
     out_view.present = [s for s in out_view.present if s.key in pieces or s.role == "scale"]
 
@@ -221,12 +221,9 @@ def _sources(t: OutputTensor) -> list[str]:
     return [s for s in src if isinstance(s, str)] if isinstance(src, list) else [t.key]
 
 
-def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
+def _same_dimensions(sview: MtpView, out_view: MtpView) -> None:
     """SOURCE's MTP tensors have the names and shapes TARGET's config gives MTP layers of that count."""
-    from ...model.tables.resolve import resolve
-
-    sres = sview.resolved
-    tres = resolve(table, target.config, mtp_count=sres.mtp_count)
+    sres, tres = sview.resolved, out_view.resolved
     want = {s.key: tuple(s.shape) for s in [*tres.mtp_specs(), *tres.shared.values()]}
     have = {s.key: tuple(s.shape) for s in [*sres.mtp_specs(), *sres.shared.values()]}
     problems = [f"{k}: source {list(have[k])}, target {list(want[k])}" for k in sorted(have.keys() & want.keys())

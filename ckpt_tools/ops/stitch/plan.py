@@ -423,7 +423,7 @@ def _choose_mode(setup: _Setup, req: StitchRequest) -> tuple[str, MtpView, list[
     count = max(layers) + 1 if layers else 0
     if layers != list(range(count)):
         raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
-    return mode, virtual_view(setup.verifier, setup.table, count), layers
+    return mode, virtual_view(declared, count), layers
 
 
 def _build(setup: _Setup, view: MtpView, mode: str, layers: list[int], req: StitchRequest

@@ -36,9 +36,12 @@ class CarriedShards:
     linked_files: list[str] = field(default_factory=list)  # shards copied or linked whole (--link)
 
 
-def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
-    """What the verifier's MTP would look like with ``count`` layers (add mode)."""
-    res = resolve(table, verifier.config, mtp_count=count)
+def virtual_view(declared: MtpView, count: int) -> MtpView:
+    """What the verifier's MTP (``declared``: its gated view) would look like with ``count`` layers (add mode);
+    its resolution is reused when the count stays."""
+    verifier, res = declared.ckpt, declared.resolved
+    if res.mtp_count != count:
+        res = resolve(res.table, verifier.config, mtp_count=count)
     # Experts follow the trunk's layout on disk (a trunk with fused experts gets fused MTP experts).
     trunk_layouts = [detect_group_layout(g, verifier.tensors) for g in trunk_specs(res)[1]]
     layouts = {g.prefix: (trunk_layouts[0] if trunk_layouts else g.layout) for g in res.experts()}
