@@ -94,7 +94,7 @@ class OutputTensor:
 def copy_of(ref: Any, key: str | None = None, meta: dict | None = None, shard: str | None = None) -> OutputTensor:
     """``ref``'s bytes as they are, under ``key`` (its own by default); ``meta`` defaults to its source."""
     return OutputTensor(key or ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), shard,
-                        meta=dict(meta or {"source": [ref.key]}))
+                        meta=dict(meta) if meta is not None else {"source": [ref.key]})
 
 
 @dataclass

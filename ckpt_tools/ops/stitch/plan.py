@@ -23,7 +23,6 @@ from ...errors import InputError, PlanError, UsageError
 from ...gcpause import gc_paused
 from ...io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ...model.consistency import count_field, note_allowed
-from ...model.expert_layouts import ExpertGroup
 from ...model.formats import Correspondence, correspond, detect_format, get_format, wrappers_of
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
@@ -36,9 +35,10 @@ from ...model.quant.storage import Storage
 from ...model.tables.resolve import Spec
 from ...numeric import transforms
 from ...stream.fingerprint import record_inputs, tensor_digest
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from ..writing.add_mtp import mtp_into, require_indexed, virtual_view
 from ..writing.carry import carried_files, check_inputs, untouched_file
+from ..writing.moves import Mover, Rename, Restack, Split, Step
 from ..writing.out_dtype import requested_for
 from ..writing.output_config import config_files, repair_config, set_count
 from .compare import Candidates, Decision, decide, judge
@@ -97,7 +97,7 @@ def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
 class _Builder:
     """Turns correspondence links into verifier-named candidate tensors built from the draft.
 
-    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64, or weights in
+    The dtype policy lives here (``take``): only float tensors (F16 / BF16 / F32 / F64, or weights in
     the draft's block format, read as values with their scales) replace float tensors, whatever ``--dtype``;
     a non-float verifier tensor is replaced only by one of its own dtype. A verifier weight stored quantized
     (any scheme table's format, block FP8 included) is written in that storage by the encoder its table
@@ -115,9 +115,9 @@ class _Builder:
         found = weight_format(draft)
         self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
         self.candidates: dict[str, OutputTensor] = {}
-        self.used: set[str] = set()
-        self.missing: list[str] = []
-        self.misshaped: list[str] = []
+        # the draft's tensors in the verifier's names, scales named as the verifier names them
+        self.mover = Mover(draft.tensors, self.dfmt, self.vfmt)
+        self.used, self.missing, self.misshaped = self.mover.used, self.mover.missing, self.mover.misshaped
         self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
         self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
@@ -130,78 +130,21 @@ class _Builder:
         self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
 
     def build(self) -> None:
+        """The correspondence run backwards as steps: each draft tensor renamed (a fusion tensor split back into the
+        family's halves), each expert group restacked from the layout it has on disk into the verifier's."""
+        steps: list[Step] = []
         for link in self.corr.tensors:
-            dref = self.draft.tensors.get(link.draft_key)
-            if dref is None:
-                if link.spec.optional:
-                    continue
-                self.missing.append(f"{link.draft_key} (for {link.verifier_key})")
-                continue
-            if tuple(dref.shape) != tuple(link.shape):
-                self.misshaped.append(f"{link.draft_key}: draft {list(dref.shape)}, verifier {link.verifier_key} "
-                                      f"{list(link.shape)}")
-                continue
-            self.used.add(link.draft_key)
-            if link.columns:  # one draft fusion tensor back into the family's halves
-                if self.dfmt.stores(dref.dtype):
-                    raise PlanError(f"{link.draft_key} is FP8; splitting it into {link.verifier_keys()} needs a "
-                                    "BF16 draft", rule="fp8-scale")
-                whole = OutputTensor(link.draft_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
-                                     meta={"source": [link.draft_key], "role": link.spec.role})
-                pieces = transforms.split_columns(whole, [(s.key, s.shape[-1]) for s in link.columns])
-                for piece, spec in zip(pieces, link.columns, strict=True):
-                    piece.meta["role"] = spec.role
-                    self._finish(piece, None, spec)
-                continue
-            t = OutputTensor(link.verifier_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
-                             meta={"source": [link.draft_key], "role": link.spec.role})
-            scale = self._draft_scale(link.draft_key, link.verifier_key)
-            if link.swap_halves:
-                t = transforms.swap_halves(t)
-            self._finish(t, scale, link.spec)
+            if link.columns:
+                steps.append(Split(link.draft_key, list(link.columns), link.spec, link.shape))
+            else:
+                steps.append(Rename(link.draft_key, link.verifier_key, link.spec, {"source": [link.draft_key],
+                                    "role": link.spec.role}, link.swap_halves, link.shape))
         for link in self.corr.experts:
-            self._experts(link.draft, link.verifier)
+            layout = detect_group_layout(link.draft, self.draft.tensors)
+            steps.append(Restack(link.draft.with_layout(layout, prefix=link.draft.prefix), link.verifier))
+        self.mover.run(steps, self)
 
-    def _draft_scale(self, draft_key: str, verifier_key: str) -> OutputTensor | None:
-        dref = self.draft.tensors[draft_key]
-        if not self.dfmt.stores(dref.dtype):
-            return None
-        skey = self.dfmt.scale_key(draft_key)
-        sref = self.draft.tensors.get(skey)
-        if sref is None:
-            self.missing.append(f"{skey} (block scale of FP8 {draft_key})")
-            return None
-        self.used.add(skey)
-        return OutputTensor(self.vfmt.scale_key(verifier_key), sref.dtype, sref.shape,
-                            CopyBytes([sref.segment()]), meta={"source": [skey], "role": "scale"})
-
-    def _experts(self, draft_group: ExpertGroup, verifier_group: ExpertGroup) -> None:
-        layout = detect_group_layout(draft_group, self.draft.tensors)
-        on_disk = draft_group.with_layout(layout, prefix=draft_group.prefix)
-        keys = [t.key for t in on_disk.tensors()]
-        absent = [k for k in keys if k not in self.draft.tensors]
-        if absent:
-            self.missing += [f"{k} (expert tensor)" for k in absent]
-            return
-        for et in on_disk.tensors():
-            self.used.add(et.key)
-            skey = self.dfmt.scale_key(et.key)
-            if skey in self.draft.tensors:
-                self.used.add(skey)
-        from ...model.experts import convert_group
-
-        outs = convert_group(on_disk, self.draft.tensors, verifier_group, fmt=self.dfmt)
-        by_key = {t.key: t for t in outs}
-        scales = {self.dfmt.scale_key(t.key) for t in outs if self.dfmt.stores(t.dtype)}
-        for t in outs:
-            if t.key in scales:
-                continue
-            scale = by_key.get(self.dfmt.scale_key(t.key))
-            if scale is not None and self.dfmt.scale_suffix != self.vfmt.scale_suffix:
-                scale.key = self.vfmt.scale_key(t.key)  # named as the verifier names its scales
-            self._finish(t, scale, None)
-
-    def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
+    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step | None = None) -> None:
         """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
         its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
         tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
@@ -257,7 +200,7 @@ class _Builder:
         if not self.dfmt.stores(t.dtype):
             return t
         if scale is None:
-            return None  # recorded as missing (``_draft_scale``): the draft does not fit
+            return None  # recorded as missing (``Mover.scale``): the draft does not fit
         try:
             return self.dfmt.decode(t, scale, dtype)
         except PlanError as e:
@@ -448,8 +391,7 @@ def _build(setup: _Setup, view: MtpView, mode: str, layers: list[int], req: Stit
     builder.build()
     for spec in fill:  # a required per-layer copy: the verifier's own shared tensor, byte for byte
         src = _shared_source(view, spec)
-        builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
-                                                    meta={"source": ["verifier:" + src.key], "role": spec.role})
+        builder.candidates[spec.key] = copy_of(src, spec.key, {"source": ["verifier:" + src.key], "role": spec.role})
     return builder, unwrapped
 
 
@@ -585,8 +527,7 @@ def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     for d in report.decisions:
         vref = view.ckpt.tensors.get(d.key)
         if d.action == "identical" and vref is not None:
-            builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
-                                                     meta=builder.candidates[d.key].meta)
+            builder.candidates[d.key] = copy_of(vref, None, builder.candidates[d.key].meta)
 
 
 def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, report: StitchReport,
@@ -662,8 +603,7 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
             else:
                 ref = verifier.tensors[k]
                 # the verifier's own bytes, copied unchanged
-                tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
-                                            meta={"copied_from": "verifier"}))
+                tensors.append(copy_of(ref, None, {"copied_from": "verifier"}, shard))
                 if k not in builder.candidates:
                     report.copied_tensors += 1
             order.append(k)

@@ -105,7 +105,7 @@ class Mover:
                 (self._rename if isinstance(step, Rename) else self._split)(step, policy)
 
     def _present(self, step: Rename | Split) -> bool:
-        ref, dst = self.refs.get(step.src), step.dst if isinstance(step, Rename) else step.spec.key
+        ref, dst = self.refs.get(step.src), step.dst if isinstance(step, Rename) else step.pieces[0].key
         if ref is None:
             if step.spec is None or not step.spec.optional:
                 self.missing.append(f"{step.src} (for {dst})")
