@@ -21,7 +21,7 @@ from ...model.gate import require_consistent
 from ...model.mtp import MtpView
 from ...model.quant.config import SIDE_FILES
 from ...stream.fingerprint import record_inputs
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg
 from ..writing.output_config import set_count
@@ -162,8 +162,7 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
             continue
         for k in keep:
             ref = ckpt.tensors[k]
-            tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
-                                        meta={"source": [k]}))
+            tensors.append(copy_of(ref, k, None, shard))
         verbatim = raw_header(ckpt, shard) if len(keep) == len(keys) else None
         layouts[shard] = ShardLayout(order=keep, header_bytes=verbatim)
     config = set_count(view, ckpt.config.raw, 0) if table.mtp.count_field else dict(ckpt.config.raw)

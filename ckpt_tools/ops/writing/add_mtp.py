@@ -13,7 +13,7 @@ from ...errors import InputError, PlanError, UsageError
 from ...io.checkpoint import Checkpoint
 from ...model.mtp import MtpView, detect_group_layout
 from ...model.tables.resolve import resolve, trunk_specs
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from .carry import carried_files, untouched_file
 
 
@@ -79,8 +79,7 @@ def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[O
         elif kept:  # rewritten without the dropped tensors, the others byte for byte in their order
             for k in kept:
                 ref = verifier.tensors[k]
-                tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=name,
-                                            meta={"copied_from": "verifier"}))
+                tensors.append(copy_of(ref, k, {"copied_from": "verifier"}, name))
             layouts[name] = ShardLayout(order=kept)
             report.rewritten_shards.append(name)
         report.copied_tensors += len(kept)
