@@ -114,17 +114,12 @@ class _Builder:
         self.vfmt = view.block_format
         found = weight_format(draft)
         self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
-        self.candidates: dict[str, OutputTensor] = {}
         # the draft's tensors in the verifier's names, scales named as the verifier names them
         self.mover = Mover(draft.tensors, self.dfmt, self.vfmt)
         self.used, self.missing, self.misshaped = self.mover.used, self.mover.missing, self.mover.misshaped
-        self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
+        self.out = Candidates({}, {}, [], self.vfmt)  # what it builds, as compare.decide judges it
+        self.candidates, self.removed = self.out.tensors, self.out.removed
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
-        self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
-        self.digests: dict = {}  # draft byte range -> digest of its bytes (compare.Candidates.digests)
-        self.as_stored: set[str] = set()  # weights kept as the draft stores them (the verifier's own format)
-        self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
-        self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
         self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
@@ -222,9 +217,9 @@ class _Builder:
         outs = encode_module(t, stored, self.res.dtype, self.view.ckpt.tensors, group)
         wkey = stored.tensors[format_of(stored).weight.suffix]
         self.candidates.update(outs)
-        self.values[wkey] = t
-        self.encoded[wkey] = stored
-        self.companions[wkey] = [k for k in outs if k != wkey]
+        self.out.values[wkey] = t
+        self.out.encoded[wkey] = stored
+        self.out.companions[wkey] = [k for k in outs if k != wkey]
 
     def _same_storage(self, t: OutputTensor, scale: OutputTensor | None, stored: Storage) -> bool:
         """The draft holds ``t`` in the verifier's block format, tile and dtypes (weight and scale, same shapes)."""
@@ -244,10 +239,10 @@ class _Builder:
         wkey = stored.tensors[format_of(stored).weight.suffix]
         scale.key = stored.tensors[self.vfmt.scale_suffix]
         self.candidates[wkey], self.candidates[scale.key] = t, scale
-        self.values[wkey] = values
-        self.encoded[wkey] = stored
-        self.companions[wkey] = [scale.key]
-        self.as_stored.add(wkey)
+        self.out.values[wkey] = values
+        self.out.encoded[wkey] = stored
+        self.out.companions[wkey] = [scale.key]
+        self.out.as_stored.add(wkey)
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
         """Floats replace floats; a non-float verifier tensor only its own dtype."""
@@ -308,7 +303,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
     note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
     # --resume proves the same draft bytes (their digests taken as they were compared)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used), known=builder.digests)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.used), known=builder.out.digests)
     return plan, report
 
 
@@ -518,10 +513,7 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
-    cand = Candidates(builder.candidates, builder.values, builder.removed, builder.vfmt, builder.encoded,
-                      builder.companions, builder.as_stored)
-    report.decisions = decide(view, cand)
-    builder.digests = cand.digests  # the draft's tensors hashed as they were compared
+    report.decisions = decide(view, builder.out)  # the draft's tensors hashed as they are compared (digests)
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:
@@ -542,7 +534,7 @@ def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, r
     unlike = manifest_unlike(draft, builder.used, unwrapped.prefix)
     why = unlike
     if why is None and isinstance((draft.manifest or {}).get("init"), dict):
-        why = manifest_mismatch(draft, builder.used, builder.digests, tensor_digest, unwrapped.prefix)
+        why = manifest_mismatch(draft, builder.used, builder.out.digests, tensor_digest, unwrapped.prefix)
     if why is None:
         return None
     report.manifest = why
@@ -562,7 +554,7 @@ def _encode_partners(decisions: list[Decision], builder: _Builder) -> None:
         for k in keys:
             if by_key[k].action != "identical":
                 continue
-            for key in (k, *builder.companions.get(k, ())):
+            for key in (k, *builder.out.companions.get(k, ())):
                 d = by_key[key]
                 d.action, d.stats.status = "requantize", "replaced"
                 d.reason = ("encoded again: a shard of its fused layer changed, and the shards share one "
@@ -590,23 +582,16 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
             continue
         order = []
         for k in listed:
-            if k in builder.placed:  # written unquantized where the verifier stored it quantized
-                t = builder.candidates[builder.placed[k]]
-                tensors.append(OutputTensor(t.key, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
-                order.append(t.key)
+            if k in removed and k not in builder.placed:
                 continue
-            if k in removed:
-                continue
-            if k in builder.candidates and k in changed:
-                t = builder.candidates[k]
-                tensors.append(OutputTensor(k, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
-            else:
-                ref = verifier.tensors[k]
-                # the verifier's own bytes, copied unchanged
-                tensors.append(copy_of(ref, None, {"copied_from": "verifier"}, shard))
-                if k not in builder.candidates:
-                    report.copied_tensors += 1
-            order.append(k)
+            key = builder.placed.get(k, k)  # written unquantized where the verifier stored it quantized
+            t = builder.candidates.get(key) if k in builder.placed or k in changed else None
+            if t is not None:
+                tensors.append(OutputTensor(key, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
+            else:  # the verifier's own bytes, copied unchanged
+                tensors.append(copy_of(verifier.tensors[k], None, {"copied_from": "verifier"}, shard))
+                report.copied_tensors += k not in builder.candidates
+            order.append(key)
         layouts[shard] = ShardLayout(order=order, header_bytes=raw_header(verifier, shard))
         report.rewritten_shards.append(shard)
     config = _stitched_files(verifier, view, builder, "replace", report)

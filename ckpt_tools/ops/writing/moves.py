@@ -26,23 +26,17 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Rename:
-    """One source tensor under another name; ``swap``: its two input halves trade places; ``shape``: the shape
-    the source must have (None: any)."""
-
+class Rename:  # one source tensor under another name (``swap``: its input halves trade places)
     src: str
     dst: str
     spec: Spec | None
     meta: dict
     swap: bool = False
-    shape: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None  # the shape the source must have (None: any)
 
 
 @dataclass
-class Join:
-    """Source tensors side by side along the last axis (the family's fusion halves into the format's one tensor),
-    halves in the block format decoded to ``decode`` first."""
-
+class Join:  # source tensors side by side on the last axis (fusion halves), block-format ones decoded first
     srcs: list[str]
     dst: str
     spec: Spec
@@ -50,9 +44,7 @@ class Join:
 
 
 @dataclass
-class Split:
-    """One source tensor cut along its last axis into ``pieces`` (a ``Join`` run backwards)."""
-
+class Split:  # a Join run backwards: one source tensor cut on its last axis into ``pieces``
     src: str
     pieces: list[Spec]
     spec: Spec
@@ -60,10 +52,7 @@ class Split:
 
 
 @dataclass
-class Restack:
-    """An expert group into another group's names and layout (bytes as they are where they can), each weight
-    with its scale; ``dequant`` (experts.BlockDequant): each piece decoded before it is laid out."""
-
+class Restack:  # an expert group into another's names and layout (``dequant``: experts.BlockDequant first)
     src: ExpertGroup
     dst: ExpertGroup
     dequant: Any = None
@@ -75,7 +64,7 @@ Step = Rename | Join | Split | Restack
 class Policy(Protocol):
     def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None: ...
 
-    def stored(self, step: Rename, storage: Storage) -> None: ...
+    def stored(self, step: Rename, storage: Storage) -> None: ...  # a module a scheme table stores
 
 
 @dataclass
