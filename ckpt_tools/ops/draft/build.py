@@ -77,6 +77,13 @@ class _AsAsked:
         self.out += out
 
 
+def expert_groups(corr: Correspondence) -> dict[str, dict]:
+    """The manifest's record of each expert group: its layout in the draft and in the verifier."""
+    return {e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
+                             "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
+            for e in corr.experts}
+
+
 def build_draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, dequant_to, fp8_source,
                        verifier: str | None = None):
     ckpt, res = view.ckpt, view.resolved

@@ -44,7 +44,7 @@ from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg, requested_for
 from ..writing.output_config import set_count
-from .build import build_draft_config, draft_tensors
+from .build import build_draft_config, draft_tensors, expert_groups
 
 if TYPE_CHECKING:
     from ...model.formats import Format
@@ -420,11 +420,7 @@ def _manifest(target: Checkpoint, req: InitRequest, table: Table, corr: Correspo
         "layers": corr.layers,
         "mtp_count_in_source": summary.count,
         "concat_order": corr.fmt.concat_order or table.mtp.concat_order,
-        "expert_groups": {
-            e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
-                             "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
-            for e in corr.experts
-        },
+        "expert_groups": expert_groups(corr),
         "config_fields_omitted": omitted,
         "init": _recipe_record(req, table, summary, sha, sha_of, gen_dtype),
         "tool_version": __version__,
