@@ -19,18 +19,18 @@ def counted(monkeypatch):
     """Resolutions per config (by identity: one per opened checkpoint) and trunk-spec computations."""
     seen: Counter = Counter()
     trunk: Counter = Counter()
-    init, trunk_specs = resolve_mod.Resolved.__init__, getattr(resolve_mod, "_trunk_specs", resolve_mod.trunk_specs)
+    init, prefixes = resolve_mod.Resolved.__init__, resolve_mod.trunk_prefixes
 
     def counting_init(self, table, config, *a, **kw):
         seen[id(config)] += 1
         init(self, table, config, *a, **kw)
 
-    def counting_trunk(res):
+    def counting_trunk(res):  # trunk_specs starts from the trunk's layer prefixes
         trunk[id(res)] += 1
-        return trunk_specs(res)
+        return prefixes(res)
 
     monkeypatch.setattr(resolve_mod.Resolved, "__init__", counting_init)
-    monkeypatch.setattr(resolve_mod, "_trunk_specs", counting_trunk, raising=False)
+    monkeypatch.setattr(resolve_mod, "trunk_prefixes", counting_trunk)
     return seen, trunk
 
 
@@ -56,12 +56,14 @@ def test_stitch_resolves_the_verifier_once(counted, release, tmp_path):
     assert list(seen.values()) == [1], seen  # the verifier (the draft is read by its format, not resolved)
 
 
-def test_init_draft_and_validate_resolve_once(counted, release, tmp_path):
-    seen, trunk = counted
+def test_init_draft_resolves_once(counted, release, tmp_path):
+    seen, _ = counted
     api.init_draft(release, tmp_path / "o", dry_run=True, num_layers=1)
     assert list(seen.values()) == [1], seen
-    seen.clear()
-    trunk.clear()
+
+
+def test_validate_resolves_and_computes_the_trunk_once(counted, release):
+    seen, trunk = counted
     api.validate(release)
     assert list(seen.values()) == [1], seen
     assert list(trunk.values()) == [1], trunk  # the gate's rules and validate's reports share them

@@ -412,15 +412,12 @@ def trunk_prefixes(res: Resolved) -> list[str]:
     return [_render(table.trunk.prefix, dict(env, l=lidx)) for lidx in range(n)]
 
 
-def trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
-    """Decoder layers of the main model (the fixture generator and --from-layer use these); not to be mutated."""
-    if res.trunk is None:
-        res.trunk = _trunk_specs(res)
-    return res.trunk
-
-
 @_config_errors
-def _trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
+def trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
+    """Decoder layers of the main model (the fixture generator and --from-layer use these); computed once per
+    resolution (not to be mutated)."""
+    if res.trunk is not None:
+        return res.trunk
     table, env = res.table, res.env
     specs: list[Spec] = []
     groups: list[ExpertGroup] = []
@@ -429,4 +426,5 @@ def _trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
         s, g = part_specs(table, table.trunk.parts, lenv, prefix, res.dtype, "trunk")
         specs += s
         groups += g
-    return specs, groups
+    res.trunk = (specs, groups)
+    return res.trunk

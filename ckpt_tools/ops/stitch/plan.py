@@ -87,13 +87,6 @@ def _draft_layers(draft: Checkpoint, fmt: Format, req: StitchRequest, count: int
     return list(range(count))
 
 
-def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
-    ref = view.ckpt.tensors.get(key)
-    if ref is not None:
-        return ref.dtype
-    return spec.dtype if spec is not None else view.resolved.dtype
-
-
 class _Builder:
     """Turns correspondence links into verifier-named candidate tensors built from the draft.
 
@@ -146,7 +139,8 @@ class _Builder:
         ``--keep-bf16`` / ``--dtype draft`` asks, goes in as float values in place of the stored tensors, and
         the config excludes the module."""
         stored = self._stored(t, spec)
-        vt = _dtype_of(self.view, t.key, spec)
+        vref = self.view.ckpt.tensors.get(t.key)  # the verifier's dtype: its tensor's, else the table's
+        vt = vref.dtype if vref is not None else spec.dtype if spec is not None else self.res.dtype
         if stored is not None:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
         elif self.add and self.vfmt.stores(vt):
