@@ -101,14 +101,3 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         out.tensors[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, int(t.n_bytes), int(t.data_offset))
     return out
-
-
-def tensor_values(path: str | os.PathLike[str], name: str):
-    """One tensor's stored data (numpy: floats as they are, quantized types as raw bytes per row)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(Path(path), "r")
-    for t in reader.tensors:
-        if t.name == name:
-            return t.data
-    raise InputError(f"no tensor {name}", rule=RULE, path=str(path), key=name)

@@ -73,12 +73,6 @@ class MtpView:
     def nbytes(self) -> int:
         return sum(self.ckpt.tensors[k].nbytes for k in self.keys())
 
-    def numel(self) -> int:
-        return sum(self.ckpt.tensors[k].numel for k in self.keys())
-
-    def shards(self) -> list[str]:
-        return sorted({self.ckpt.shard_of(k) for k in self.keys()})
-
     def groups(self) -> list[ExpertGroup]:
         return [g.with_layout(self.layouts[g.prefix]) if self.layouts[g.prefix] != g.layout else g
                 for g in self.resolved.experts()]

@@ -1,18 +1,15 @@
-"""One engine that moves MTP tensors for stitch, graft, extract and init-draft.
-
-Each verb states what it wants as a list of steps (``Rename``, ``Join``, ``Split``, ``Restack``) and gives its
-policy (``Policy.take``: what becomes of each tensor; ``Policy.stored``: of a module a scheme table stores).
-The engine does the rest the same way for every verb: the source's bytes copied under their new names, expert
-groups restacked into another layout, and each weight in the source's block format paired with its scale,
-named as the output names its scales. transformers' conversion mapping (renamings and converters with their
-operations, a quantizer's own steps after them) is the model.
+"""One engine that moves MTP tensors for stitch, graft, extract and init-draft, on the model of transformers'
+conversion mapping: each verb states its steps (``Rename``, ``Join``, ``Split``, ``Restack``) and gives its policy
+(``take(tensor, scale, spec, step)``; ``stored(step, storage)`` for a module a scheme table stores). The engine
+copies the bytes under their new names, restacks expert groups, then pairs each weight in the source's block
+format with its scale, named as the output names its scales: the same way for every verb.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ...errors import PlanError, UsageError
 from ...numeric import transforms
@@ -61,12 +58,6 @@ class Restack:  # an expert group into another's names and layout (``dequant``: 
 Step = Rename | Join | Split | Restack
 
 
-class Policy(Protocol):
-    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None: ...
-
-    def stored(self, step: Rename, storage: Storage) -> None: ...  # a module a scheme table stores
-
-
 @dataclass
 class Mover:
     """Runs steps over one source's tensors (``refs``), stored in ``fmt``; written scales are named by ``out``.
@@ -82,7 +73,7 @@ class Mover:
     missing: list[str] = field(default_factory=list)
     misshaped: list[str] = field(default_factory=list)
 
-    def run(self, steps: Iterable[Step], policy: Policy) -> None:
+    def run(self, steps: Iterable[Step], policy: Any) -> None:
         for step in steps:
             if isinstance(step, Restack):
                 self._restack(step, policy)
@@ -117,7 +108,7 @@ class Mover:
         self.used.add(skey)
         return copy_of(sref, self.out.scale_key(dst), {"source": [skey], "role": "scale"} if self.scale_role else None)
 
-    def _rename(self, step: Rename, policy: Policy) -> None:
+    def _rename(self, step: Rename, policy: Any) -> None:
         t = copy_of(self.refs[step.src], step.dst, step.meta)
         scale = self.scale(step.src, step.dst)
         if step.swap:  # the scale grid would have to trade its columns too
@@ -126,7 +117,7 @@ class Mover:
             t = transforms.swap_halves(t)
         policy.take(t, scale, step.spec, step)
 
-    def _split(self, step: Split, policy: Policy) -> None:
+    def _split(self, step: Split, policy: Any) -> None:
         if self.fmt.stores(self.refs[step.src].dtype):
             raise PlanError(f"{step.src} is FP8; splitting it into {[s.key for s in step.pieces]} needs a BF16 draft",
                             rule="fp8-scale")
@@ -136,7 +127,7 @@ class Mover:
             piece.meta["role"] = spec.role
             policy.take(piece, None, spec, step)
 
-    def _join(self, step: Join, policy: Policy) -> None:
+    def _join(self, step: Join, policy: Any) -> None:
         parts = []
         for src in step.srcs:
             t, scale = copy_of(self.refs[src]), self.scale(src, src)
@@ -151,7 +142,7 @@ class Mover:
             t.meta["depth"] = step.spec.depth
         policy.take(t, None, step.spec, step)
 
-    def _restack(self, step: Restack, policy: Policy) -> None:
+    def _restack(self, step: Restack, policy: Any) -> None:
         """Restack the group, then pair each weight with its scale; a group a scheme table stores is renamed
         expert by expert, in the layout it has."""
         src, dst = step.src, step.dst
