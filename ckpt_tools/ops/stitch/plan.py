@@ -109,7 +109,6 @@ class _Builder:
         self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
         # the draft's tensors in the verifier's names, scales named as the verifier names them
         self.mover = Mover(draft.tensors, self.dfmt, self.vfmt)
-        self.used, self.missing, self.misshaped = self.mover.used, self.mover.missing, self.mover.misshaped
         self.out = Candidates({}, {}, [], self.vfmt)  # what it builds, as compare.decide judges it
         self.candidates, self.removed = self.out.tensors, self.out.removed
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
@@ -132,7 +131,7 @@ class _Builder:
             steps.append(Restack(link.draft.with_layout(layout, prefix=link.draft.prefix), link.verifier))
         self.mover.run(steps, self)
 
-    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step | None = None) -> None:
+    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None:
         """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
         its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
         tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
@@ -297,7 +296,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
     note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
     # --resume proves the same draft bytes (their digests taken as they were compared)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used), known=builder.out.digests)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.mover.used), known=builder.out.digests)
     return plan, report
 
 
@@ -450,16 +449,16 @@ def _is_copy(key: str, view: MtpView) -> bool:
 def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: StitchReport, view: MtpView,
                  allow_partial: bool) -> None:
     problems = []
-    if builder.missing and not allow_partial:  # with --allow-partial the verifier's tensors stay
-        problems.append(f"missing from the draft: {', '.join(builder.missing[:15])}"
-                        + (" ..." if len(builder.missing) > 15 else ""))
-    if builder.misshaped:
-        problems.append(f"shape mismatch: {'; '.join(builder.misshaped[:10])}")
+    if builder.mover.missing and not allow_partial:  # with --allow-partial the verifier's tensors stay
+        problems.append(f"missing from the draft: {', '.join(builder.mover.missing[:15])}"
+                        + (" ..." if len(builder.mover.missing) > 15 else ""))
+    if builder.mover.misshaped:
+        problems.append(f"shape mismatch: {'; '.join(builder.mover.misshaped[:10])}")
     shared = {s.key for s in view.resolved.shared.values()}
     shared |= {t.lstrip("/") for t in (fmt.embed, fmt.head) if t and t.startswith("/")}
     extra = []
     for key in draft.tensors:
-        if key in builder.used:
+        if key in builder.mover.used:
             continue
         if key in fmt.ignore_keys:
             report.ignored_draft_keys[key] = f"format {fmt.name} lists it as never stitched"
@@ -471,7 +470,7 @@ def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: Stit
         problems.append(f"{len(extra)} draft tensor(s) have no place in the verifier: {', '.join(extra[:15])}"
                         + (" ..." if len(extra) > 15 else ""))
     if problems:
-        hint = _quantized_draft_hint(draft, builder.missing)
+        hint = _quantized_draft_hint(draft, builder.mover.missing)
         raise InputError(f"draft {draft.root} ({fmt.name} format) does not fit {view.table.family} verifier: "
                          + " | ".join(problems) + hint, rule="draft-mismatch")
 
@@ -525,10 +524,10 @@ def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, r
     draft = unwrapped.ckpt
     if not manifest_claims(draft):
         return None
-    unlike = manifest_unlike(draft, builder.used, unwrapped.prefix)
+    unlike = manifest_unlike(draft, builder.mover.used, unwrapped.prefix)
     why = unlike
     if why is None and isinstance((draft.manifest or {}).get("init"), dict):
-        why = manifest_mismatch(draft, builder.used, builder.out.digests, tensor_digest, unwrapped.prefix)
+        why = manifest_mismatch(draft, builder.mover.used, builder.out.digests, tensor_digest, unwrapped.prefix)
     if why is None:
         return None
     report.manifest = why
