@@ -12,7 +12,7 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from .dtypes import DTYPES, torch_dtype
+from .dtypes import torch_dtype
 
 if TYPE_CHECKING:
     import numpy as np
@@ -149,10 +149,3 @@ def as_bytes(x) -> memoryview:
     import torch
 
     return memoryview(t.view(torch.uint8).numpy())
-
-
-def nbytes_of(dtype: str, shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return DTYPES[dtype].nbytes(n)

@@ -182,14 +182,3 @@ def _value(cur: _Cursor, vtype: Any) -> Any:
     if vtype == 8:  # STRING
         return cur.string()
     return cur.array(_FORMATS[int(vtype)], 1)[0]  # through numpy, as GGUFReader: float32 widened the same way
-
-
-def tensor_values(path: str | os.PathLike[str], name: str):
-    """One tensor's stored data (numpy: floats as they are, quantized types as raw bytes per row)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(Path(path), "r")
-    for t in reader.tensors:
-        if t.name == name:
-            return t.data
-    raise InputError(f"no tensor {name}", rule=RULE, path=str(path), key=name)

@@ -645,12 +645,6 @@ def convert_group(src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGr
     return _Converter(src, refs, dst, info, fmt, dequant).outputs()
 
 
-def group_source_keys(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat | None = None
-                      ) -> list[str]:
-    """Every key ``convert_group`` consumes (weights and scales), after checking the group."""
-    return check_group(src, refs, fmt).keys
-
-
 def layout_from_label(text: str) -> ExpertLayout:
     """Parse ``ExpertLayout.label()`` output (``fused(up-first)``) as well as ``fused:up-first``."""
     m = re.fullmatch(r"\s*([a-z-]+)\s*\(([^)]*)\)\s*", text)

@@ -73,12 +73,6 @@ class MtpView:
     def nbytes(self) -> int:
         return sum(self.ckpt.tensors[k].nbytes for k in self.keys())
 
-    def numel(self) -> int:
-        return sum(self.ckpt.tensors[k].numel for k in self.keys())
-
-    def shards(self) -> list[str]:
-        return sorted({self.ckpt.shard_of(k) for k in self.keys()})
-
     def groups(self) -> list[ExpertGroup]:
         return [g.with_layout(self.layouts[g.prefix]) if self.layouts[g.prefix] != g.layout else g
                 for g in self.resolved.experts()]
@@ -150,25 +144,19 @@ def _namespace(res: Resolved) -> tuple[list[str], set[str]]:
     return prefixes, glue
 
 
-def _beyond(ckpt: Checkpoint, table: Table, count: int) -> list[str]:
-    """Tensors that would belong to MTP depths >= count (or to shared glue when count is 0)."""
-    # the probed depths are not declared: per-depth config lists need no entries for them
-    probe = resolve(table, ckpt.config, mtp_count=count + 4, probe_from=count)
-    found: list[str] = []
-    declared = resolve(table, ckpt.config, mtp_count=count)
-    declared_glue = {s.key for s in declared.glue_specs()}
-    glue = {s.key for s in probe.glue_specs()} - declared_glue
-    prefixes = tuple(p for layer in probe.layers[count:] for p in [layer.prefix, *layer.block_prefixes])
-    for key in ckpt.tensors:
-        if key in glue or key.startswith(prefixes):  # one C call per key: every prefix at once
-            found.append(key)
-    return sorted(found)
+def _beyond(ckpt: Checkpoint, res: Resolved) -> list[str]:
+    """Tensors that would belong to MTP depths >= the count (or to shared glue when it is 0): ``res.probed``."""
+    declared_glue = {s.key for s in res.glue_specs()}
+    glue = {s.key for layer in res.probed for s in layer.glue.values()} - declared_glue
+    prefixes = tuple(p for layer in res.probed for p in [layer.prefix, *layer.block_prefixes])
+    # one C call per key: every prefix at once
+    return sorted(key for key in ckpt.tensors if key in glue or key.startswith(prefixes))
 
 
 def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = None) -> MtpView:
     """Classify the checkpoint's MTP tensors against ``table`` (detected when None)."""
     table = table or choose_table(ckpt)
-    res = resolve(table, ckpt.config, mtp_count=count)
+    res = resolve(table, ckpt.config, mtp_count=count, probe=4)  # 4 depths past the count: tensors beyond it
     keys = ckpt.tensors
     layouts = {g.prefix: detect_group_layout(g, keys) for g in res.experts()}
     view = MtpView(ckpt, res, layouts)
@@ -207,7 +195,7 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
         if (key.startswith(starts) or key in glue) and key not in expected_keys:
             view.extra.append(key)
     view.extra.sort()
-    view.beyond = _beyond(ckpt, table, res.mtp_count)
+    view.beyond = _beyond(ckpt, res)
     view.scheme = quant.scheme_if_read
     return view
 

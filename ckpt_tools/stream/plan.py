@@ -91,6 +91,12 @@ class OutputTensor:
         return DTYPES[self.dtype].nbytes(math.prod(self.shape))
 
 
+def copy_of(ref: Any, key: str | None = None, meta: dict | None = None, shard: str | None = None) -> OutputTensor:
+    """``ref``'s bytes as they are, under ``key`` (its own by default); ``meta`` defaults to its source."""
+    return OutputTensor(key or ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), shard,
+                        meta=dict(meta) if meta is not None else {"source": [ref.key]})
+
+
 @dataclass
 class OutputFile:
     """A non-tensor file of the output: inline content, or a copy/link of a source file."""

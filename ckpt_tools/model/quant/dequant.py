@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...dtypes import DTYPES
 from ...errors import PlanError
-from ...stream.plan import Compute, CopyBytes, OutputTensor
+from ...stream.plan import Compute, CopyBytes, OutputTensor, copy_of
 from ..expr import ExprError, evaluate
 from .storage import Storage
 from .tables import get_scheme, loaded_schemes
@@ -53,11 +53,6 @@ def tile_of(fmt: FormatDef, shape: tuple[int, ...], params: dict[str, Any]) -> t
     if not (isinstance(tile, (list, tuple)) and len(tile) == 2 and all(isinstance(x, int) and x > 0 for x in tile)):
         raise PlanError(f"scale granularity {fmt.decoder.scale.granularity!r} gave {tile!r}", rule="dequant")
     return min(int(tile[0]), max(rows, 1)), min(int(tile[1]), max(cols, 1))
-
-
-def copy_of(ref: Any, key: str | None = None, meta: dict | None = None) -> OutputTensor:
-    return OutputTensor(key or ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]),
-                        meta=dict(meta or {"source": [ref.key]}))
 
 
 def stored_tensors(ckpt: Any, storage: Storage) -> dict[str, OutputTensor]:

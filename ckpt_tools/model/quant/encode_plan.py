@@ -17,7 +17,7 @@ from typing import Any
 from ...dtypes import DTYPES
 from ...errors import PlanError
 from ...numeric.transforms import inputs_of
-from ...stream.plan import Compute, CopyBytes, OutputTensor
+from ...stream.plan import Compute, OutputTensor, copy_of
 from .dequant import format_of
 from .encode import STREAMS, EncodeArgs, encode_matrices, get_encoder, layout_of
 from .storage import Storage
@@ -118,8 +118,8 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
             if ref is None:
                 continue
             # an activation scale: calibrated on inputs, not a function of the weight: the reference's
-            out[key] = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), values.shard,
-                                    {"source": [f"verifier:{key}"], "role": "scale", "kept": "activation scale"})
+            out[key] = copy_of(ref, key, {"source": [f"verifier:{key}"], "role": "scale", "kept": "activation scale"},
+                               values.shard)
             continue
         dtype, shape = layout[suffix]
         if ref is not None:

@@ -59,6 +59,9 @@ class Resolved:
     mtp_count: int
     layers: list[MtpLayer] = field(default_factory=list)
     shared: dict[str, Spec] = field(default_factory=dict)
+    probed: list[MtpLayer] = field(default_factory=list)  # undeclared depths (``resolve``'s probe)
+    # the trunk's specs, computed once: the gate's rules, validate and the writers all ask for them
+    trunk: tuple[list[Spec], list[ExpertGroup]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def family(self) -> str:
@@ -325,14 +328,14 @@ def part_specs(
 
 
 @_config_errors
-def resolve(table: Table, config: ConfigView, mtp_count: int | None = None, probe_from: int | None = None) -> Resolved:
+def resolve(table: Table, config: ConfigView, mtp_count: int | None = None, probe: int = 0) -> Resolved:
     """Concrete MTP tensors of ``table`` for ``config`` (``mtp_count`` overrides the config's count).
 
-    Depths from ``probe_from`` on are ones the checkpoint does not declare, resolved only to find where
-    such a depth would live (tensors past the declared count): the config describes nothing about them,
-    so a per-depth variable that cannot be evaluated there (e.g. a per-depth list with one entry per
-    declared depth) is None, a depth whose tensors still cannot be resolved keeps only its prefix, and one
-    whose prefix cannot be rendered is left out. Declared depths fail as always, naming the field.
+    ``probe`` more depths past the declared count go to ``probed``: ones the checkpoint does not declare,
+    resolved only to find where such a depth would live (tensors past the declared count). The config
+    describes nothing about them, so a per-depth variable that cannot be evaluated there (e.g. a per-depth
+    list with one entry per declared depth) is None, a depth whose tensors still cannot be resolved keeps
+    only its prefix, and one whose prefix cannot be rendered is left out. Declared depths fail as always.
     """
     env = _config_env(table, config)
     dtype = _model_dtype(table, config)
@@ -341,15 +344,13 @@ def resolve(table: Table, config: ConfigView, mtp_count: int | None = None, prob
     for name, t in table.shared.items():
         if _cond(t.when, env, f"shared.{name}"):
             res.shared[name] = _spec(t, env, _render(t.key, env), "shared", dtype, tag=t.tag or name)
-    for i in range(count):
-        if probe_from is None or i < probe_from:
-            res.layers.append(_mtp_layer(table, env, i, dtype, lenient=False))
-            continue
+    res.layers = [_mtp_layer(table, env, i, dtype, lenient=False) for i in range(count)]
+    for i in range(count, count + probe):
         try:
-            res.layers.append(_mtp_layer(table, env, i, dtype, lenient=True))
+            res.probed.append(_mtp_layer(table, env, i, dtype, lenient=True))
         except _EvalFailed:
             try:
-                res.layers.append(MtpLayer(i, _render(table.mtp.prefix, dict(env, i=i)), [], {}, [], []))
+                res.probed.append(MtpLayer(i, _render(table.mtp.prefix, dict(env, i=i)), [], {}, [], []))
             except _EvalFailed:
                 continue
     return res
@@ -413,7 +414,10 @@ def trunk_prefixes(res: Resolved) -> list[str]:
 
 @_config_errors
 def trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
-    """Decoder layers of the main model (the fixture generator and --from-layer use these)."""
+    """Decoder layers of the main model (the fixture generator and --from-layer use these); computed once per
+    resolution (not to be mutated)."""
+    if res.trunk is not None:
+        return res.trunk
     table, env = res.table, res.env
     specs: list[Spec] = []
     groups: list[ExpertGroup] = []
@@ -422,4 +426,5 @@ def trunk_specs(res: Resolved) -> tuple[list[Spec], list[ExpertGroup]]:
         s, g = part_specs(table, table.trunk.parts, lenv, prefix, res.dtype, "trunk")
         specs += s
         groups += g
-    return specs, groups
+    res.trunk = (specs, groups)
+    return res.trunk

@@ -31,7 +31,7 @@ from ...model.quant.dequant import dequant_module
 from ...model.quant.storage import storage_lookup
 from ...model.quant.tables import all_schemes, loaded_schemes
 from ...stream.fingerprint import record_inputs
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan
+from ...stream.plan import OutputFile, OutputTensor, Plan, copy_of
 from ..writing.add_mtp import CarriedShards, mtp_into, require_indexed
 from ..writing.carry import carried_files, check_link
 from ..writing.out_dtype import DTYPE_NAMES, dtype_arg
@@ -172,7 +172,7 @@ def plan_dequant(ckpt: Checkpoint, req: DequantRequest) -> DequantPlan:
             dropped.append(k)
         else:
             ref = ckpt.tensors[k]
-            tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta={"source": [k]}))
+            tensors.append(copy_of(ref, k))
     left = len(everything) - len(chosen)
     files = _config_files(ckpt, view, req, out_dtype, chosen, still_quantized=left > 0)
     names = {f.name for f in files}

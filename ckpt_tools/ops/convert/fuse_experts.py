@@ -27,7 +27,7 @@ from ...model.mtp import detect_group_layout
 from ...model.quant.companions import WeightFormat
 from ...model.tables.resolve import trunk_specs
 from ...stream.fingerprint import record_inputs
-from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
+from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, copy_of
 from ..writing.out_dtype import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"
@@ -272,7 +272,7 @@ class Dequant:
         if not self.fmt.stores(t.dtype):
             return [t]
         sref = ckpt.tensors.get(self.fmt.scale_key(key))
-        scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()])) if sref else None
+        scale = copy_of(sref, None, {}) if sref else None
         return finish_tensor(t, scale, None, self.dtype, self.fmt)
 
 
@@ -289,7 +289,7 @@ def _ordered(ckpt: Checkpoint, plans: list[GroupPlan], dequant: Dequant | None =
             g = owner.get(k)
             if g is None:
                 meta = _carried_meta(ckpt, k)
-                t = OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
+                t = copy_of(ref, k, meta)
                 out += dequant.apply(ckpt, k, t) if dequant is not None else [t]
             elif id(g) not in done:
                 done.add(id(g))

@@ -11,125 +11,77 @@ from ...errors import UsageError
 from ...model.formats import Correspondence, draft_config, format_env, verifier_name_of
 from ...model.mtp import MtpView
 from ...numeric import transforms
-from ...stream.plan import CopyBytes, OutputTensor
+from ...stream.plan import OutputTensor
+from ..writing.moves import Join, Mover, Rename, Restack, Step
 from ..writing.out_dtype import DTYPE_NAMES, finish_tensor, requested_for
 from ..writing.output_config import set_count
 
 if TYPE_CHECKING:
     from ...model.formats import Format
+    from ...model.quant.storage import Storage
+    from ...model.tables.resolve import Spec
 
 
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
                   ) -> list[OutputTensor]:
     """Output tensors of the draft: byte copies where names change, computed where values must."""
-    ckpt, fmt = view.ckpt, view.block_format
-    out: list[OutputTensor] = []
-    requested = cast_to
+    fmt = view.block_format
+    steps: list[Step] = []
     for link in corr.tensors:
-        cast_to = requested_for(link.spec, requested)  # a dtype the table pins is kept whatever --dtype says
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
-            out += finish_tensor(_joined(view, link, dequant_to), None, cast_to, None, fmt)
+            steps.append(Join([s.key for s in link.columns], link.draft_key, link.spec, dequant_to))
             continue
-        ref = ckpt.tensors.get(link.verifier_key) or ckpt.tensors[view.quantized[link.verifier_key].all_keys()[0]]
-        meta = {"source": [link.verifier_key], "source_dtype": ref.dtype, "role": link.spec.role}
+        ref = view.ckpt.tensors.get(link.verifier_key)  # None: stored by a scheme table (its label is said)
+        meta = {"source": [link.verifier_key], "source_dtype": getattr(ref, "dtype", None), "role": link.spec.role}
         if link.spec.depth is not None:
             meta["depth"] = link.spec.depth
-        st = view.quantized.get(link.verifier_key)
-        if st is not None:  # stored by a quantization scheme table's format
-            out += _quantized(view, st, link.draft_key, link.swap_halves, cast_to, dequant_to, meta)
-            continue
-        t = OutputTensor(link.draft_key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta=meta)
-        scale = None
-        if fmt.stores(ref.dtype):
-            sref = ckpt.tensors[fmt.scale_key(link.verifier_key)]
-            scale = OutputTensor(fmt.scale_key(link.draft_key), sref.dtype, sref.shape,
-                                 CopyBytes([sref.segment()]), meta={"source": [sref.key], "role": "scale"})
-        if link.swap_halves:
-            if scale is not None:
-                raise UsageError(f"{ref.key}: swapping the concat order of an FP8 fusion weight needs --dequant")
-            t = transforms.swap_halves(t)
+        steps.append(Rename(link.verifier_key, link.draft_key, link.spec, meta, link.swap_halves))
+    from ...model.experts import BlockDequant
+
+    # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
+    # with --dequant each expert piece is dequantized before it is laid out
+    steps += [Restack(link.verifier, link.draft, BlockDequant(dequant_to, fmt) if dequant_to else None)
+              for link in corr.experts]
+    policy = _AsAsked(view, cast_to, dequant_to)
+    Mover(view.ckpt.tensors, fmt, fmt, view.quantized).run(steps, policy)
+    return policy.out
+
+
+class _AsAsked:
+    """extract's and init-draft's policy: each tensor cast (``--dtype``; a dtype the table pins is kept) or
+    dequantized (``--dequant``), else as it is; a module a scheme table stores: dequantized or renamed."""
+
+    def __init__(self, view: MtpView, cast_to: str | None, dequant_to: str | None) -> None:
+        self.view, self.cast_to, self.dequant_to = view, cast_to, dequant_to
+        self.out: list[OutputTensor] = []
+
+    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None:
+        if isinstance(step, Rename) and step.swap:
             t.meta["swapped_halves"] = True
-        out += finish_tensor(t, scale, cast_to, dequant_to, fmt)
-    cast_to = requested
-    for link in corr.experts:
-        from ...model.experts import BlockDequant, convert_group
-
-        if any(t.key in view.quantized for t in link.verifier.tensors()):
-            out += _quantized_experts(view, link, cast_to, dequant_to)
-            continue
-
-        # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
-        # with --dequant each expert piece is dequantized before it is laid out
-        group_out = convert_group(link.verifier, ckpt.tensors, link.draft, fmt=fmt,
-                                  dequant=BlockDequant(dequant_to, fmt) if dequant_to else None)
-        by_key = {t.key: t for t in group_out}
-        scales = {fmt.scale_key(t.key) for t in group_out if fmt.stores(t.dtype)}
-        for t in group_out:
+        if spec is None:
             t.meta.setdefault("role", "expert")
-            if t.key in scales:
-                continue  # travels with its weight
-            scale = by_key.get(fmt.scale_key(t.key)) if fmt.stores(t.dtype) else None
-            out += finish_tensor(t, scale, cast_to, dequant_to, fmt)
-    return out
+        self.out += finish_tensor(t, scale, requested_for(spec, self.cast_to), self.dequant_to, self.view.block_format)
+
+    def stored(self, step: Rename, st: Storage) -> None:
+        """Dequantized (then swapped like any float tensor), or its stored tensors renamed."""
+        from ...model.quant.dequant import module_outputs
+
+        cast_to = requested_for(step.spec, self.cast_to)
+        if self.dequant_to is None and (step.swap or cast_to is not None):
+            why = "swapping its concat order" if step.swap else "--dtype"
+            raise UsageError(f"{st.module} is {st.label}: {why} needs --dequant")
+        out = module_outputs(self.view.ckpt, st, step.dst, self.dequant_to, {**step.meta, "source_dtype": st.label})
+        if step.swap:
+            out = [transforms.swap_halves(out[0])]
+            out[0].meta["swapped_halves"] = True
+        self.out += out
 
 
-def _quantized(view: MtpView, st, draft_key: str, swap: bool, cast_to, dequant_to, meta: dict) -> list[OutputTensor]:
-    """A module a quantization scheme table describes: dequantized (then swapped / laid out like any
-    float tensor), or its stored tensors renamed."""
-    from ...model.quant.dequant import module_outputs
-
-    if dequant_to is None and (swap or cast_to is not None):
-        why = "swapping its concat order" if swap else "--dtype"
-        raise UsageError(f"{st.module} is {st.label}: {why} needs --dequant")
-    out = module_outputs(view.ckpt, st, draft_key, dequant_to, {**meta, "source_dtype": st.label})
-    if swap:
-        out = [transforms.swap_halves(out[0])]
-        out[0].meta["swapped_halves"] = True
-    return out
-
-
-def _quantized_experts(view: MtpView, link, cast_to, dequant_to) -> list[OutputTensor]:
-    """Routed experts stored by a quantization scheme table's format: expert by expert, in the layout they
-    have (restacking packed experts into another layout is not supported)."""
-    src, dst = link.verifier, link.draft
-    if src.layout != dst.layout:
-        raise UsageError(f"{src.prefix}: the experts are stored quantized ({view.quantized[src.tensors()[0].key].label}"
-                         f" ...); the {dst.layout.label()} layout of this format needs them restacked, which is "
-                         "supported for float and block-FP8 experts only: extract --format native --dequant bf16, "
-                         "then convert that")
-    out: list[OutputTensor] = []
-    for s, d in zip(src.tensors(), dst.tensors(), strict=True):
-        meta = {"source": [s.key], "role": "expert"}
-        st = view.quantized.get(s.key)
-        if st is not None:
-            out += _quantized(view, st, d.key, False, cast_to, dequant_to, meta)
-            continue
-        ref = view.ckpt.tensors[s.key]
-        t = OutputTensor(d.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
-                         meta={**meta, "source_dtype": ref.dtype})
-        out += finish_tensor(t, None, cast_to, dequant_to, view.block_format)
-    return out
-
-
-def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
-    """``link.columns`` side by side along the last axis (FP8 halves are dequantized first)."""
-    ckpt, fmt = view.ckpt, view.block_format
-    parts = []
-    for spec in link.columns:
-        ref = ckpt.tensors[spec.key]
-        t = OutputTensor(spec.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]), meta={"source": [spec.key]})
-        if fmt.stores(ref.dtype):
-            if dequant_to is None:
-                raise UsageError(f"{spec.key} is FP8: joining it into {link.draft_key} needs --dequant")
-            sref = ckpt.tensors[fmt.scale_key(spec.key)]
-            scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()]))
-            t = fmt.decode(t, scale, dequant_to)
-        parts.append(t)
-    t = transforms.concat_columns(parts, link.draft_key)
-    t.meta.update(role=link.spec.role, source_dtype=parts[0].dtype)
-    if link.spec.depth is not None:
-        t.meta["depth"] = link.spec.depth
-    return t
+def expert_groups(corr: Correspondence) -> dict[str, dict]:
+    """The manifest's record of each expert group: its layout in the draft and in the verifier."""
+    return {e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
+                             "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
+            for e in corr.experts}
 
 
 def build_draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors, dequant_to, fp8_source,

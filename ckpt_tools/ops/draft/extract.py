@@ -21,11 +21,11 @@ from ...model.gate import require_consistent
 from ...model.mtp import MtpView
 from ...model.quant.config import SIDE_FILES
 from ...stream.fingerprint import record_inputs
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg
 from ..writing.output_config import set_count
-from .build import build_draft_config, draft_tensors, output_quantized
+from .build import build_draft_config, draft_tensors, expert_groups, output_quantized
 
 
 @dataclass
@@ -82,11 +82,6 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         # (hf_quant_config.json)
         dropped = {"readme.md"} | ({n.lower() for n in SIDE_FILES} if not output_quantized(tensors) else set())
         files += [f for f in carried_files(ckpt) if f.name.lower() not in dropped]
-    groups = {
-        e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
-                         "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
-        for e in corr.experts
-    }
     manifest = {
         "kind": "mtp-draft",
         "source": {"path": source_name(ckpt), "revision": revision_of(ckpt)},
@@ -95,7 +90,7 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         "layers": corr.layers,
         "mtp_count_in_source": view.count,
         "concat_order": fmt.concat_order or view.table.mtp.concat_order,
-        "expert_groups": groups,
+        "expert_groups": expert_groups(corr),
         "source_quantization": _quant_info(view) if fp8_source else None,
         "dequantized_to": dequant_to,
         # float tensors --dequant left in their stored dtype (it decodes quantized weights only)
@@ -162,8 +157,7 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
             continue
         for k in keep:
             ref = ckpt.tensors[k]
-            tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
-                                        meta={"source": [k]}))
+            tensors.append(copy_of(ref, k, None, shard))
         verbatim = raw_header(ckpt, shard) if len(keep) == len(keys) else None
         layouts[shard] = ShardLayout(order=keep, header_bytes=verbatim)
     config = set_count(view, ckpt.config.raw, 0) if table.mtp.count_field else dict(ckpt.config.raw)

@@ -29,7 +29,7 @@ from ...model.gate import require_consistent
 from ...model.gguf_names import GGUF_TYPES, GLUE_NAMES, TensorNames, folded, glue_name, keeps_f32
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
-from ...stream.plan import CopyBytes, OutputTensor
+from ...stream.plan import CopyBytes, OutputTensor, copy_of
 from .build import draft_tensors
 
 RULE_MISMATCH = "gguf-trunk-mismatch"
@@ -249,8 +249,7 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
         if ref.dtype not in FLOAT_DTYPES:
             raise InputError(f"the shared {role} {spec.key} is stored as {ref.dtype}; only float shared tensors "
                              "are read", rule=RULE_NAME, path=str(ckpt.root), key=spec.key)
-        out.append((OutputTensor(spec.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
-                                 meta={"source": [spec.key]}), spec.key, spec.kind))
+        out.append((copy_of(ref, spec.key), spec.key, spec.kind))
     prefix = res.table.trunk.prefix
     for t in produced:
         if t.meta.get("role") == "scale":

@@ -44,7 +44,7 @@ from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg, requested_for
 from ..writing.output_config import set_count
-from .build import build_draft_config, draft_tensors
+from .build import build_draft_config, draft_tensors, expert_groups
 
 if TYPE_CHECKING:
     from ...model.formats import Format
@@ -163,13 +163,12 @@ def _check_std_fits(std: float, std_from: str, dtypes: set[str], target: Checkpo
                          path=f"{target.root}/config.json")
 
 
-def _count(table: Table, target: Checkpoint, req: InitRequest, max_layers: int | None) -> int:
+def _count(declared: int, req: InitRequest, max_layers: int | None) -> int:
     if req.num_layers is not None:  # within 1..MAX_MTP_LAYERS (check_request)
         if max_layers is not None and req.num_layers > max_layers:
             raise UsageError(f"--format {req.format} holds at most {max_layers} MTP layer(s); "
                              f"pass --num-layers {max_layers} or --format native")
         return req.num_layers
-    declared = resolve(table, target.config).mtp_count
     n = declared if declared > 0 else 1
     return min(n, max_layers) if max_layers is not None else n
 
@@ -295,13 +294,13 @@ def _shared_source(spec: Spec, res: Resolved, target: Checkpoint) -> TensorRef |
 def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
     check_request(req)
     gate = require_consistent(target, arch=req.arch, allow=req.allow_invalid, waive=INIT_IGNORES)
-    table = gate.table
+    table, declared = gate.table, gate.view.resolved
     fmt = get_format(req.format)
-    count = _count(table, target, req, fmt.max_layers)
+    count = _count(declared.mtp_count, req, fmt.max_layers)
     std, std_from = _std(req, target)
     gen_dtype = dtype_arg(req.dtype, "--dtype")
     dequant_to = dtype_arg(req.dequant, "--dequant")
-    res = resolve(table, target.config, mtp_count=count)
+    res = declared if count == declared.mtp_count else resolve(table, target.config, mtp_count=count)
 
     match = _from_layer(res, target, req.from_layer) if req.from_layer is not None else None
     trunk_layout = _trunk_layout(res, target)
@@ -314,7 +313,7 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
             f"({', '.join(native.missing_copies[:4])}), which the table requires and {target.root} has no weights "
             "to copy from: pass the checkpoint directory (with its weights) instead of its config.json",
             rule="copy-needs-weights")
-    view, source = _virtual_view(target, res, layouts, native, count, req.seed)
+    view, source = _virtual_view(target, res, layouts, native, declared.mtp_count, req.seed)
 
     corr = correspond(fmt, view, list(range(count)))
     tensors, config, omitted = _draft(fmt, view, corr, native, source, req, gen_dtype, dequant_to)
@@ -375,7 +374,7 @@ def _native_draft(res: Resolved, target: Checkpoint, match: _LayerMatch | None, 
 
 
 def _virtual_view(target: Checkpoint, res: Resolved, layouts: dict[str, ExpertLayout], native: _NativeDraft,
-                  count: int, seed: int) -> tuple[MtpView, InitSource]:
+                  declared: int, seed: int) -> tuple[MtpView, InitSource]:
     """The native draft as a checkpoint of its own (initialised tensors read from an InitSource) and its view."""
     source = InitSource(native.recipes, name=f"<init-draft seed={seed}>")
     refs = dict(native.refs)
@@ -384,9 +383,8 @@ def _virtual_view(target: Checkpoint, res: Resolved, layouts: dict[str, ExpertLa
     virtual = Checkpoint(target.root, target.config, refs, {}, None, list(target.files), local_dir=target.local_dir)
     view = MtpView(virtual, res, layouts)
     view.present = native.present
-    declared = resolve(res.table, target.config).mtp_count
-    if count != declared:
-        virtual.config = ConfigView(set_count(view, target.config.raw, count))
+    if res.mtp_count != declared:
+        virtual.config = ConfigView(set_count(view, target.config.raw, res.mtp_count))
     return view, source
 
 
@@ -422,11 +420,7 @@ def _manifest(target: Checkpoint, req: InitRequest, table: Table, corr: Correspo
         "layers": corr.layers,
         "mtp_count_in_source": summary.count,
         "concat_order": corr.fmt.concat_order or table.mtp.concat_order,
-        "expert_groups": {
-            e.draft.prefix: {"layout": e.draft.layout.label(), "verifier_prefix": e.verifier.prefix,
-                             "verifier_layout": e.verifier.layout.label(), "experts": e.draft.count}
-            for e in corr.experts
-        },
+        "expert_groups": expert_groups(corr),
         "config_fields_omitted": omitted,
         "init": _recipe_record(req, table, summary, sha, sha_of, gen_dtype),
         "tool_version": __version__,

@@ -23,7 +23,7 @@ from ...arrays import torch_threads
 from ...errors import InputError
 from ...model.quant.companions import WeightFormat
 from ...numeric import transforms
-from ...stream.plan import Compute, CopyBytes, OutputTensor
+from ...stream.plan import Compute, CopyBytes, OutputTensor, copy_of
 from ..shared.tensor_diff import TensorDiff
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def _follow(weight: Decision, key: str, vref: TensorRef | None, t: OutputTensor)
 
 
 def _as_tensor(ref: TensorRef) -> OutputTensor:
-    return OutputTensor(ref.key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]))
+    return copy_of(ref, None, {})
 
 
 def _uses_torch(t: OutputTensor) -> bool:

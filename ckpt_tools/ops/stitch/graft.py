@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ... import __version__
 from ...dtypes import FLOAT_DTYPES
@@ -32,9 +33,14 @@ from ...stream.plan import CopyBytes, OutputTensor, Plan
 from ..shared.tensor_diff import TensorDiff
 from ..writing.add_mtp import mtp_into, require_indexed, virtual_view
 from ..writing.carry import check_inputs
+from ..writing.moves import Mover, Rename, Restack, Step
 from ..writing.out_dtype import pinned as pinned_dtype
 from ..writing.output_config import config_files, repair_config, set_count
 from .report import StitchReport
+
+if TYPE_CHECKING:
+    from ...model.quant.storage import Storage
+    from ...model.tables.resolve import Spec
 
 MTP_DTYPES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
 # graft drops every MTP-namespace tensor of the target and writes the source's: what is wrong there is repaired
@@ -124,9 +130,9 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
                          f"{len(sview.present)} MTP tensor(s)): graft takes them from a checkpoint that ships them, "
                          "such as the original release", rule="no-mtp", path=source.root)
     sview.require_complete()
-    _same_dimensions(sview, target, table)
+    out_view = virtual_view(tview, sview.count)
+    _same_dimensions(sview, out_view)
     declared = _require_declared(target, req.mtp_quant) if req.mtp_quant is not None else None
-    out_view = virtual_view(target, table, sview.count)
     pieces = _Grafter(sview, out_view, req, declared).build()
     out_view.present = [s for s in out_view.present if s.key in pieces or s.role == "scale"]
 
@@ -227,12 +233,9 @@ def _sources(t: OutputTensor) -> list[str]:
     return [s for s in src if isinstance(s, str)] if isinstance(src, list) else [t.key]
 
 
-def _same_dimensions(sview: MtpView, target: Checkpoint, table) -> None:
+def _same_dimensions(sview: MtpView, out_view: MtpView) -> None:
     """SOURCE's MTP tensors have the names and shapes TARGET's config gives MTP layers of that count."""
-    from ...model.tables.resolve import resolve
-
-    sres = sview.resolved
-    tres = resolve(table, target.config, mtp_count=sres.mtp_count)
+    sres, tres = sview.resolved, out_view.resolved
     want = {s.key: tuple(s.shape) for s in [*tres.mtp_specs(), *tres.shared.values()]}
     have = {s.key: tuple(s.shape) for s in [*sres.mtp_specs(), *sres.shared.values()]}
     problems = [f"{k}: source {list(have[k])}, target {list(want[k])}" for k in sorted(have.keys() & want.keys())
@@ -303,33 +306,35 @@ class _Grafter:
         self.fused = None  # encode_plan.FusedGroups, once a weight is encoded
 
     def build(self) -> dict[str, _Piece]:
-        restacked: set[str] = set()
-        for sg, tg in zip(self.sview.groups(), self.out_view.groups(), strict=True):
-            if sg.layout != tg.layout:  # the target's trunk stores experts in another layout: engines expect it
-                restacked |= {t.key for t in sg.tensors()}
-                self._restack(sg, tg)
-        for s in self.sview.present:
-            if s.role == "scale" or s.key in restacked:
-                continue  # a block scale travels with its weight
-            # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
-            self._add(s.key, self._as_stored(s.key), s.kind == "linear" and s.quant, pinned_dtype(s),
-                      s.role == "expert")
+        """The source's MTP as steps: expert groups restacked where the target's trunk stores experts in another
+        layout (engines expect it), every other tensor under its own name; a block scale travels with its weight."""
+        steps: list[Step] = [Restack(sg, tg) for sg, tg in zip(self.sview.groups(), self.out_view.groups(),
+                                                                strict=True) if sg.layout != tg.layout]
+        restacked = {t.key for step in steps for t in step.src.tensors()}
+        steps += [Rename(s.key, s.key, s, {"source": [s.key]}) for s in self.sview.present
+                  if s.role != "scale" and s.key not in restacked]
+        fmt = self.sview.block_format
+        Mover(self.src.tensors, fmt, fmt, self.sview.quantized, scale_role=False).run(steps, self)
         return self.pieces
 
-    def _as_stored(self, key: str) -> _Piece:
+    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None:
+        if spec is None:  # a restacked expert
+            self._add(t.key, self._piece(t, scale), step.dst.quant, expert=True)
+        else:
+            self._add_spec(spec, self._piece(t, scale))
+
+    def stored(self, step: Rename, st: Storage) -> None:
+        """A scheme table's storage (packed, scales, global scales): its tensors as they are."""
         from ...model.quant.dequant import dequant_module, module_outputs
 
-        st = self.sview.quantized.get(key)
-        if st is not None:  # a scheme table's storage (packed, scales, global scales): its tensors as they are
-            parts = module_outputs(self.src, st, key, None, {"source": [key]})
-            return _Piece(parts, Stored("quantized", st.label, st.scheme, st, st.dtype),
-                          lambda dtype: dequant_module(self.src, st, key, dtype))
-        ref = self.src.tensors[key]
-        t = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), meta={"source": [key]})
-        sref = self.src.tensors.get(self.sview.block_format.scale_key(key))
-        scale = None if sref is None else OutputTensor(sref.key, sref.dtype, tuple(sref.shape),
-                                                       CopyBytes([sref.segment()]), meta={"source": [sref.key]})
-        return self._piece(t, scale)
+        key = step.src
+        parts = module_outputs(self.src, st, key, None, {"source": [key]})
+        self._add_spec(step.spec, _Piece(parts, Stored("quantized", st.label, st.scheme, st, st.dtype),
+                                         lambda dtype: dequant_module(self.src, st, key, dtype)))
+
+    def _add_spec(self, s: Spec, piece: _Piece) -> None:
+        # a dtype the table pins (DeepSeek's F32 e_score_correction_bias) is kept whatever --mtp-dtype says
+        self._add(s.key, piece, s.kind == "linear" and s.quant, pinned_dtype(s), s.role == "expert")
 
     def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
         fmt = self.sview.block_format
@@ -340,24 +345,6 @@ class _Grafter:
         if t.dtype in FLOAT_DTYPES:
             return _Piece([t], Stored("unquantized", t.dtype, dtype=t.dtype), lambda dtype: transforms.cast(t, dtype))
         return _Piece([t], None, None)
-
-    def _restack(self, sg, tg) -> None:
-        """Experts restacked byte for byte into the target's layout (FP8 scales with them)."""
-        from ...model.experts import convert_group
-
-        if any(t.key in self.sview.quantized for t in sg.tensors()):
-            st = self.sview.quantized[next(t.key for t in sg.tensors() if t.key in self.sview.quantized)]
-            raise UsageError(f"{sg.prefix}: the source stores its MTP experts {sg.layout.label()} as {st.label}; the "
-                             f"target's trunk stores experts {tg.layout.label()}, and restacking quantized experts "
-                             "is supported for float and block-FP8 experts only (--mtp-dtype bf16 first: extract "
-                             "--dequant bf16, then graft that)")
-        fmt = self.sview.block_format
-        outs = convert_group(sg, self.src.tensors, tg, fmt=fmt)
-        by_key = {t.key: t for t in outs}
-        scales = {fmt.scale_key(t.key) for t in outs if fmt.stores(t.dtype)}
-        for t in outs:
-            if t.key not in scales:
-                self._add(t.key, self._piece(t, by_key.get(fmt.scale_key(t.key))), tg.quant, expert=True)
 
     def _add(self, key: str, piece: _Piece, quantizable: bool, pinned: bool = False, expert: bool = False) -> None:
         """``piece`` as the request stores it: FP8 block (quantizable linears), cast / dequantized, or as stored."""

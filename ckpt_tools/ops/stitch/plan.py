@@ -23,7 +23,6 @@ from ...errors import InputError, PlanError, UsageError
 from ...gcpause import gc_paused
 from ...io.checkpoint import Checkpoint, raw_header, revision_of, source_name
 from ...model.consistency import count_field, note_allowed
-from ...model.expert_layouts import ExpertGroup
 from ...model.formats import Correspondence, correspond, detect_format, get_format, wrappers_of
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
@@ -36,9 +35,10 @@ from ...model.quant.storage import Storage
 from ...model.tables.resolve import Spec
 from ...numeric import transforms
 from ...stream.fingerprint import record_inputs, tensor_digest
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from ..writing.add_mtp import mtp_into, require_indexed, virtual_view
 from ..writing.carry import carried_files, check_inputs, untouched_file
+from ..writing.moves import Mover, Rename, Restack, Split, Step
 from ..writing.out_dtype import requested_for
 from ..writing.output_config import config_files, repair_config, set_count
 from .compare import Candidates, Decision, decide, judge
@@ -87,17 +87,10 @@ def _draft_layers(draft: Checkpoint, fmt: Format, req: StitchRequest, count: int
     return list(range(count))
 
 
-def _dtype_of(view: MtpView, key: str, spec: Spec | None) -> str:
-    ref = view.ckpt.tensors.get(key)
-    if ref is not None:
-        return ref.dtype
-    return spec.dtype if spec is not None else view.resolved.dtype
-
-
 class _Builder:
     """Turns correspondence links into verifier-named candidate tensors built from the draft.
 
-    The dtype policy lives here (``_finish``): only float tensors (F16 / BF16 / F32 / F64, or weights in
+    The dtype policy lives here (``take``): only float tensors (F16 / BF16 / F32 / F64, or weights in
     the draft's block format, read as values with their scales) replace float tensors, whatever ``--dtype``;
     a non-float verifier tensor is replaced only by one of its own dtype. A verifier weight stored quantized
     (any scheme table's format, block FP8 included) is written in that storage by the encoder its table
@@ -114,101 +107,39 @@ class _Builder:
         self.vfmt = view.block_format
         found = weight_format(draft)
         self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
-        self.candidates: dict[str, OutputTensor] = {}
-        self.used: set[str] = set()
-        self.missing: list[str] = []
-        self.misshaped: list[str] = []
-        self.removed: list[str] = []  # verifier keys dropped (scales of weights written unquantized)
+        # the draft's tensors in the verifier's names, scales named as the verifier names them
+        self.mover = Mover(draft.tensors, self.dfmt, self.vfmt)
+        self.out = Candidates({}, {}, [], self.vfmt)  # what it builds, as compare.decide judges it
+        self.candidates, self.removed = self.out.tensors, self.out.removed
         self.placed: dict[str, str] = {}  # a dropped stored tensor -> the candidate written in its place
-        self.values: dict[str, OutputTensor] = {}  # encoded weight -> the draft's values before encoding
-        self.digests: dict = {}  # draft byte range -> digest of its bytes (compare.Candidates.digests)
-        self.as_stored: set[str] = set()  # weights kept as the draft stores them (the verifier's own format)
-        self.encoded: dict[str, Storage] = {}  # stored weight key -> the verifier's storage it is encoded in
-        self.companions: dict[str, list[str]] = {}  # encoded weight -> its other stored tensors (follow it)
         self.fused = FusedGroups(view.table.fused_modules, self.res.dtype)  # shards sharing one per-tensor scale
         self.refusals: dict[str, list[str]] = {}  # rule -> problems
         self.refused_keys: dict[str, str] = {}  # rule -> the first verifier key it refused (the error's key)
 
     def build(self) -> None:
+        """The correspondence run backwards as steps: each draft tensor renamed (a fusion tensor split back into the
+        family's halves), each expert group restacked from the layout it has on disk into the verifier's."""
+        steps: list[Step] = []
         for link in self.corr.tensors:
-            dref = self.draft.tensors.get(link.draft_key)
-            if dref is None:
-                if link.spec.optional:
-                    continue
-                self.missing.append(f"{link.draft_key} (for {link.verifier_key})")
-                continue
-            if tuple(dref.shape) != tuple(link.shape):
-                self.misshaped.append(f"{link.draft_key}: draft {list(dref.shape)}, verifier {link.verifier_key} "
-                                      f"{list(link.shape)}")
-                continue
-            self.used.add(link.draft_key)
-            if link.columns:  # one draft fusion tensor back into the family's halves
-                if self.dfmt.stores(dref.dtype):
-                    raise PlanError(f"{link.draft_key} is FP8; splitting it into {link.verifier_keys()} needs a "
-                                    "BF16 draft", rule="fp8-scale")
-                whole = OutputTensor(link.draft_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
-                                     meta={"source": [link.draft_key], "role": link.spec.role})
-                pieces = transforms.split_columns(whole, [(s.key, s.shape[-1]) for s in link.columns])
-                for piece, spec in zip(pieces, link.columns, strict=True):
-                    piece.meta["role"] = spec.role
-                    self._finish(piece, None, spec)
-                continue
-            t = OutputTensor(link.verifier_key, dref.dtype, dref.shape, CopyBytes([dref.segment()]),
-                             meta={"source": [link.draft_key], "role": link.spec.role})
-            scale = self._draft_scale(link.draft_key, link.verifier_key)
-            if link.swap_halves:
-                t = transforms.swap_halves(t)
-            self._finish(t, scale, link.spec)
+            if link.columns:
+                steps.append(Split(link.draft_key, list(link.columns), link.spec, link.shape))
+            else:
+                steps.append(Rename(link.draft_key, link.verifier_key, link.spec, {"source": [link.draft_key],
+                                    "role": link.spec.role}, link.swap_halves, link.shape))
         for link in self.corr.experts:
-            self._experts(link.draft, link.verifier)
+            layout = detect_group_layout(link.draft, self.draft.tensors)
+            steps.append(Restack(link.draft.with_layout(layout, prefix=link.draft.prefix), link.verifier))
+        self.mover.run(steps, self)
 
-    def _draft_scale(self, draft_key: str, verifier_key: str) -> OutputTensor | None:
-        dref = self.draft.tensors[draft_key]
-        if not self.dfmt.stores(dref.dtype):
-            return None
-        skey = self.dfmt.scale_key(draft_key)
-        sref = self.draft.tensors.get(skey)
-        if sref is None:
-            self.missing.append(f"{skey} (block scale of FP8 {draft_key})")
-            return None
-        self.used.add(skey)
-        return OutputTensor(self.vfmt.scale_key(verifier_key), sref.dtype, sref.shape,
-                            CopyBytes([sref.segment()]), meta={"source": [skey], "role": "scale"})
-
-    def _experts(self, draft_group: ExpertGroup, verifier_group: ExpertGroup) -> None:
-        layout = detect_group_layout(draft_group, self.draft.tensors)
-        on_disk = draft_group.with_layout(layout, prefix=draft_group.prefix)
-        keys = [t.key for t in on_disk.tensors()]
-        absent = [k for k in keys if k not in self.draft.tensors]
-        if absent:
-            self.missing += [f"{k} (expert tensor)" for k in absent]
-            return
-        for et in on_disk.tensors():
-            self.used.add(et.key)
-            skey = self.dfmt.scale_key(et.key)
-            if skey in self.draft.tensors:
-                self.used.add(skey)
-        from ...model.experts import convert_group
-
-        outs = convert_group(on_disk, self.draft.tensors, verifier_group, fmt=self.dfmt)
-        by_key = {t.key: t for t in outs}
-        scales = {self.dfmt.scale_key(t.key) for t in outs if self.dfmt.stores(t.dtype)}
-        for t in outs:
-            if t.key in scales:
-                continue
-            scale = by_key.get(self.dfmt.scale_key(t.key))
-            if scale is not None and self.dfmt.scale_suffix != self.vfmt.scale_suffix:
-                scale.key = self.vfmt.scale_key(t.key)  # named as the verifier names its scales
-            self._finish(t, scale, None)
-
-    def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
+    def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None:
         """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
         its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
         tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
         ``--keep-bf16`` / ``--dtype draft`` asks, goes in as float values in place of the stored tensors, and
         the config excludes the module."""
         stored = self._stored(t, spec)
-        vt = _dtype_of(self.view, t.key, spec)
+        vref = self.view.ckpt.tensors.get(t.key)  # the verifier's dtype: its tensor's, else the table's
+        vt = vref.dtype if vref is not None else spec.dtype if spec is not None else self.res.dtype
         if stored is not None:
             vt = t.dtype if t.dtype in FLOAT_DTYPES else "BF16"
         elif self.add and self.vfmt.stores(vt):
@@ -257,7 +188,7 @@ class _Builder:
         if not self.dfmt.stores(t.dtype):
             return t
         if scale is None:
-            return None  # recorded as missing (``_draft_scale``): the draft does not fit
+            return None  # recorded as missing (``Mover.scale``): the draft does not fit
         try:
             return self.dfmt.decode(t, scale, dtype)
         except PlanError as e:
@@ -279,9 +210,9 @@ class _Builder:
         outs = encode_module(t, stored, self.res.dtype, self.view.ckpt.tensors, group)
         wkey = stored.tensors[format_of(stored).weight.suffix]
         self.candidates.update(outs)
-        self.values[wkey] = t
-        self.encoded[wkey] = stored
-        self.companions[wkey] = [k for k in outs if k != wkey]
+        self.out.values[wkey] = t
+        self.out.encoded[wkey] = stored
+        self.out.companions[wkey] = [k for k in outs if k != wkey]
 
     def _same_storage(self, t: OutputTensor, scale: OutputTensor | None, stored: Storage) -> bool:
         """The draft holds ``t`` in the verifier's block format, tile and dtypes (weight and scale, same shapes)."""
@@ -301,10 +232,10 @@ class _Builder:
         wkey = stored.tensors[format_of(stored).weight.suffix]
         scale.key = stored.tensors[self.vfmt.scale_suffix]
         self.candidates[wkey], self.candidates[scale.key] = t, scale
-        self.values[wkey] = values
-        self.encoded[wkey] = stored
-        self.companions[wkey] = [scale.key]
-        self.as_stored.add(wkey)
+        self.out.values[wkey] = values
+        self.out.encoded[wkey] = stored
+        self.out.companions[wkey] = [scale.key]
+        self.out.as_stored.add(wkey)
 
     def _admit(self, t: OutputTensor, vt: str) -> bool:
         """Floats replace floats; a non-float verifier tensor only its own dtype."""
@@ -365,7 +296,7 @@ def plan_stitch(draft: Checkpoint, verifier: Checkpoint, req: StitchRequest) -> 
     plan = (_replace_plan if mode == "replace" else _add_plan)(draft, verifier, view, builder, req, report, setup.fmt)
     note_allowed(plan.manifest, setup.draft_gate, setup.vgate)
     # --resume proves the same draft bytes (their digests taken as they were compared)
-    record_inputs(plan, verifier=verifier, draft=(draft, builder.used), known=builder.digests)
+    record_inputs(plan, verifier=verifier, draft=(draft, builder.mover.used), known=builder.out.digests)
     return plan, report
 
 
@@ -423,7 +354,7 @@ def _choose_mode(setup: _Setup, req: StitchRequest) -> tuple[str, MtpView, list[
     count = max(layers) + 1 if layers else 0
     if layers != list(range(count)):
         raise UsageError(f"add mode needs MTP layers 0..k-1, the draft maps to {layers}")
-    return mode, virtual_view(setup.verifier, setup.table, count), layers
+    return mode, virtual_view(declared, count), layers
 
 
 def _build(setup: _Setup, view: MtpView, mode: str, layers: list[int], req: StitchRequest
@@ -448,8 +379,7 @@ def _build(setup: _Setup, view: MtpView, mode: str, layers: list[int], req: Stit
     builder.build()
     for spec in fill:  # a required per-layer copy: the verifier's own shared tensor, byte for byte
         src = _shared_source(view, spec)
-        builder.candidates[spec.key] = OutputTensor(spec.key, src.dtype, src.shape, CopyBytes([src.segment()]),
-                                                    meta={"source": ["verifier:" + src.key], "role": spec.role})
+        builder.candidates[spec.key] = copy_of(src, spec.key, {"source": ["verifier:" + src.key], "role": spec.role})
     return builder, unwrapped
 
 
@@ -519,16 +449,16 @@ def _is_copy(key: str, view: MtpView) -> bool:
 def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: StitchReport, view: MtpView,
                  allow_partial: bool) -> None:
     problems = []
-    if builder.missing and not allow_partial:  # with --allow-partial the verifier's tensors stay
-        problems.append(f"missing from the draft: {', '.join(builder.missing[:15])}"
-                        + (" ..." if len(builder.missing) > 15 else ""))
-    if builder.misshaped:
-        problems.append(f"shape mismatch: {'; '.join(builder.misshaped[:10])}")
+    if builder.mover.missing and not allow_partial:  # with --allow-partial the verifier's tensors stay
+        problems.append(f"missing from the draft: {', '.join(builder.mover.missing[:15])}"
+                        + (" ..." if len(builder.mover.missing) > 15 else ""))
+    if builder.mover.misshaped:
+        problems.append(f"shape mismatch: {'; '.join(builder.mover.misshaped[:10])}")
     shared = {s.key for s in view.resolved.shared.values()}
     shared |= {t.lstrip("/") for t in (fmt.embed, fmt.head) if t and t.startswith("/")}
     extra = []
     for key in draft.tensors:
-        if key in builder.used:
+        if key in builder.mover.used:
             continue
         if key in fmt.ignore_keys:
             report.ignored_draft_keys[key] = f"format {fmt.name} lists it as never stitched"
@@ -540,7 +470,7 @@ def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: Stit
         problems.append(f"{len(extra)} draft tensor(s) have no place in the verifier: {', '.join(extra[:15])}"
                         + (" ..." if len(extra) > 15 else ""))
     if problems:
-        hint = _quantized_draft_hint(draft, builder.missing)
+        hint = _quantized_draft_hint(draft, builder.mover.missing)
         raise InputError(f"draft {draft.root} ({fmt.name} format) does not fit {view.table.family} verifier: "
                          + " | ".join(problems) + hint, rule="draft-mismatch")
 
@@ -576,17 +506,13 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
-    cand = Candidates(builder.candidates, builder.values, builder.removed, builder.vfmt, builder.encoded,
-                      builder.companions, builder.as_stored)
-    report.decisions = decide(view, cand)
-    builder.digests = cand.digests  # the draft's tensors hashed as they were compared
+    report.decisions = decide(view, builder.out)  # the draft's tensors hashed as they are compared (digests)
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:
         vref = view.ckpt.tensors.get(d.key)
         if d.action == "identical" and vref is not None:
-            builder.candidates[d.key] = OutputTensor(d.key, vref.dtype, vref.shape, CopyBytes([vref.segment()]),
-                                                     meta=builder.candidates[d.key].meta)
+            builder.candidates[d.key] = copy_of(vref, None, builder.candidates[d.key].meta)
 
 
 def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, report: StitchReport,
@@ -598,10 +524,10 @@ def _manifest_evidence(setup: _Setup, unwrapped: Unwrapped, builder: _Builder, r
     draft = unwrapped.ckpt
     if not manifest_claims(draft):
         return None
-    unlike = manifest_unlike(draft, builder.used, unwrapped.prefix)
+    unlike = manifest_unlike(draft, builder.mover.used, unwrapped.prefix)
     why = unlike
     if why is None and isinstance((draft.manifest or {}).get("init"), dict):
-        why = manifest_mismatch(draft, builder.used, builder.digests, tensor_digest, unwrapped.prefix)
+        why = manifest_mismatch(draft, builder.mover.used, builder.out.digests, tensor_digest, unwrapped.prefix)
     if why is None:
         return None
     report.manifest = why
@@ -621,7 +547,7 @@ def _encode_partners(decisions: list[Decision], builder: _Builder) -> None:
         for k in keys:
             if by_key[k].action != "identical":
                 continue
-            for key in (k, *builder.companions.get(k, ())):
+            for key in (k, *builder.out.companions.get(k, ())):
                 d = by_key[key]
                 d.action, d.stats.status = "requantize", "replaced"
                 d.reason = ("encoded again: a shard of its fused layer changed, and the shards share one "
@@ -649,24 +575,16 @@ def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder,
             continue
         order = []
         for k in listed:
-            if k in builder.placed:  # written unquantized where the verifier stored it quantized
-                t = builder.candidates[builder.placed[k]]
-                tensors.append(OutputTensor(t.key, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
-                order.append(t.key)
+            if k in removed and k not in builder.placed:
                 continue
-            if k in removed:
-                continue
-            if k in builder.candidates and k in changed:
-                t = builder.candidates[k]
-                tensors.append(OutputTensor(k, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
-            else:
-                ref = verifier.tensors[k]
-                # the verifier's own bytes, copied unchanged
-                tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=shard,
-                                            meta={"copied_from": "verifier"}))
-                if k not in builder.candidates:
-                    report.copied_tensors += 1
-            order.append(k)
+            key = builder.placed.get(k, k)  # written unquantized where the verifier stored it quantized
+            t = builder.candidates.get(key) if k in builder.placed or k in changed else None
+            if t is not None:
+                tensors.append(OutputTensor(key, t.dtype, t.shape, t.recipe, shard=shard, meta=t.meta))
+            else:  # the verifier's own bytes, copied unchanged
+                tensors.append(copy_of(verifier.tensors[k], None, {"copied_from": "verifier"}, shard))
+                report.copied_tensors += k not in builder.candidates
+            order.append(key)
         layouts[shard] = ShardLayout(order=order, header_bytes=raw_header(verifier, shard))
         report.rewritten_shards.append(shard)
     config = _stitched_files(verifier, view, builder, "replace", report)

@@ -13,7 +13,7 @@ from ...errors import InputError, PlanError, UsageError
 from ...io.checkpoint import Checkpoint
 from ...model.mtp import MtpView, detect_group_layout
 from ...model.tables.resolve import resolve, trunk_specs
-from ...stream.plan import CopyBytes, OutputFile, OutputTensor, Plan, ShardLayout
+from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from .carry import carried_files, untouched_file
 
 
@@ -36,9 +36,12 @@ class CarriedShards:
     linked_files: list[str] = field(default_factory=list)  # shards copied or linked whole (--link)
 
 
-def virtual_view(verifier: Checkpoint, table, count: int) -> MtpView:
-    """What the verifier's MTP would look like with ``count`` layers (add mode)."""
-    res = resolve(table, verifier.config, mtp_count=count)
+def virtual_view(declared: MtpView, count: int) -> MtpView:
+    """What the verifier's MTP (``declared``: its gated view) would look like with ``count`` layers (add mode);
+    its resolution is reused when the count stays."""
+    verifier, res = declared.ckpt, declared.resolved
+    if res.mtp_count != count:
+        res = resolve(res.table, verifier.config, mtp_count=count)
     # Experts follow the trunk's layout on disk (a trunk with fused experts gets fused MTP experts).
     trunk_layouts = [detect_group_layout(g, verifier.tensors) for g in trunk_specs(res)[1]]
     layouts = {g.prefix: (trunk_layouts[0] if trunk_layouts else g.layout) for g in res.experts()}
@@ -76,8 +79,7 @@ def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[O
         elif kept:  # rewritten without the dropped tensors, the others byte for byte in their order
             for k in kept:
                 ref = verifier.tensors[k]
-                tensors.append(OutputTensor(k, ref.dtype, ref.shape, CopyBytes([ref.segment()]), shard=name,
-                                            meta={"copied_from": "verifier"}))
+                tensors.append(copy_of(ref, k, {"copied_from": "verifier"}, name))
             layouts[name] = ShardLayout(order=kept)
             report.rewritten_shards.append(name)
         report.copied_tensors += len(kept)
