@@ -42,6 +42,17 @@ def _fixtures(root: Path) -> dict[str, Path]:
                                                     QuantOptions("ct-nvfp4a16", mtp="dropped")),
     }
     made["glm.gguf"] = write_trunk_gguf(made["glm"], root / "glm-trunk.gguf")
+    made |= {  # the matrix of draft formats, dtypes and quantized verifiers (_matrix)
+        "dsv3-pe": make_checkpoint("deepseek_v3", root / "dsv3-pe", FixtureOptions(expert_layout="per-expert")),
+        "qwen-moe": make_checkpoint("qwen3_5_moe", root / "qwen-moe"),
+        "qwen": make_checkpoint("qwen3_5", root / "qwen"),
+        "qwen-fp8": make_checkpoint("qwen3_5", root / "qwen-fp8", FixtureOptions(fp8=True)),
+        "dsv3-nvfp4": make_quantized_checkpoint("deepseek_v3", root / "dsv3-nvfp4", QuantOptions("ct-nvfp4")),
+        "dsv3-nvfp4-dropped": make_quantized_checkpoint("deepseek_v3", root / "dsv3-nvfp4-dropped",
+                                                        QuantOptions("ct-nvfp4", mtp="dropped")),
+        "dsv3-fp8b-dropped": make_quantized_checkpoint("deepseek_v3", root / "dsv3-fp8b-dropped",
+                                                       QuantOptions("ct-fp8-block", mtp="dropped")),
+    }
     return made
 
 
@@ -51,7 +62,7 @@ def _cases(f: dict[str, Path], out: Path) -> dict[str, Callable[[], object]]:
     def draft(name: str) -> Path:
         return out / name
 
-    return {
+    return _matrix(f, out) | {
         "extract-native": lambda: c.extract(f["glm"], draft("extract-native")),
         "extract-angelspec": lambda: c.extract(f["hy"], draft("extract-angelspec"), format="angelspec"),
         "extract-nextn": lambda: c.extract(f["dsv3-fp8"], draft("extract-nextn"), format="sglang-nextn"),
@@ -76,6 +87,43 @@ def _cases(f: dict[str, Path], out: Path) -> dict[str, Callable[[], object]]:
         "init-draft-warm": lambda: c.init_draft(f["dsv3"], draft("init-draft-warm"), from_layer=2,
                                                 format="sglang-nextn"),
     }
+
+
+def _matrix(f: dict[str, Path], out: Path) -> dict[str, Callable[[], object]]:
+    """extract and init-draft in every draft format (with and without --dequant), stitched back with each dtype
+    policy, into quantized verifiers, and graft into quantized trunks."""
+    import ckpt_tools as c
+    from ckpt_tools.model.formats import all_formats
+
+    cases: dict[str, Callable[[], object]] = {}
+    for name in ("dsv3-pe", "dsv3-fp8", "qwen-moe", "qwen", "qwen-fp8", "dsv3-nvfp4"):
+        for fmt in all_formats():
+            for deq in (None, "bf16"):
+                case = f"m-extract-{name}-{fmt}-{deq}"
+                cases[case] = lambda n=name, f_=fmt, d=deq, o=out / case: c.extract(f[n], o, format=f_, dequant=d)
+            case = f"m-init-draft-{name}-{fmt}"
+            cases[case] = lambda n=name, f_=fmt, o=out / case: c.init_draft(f[n], o, num_layers=1, format=f_)
+    for name in ("dsv3-pe", "dsv3-fp8", "qwen-moe", "qwen", "qwen-fp8"):
+        for dtype in ("verifier", "draft"):
+            case = f"m-stitch-{name}-{dtype}"
+            cases[case] = lambda n=name, t=dtype, o=out / case: c.stitch(out / f"m-extract-{n}-native-None", f[n], o,
+                                                                         dtype=t)
+    cases["m-stitch-nvfp4"] = lambda: c.stitch(out / "m-extract-dsv3-pe-native-None", f["dsv3-nvfp4"],
+                                               out / "m-stitch-nvfp4")
+    cases["m-stitch-fp8-keep-bf16"] = lambda: c.stitch(out / "m-extract-dsv3-fp8-native-None", f["dsv3-fp8"],
+                                                       out / "m-stitch-fp8-keep-bf16", keep_bf16=True)
+    for fmt in ("speculators", "angelspec"):
+        for name in ("qwen", "qwen-fp8"):
+            case = f"m-stitch-{name}-{fmt}"
+            cases[case] = lambda n=name, d=out / f"m-extract-qwen-{fmt}-None", o=out / case: c.stitch(d, f[n], o)
+    for case, src, trunk, kw in (
+            ("m-graft-nvfp4", "dsv3-pe", "dsv3-nvfp4-dropped", {}),
+            ("m-graft-nvfp4-bf16", "dsv3-fp8", "dsv3-nvfp4-dropped", {"mtp_dtype": "bf16"}),
+            ("m-graft-fp8b", "dsv3-fp8", "dsv3-fp8b-dropped", {"mtp_dtype": "bf16"}),
+            ("m-graft-fp8b-quant", "dsv3-pe", "dsv3-fp8b-dropped", {"mtp_quant": "ct-fp8"}),
+            ("m-graft-nvfp4-quant", "dsv3-pe", "dsv3-nvfp4-dropped", {"mtp_quant": "ct-nvfp4"})):
+        cases[case] = lambda s_=src, t=trunk, k=kw, o=out / case: c.graft(f[s_], f[t], o, **k)
+    return cases
 
 
 def _strip(value: object, key: str = "") -> object:
@@ -104,7 +152,7 @@ def run(workdir: Path) -> dict[str, dict[str, str]]:
     out = workdir / "out"
     out.mkdir()
     digests: dict[str, dict[str, str]] = {}
-    for name, case in _cases(fixtures, out).items():
+    for name, case in _cases(fixtures, out).items():  # the matrix first: its drafts feed its stitch cases
         try:
             case()
         except Exception as e:  # a case that fails must fail the same way on both commits
