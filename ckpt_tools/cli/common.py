@@ -202,9 +202,6 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input)."
-
-
 def command_line() -> str:
     import shlex
 

@@ -1,17 +1,6 @@
-"""``--allow-invalid RULE``: the one option every verb that reads a checkpoint shares (see consistency.py)."""
+"""What ``--allow-invalid RULE`` (api/options.py) let through, said once (see consistency.py)."""
 
 from __future__ import annotations
-
-import typer
-
-ALLOW_INVALID_HELP = (
-    "Proceed although the input breaks this consistency rule (repeatable). Without it, an inconsistent "
-    "input is refused; `ckpt validate PATH` lists every problem with its rule."
-)
-
-
-def allow_invalid_option():
-    return typer.Option(None, "--allow-invalid", metavar="RULE", help=ALLOW_INVALID_HELP)
 
 
 def say_allowed(problems: list[dict] | None) -> None:

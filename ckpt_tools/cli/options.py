@@ -1,0 +1,55 @@
+"""typer options from their declarations (api/options.py): ``@takes(Verb)`` on a command taking ``**options``
+gives typer a signature with one option per field of ``Verb``, in their order, after the command's own arguments."""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import Field, fields
+from typing import Any, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes(options: type) -> Callable[[F], F]:
+    def decorate(fn: F) -> F:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        fn.__signature__ = inspect.Signature([*own, *map(_param, fields(options))])  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
+
+
+def _param(f: Field) -> inspect.Parameter:
+    o = f.metadata["opt"]
+    kind = _plain(f.type)
+    callback = globals()[o.callback] if o.callback else as_tuple if kind == list[str] else None
+    info = typer.Option(o.default, *o.flags.split(), help=o.help, metavar=o.metavar, min=o.min, callback=callback)
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
+
+
+def _plain(annotation: Any) -> Any:
+    """``str | None`` -> ``str``: what typer converts the value to (cli/coerce.py converts plain types itself)."""
+    if isinstance(annotation, types.UnionType):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def as_tuple(value: list[str] | None) -> tuple[str, ...]:
+    """A repeatable option: what the API takes, given or not."""
+    return tuple(value or ())
+
+
+def cap_threads(value: int | None) -> int | None:
+    """--threads above the CPUs available is capped, and said so on stderr."""
+    from ..parallel import capped_threads
+    from .common import err_console
+
+    used, message = capped_threads(value)
+    if message:
+        err_console().print(message, markup=False, soft_wrap=True)
+    return used
