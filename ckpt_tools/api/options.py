@@ -66,7 +66,7 @@ LINK = Opt("copy", "--link", "Untouched shards: copy | reflink | hardlink | remo
            doc="how shards that need no rewriting reach the output: `copy`, `reflink`, `hardlink`; `remote`: an "
                "`hf://` source's shards stay on the Hub")
 ALL = Opt(False, "--all", "List every MTP tensor, unchanged and added ones too (no row limit).")
-ALLOW_INVALID = Opt(None, "--allow-invalid", "Proceed although the input breaks this consistency rule (repeatable). "
+ALLOW_INVALID = Opt((), "--allow-invalid", "Proceed although the input breaks this consistency rule (repeatable). "
                     "Without it, an inconsistent input is refused; `ckpt validate PATH` lists every problem with its "
                     "rule.", metavar="RULE", doc="read a checkpoint that breaks RULE (see [Integrity](integrity.md))")
 SHARED = (ALLOW_INVALID, ARCH, DRY_RUN, PLAN_JSON, JSON, MAX_SHARD_SIZE, OVERWRITE, RESUME, THREADS, LINK)
@@ -82,7 +82,7 @@ class Inspect:
                                               "table (YAML) to refine.")
     write: str | None = opt(None, "--write", "With --discover: write the draft table to FILE (its name, without "
                                              ".yaml, becomes the family).", metavar="FILE")
-    allow_invalid: list[str] | None = ALLOW_INVALID(
+    allow_invalid: list[str] = ALLOW_INVALID(
         help="With --discover: proceed although the input breaks this index rule (repeatable). Without --discover it "
              "changes nothing: inspect never refuses a checkpoint it can read, it lists the problems other verbs "
              "refuse as findings.")
@@ -150,7 +150,7 @@ class Extract:
     overwrite: bool = OVERWRITE()
     resume: bool = RESUME()
     json: bool = JSON()
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
     threads: int | None = THREADS()
 
 
@@ -171,7 +171,7 @@ class FuseExperts:
     overwrite: bool = OVERWRITE()
     dequant: str | None = opt(None, "--dequant", "Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales "
                                                  "dropped).")
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
     threads: int | None = THREADS()
 
 
@@ -200,7 +200,7 @@ class Dequant:
     overwrite: bool = OVERWRITE()
     resume: bool = RESUME()
     json: bool = JSON()
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 @dataclass
@@ -230,7 +230,7 @@ class Stitch:
     resume: bool = RESUME()
     all: bool = ALL()
     json: bool = JSON()
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 # the scheme tables whose storage names an encoder (ops.stitch.graft.mtp_quants(); tests/test_quant_encode.py keeps
@@ -259,7 +259,7 @@ class Graft:
     resume: bool = RESUME()
     all: bool = ALL()
     json: bool = JSON()
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 @dataclass
@@ -269,12 +269,12 @@ class Diff:
     dequant: bool = opt(False, "--dequant", "Compare FP8 block weights by dequantized value.")
     all: bool = ALL(help="List every key, unchanged ones too (no row limit).")
     json: bool = JSON()
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 @dataclass
 class Probe:
-    drafts: list[str] | None = opt(None, "--draft", "A draft in any format stitch accepts; repeatable.")
+    drafts: list[str] = opt((), "--draft", "A draft in any format stitch accepts; repeatable.")
     prompts: str | None = opt(None, "--prompts", 'FILE.jsonl ({"prompt": ...} or {"input_ids": [...]} per line) or a '
                                                  "text file, one prompt a line.")
     max_new_tokens: int = opt(32, "--max-new-tokens", "Tokens the verifier generates per prompt.")
@@ -333,7 +333,7 @@ class InitDraft:
     plan_json: Path | None = PLAN_JSON()
     overwrite: bool = OVERWRITE()
     json: bool = JSON()
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 @dataclass
@@ -349,7 +349,7 @@ class Push:
     card: str = opt("keep", "--card", "keep: keep the folder's README.md if it has one; overwrite: always write the "
                                       "generated card.", metavar="keep|overwrite")
     json: bool = JSON(help="Print the plan and result as JSON.")
-    allow_invalid: list[str] | None = ALLOW_INVALID()
+    allow_invalid: list[str] = ALLOW_INVALID()
     probe_report: Path | None = opt(None, "--probe-report", "A `ckpt probe --report` of these files whose acceptance "
                                     "the card shows (default: probe-report.json in DIR); refused when it measured "
                                     "other tensors.", metavar="FILE")

@@ -27,7 +27,7 @@ def takes(options: type) -> Callable[[F], F]:
 def _param(f: Field) -> inspect.Parameter:
     o = f.metadata["opt"]
     kind = _plain(f.type)
-    callback = globals()[o.callback] if o.callback else as_tuple if kind == list[str] else None
+    callback = globals()[o.callback] if o.callback else None
     info = typer.Option(o.default, *o.flags.split(), help=o.help, metavar=o.metavar, min=o.min, callback=callback)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
 
@@ -37,11 +37,6 @@ def _plain(annotation: Any) -> Any:
     if isinstance(annotation, types.UnionType):
         return next(a for a in typing.get_args(annotation) if a is not type(None))
     return annotation
-
-
-def as_tuple(value: list[str] | None) -> tuple[str, ...]:
-    """A repeatable option: what the API takes, given or not."""
-    return tuple(value or ())
 
 
 def cap_threads(value: int | None) -> int | None:
