@@ -18,6 +18,7 @@ from typing import Any
 
 from ..ops.probe import mtp_quant as _probe_mtp_quant
 from ..ops.probe import probe as _probe
+from .options import Probe
 from .report import Report, progress_sink
 
 PathArg = str | os.PathLike[str]
@@ -135,13 +136,13 @@ def _check_acceptance(min_acceptance: float | None) -> None:
 
 
 def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathArg | None = None,
-          max_new_tokens: int = 32, depth: int = 1, device: str = "cpu", dtype: str = "fp32",
-          chain: str = "sglang", min_acceptance: float | None = None, report: PathArg | None = None,
-          arch: str | None = None, progress: bool = False, engine: str = "transformers",
-          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-          distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
-          max_model_len: int | None = None, attention_backend: str | None = None,
-          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = 1,
+          max_new_tokens: int = Probe.max_new_tokens, depth: int = Probe.depth, device: str = Probe.device,
+          dtype: str = Probe.dtype, chain: str = Probe.chain, min_acceptance: float | None = None,
+          report: PathArg | None = None, arch: str | None = None, progress: bool = False, engine: str = Probe.engine,
+          tensor_parallel_size: int = Probe.tensor_parallel_size,
+          pipeline_parallel_size: int = Probe.pipeline_parallel_size, distributed_executor_backend: str | None = None,
+          work_dir: PathArg | None = None, max_model_len: int | None = None, attention_backend: str | None = None,
+          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = Probe.threads,
           mtp_quant: str | Sequence[str] | None = None) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
     name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or

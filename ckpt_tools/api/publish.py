@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .options import Push
 from .report import Report
 
 if TYPE_CHECKING:
@@ -71,11 +72,10 @@ def _hub_bars(progress: bool) -> Iterator[None]:
         enable_progress_bars()
 
 
-def push(source: PathArg, repo_id: str, *, revision: str | None = None, private: bool = False,
-         create_pr: bool = False, message: str | None = None, base: str | None = None, dry_run: bool = False,
-         force: bool = False, card: str = "keep", allow_invalid: Sequence[str] = (),
-         progress: bool = False, probe_report: PathArg | None = None,
-         probe_plot: PathArg | None = None) -> PushReport:
+def push(source: PathArg, repo_id: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
+         message: str | None = None, base: str | None = None, dry_run: bool = False, force: bool = False,
+         card: str = Push.card, allow_invalid: Sequence[str] = (), progress: bool = False,
+         probe_report: PathArg | None = None, probe_plot: PathArg | None = None) -> PushReport:
     """Validate ``source`` (refused on problems unless ``force`` or their rules are in ``allow_invalid``),
     generate its model card (``card``: keep the folder's README.md | overwrite) and publish it to ``repo_id``
     (ORG/NAME; ``revision`` a branch, created if missing). ``base``: a repository (ORG/NAME[@REV]) whose

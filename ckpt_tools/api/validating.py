@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..errors import CheckFailed, InputError, UsageError
 from ..ops.check import validate as _validate
+from .options import Validate
 from .report import Report, as_public, progress_sink
 
 if TYPE_CHECKING:
@@ -30,18 +31,18 @@ class ValidateReport(_validate.ValidationReport, Report):
 
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[False] = False,
-             out: None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport: ...
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[True],
-             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> FixQuantConfigReport: ...
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
-             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport: ...
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
-             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport:
     """Check format, index and config-vs-tensor rules; every problem, with rule, file and key.
 
@@ -64,7 +65,7 @@ def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool 
             raise UsageError("--engine goes without --fix-quant-config")
         return _fix_quant_config(path, arch, out, link, dry_run, overwrite, progress)
     for flag, given in (("-o", out is not None), ("--dry-run", dry_run), ("--overwrite", overwrite),
-                        ("--link", link != "copy")):
+                        ("--link", link != Validate.link)):
         if given:
             raise UsageError(f"{flag} goes with --fix-quant-config")
     if engine == "vllm":
@@ -138,7 +139,7 @@ def _fix_command(path: PathLike, arch: str | None, out: object, link: str) -> st
     words = ["ckpt", "validate", "--fix-quant-config", os.fspath(path)]
     words += ["-o", str(out)] if out is not None else ["--dry-run"]
     words += ["--arch", arch] if arch else []
-    words += ["--link", link] if link != "copy" else []
+    words += ["--link", link] if link != Validate.link else []
     return shlex.join(words)
 
 
