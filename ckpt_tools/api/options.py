@@ -13,8 +13,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Opt:
-    """One option: its default, flags ("-o --out", "--with-embed/--no-embed"), help and the typer extras; ``doc`` is
-    its row in docs/verbs.md's table of options several commands share."""
+    """One option: its default, flags ("-o --out", "--with-embed/--no-embed"), help and the typer extras; ``doc``: its
+    row in docs/verbs.md's table of options several commands share, where it says more than the help."""
 
     default: Any
     flags: str
@@ -39,36 +39,30 @@ def opt(default: Any, flags: str, help: str, **extras: Any) -> Any:
 
 OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input)."
 OUT = Opt(..., "-o --out", OUT_HELP)
-ARCH = Opt(None, "--arch", "Table to use instead of detecting the family.",
-           doc="use FAMILY's table instead of the detected one")
-DRY_RUN = Opt(False, "--dry-run", "Print the plan; write nothing.",
-              doc="print the plan, write nothing (`validate`: with `--fix-quant-config`)")
-PLAN_JSON = Opt(None, "--plan-json", "Write the plan as JSON to this file.", doc="write the plan as JSON")
+ARCH = Opt(None, "--arch", "Table to use instead of detecting the family.")
+DRY_RUN = Opt(False, "--dry-run", "Print the plan; write nothing.")
+PLAN_JSON = Opt(None, "--plan-json", "Write the plan as JSON to this file.")
 REPORT = Opt(None, "--report", "Also write the report here.")
-JSON = Opt(False, "--json", "Print a JSON report.", doc="the machine-readable report on stdout")
-MAX_SHARD_SIZE = Opt("5GB", "--max-shard-size", "e.g. 500MB, 5GB (at most 50GB).",
-                     doc="`500MB`, `5GB`; at most 50GB, the Hub's file limit")
-OVERWRITE = Opt(False, "--overwrite", "Replace an existing output directory.",
-                doc="replace an existing output: before anything is written, every file an earlier run of ours wrote "
-                    "there is removed, side files included (its manifest and resume record list them as `written`: a "
-                    "stale `hf_quant_config.json` or tokenizer must not describe the new tensors), the completion "
-                    "markers first; a file no run of ours wrote stays")
-RESUME = Opt(False, "--resume", "Finish an interrupted run into the same -o.",
-             doc="finish an interrupted run: finished shards whose header matches the plan are kept (`init-draft`, "
-                 "`fuse-experts` and `unfuse-experts` write from scratch; rerun them with `--overwrite`)")
+JSON = Opt(False, "--json", "Print a JSON report.")
+MAX_SHARD_SIZE = Opt("5GB", "--max-shard-size", "e.g. 500MB, 5GB (at most 50GB).")
+OVERWRITE = Opt(False, "--overwrite", "Replace an existing output directory.", doc=(
+    "Replace an existing output: before anything is written, every file an earlier run of ours wrote there is removed, "
+    "side files included (its manifest and resume record list them as `written`: a stale `hf_quant_config.json` or "
+    "tokenizer must not describe the new tensors), the completion markers first; a file no run of ours wrote stays"))
+RESUME = Opt(False, "--resume", "Finish an interrupted run into the same -o.", doc=(
+    "Finish an interrupted run: finished shards whose header matches the plan are kept (`init-draft`, `fuse-experts` "
+    "and `unfuse-experts` write from scratch; rerun them with `--overwrite`)"))
 THREADS = Opt(None, "--threads", "Threads decoding quantized weights (default, and at most: every core this process "
-                                 "may use).", min=1, callback="cap_threads",
-              doc="decode quantized weights (`dequant`, `--dequant`) in row bands on N threads (default: every core "
-                  "the process may use); the same bytes whatever N. `probe --engine llama.cpp`: llama.cpp's threads "
-                  "(`-t`, default 1)")
+              "may use).", min=1, callback="cap_threads", doc=(
+    "Decode quantized weights (`dequant`, `--dequant`) in row bands on N threads (default: every core the process may "
+    "use); the same bytes whatever N. `probe --engine llama.cpp`: llama.cpp's threads (`-t`, default 1)"))
 LINK = Opt("copy", "--link", "Untouched shards: copy | reflink | hardlink | remote (an hf:// target's shards stay on "
-                             "the Hub)",
-           doc="how shards that need no rewriting reach the output: `copy`, `reflink`, `hardlink`; `remote`: an "
-               "`hf://` source's shards stay on the Hub")
+           "the Hub)", doc="How shards that need no rewriting reach the output: `copy`, `reflink`, `hardlink`; "
+           "`remote`: an `hf://` source's shards stay on the Hub")
 ALL = Opt(False, "--all", "List every MTP tensor, unchanged and added ones too (no row limit).")
 ALLOW_INVALID = Opt((), "--allow-invalid", "Proceed although the input breaks this consistency rule (repeatable). "
                     "Without it, an inconsistent input is refused; `ckpt validate PATH` lists every problem with its "
-                    "rule.", metavar="RULE", doc="read a checkpoint that breaks RULE (see [Integrity](integrity.md))")
+                    "rule.", metavar="RULE")
 SHARED = (ALLOW_INVALID, ARCH, DRY_RUN, PLAN_JSON, JSON, MAX_SHARD_SIZE, OVERWRITE, RESUME, THREADS, LINK)
 
 # -- each verb ----------------------------------------------------------------------------------------------------
