@@ -5,8 +5,7 @@ from __future__ import annotations
 import typer
 
 from ..api.options import Diff
-from .common import command, emit_json, out_console
-from .gate_options import say_allowed
+from .common import command, emit_json, out_console, say_allowed
 from .options import takes
 
 

@@ -7,8 +7,7 @@ import re
 import typer
 
 from ..api.options import Inspect
-from .common import command, emit_json, human_bytes, out_console
-from .gate_options import say_allowed
+from .common import command, emit_json, human_bytes, out_console, say_allowed
 from .layout import INDENT, Col, print_fields, print_table
 from .options import takes
 

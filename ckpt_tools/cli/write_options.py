@@ -7,8 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from .common import command_line, human_bytes, out_console
-from .gate_options import say_allowed
+from .common import command_line, human_bytes, out_console, say_allowed
 
 
 def layers(text: str | None) -> list[int] | None:
