@@ -6,9 +6,13 @@ from them (``stitch(..., mode: str = Stitch.mode)``) and docs/verbs.md's option 
 (``--json``) are the CLI's. Plain data only: the CLI imports this module at start-up.
 """
 
-from dataclasses import dataclass, field, replace
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,18 @@ class Opt:
 def opt(default: Any, flags: str, help: str, **extras: Any) -> Any:
     """A verb's own option."""
     return Opt(default, flags, help, **extras)()
+
+
+def keywords(options: type) -> Callable[[F], F]:
+    """An API verb's docstring ends with its keywords' help: what its declaration (and ``ckpt VERB --help``) says."""
+
+    def document(fn: F) -> F:
+        taken = inspect.signature(fn).parameters
+        fn.__doc__ = f"{(fn.__doc__ or '').rstrip()}\n\n    Keywords (the options of ``ckpt``):\n\n" + "".join(
+            f"    - ``{f.name}``: {f.metadata['opt'].help}\n" for f in fields(options) if f.name in taken)
+        return fn
+
+    return document
 
 
 # -- what several verbs share (each verb may word its help for itself) --------------------------------------------

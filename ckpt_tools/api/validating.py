@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..errors import CheckFailed, InputError, UsageError
 from ..ops.check import validate as _validate
-from .options import Validate
+from .options import Validate, keywords
 from .report import Report, as_public, progress_sink
 
 if TYPE_CHECKING:
@@ -41,18 +41,15 @@ def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Liter
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
              out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport: ...
+@keywords(Validate)
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
              out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport:
     """Check format, index and config-vs-tensor rules; every problem, with rule, file and key.
 
     Raises ``CheckFailed`` (its ``report`` a ``ValidateReport``) when there is a problem; ``InputError`` when
-    ``path`` is not a checkpoint at all. ``fix_quant_config=True``: write ``path`` to ``out`` (a directory or
-    ``s3://bucket/prefix``) with only its quantization config repaired (shards copied or linked by ``link``:
-    copy | reflink | hardlink | remote) and OUT validated; ``dry_run`` computes the change and writes nothing;
-    ``overwrite`` replaces OUT. Returns a ``FixQuantConfigReport`` (``status`` ``nothing-to-fix`` writes nothing).
-    ``engine="vllm"``: also vLLM's own MTP loader over the checkpoint's names, shapes and dtypes (``vllm-*``
-    findings; run where vLLM is installed: ``UsageError`` when it is not importable).
+    ``path`` is not a checkpoint at all. ``fix_quant_config=True`` returns a ``FixQuantConfigReport`` (``status``
+    ``nothing-to-fix`` writes nothing). ``engine="vllm"``: ``UsageError`` where vLLM is not importable.
     """
     from ..model.tables.loader import all_tables
 

@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .options import Dequant, Extract, FuseExperts, Graft, InitDraft, Stitch, UnfuseExperts
+from .options import Dequant, Extract, FuseExperts, Graft, InitDraft, Stitch, UnfuseExperts, keywords
 from .report import Report, progress_sink
 
 if TYPE_CHECKING:
@@ -244,15 +244,15 @@ class GraftReport(Report):
 # -- the verbs -----------------------------------------------------------------------------------
 
 
+@keywords(Extract)
 def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: Sequence[int] | None = None,
             format: str = Extract.format, with_embed: bool | None = None, with_head: bool | None = None,
             dtype: str = Extract.dtype, dequant: str | None = None, drop_mtp: bool = False,
             verifier_name: str | None = None, max_shard_size: int | str = Extract.max_shard_size, dry_run: bool = False,
             plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
             allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None) -> ExtractReport:
-    """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
-    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
-    of ``dequant`` (None: every core). llama.cpp's GGUF sidecar (``--format gguf``): ``extract_gguf``."""
+    """MTP layers of ``source`` into a standalone draft at ``out``, or with ``drop_mtp`` the trunk without them.
+    llama.cpp's GGUF sidecar (``--format gguf``): ``extract_gguf``."""
     from ..io.checkpoint import Checkpoint
     from ..ops.draft.extract import ExtractRequest, plan_extract
     from ..ops.writing.execute import bytes_read_so_far, write_plan
@@ -296,6 +296,7 @@ class GgufReport(Report):
         return {"format": "gguf", "path": self.path, "size": self.size, **self.manifest}
 
 
+@keywords(Extract)
 def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: str = Extract.gguf_type,
                  arch: str | None = None, dry_run: bool = False, overwrite: bool = False,
                  allow_invalid: Sequence[str] = ()) -> GgufReport:
@@ -323,6 +324,7 @@ def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: st
     return GgufReport(str(path), size, plan.manifest)
 
 
+@keywords(InitDraft)
 def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_layers: int | None = None,
                seed: int = InitDraft.seed, std: float | None = None, from_layer: int | None = None,
                format: str = InitDraft.format, dtype: str = InitDraft.dtype, dequant: str | None = None,
@@ -393,33 +395,33 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     return ExpertsReport(layout.label(), xplan, written, validation, moved["bytes_copied"], moved["bytes_computed"])
 
 
+@keywords(FuseExperts)
 def fuse_experts(source: PathArg, out: PathArg | None, *, to: str = FuseExperts.to, only_mtp: bool = False,
                  arch: str | None = None, max_shard_size: int | str = FuseExperts.max_shard_size, dry_run: bool = False,
                  plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
                  allow_invalid: Sequence[str] = (), progress: bool = False,
                  threads: int | None = None) -> ExpertsReport:
-    """Routed experts stacked into one tensor per projection (``to``: fused | stacked | stacked-transposed |
-    fused-transposed, options after ':'); ``out`` may be None for a dry run."""
+    """Routed experts stacked into one tensor per projection; ``out`` may be None for a dry run."""
     return _experts(fuse_experts, "fuse-experts", source, out, locals())
 
 
+@keywords(UnfuseExperts)
 def unfuse_experts(source: PathArg, out: PathArg | None, *, to: str = UnfuseExperts.to, only_mtp: bool = False,
                    arch: str | None = None, max_shard_size: int | str = UnfuseExperts.max_shard_size,
                    dry_run: bool = False, plan_json: PathArg | None = None, overwrite: bool = False,
                    dequant: str | None = None, allow_invalid: Sequence[str] = (), progress: bool = False,
                    threads: int | None = None) -> ExpertsReport:
-    """Fused experts split apart again (``to``: per-expert | stacked | stacked-transposed)."""
+    """Fused experts split apart again; ``out`` may be None for a dry run."""
     return _experts(unfuse_experts, "unfuse-experts", source, out, locals())
 
 
+@keywords(Dequant)
 def dequant(source: PathArg, out: PathArg | None, *, dtype: str = Dequant.dtype, only_mtp: bool = False,
             link: str | None = None, arch: str | None = None, max_shard_size: int | str = Dequant.max_shard_size,
             dry_run: bool = False, plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
             threads: int | None = None, allow_invalid: Sequence[str] = (), progress: bool = False) -> DequantReport:
-    """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded to ``dtype`` (bf16 |
-    fp16 | fp32), scales dropped, everything else copied; ``threads`` decode (None: every core). ``link``
-    (with ``only_mtp``): the shards holding no MTP tensor copied or linked whole (copy | reflink | hardlink |
-    remote), the decoded MTP layers in new shards. ``out`` may be None for a dry run."""
+    """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded, scales dropped, everything
+    else copied. ``out`` may be None for a dry run."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
     from ..ops.convert.dequant import DequantRequest, plan_dequant
@@ -449,6 +451,7 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = Dequant.dtype,
     return DequantReport(dplan, written, validation, used)
 
 
+@keywords(Stitch)
 def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = Stitch.format, mode: str = Stitch.mode,
            link: str = Stitch.link, allow_partial: bool = False, dtype: str = Stitch.dtype, update_copies: bool = False,
            keep_bf16: bool = False, arch: str | None = None, strip_prefix: str | None = None,
@@ -457,7 +460,7 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = St
            report: PathArg | None = None, overwrite: bool = False, resume: bool = False,
            allow_invalid: Sequence[str] = (), progress: bool = False) -> StitchReport:
     """A finetuned ``draft`` (a directory, or name -> tensor in memory) stitched into ``verifier``: exact
-    names, layout and dtypes, compared tensor by tensor. ``report``: also write the report there.
+    names, layout and dtypes, compared tensor by tensor.
 
     Errors are the tool's exceptions (``InputError``, ``UsageError``, ``OutputError``, ...), raised before
     anything is written whenever the inputs are at fault."""
@@ -480,13 +483,14 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = St
     return StitchReport(details, dry_run)
 
 
+@keywords(Graft)
 def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | None = None, mtp_quant: str | None = None,
           link: str = Graft.link, arch: str | None = None, max_shard_size: int | str = Graft.max_shard_size,
           dry_run: bool = False, plan_json: PathArg | None = None, report: PathArg | None = None,
           overwrite: bool = False, resume: bool = False, allow_invalid: Sequence[str] = (),
           progress: bool = False) -> GraftReport:
     """``target`` (a converted checkpoint that lost its MTP) with ``source``'s MTP layers: config count and
-    quantization config repaired. ``report``: also write the report there."""
+    quantization config repaired."""
     from ..ops.stitch.graft import GraftRequest, plan_graft
     from ..stream.plan import parse_size
 
