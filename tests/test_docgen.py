@@ -4,7 +4,6 @@ docs/verbs.md's option tables all come from that declaration; the committed tabl
 from __future__ import annotations
 
 import inspect
-from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
@@ -62,12 +61,12 @@ def test_the_api_keywords_and_their_defaults_are_the_declared_ones(verb):
     declared, not_api = DECLARED[verb]
     params = inspect.signature(getattr(api, verb)).parameters
     keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - {"progress"}
-    names = {f.name for f in fields(declared)}
+    names = {o.name for o in options.declared(declared)}
     assert keywords <= names - not_api, sorted(keywords - names)
     assert names - not_api <= set(params), sorted(names - not_api - set(params))
-    for f in fields(declared):
-        if f.name in params and params[f.name].default is not inspect.Parameter.empty:
-            assert f.default is not MISSING and params[f.name].default == f.default, (verb, f.name)
+    for o in options.declared(declared):
+        if o.name in params and params[o.name].default is not inspect.Parameter.empty:
+            assert params[o.name].default == o.default, (verb, o.name)
     if verb == "extract":  # --format gguf's function
         assert inspect.signature(api.extract_gguf).parameters["gguf_type"].default == options.Extract.gguf_type
 

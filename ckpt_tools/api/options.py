@@ -1,14 +1,15 @@
-"""Every option of every verb, declared once: a dataclass field per option, its metadata the flags and help.
+"""Every option of every verb, declared once: a class per verb, an ``Opt`` (flags, default, help) per option.
 
-The CLI builds its typer options from these classes (cli/options.py), the API functions take their defaults
-from them (``stitch(..., mode: str = Stitch.mode)``) and docs/verbs.md's option tables are generated from them
-(``python -m ckpt_tools.cli.docgen``). A field's name is the API keyword; options the API does not take
-(``--json``) are the CLI's. Plain data only: the CLI imports this module at start-up.
+The CLI builds its typer options from them (cli/options.py), the API functions take their defaults from them
+(``stitch(..., mode: str = Stitch.mode)``: a declaration read on its class is its default) and their docstrings'
+keywords (``@keywords``), and docs/verbs.md's option tables are generated from them (``python -m
+ckpt_tools.cli.docgen``). The attribute's name is the API keyword; options the API does not take (``--json``) are
+the CLI's. Plain data only: the CLI imports this module at start-up.
 """
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,16 +28,30 @@ class Opt:
     min: int | None = None
     callback: str | None = None  # a function of cli/options.py run on the parsed value
     doc: str = ""
+    name: str = ""  # the API keyword: the attribute a verb declares it as
 
     def __call__(self, *default: Any, **changes: Any) -> Any:
-        """The dataclass field declaring this option in a verb (``default``, ``changes``: that verb's own)."""
-        o = replace(self, **changes, **({"default": default[0]} if default else {}))
-        return field(default=o.default, metadata={"opt": o})
+        """This option as a verb declares it (``default``, ``changes``: that verb's own)."""
+        return replace(self, **changes, **({"default": default[0]} if default else {}))
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        return self.default
 
 
 def opt(default: Any, flags: str, help: str, **extras: Any) -> Any:
     """A verb's own option."""
-    return Opt(default, flags, help, **extras)()
+    return Opt(default, flags, help, **extras)
+
+
+def declared(options: type) -> list[Opt]:
+    """A verb's options in their order (a subclass redeclares some of its base's in place)."""
+    found: dict[str, Opt] = {}
+    for cls in reversed(options.__mro__):
+        found.update((k, v) for k, v in vars(cls).items() if isinstance(v, Opt))
+    return list(found.values())
 
 
 def keywords(options: type) -> Callable[[F], F]:
@@ -45,7 +60,7 @@ def keywords(options: type) -> Callable[[F], F]:
     def document(fn: F) -> F:
         taken = inspect.signature(fn).parameters
         fn.__doc__ = f"{(fn.__doc__ or '').rstrip()}\n\n    Keywords (the options of ``ckpt``):\n\n" + "".join(
-            f"    - ``{f.name}``: {f.metadata['opt'].help}\n" for f in fields(options) if f.name in taken)
+            f"    - ``{o.name}``: {o.help}\n" for o in declared(options) if o.name in taken)
         return fn
 
     return document
@@ -84,7 +99,6 @@ SHARED = (ALLOW_INVALID, ARCH, DRY_RUN, PLAN_JSON, JSON, MAX_SHARD_SIZE, OVERWRI
 # -- each verb ----------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class Inspect:
     arch: str | None = ARCH(metavar="NAME", help="Use this family's table instead of detecting it.")
     json: bool = JSON(help="Print the report as JSON (keys documented in ckpt_tools.ops.inspect.inspect).")
@@ -98,7 +112,6 @@ class Inspect:
              "refuse as findings.")
 
 
-@dataclass
 class Validate:
     arch: str | None = ARCH(metavar="NAME", help="Check against this family's table instead of detecting it.")
     json: bool = JSON(help="Print the report as JSON.")
@@ -119,7 +132,6 @@ class Validate:
                                                        "GGUF.", metavar="TRUNK.gguf")
 
 
-@dataclass
 class VerifyManifest:
     json: bool = JSON(help="Print the report as JSON.")
 
@@ -133,7 +145,6 @@ DEQUANT_HELP = ("bf16 | fp16 | fp32: decode the quantized MTP weights of every s
                 "too, but for a dtype the family table pins.")
 
 
-@dataclass
 class Extract:
     out: str = OUT()
     arch: str | None = ARCH()
@@ -168,7 +179,6 @@ LAYOUT_HELP = ("per-expert | fused | stacked | stacked-transposed | fused-transp
                "(fused:up-first, fused-transposed:interleaved)")
 
 
-@dataclass
 class FuseExperts:
     out: str | None = OUT(None)
     to: str = opt("fused", "--to", LAYOUT_HELP)
@@ -185,12 +195,10 @@ class FuseExperts:
     threads: int | None = THREADS()
 
 
-@dataclass
 class UnfuseExperts(FuseExperts):
     to: str = opt("per-expert", "--to", LAYOUT_HELP)
 
 
-@dataclass
 class Dequant:
     out: str | None = OUT(None)
     dtype: str = opt("bf16", "--dtype", "bf16 | fp16 | fp32: what every quantized module of a scheme in "
@@ -213,7 +221,6 @@ class Dequant:
     allow_invalid: list[str] = ALLOW_INVALID()
 
 
-@dataclass
 class Stitch:
     out: str = OUT()
     format: str = opt("auto", "--format", "auto | native | speculators | angelspec | sglang-nextn")
@@ -249,7 +256,6 @@ MTP_QUANTS = " | ".join(("ct-fp8", "ct-int8", "ct-mxfp4", "ct-nvfp4", "ct-pack",
                          "modelopt-fp8", "modelopt-nvfp4"))
 
 
-@dataclass
 class Graft:
     out: str = OUT()
     mtp_dtype: str | None = opt(None, "--mtp-dtype", "bf16 | fp32 | fp16: MTP values in this dtype (quantized ones "
@@ -272,7 +278,6 @@ class Graft:
     allow_invalid: list[str] = ALLOW_INVALID()
 
 
-@dataclass
 class Diff:
     keys: str | None = opt(None, "--keys", "Only keys matching this regular expression.")
     stats: bool = opt(False, "--stats", "max |delta|, relative L2 and cosine per changed key.")
@@ -282,7 +287,6 @@ class Diff:
     allow_invalid: list[str] = ALLOW_INVALID()
 
 
-@dataclass
 class Probe:
     drafts: list[str] = opt((), "--draft", "A draft in any format stitch accepts; repeatable.")
     prompts: str | None = opt(None, "--prompts", 'FILE.jsonl ({"prompt": ...} or {"input_ids": [...]} per line) or a '
@@ -326,7 +330,6 @@ class Probe:
                                             "needs the extra ckpt-tools[plot].", metavar="FILE.png")
 
 
-@dataclass
 class InitDraft:
     out: str = OUT()
     arch: str | None = ARCH(help="Table (family or template) instead of detecting it.")
@@ -346,7 +349,6 @@ class InitDraft:
     allow_invalid: list[str] = ALLOW_INVALID()
 
 
-@dataclass
 class Push:
     revision: str | None = opt(None, "--revision", "Branch to push to (created if missing).", metavar="BRANCH")
     private: bool = opt(False, "--private", "Create the repository as private.")
@@ -367,14 +369,12 @@ class Push:
                                   "probe --plot` beside the report).", metavar="FILE.png")
 
 
-@dataclass
 class Tables:
     json: bool = JSON(help="Print JSON.")
     probe: bool = opt(False, "--probe", "Also say which families `ckpt probe` supports, per engine: our table engine "
                       "(transformers) and vLLM's MTP class (asks transformers: a few seconds).")
 
 
-@dataclass
 class Demo:
     family: str | None = opt(None, "--family", "Table whose tiny fixture to use (default: the table marked `demo: "
                                                "true`).")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import typer
 
-from ..api.options import Extract
+from ..api.options import Extract, declared
 from .common import command, emit_json, out_console
 from .options import takes
 from .write_options import invoked, say_written
@@ -53,8 +51,7 @@ def _gguf(src: str, out: str, trunk: str | None, gguf_type: str, o: dict, json_o
 
     if o["format"] != "gguf" or trunk is None:
         raise UsageError("--format gguf and --gguf-trunk TRUNK.gguf go together")
-    declared = {f.name: f for f in fields(Extract)}
-    given = [declared[n].metadata["opt"].flags for n in NOT_GGUF if o[n] != declared[n].default]
+    given = [d.flags for n in NOT_GGUF for d in declared(Extract) if d.name == n and o[n] != d.default]
     if given:
         raise UsageError(f"--format gguf writes every MTP layer as llama.cpp's converter does: {', '.join(given)} "
                          "do not apply (--gguf-type chooses the type)")

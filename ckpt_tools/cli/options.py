@@ -1,5 +1,5 @@
 """typer options from their declarations (api/options.py): ``@takes(Verb)`` on a command taking ``**options``
-gives typer a signature with one option per field of ``Verb``, in their order, after the command's own arguments."""
+gives typer a signature with one option per declaration of ``Verb``, in their order, after the command's own arguments."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import inspect
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import Field, fields
 from typing import Any, TypeVar
 
 import typer
+
+from ..api.options import Opt, declared
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -18,18 +19,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 def takes(options: type) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
-        fn.__signature__ = inspect.Signature([*own, *map(_param, fields(options))])  # type: ignore[attr-defined]
+        hints = typing.get_type_hints(options)
+        own += [_param(o, _plain(hints[o.name])) for o in declared(options)]
+        fn.__signature__ = inspect.Signature(own)  # type: ignore[attr-defined]
         return fn
 
     return decorate
 
 
-def _param(f: Field) -> inspect.Parameter:
-    o = f.metadata["opt"]
-    kind = _plain(f.type)
+def _param(o: Opt, kind: Any) -> inspect.Parameter:
     callback = globals()[o.callback] if o.callback else None
     info = typer.Option(o.default, *o.flags.split(), help=o.help, metavar=o.metavar, min=o.min, callback=callback)
-    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
+    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
 
 
 def _plain(annotation: Any) -> Any:
