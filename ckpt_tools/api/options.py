@@ -18,8 +18,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class Opt:
-    """One option: its default, flags ("-o --out", "--with-embed/--no-embed"), help and the typer extras; ``doc``: its
-    row in docs/verbs.md's table of options several commands share, where it says more than the help."""
+    """One option: its default, flags ("-o --out", "--with-embed/--no-embed"), help and the typer extras."""
 
     default: Any
     flags: str
@@ -27,7 +26,6 @@ class Opt:
     metavar: str | None = None
     min: int | None = None
     callback: str | None = None  # a function of cli/options.py run on the parsed value
-    doc: str = ""
     name: str = ""  # the API keyword: the attribute a verb declares it as
 
     def __call__(self, *default: Any, **changes: Any) -> Any:
@@ -68,28 +66,19 @@ def keywords(options: type) -> Callable[[F], F]:
 
 # -- what several verbs share (each verb may word its help for itself) --------------------------------------------
 
-OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input)."
-OUT = Opt(..., "-o --out", OUT_HELP)
+OUT = Opt(..., "-o --out", "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input).")
 ARCH = Opt(None, "--arch", "Table to use instead of detecting the family.")
 DRY_RUN = Opt(False, "--dry-run", "Print the plan; write nothing.")
 PLAN_JSON = Opt(None, "--plan-json", "Write the plan as JSON to this file.")
 REPORT = Opt(None, "--report", "Also write the report here.")
 JSON = Opt(False, "--json", "Print a JSON report.")
 MAX_SHARD_SIZE = Opt("5GB", "--max-shard-size", "e.g. 500MB, 5GB (at most 50GB).")
-OVERWRITE = Opt(False, "--overwrite", "Replace an existing output directory.", doc=(
-    "Replace an existing output: before anything is written, every file an earlier run of ours wrote there is removed, "
-    "side files included (its manifest and resume record list them as `written`: a stale `hf_quant_config.json` or "
-    "tokenizer must not describe the new tensors), the completion markers first; a file no run of ours wrote stays"))
-RESUME = Opt(False, "--resume", "Finish an interrupted run into the same -o.", doc=(
-    "Finish an interrupted run: finished shards whose header matches the plan are kept (`init-draft`, `fuse-experts` "
-    "and `unfuse-experts` write from scratch; rerun them with `--overwrite`)"))
+OVERWRITE = Opt(False, "--overwrite", "Replace an existing output directory.")
+RESUME = Opt(False, "--resume", "Finish an interrupted run into the same -o.")
 THREADS = Opt(None, "--threads", "Threads decoding quantized weights (default, and at most: every core this process "
-              "may use).", min=1, callback="cap_threads", doc=(
-    "Decode quantized weights (`dequant`, `--dequant`) in row bands on N threads (default: every core the process may "
-    "use); the same bytes whatever N. `probe --engine llama.cpp`: llama.cpp's threads (`-t`, default 1)"))
+              "may use).", min=1, callback="cap_threads")
 LINK = Opt("copy", "--link", "Untouched shards: copy | reflink | hardlink | remote (an hf:// target's shards stay on "
-           "the Hub)", doc="How shards that need no rewriting reach the output: `copy`, `reflink`, `hardlink`; "
-           "`remote`: an `hf://` source's shards stay on the Hub")
+           "the Hub)")
 ALL = Opt(False, "--all", "List every MTP tensor, unchanged and added ones too (no row limit).")
 ALLOW_INVALID = Opt((), "--allow-invalid", "Proceed although the input breaks this consistency rule (repeatable). "
                     "Without it, an inconsistent input is refused; `ckpt validate PATH` lists every problem with its "
@@ -189,8 +178,7 @@ class FuseExperts:
     plan_json: Path | None = PLAN_JSON()
     json: bool = JSON()
     overwrite: bool = OVERWRITE()
-    dequant: str | None = opt(None, "--dequant", "Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales "
-                                                 "dropped).")
+    dequant: str | None = opt(None, "--dequant", "Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped).")
     allow_invalid: list[str] = ALLOW_INVALID()
     threads: int | None = THREADS()
 

@@ -34,7 +34,7 @@ def tables() -> str:
     for o in SHARED:
         flag = o.flags.split()[-1]
         having = ", ".join(f"`{n}`" for n, c in commands.items() if any(flag in p.opts for p in c.params))
-        lines.append(f"| `{flag}{f' {o.metavar}' if o.metavar else ''}` | {having} | {_cell(o.doc or o.help)} |")
+        lines.append(f"| `{flag}{f' {o.metavar}' if o.metavar else ''}` | {having} | {_cell(o.help)} |")
     lines += ["", "## Options of each command", "", "Every argument and option, as `ckpt COMMAND --help` gives it."]
     for name, command in commands.items():
         lines += ["", f"### `ckpt {name}`", "", *HEADER]

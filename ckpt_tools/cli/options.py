@@ -1,5 +1,5 @@
-"""typer options from their declarations (api/options.py): ``@takes(Verb)`` on a command taking ``**options``
-gives typer a signature with one option per declaration of ``Verb``, in their order, after the command's own arguments."""
+"""typer options from their declarations (api/options.py): ``@takes(Verb)`` on a command taking ``**options`` gives
+typer a signature with one option per declaration of ``Verb``, in their order, after the command's own arguments."""
 
 from __future__ import annotations
 
