@@ -1,13 +1,12 @@
 """docs/verbs.md's option tables, generated from the declarations (api/options.py) through the commands typer builds
 from them, so that every option of every verb is documented as ``--help`` gives it.
 
-``python -m ckpt_tools.cli.docgen [docs/verbs.md]`` rewrites them; tests/test_docgen.py fails while they are stale.
+``python -m ckpt_tools.cli.docgen`` rewrites them; tests/test_docgen.py fails while they are stale.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import typer.main
@@ -57,5 +56,4 @@ def render(text: str) -> str:
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else VERBS_MD
-    path.write_text(render(path.read_text()))
+    VERBS_MD.write_text(render(VERBS_MD.read_text()))

@@ -4,7 +4,6 @@ typer a signature with one option per declaration of ``Verb``, in their order, a
 from __future__ import annotations
 
 import inspect
-import types
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +19,7 @@ def takes(options: type) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
         hints = typing.get_type_hints(options)
-        own += [_param(o, _plain(hints[o.name])) for o in declared(options)]
+        own += [_param(o, hints[o.name]) for o in declared(options)]
         fn.__signature__ = inspect.Signature(own)  # type: ignore[attr-defined]
         return fn
 
@@ -31,13 +30,6 @@ def _param(o: Opt, kind: Any) -> inspect.Parameter:
     callback = globals()[o.callback] if o.callback else None
     info = typer.Option(o.default, *o.flags.split(), help=o.help, metavar=o.metavar, min=o.min, callback=callback)
     return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
-
-
-def _plain(annotation: Any) -> Any:
-    """``str | None`` -> ``str``: what typer converts the value to (cli/coerce.py converts plain types itself)."""
-    if isinstance(annotation, types.UnionType):
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
 
 
 def cap_threads(value: int | None) -> int | None:
