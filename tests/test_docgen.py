@@ -11,7 +11,8 @@ import typer.main
 
 from ckpt_tools import api
 from ckpt_tools.api import options
-from ckpt_tools.cli import app, docgen
+from ckpt_tools.cli import app
+from tools import docgen
 
 VERBS_MD = Path(__file__).resolve().parent.parent / "docs" / "verbs.md"
 # verb -> its declarations, and those the API function does not take (the CLI's own, or another function's)

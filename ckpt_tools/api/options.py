@@ -2,9 +2,9 @@
 
 The CLI builds its typer options from them (cli/options.py), the API functions take their defaults from them
 (``stitch(..., mode: str = Stitch.mode)``: a declaration read on its class is its default) and their docstrings'
-keywords (``@keywords``), and docs/verbs.md's option tables are generated from them (``python -m
-ckpt_tools.cli.docgen``). The attribute's name is the API keyword; options the API does not take (``--json``) are
-the CLI's; its annotation is the type the CLI converts the value to. Plain data only: the CLI imports it at start-up.
+keywords (``@keywords``), and docs/verbs.md's option tables are generated from them (``python -m tools.docgen``).
+The attribute's name is the API keyword; options the API does not take (``--json``) are the CLI's; its annotation is
+the type the CLI converts the value to. Plain data only: the CLI imports it at start-up.
 """
 
 import inspect
