@@ -6,13 +6,11 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import typer
 
-from ..api.options import Opt, declared
-
-F = TypeVar("F", bound=Callable[..., Any])
+from ..api.options import F, Opt, declared
 
 
 def takes(options: type) -> Callable[[F], F]:

@@ -13,6 +13,7 @@ import typer
 
 from ..api.options import Validate
 from .common import command, emit_json, out_console
+from .inspect_cmd import PATH_HELP
 from .options import takes
 
 MAX_PER_RULE = 20  # problems of one rule shown before "... and N more"
@@ -64,8 +65,6 @@ def _how_read(report) -> str:
     notes = "; ".join(report.reader_notes)
     return f"; read with the {report.reader} reader" + (f": {notes}" if notes else "")
 
-
-PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
 
 def register(app: typer.Typer) -> None:
     @app.command("validate")

@@ -46,9 +46,8 @@ def register(app: typer.Typer) -> None:
         of the checkpoint must be listed."""
         from ..ops.check.verify_manifest import verify_manifest
 
-        json_output = o["json"]
-        report = verify_manifest(path, progress=progress_for(json_output))
-        if json_output:
+        report = verify_manifest(path, progress=progress_for(o["json"]))
+        if o["json"]:
             emit_json(report.to_json())
         else:
             render(report)
