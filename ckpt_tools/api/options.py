@@ -45,10 +45,12 @@ def opt(default: Any, flags: str, help: str, **extras: Any) -> Any:
 
 
 def declared(options: type) -> list[Opt]:
-    """A verb's options in their order (a subclass redeclares some of its base's in place)."""
+    """A verb's options: its own in their order, then those of its base (the tail verbs share) it does not redeclare."""
     found: dict[str, Opt] = {}
-    for cls in reversed(options.__mro__):
-        found.update((k, v) for k, v in vars(cls).items() if isinstance(v, Opt))
+    for cls in options.__mro__:
+        for name, o in vars(cls).items():
+            if isinstance(o, Opt):
+                found.setdefault(name, o)
     return list(found.values())
 
 
@@ -168,9 +170,7 @@ LAYOUT_HELP = ("per-expert | fused | stacked | stacked-transposed | fused-transp
                "(fused:up-first, fused-transposed:interleaved)")
 
 
-class FuseExperts:
-    out: str = OUT(None)
-    to: str = opt("fused", "--to", LAYOUT_HELP)
+class _Experts:  # what fuse-experts and unfuse-experts share after -o and --to
     only_mtp: bool = opt(False, "--only-mtp", "Convert the MTP layers' experts only.")
     arch: str = ARCH()
     max_shard_size: str = MAX_SHARD_SIZE()
@@ -183,7 +183,13 @@ class FuseExperts:
     threads: int = THREADS()
 
 
-class UnfuseExperts(FuseExperts):
+class FuseExperts(_Experts):
+    out: str = OUT(None)
+    to: str = opt("fused", "--to", LAYOUT_HELP)
+
+
+class UnfuseExperts(_Experts):
+    out: str = OUT(None)
     to: str = opt("per-expert", "--to", LAYOUT_HELP)
 
 
@@ -209,7 +215,17 @@ class Dequant:
     allow_invalid: list[str] = ALLOW_INVALID()
 
 
-class Stitch:
+class _Merge:  # what stitch and graft end with
+    plan_json: Path = PLAN_JSON()
+    report: Path = REPORT()
+    overwrite: bool = OVERWRITE()
+    resume: bool = RESUME()
+    all: bool = ALL()
+    json: bool = JSON()
+    allow_invalid: list[str] = ALLOW_INVALID()
+
+
+class Stitch(_Merge):
     out: str = OUT()
     format: str = opt("auto", "--format", "auto | native | speculators | angelspec | sglang-nextn")
     mode: str = opt("auto", "--mode", "replace (verifier has MTP) | add (it has none; sets the count) | auto")
@@ -229,13 +245,6 @@ class Stitch:
                                  "verifier's beyond what finetuning does (cosine < 0.2 or a norm ratio beyond 4x; the "
                                  "report lists them).")
     dry_run: bool = DRY_RUN(help="Plan and compare, print the report, write nothing.")
-    plan_json: Path = PLAN_JSON()
-    report: Path = REPORT()
-    overwrite: bool = OVERWRITE()
-    resume: bool = RESUME()
-    all: bool = ALL()
-    json: bool = JSON()
-    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 # the scheme tables whose storage names an encoder (ops.stitch.graft.mtp_quants(); tests/test_quant_encode.py keeps
@@ -244,7 +253,7 @@ MTP_QUANTS = " | ".join(("ct-fp8", "ct-int8", "ct-mxfp4", "ct-nvfp4", "ct-pack",
                          "modelopt-fp8", "modelopt-nvfp4"))
 
 
-class Graft:
+class Graft(_Merge):
     out: str = OUT()
     mtp_dtype: str = opt(None, "--mtp-dtype", "bf16 | fp32 | fp16: MTP values in this dtype (quantized ones "
                          "dequantized); with --mtp-quant, every MTP tensor that option does not encode; a "
@@ -257,13 +266,6 @@ class Graft:
     arch: str = ARCH(help="Family table for both inputs instead of detecting it.")
     max_shard_size: str = MAX_SHARD_SIZE(help="For the new MTP shards.")
     dry_run: bool = DRY_RUN(help="Plan, print the report, write nothing.")
-    plan_json: Path = PLAN_JSON()
-    report: Path = REPORT()
-    overwrite: bool = OVERWRITE()
-    resume: bool = RESUME()
-    all: bool = ALL()
-    json: bool = JSON()
-    allow_invalid: list[str] = ALLOW_INVALID()
 
 
 class Diff:
