@@ -24,9 +24,9 @@ def register(app: typer.Typer) -> None:
         from .quant_render import say_config_changes
         from .summary import render_diffs
 
-        out, json_output, show_all, dry_run = o["out"], o.pop("json"), o.pop("all"), o["dry_run"]
+        out, json_output, show_all, dry_run = o.pop("out"), o.pop("json"), o.pop("all"), o["dry_run"]
         with invoked():
-            result = api.graft(source, target, o.pop("out"), progress=not json_output, **o)
+            result = api.graft(source, target, out, progress=not json_output, **o)
         if json_output:
             emit_json(result.to_json())
             return

@@ -25,9 +25,9 @@ def register(app: typer.Typer) -> None:
         from .. import api
         from .summary import render_diffs
 
-        out, json_output, show_all, dry_run = o["out"], o.pop("json"), o.pop("all"), o["dry_run"]
+        out, json_output, show_all, dry_run = o.pop("out"), o.pop("json"), o.pop("all"), o["dry_run"]
         with invoked():
-            result = api.stitch(draft, verifier, o.pop("out"), layers=parse_layers(o.pop("layers")),
+            result = api.stitch(draft, verifier, out, layers=parse_layers(o.pop("layers")),
                                 progress=not json_output, **o)
         if json_output:
             emit_json(result.to_json())
