@@ -5,15 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CheckFailed
 from ..ops.diff import diff as _diff
 from .options import Diff, keywords
 from .report import Report, as_public, progress_sink
-
-if TYPE_CHECKING:
-    pass
 
 PathLike = str | os.PathLike[str]
 StateDict = Mapping[str, Any]  # name -> torch.Tensor: a draft still in memory (diff reads it like a directory)

@@ -48,9 +48,7 @@ def declared(options: type) -> list[Opt]:
     """A verb's options: its own in their order, then those of its base (the tail verbs share) it does not redeclare."""
     found: dict[str, Opt] = {}
     for cls in options.__mro__:
-        for name, o in vars(cls).items():
-            if isinstance(o, Opt):
-                found.setdefault(name, o)
+        found |= {name: o for name, o in vars(cls).items() if isinstance(o, Opt) and name not in found}
     return list(found.values())
 
 
@@ -106,10 +104,9 @@ class Inspect:
 class Validate:
     arch: str = ARCH(metavar="NAME", help="Check against this family's table instead of detecting it.")
     json: bool = JSON(help="Print the report as JSON.")
-    fix_quant_config: bool = opt(
-        False, "--fix-quant-config", "Write PATH to -o OUT with only its quantization config repaired (rules "
-        "mtp-quant-config, trunk-quant-config: modules stored otherwise than declared); shards are copied or linked, "
-        "never rewritten.")
+    fix_quant_config: bool = opt(False, "--fix-quant-config", "Write PATH to -o OUT with only its quantization config "
+                                 "repaired (rules mtp-quant-config, trunk-quant-config: modules stored otherwise than "
+                                 "declared); shards are copied or linked, never rewritten.")
     out: str = OUT(None, help="With --fix-quant-config: the output directory, or s3://bucket/prefix.")
     link: str = LINK(metavar="MODE", help="With --fix-quant-config: how shards reach OUT: copy | reflink (refused "
                                           "where the filesystem has none) | hardlink | remote")
@@ -296,17 +293,15 @@ class Probe:
                       "agreement, KL, per prompt), vllm (vLLM serves each MTP and counts its own acceptance; needs "
                       "the extra ckpt-tools[vllm]) or llama.cpp (VERIFIER a GGUF file, each --draft an MTP sidecar "
                       "GGUF; llama.cpp's llama-speculative-simple counts its own acceptance).")
-    llama_cpp: Path = opt(None, "--llama-cpp", "--engine llama.cpp: a llama.cpp build holding "
-                          "llama-speculative-simple (in DIR, DIR/bin or DIR/build/bin; default: PATH).",
-                          metavar="DIR")
+    llama_cpp: Path = opt(None, "--llama-cpp", "--engine llama.cpp: a llama.cpp build holding llama-speculative-simple "
+                          "(in DIR, DIR/bin or DIR/build/bin; default: PATH).", metavar="DIR")
     threads: int = THREADS(1, help="--engine llama.cpp: llama.cpp's threads (-t).", min=None, callback=None)
     tensor_parallel_size: int = opt(1, "--tensor-parallel-size", "--engine vllm: GPUs per stage.")
     pipeline_parallel_size: int = opt(1, "--pipeline-parallel-size", "--engine vllm: pipeline stages (e.g. nodes).")
     distributed_executor_backend: str = opt(None, "--distributed-executor-backend",
                                             "--engine vllm: mp (one node) or ray (several nodes).")
-    work_dir: Path = opt(None, "--work-dir", "--engine vllm: where each --draft is stitched into a hard-linked "
-                         "copy of the verifier (default: the system temp directory; same filesystem as the "
-                         "verifier).")
+    work_dir: Path = opt(None, "--work-dir", "--engine vllm: where each --draft is stitched into a hard-linked copy of "
+                         "the verifier (default: the system temp directory; same filesystem as the verifier).")
     max_model_len: int = opt(None, "--max-model-len", "--engine vllm: vLLM's context length (default: the config's).")
     attention_backend: str = opt(None, "--attention-backend", "--engine vllm: vLLM's attention backend (e.g. CPU_MLA).")
     mtp_quant: str = opt(None, "--mtp-quant", "Also measure the verifier's own MTP encoded into each scheme (a "
