@@ -49,7 +49,7 @@ def test_the_cli_calls_the_public_function(monkeypatch, tmp_path):
     [(args, kwargs)] = calls
     assert [str(a) for a in args] == [str(tmp_path), "org/name"]
     assert kwargs == {"revision": "dev", "private": True, "create_pr": True, "message": "msg", "base": "org/base@v1",
-                      "dry_run": True, "force": True, "card": "overwrite", "allow_invalid": ("index-empty",),
+                      "dry_run": True, "force": True, "card": "overwrite", "allow_invalid": ["index-empty"],
                       "progress": False, "probe_report": None, "probe_plot": None}
 
 

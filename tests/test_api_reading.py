@@ -34,7 +34,7 @@ CALLS = {
                 ("P",), dict(arch="deepseek_v3", discover=False, write=None, allow_invalid=["total-size"],
                              progress=False)),
     "inspect-write": (["inspect", "P", "--write", "t.yaml", "--json"],
-                      ("P",), dict(arch=None, discover=True, write="t.yaml", allow_invalid=(), progress=False)),
+                      ("P",), dict(arch=None, discover=True, write="t.yaml", allow_invalid=[], progress=False)),
     "validate": (["validate", "P", "--fix-quant-config", "-o", "O", "--link", "hardlink", "--dry-run", "--overwrite",
                   "--json"],
                  ("P",), dict(arch=None, fix_quant_config=True, out="O", link="hardlink", dry_run=True,

@@ -134,7 +134,7 @@ def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
 
 
 def test_graft_help_lists_every_table_with_an_encoder():
-    from ckpt_tools.cli.graft_cmd import MTP_QUANTS
+    from ckpt_tools.api.options import MTP_QUANTS
     from ckpt_tools.ops.stitch.graft import mtp_quants
 
     assert MTP_QUANTS.split(" | ") == list(mtp_quants())

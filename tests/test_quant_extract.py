@@ -173,7 +173,7 @@ def test_dequant_keeps_float_tensors_the_source_stores_in_float_and_says_which(m
 
 def test_dequant_help_names_every_scheme_table():
     """The --dequant help names a scheme for every table under mappings/quantization/ (each has a decoder)."""
-    from ckpt_tools.cli.extract_cmd import DEQUANT_HELP
+    from ckpt_tools.api.options import DEQUANT_HELP
     from ckpt_tools.model.quant import all_schemes
 
     words = {"ct-fp8": "compressed-tensors FP8", "ct-int8": "INT8", "ct-pack": "INT4", "ct-nvfp4": "NVFP4",

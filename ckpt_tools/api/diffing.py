@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CheckFailed
 from ..ops.diff import diff as _diff
+from .options import Diff, keywords
 from .report import Report, as_public, progress_sink
-
-if TYPE_CHECKING:
-    pass
 
 PathLike = str | os.PathLike[str]
 StateDict = Mapping[str, Any]  # name -> torch.Tensor: a draft still in memory (diff reads it like a directory)
@@ -31,16 +29,14 @@ class DiffReport(_diff.DiffReport, Report):
 # -- diff ------------------------------------------------------------------------------------------------------
 
 
+@keywords(Diff)
 def diff(a: PathLike | StateDict, b: PathLike | StateDict, *, keys: str | None = None, stats: bool = False,
          dequant: bool = False, all: bool = False, allow_invalid: Sequence[str] = (),
          progress: bool = False) -> DiffReport:
     """Compare two checkpoints (directories, or state dicts in memory) key by key, streaming (memory stays bounded),
     and their config.json (a JSON diff) and side files (by digest). Never refuses a readable checkpoint: the index
-    rules' findings on either side are reported (``problems``) and count as differences.
-
-    ``keys``: only keys matching this regular expression; ``stats``: max |delta|, relative L2 and cosine per
-    changed key; ``dequant``: compare FP8 block weights by dequantized value (implies ``stats``); ``all``: the
-    report lists unchanged keys too. Raises ``CheckFailed`` (its ``report`` a ``DiffReport``) when they differ.
+    rules' findings on either side are reported (``problems``) and count as differences. ``dequant`` implies
+    ``stats``. Raises ``CheckFailed`` (its ``report`` a ``DiffReport``) when they differ.
     """
     from ..io.checkpoint import Checkpoint
     from ..model.consistency import parse_allow

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..errors import UsageError
 from ..ops.inspect import inspect as _inspect
+from .options import Inspect, keywords
 from .report import Report, as_public
 
 if TYPE_CHECKING:
@@ -52,17 +53,15 @@ def inspect(path: PathLike, *, arch: str | None = None, discover: Literal[True],
 @overload
 def inspect(path: PathLike, *, arch: str | None = None, discover: bool = False, write: str | None = None,
             allow_invalid: Sequence[str] = (), progress: bool = False) -> InspectReport | DiscoverReport: ...
+@keywords(Inspect)
 def inspect(path: PathLike, *, arch: str | None = None, discover: bool = False, write: str | None = None,
             allow_invalid: Sequence[str] = (), progress: bool = False) -> InspectReport | DiscoverReport:
     """Describe a checkpoint's MTP layers (headers only): roles, experts, shards, dtypes, parameters and bytes.
 
-    ``path``: a directory, one .safetensors file or ``hf://org/repo@rev``; ``arch``: use this family's table
-    instead of detecting it. ``discover=True``: find the MTP tensors from their names and draft a table
-    (``DiscoverReport.yaml``), written to ``write`` (a .yaml file) when given. Never raises for a checkpoint it
-    can read and classify: what the consistency gate refuses is in ``InspectReport.findings`` (``notes``: what
-    validate notes); ``InputError`` only for unreadable input or an unknown family. ``allow_invalid``: checked
-    (an unknown rule is a ``UsageError``), otherwise changes nothing for the description (``discover``: rules
-    of the index gate to proceed despite). Headers only: ``progress`` shows nothing.
+    ``path``: a directory, one .safetensors file or ``hf://org/repo@rev``. Never raises for a checkpoint it can read
+    and classify: what the consistency gate refuses is in ``InspectReport.findings`` (``notes``: what validate notes);
+    ``InputError`` only for unreadable input or an unknown family; an unknown ``allow_invalid`` rule is a
+    ``UsageError``. ``discover=True`` returns a ``DiscoverReport`` (its ``yaml``: the draft table).
     """
     from ..model.consistency import parse_allow
 

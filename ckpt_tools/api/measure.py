@@ -18,6 +18,7 @@ from typing import Any
 
 from ..ops.probe import mtp_quant as _probe_mtp_quant
 from ..ops.probe import probe as _probe
+from .options import Probe, keywords
 from .report import Report, progress_sink
 
 PathArg = str | os.PathLike[str]
@@ -134,37 +135,23 @@ def _check_acceptance(min_acceptance: float | None) -> None:
         raise UsageError(f"--min-acceptance {min_acceptance!r}: expected a number from 0 to 1")
 
 
+@keywords(Probe)
 def probe(verifier: PathArg, *, drafts: Sequence[DraftArg] = (), prompts: PathArg | None = None,
-          max_new_tokens: int = 32, depth: int = 1, device: str = "cpu", dtype: str = "fp32",
-          chain: str = "sglang", min_acceptance: float | None = None, report: PathArg | None = None,
-          arch: str | None = None, progress: bool = False, engine: str = "transformers",
-          tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-          distributed_executor_backend: str | None = None, work_dir: PathArg | None = None,
-          max_model_len: int | None = None, attention_backend: str | None = None,
-          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = 1,
+          max_new_tokens: int = Probe.max_new_tokens, depth: int = Probe.depth, device: str = Probe.device,
+          dtype: str = Probe.dtype, chain: str = Probe.chain, min_acceptance: float | None = None,
+          report: PathArg | None = None, arch: str | None = None, progress: bool = False, engine: str = Probe.engine,
+          tensor_parallel_size: int = Probe.tensor_parallel_size,
+          pipeline_parallel_size: int = Probe.pipeline_parallel_size, distributed_executor_backend: str | None = None,
+          work_dir: PathArg | None = None, max_model_len: int | None = None, attention_backend: str | None = None,
+          plot: PathArg | None = None, llama_cpp: PathArg | None = None, threads: int = Probe.threads,
           mtp_quant: str | Sequence[str] | None = None) -> ProbeReport:
     """Measure ``verifier``'s own MTP layers and each of ``drafts`` (directories in any format stitch accepts, or
-    name -> tensor mappings in memory) on ``prompts`` (FILE.jsonl with ``{"prompt": ...}`` or
-    ``{"input_ids": [...]}`` per line, or a text file, one prompt a line; None: three built-in prompts).
+    name -> tensor mappings in memory) on ``prompts`` (None: three built-in prompts). The report names what was
+    measured: the digest of each MTP's checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256.
 
-    The verifier generates ``max_new_tokens`` greedily per prompt; agreement is measured for depths
-    1..``depth``, chained as ``chain`` (sglang | vllm). ``device``: cpu | cuda | auto; ``dtype``: bf16 | fp32.
-    ``report``: also write the JSON report there; ``plot``: draw acceptance (and KL) per depth into that PNG
-    (needs the ``plot`` extra, matplotlib). ``mtp_quant``: schemes (a comma list, or ``all``) the verifier's own MTP is
-    also measured in, encoded as ``graft --mtp-quant`` writes it and decoded as ``dequant`` reads it (the report's
-    ``mtp_quant`` rows: bytes, agreement and KL per depth, the change from the MTP as stored).
-    The report names what was measured: the digest of each MTP's
-    checkpoint's tensors (``tensors``), dtype, device and the prompts file's sha256.
-    ``arch``: the drafts' family, as stitch's ``--arch`` (a state
-    dict in memory has no config or manifest that proves it). ``engine``: transformers (our table engine
-    around transformers' model) or vllm (vLLM serves each MTP and counts its own acceptance; its
-    ``tensor_parallel_size``, ``pipeline_parallel_size``, ``distributed_executor_backend``, ``max_model_len``
-    and ``attention_backend`` pass through; drafts are stitched into hard-linked copies under ``work_dir``) or
-    llama.cpp (``verifier`` a GGUF file, each draft an MTP sidecar GGUF; llama.cpp's llama-speculative-simple
-    from the directory ``llama_cpp`` or PATH counts its own acceptance, on ``threads`` threads).
-    Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``)
-    on a greedy mismatch or when a draft's depth-1 agreement is below ``min_acceptance``; ``InputError`` for
-    a verifier or draft that cannot be used; ``UsageError`` for a bad option or a missing extra.
+    Raises ``CheckFailed`` (its ``report`` a ``ProbeReport``) on a greedy mismatch or when a draft's depth-1 agreement
+    is below ``min_acceptance``; ``InputError`` for a verifier or draft that cannot be used; ``UsageError`` for a bad
+    option or a missing extra.
     """
     from ..errors import CheckFailed, UsageError
     from ..jsonutil import write_json_file

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .options import Push, keywords
 from .report import Report
 
 if TYPE_CHECKING:
@@ -71,20 +72,16 @@ def _hub_bars(progress: bool) -> Iterator[None]:
         enable_progress_bars()
 
 
-def push(source: PathArg, repo_id: str, *, revision: str | None = None, private: bool = False,
-         create_pr: bool = False, message: str | None = None, base: str | None = None, dry_run: bool = False,
-         force: bool = False, card: str = "keep", allow_invalid: Sequence[str] = (),
-         progress: bool = False, probe_report: PathArg | None = None,
-         probe_plot: PathArg | None = None) -> PushReport:
-    """Validate ``source`` (refused on problems unless ``force`` or their rules are in ``allow_invalid``),
-    generate its model card (``card``: keep the folder's README.md | overwrite) and publish it to ``repo_id``
-    (ORG/NAME; ``revision`` a branch, created if missing). ``base``: a repository (ORG/NAME[@REV]) whose
-    byte-identical files are copied server-side instead of uploaded. ``probe_report``: a ``ckpt probe`` report
-    (default: probe-report.json in ``source``) whose numbers the card carries; it must name ``source``'s tensors'
-    digest (a GGUF sidecar directory, whose llama.cpp report names no tensor digest: name a file with the pushed
-    file's bytes; else ``InputError`` rule probe-report-stale); ``probe_plot``: its plot (default: the one beside it).
-    The token comes from HF_TOKEN or
-    ``hf auth login``. Hub failures are ``OutputError`` (exit 4), a missing base ``InputError``."""
+@keywords(Push)
+def push(source: PathArg, repo_id: str, *, revision: str | None = None, private: bool = False, create_pr: bool = False,
+         message: str | None = None, base: str | None = None, dry_run: bool = False, force: bool = False,
+         card: str = Push.card, allow_invalid: Sequence[str] = (), progress: bool = False,
+         probe_report: PathArg | None = None, probe_plot: PathArg | None = None) -> PushReport:
+    """Validate ``source`` (refused on problems unless ``force`` or their rules are in ``allow_invalid``), generate its
+    model card and publish it to ``repo_id`` (ORG/NAME). ``probe_report`` must name ``source``'s tensors' digest (a GGUF
+    sidecar directory, whose llama.cpp report names no tensor digest: a file with the pushed file's bytes), else
+    ``InputError`` rule probe-report-stale. The token comes from HF_TOKEN or ``hf auth login``. Hub failures are
+    ``OutputError`` (exit 4), a missing base ``InputError``."""
     from pathlib import Path
 
     from ..errors import UsageError

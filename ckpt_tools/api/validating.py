@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from ..errors import CheckFailed, InputError, UsageError
 from ..ops.check import validate as _validate
+from .options import Validate, keywords
 from .report import Report, as_public, progress_sink
 
 if TYPE_CHECKING:
@@ -30,28 +31,25 @@ class ValidateReport(_validate.ValidationReport, Report):
 
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[False] = False,
-             out: None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport: ...
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: Literal[True],
-             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> FixQuantConfigReport: ...
 @overload
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
-             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport: ...
+@keywords(Validate)
 def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool = False,
-             out: PathLike | None = None, link: str = "copy", dry_run: bool = False, overwrite: bool = False,
+             out: PathLike | None = None, link: str = Validate.link, dry_run: bool = False, overwrite: bool = False,
              progress: bool = False, engine: str | None = None) -> ValidateReport | FixQuantConfigReport:
     """Check format, index and config-vs-tensor rules; every problem, with rule, file and key.
 
     Raises ``CheckFailed`` (its ``report`` a ``ValidateReport``) when there is a problem; ``InputError`` when
-    ``path`` is not a checkpoint at all. ``fix_quant_config=True``: write ``path`` to ``out`` (a directory or
-    ``s3://bucket/prefix``) with only its quantization config repaired (shards copied or linked by ``link``:
-    copy | reflink | hardlink | remote) and OUT validated; ``dry_run`` computes the change and writes nothing;
-    ``overwrite`` replaces OUT. Returns a ``FixQuantConfigReport`` (``status`` ``nothing-to-fix`` writes nothing).
-    ``engine="vllm"``: also vLLM's own MTP loader over the checkpoint's names, shapes and dtypes (``vllm-*``
-    findings; run where vLLM is installed: ``UsageError`` when it is not importable).
+    ``path`` is not a checkpoint at all. ``fix_quant_config=True`` returns a ``FixQuantConfigReport`` (``status``
+    ``nothing-to-fix`` writes nothing). ``engine="vllm"``: ``UsageError`` where vLLM is not importable.
     """
     from ..model.tables.loader import all_tables
 
@@ -64,7 +62,7 @@ def validate(path: PathLike, *, arch: str | None = None, fix_quant_config: bool 
             raise UsageError("--engine goes without --fix-quant-config")
         return _fix_quant_config(path, arch, out, link, dry_run, overwrite, progress)
     for flag, given in (("-o", out is not None), ("--dry-run", dry_run), ("--overwrite", overwrite),
-                        ("--link", link != "copy")):
+                        ("--link", link != Validate.link)):
         if given:
             raise UsageError(f"{flag} goes with --fix-quant-config")
     if engine == "vllm":
@@ -138,7 +136,7 @@ def _fix_command(path: PathLike, arch: str | None, out: object, link: str) -> st
     words = ["ckpt", "validate", "--fix-quant-config", os.fspath(path)]
     words += ["-o", str(out)] if out is not None else ["--dry-run"]
     words += ["--arch", arch] if arch else []
-    words += ["--link", link] if link != "copy" else []
+    words += ["--link", link] if link != Validate.link else []
     return shlex.join(words)
 
 

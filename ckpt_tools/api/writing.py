@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import mtp_choice
+from .options import Dequant, Extract, FuseExperts, Graft, InitDraft, Stitch, UnfuseExperts, keywords
 from .report import Report, progress_sink
 
 if TYPE_CHECKING:
@@ -244,15 +245,15 @@ class GraftReport(Report):
 # -- the verbs -----------------------------------------------------------------------------------
 
 
+@keywords(Extract)
 def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: Sequence[int] | None = None,
-            format: str = "native", with_embed: bool | None = None, with_head: bool | None = None,
-            dtype: str = "keep", dequant: str | None = None, drop_mtp: bool = False,
-            verifier_name: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+            format: str = Extract.format, with_embed: bool | None = None, with_head: bool | None = None,
+            dtype: str = Extract.dtype, dequant: str | None = None, drop_mtp: bool = False,
+            verifier_name: str | None = None, max_shard_size: int | str = Extract.max_shard_size, dry_run: bool = False,
             plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
             allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None) -> ExtractReport:
-    """MTP layers of ``source`` into a standalone draft at ``out`` (``format``: native | speculators |
-    angelspec | sglang-nextn), or with ``drop_mtp`` the trunk without them. ``threads``: decoding threads
-    of ``dequant`` (None: every core). llama.cpp's GGUF sidecar (``--format gguf``): ``extract_gguf``."""
+    """MTP layers of ``source`` into a standalone draft at ``out``, or with ``drop_mtp`` the trunk without them.
+    llama.cpp's GGUF sidecar (``--format gguf``): ``extract_gguf``."""
     from ..io.checkpoint import Checkpoint
     from ..ops.draft.extract import ExtractRequest, plan_extract
     from ..ops.writing.execute import bytes_read_so_far, write_plan
@@ -296,10 +297,12 @@ class GgufReport(Report):
         return {"format": "gguf", "path": self.path, "size": self.size, **self.manifest}
 
 
-def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: str = "f16", arch: str | None = None,
-                 dry_run: bool = False, overwrite: bool = False, allow_invalid: Sequence[str] = (),
-                 prompts: PathArg | None = None, max_drop: float = 0.01, depth: int = 1,
-                 max_new_tokens: int = 32) -> GgufReport:
+@keywords(Extract)
+def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: str = Extract.gguf_type,
+                 arch: str | None = None, dry_run: bool = False, overwrite: bool = False,
+                 allow_invalid: Sequence[str] = (), prompts: PathArg | None = None,
+                 max_drop: float = Extract.max_drop, depth: int = Extract.depth,
+                 max_new_tokens: int = Extract.max_new_tokens) -> GgufReport:
     """The MTP sidecar llama.cpp loads beside ``trunk`` (``-m TRUNK -md OUT/mtp-NAME.gguf``), written into the
     directory ``out`` with its ckpt_manifest.json; everything is checked before a byte is written.
     ``gguf_type="auto"``: the smallest type whose acceptance on ``prompts`` is within ``max_drop`` of the MTP as
@@ -332,11 +335,13 @@ def extract_gguf(source: PathArg, out: PathArg, trunk: PathArg, *, gguf_type: st
     return GgufReport(str(path), size, plan.manifest)
 
 
+@keywords(InitDraft)
 def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_layers: int | None = None,
-               seed: int = 0, std: float | None = None, from_layer: int | None = None, format: str = "native",
-               dtype: str = "keep", dequant: str | None = None, max_shard_size: int | str = "5GB",
-               dry_run: bool = False, plan_json: PathArg | None = None, overwrite: bool = False,
-               allow_invalid: Sequence[str] = (), progress: bool = False) -> InitDraftReport:
+               seed: int = InitDraft.seed, std: float | None = None, from_layer: int | None = None,
+               format: str = InitDraft.format, dtype: str = InitDraft.dtype, dequant: str | None = None,
+               max_shard_size: int | str = InitDraft.max_shard_size, dry_run: bool = False,
+               plan_json: PathArg | None = None, overwrite: bool = False, allow_invalid: Sequence[str] = (),
+               progress: bool = False) -> InitDraftReport:
     """A draft whose dimensions match ``target`` (a checkpoint or its config.json): initialised from
     ``seed``, or warm-started from its decoder layer ``from_layer``."""
     from ..io.checkpoint import Checkpoint
@@ -401,33 +406,33 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     return ExpertsReport(layout.label(), xplan, written, validation, moved["bytes_copied"], moved["bytes_computed"])
 
 
-def fuse_experts(source: PathArg, out: PathArg | None, *, to: str = "fused", only_mtp: bool = False,
-                 arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
+@keywords(FuseExperts)
+def fuse_experts(source: PathArg, out: PathArg | None, *, to: str = FuseExperts.to, only_mtp: bool = False,
+                 arch: str | None = None, max_shard_size: int | str = FuseExperts.max_shard_size, dry_run: bool = False,
                  plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
                  allow_invalid: Sequence[str] = (), progress: bool = False,
                  threads: int | None = None) -> ExpertsReport:
-    """Routed experts stacked into one tensor per projection (``to``: fused | stacked | stacked-transposed |
-    fused-transposed, options after ':'); ``out`` may be None for a dry run."""
+    """Routed experts stacked into one tensor per projection; ``out`` may be None for a dry run."""
     return _experts(fuse_experts, "fuse-experts", source, out, locals())
 
 
-def unfuse_experts(source: PathArg, out: PathArg | None, *, to: str = "per-expert", only_mtp: bool = False,
-                   arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
-                   plan_json: PathArg | None = None, overwrite: bool = False, dequant: str | None = None,
-                   allow_invalid: Sequence[str] = (), progress: bool = False,
+@keywords(UnfuseExperts)
+def unfuse_experts(source: PathArg, out: PathArg | None, *, to: str = UnfuseExperts.to, only_mtp: bool = False,
+                   arch: str | None = None, max_shard_size: int | str = UnfuseExperts.max_shard_size,
+                   dry_run: bool = False, plan_json: PathArg | None = None, overwrite: bool = False,
+                   dequant: str | None = None, allow_invalid: Sequence[str] = (), progress: bool = False,
                    threads: int | None = None) -> ExpertsReport:
-    """Fused experts split apart again (``to``: per-expert | stacked | stacked-transposed)."""
+    """Fused experts split apart again; ``out`` may be None for a dry run."""
     return _experts(unfuse_experts, "unfuse-experts", source, out, locals())
 
 
-def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_mtp: bool = False,
-            link: str | None = None, arch: str | None = None, max_shard_size: int | str = "5GB", dry_run: bool = False,
-            plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
+@keywords(Dequant)
+def dequant(source: PathArg, out: PathArg | None, *, dtype: str = Dequant.dtype, only_mtp: bool = False,
+            link: str | None = None, arch: str | None = None, max_shard_size: int | str = Dequant.max_shard_size,
+            dry_run: bool = False, plan_json: PathArg | None = None, overwrite: bool = False, resume: bool = False,
             threads: int | None = None, allow_invalid: Sequence[str] = (), progress: bool = False) -> DequantReport:
-    """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded to ``dtype`` (bf16 |
-    fp16 | fp32), scales dropped, everything else copied; ``threads`` decode (None: every core). ``link``
-    (with ``only_mtp``): the shards holding no MTP tensor copied or linked whole (copy | reflink | hardlink |
-    remote), the decoded MTP layers in new shards. ``out`` may be None for a dry run."""
+    """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded, scales dropped, everything
+    else copied. ``out`` may be None for a dry run."""
     from ..errors import UsageError
     from ..io.checkpoint import Checkpoint
     from ..ops.convert.dequant import DequantRequest, plan_dequant
@@ -457,15 +462,16 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = "bf16", only_m
     return DequantReport(dplan, written, validation, used)
 
 
-def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "auto", mode: str = "auto",
-           link: str = "copy", allow_partial: bool = False, dtype: str = "verifier", update_copies: bool = False,
+@keywords(Stitch)
+def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = Stitch.format, mode: str = Stitch.mode,
+           link: str = Stitch.link, allow_partial: bool = False, dtype: str = Stitch.dtype, update_copies: bool = False,
            keep_bf16: bool = False, arch: str | None = None, strip_prefix: str | None = None,
-           layers: Sequence[int] | None = None, max_shard_size: int | str = "5GB", accept_divergent: bool = False,
-           dry_run: bool = False, plan_json: PathArg | None = None, report: PathArg | None = None,
-           overwrite: bool = False, resume: bool = False, allow_invalid: Sequence[str] = (),
-           progress: bool = False) -> StitchReport:
+           layers: Sequence[int] | None = None, max_shard_size: int | str = Stitch.max_shard_size,
+           accept_divergent: bool = False, dry_run: bool = False, plan_json: PathArg | None = None,
+           report: PathArg | None = None, overwrite: bool = False, resume: bool = False,
+           allow_invalid: Sequence[str] = (), progress: bool = False) -> StitchReport:
     """A finetuned ``draft`` (a directory, or name -> tensor in memory) stitched into ``verifier``: exact
-    names, layout and dtypes, compared tensor by tensor. ``report``: also write the report there.
+    names, layout and dtypes, compared tensor by tensor.
 
     Errors are the tool's exceptions (``InputError``, ``UsageError``, ``OutputError``, ...), raised before
     anything is written whenever the inputs are at fault."""
@@ -488,17 +494,17 @@ def stitch(draft: DraftArg, verifier: PathArg, out: PathArg, *, format: str = "a
     return StitchReport(details, dry_run)
 
 
-def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | None = None,
-          mtp_quant: str | None = None, link: str = "copy", arch: str | None = None,
-          max_shard_size: int | str = "5GB", dry_run: bool = False, plan_json: PathArg | None = None,
-          report: PathArg | None = None, overwrite: bool = False, resume: bool = False,
-          allow_invalid: Sequence[str] = (), progress: bool = False, prompts: PathArg | None = None,
-          max_drop: float = 0.01, depth: int = 1, max_new_tokens: int = 32) -> GraftReport:
+@keywords(Graft)
+def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | None = None, mtp_quant: str | None = None,
+          link: str = Graft.link, arch: str | None = None, max_shard_size: int | str = Graft.max_shard_size,
+          dry_run: bool = False, plan_json: PathArg | None = None, report: PathArg | None = None,
+          overwrite: bool = False, resume: bool = False, allow_invalid: Sequence[str] = (),
+          progress: bool = False, prompts: PathArg | None = None, max_drop: float = Graft.max_drop,
+          depth: int = Graft.depth, max_new_tokens: int = Graft.max_new_tokens) -> GraftReport:
     """``target`` (a converted checkpoint that lost its MTP) with ``source``'s MTP layers: config count and
-    quantization config repaired. ``report``: also write the report there. ``mtp_quant="auto"``: the smallest
-    scheme the target declares whose acceptance on ``prompts`` is within ``max_drop`` of the MTP as stored at
-    every depth up to ``depth``, else the MTP as stored (api.mtp_choice; the table in the report and manifest's
-    ``mtp_quant_auto``)."""
+    quantization config repaired. ``mtp_quant="auto"``: the smallest scheme the target declares whose acceptance
+    on ``prompts`` is within ``max_drop`` of the MTP as stored at every depth up to ``depth``, else the MTP as
+    stored (api.mtp_choice; the table in the report and manifest's ``mtp_quant_auto``)."""
     from ..ops.stitch.graft import GraftRequest, plan_graft
     from ..stream.plan import parse_size
 

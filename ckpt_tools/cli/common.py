@@ -189,6 +189,20 @@ def _report_downloads() -> None:
         err_console().print(summary)
 
 
+def say_allowed(problems: list[dict] | None) -> None:
+    """One line on stderr for what --allow-invalid let through (``Problem.to_json`` dicts): never silent."""
+    if not problems:
+        return
+    from rich.markup import escape
+
+    rules = sorted({p["rule"] for p in problems})
+    first = problems[0]
+    where = f"{first['path']}: " if first.get("path") else ""
+    key = f"{first['key']}: " if first.get("key") else ""
+    err_console().print(f"[yellow]note:[/] proceeding despite {len(problems)} problem(s) allowed by --allow-invalid "
+                        f"({', '.join(rules)}); first: {escape(where + key + first['message'])}", soft_wrap=True)
+
+
 def emit_json(obj: Any) -> None:
     """Strict JSON on stdout: no bare NaN / Infinity (NaN -> null, +-inf -> "inf" / "-inf"; see jsonutil)."""
     sys.stdout.write(dumps_strict(obj, indent=2) + "\n")
@@ -200,9 +214,6 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n} B"
-
-
-OUT_HELP = "Output directory, or an object store's s3://bucket/prefix (new or empty; never an input)."
 
 
 def command_line() -> str:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import typer
 
+from ..api.options import Demo
 from .common import command, err_console, out_console
+from .options import takes
 
 
 def _demo_family() -> str:
@@ -23,16 +25,14 @@ def _demo_family() -> str:
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     @command
-    def demo(
-        family: str = typer.Option(None, "--family", help="Table whose tiny fixture to use (default: the table "
-                                                           "marked `demo: true`)."),
-        keep: Path = typer.Option(None, "--keep", help="Keep the demo files in this (new) directory."),
-    ) -> None:
+    @takes(Demo)
+    def demo(**o) -> None:
         """Build a tiny checkpoint, then inspect, validate, extract, perturb, stitch and diff it."""
         import click
 
         from ..testing import make_checkpoint
 
+        family, keep = o["family"], o["keep"]
         if family is None:
             family = _demo_family()
         console = out_console()

@@ -4,32 +4,28 @@ from __future__ import annotations
 
 import typer
 
-from .common import command, emit_json, out_console
-from .gate_options import allow_invalid_option, say_allowed
-from .write_options import json_option
+from ..api.options import Diff
+from .common import command, emit_json, out_console, say_allowed
+from .options import takes
 
 
 def register(app: typer.Typer) -> None:
     @app.command("diff")
     @command
+    @takes(Diff)
     def diff_cmd(
         a: str = typer.Argument(..., help="First checkpoint (before)."),
         b: str = typer.Argument(..., help="Second checkpoint (after)."),
-        keys: str = typer.Option(None, "--keys", help="Only keys matching this regular expression."),
-        stats: bool = typer.Option(False, "--stats", help="max |delta|, relative L2 and cosine per changed key."),
-        dequant: bool = typer.Option(False, "--dequant", help="Compare FP8 block weights by dequantized value."),
-        show_all: bool = typer.Option(False, "--all", help="List every key, unchanged ones too (no row limit)."),
-        json_output: bool = json_option(),
-        allow_invalid: list[str] = allow_invalid_option(),
+        **o,
     ) -> None:
         """Compare two checkpoints key by key (streaming; memory stays bounded), and their config.json and
         side files (tokenizer, generation config, chat template...). Exit 1 on any difference."""
         from .. import api
         from ..errors import CheckFailed
 
+        json_output = o.pop("json")
         try:
-            report = api.diff(a, b, keys=keys, stats=stats, dequant=dequant, all=show_all,
-                              allow_invalid=allow_invalid or (), progress=not json_output)
+            report = api.diff(a, b, progress=not json_output, **o)
         except CheckFailed as e:  # they differ: shown like identical ones, exit 1
             _show(e.report, json_output)
             raise typer.Exit(e.exit_code) from None

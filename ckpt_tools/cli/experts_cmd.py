@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from .common import OUT_HELP, command, emit_json, human_bytes, out_console
-from .gate_options import allow_invalid_option
-from .write_options import json_option, overwrite_option, plan_json_option, threads_option
-
-LAYOUT_HELP = (
-    "per-expert | fused | stacked | stacked-transposed | fused-transposed, with options after ':' "
-    "(fused:up-first, fused-transposed:interleaved)"
-)
+from ..api.options import FuseExperts, UnfuseExperts
+from .common import command, emit_json, human_bytes, out_console
+from .options import takes
 
 
 def _render(xplan, console) -> None:
@@ -45,33 +38,17 @@ def _say(report, console) -> None:
     )
 
 
-def _verb(verb: str, default_to: str, doc: str):
+def _verb(verb: str, options: type, doc: str):
     """The CLI function of one direction; both share every option but the default target."""
 
-    def run(
-        src: str = typer.Argument(..., help="Checkpoint or draft directory."),
-        out: str = typer.Option(None, "-o", "--out", help=OUT_HELP),
-        to: str = typer.Option(default_to, "--to", help=LAYOUT_HELP),
-        only_mtp: bool = typer.Option(False, "--only-mtp", help="Convert the MTP layers' experts only."),
-        arch: str = typer.Option(None, "--arch", help="Table to use instead of detecting the family."),
-        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="e.g. 500MB, 5GB (at most 50GB)."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-        plan_json: Path = plan_json_option(),
-        json_output: bool = json_option(),
-        overwrite: bool = overwrite_option(),
-        dequant: str = typer.Option(None, "--dequant",
-                                    help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
-        allow_invalid: list[str] = allow_invalid_option(),
-        threads: int = threads_option(),
-    ) -> None:
+    @takes(options)
+    def run(src: str = typer.Argument(..., help="Checkpoint or draft directory."), **o) -> None:
         from .. import api
         from .write_options import invoked
 
+        json_output = o.pop("json")
         with invoked():
-            report = getattr(api, verb.replace("-", "_"))(
-                src, out, to=to, only_mtp=only_mtp, arch=arch, max_shard_size=max_shard_size, dry_run=dry_run,
-                plan_json=plan_json, overwrite=overwrite, dequant=dequant, allow_invalid=tuple(allow_invalid or ()),
-                progress=not json_output, threads=threads)
+            report = getattr(api, verb.replace("-", "_"))(src, o.pop("out"), progress=not json_output, **o)
         if json_output:
             emit_json(report.to_json())
         elif report.written is None:
@@ -86,8 +63,8 @@ def _verb(verb: str, default_to: str, doc: str):
 
 def register(app: typer.Typer) -> None:
     app.command("fuse-experts")(command(_verb(
-        "fuse-experts", "fused",
+        "fuse-experts", FuseExperts,
         "Stack routed experts into one tensor per projection (default: fused gate_up_proj [E, 2I, H]).")))
     app.command("unfuse-experts")(command(_verb(
-        "unfuse-experts", "per-expert",
+        "unfuse-experts", UnfuseExperts,
         "Split fused experts apart again (default: per-expert gate_proj / up_proj / down_proj).")))

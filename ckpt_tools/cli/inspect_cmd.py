@@ -6,9 +6,10 @@ import re
 
 import typer
 
-from .common import command, emit_json, human_bytes, out_console
-from .gate_options import say_allowed
+from ..api.options import Inspect
+from .common import command, emit_json, human_bytes, out_console, say_allowed
 from .layout import INDENT, Col, print_fields, print_table
+from .options import takes
 
 MAX_ROWS = 20  # problem keys listed before "..."
 
@@ -217,37 +218,24 @@ def _render_discovery(report) -> None:
 
 
 PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
-ARCH_HELP = "Use this family's table instead of detecting it."
-ALLOW_HELP = ("With --discover: proceed although the input breaks this index rule (repeatable). Without "
-              "--discover it changes nothing: inspect never refuses a checkpoint it can read, it lists the "
-              "problems other verbs refuse as findings.")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
     @command
-    def inspect_cmd(
-        path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP),
-        arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
-        json_output: bool = typer.Option(False, "--json", help="Print the report as JSON (keys documented in "
-                                                                "ckpt_tools.ops.inspect.inspect)."),
-        discover: bool = typer.Option(False, "--discover", help="Find the MTP tensors from their names and print a "
-                                                                "draft architecture table (YAML) to refine."),
-        write: str | None = typer.Option(None, "--write", metavar="FILE", help="With --discover: write the draft "
-                                         "table to FILE (its name, without .yaml, becomes the family)."),
-        allow_invalid: list[str] = typer.Option(None, "--allow-invalid", metavar="RULE", help=ALLOW_HELP),
-    ) -> None:
+    @takes(Inspect)
+    def inspect_cmd(path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP), **o) -> None:
         """Show a checkpoint's MTP layers: roles, experts, shards, dtypes, parameters and bytes, and what other
         verbs would refuse it for (exit 0 whenever it can be read: `ckpt validate` is the check)."""
         from .. import api
 
+        json_output, discover, write, arch = o.pop("json"), o.pop("discover"), o["write"], o["arch"]
         if path.endswith(".gguf") and not (discover or write):  # llama.cpp's format: metadata, against the tables
             from .gguf_render import show_inspect
 
             show_inspect(api.inspect_gguf(path, arch=arch), json_output)
             return
-        report = api.inspect(path, arch=arch, discover=discover or write is not None, write=write,
-                             allow_invalid=allow_invalid or (), progress=not json_output)
+        report = api.inspect(path, **o, discover=discover or write is not None, progress=not json_output)
         say_allowed(report.allowed_invalid)
         if json_output:
             emit_json(report.to_json())

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
+from ..api.options import Push
 from .common import command, emit_json, err_console, human_bytes, out_console
-from .gate_options import allow_invalid_option
+from .options import takes
 
 
 def render(plan, result) -> None:
@@ -58,45 +59,22 @@ def render(plan, result) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("push")
     @command
+    @takes(Push)
     def push_cmd(
         folder: Path = typer.Argument(..., metavar="DIR",
                                       help="Checkpoint directory to publish (a ckpt output or any checkpoint)."),
         repo_id: str = typer.Argument(..., metavar="REPO_ID", help="Target repository, ORG/NAME."),
-        revision: str | None = typer.Option(None, "--revision", metavar="BRANCH",
-                                            help="Branch to push to (created if missing)."),
-        private: bool = typer.Option(False, "--private", help="Create the repository as private."),
-        create_pr: bool = typer.Option(False, "--create-pr", help="Open a pull request instead of committing."),
-        message: str | None = typer.Option(None, "--message", "-m", help="Commit message."),
-        base: str | None = typer.Option(None, "--base", metavar="REPO[@REV]",
-                                        help="Repository whose byte-identical files are copied server-side "
-                                             "instead of uploaded."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print every operation and the bytes to upload; "
-                                                              "change nothing."),
-        force: bool = typer.Option(False, "--force", help="Push even if `ckpt validate` finds problems."),
-        card: str = typer.Option("keep", "--card", metavar="keep|overwrite",
-                                 help="keep: keep the folder's README.md if it has one; overwrite: always write "
-                                      "the generated card."),
-        json_output: bool = typer.Option(False, "--json", help="Print the plan and result as JSON."),
-        allow_invalid: list[str] = allow_invalid_option(),
-        probe_report: Path | None = typer.Option(
-            None, "--probe-report", metavar="FILE",
-            help="A `ckpt probe --report` of these files whose acceptance the card shows (default: "
-                 "probe-report.json in DIR); refused when it measured other tensors."),
-        probe_plot: Path | None = typer.Option(
-            None, "--probe-plot", metavar="FILE.png",
-            help="The probe's plot to upload and show (default: the `ckpt probe --plot` beside the report)."),
+        **o,
     ) -> None:
         """Validate DIR, generate its model card and publish it to the Hub (token from HF_TOKEN / hf auth login)."""
         from .. import api
         from .write_options import invoked
 
-        if not json_output and not dry_run:
+        json_output = o.pop("json")
+        if not json_output and not o["dry_run"]:
             err_console().print(f"pushing {folder} to {repo_id} ...")
         with invoked():
-            report = api.push(folder, repo_id, revision=revision, private=private, create_pr=create_pr,
-                              message=message, base=base, dry_run=dry_run, force=force, card=card,
-                              allow_invalid=tuple(allow_invalid or ()), progress=not json_output,
-                              probe_report=probe_report, probe_plot=probe_plot)
+            report = api.push(folder, repo_id, progress=not json_output, **o)
         if json_output:
             emit_json(report.to_json())
         else:

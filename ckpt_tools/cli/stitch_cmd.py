@@ -2,75 +2,33 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from .common import OUT_HELP, command, emit_json, out_console
-from .gate_options import allow_invalid_option
+from ..api.options import Stitch
+from .common import command, emit_json, out_console
+from .options import takes
 from .quant_render import say_config_changes
-from .write_options import (
-    all_tensors_option,
-    invoked,
-    json_option,
-    overwrite_option,
-    plan_json_option,
-    report_option,
-    resume_option,
-    say_shards_written,
-)
+from .write_options import invoked, say_shards_written
 from .write_options import layers as parse_layers
 
 
 def register(app: typer.Typer) -> None:
     @app.command("stitch")
     @command
+    @takes(Stitch)
     def stitch(
         draft: str = typer.Argument(..., help="Draft directory (native, speculators, angelspec or sglang-nextn)."),
         verifier: str = typer.Argument(..., help="Verifier checkpoint directory or hf://org/repo[@rev]."),
-        out: str = typer.Option(..., "-o", "--out", help=OUT_HELP),
-        fmt: str = typer.Option("auto", "--format", help="auto | native | speculators | angelspec | sglang-nextn"),
-        mode: str = typer.Option("auto", "--mode",
-                                 help="replace (verifier has MTP) | add (it has none; sets the count) | auto"),
-        link: str = typer.Option(
-            "copy", "--link",
-            help="Untouched shards: copy | reflink | hardlink | remote (an hf:// verifier's shards "
-                 "stay on the Hub; `ckpt push` copies them server-side)"),
-        allow_partial: bool = typer.Option(False, "--allow-partial", help="Keep verifier tensors the draft lacks."),
-        dtype: str = typer.Option("verifier", "--dtype", help="verifier (cast to its dtypes) | draft"),
-        update_copies: bool = typer.Option(False, "--update-copies", help="Also replace per-layer embed/head copies."),
-        keep_bf16: bool = typer.Option(False, "--keep-bf16", help="Write bf16 MTP weights, unquantized."),
-        arch: str = typer.Option(None, "--arch", help="Verifier table instead of detecting it."),
-        strip_prefix: str = typer.Option(
-            None, "--strip-prefix", metavar="P",
-            help="Strip P from every draft key (a wrapper prefix no table knows; module., _orig_mod., "
-                 "draft_model. and the format's own are stripped without it). A rename only."),
-        layers: str = typer.Option(None, "--layers", help="Verifier MTP depth(s) a renumbered draft maps to."),
-        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="For new MTP shards (add mode)."),
-        accept_divergent: bool = typer.Option(
-            False, "--accept-divergent",
-            help="Stitch even when replaced tensors diverge from the verifier's beyond what finetuning does "
-                 "(cosine < 0.2 or a norm ratio beyond 4x; the report lists them)."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Plan and compare, print the report, write nothing."),
-        plan_json: Path = plan_json_option(),
-        report_file: Path = report_option(),
-        overwrite: bool = overwrite_option(),
-        resume: bool = resume_option(),
-        show_all: bool = all_tensors_option(),
-        json_output: bool = json_option(),
-        allow_invalid: list[str] = allow_invalid_option(),
+        **o,
     ) -> None:
         """Stitch a draft into its verifier: exact names, layout and dtypes, with a validation diff."""
         from .. import api
         from .summary import render_diffs
 
+        out, json_output, show_all, dry_run = o.pop("out"), o.pop("json"), o.pop("all"), o["dry_run"]
         with invoked():
-            result = api.stitch(draft, verifier, out, format=fmt, mode=mode, link=link, allow_partial=allow_partial,
-                                dtype=dtype, update_copies=update_copies, keep_bf16=keep_bf16, arch=arch,
-                                strip_prefix=strip_prefix, layers=parse_layers(layers), max_shard_size=max_shard_size,
-                                accept_divergent=accept_divergent, dry_run=dry_run, plan_json=plan_json,
-                                report=report_file, overwrite=overwrite, resume=resume,
-                                allow_invalid=tuple(allow_invalid or ()), progress=not json_output)
+            result = api.stitch(draft, verifier, out, layers=parse_layers(o.pop("layers")),
+                                progress=not json_output, **o)
         if json_output:
             emit_json(result.to_json())
         else:

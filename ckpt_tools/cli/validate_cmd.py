@@ -11,7 +11,10 @@ import os
 
 import typer
 
+from ..api.options import Validate
 from .common import command, emit_json, out_console
+from .inspect_cmd import PATH_HELP
+from .options import takes
 
 MAX_PER_RULE = 20  # problems of one rule shown before "... and N more"
 
@@ -63,42 +66,19 @@ def _how_read(report) -> str:
     return f"; read with the {report.reader} reader" + (f": {notes}" if notes else "")
 
 
-PATH_HELP = "Checkpoint directory, one .safetensors file, or hf://org/repo@rev."
-ARCH_HELP = "Check against this family's table instead of detecting it."
-FIX_HELP = ("Write PATH to -o OUT with only its quantization config repaired (rules mtp-quant-config, "
-            "trunk-quant-config: modules stored otherwise than declared); shards are copied or linked, never "
-            "rewritten.")
-ENGINE_HELP = ("vllm: also run vLLM's own MTP loader over the checkpoint's names, shapes and dtypes (no weight is "
-               "read): parameters it leaves unloaded (vllm-unloaded), MTP tensors it would drop (vllm-unexpected), "
-               "tensors its loader refuses (vllm-load). Run ckpt where vLLM is installed.")
-LINK_HELP = ("With --fix-quant-config: how shards reach OUT: copy | reflink (refused where the filesystem has none) | "
-             "hardlink | remote")
-
-
 def register(app: typer.Typer) -> None:
     @app.command("validate")
     @command
-    def validate_cmd(
-        path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP),
-        arch: str | None = typer.Option(None, "--arch", metavar="NAME", help=ARCH_HELP),
-        json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-        fix_quant_config: bool = typer.Option(False, "--fix-quant-config", help=FIX_HELP),
-        out: str | None = typer.Option(None, "-o", "--out", help="With --fix-quant-config: the output directory, or "
-                                        "s3://bucket/prefix."),
-        link: str = typer.Option("copy", "--link", metavar="MODE", help=LINK_HELP),
-        dry_run: bool = typer.Option(False, "--dry-run", help="With --fix-quant-config: print the config diff, "
-                                                              "write nothing."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="With --fix-quant-config: replace OUT."),
-        engine: str | None = typer.Option(None, "--engine", metavar="ENGINE", help=ENGINE_HELP),
-        gguf_trunk: str | None = typer.Option(None, "--gguf-trunk", metavar="TRUNK.gguf",
-                                              help="PATH is an MTP sidecar GGUF: check it goes with this trunk GGUF."),
-    ) -> None:
+    @takes(Validate)
+    def validate_cmd(path: str = typer.Argument(..., metavar="PATH", help=PATH_HELP), **o) -> None:
         """Check format, index and config-vs-tensor rules; report every problem (exit 1 if any)."""
         from .. import api
         from ..errors import CheckFailed
 
+        json_output, gguf_trunk = o.pop("json"), o.pop("gguf_trunk")
+        fix_quant_config, dry_run = o["fix_quant_config"], o["dry_run"]
         if path.endswith(".gguf") or gguf_trunk is not None:  # llama.cpp's format (ops/check/gguf.py)
-            if engine is not None or fix_quant_config:
+            if o["engine"] is not None or fix_quant_config:
                 from ..errors import UsageError
 
                 raise UsageError("a GGUF is checked against the tables (and --gguf-trunk) only: --engine and "
@@ -106,15 +86,14 @@ def register(app: typer.Typer) -> None:
             from .gguf_render import show_validate
 
             try:
-                show_validate(api.validate_gguf(path, trunk=gguf_trunk, arch=arch), json_output)
+                show_validate(api.validate_gguf(path, trunk=gguf_trunk, arch=o["arch"]), json_output)
             except CheckFailed as e:
                 show_validate(e.report, json_output)
                 raise typer.Exit(e.exit_code) from None
             return
 
         try:
-            report = api.validate(path, arch=arch, fix_quant_config=fix_quant_config, out=out, link=link,
-                                  dry_run=dry_run, overwrite=overwrite, progress=not json_output, engine=engine)
+            report = api.validate(path, progress=not json_output, **o)
         except CheckFailed as e:  # problems: the report as for a valid checkpoint, then exit 1
             _show(e.report, json_output, fix_quant_config, dry_run)
             raise typer.Exit(e.exit_code) from None

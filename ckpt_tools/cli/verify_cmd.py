@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import typer
 
+from ..api.options import VerifyManifest
 from ..errors import EXIT_FOUND
 from .common import command, emit_json, human_bytes, out_console, progress_for
+from .options import takes
 
 MAX_ROWS = 50  # mismatches listed before "... and N more"
 
@@ -36,16 +38,16 @@ def render(report) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("verify-manifest")
     @command
+    @takes(VerifyManifest)
     def verify_manifest_cmd(
-        path: str = typer.Argument(..., metavar="PATH", help="Output directory with a ckpt_manifest.json."),
-        json_output: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+        path: str = typer.Argument(..., metavar="PATH", help="Output directory with a ckpt_manifest.json."), **o
     ) -> None:
         """Recompute the digest of every tensor (or whole shard) ckpt_manifest.json lists, streaming; every tensor
         of the checkpoint must be listed."""
         from ..ops.check.verify_manifest import verify_manifest
 
-        report = verify_manifest(path, progress=progress_for(json_output))
-        if json_output:
+        report = verify_manifest(path, progress=progress_for(o["json"]))
+        if o["json"]:
             emit_json(report.to_json())
         else:
             render(report)

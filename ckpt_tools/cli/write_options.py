@@ -1,5 +1,5 @@
-"""What every writing verb shares: its common options (declared once, so that their names and help read the
-same), ``--layers`` parsing, the invocation the manifest records, and the lines said after a write."""
+"""What every writing verb shares (its options are declared in api/options.py): ``--layers`` parsing, the
+invocation the manifest records, and the lines said after a write."""
 
 from __future__ import annotations
 
@@ -7,62 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import typer
-
-from .common import command_line, human_bytes, out_console
-from .gate_options import say_allowed
-
-
-def plan_json_option():
-    return typer.Option(None, "--plan-json", help="Write the plan as JSON to this file.")
-
-
-def report_option():
-    return typer.Option(None, "--report", help="Also write the report here.")
-
-
-def overwrite_option():
-    return typer.Option(False, "--overwrite", help="Replace an existing output directory.")
-
-
-def resume_option():
-    return typer.Option(False, "--resume", help="Finish an interrupted run into the same -o.")
-
-
-def _cap_threads(value: int | None) -> int | None:
-    """--threads above the CPUs available is capped, and said so on stderr."""
-    from ..parallel import capped_threads
-    from .common import err_console
-
-    used, message = capped_threads(value)
-    if message:
-        err_console().print(message, markup=False, soft_wrap=True)
-    return used
-
-
-def threads_option():
-    return typer.Option(None, "--threads", min=1, callback=_cap_threads,
-                        help="Threads decoding quantized weights (default, and at most: every core this process "
-                             "may use).")
-
-
-def auto_options() -> dict:
-    """--prompts, --max-drop, --depth, --max-new-tokens: how ``--mtp-quant auto`` / ``--gguf-type auto`` measure."""
-    return {
-        "prompts": typer.Option(None, "--prompts", help="With auto: the prompts the MTP's acceptance is measured on "
-                                                        "(FILE.jsonl or one prompt a line; required)."),
-        "max_drop": typer.Option(0.01, "--max-drop", help="With auto: the acceptance drop accepted at each depth."),
-        "depth": typer.Option(1, "--depth", help="With auto: acceptance measured at depths 1..K."),
-        "max_new_tokens": typer.Option(32, "--max-new-tokens", help="With auto: tokens generated per prompt."),
-    }
-
-
-def json_option():
-    return typer.Option(False, "--json", help="Print a JSON report.")
-
-
-def all_tensors_option():
-    return typer.Option(False, "--all", help="List every MTP tensor, unchanged and added ones too (no row limit).")
+from .common import command_line, human_bytes, out_console, say_allowed
 
 
 def layers(text: str | None) -> list[int] | None:

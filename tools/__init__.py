@@ -1,0 +1,1 @@
+"""Development tools that keep the repository's generated files true (not shipped in the wheel)."""
