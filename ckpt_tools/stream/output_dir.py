@@ -8,8 +8,7 @@
 - Clearing what an earlier run of ours left (``--overwrite``): every file its record or manifest lists as
   written (``written``: side files included), never a file no run of ours wrote; and temporary files.
 
-The local writer (``writer.Writer``) calls these from its storage steps; an object-store target
-replaces those steps (``targets.object_store``) and shares the names and the resume rule.
+The local target (``targets.local``) calls these; the object-store target shares the names and the resume rule.
 """
 
 from __future__ import annotations
@@ -186,10 +185,12 @@ def written_names(plan: Plan, shards: Iterable[str]) -> list[str]:
     removes exactly these."""
     shards = list(shards)
     names = set(shards) | {f.name for f in plan.files if f.link != "remote"} | {MANIFEST_NAME}
-    # the writer's rule: one lone shard and no whole .safetensors file is its own marker, with no index
-    if shards != [plan.single_file_name] or any(f.name.endswith(".safetensors") for f in plan.files):
-        names.add(plan.index_name)
-    return sorted(names)
+    return sorted(names if lone_file(plan, shards) else names | {plan.index_name})
+
+
+def lone_file(plan: Plan, shards: Iterable[str]) -> bool:
+    """The writer's rule: one lone shard and no whole .safetensors file is its own completion marker (no index)."""
+    return list(shards) == [plan.single_file_name] and not any(f.name.endswith(".safetensors") for f in plan.files)
 
 
 def previous_written(read: Callable[[str], bytes | None]) -> list[str]:

@@ -1,10 +1,10 @@
 """Where a writer's output goes: a local directory, or an object store named by an fsspec URL.
 
-A local directory is the writer's own target (``writer.Writer``: temporary files renamed into
-place, an flock). ``-o s3://bucket/prefix`` (or any fsspec URL of a store: ``gs://``,
-``az://``, ...) goes to ``object_store.ObjectStoreWriter``, the same writer with its storage
-steps replaced: multipart uploads streamed from the plan, server-side copies, a lock object
-created by a conditional put. Same plan, manifest, validation and index-last order.
+One writer (``writer.Writer``) drives a ``writer.Target``: ``local.LocalTarget`` (temporary files
+renamed into place, an flock) or, for ``-o s3://bucket/prefix`` (or any fsspec URL of a store:
+``gs://``, ``az://``, ...), ``object_store.ObjectStoreTarget``: multipart uploads streamed from
+the plan, server-side copies, a lock object created by a conditional put. Same plan, manifest,
+validation and index-last order.
 """
 
 from __future__ import annotations
@@ -56,14 +56,16 @@ def output_location(text: str | os.PathLike) -> Output:
 
 
 def writer_for(plan: Plan, out: Output, **kwargs) -> Writer:
-    """The writer for ``out``: the local one, or the object-store one for a URL."""
-    if is_url(out):
-        from .object_store import ObjectStoreWriter
-
-        return ObjectStoreWriter(plan, str(out), **kwargs)
+    """The writer for ``out``: into a local directory, or into an object store for a URL."""
     from ..writer import Writer
 
-    return Writer(plan, out, **kwargs)
+    if is_url(out):
+        from .object_store import ObjectStoreTarget
+
+        return Writer(plan, ObjectStoreTarget(str(out)), **kwargs)
+    from .local import LocalTarget
+
+    return Writer(plan, LocalTarget(out), **kwargs)
 
 
 def write_output_file(out: Output, name: str, content: bytes) -> None:
@@ -75,6 +77,6 @@ def write_output_file(out: Output, name: str, content: bytes) -> None:
         with store.errors(name):
             store.fs.pipe_file(store.path(name), content)
         return
-    from ..writer import write_file_atomically
+    from .local import write_file_atomically
 
     write_file_atomically(Path(out) / name, content)
