@@ -18,7 +18,7 @@ from ...errors import UsageError
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..writer import Writer
+    from ..writer import Target, Writer
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # fsspec protocols that are not object stores we can write to (hf:// goes through `ckpt push`)
@@ -55,28 +55,23 @@ def output_location(text: str | os.PathLike) -> Output:
     return f"{scheme}://{rest.rstrip('/')}"
 
 
-def writer_for(plan: Plan, out: Output, **kwargs) -> Writer:
-    """The writer for ``out``: into a local directory, or into an object store for a URL."""
-    from ..writer import Writer
-
+def target_for(out: Output) -> Target:
+    """Where ``out`` lands: a local directory, or an object store for a URL."""
     if is_url(out):
         from .object_store import ObjectStoreTarget
 
-        return Writer(plan, ObjectStoreTarget(str(out)), **kwargs)
+        return ObjectStoreTarget(str(out))
     from .local import LocalTarget
 
-    return Writer(plan, LocalTarget(out), **kwargs)
+    return LocalTarget(out)
+
+
+def writer_for(plan: Plan, out: Output, **kwargs) -> Writer:
+    from ..writer import Writer
+
+    return Writer(plan, target_for(out), **kwargs)
 
 
 def write_output_file(out: Output, name: str, content: bytes) -> None:
     """One more small file into a finished output (a report written after the index): atomic either way."""
-    if is_url(out):
-        from .store import Store
-
-        store = Store.open(str(out))
-        with store.errors(name):
-            store.fs.pipe_file(store.path(name), content)
-        return
-    from .local import write_file_atomically
-
-    write_file_atomically(Path(out) / name, content)
+    target_for(out).put(name, content)

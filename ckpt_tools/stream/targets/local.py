@@ -303,20 +303,6 @@ def _exclusive(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
-def write_file_atomically(path: Path, content: bytes) -> None:
-    """``content`` into ``path`` by a new temporary file, fsync and rename (never through a link)."""
-    tmp = _partial(path)
-    try:
-        with open(tmp, "wb", opener=_exclusive) as fh:
-            fh.write(content)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 @contextlib.contextmanager
 def _cleanup_on_error(tmp: Path, final: Path):
     """A failed write removes its temporary file and names the file and the bytes that reached it.
