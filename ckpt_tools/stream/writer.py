@@ -320,9 +320,10 @@ class Writer:
         write = up.write if copier is None else lambda mv: copier.chunk(sink, mv, up.write)
         self._stream_tensor(t, lambda seg: up.copy(seg, copier, sink), write, chunks)
         if check is not None:
+            copier.drain()  # every byte fed to it (hashed from the page cache on its thread)
             check.finish()  # a refused value: the shard is not committed
         if h is not None:
-            hasher.done_tensor(t.key, h.hexdigest())
+            hasher.done_tensor(t.key, copier.later(h.hexdigest))
 
     def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
                        write: Callable[[memoryview], None], chunks: Iterable[Any] | None = None) -> None:
@@ -398,7 +399,7 @@ class _Hasher:
         self.algo = digest.manifest_algo() if threads is not None else None  # read once, not per tensor
         # the copier hashes on the writing thread: measured on 2 cores, a hash thread fed 512 KiB chunks cost more
         # CPU (a thread switch per chunk) than it overlapped (graft 1 GB: 0.93 s CPU threaded, 0.80 s inline)
-        self.copier = HashingCopier() if threads is not None else None
+        self.copier = HashingCopier(threads=threads) if threads is not None else None
         self._checker: HashingCopier | None = None
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
@@ -445,16 +446,12 @@ class _Hasher:
         if fut is not None:
             fut.add_done_callback(lambda f: f.exception() is None and callback(f.result()))
 
-    def done_tensor(self, key: str, digest: str) -> None:
-        """A tensor digest already computed (a resumed shard's proof)."""
-        fut: Future = Future()
-        fut.set_result(digest)
-        self._tensors[key] = fut
+    def done_tensor(self, key: str, digest: str | Future) -> None:
+        """A tensor's digest: computed (a resumed shard's proof), or on its way (the copier's)."""
+        self._tensors[key] = _done(digest)
 
-    def done_file(self, name: str, landed: tuple) -> None:
-        fut: Future = Future()
-        fut.set_result(landed)
-        self._files[name] = fut
+    def done_file(self, name: str, landed: tuple | Future) -> None:
+        self._files[name] = _done(landed)
 
     def known(self, name: str, known: KnownDigest, header: Header | None) -> None:
         """A whole file whose digest its input's manifest vouches for: taken as it is, nothing read."""
@@ -471,6 +468,16 @@ class _Hasher:
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a file after this
+        if self.copier is not None:
+            self.copier.close()
+
+
+def _done(value: Any) -> Future:
+    if isinstance(value, Future):
+        return value
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 def _hash_fd_range(fd: int, offset: int, length: int) -> str:

@@ -13,11 +13,12 @@ import contextlib
 import fcntl
 import json
 import os
+from concurrent.futures import Future
 from pathlib import Path
 
 from ...errors import OutputError
 from ...io.artefacts import MANIFEST_NAME, RESUME_NAME
-from ...io.safetensors_io import COPY_CHUNK, Header, LocalFile, Segment, _write_all, copy_segment
+from ...io.safetensors_io import COPY_CHUNK, LocalFile, Segment, _write_all, copy_segment
 from .. import output_dir
 from ..hashcopy import Feed, HashingCopier
 from ..journal import JOURNAL_NAME, Journal
@@ -186,7 +187,7 @@ class LocalTarget:
                 return  # resumed: a finished copy the journal proves unchanged
             final.unlink()
         before = _still_described(f, hasher)
-        landed: tuple | None = None
+        landed: Future | None = None
         if f.link == "hardlink":
             try:
                 os.link(f.source, final)
@@ -225,7 +226,7 @@ class LocalTarget:
         return True
 
     def _hash_landed(self, f: OutputFile, final: Path, hasher: _Hasher, known: KnownDigest | None,
-                     landed: tuple | None) -> None:
+                     landed: Future | None) -> None:
         """Account for a file copied or linked whole: its input manifest's digest, ``landed`` (hashed as it was
         copied), or hashed now from what landed (a hardlink, a reflink)."""
         self.stats[f.name] = file_stat(os.stat(final))
@@ -363,7 +364,7 @@ def _append(seg: Segment, fd: int, buf: memoryview, copier: HashingCopier | None
     if copier is None or sink is None:
         copy_segment(seg, fd, buf)
     else:
-        copier.segment(seg, sink, lambda mv: _write_all(fd, mv))
+        copier.segment(seg, sink, lambda mv: _write_all(fd, mv), fd)
 
 
 _FICLONE = 0x40049409
@@ -383,10 +384,11 @@ def _reflink(source: LocalFile, dst_fd: int, dst: Path) -> None:
 
 def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview,
                     copier: HashingCopier | None = None,
-                    name: str | None = None) -> tuple[str, int, Header | None] | None:
+                    name: str | None = None) -> Future | None:
     """Copy ``src`` to a new ``dst``: a reflink when asked (refused where the filesystem has none: OutputError
     ``reflink-unsupported``), else ranges of ``copy_segment``, or with ``copier`` read once, hashed and written:
-    then (digest, size, header) of the bytes written is returned (``name``: the file named by a header error).
+    then (digest, size, header) of the bytes written is returned, once hashed (``name``: the file named by a
+    header error).
 
     Exactly the size ``src`` had when opened, or an error: a source that shrinks is a ``short-read``
     (exit 3, the input named), a write that fails an OSError of the output.
@@ -404,7 +406,7 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
                     seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
                     _append(seg, fd, buf, copier, d)
                     progress.advance(seg.length)
-                landed = d.result(name or str(dst)) if copier is not None else None
+                landed = copier.later(lambda: d.result(name or str(dst))) if copier is not None else None
             fo.flush()
             os.fsync(fo.fileno())
     finally:
