@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from ..io.safetensors_io import IO_STATS, Segment
 CHUNK = 512 << 10
 KERNEL_MIN = 4 << 20  # smaller ranges are read, hashed and written: a mapping and a hand-off cost more
 PIECE = 8 << 20  # copied, then handed to the hashing thread
+AHEAD = 4  # pieces copied ahead of their hash
 
 
 class Sink(Protocol):
@@ -54,6 +56,7 @@ class HashingCopier:
         self._buf = memoryview(bytearray(chunk))
         self._pool = digest.executor(min(threads, 1), "ckpt-pagecache-hash")
         self._last: Future | None = None
+        self._ahead: deque[Future] = deque()
         self._last_sink: Sink | None = None
         self._error: BaseException | None = None
 
@@ -83,24 +86,19 @@ class HashingCopier:
             done += n
 
     def _kernel(self, seg: Segment, fd: int, sink: Sink) -> int:
-        """Copy ``seg`` into ``fd`` with copy_file_range and hash it from a read-only mapping of the source; the
-        bytes done (fewer: the rest goes through the buffer - a kernel that refuses, a source that shrank)."""
+        """Copy ``seg`` into ``fd`` with copy_file_range, each piece then hashed from a read-only mapping of the
+        source's range; the bytes done (fewer: the rest goes through the buffer - a kernel that refuses, a source
+        that shrank). At most ``AHEAD`` pieces wait for their hash: the mappings stay few."""
         src = seg.source.local_fd()
         if not sio._CFR_OK or src is None:
             return 0
-        start = seg.offset - seg.offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            m = mmap.mmap(src, seg.offset + seg.length - start, prot=mmap.PROT_READ, offset=start)
-        except (OSError, ValueError):  # ValueError: the source is shorter than planned (a short read, below)
-            return 0
-        done = 0
+        done, own = 0, os.dup(src)  # the hashing thread's own: the source may be closed before its hash is done
         try:
             while done < seg.length:
                 n = os.copy_file_range(src, fd, min(PIECE, seg.length - done), seg.offset + done)
                 if n == 0:
                     break
-                at = seg.offset - start + done
-                self._queue(sink, lambda at=at, n=n: _feed(sink, m, at, n))
+                self._queue(sink, lambda at=seg.offset + done, n=n: _feed(sink, own, seg.source.name, at, n))
                 done += n
         except OSError as e:
             if e.errno in sio._CFR_WRITE_ERRORS:
@@ -108,13 +106,16 @@ class HashingCopier:
             if e.errno in sio._CFR_UNSUPPORTED and not done:
                 sio._CFR_OK = False  # not on this system: do not ask again
         finally:
-            self._last = self._pool.submit(_close, m)  # after its pieces; whatever became of them
+            self._pool.submit(os.close, own)  # after its pieces, whatever became of them
         IO_STATS.add_copied(done)
         return done
 
-    def _queue(self, sink: Sink | None, job: Callable[[], Any]) -> None:
+    def _queue(self, sink: Sink, job: Callable[[], Any]) -> None:
+        while len(self._ahead) >= AHEAD:
+            self._ahead.popleft().exception()
         self._last_sink = sink
         self._last = self._pool.submit(self._run, job)
+        self._ahead.append(self._last)
 
     def _run(self, job: Callable[[], Any]) -> Any:
         if self._error is None:
@@ -152,16 +153,15 @@ class HashingCopier:
         write(data)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True)  # every queued piece: each closes what it opened
 
 
-def _feed(sink: Sink, m: mmap.mmap, at: int, n: int) -> None:
-    with memoryview(m) as whole, whole[at : at + n] as part:
-        sink.update(part)
-
-
-def _close(m: mmap.mmap) -> None:
+def _feed(sink: Sink, fd: int, name: str, at: int, n: int) -> None:
+    """``sink`` fed the ``n`` bytes at ``at`` of ``fd`` from a read-only mapping (the page cache, no copy)."""
+    start = at - at % mmap.ALLOCATIONGRANULARITY
     try:
-        m.close()
-    except BufferError:  # a sink kept a view of it: the mapping goes with that view
-        pass
+        m = mmap.mmap(fd, at + n - start, prot=mmap.PROT_READ, offset=start)
+    except ValueError:  # shorter than what was just copied: it shrank
+        raise sio.short_read(name, at) from None
+    with m, memoryview(m) as whole, whole[at - start :] as part:
+        sink.update(part)
