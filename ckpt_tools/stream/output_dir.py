@@ -216,20 +216,13 @@ def _inside(name: str) -> bool:
     return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
-def clear_previous_output(out: Path, markers: Iterable[str]) -> None:
+def clear_previous_output(out: Path, markers: Iterable[str], read: Callable[[str], bytes | None]) -> None:
     """--overwrite: remove what a run of ours wrote; ``markers`` (completion markers, manifest) first.
 
     What a run of ours wrote: every file the previous record or manifest lists as ``written`` (side files
     included: a stale ``hf_quant_config.json`` would describe the new tensors wrongly), and our artefacts'
     names. A file no run of ours wrote (a note of the user's) is not ours to delete and stays.
     """
-    def read(name: str) -> bytes | None:
-        p = out / name
-        try:
-            return p.read_bytes() if p.is_file() and not p.is_symlink() else None
-        except OSError:
-            return None
-
     listed = previous_written(read)  # read before the markers (the manifest among them) go
     # The completion markers go first, so the directory reads as incomplete from here on.
     for name in markers:
@@ -263,31 +256,6 @@ def _remove_listed(out: Path, name: str) -> None:
             return
 
 
-def remove_partials(out: Path) -> None:
-    """Temporary files of unfinished writes (ours, or a killed run's: the caller holds the lock)."""
-    for p in out.glob(".*.partial"):
-        p.unlink(missing_ok=True)
-
-
-def finished_files(out: Path) -> list[str]:
-    """What a run left in place (hidden lock, record and temporary files aside)."""
-    return [p.name for p in out.iterdir() if not p.name.startswith(".")]
-
-
-def previous_record(out: Path) -> dict | None:
-    """What the interrupted run in ``out`` was doing (``read_record`` over the local files)."""
-    def read(name: str) -> bytes | None:
-        p = out / name
-        if not p.is_file() or p.is_symlink():
-            return None
-        try:
-            return p.read_bytes()
-        except OSError:
-            return None
-
-    return read_record(read)
-
-
 def read_record(read: Callable[[str], bytes | None]) -> dict | None:
     """What an interrupted run was doing: its resume record, else the manifest of a finished run; ``read(name)``
     gives an output file's bytes (None: not there). A file that is not a record is no record."""
@@ -318,7 +286,7 @@ def check_resume(record: dict | None, finished: Callable[[], list[str]], plan_di
                  fingerprints: dict, out: str) -> None:
     """--resume continues only the same job: same plan, same inputs (names what differs).
 
-    ``record`` is what the interrupted run was doing (``previous_record``); ``finished`` lists
+    ``record`` is what the interrupted run was doing (``read_record``); ``finished`` lists
     what it left in place, asked only when there is no record.
     """
     def refuse(msg: str, path: str) -> OutputError:

@@ -537,5 +537,3 @@ def source_size(path) -> int:
     known = getattr(path, "size", None)
     return known if isinstance(known, int) else os.stat(path).st_size
 
-
-ProgressFactory = Callable[[], Progress]

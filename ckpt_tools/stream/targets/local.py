@@ -78,16 +78,17 @@ class LocalTarget:
             return None
 
     def listing(self) -> list[str]:
-        return output_dir.finished_files(self.out)
+        return [p.name for p in self.out.iterdir() if not p.name.startswith(".")]  # hidden: ours, temporary
 
     def remove(self, name: str) -> None:
         (self.out / name).unlink(missing_ok=True)
 
     def remove_partials(self) -> None:
-        output_dir.remove_partials(self.out)
+        for p in self.out.glob(".*.partial"):  # ours, or a killed run's: we hold the lock
+            p.unlink(missing_ok=True)
 
     def clear(self, markers: tuple[str, ...]) -> None:
-        output_dir.clear_previous_output(self.out, markers)
+        output_dir.clear_previous_output(self.out, markers, self.read)
 
     def start(self, resume: bool) -> None:
         """The journal of finished files; with --resume, the interrupted run's entries (its manifest's first)."""
