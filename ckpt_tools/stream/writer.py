@@ -313,7 +313,7 @@ class Writer:
     def _write_tensor(self, up: Any, t: OutputTensor, chunks: Iterable[Any], hasher: _Hasher) -> None:
         """``t``'s bytes appended to ``up``: kernel copies and plain writes, or (``copier``) each chunk read once
         and fed to its digest and its value check as it is written."""
-        copier = hasher.copier if hasher.hashing else hasher.checker() if t.check else None
+        copier = hasher.copier if hasher.hashing or t.check else None
         h = digest.new(hasher.algo) if copier is not None and hasher.hashing else None
         check = t.check() if t.check is not None else None
         sink = Feed(h, check) if copier is not None else None
@@ -399,18 +399,11 @@ class _Hasher:
         self.algo = digest.manifest_algo() if threads is not None else None  # read once, not per tensor
         # the copier hashes on the writing thread: measured on 2 cores, a hash thread fed 512 KiB chunks cost more
         # CPU (a thread switch per chunk) than it overlapped (graft 1 GB: 0.93 s CPU threaded, 0.80 s inline)
-        self.copier = HashingCopier(threads=threads) if threads is not None else None
-        self._checker: HashingCopier | None = None
+        self.copier = HashingCopier(threads=threads or 0)  # also feeds value checks when nothing is hashed
         self._tensors: dict[str, Future] = {}
         self._files: dict[str, Future] = {}
         self._known: dict[str, tuple] = {}  # whole files: name -> (digest or None, size, header), from a manifest
         self._known_tensors: dict[str, str] = {}  # their tensors' digests, when the manifest has them per tensor
-
-    def checker(self) -> HashingCopier:
-        """A copier for a tensor whose values are checked as they are copied, when nothing is hashed."""
-        if self._checker is None:
-            self._checker = HashingCopier()
-        return self._checker
 
     @property
     def hashing(self) -> bool:
@@ -468,8 +461,7 @@ class _Hasher:
     def __exit__(self, *exc: object) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a file after this
-        if self.copier is not None:
-            self.copier.close()
+        self.copier.close()
 
 
 def _done(value: Any) -> Future:

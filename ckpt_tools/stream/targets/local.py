@@ -57,11 +57,7 @@ class LocalTarget:
         try:
             self._lock = output_dir.DirLock(self.out)
         except OSError as e:
-            raise output_error(e, str(self._lock_path)) from e
-
-    @property
-    def _lock_path(self) -> Path:
-        return self.out / output_dir.LOCK_NAME
+            raise output_error(e, str(self.out / output_dir.LOCK_NAME)) from e
 
     def release(self, complete: bool) -> None:
         if self._lock is not None:
