@@ -40,24 +40,6 @@ MIRROR_WHOLE = 64 << 20  # the check's mirror holds a non-shard file's bytes up 
 SERVER_COPY = "server-copy"  # OutputFile.link of a file copied inside the store
 
 
-def _server_copies(plan: Plan, store: Store) -> Plan:
-    """The plan with every whole file that already lives in this store turned into a server-side copy.
-
-    A file a source leaves in place (``link="remote"``), names by URL (``source="s3://..."``) or by a
-    lazy path of a remote source (``LazyPath.source_url``) is copied inside the store; one in another
-    store keeps its link (``remote``: listed, not written).
-    """
-    files = []
-    for f in plan.files:
-        # a remote source's file is named by URL, or by a lazy local path that knows its URL (never fetched here)
-        url = f.remote if f.link == "remote" else f.source if isinstance(f.source, str) else \
-            getattr(f.source, "source_url", None)
-        if url is not None and store.in_store(url) is not None:
-            f = replace(f, source=url, link=SERVER_COPY, remote=None)
-        files.append(f)
-    return replace(plan, files=files)
-
-
 class ObjectStoreTarget:
     def __init__(self, url: str) -> None:
         self.store = Store.open(url)
@@ -75,7 +57,21 @@ class ObjectStoreTarget:
         self.copier = HashingCopier()  # a byte range's way into an upload: through its buffer
 
     def prepare(self, plan: Plan) -> Plan:
-        return _server_copies(plan, self.store)
+        """The plan with every whole file that already lives in this store turned into a server-side copy.
+
+        A file a source leaves in place (``link="remote"``), names by URL (``source="s3://..."``) or by a
+        lazy path of a remote source (``LazyPath.source_url``) is copied inside the store; one in another
+        store keeps its link (``remote``: listed, not written).
+        """
+        files = []
+        for f in plan.files:
+            # a remote source's file is named by URL, or by a lazy local path that knows its URL (never fetched)
+            url = f.remote if f.link == "remote" else f.source if isinstance(f.source, str) else \
+                getattr(f.source, "source_url", None)
+            if url is not None and self.store.in_store(url) is not None:
+                f = replace(f, source=url, link=SERVER_COPY, remote=None)
+            files.append(f)
+        return replace(plan, files=files)
 
     # -- may this run write here, the lock, what a previous run left -------------------------
 
