@@ -157,7 +157,8 @@ class HashingCopier:
 
 
 def _feed(sink: Sink, fd: int, name: str, at: int, n: int) -> None:
-    """``sink`` fed the ``n`` bytes at ``at`` of ``fd`` from a read-only mapping (the page cache, no copy)."""
+    """``sink`` fed the ``n`` bytes at ``at`` of ``fd`` from a read-only mapping (the page cache, no copy). A source
+    truncated by someone else between this mapping and its hash is a SIGBUS, as for any reader of a mapping."""
     start = at - at % mmap.ALLOCATIONGRANULARITY
     try:
         m = mmap.mmap(fd, at + n - start, prot=mmap.PROT_READ, offset=start)
