@@ -216,14 +216,23 @@ def _inside(name: str) -> bool:
     return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
-def clear_previous_output(out: Path, markers: Iterable[str], read: Callable[[str], bytes | None]) -> None:
+def read_file(out: Path, name: str) -> bytes | None:
+    """The bytes of ``out/name`` when it is a plain file (never read through a link); None otherwise."""
+    p = out / name
+    try:
+        return p.read_bytes() if p.is_file() and not p.is_symlink() else None
+    except OSError:
+        return None
+
+
+def clear_previous_output(out: Path, markers: Iterable[str]) -> None:
     """--overwrite: remove what a run of ours wrote; ``markers`` (completion markers, manifest) first.
 
     What a run of ours wrote: every file the previous record or manifest lists as ``written`` (side files
     included: a stale ``hf_quant_config.json`` would describe the new tensors wrongly), and our artefacts'
     names. A file no run of ours wrote (a note of the user's) is not ours to delete and stays.
     """
-    listed = previous_written(read)  # read before the markers (the manifest among them) go
+    listed = previous_written(lambda name: read_file(out, name))  # read before the markers (the manifest) go
     # The completion markers go first, so the directory reads as incomplete from here on.
     for name in markers:
         p = out / name

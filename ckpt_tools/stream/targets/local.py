@@ -67,11 +67,7 @@ class LocalTarget:
                 self.out.rmdir()  # only when empty: a refused input left nothing in it
 
     def read(self, name: str) -> bytes | None:
-        p = self.out / name
-        try:
-            return p.read_bytes() if p.is_file() and not p.is_symlink() else None
-        except OSError:
-            return None
+        return output_dir.read_file(self.out, name)
 
     def listing(self) -> list[str]:
         return [p.name for p in self.out.iterdir() if not p.name.startswith(".")]  # hidden: ours, temporary
@@ -84,7 +80,7 @@ class LocalTarget:
             p.unlink(missing_ok=True)
 
     def clear(self, markers: tuple[str, ...]) -> None:
-        output_dir.clear_previous_output(self.out, markers, self.read)
+        output_dir.clear_previous_output(self.out, markers)
 
     def start(self, resume: bool) -> None:
         """The journal of finished files; with --resume, the interrupted run's entries (its manifest's first)."""
