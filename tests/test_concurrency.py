@@ -11,7 +11,8 @@ from test_crash import assert_same_output, is_complete, shared_zygote
 from typer.testing import CliRunner
 
 from ckpt_tools.cli import app
-from ckpt_tools.stream.writer import LOCK_NAME, _Lock
+from ckpt_tools.io.artefacts import LOCK_NAME
+from ckpt_tools.stream.output_dir import DirLock as _Lock
 
 runner = CliRunner()
 

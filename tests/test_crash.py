@@ -51,7 +51,7 @@ import json, os, resource, signal, sys
 sys.argv = ["ckpt"]
 from ckpt_tools.cli import app
 from ckpt_tools.model.tables.loader import all_tables
-import ckpt_tools.ops.draft.extract, ckpt_tools.ops.check.validate, ckpt_tools.stream.writer
+import ckpt_tools.ops.draft.extract, ckpt_tools.ops.check.validate, ckpt_tools.stream.targets.local
 all_tables()
 if os.environ.get("ZYGOTE_TORCH") == "1":
     import torch, ckpt_tools.ops.stitch.plan
@@ -59,7 +59,7 @@ if os.environ.get("ZYGOTE_TORCH") == "1":
 
 
 def arm(kill):
-    import ckpt_tools.stream.writer as w
+    import ckpt_tools.stream.targets.local as w
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,7 @@ import pytest
 from test_crash import INDEX, MANIFEST, SINGLE, assert_same_output, shared_zygote
 from typer.testing import CliRunner
 
-import ckpt_tools.stream.writer as writer
+import ckpt_tools.stream.targets.local as writer
 from ckpt_tools.cli import app
 
 from conftest import tree_hash

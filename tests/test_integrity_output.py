@@ -95,7 +95,7 @@ def perturb(shard: Path, factor: float, keep_mtime: bool = False) -> None:
 
 def interrupt_after(monkeypatch, copies: int, what: str = "copy_range") -> None:
     """Ctrl-C in the writer after ``copies`` calls of ``what`` (what SIGINT does: cleanup, exit 130)."""
-    import ckpt_tools.stream.writer as w
+    import ckpt_tools.stream.targets.local as w
 
     orig, left = getattr(w, what), [copies]
 
@@ -445,7 +445,7 @@ def test_a_copy_that_ends_early_is_an_error(verb, verifier, tmp_path, monkeypatc
 
 
 def test_a_source_that_shrank_is_a_short_read(local_verifier, tmp_path, monkeypatch):
-    import ckpt_tools.stream.writer as w
+    import ckpt_tools.stream.targets.local as w
 
     src = sorted(local_verifier.glob("*.safetensors"))[0]
 

@@ -270,7 +270,7 @@ def test_gpu_tensors_stitch_like_cpu_ones(verifier, extracted, tmp_path):
 
 def test_resume_with_another_state_dict_is_refused(verifier, extracted, tmp_path, monkeypatch):
     """--resume proves the same draft bytes for a state dict too: its tensors are fingerprinted, not its name."""
-    import ckpt_tools.stream.writer as w
+    import ckpt_tools.stream.targets.local as w
 
     first = finetuned(extracted["native"], "native")
     out = tmp_path / "out"

@@ -248,7 +248,7 @@ def test_a_transposed_per_channel_scale_is_invalid_and_the_message_prints_the_sh
 
 
 def _interrupt_after(monkeypatch, calls: int, what: str) -> None:
-    import ckpt_tools.stream.writer as w
+    import ckpt_tools.stream.targets.local as w
 
     orig, left = getattr(w, what), [calls]
 

@@ -369,18 +369,19 @@ def test_a_failed_check_leaves_no_index_and_names_the_object(s3, bucket, verifie
 
 def test_ctrl_c_during_upload_aborts_it_and_releases_the_lock(s3, bucket, verifier, monkeypatch):
     import ckpt_tools.stream.targets.object_store as o
+    from ckpt_tools.stream.writer import Writer
 
-    orig, calls = o.ObjectStoreWriter._write_shard, [0]
+    orig, calls = Writer._write_shard, [0]
 
     def interrupted(self, *a, **k):
         calls[0] += 1
         if calls[0] == 2:  # the first shard is in, the second's upload begun
-            self._open_upload("model-00002-of-00003.safetensors").write(b"x" * (6 << 20))  # one part sent
+            self.target.open("model-00002-of-00003.safetensors", b"x" * (6 << 20))  # one part sent
             assert uploads_left(s3, bucket)
             raise KeyboardInterrupt
         return orig(self, *a, **k)
 
-    monkeypatch.setattr(o.ObjectStoreWriter, "_write_shard", interrupted)
+    monkeypatch.setattr(Writer, "_write_shard", interrupted)
     monkeypatch.setattr(o, "PART_SIZE", 5 << 20)
     r = ckpt("extract", verifier, "-o", f"s3://{bucket}/out", "--max-shard-size", "60KB", code=130)
     assert "no output was marked complete" in r.output and "--resume" in r.output
@@ -391,17 +392,17 @@ def test_ctrl_c_during_upload_aborts_it_and_releases_the_lock(s3, bucket, verifi
 
 
 def test_two_writers_on_one_prefix_one_refuses(s3, bucket, verifier, monkeypatch):
-    import ckpt_tools.stream.targets.object_store as o
+    from ckpt_tools.stream.writer import Writer
 
     inside, go = threading.Event(), threading.Event()
-    orig = o.ObjectStoreWriter._write_shard
+    orig = Writer._write_shard
 
     def paused(self, *a, **k):
         inside.set()
         go.wait(60)
         return orig(self, *a, **k)
 
-    monkeypatch.setattr(o.ObjectStoreWriter, "_write_shard", paused)
+    monkeypatch.setattr(Writer, "_write_shard", paused)
     first: dict = {}
 
     def run_first():
@@ -413,7 +414,7 @@ def test_two_writers_on_one_prefix_one_refuses(s3, bucket, verifier, monkeypatch
     t = threading.Thread(target=run_first)
     t.start()
     assert inside.wait(60)
-    monkeypatch.setattr(o.ObjectStoreWriter, "_write_shard", orig)
+    monkeypatch.setattr(Writer, "_write_shard", orig)
     r = ckpt("extract", verifier, "-o", f"s3://{bucket}/out", "--overwrite", code=4)
     assert "[output-locked]" in r.output and "another ckpt command" in r.output
     r = ckpt("extract", verifier, "-o", f"s3://{bucket}/out", code=4)  # without --overwrite: not empty

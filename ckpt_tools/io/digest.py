@@ -7,8 +7,8 @@ LFS oid, manifests of earlier versions), and ``verify-manifest`` checks either.
 
 Two environment knobs reproduce the older writer, for before/after benchmarks:
 ``CKPT_MANIFEST_DIGEST`` (``blake3``, the default, or ``sha256``) and ``CKPT_HASH_THREADS`` (threads
-hashing files linked whole, default 2; what the writer copies or computes it hashes as it writes it,
-stream/hashcopy.py; ``0`` hashes the linked files inline too). They are
+hashing files linked whole, default 2; kernel-copied ranges are hashed from the page cache on one more,
+stream/hashcopy.py; ``0`` hashes both inline). They are
 read when used (``MANIFEST_ALGO`` is computed on access), so a bad value is a usage error, not a
 traceback at import.
 """

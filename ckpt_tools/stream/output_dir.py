@@ -8,8 +8,7 @@
 - Clearing what an earlier run of ours left (``--overwrite``): every file its record or manifest lists as
   written (``written``: side files included), never a file no run of ours wrote; and temporary files.
 
-The local writer (``writer.Writer``) calls these from its storage steps; an object-store target
-replaces those steps (``targets.object_store``) and shares the names and the resume rule.
+The local target (``targets.local``) calls these; the object-store target shares the names and the resume rule.
 """
 
 from __future__ import annotations
@@ -176,10 +175,12 @@ def written_names(plan: Plan, shards: Iterable[str]) -> list[str]:
     removes exactly these."""
     shards = list(shards)
     names = set(shards) | {f.name for f in plan.files if f.link != "remote"} | {MANIFEST_NAME}
-    # the writer's rule: one lone shard and no whole .safetensors file is its own marker, with no index
-    if shards != [plan.single_file_name] or any(f.name.endswith(".safetensors") for f in plan.files):
-        names.add(plan.index_name)
-    return sorted(names)
+    return sorted(names if lone_file(plan, shards) else names | {plan.index_name})
+
+
+def lone_file(plan: Plan, shards: Iterable[str]) -> bool:
+    """The writer's rule: one lone shard and no whole .safetensors file is its own completion marker (no index)."""
+    return list(shards) == [plan.single_file_name] and not any(f.name.endswith(".safetensors") for f in plan.files)
 
 
 def previous_written(read: Callable[[str], bytes | None]) -> list[str]:
@@ -205,6 +206,15 @@ def _inside(name: str) -> bool:
     return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
+def read_file(out: Path, name: str) -> bytes | None:
+    """The bytes of ``out/name`` when it is a plain file (never read through a link); None otherwise."""
+    p = out / name
+    try:
+        return p.read_bytes() if p.is_file() and not p.is_symlink() else None
+    except OSError:
+        return None
+
+
 def clear_previous_output(out: Path, markers: Iterable[str]) -> None:
     """--overwrite: remove what a run of ours wrote; ``markers`` (completion markers, manifest) first.
 
@@ -212,14 +222,7 @@ def clear_previous_output(out: Path, markers: Iterable[str]) -> None:
     included: a stale ``hf_quant_config.json`` would describe the new tensors wrongly), and our artefacts'
     names. A file no run of ours wrote (a note of the user's) is not ours to delete and stays.
     """
-    def read(name: str) -> bytes | None:
-        p = out / name
-        try:
-            return p.read_bytes() if p.is_file() and not p.is_symlink() else None
-        except OSError:
-            return None
-
-    listed = previous_written(read)  # read before the markers (the manifest among them) go
+    listed = previous_written(lambda name: read_file(out, name))  # read before the markers (the manifest) go
     # The completion markers go first, so the directory reads as incomplete from here on.
     for name in markers:
         p = out / name
@@ -252,31 +255,6 @@ def _remove_listed(out: Path, name: str) -> None:
             return
 
 
-def remove_partials(out: Path) -> None:
-    """Temporary files of unfinished writes (ours, or a killed run's: the caller holds the lock)."""
-    for p in out.glob(".*.partial"):
-        p.unlink(missing_ok=True)
-
-
-def finished_files(out: Path) -> list[str]:
-    """What a run left in place (hidden lock, record and temporary files aside)."""
-    return [p.name for p in out.iterdir() if not p.name.startswith(".")]
-
-
-def previous_record(out: Path) -> dict | None:
-    """What the interrupted run in ``out`` was doing (``read_record`` over the local files)."""
-    def read(name: str) -> bytes | None:
-        p = out / name
-        if not p.is_file() or p.is_symlink():
-            return None
-        try:
-            return p.read_bytes()
-        except OSError:
-            return None
-
-    return read_record(read)
-
-
 def read_record(read: Callable[[str], bytes | None]) -> dict | None:
     """What an interrupted run was doing: its resume record, else the manifest of a finished run; ``read(name)``
     gives an output file's bytes (None: not there). A file that is not a record is no record."""
@@ -307,7 +285,7 @@ def check_resume(record: dict | None, finished: Callable[[], list[str]], plan_di
                  fingerprints: dict, out: str) -> None:
     """--resume continues only the same job: same plan, same inputs (names what differs).
 
-    ``record`` is what the interrupted run was doing (``previous_record``); ``finished`` lists
+    ``record`` is what the interrupted run was doing (``read_record``); ``finished`` lists
     what it left in place, asked only when there is no record.
     """
     def refuse(msg: str, path: str) -> OutputError:

@@ -1,10 +1,10 @@
 """Where a writer's output goes: a local directory, or an object store named by an fsspec URL.
 
-A local directory is the writer's own target (``writer.Writer``: temporary files renamed into
-place, an flock). ``-o s3://bucket/prefix`` (or any fsspec URL of a store: ``gs://``,
-``az://``, ...) goes to ``object_store.ObjectStoreWriter``, the same writer with its storage
-steps replaced: multipart uploads streamed from the plan, server-side copies, a lock object
-created by a conditional put. Same plan, manifest, validation and index-last order.
+One writer (``writer.Writer``) drives a ``writer.Target``: ``local.LocalTarget`` (temporary files
+renamed into place, an flock) or, for ``-o s3://bucket/prefix`` (or any fsspec URL of a store:
+``gs://``, ``az://``, ...), ``object_store.ObjectStoreTarget``: multipart uploads streamed from
+the plan, server-side copies, a lock object created by a conditional put. Same plan, manifest,
+validation and index-last order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ...errors import UsageError
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..writer import Writer
+    from ..writer import Target, Writer
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # fsspec protocols that are not object stores we can write to (hf:// goes through `ckpt push`)
@@ -55,26 +55,23 @@ def output_location(text: str | os.PathLike) -> Output:
     return f"{scheme}://{rest.rstrip('/')}"
 
 
-def writer_for(plan: Plan, out: Output, **kwargs) -> Writer:
-    """The writer for ``out``: the local one, or the object-store one for a URL."""
+def target_for(out: Output) -> Target:
+    """Where ``out`` lands: a local directory, or an object store for a URL."""
     if is_url(out):
-        from .object_store import ObjectStoreWriter
+        from .object_store import ObjectStoreTarget
 
-        return ObjectStoreWriter(plan, str(out), **kwargs)
+        return ObjectStoreTarget(str(out))
+    from .local import LocalTarget
+
+    return LocalTarget(out)
+
+
+def writer_for(plan: Plan, out: Output, **kwargs) -> Writer:
     from ..writer import Writer
 
-    return Writer(plan, out, **kwargs)
+    return Writer(plan, target_for(out), **kwargs)
 
 
 def write_output_file(out: Output, name: str, content: bytes) -> None:
     """One more small file into a finished output (a report written after the index): atomic either way."""
-    if is_url(out):
-        from .store import Store
-
-        store = Store.open(str(out))
-        with store.errors(name):
-            store.fs.pipe_file(store.path(name), content)
-        return
-    from ..writer import write_file_atomically
-
-    write_file_atomically(Path(out) / name, content)
+    target_for(out).put(name, content)

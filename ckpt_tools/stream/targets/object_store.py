@@ -1,15 +1,15 @@
-"""The writer into an object store: ``writer.Writer`` with its storage steps replaced.
+"""An object store as the writer's target: multipart uploads, server-side copies, a lock object.
 
-The plan, the order (shards, files, manifest, check, index last), the manifest and the resume proof are
-the local writer's; what differs is how bytes land: a shard streams into a multipart upload in parts of
-``PART_SIZE``, completed only when every byte is in; a whole file of a source in the same store is a
-server-side copy; small files are single PUTs, the index last; the lock is a conditional put
-(``lock.ObjectLock``); the resume record holds each finished object's size, ETag and digests, and
-``--resume`` keeps an object whose size and ETag still match.
+The writer (``writer.Writer``) is the local one: the plan, the order (shards, files, manifest, check, index
+last), the manifest and the resume proof. Here bytes land differently: a shard streams into a multipart upload
+in parts of ``PART_SIZE``, completed only when every byte is in; a whole file of a source in the same store is
+a server-side copy; small files are single PUTs; the lock is a conditional put (``lock.ObjectLock``); the
+resume record holds each finished object's size, ETag and digests, and ``--resume`` keeps an object whose size
+and ETag still match.
 
 The check runs on a local mirror of the prefix (headers read back, true sizes, the small files), without
-downloading tensor bytes. Tensors and uploaded files are hashed as they stream; server-side copies are
-not downloaded to be hashed: the manifest records their size and source.
+downloading tensor bytes. Server-side copies are not downloaded to be hashed: the manifest records their size
+and source.
 """
 
 from __future__ import annotations
@@ -23,17 +23,15 @@ import tempfile
 from dataclasses import replace
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any
 
 from ...errors import OutputError, UsageError
-from ...io import digest
-from ...io.artefacts import LOCK_NAME, MANIFEST_NAME, RESUME_NAME
-from ...io.safetensors_io import MAX_HEADER_BYTES, parse_header_bytes
-from .. import manifest
-from ..hashcopy import Feed
+from ...io.artefacts import LOCK_NAME, RESUME_NAME
+from ...io.safetensors_io import COPY_CHUNK, MAX_HEADER_BYTES, Segment, parse_header_bytes
+from ..hashcopy import Feed, HashingCopier
 from ..output_dir import OUR_ARTEFACTS, previous_written, read_record
 from ..plan import OutputFile, OutputTensor, Plan
-from ..writer import FileDigest, PendingOutput, Writer, WriteResult, source_size
+from ..progress import Progress
+from ..writer import FileDigest, _Hasher, source_size
 from .lock import ObjectLock
 from .store import Store
 
@@ -42,127 +40,103 @@ MIRROR_WHOLE = 64 << 20  # the check's mirror holds a non-shard file's bytes up 
 SERVER_COPY = "server-copy"  # OutputFile.link of a file copied inside the store
 
 
-class _Digests:
-    """The writer's hasher for uploads: digests are computed inline, as the bytes stream out."""
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, str] = {}
-        self.files: dict[str, tuple] = {}
-
-    def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
-        return self.tensors, self.files
-
-    def __enter__(self) -> _Digests:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def _server_copies(plan: Plan, store: Store) -> Plan:
-    """The plan with every whole file that already lives in this store turned into a server-side copy.
-
-    A file a source leaves in place (``link="remote"``), names by URL (``source="s3://..."``) or by a
-    lazy path of a remote source (``LazyPath.source_url``) is copied inside the store; one in another
-    store keeps its link (``remote``: listed, not written).
-    """
-    files = []
-    for f in plan.files:
-        # a remote source's file is named by URL, or by a lazy local path that knows its URL (never fetched here)
-        url = f.remote if f.link == "remote" else f.source if isinstance(f.source, str) else \
-            getattr(f.source, "source_url", None)
-        if url is not None and store.in_store(url) is not None:
-            f = replace(f, source=url, link=SERVER_COPY, remote=None)
-        files.append(f)
-    return replace(plan, files=files)
-
-
-class ObjectStoreWriter(Writer):
-    def __init__(self, plan: Plan, url: str, **kwargs: Any) -> None:
-        store = Store.open(url)
-        super().__init__(_server_copies(plan, store), url, **kwargs)
-        self.out = url  # type: ignore[assignment]  # a URL: every path operation below goes through the store
-        self.store = store
+class ObjectStoreTarget:
+    def __init__(self, url: str) -> None:
+        self.store = Store.open(url)
+        self.name = url
+        self.stats: dict[str, dict] = {}  # no local file stats
+        self.reused: dict[str, str] = {}
         self._uploads: list = []  # uploads begun and not completed: aborted on failure
         self._done: dict[str, dict] = {}  # finished objects (the resume record's "objects")
         self._copied: set[str] = set()  # files copied server-side (their manifest entry carries the ETag)
         self._record: dict | None = None
         self._written: dict[str, bytes] = {}  # small files PUT by this run: the check's mirror takes them as sent
-        self._deferred: tuple[bytes, int] | None = None  # the lone file held back: its header bytes and size
+        self._lock: ObjectLock | None = None
+        self._resume = False
         self._scanned = False
+        self.copier = HashingCopier()  # a byte range's way into an upload: through its buffer
 
-    # -- checks -------------------------------------------------------------------------
+    def prepare(self, plan: Plan) -> Plan:
+        """The plan with every whole file that already lives in this store turned into a server-side copy.
 
-    def _check_not_an_input(self) -> None:
-        """Refuse a prefix that is, is inside, or contains an input in the same store."""
+        A file a source leaves in place (``link="remote"``), names by URL (``source="s3://..."``) or by a
+        lazy path of a remote source (``LazyPath.source_url``) is copied inside the store; one in another
+        store keeps its link (``remote``: listed, not written).
+        """
+        files = []
+        for f in plan.files:
+            # a remote source's file is named by URL, or by a lazy local path that knows its URL (never fetched)
+            url = f.remote if f.link == "remote" else f.source if isinstance(f.source, str) else \
+                getattr(f.source, "source_url", None)
+            if url is not None and self.store.in_store(url) is not None:
+                f = replace(f, source=url, link=SERVER_COPY, remote=None)
+            files.append(f)
+        return replace(plan, files=files)
+
+    # -- may this run write here, the lock, what a previous run left -------------------------
+
+    def check(self, plan: Plan, *, overwrite: bool, resume: bool) -> None:
+        """Refuse a prefix that overlaps an input in the same store, and a non-empty one unless asked."""
         out = self.store.root
-        for url in self._input_urls():
+        for url in _input_urls(plan):
             src = self.store.in_store(url)
             if src is not None and (out == src or out.startswith(src + "/") or src.startswith(out + "/")):
-                raise UsageError(f"output {self.out} overlaps the input {url}; choose an -o outside every input",
+                raise UsageError(f"output {self.name} overlaps the input {url}; choose an -o outside every input",
                                  rule="output-overlaps-input")
-
-    def _input_urls(self) -> list[str]:
-        urls = [str(p) for p in self.plan.inputs]
-        urls += [str(fp["root"]) for fp in self.plan.fingerprints.values() if isinstance(fp, dict) and "root" in fp]
-        for f in self.plan.files:
-            for u in (f.source, f.remote):
-                if isinstance(u, str):
-                    urls.append(u.rsplit("/", 1)[0])  # the checkpoint the file belongs to
-        return [u for u in urls if "://" in u]
-
-    def _check_output_dir(self) -> None:
-        listing = self.store.listing()
-        leftovers = sorted(n for n in listing if n != LOCK_NAME)
-        if leftovers and not (self.overwrite or self.resume):
+        leftovers = sorted(n for n in self.store.listing() if n != LOCK_NAME)
+        if leftovers and not (overwrite or resume):
             raise OutputError(f"output prefix is not empty ({len(leftovers)} objects, e.g. {leftovers[0]}); pass "
                               "--overwrite to replace it or --resume to finish an interrupted run",
-                              rule="output-exists", path=self.out)
+                              rule="output-exists", path=self.name)
 
-    def _lock(self) -> ObjectLock:
-        return ObjectLock(self.store)
+    def lock(self) -> None:
+        self._lock = ObjectLock(self.store)
 
-    def _clear_previous_output(self) -> None:
+    def release(self, complete: bool) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
+    def read(self, name: str) -> bytes | None:
+        return self.store.cat(name)
+
+    def listing(self) -> list[str]:
+        return [n for n in self.store.listing() if not n.startswith(".")]
+
+    def remove(self, name: str) -> None:
+        self.store.remove([name])
+
+    def clear(self, markers: tuple[str, ...]) -> None:
         listing = self.store.listing()
         listed = set(previous_written(self.store.cat))  # what earlier runs of ours wrote: read before the markers go
-        markers = [n for n in (self.plan.index_name, MANIFEST_NAME, self.plan.single_file_name) if n in listing]
-        self.store.remove(markers)  # the completion markers first: the prefix reads as incomplete from here on
+        markers = tuple(n for n in markers if n in listing)
+        self.store.remove(list(markers))  # the completion markers first: the prefix reads as incomplete from here on
         self.store.remove([n for n in listing if n not in markers and (n in listed or (
             "/" not in n and any(fnmatch(n, p) for p in OUR_ARTEFACTS)))])
         self._abort_stale_uploads()
 
-    def _previous_record(self) -> dict | None:
-        return read_record(self.store.cat)
-
-    def _check_resume(self, plan_digest: dict[str, str]) -> None:
-        super()._check_resume(plan_digest)  # the same job, or a refusal naming what differs
-        record = self._previous_record()
-        objects = record.get("objects") if record else None
-        if isinstance(objects, dict) and record["plan"].get("plan") == plan_digest["plan"]:
-            self._done = {k: v for k, v in objects.items() if isinstance(v, dict)}
-
-    def _finished_files(self) -> list[str]:
-        return [n for n in self.store.listing() if not n.startswith(".")]
-
-    # -- storage steps ---------------------------------------------------------------------
-
-    def _open_journal(self, manifest: dict | None = None) -> None:
+    def start(self, resume: bool) -> None:
         """No local journal: the resume record's objects carry size, ETag and digests (``_kept``); an object
         rewritten after the kill has another ETag and is written again."""
+        self._resume = resume
+        record = read_record(self.store.cat) if resume else None
+        objects = record.get("objects") if record else None
+        if isinstance(objects, dict):  # the record is this plan's: check_resume refused any other
+            self._done = {k: v for k, v in objects.items() if isinstance(v, dict)}
 
-    def _previous_manifest(self) -> dict | None:
-        return None
+    def journal(self, name: str, entry: dict) -> None:
+        self._done[name] = {**self._done.get(name, {}), **entry}
+        self._save_record()
 
-    def _remove(self, name: str) -> None:
-        self.store.remove([name])
+    def finish(self) -> None:
+        self.remove(RESUME_NAME)  # a completed upload is durable: nothing to fsync
 
-    def _remove_partials(self) -> None:
+    def remove_partials(self) -> None:
         for up in self._uploads:
             with contextlib.suppress(Exception):
                 up.discard()  # aborts its multipart upload: no part stays billed
             up.closed = True  # discarded: closing it (when collected) must not try to send the rest
         self._uploads.clear()
-        if self.resume:
+        if self._resume:
             self._abort_stale_uploads()
 
     def _abort_stale_uploads(self) -> None:
@@ -172,16 +146,12 @@ class ObjectStoreWriter(Writer):
             return
         self._scanned = True
         bucket, _, key = self.store.root.partition("/")
-        with self.store.errors(self.out, "list uploads"):
+        with self.store.errors(self.name, "list uploads"):
             found = call("list_multipart_uploads", Bucket=bucket, Prefix=f"{key}/").get("Uploads") or []
             for u in found:
                 self.store.fs.abort_mpu(bucket, u["Key"], u["UploadId"])
 
-    def _hasher(self) -> _Digests:  # type: ignore[override]
-        return _Digests()
-
-    def _fsync_dir(self) -> None:
-        pass  # a completed upload is durable
+    # -- objects ---------------------------------------------------------------------------------
 
     def _open_upload(self, name: str):
         with self.store.errors(self.store.url_of(name)):
@@ -191,8 +161,7 @@ class ObjectStoreWriter(Writer):
 
     def _complete(self, up, name: str, size: int, about: dict) -> dict:
         """Complete ``up`` (the object appears whole, or not at all) and record it for --resume."""
-        where = self.store.url_of(name)
-        with self.store.errors(where):
+        with self.store.errors(self.store.url_of(name)):
             up.close()  # uploads the last part
             up.commit()  # CompleteMultipartUpload
             self._uploads.remove(up)
@@ -211,7 +180,7 @@ class ObjectStoreWriter(Writer):
     def _kept(self, name: str, size: int, about: dict) -> dict | None:
         """A finished object of the interrupted run that is still as recorded (size, ETag, what it holds)."""
         done = self._done.get(name)
-        if not self.resume or done is None or done.get("size") != size or \
+        if not self._resume or done is None or done.get("size") != size or \
                 any(done.get(k) != v for k, v in about.items()):
             return None
         with self.store.errors(self.store.url_of(name), "read"):
@@ -231,89 +200,31 @@ class ObjectStoreWriter(Writer):
             self.store.fs.pipe_file(self.store.path(name), content)
         self._written[name] = content
 
-    # -- shards and files --------------------------------------------------------------------
+    def put(self, name: str, content: bytes) -> None:
+        if name == RESUME_NAME:  # the record carries what this run (and a resumed one) finished
+            self._record = json.loads(content)
+            self._record["objects"] = self._done
+            content = (json.dumps(self._record, indent=1) + "\n").encode()
+        self._put(name, content)
 
-    def _write_shard(self, name: str, tensors: list[OutputTensor], result: WriteResult, hasher: _Digests,
-                     defer: bool):
-        header, ordered = self._shard_header(name, tensors)
-        head = struct.pack("<Q", len(header)) + header
+    def open(self, name: str, head: bytes) -> _Upload:
+        self._done.pop(name, None)  # rewritten: the interrupted run's entry no longer describes it
+        return _Upload(self, name, head)
+
+    def proven_shard(self, name: str, head: bytes, ordered: list[OutputTensor]) -> dict[str, str] | None:
         size = len(head) + sum(t.nbytes for t in ordered)
-        about = {"header_sha256": hashlib.sha256(head).hexdigest()}
-        done = self._kept(name, size, about)
-        if done is not None and isinstance(done.get("tensors"), dict) and \
-                set(done["tensors"]) == {t.key for t in ordered}:
-            result.skipped_shards.append(name)
-            for t in ordered:
-                result.tensor_files[t.key] = name
-                if done["tensors"][t.key]:
-                    hasher.tensors[t.key] = done["tensors"][t.key]
-                self.progress.advance(t.nbytes)
-            result.files.append(name)
-            return None, name
-        up = self._open_upload(name)
-        digests: dict[str, str | None] = {}
-        where = self.store.url_of(name)
+        done = self._kept(name, size, {"header_sha256": hashlib.sha256(head).hexdigest()})
+        tensors = done.get("tensors") if done is not None else None
+        if not isinstance(tensors, dict) or set(tensors) != {t.key for t in ordered}:
+            return None
+        return {k: v for k, v in tensors.items() if v}
 
-        def write(mv: memoryview, h=None) -> None:
-            with self.store.errors(where):
-                for i in range(0, len(mv), PART_SIZE):  # the upload buffers at most a part before sending it
-                    up.write(mv[i : i + PART_SIZE])
-            if h is not None:
-                h.update(mv)
+    def copy_file(self, f: OutputFile, hasher: _Hasher, progress: Progress) -> None:
+        landed = self._server_copy(f) if f.link == SERVER_COPY else self._upload_file(f, progress)
+        if f.tensors:
+            hasher.done_file(f.name, landed)
 
-        write(memoryview(head))
-        for t in ordered:
-            h = digest.new() if self.hash_tensors else None
-            check = t.check() if t.check is not None else None  # its values judged as they are uploaded
-            sink = h if check is None else Feed(h, check)
-            self._stream_tensor(t, lambda seg, s=sink: self._read_segment(seg, lambda mv: write(mv, s)),
-                                lambda mv, s=sink: write(mv, s))
-            if check is not None:
-                check.finish()
-            digests[t.key] = h.hexdigest() if h is not None else None
-            result.tensor_files[t.key] = name
-        hasher.tensors.update({k: v for k, v in digests.items() if v is not None})
-        result.bytes_written += size
-        result.files.append(name)
-        if defer:
-            with self.store.errors(where):
-                up.close()  # every part is in; completed after the check (the lone file is its own marker)
-            self._deferred = (head, size)
-            return up, name
-        self._complete(up, name, size, {**about, "tensors": digests})
-        return None, name
-
-    def _read_segment(self, seg, write) -> None:
-        """A source's byte range into the upload, through the writer's buffer (a chunk at a time)."""
-        done = 0
-        while done < seg.length:
-            n = min(len(self._buf), seg.length - done)
-            seg.source.readinto(seg.offset + done, self._buf[:n])
-            write(self._buf[:n])
-            done += n
-
-    def _commit_deferred(self, deferred) -> None:
-        up, name = deferred
-        head, size = self._deferred
-        self._complete(up, name, size, {"header_sha256": hashlib.sha256(head).hexdigest()})
-
-    def _write_file(self, f: OutputFile, hasher: _Digests | None = None) -> None:
-        if f.link == "remote":
-            return  # in another store or on the Hub: listed in the index and the manifest, as locally
-        if f.content is not None:
-            content = f.content
-            if f.name == RESUME_NAME:  # the record carries what this run (and a resumed one) finished
-                self._record = json.loads(content)
-                self._record["objects"] = self._done
-                content = (json.dumps(self._record, indent=1) + "\n").encode()
-            self._put(f.name, content)
-            return
-        assert f.source is not None
-        landed = self._server_copy(f) if f.link == SERVER_COPY else self._upload_file(f)
-        if f.tensors and hasher is not None:
-            hasher.files[f.name] = landed
-
-    def _landed_facts(self, name: str) -> dict:
+    def landed_facts(self, name: str) -> dict:
         """A server-side copy is never downloaded to be hashed: the manifest keeps the store's ETag of the
         copy, which verify-manifest checks against the object (any rewrite changes it)."""
         if name not in self._copied:
@@ -337,7 +248,8 @@ class ObjectStoreWriter(Writer):
             header = parse_header_bytes(self._read_head(f.name, size)[8:], size, where)
         return None, size, header
 
-    def _moved_bytes(self, f: OutputFile) -> int:
+    @staticmethod
+    def moved_bytes(f: OutputFile) -> int:
         """An upload's size (the progress total counts it); a server-side copy moves no byte through us."""
         if f.source is None or f.link in ("remote", SERVER_COPY):
             return 0
@@ -347,20 +259,20 @@ class ObjectStoreWriter(Writer):
             return fsspec.core.url_to_fs(f.source)[0].size(f.source)
         return source_size(f.source)
 
-    def _upload_file(self, f: OutputFile) -> tuple:
+    def _upload_file(self, f: OutputFile, progress: Progress) -> tuple:
         """A file from a local source (or another store), streamed into an upload and hashed on the way."""
         import fsspec
 
         # a path: os.fspath fetches a remote source's lazy path (an hf:// file into the Hub cache) first
         src = f.source if isinstance(f.source, str) else os.fspath(f.source)
-        size = self._moved_bytes(f)
+        size = self.moved_bytes(f)
         done = self._kept(f.name, size, {"from": src})
         if done is not None and isinstance(done.get("landed"), list):
-            self.progress.advance(size)
+            progress.advance(size)
             value, _ = done["landed"]
             header = parse_header_bytes(self._read_head(f.name, size)[8:], size, src) if f.tensors else None
             return value, size, header
-        d = FileDigest()
+        d, buf = FileDigest(), memoryview(bytearray(min(COPY_CHUNK, PART_SIZE)))
         with fsspec.open(src, "rb") as fh:
             if size < PART_SIZE:  # a small file (tokenizer, generation config): one PUT
                 data = fh.read(size + 1)
@@ -368,11 +280,11 @@ class ObjectStoreWriter(Writer):
                 self._put(f.name, data)
             else:
                 up = self._open_upload(f.name)
-                while n := fh.readinto(self._buf[:PART_SIZE]):
+                while n := fh.readinto(buf):
                     with self.store.errors(self.store.url_of(f.name)):
-                        up.write(self._buf[:n])
-                    d.update(self._buf[:n])
-                    self.progress.advance(n)
+                        up.write(buf[:n])
+                    d.update(buf[:n])
+                    progress.advance(n)
         value, got, header = d.result(src)
         if got != size:
             from ...io.safetensors_io import short_read
@@ -382,7 +294,7 @@ class ObjectStoreWriter(Writer):
         if size < PART_SIZE:
             with self.store.errors(self.store.url_of(f.name)):
                 self._landed(f.name, size, self.store.fs.info(self.store.path(f.name)), about)
-            self.progress.advance(size)
+            progress.advance(size)
         else:
             self._complete(up, f.name, size, about)
         return value, size, header
@@ -401,36 +313,72 @@ class ObjectStoreWriter(Writer):
 
     # -- the check -----------------------------------------------------------------------------
 
-    def _run_check(self, result: WriteResult, deferred) -> None:
-        if self.check is None:
-            return
+    @contextlib.contextmanager
+    def view(self, lone: _Upload | None):
+        """The prefix as the check reads it, mirrored locally: headers and true sizes of shards (sparse), small
+        files whole; the lone file held back as streamed."""
         with tempfile.TemporaryDirectory(prefix="ckpt-check-") as tmp:
             root = Path(tmp)
-            self._mirror(root, deferred)
-            marker = deferred[1] if deferred is not None else self.plan.index_name
-            pending = PendingOutput(manifest.index(self.plan, result.tensor_files) if deferred is None else None, {})
-            try:
-                self._checked(root, pending, marker)
-            except OutputError as e:  # name the store's objects, not the mirror
-                raise OutputError(e.message.replace(tmp, self.out), rule=e.rule,
-                                  path=(e.path or self.out).replace(tmp, self.out)) from None
+            entries = {n: info.get("size", 0) for n, info in self.store.listing().items() if n != LOCK_NAME}
+            for name, size in entries.items():
+                dst = root / name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if name in self._written and len(self._written[name]) == size:
+                    dst.write_bytes(self._written[name])
+                elif name.endswith(".safetensors"):
+                    _sparse(dst, self._read_head(name, size), size)
+                elif size <= MIRROR_WHOLE:
+                    dst.write_bytes(self.store.cat(name) or b"")
+                else:
+                    _sparse(dst, b"", size)
+            if lone is not None:
+                _sparse(root / lone.name, lone.head, lone.size)
+            yield root, {}
 
-    def _mirror(self, root: Path, deferred) -> None:
-        """The prefix as the check reads it: headers and true sizes of shards (sparse), small files whole."""
-        entries = {n: info.get("size", 0) for n, info in self.store.listing().items() if n != LOCK_NAME}
-        for name, size in entries.items():
-            dst = root / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if name in self._written and len(self._written[name]) == size:
-                dst.write_bytes(self._written[name])
-            elif name.endswith(".safetensors"):
-                _sparse(dst, self._read_head(name, size), size)
-            elif size <= MIRROR_WHOLE:
-                dst.write_bytes(self.store.cat(name) or b"")
-            else:
-                _sparse(dst, b"", size)
-        if deferred is not None and self._deferred is not None:
-            _sparse(root / deferred[1], *self._deferred)
+
+class _Upload:
+    """One shard streamed into a multipart upload: every part sent on ``close``, the object completed on
+    ``commit`` (before that it does not exist); an upload never completed is aborted (``remove_partials``)."""
+
+    def __init__(self, target: ObjectStoreTarget, name: str, head: bytes) -> None:
+        self.target, self.name, self.head, self.size = target, name, head, 0
+        self.where = target.store.url_of(name)
+        self.up = target._open_upload(name)
+        self.write(memoryview(head))
+
+    def write(self, mv: memoryview) -> None:
+        with self.target.store.errors(self.where):
+            for i in range(0, len(mv), PART_SIZE):  # the upload buffers at most a part before sending it
+                self.up.write(mv[i : i + PART_SIZE])
+        self.size += len(mv)
+
+    def copy(self, seg: Segment, copier: HashingCopier | None, sink: Feed | None) -> None:
+        """A source's byte range through a buffer (a chunk at a time), fed to ``sink`` on the way."""
+        (copier or self.target.copier).segment(seg, sink or Feed(), self.write)
+
+    def __enter__(self) -> _Upload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass  # a failed upload is aborted with the others (remove_partials)
+
+    def close(self) -> None:
+        with self.target.store.errors(self.where):
+            self.up.close()  # every part is in; completed by commit (the lone file: after the check)
+
+    def commit(self) -> None:
+        self.target._complete(self.up, self.name, self.size,
+                              {"header_sha256": hashlib.sha256(self.head).hexdigest()})
+
+
+def _input_urls(plan: Plan) -> list[str]:
+    urls = [str(p) for p in plan.inputs]
+    urls += [str(fp["root"]) for fp in plan.fingerprints.values() if isinstance(fp, dict) and "root" in fp]
+    for f in plan.files:
+        for u in (f.source, f.remote):
+            if isinstance(u, str):
+                urls.append(u.rsplit("/", 1)[0])  # the checkpoint the file belongs to
+    return [u for u in urls if "://" in u]
 
 
 def _sparse(path: Path, head: bytes, size: int) -> None:

@@ -1,0 +1,408 @@
+"""A local directory as the writer's target: temporary files renamed into place, an flock, a journal.
+
+A file is written under a hidden temporary name (``.name.partial``, created exclusively, never
+through a link), fsync'd, and renamed; the directory is fsync'd at the end. Whole files are
+copied (kernel copies, hashed as they are read), reflinked or hard-linked; a file whose input
+manifest provably describes it keeps that digest (``known_digests``). ``--resume`` reuses a file
+only when the journal's digests match its bytes hashed again (``journal``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+from ...errors import OutputError
+from ...io.artefacts import MANIFEST_NAME, RESUME_NAME
+from ...io.safetensors_io import COPY_CHUNK, LocalFile, Segment, _write_all, copy_segment
+from .. import output_dir
+from ..hashcopy import Feed, HashingCopier
+from ..journal import JOURNAL_NAME, Journal
+from ..known_digests import KnownDigest, file_stat, same_file
+from ..plan import OutputFile, OutputTensor, Plan
+from ..progress import Progress
+from ..writer import FileDigest, _hash_fd_range, _hash_shard_file, _Hasher, output_error, source_size
+
+
+class LocalTarget:
+    def __init__(self, out: str | os.PathLike) -> None:
+        self.out = self.name = Path(out)
+        self.stats: dict[str, dict[str, int]] = {}  # shard -> its file_stats entry, taken as it landed
+        self.reused: dict[str, str] = {}  # whole file -> the input manifest its digest came from
+        self._buf = memoryview(bytearray(COPY_CHUNK))
+        self._journal: Journal | None = None
+        self._previous: dict[str, dict] = {}  # the interrupted run's journal entries (--resume)
+        self._lock: output_dir.DirLock | None = None
+        self._created = False  # this run created the directory (a refused input then removes it)
+
+    # -- may this run write here, the lock, what a previous run left (output_dir) ----
+
+    def prepare(self, plan: Plan) -> Plan:
+        return plan
+
+    def check(self, plan: Plan, *, overwrite: bool, resume: bool) -> None:
+        output_dir.check_not_an_input(self.out, plan.inputs)
+        output_dir.check_output_dir(self.out, overwrite=overwrite, resume=resume)
+
+    def lock(self) -> None:
+        self._created = not self.out.exists()
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create output directory: {e.strerror}", path=str(self.out)) from e
+        try:
+            self._lock = output_dir.DirLock(self.out)
+        except OSError as e:
+            raise output_error(e, str(self.out / output_dir.LOCK_NAME)) from e
+
+    def release(self, complete: bool) -> None:
+        if self._lock is not None:
+            self._lock.release()
+        if not complete and self._created:
+            with contextlib.suppress(OSError):
+                self.out.rmdir()  # only when empty: a refused input left nothing in it
+
+    def read(self, name: str) -> bytes | None:
+        return output_dir.read_file(self.out, name)
+
+    def listing(self) -> list[str]:
+        return [p.name for p in self.out.iterdir() if not p.name.startswith(".")]  # hidden: ours, temporary
+
+    def remove(self, name: str) -> None:
+        (self.out / name).unlink(missing_ok=True)
+
+    def remove_partials(self) -> None:
+        for p in self.out.glob(".*.partial"):  # ours, or a killed run's: we hold the lock
+            p.unlink(missing_ok=True)
+
+    def clear(self, markers: tuple[str, ...]) -> None:
+        output_dir.clear_previous_output(self.out, markers)
+
+    def start(self, resume: bool) -> None:
+        """The journal of finished files; with --resume, the interrupted run's entries (its manifest's first)."""
+        previous = None
+        if resume:
+            with contextlib.suppress(ValueError, RecursionError):
+                previous = json.loads(self.read(MANIFEST_NAME) or b"null")
+        self._journal = Journal(self.out)
+        self._previous = self._journal.start(keep=resume, manifest=previous)
+
+    def journal(self, name: str, entry: dict) -> None:
+        if self._journal is not None:
+            self._journal.add(name, entry)
+
+    def finish(self) -> None:
+        fd = os.open(self.out, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.remove(RESUME_NAME)  # done: nothing left to resume
+        if self._journal is not None:
+            self._journal.close()
+        self.remove(JOURNAL_NAME)
+
+    def landed_facts(self, name: str) -> dict:
+        return {}
+
+    @contextlib.contextmanager
+    def view(self, lone: _Upload | None):
+        """The output as the check reads it: the directory, and the lone file still under its temporary name."""
+        yield self.out, ({lone.final.name: lone.tmp} if lone is not None else {})
+
+    # -- files ------------------------------------------------------------------------
+
+    def _final(self, name: str) -> Path:
+        final = self.out / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not final.parent.resolve().is_relative_to(self.out.resolve()):
+            raise OutputError(f"{final.parent.relative_to(self.out)} is a link out of the output directory; the "
+                              "output is never written through a link: remove it", rule="output-link",
+                              path=str(final.parent))
+        return final
+
+    def put(self, name: str, content: bytes) -> None:
+        final = self._final(name)
+        tmp = _partial(final)
+        with _cleanup_on_error(tmp, final), open(tmp, "wb", opener=_exclusive) as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+
+    def open(self, name: str, head: bytes) -> _Upload:
+        return _Upload(self, name, head)
+
+    def proven_shard(self, name: str, head: bytes, ordered: list[OutputTensor]) -> dict[str, str] | None:
+        """A finished shard of the interrupted run still holds what it wrote: the journal's size and tensor digests
+        match its bytes hashed again (the header check first: cheap)."""
+        entry, final = self._previous.get(name), self.out / name
+        size = len(head) + sum(t.nbytes for t in ordered)
+        if entry is None or entry.get("size", size) != size or not isinstance(entry.get("tensors"), dict) \
+                or not final.is_file() or final.is_symlink() or final.stat().st_size != size:
+            return None
+        with open(final, "rb") as f:
+            if f.read(len(head)) != head:
+                return None
+        digests: dict[str, str] = {}
+        fd = os.open(final, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            pos = len(head)
+            for t in ordered:
+                digests[t.key] = _hash_fd_range(fd, pos, t.nbytes)
+                if digests[t.key] != entry["tensors"].get(t.key):
+                    return None
+                pos += t.nbytes
+        finally:
+            os.close(fd)
+        self.stats[name] = file_stat(os.stat(final))
+        return digests  # its journal line was carried over (Journal.start)
+
+    @staticmethod
+    def moved_bytes(f: OutputFile) -> int:
+        """The bytes writing ``f`` moves (its share of the progress total): a whole-file copy's size; nothing for
+        inline content, a hardlink or a file left remote."""
+        if f.source is None or f.link in ("hardlink", "remote"):
+            return 0
+        return source_size(f.source)
+
+    def copy_file(self, f: OutputFile, hasher: _Hasher, progress: Progress) -> None:
+        """Copy or link a whole file; its digest from its input's manifest, from the copy, or hashed as it landed."""
+        assert f.source is not None
+        final = self._final(f.name)
+        if final.exists() or final.is_symlink():
+            if f.link != "hardlink" and not final.is_symlink() and self._proven_file(f, final, hasher):
+                progress.advance(self.moved_bytes(f))
+                return  # resumed: a finished copy the journal proves unchanged
+            final.unlink()
+        before = _still_described(f, hasher)
+        landed: Future | None = None
+        if f.link == "hardlink":
+            try:
+                os.link(f.source, final)
+            except OSError as e:
+                raise OutputError(
+                    f"cannot hardlink {f.source} ({e.strerror}); use --link copy or put the output on the same "
+                    "filesystem", path=str(final)
+                ) from e
+        else:
+            tmp = _partial(final)
+            # hashed as it is copied (one read), unless its input's manifest vouches for it or a reflink moves
+            # no bytes (then it is hashed as it landed, below)
+            hashed = hasher.hashing and f.tensors and before is None and f.link != "reflink"
+            with _cleanup_on_error(tmp, final):
+                landed = copy_whole_file(f.source, tmp, reflink=f.link == "reflink", progress=progress,
+                                         buf=self._buf, copier=hasher.copier if hashed else None, name=str(final))
+            os.replace(tmp, final)
+        if f.tensors:
+            self._hash_landed(f, final, hasher, _landed_as_described(f, final, before), landed)
+
+    def _proven_file(self, f: OutputFile, final: Path, hasher: _Hasher) -> bool:
+        """A whole file of the interrupted run still holds what it copied (journal: size and whole-file digest)."""
+        entry = self._previous.get(f.name)
+        if entry is None or not f.tensors or "whole" not in entry:
+            return False
+        try:
+            if final.stat().st_size != entry.get("size"):
+                return False
+            landed = _hash_shard_file(final)
+        except OSError:
+            return False
+        if landed[0] != entry["whole"]:
+            return False
+        self.stats[f.name] = file_stat(os.stat(final))
+        hasher.done_file(f.name, landed)
+        return True
+
+    def _hash_landed(self, f: OutputFile, final: Path, hasher: _Hasher, known: KnownDigest | None,
+                     landed: Future | None) -> None:
+        """Account for a file copied or linked whole: its input manifest's digest, ``landed`` (hashed as it was
+        copied), or hashed now from what landed (a hardlink, a reflink)."""
+        self.stats[f.name] = file_stat(os.stat(final))
+        if not hasher.hashing:
+            return
+        name = f.name
+        if known is not None:
+            hasher.known(name, known, f.header)
+            self.reused[name] = known.manifest
+            if known.whole:
+                self.journal(name, {"size": known.stat["size"], "whole": known.whole})
+            return
+        if landed is not None:
+            hasher.done_file(name, landed)
+        else:
+            hasher.file(name, final)
+        hasher.when_file_done(name, lambda landed: self.journal(name, {"size": landed[1], "whole": landed[0]}))
+
+
+class _Upload:
+    """One shard being written: a temporary file, fsync'd on ``close``, renamed into place on ``commit``."""
+
+    def __init__(self, target: LocalTarget, name: str, head: bytes) -> None:
+        self.target, self.name = target, name
+        self.final = target._final(name)
+        self.tmp = _partial(self.final)
+        self.fd = _exclusive(str(self.tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.size = 0
+        self.write(memoryview(head))
+
+    def write(self, mv: memoryview) -> None:
+        _write_all(self.fd, mv)
+        self.size += len(mv)
+
+    def copy(self, seg: Segment, copier: HashingCopier | None, sink: Feed | None) -> None:
+        copy_range(seg, self.fd, self.target._buf, copier, sink)
+        self.size += seg.length
+
+    def __enter__(self) -> _Upload:
+        return self
+
+    def __exit__(self, kind, e, tb) -> None:
+        if e is None:
+            return
+        written = self.size
+        if self.fd >= 0:
+            written = _size_of(self.fd, written)
+            os.close(self.fd)
+        self.tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise output_error(e, str(self.final), written) from e
+
+    def close(self) -> None:
+        os.fsync(self.fd)
+        fd, self.fd = self.fd, -1
+        os.close(fd)
+        self.target.stats[self.name] = file_stat(os.stat(self.tmp))  # a rename keeps inode and mtime
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.final)
+
+
+def _partial(final: Path) -> Path:
+    return final.with_name(f".{final.name}.partial")
+
+
+def _exclusive(path: str, flags: int) -> int:
+    """An ``open`` opener for temporary files: a new file, never through a link or into another file.
+
+    Whatever an earlier run (or anyone) left under the name is unlinked first - a link is
+    removed, its target untouched.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, flags | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+@contextlib.contextmanager
+def _cleanup_on_error(tmp: Path, final: Path):
+    """A failed write removes its temporary file and names the file and the bytes that reached it.
+
+    Only the output's own errors become output errors; an input that cannot be read stays
+    the InputError it is - its temporary file is removed all the same.
+    """
+    try:
+        yield
+    except OSError as e:
+        try:
+            written = tmp.stat().st_size
+        except OSError:
+            written = None
+        tmp.unlink(missing_ok=True)
+        raise output_error(e, str(final), written) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _size_of(fd: int, default: int) -> int:
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return default
+
+
+def _still_described(f: OutputFile, hasher: _Hasher) -> os.stat_result | None:
+    """The source's stat when its input's manifest describes it as it is (known_digests), before it is
+    copied or linked; None when there is no such digest to take over."""
+    if f.known is None or f.source is None or not f.tensors or not hasher.hashing:
+        return None
+    st = os.stat(f.source)
+    return st if same_file(st, f.known.stat) else None
+
+
+def _landed_as_described(f: OutputFile, final: Path, before: os.stat_result | None) -> KnownDigest | None:
+    """The input manifest's digest of ``f``, when what landed is provably the file it describes."""
+    if before is None or f.known is None or f.source is None:
+        return None
+    landed = os.stat(final)
+    if f.link == "hardlink":  # the output's file is the input's: the same inode, unchanged
+        proven = (landed.st_ino, landed.st_dev) == (before.st_ino, before.st_dev) and same_file(landed, f.known.stat)
+    else:  # a copy of the input, which did not change while it was read
+        proven = same_file(os.stat(f.source), f.known.stat) and landed.st_size == before.st_size
+    return f.known if proven else None
+
+
+def copy_range(seg: Segment, fd: int, buf: memoryview, copier: HashingCopier | None = None,
+               sink: Feed | None = None) -> None:
+    """One byte range of a tensor appended to the output (``_append``)."""
+    _append(seg, fd, buf, copier, sink)
+
+
+def _append(seg: Segment, fd: int, buf: memoryview, copier: HashingCopier | None, sink: Feed | None) -> None:
+    """A byte range appended to ``fd``: a kernel copy, or (``copier``) read once, fed to ``sink`` and written."""
+    if copier is None or sink is None:
+        copy_segment(seg, fd, buf)
+    else:
+        copier.segment(seg, sink, lambda mv: _write_all(fd, mv), fd)
+
+
+_FICLONE = 0x40049409
+WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
+
+
+def _reflink(source: LocalFile, dst_fd: int, dst: Path) -> None:
+    """Share the source's extents (FICLONE), or refuse: ``--link reflink`` never turns into a copy unsaid."""
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, source.local_fd())
+    except OSError as e:
+        raise OutputError(f"cannot reflink {source.name} ({e.strerror or e}): this filesystem (or this pair of "
+                          "filesystems) has no reflinks; use --link copy, or --link hardlink on the same filesystem",
+                          rule="reflink-unsupported", path=str(dst.with_name(dst.name.removeprefix(".")
+                                                                  .removesuffix(".partial")))) from None
+
+
+def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, buf: memoryview,
+                    copier: HashingCopier | None = None,
+                    name: str | None = None) -> Future | None:
+    """Copy ``src`` to a new ``dst``: a reflink when asked (refused where the filesystem has none: OutputError
+    ``reflink-unsupported``), else ranges of ``copy_segment``, or with ``copier`` read once, hashed and written:
+    then (digest, size, header) of the bytes written is returned, once hashed (``name``: the file named by a
+    header error).
+
+    Exactly the size ``src`` had when opened, or an error: a source that shrinks is a ``short-read``
+    (exit 3, the input named), a write that fails an OSError of the output.
+    """
+    source = LocalFile(src)
+    landed = None
+    try:
+        with open(dst, "wb", opener=_exclusive) as fo:
+            if reflink:
+                _reflink(source, fo.fileno(), dst)
+                progress.advance(source.size)
+            else:
+                d, fd = FileDigest(), fo.fileno()
+                for offset in range(0, source.size, WHOLE_FILE_STEP):
+                    seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
+                    _append(seg, fd, buf, copier, d)
+                    progress.advance(seg.length)
+                landed = copier.later(lambda: d.result(name or str(dst))) if copier is not None else None
+            fo.flush()
+            os.fsync(fo.fileno())
+    finally:
+        source.close()
+    return landed
+
