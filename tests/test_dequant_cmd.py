@@ -189,9 +189,9 @@ def _stream(chunks) -> bytes:
 def test_band_decoding_on_threads_equals_one_thread(threads):
     """Block FP8 (several tile rows, ragged edges, a stack) and NVFP4 (group tiles), streamed and whole."""
     from ckpt_tools.model.quant import decode
+    from ckpt_tools.model.quant import decode_fp8 as fp8_decode
     from ckpt_tools.model.quant.schema import DecoderDef
     from ckpt_tools.model.quant.tables import get_scheme
-    from ckpt_tools.numeric import fp8_decode
     from ckpt_tools.parallel import use_threads
 
     rng = np.random.default_rng(0)
@@ -323,7 +323,7 @@ def test_a_decode_failing_mid_stream_leaves_no_complete_looking_output(make_fixt
     no manifest and no partial shard: nothing that looks complete."""
     from ckpt_tools import api
     from ckpt_tools.io.artefacts import MANIFEST_NAME
-    from ckpt_tools.numeric import fp8_decode
+    from ckpt_tools.model.quant import decode_fp8 as fp8_decode
 
     src = make_fixture("deepseek_v3", fp8=True)
     calls = [0]

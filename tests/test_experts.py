@@ -455,7 +455,7 @@ def test_layout_labels_parse_back():
 
 
 def test_block_dequant_adapter_matches_fp8_module(tmp_path):
-    """The shipped Dequantizer (BlockDequant: ckpt_tools.numeric.fp8_decode) gives each expert exactly the block-FP8
+    """The shipped Dequantizer (BlockDequant: ckpt_tools.model.quant.decode_fp8) gives each expert exactly the block-FP8
     definition of its own pieces."""
     from ckpt_tools.model.experts import BlockDequant
 

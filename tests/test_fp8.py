@@ -1,6 +1,6 @@
 """FP8 block dequantization (fp8_decode, numpy) and quantization (fp8, torch) against independent oracles,
-through the interfaces the commands run: the block-format decode recipe (``WeightFormat.decode``, model/quant's
-``decode_block``) / ``transforms.requantize`` recipes written by the writer, and the band kernels under them.
+through the interfaces the commands run: the block-format decode recipe (``Codec.decode``, model/quant's
+``decode_block``) / ``encode_block.requantize`` recipes written by the writer, and the band kernels under them.
 
 The oracles here never use torch's float8 casts: e4m3 / e5m2 bytes are decoded with
 tables built from the bit layout, products are exact in float64, roundings are done
@@ -24,8 +24,9 @@ from ckpt_tools.arrays import as_bytes
 from ckpt_tools.errors import InputError, PlanError
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
-from ckpt_tools.model.quant.companions import weight_format
-from ckpt_tools.numeric import fp8, fp8_decode, transforms
+from ckpt_tools.model.quant import decode_fp8 as fp8_decode
+from ckpt_tools.model.quant import encode_block as fp8
+from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
 
@@ -335,7 +336,7 @@ def tensor_of(ref) -> OutputTensor:
     ],
 )
 def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
-    """The block-FP8 decode recipe the verbs plan (``WeightFormat.decode``: dequant, extract --dequant, stitch's
+    """The block-FP8 decode recipe the verbs plan (``Codec.decode``: dequant, extract --dequant, stitch's
     comparisons) written by the writer."""
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
     rng = np.random.default_rng(3)
@@ -354,7 +355,7 @@ def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band
         },
     )
     src.ranges.clear()  # header reads are done; from here on only the recipes read
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     outs = [fmt.decode(tensor_of(refs[w]), tensor_of(refs[s]), out_dtype)
             for w, s in (("a.weight", "a.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"))]
     e8_out = fmt.decode(tensor_of(refs["e.weight"]), tensor_of(refs["e8.weight_scale_inv"]), "F32")
@@ -393,7 +394,7 @@ def test_dequantize_recipe_checks_at_plan_time(tmp_path):
         },
     )
     w, s = tensor_of(refs["w"]), tensor_of(refs["s"])
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     with pytest.raises(PlanError, match="fp8-scale") as e:
         fmt.decode(w, tensor_of(refs["s_bad"]), "BF16")
     assert "s_bad" in str(e.value)
@@ -553,11 +554,11 @@ def test_quantize_dequantize_is_a_fixed_point(shape):
 
 
 # ---------------------------------------------------------------------------
-# Banded re-quantization: transforms.requantize (stitch and graft)
+# Banded re-quantization: encode_block.requantize (stitch and graft)
 
 
 def requantized(ref, block=(128, 128), pow2=False):
-    return transforms.requantize(tensor_of(ref), block, ref.key + "_scale_inv", pow2=pow2)
+    return fp8.requantize(tensor_of(ref), block, ref.key + "_scale_inv", pow2=pow2)
 
 
 def test_requantize_recipes_match_quantize(tmp_path):
@@ -626,10 +627,10 @@ def test_weight_block_size_is_read_once_by_the_scheme_table():
     from types import SimpleNamespace
 
     from ckpt_tools.model.quant.block_audit import declared_block
-    from ckpt_tools.model.quant.companions import config_params, weight_format
+    from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec, config_params
     from ckpt_tools.model.quant.tables import get_scheme
 
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     table = get_scheme("fp8-block")
 
     def ckpt(qc):

@@ -30,7 +30,7 @@ def test_untouched_dequantized_draft_stitches_back_byte_identical(make_fixture, 
 
 
 def test_perturbed_dequantized_draft_requantizes_exactly_those(make_fixture, tmp_path):
-    from ckpt_tools.numeric.fp8 import quantize
+    from ckpt_tools.model.quant.encode_block import quantize
 
     from quant_helpers import fp8_dequant as dequantize
 

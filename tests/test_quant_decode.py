@@ -182,7 +182,7 @@ def test_deepseek_v4_fp4_experts_equal_a_float64_reference():
 
 
 def test_block_fp8_with_ue8m0_scales_equals_the_fp8_module():
-    from ckpt_tools.numeric import fp8
+    from ckpt_tools.model.quant import encode_block as fp8
 
     from quant_helpers import fp8_dequant
 
@@ -219,8 +219,8 @@ def test_nvfp4_pair_tables_equal_the_band_arithmetic(scheme, tile, gscale):
     included, in every output dtype; scales that are not all e4m3 values take the band arithmetic."""
     from ckpt_tools.arrays import numpy_storage_dtype
     from ckpt_tools.model.quant import decode
+    from ckpt_tools.model.quant.decode_fp8 import TABLES
     from ckpt_tools.model.quant.tables import get_scheme
-    from ckpt_tools.numeric.fp8_decode import TABLES
 
     spec = next(f for f in get_scheme(scheme).storage if f.name == "nvfp4").decoder
     rows, cols = 700, 512  # above PAIR_TABLE_MIN elements; ragged last tile row for (3, 16)

@@ -1,5 +1,5 @@
 """The block-format audit: every weight stored in the checkpoint's block format (FP8 codes with one scale per
-tile, ``companions.WeightFormat``) has its scale companion, of the grid its tile gives; such weights are
+tile, ``companions.Codec``) has its scale companion, of the grid its tile gives; such weights are
 present exactly when the configuration declares the format's scheme (rules ``fp8-scale-missing``,
 ``fp8-scale-shape``, ``fp8-block-size``, ``quant-config``).
 
@@ -15,12 +15,13 @@ from typing import Any
 
 from ..expert_layouts import scale_key, scale_shape
 from ..problem import Problem
-from .companions import WeightFormat, config_params
+from .checkpoint_codec import config_params
+from .codec import Codec
 from .tables import get_scheme
 
 BLOCK_SIZE_RULE = "fp8-block-size"
 
-def declared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int] | None, bool, Any]:
+def declared_block(ckpt: Any, fmt: Codec) -> tuple[tuple[int, int] | None, bool, Any]:
     """(the tile the configuration declares for ``fmt``'s scheme - None: one per-tensor scale -, whether the
     configuration declares that scheme at all, the declared value when it is no tile: the format's own tile is
     used for the scale checks then, and the value is a problem of its own); undeclared, the format's tile."""
@@ -35,7 +36,7 @@ def declared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int] | None
     return ((int(b[0]), int(b[1])), True, None) if ok else (fmt.block, True, b)
 
 
-def block_problems(ckpt: Any, fmt: WeightFormat, unknown: set[str], cfg: str | None) -> list[Problem]:
+def block_problems(ckpt: Any, fmt: Codec, unknown: set[str], cfg: str | None) -> list[Problem]:
     """Every weight of ``fmt``'s dtypes has its scale, of the tile's grid; such weights <=> the scheme declared."""
     out: list[Problem] = []
     stored = fmt.weight_dtypes  # what fmt.stores accepts, without a call per tensor
@@ -112,7 +113,7 @@ def _pick(lo: int, hi: float, default: int) -> int | None:
     return powers[0] if len(powers) == 1 else None
 
 
-def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None = None) -> tuple[int, int] | None:
+def fitting_block(ckpt: Any, fmt: Codec, declared: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """The one tile every stored scale grid of ``fmt``'s weights is the grid of (each scale [..., gr, gc] of a
     [..., rows, cols] weight: ceil(rows / b0) == gr and ceil(cols / b1) == gc); None when no tile fits them all,
     when several do (the format's own tile first, else a power of two), or when ``declared`` fits them all."""
@@ -143,19 +144,19 @@ def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None
     return None if rows is None or cols is None else (rows, cols)
 
 
-def _block_param(fmt: WeightFormat):
+def _block_param(fmt: Codec):
     """The scheme table's ``block`` parameter (its configuration keys and default), or None."""
     return next((p for d in get_scheme(fmt.scheme).declared_in for name, p in d.params.items() if name == "block"),
                 None)
 
 
-def _table_block(fmt: WeightFormat) -> tuple[int, int] | None:
+def _table_block(fmt: Codec) -> tuple[int, int] | None:
     p = _block_param(fmt)
     d = p.default if p is not None else None
     return (int(d[0]), int(d[1])) if isinstance(d, list) and len(d) == 2 else None
 
 
-def misdeclared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int], tuple[int, int], str] | None:
+def misdeclared_block(ckpt: Any, fmt: Codec) -> tuple[tuple[int, int], tuple[int, int], str] | None:
     """(the declared tile, the tile every stored scale grid has, the configuration key that declares it) when the
     configuration declares a tile some stored scale grid disagrees with and all agree with one other."""
     block, declared, malformed = declared_block(ckpt, fmt)

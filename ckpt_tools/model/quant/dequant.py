@@ -183,10 +183,10 @@ def decode_block(fmt: Any, w: OutputTensor, scale: OutputTensor, out_dtype: str)
     """A block format's weight ``w`` (any recipe: a byte copy, an expert slice, a restack) times its
     ``scale`` companion, as ``out_dtype``: ``dequant_parts`` over the two, with ``w``'s meta kept.
 
-    ``fmt``: a companions.WeightFormat. The same checks (and messages) as the block-FP8 recipes had.
+    ``fmt``: a companions.Codec. The same checks (and messages) as the block-FP8 recipes had.
     """
     from ...dtypes import SCALE_DTYPES
-    from ...numeric.fp8_decode import OUT_DTYPES, check_grid
+    from .decode_fp8 import OUT_DTYPES, check_grid
     from .storage import Storage
 
     if not fmt.stores(w.dtype) or len(w.shape) < 2:

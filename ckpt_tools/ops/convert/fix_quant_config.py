@@ -118,7 +118,7 @@ def _block_repaired(ckpt: Checkpoint, arch: str | None) -> tuple[Checkpoint, tup
     fits none of them (``misdeclared_block``: rule fp8-block-size), and what was wrong; else ``ckpt``, None."""
     from dataclasses import replace
 
-    wrong = misdeclared_block(ckpt, open_mtp(ckpt, choose_table(ckpt, arch)).block_format)
+    wrong = misdeclared_block(ckpt, open_mtp(ckpt, choose_table(ckpt, arch)).codec)
     if wrong is None:
         return ckpt, None
     _, fitting, key = wrong

@@ -24,7 +24,7 @@ from ...model.expert_layouts import ExpertGroup, ExpertLayout
 from ...model.experts import BlockDequant, convert_group, layout_from_label
 from ...model.gate import require_consistent
 from ...model.mtp import detect_group_layout
-from ...model.quant.companions import WeightFormat
+from ...model.quant.codec import Codec
 from ...model.tables.resolve import trunk_specs
 from ...stream.fingerprint import record_inputs
 from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
@@ -164,7 +164,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
     table, res = gate.table, gate.view.resolved
     keys = ckpt.tensors
-    fmt = gate.view.block_format  # the scale companions, block and decoder of the checkpoint's scheme
+    fmt = gate.view.codec  # the scale companions, block and decoder of the checkpoint's scheme
 
     groups: list[tuple[str, ExpertGroup]] = [("mtp", g) for g in res.experts()]
     draft = False
@@ -258,11 +258,11 @@ class Dequant:
     """--dequant for the tensors outside expert groups: each FP8 weight absorbs its scale, as in extract."""
 
     dtype: str
-    fmt: WeightFormat
+    fmt: Codec
     scales: frozenset[str]  # scale companions of quantized weights: written into their weights, not on their own
 
     @classmethod
-    def of(cls, ckpt: Checkpoint, dtype: str, fmt: WeightFormat) -> Dequant:
+    def of(cls, ckpt: Checkpoint, dtype: str, fmt: Codec) -> Dequant:
         quantized = (k for k, ref in ckpt.tensors.items() if fmt.stores(ref.dtype))
         return cls(dtype, fmt, frozenset(fmt.scale_key(k) for k in quantized))
 

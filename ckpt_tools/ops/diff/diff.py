@@ -16,7 +16,8 @@ from ...io.checkpoint import Checkpoint
 from ...model.formats import all_wrappers
 from ...model.gate import check
 from ...model.prefixes import choose, rename
-from ...model.quant.companions import WeightFormat, weight_format
+from ...model.quant.checkpoint_codec import checkpoint_codec
+from ...model.quant.codec import Codec
 from ...options import regex
 from ...stream.plan import CopyBytes
 from ...stream.progress import Progress
@@ -109,7 +110,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
     a, b = _aligned(a, b, report)
     names = [k for k in sorted(set(a.tensors) | set(b.tensors)) if pattern is None or pattern.search(k)]
     both = [k for k in names if k in a.tensors and k in b.tensors]
-    fa, fb = (weight_format(a), weight_format(b)) if dequant else (None, None)
+    fa, fb = (checkpoint_codec(a), checkpoint_codec(b)) if dequant else (None, None)
     progress = progress or Progress()
     progress.phase("comparing", sum(a.tensors[k].nbytes + b.tensors[k].nbytes for k in both))
     for key in names:
@@ -143,9 +144,9 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
     return out[0], out[1]
 
 
-def _block_decoder(ckpt: Checkpoint, fmt: WeightFormat, key: str):
+def _block_decoder(ckpt: Checkpoint, fmt: Codec, key: str):
     """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format (its scale
-    companion, block and decoder from the scheme table, model.quant.companions); None without its scale."""
+    companion, block and decoder from the scheme table, model.quant.checkpoint_codec); None without its scale."""
     skey = fmt.scale_key(key)
     if skey not in ckpt.tensors:
         return None

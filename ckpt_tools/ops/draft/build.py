@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
                   ) -> list[OutputTensor]:
     """Output tensors of the draft: byte copies where names change, computed where values must."""
-    ckpt, fmt = view.ckpt, view.block_format
+    ckpt, fmt = view.ckpt, view.codec
     out: list[OutputTensor] = []
     requested = cast_to
     for link in corr.tensors:
@@ -107,13 +107,13 @@ def _quantized_experts(view: MtpView, link, cast_to, dequant_to) -> list[OutputT
         ref = view.ckpt.tensors[s.key]
         t = OutputTensor(d.key, ref.dtype, ref.shape, CopyBytes([ref.segment()]),
                          meta={**meta, "source_dtype": ref.dtype})
-        out += finish_tensor(t, None, cast_to, dequant_to, view.block_format)
+        out += finish_tensor(t, None, cast_to, dequant_to, view.codec)
     return out
 
 
 def _joined(view: MtpView, link, dequant_to: str | None) -> OutputTensor:
     """``link.columns`` side by side along the last axis (FP8 halves are dequantized first)."""
-    ckpt, fmt = view.ckpt, view.block_format
+    ckpt, fmt = view.ckpt, view.codec
     parts = []
     for spec in link.columns:
         ref = ckpt.tensors[spec.key]

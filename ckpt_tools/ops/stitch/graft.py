@@ -318,13 +318,13 @@ class _Grafter:
                           lambda dtype: dequant_module(self.src, st, key, dtype))
         ref = self.src.tensors[key]
         t = OutputTensor(key, ref.dtype, tuple(ref.shape), CopyBytes([ref.segment()]), meta={"source": [key]})
-        sref = self.src.tensors.get(self.sview.block_format.scale_key(key))
+        sref = self.src.tensors.get(self.sview.codec.scale_key(key))
         scale = None if sref is None else OutputTensor(sref.key, sref.dtype, tuple(sref.shape),
                                                        CopyBytes([sref.segment()]), meta={"source": [sref.key]})
         return self._piece(t, scale)
 
     def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
-        fmt = self.sview.block_format
+        fmt = self.sview.codec
         if fmt.stores(t.dtype) and scale is not None:  # stacked experts in the source's block format
             st = fmt.storage(t.key, tuple(t.shape), {t.key: t, scale.key: scale})
             return _Piece([t, scale], Stored("quantized", st.label, fmt.scheme, st, t.dtype),
@@ -343,7 +343,7 @@ class _Grafter:
                              f"target's trunk stores experts {tg.layout.label()}, and restacking quantized experts "
                              "is supported for float and block-FP8 experts only (--mtp-dtype bf16 first: extract "
                              "--dequant bf16, then graft that)")
-        fmt = self.sview.block_format
+        fmt = self.sview.codec
         outs = convert_group(sg, self.src.tensors, tg, fmt=fmt)
         by_key = {t.key: t for t in outs}
         scales = {fmt.scale_key(t.key) for t in outs if fmt.stores(t.dtype)}
@@ -369,7 +369,7 @@ class _Grafter:
         from ...model.expert_layouts import scale_key
         from ...model.quant import get_scheme
         from ...model.quant.block import block_tile
-        from ...model.quant.encode import EncodeArgs, layout_of
+        from ...model.quant.codec import EncodeArgs, layout_of
         from ...model.quant.encode_plan import FusedGroups, encode_module
         from ...model.quant.storage import Storage, params_for
 

@@ -29,7 +29,7 @@ from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
 from ...model.prefixes import Unwrapped, unwrap
 from ...model.provenance import manifest_claims, manifest_mismatch, manifest_unlike, prove_family
-from ...model.quant.companions import weight_format
+from ...model.quant.checkpoint_codec import checkpoint_codec
 from ...model.quant.dequant import format_of
 from ...model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ...model.quant.storage import Storage
@@ -109,10 +109,10 @@ class _Builder:
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):
         self.draft, self.view, self.corr, self.req, self.add = draft, view, corr, req, add
         self.res = view.resolved
-        # the block formats (model.quant.companions) of the verifier's weights and of the draft's; a draft that
+        # the block formats (model.quant.checkpoint_codec) of the verifier's weights and of the draft's; a draft that
         # neither declares nor stores one is read in the verifier's
-        self.vfmt = view.block_format
-        found = weight_format(draft)
+        self.vfmt = view.codec
+        found = checkpoint_codec(draft)
         self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
         self.candidates: dict[str, OutputTensor] = {}
         self.used: set[str] = set()
@@ -242,7 +242,7 @@ class _Builder:
 
     def _stored(self, t: OutputTensor, spec: Spec | None) -> Storage | None:
         """How the verifier stores ``t``'s module when quantized (None: float, or add mode): its view's storage,
-        or for a stacked experts tensor (no module of its own) its block format's (``WeightFormat.storage``)."""
+        or for a stacked experts tensor (no module of its own) its block format's (``Codec.storage``)."""
         if self.add:
             return None
         stored = self.view.quantized.get(t.key)

@@ -1,6 +1,6 @@
 """FP8 block dequantization in numpy: the band kernel the scheme decoders run for FP8 codes.
 
-The arithmetic (``fp8`` documents the format)::
+The arithmetic (``encode_block`` documents the format)::
 
     W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)
 
@@ -23,14 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import Scratch, decode_floats, numpy_storage_dtype
-from ..errors import InputError, PlanError
-from ..io.prefetch import prefetched
-from ..parallel import decode_threads, in_pool, ordered_map, run_all
+from ...arrays import Scratch, decode_floats, encode_floats, numpy_storage_dtype
+from ...errors import InputError, PlanError
+from ...io.prefetch import prefetched
+from ...parallel import decode_threads, in_pool, ordered_map, run_all
 
 BAND_ELEMS = 1 << 18  # elements per compute step: a few MB of scratch, cache-resident
 OUT_DTYPES = ("BF16", "F16", "F32")
-_BF16_NAN = np.uint16(0xFFFF)  # the NaN torch's float32 -> bfloat16 cast produces (its vectorised kernel)
 
 
 def _e4m3_table() -> np.ndarray:
@@ -166,22 +165,8 @@ class BandDequantizer:
         if tables is None or tables[0] != lead:
             with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
                 products = self.scale[lead][:, :, None] * self.values  # float32: one rounding, as per element
-            tables = self._tables = (lead, encode(products, self.out_dtype).reshape(-1))
+            tables = self._tables = (lead, encode_floats(products, self.out_dtype).reshape(-1))
         return tables[1]
-
-
-def encode(values: np.ndarray, out_dtype: str) -> np.ndarray:
-    """float32 values in ``out_dtype`` storage, rounded to nearest even like torch's casts
-    (bf16 on the bits, every NaN as torch's 0xFFFF)."""
-    if out_dtype == "F32":
-        return values.astype(np.float32, copy=False)
-    if out_dtype == "F16":
-        with np.errstate(over="ignore"):  # overflow to +-inf, as torch does
-            return values.astype(np.float16)
-    u = values.astype(np.float32, copy=False).view(np.uint32).astype(np.uint64)  # no overflow in the sum
-    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    out[np.isnan(values)] = _BF16_NAN
-    return out
 
 
 _THREAD = threading.local()

@@ -1,0 +1,172 @@
+"""One codec per scheme: how float values go into a storage format's tensors and come out of them.
+
+``CODECS`` maps a name (what a scheme table's format names as ``encoder:``) to its ``Codec``, as
+compressed-tensors registers its compressors by name: ``encode`` (values [rows, cols] -> {suffix:
+tensor}), ``layout`` (what it writes, known at plan time), ``stream`` (the same encoding with the values
+read in bands) and its capabilities. ``register_codec`` adds one from outside the package.
+
+A codec bound to a table's format and the parameters a checkpoint declares (``checkpoint_codec``)
+also knows the weight's companions for a shape, its decoder and its ``Storage``. ``restacks``: one
+code per element and one scale over a fixed tile, nothing else (``block.block_tile``), so experts
+slice and restack byte for byte; every other format is refused by name where experts are restacked.
+``keeps_bytes``: the round trip through the decoder is a fixed point, so bytes already in this storage
+are kept as they are rather than encoded again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ...errors import PlanError
+from ..expert_layouts import scale_key
+from . import encode, encode_block, encode_int
+from .encode_core import EncodeArgs
+from .storage import Storage
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...stream.plan import OutputTensor
+
+Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
+# (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
+Layout = Callable[[tuple[int, int], EncodeArgs], dict[str, tuple[str, tuple[int, ...]]]]
+# values (a planned tensor, any recipe), args, {suffix: output key} -> {suffix: planned tensor}
+Stream = Callable[["OutputTensor", EncodeArgs, Mapping[str, str]], dict[str, "OutputTensor"]]
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A tensor stored next to a weight: its key, role (scheme-table ``role``) and shape."""
+
+    key: str
+    role: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A storage format's codec; ``scheme`` and the fields after it are set when bound to a table's format."""
+
+    name: str
+    encode: Encoder | None = field(default=None, compare=False)
+    layout: Layout | None = field(default=None, compare=False)
+    stream: Stream | None = field(default=None, compare=False)
+    keeps_bytes: bool = False
+    scheme: str = ""
+    format: str = ""
+    weight_dtypes: frozenset[str] = frozenset()
+    scale_suffix: str = ""
+    scale_dtypes: tuple[str, ...] = ()
+    block: tuple[int, int] | None = None  # the fixed scale tile of a format that restacks
+    how: str = ""  # "declared" | "stored" | "hint" | "default": where a checkpoint's codec came from
+    weight_suffix: str = "weight"
+    params: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the table's, as the config declares
+
+    @property
+    def restacks(self) -> bool:
+        """Experts in this format slice per expert and restack byte for byte (scales with them)."""
+        return self.block is not None
+
+    def stores(self, dtype: str | None) -> bool:
+        """Whether a weight of ``dtype`` is quantized in this format (needs its companions)."""
+        return dtype in self.weight_dtypes
+
+    def scale_key(self, weight_key: str) -> str:
+        """The scale companion of ``weight_key`` (a bare stacked-experts name gets the suffix past ``weight_``)."""
+        return scale_key(weight_key, self.scale_suffix)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale grid of a ``shape`` weight [..., out, in] (lead dims kept, edge tiles partial)."""
+        *lead, rows, cols = shape
+        br, bc = self.block or (rows, cols)
+        return (*lead, -(-rows // br), -(-cols // bc))
+
+    def companions(self, weight_key: str, shape: tuple[int, ...]) -> list[Companion]:
+        """Every tensor that travels with a quantized ``weight_key`` of logical ``shape``."""
+        return [Companion(self.scale_key(weight_key), "scale", self.scale_shape(tuple(shape)))]
+
+    def decode(self, w: Any, scale: Any, dtype: str) -> Any:
+        """``w`` (a planned tensor in this format) times its ``scale`` companion as ``dtype``."""
+        from .dequant import decode_block
+
+        return decode_block(self, w, scale, dtype)
+
+    def value_decoder(self, weight: Any, scale: Any):
+        """``decode(buf, start, n)``: float32 values of any run of ``weight``'s codes (TensorRefs of the weight
+        and its scale companion), the decoder's float32 product before any output cast (``diff --dequant``)."""
+        from .decode_fp8 import scale_to_f32, value_decoder
+
+        grid = scale_to_f32(scale.numpy(), scale.dtype)
+        return value_decoder(weight.dtype, grid, tuple(weight.shape), self.block, f"{scale.key} of {weight.key}: ",
+                             scale.file)
+
+    def storage(self, weight_key: str, shape: tuple[int, ...], tensors: Mapping[str, Any]) -> Storage:
+        """A weight of this format as a module ``Storage``, for a stacked experts tensor that ``module_storage``
+        cannot name: what the encoders and decoders take."""
+        skey = self.scale_key(weight_key)
+        ref = tensors.get(weight_key)
+        return Storage(weight_key.removesuffix(".weight"), "quantized", ref.dtype if ref is not None else None,
+                       self.scheme, self.format, f"{self.format} {list(self.block or ())}",
+                       {self.weight_suffix: weight_key, self.scale_suffix: skey},
+                       () if skey in tensors else (skey,), shape=tuple(shape),
+                       params={**self.params, "block": list(self.block or ())})
+
+    def refuse_restack(self, what: str, storage: Storage) -> PlanError:
+        """The error of restacking ``what`` stored in ``storage``'s format, which this codec cannot restack."""
+        return PlanError(f"{what}: {storage.module} is stored in scheme table {storage.scheme}'s format "
+                         f"{storage.format}, whose codec ({self.name or 'none'}) cannot restack experts (only one "
+                         "scale companion over fixed tiles stacks along the expert axis); `ckpt dequant` them first",
+                         rule="expert-quant-scheme")
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (
+    Codec("ct-fp8", encode.ct_fp8, encode.ct_fp8_layout),
+    Codec("ct-nvfp4", encode.ct_nvfp4, encode.fp4_layout("weight_global_scale", (1,))),
+    Codec("ct-mxfp4", encode.ct_mxfp4, encode.mxfp4_layout),
+    Codec("ct-int8", encode_int.ct_int8, encode_int.int8_layout),
+    Codec("ct-pack", encode_int.ct_pack, encode_int.pack_layout),
+    Codec("modelopt-fp8", encode.modelopt_fp8, encode.modelopt_fp8_layout),
+    Codec("modelopt-nvfp4", encode.modelopt_nvfp4, encode.fp4_layout("weight_scale_2", ())),
+    Codec("fp8-block", encode_block.encode, encode_block.layout, encode_block.stream, keeps_bytes=True),
+)}
+
+
+def register_codec(name: str, encode: Encoder, layout: Layout, stream: Stream | None = None,
+                   keeps_bytes: bool = False) -> Codec:
+    """Add codec ``name`` (what a scheme table's ``encoder: name`` writes with) from outside the package:
+    ``encode(values [rows, cols] float, EncodeArgs) -> {suffix: tensor}``, ``layout((rows, cols), EncodeArgs)
+    -> {suffix: (safetensors dtype, shape)}`` (what ``encode`` writes, known before any value is read), and
+    optionally ``stream(values OutputTensor, EncodeArgs, {suffix: key}) -> {suffix: OutputTensor}``, what stitch
+    and graft plan with instead (the values read in bands). A name already taken is refused; the scheme tables
+    are checked again against the new set on the next ``tables.all_schemes``."""
+    if name in CODECS:
+        raise ValueError(f"a codec named {name!r} is already registered")
+    CODECS[name] = Codec(name, encode, layout, stream, keeps_bytes)
+    return CODECS[name]
+
+
+def unregister_codec(name: str) -> None:
+    """Remove codec ``name`` (a table that names it is refused from the next ``tables.all_schemes``)."""
+    CODECS.pop(name, None)
+
+
+def get_codec(name: str) -> Codec:
+    if name not in CODECS:
+        raise PlanError(f"no codec {name!r}; known: {', '.join(sorted(CODECS))}", rule="quant-encode")
+    return CODECS[name]
+
+
+def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What codec ``name`` writes for values of ``shape`` [..., rows, cols] (leading dims stacked)."""
+    *lead, rows, cols = shape
+    layout = get_codec(name).layout
+    assert layout is not None
+    return {k: (dt, (*lead, *sh)) for k, (dt, sh) in layout((rows, cols), args).items()}
+
+
+def bind(codec: Codec | None, **table: Any) -> Codec:
+    """``codec`` (None: a format without one) bound to a table's format (the fields after ``scheme``)."""
+    return replace(codec or Codec(""), **table)
