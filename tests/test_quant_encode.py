@@ -318,8 +318,8 @@ def test_encoders_invert_their_decoders_and_keep_their_layout(name):
     step; every output has the dtype and shape the encoder's layout announces at plan time."""
     import numpy as np
 
-    from ckpt_tools.model.quant.decode import Decoding, decode_array, scale_values
     from ckpt_tools.model.quant.codec import layout_of
+    from ckpt_tools.model.quant.decode import Decoding, decode_array, scale_values
 
     table = next(t for t in all_schemes().values() for f in t.storage if f.encoder == name)
     fmt = next(f for f in table.storage if f.encoder == name)

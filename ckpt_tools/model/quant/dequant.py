@@ -79,17 +79,38 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
     return OutputTensor(key, out_dtype, shape, recipe, parts[fmt.weight.suffix].shard, recipe.meta())
 
 
-def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables: dict | None = None) -> OutputTensor:
+def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables: dict | None = None,
+                   finite: bool = True) -> OutputTensor:
     """``dequant_parts`` over the module's tensors as the checkpoint stores them (byte copies, made when the
     tensor is produced: a release's plan holds 46,000 of these). ``tables``: ``loaded_schemes()``, when the caller
-    plans many modules."""
+    plans many modules. ``finite``: a NaN / Inf value is refused (False: kept, ``diff`` counts them)."""
     _require_complete(storage)
     shape = tuple(storage.shape or ())
     fmt, tile = _format_and_tile(storage, shape, tables)
     inputs = list(storage.tensors.values())
     recipe = DequantRecipe(key, storage, fmt, tile, out_dtype, inputs, sum(ckpt.tensors[k].nbytes for k in inputs),
                            True, ckpt=ckpt)
+    recipe.finite = finite
     return OutputTensor(key, out_dtype, shape, recipe, None, recipe.meta())
+
+
+def values_of(ckpt: Any, key: str, codec: Any, lookup: Any = None) -> OutputTensor | None:
+    """The float32 values of stored tensor ``key`` when it is the weight of a quantized module whose companions are
+    all there (any scheme table's format; a stacked experts tensor in ``codec``'s, the checkpoint's), else None:
+    what ``diff --dequant`` compares. ``lookup``: ``storage.storage_lookup(scheme)``, for many keys."""
+    from ...dtypes import FLOAT_DTYPES
+    from .storage import storage_lookup
+
+    ref = ckpt.tensors[key]
+    if ref.dtype in FLOAT_DTYPES or "." not in key:
+        return None
+    st = (lookup or storage_lookup(None))(ckpt, key.rsplit(".", 1)[0])
+    if not (st.quantized and st.all_keys()[0] == key) and codec.stores(ref.dtype) \
+            and codec.scale_key(key) in ckpt.tensors:
+        st = codec.storage(key, tuple(ref.shape), ckpt.tensors)
+    if not (st.quantized and st.all_keys()[0] == key and st.complete and not st.issues):
+        return None
+    return dequant_module(ckpt, st, key, "F32", finite=False)
 
 
 def _require_complete(storage: Storage) -> None:
@@ -116,6 +137,7 @@ class DequantRecipe(Compute):
         self.ahead = ahead
         self.storage, self.fmt, self.tile, self.out_dtype = storage, fmt, tile, out_dtype
         self._parts, self._ckpt = parts, ckpt
+        self.finite = True  # NaN / Inf values refused (finite.finite_bands)
 
     @property
     def detail(self) -> dict:  # type: ignore[override]
@@ -152,9 +174,9 @@ class DequantRecipe(Compute):
             zt = parts[dspec.zero_point.tensor]
             zp = decode.zero_point_values(read(zt), zt.dtype, dspec.bits, dspec.offset, dspec.zero_point.packed,
                                           -(-shape[-2] // tile[0]))
-        dec = decode.BandDecoder(d, scale, g, zp)
-        yield from finite_bands(decode.decode_stream(RecipeReader(weight.recipe).read, dec), self.key, shape,
-                                self.out_dtype, f"{self.storage.module} ({self.storage.label})", _file_of(weight))
+        bands = decode.decode_stream(RecipeReader(weight.recipe).read, decode.BandDecoder(d, scale, g, zp))
+        yield from finite_bands(bands, self.key, shape, self.out_dtype, f"{self.storage.module} ({self.storage.label})",
+                                _file_of(weight)) if self.finite else bands
 
 def _file_of(t: OutputTensor) -> str | None:
     """The file a byte-copied tensor is read from (for the message), else None."""

@@ -17,7 +17,6 @@ from ...model.formats import all_wrappers
 from ...model.gate import check
 from ...model.prefixes import choose, rename
 from ...model.quant.checkpoint_codec import checkpoint_codec
-from ...model.quant.codec import Codec
 from ...options import regex
 from ...stream.plan import CopyBytes
 from ...stream.progress import Progress
@@ -110,7 +109,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
     a, b = _aligned(a, b, report)
     names = [k for k in sorted(set(a.tensors) | set(b.tensors)) if pattern is None or pattern.search(k)]
     both = [k for k in names if k in a.tensors and k in b.tensors]
-    fa, fb = (checkpoint_codec(a), checkpoint_codec(b)) if dequant else (None, None)
+    values = (_values(a), _values(b)) if dequant else None
     progress = progress or Progress()
     progress.phase("comparing", sum(a.tensors[k].nbytes + b.tensors[k].nbytes for k in both))
     for key in names:
@@ -121,12 +120,19 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
         if rb is None:
             report.diffs.append(TensorDiff(key, "removed", ra.dtype, None, list(ra.shape), None))
             continue
-        decode_a = _block_decoder(a, fa, key) if fa is not None and fa.stores(ra.dtype) else None
-        decode_b = _block_decoder(b, fb, key) if fb is not None and fb.stores(rb.dtype) else None
-        report.diffs.append(
-            compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape, CopyBytes([rb.segment()]),
-                    stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
-        )
+        va, vb = (values[0](key), values[1](key)) if values else (None, None)
+        if va is None and vb is None:
+            d = compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape,
+                        CopyBytes([rb.segment()]), stats=stats, finite=stats)
+        else:  # a quantized weight by the values its codec decodes (float32, no output rounding)
+            sides = [(t.dtype, t.shape, t.recipe, _f32) if t is not None else (r.dtype, r.shape, CopyBytes(
+                [r.segment()]), None) for t, r in ((va, ra), (vb, rb))]
+            d = compare(key, *sides[0][:3], *sides[1][:3], stats=stats, finite=stats, decode_a=sides[0][3],
+                        decode_b=sides[1][3])
+            d.dtype_a, d.dtype_b, d.shape_a, d.shape_b = ra.dtype, rb.dtype, list(ra.shape), list(rb.shape)
+            if d.status != "shape-changed":
+                d.status = "replaced" if ra.dtype == rb.dtype else "dtype-changed"
+        report.diffs.append(d)
         progress.advance(ra.nbytes + rb.nbytes)
     return report
 
@@ -144,10 +150,22 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
     return out[0], out[1]
 
 
-def _block_decoder(ckpt: Checkpoint, fmt: Codec, key: str):
-    """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format (its scale
-    companion, block and decoder from the scheme table, model.quant.checkpoint_codec); None without its scale."""
-    skey = fmt.scale_key(key)
-    if skey not in ckpt.tensors:
-        return None
-    return fmt.value_decoder(ckpt.tensors[key], ckpt.tensors[skey])
+def _values(ckpt: Checkpoint):
+    """``key`` -> the float32 values of a quantized weight of ``ckpt`` (its codec's decoder), else None."""
+    from ...errors import InputError
+    from ...model.quant.dequant import values_of
+    from ...model.quant.detect import detect_scheme
+    from ...model.quant.storage import storage_lookup
+
+    try:
+        scheme = detect_scheme(ckpt)
+    except InputError:  # a scheme no table describes: its weights are compared as stored
+        scheme = None
+    codec, lookup = checkpoint_codec(ckpt), storage_lookup(scheme)
+    return lambda key: values_of(ckpt, key, codec, lookup)
+
+
+def _f32(buf, start: int, n: int):
+    import numpy as np
+
+    return np.frombuffer(buf, dtype=np.float32, count=n)
