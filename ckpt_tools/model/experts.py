@@ -38,7 +38,7 @@ from .expert_layouts import (
     scale_key,
     scale_shape,
 )
-from .quant.checkpoint_codec import checkpoint_codec
+from .quant.checkpoint_codec import checkpoint_codec, storage_codec
 from .quant.codec import Codec
 
 if TYPE_CHECKING:  # numpy is imported where pieces are computed: pure restacking never needs it
@@ -265,11 +265,7 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec | No
     fmt = fmt or checkpoint_codec()
     encoded = _encoded(src, refs, fmt)
     if encoded is not None:
-        _raise(src, [("expert-quant-scheme",
-                      f"{encoded.module} is stored in scheme table {encoded.scheme}'s format {encoded.format}; "
-                      "experts are restacked as float or in a block format only (one scale companion over fixed "
-                      "tiles, which stacks along the expert axis: model.quant.checkpoint_codec); `ckpt dequant` them "
-                      "first")])
+        _raise(src, [("expert-quant-scheme", storage_codec(encoded).restack_refusal(encoded))])
     weights = stored_tensors(src)
     expected = {w.key for w in weights}
     dtypes: dict[str, list[str]] = {}

@@ -16,26 +16,32 @@ from .codec import CODECS, Codec, bind
 from .tables import all_schemes, get_scheme
 
 if TYPE_CHECKING:
-    from .schema import SchemeTable
+    from .schema import FormatDef, SchemeTable
+    from .storage import Storage
 
 DEFAULT_SCHEME = "fp8-block"  # the codec of a checkpoint that declares, stores and hints nothing
 
 
 def restack_codec(table: SchemeTable, params: Mapping[str, Any] | None = None, how: str = "declared"
-                 ) -> Codec | None:
+                  ) -> Codec | None:
     """The codec of ``table``'s format that restacks, with ``params`` (the table's defaults when None), or None."""
     defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
     params = {**defaults, **(params or {})}
-    for fmt in table.storage:
-        d = fmt.decoder
-        tile = block_tile(fmt, params)
-        if tile is None:
-            continue
-        return bind(CODECS.get(fmt.encoder or ""), scheme=table.scheme, format=fmt.name,
-                    weight_dtypes=frozenset(fmt.weight.dtypes), scale_suffix=d.scale.tensor,
-                    scale_dtypes=tuple(fmt.tensors[0].dtypes), block=tile, how=how, weight_suffix=fmt.weight.suffix,
-                    params=dict(params))
-    return None
+    return next((c for c in (_bind(table, f, params, how) for f in table.storage) if c.restacks), None)
+
+
+def storage_codec(st: Storage) -> Codec:
+    """The codec of the format module storage ``st`` is in, bound to it (``restacks`` or not)."""
+    table = get_scheme(st.scheme or "")
+    return _bind(table, next(f for f in table.storage if f.name == st.format), dict(st.params), "stored")
+
+
+def _bind(table: SchemeTable, fmt: FormatDef, params: Mapping[str, Any], how: str) -> Codec:
+    scale = fmt.decoder.scale.tensor
+    return bind(CODECS.get(fmt.encoder or ""), scheme=table.scheme, format=fmt.name,
+                weight_dtypes=frozenset(fmt.weight.dtypes), scale_suffix=scale,
+                scale_dtypes=next((tuple(t.dtypes) for t in fmt.tensors if t.suffix == scale), ()),
+                block=block_tile(fmt, params), how=how, weight_suffix=fmt.weight.suffix, params=dict(params))
 
 
 def _declared(ckpt: Any) -> Codec | None:

@@ -114,12 +114,11 @@ class Codec:
                        () if skey in tensors else (skey,), shape=tuple(shape),
                        params={**self.params, "block": list(self.block or ())})
 
-    def refuse_restack(self, what: str, storage: Storage) -> PlanError:
-        """The error of restacking ``what`` stored in ``storage``'s format, which this codec cannot restack."""
-        return PlanError(f"{what}: {storage.module} is stored in scheme table {storage.scheme}'s format "
-                         f"{storage.format}, whose codec ({self.name or 'none'}) cannot restack experts (only one "
-                         "scale companion over fixed tiles stacks along the expert axis); `ckpt dequant` them first",
-                         rule="expert-quant-scheme")
+    def restack_refusal(self, storage: Storage) -> str:
+        """Why experts stored as ``storage`` (in this codec's format) are not restacked."""
+        return (f"{storage.module} is stored in scheme table {storage.scheme}'s format {storage.format}, whose codec "
+                f"({self.name or 'none'}) cannot restack experts (only one scale companion over fixed tiles stacks "
+                "along the expert axis); `ckpt dequant` them first")
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (

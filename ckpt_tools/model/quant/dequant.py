@@ -94,23 +94,40 @@ def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables
     return OutputTensor(key, out_dtype, shape, recipe, None, recipe.meta())
 
 
-def values_of(ckpt: Any, key: str, codec: Any, lookup: Any = None) -> OutputTensor | None:
-    """The float32 values of stored tensor ``key`` when it is the weight of a quantized module whose companions are
-    all there (any scheme table's format; a stacked experts tensor in ``codec``'s, the checkpoint's), else None:
-    what ``diff --dequant`` compares. ``lookup``: ``storage.storage_lookup(scheme)``, for many keys."""
-    from ...dtypes import FLOAT_DTYPES
+def checkpoint_lookup(ckpt: Any) -> Any:
+    """``storage.storage_lookup`` of the scheme ``ckpt`` declares (None when no table describes it: its own rule
+    says so)."""
+    from ...errors import InputError
+    from .detect import detect_scheme
     from .storage import storage_lookup
+
+    try:
+        return storage_lookup(detect_scheme(ckpt))
+    except InputError:
+        return storage_lookup(None)
+
+
+def weight_storage(ckpt: Any, key: str, codec: Any, lookup: Any) -> Storage | None:
+    """How stored tensor ``key`` is stored when it is the weight of a quantized module whose companions are all there
+    (any scheme table's format; a stacked experts tensor in ``codec``'s, the checkpoint's), else None.
+    ``lookup``: ``checkpoint_lookup(ckpt)``."""
+    from ...dtypes import FLOAT_DTYPES
 
     ref = ckpt.tensors[key]
     if ref.dtype in FLOAT_DTYPES or "." not in key:
         return None
-    st = (lookup or storage_lookup(None))(ckpt, key.rsplit(".", 1)[0])
+    st = lookup(ckpt, key.rsplit(".", 1)[0])
     if not (st.quantized and st.all_keys()[0] == key) and codec.stores(ref.dtype) \
             and codec.scale_key(key) in ckpt.tensors:
         st = codec.storage(key, tuple(ref.shape), ckpt.tensors)
-    if not (st.quantized and st.all_keys()[0] == key and st.complete and not st.issues):
-        return None
-    return dequant_module(ckpt, st, key, "F32", finite=False)
+    return st if st.quantized and st.all_keys()[0] == key and st.complete and not st.issues else None
+
+
+def values_of(ckpt: Any, key: str, codec: Any, lookup: Any) -> OutputTensor | None:
+    """The float32 values of ``key`` when ``weight_storage`` knows it (NaN / Inf kept), else None: what
+    ``diff --dequant`` compares."""
+    st = weight_storage(ckpt, key, codec, lookup)
+    return None if st is None else dequant_module(ckpt, st, key, "F32", finite=False)
 
 
 def _require_complete(storage: Storage) -> None:

@@ -25,6 +25,8 @@ from ...model.experts import BlockDequant, convert_group, layout_from_label
 from ...model.gate import require_consistent
 from ...model.mtp import detect_group_layout
 from ...model.quant.codec import Codec
+from ...model.quant.dequant import checkpoint_lookup, copy_of, module_outputs, weight_storage
+from ...model.quant.storage import Storage
 from ...model.tables.resolve import trunk_specs
 from ...stream.fingerprint import record_inputs
 from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
@@ -255,25 +257,27 @@ def _raise_all(errors: list[tuple[str, PlanError]], root: str) -> None:
 
 @dataclass(frozen=True)
 class Dequant:
-    """--dequant for the tensors outside expert groups: each FP8 weight absorbs its scale, as in extract."""
+    """--dequant for the tensors outside expert groups: each quantized weight (any scheme's format) absorbs its
+    companions, as in extract."""
 
     dtype: str
     fmt: Codec
-    scales: frozenset[str]  # scale companions of quantized weights: written into their weights, not on their own
+    stored: dict[str, Storage]  # quantized weight key -> how it is stored
+    scales: frozenset[str]  # companions of quantized weights: written into their weights, not on their own
 
     @classmethod
     def of(cls, ckpt: Checkpoint, dtype: str, fmt: Codec) -> Dequant:
-        quantized = (k for k, ref in ckpt.tensors.items() if fmt.stores(ref.dtype))
-        return cls(dtype, fmt, frozenset(fmt.scale_key(k) for k in quantized))
+        lookup = checkpoint_lookup(ckpt)
+        stored = {k: st for k in ckpt.tensors if (st := weight_storage(ckpt, k, fmt, lookup)) is not None}
+        return cls(dtype, fmt, stored, frozenset(c for st in stored.values() for c in st.all_keys()[1:]))
 
     def apply(self, ckpt: Checkpoint, key: str, t: OutputTensor) -> list[OutputTensor]:
-        if key in self.scales:
-            return []
-        if not self.fmt.stores(t.dtype):
-            return [t]
-        sref = ckpt.tensors.get(self.fmt.scale_key(key))
-        scale = OutputTensor(sref.key, sref.dtype, sref.shape, CopyBytes([sref.segment()])) if sref else None
-        return finish_tensor(t, scale, None, self.dtype, self.fmt)
+        st = self.stored.get(key)
+        if key in self.scales or st is None:
+            return [] if key in self.scales else [t]
+        if (st.scheme, st.format) == (self.fmt.scheme, self.fmt.format):  # the checkpoint's codec: as extract
+            return finish_tensor(t, copy_of(ckpt.tensors[self.fmt.scale_key(key)]), None, self.dtype, self.fmt)
+        return module_outputs(ckpt, st, f"{st.module}.weight", self.dtype, t.meta)
 
 
 def _ordered(ckpt: Checkpoint, plans: list[GroupPlan], dequant: Dequant | None = None) -> list[OutputTensor]:

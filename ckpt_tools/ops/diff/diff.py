@@ -152,16 +152,9 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
 
 def _values(ckpt: Checkpoint):
     """``key`` -> the float32 values of a quantized weight of ``ckpt`` (its codec's decoder), else None."""
-    from ...errors import InputError
-    from ...model.quant.dequant import values_of
-    from ...model.quant.detect import detect_scheme
-    from ...model.quant.storage import storage_lookup
+    from ...model.quant.dequant import checkpoint_lookup, values_of
 
-    try:
-        scheme = detect_scheme(ckpt)
-    except InputError:  # a scheme no table describes: its weights are compared as stored
-        scheme = None
-    codec, lookup = checkpoint_codec(ckpt), storage_lookup(scheme)
+    codec, lookup = checkpoint_codec(ckpt), checkpoint_lookup(ckpt)
     return lambda key: values_of(ckpt, key, codec, lookup)
 
 

@@ -204,7 +204,7 @@ class _Builder:
     def _finish(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None) -> None:
         """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
         its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
-        tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
+        tensor) the draft's bytes. What the verifier stores in a format with no encoder, or what
         ``--keep-bf16`` / ``--dtype draft`` asks, goes in as float values in place of the stored tensors, and
         the config excludes the module."""
         stored = self._stored(t, spec)
