@@ -56,3 +56,13 @@ def test_every_table_encoder_is_a_registered_codec_with_its_capabilities():
     assert named == set(CODECS)
     assert [n for n, c in CODECS.items() if c.keeps_bytes] == ["fp8-block"]
     assert all(c.encode is not None and c.layout is not None for c in CODECS.values())
+
+
+@pytest.mark.parametrize("scheme", ["ct-nvfp4", "ct-fp8-channel"])
+@pytest.mark.parametrize("dequant", [[], ["--dequant", "bf16"]])
+def test_experts_the_codec_cannot_restack_are_refused_by_its_name(tmp_path, scheme, dequant):
+    src = make_quantized_checkpoint("qwen3_next", tmp_path / "q", QuantOptions(scheme=scheme))
+    out = ckpt("fuse-experts", src, "-o", tmp_path / "out", *dequant, code=3).output
+    codec = scheme.removesuffix("-channel")
+    assert "[expert-quant-scheme]" in out and f"whose codec ({codec}) cannot restack experts" in out
+    assert not (tmp_path / "out").exists()
