@@ -289,18 +289,18 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec | No
     block = fmt.block
     if fmt.stores(dtype):
         sdt: set[str] = set()
-        for s in stored_tensors(src, "scale", fmt):
-            expected.add(s.key)
-            ref = refs.get(s.key)
+        for w in weights:
+            skey, grid, ref = fmt.scale_of(w.key, w.shape, refs)
+            expected.add(skey)
             if ref is None:
-                if s.weight_key in refs:
-                    problems.append(("fp8-scale-missing", f"FP8 weight {s.weight_key} has no {s.key}"))
+                if w.key in refs:
+                    problems.append(("fp8-scale-missing", f"FP8 weight {w.key} has no {skey}"))
                 continue
-            scale_keys.append(s.key)
+            scale_keys.append(skey)
             sdt.add(ref.dtype)
-            if tuple(ref.shape) != s.shape:
-                problems.append(("fp8-scale-shape", f"{s.key} has shape {list(ref.shape)}, {list(block)} blocks "
-                                                    f"of its weight imply {list(s.shape)}"))
+            if tuple(ref.shape) != grid:
+                problems.append(("fp8-scale-shape", f"{skey} has shape {list(ref.shape)}, {list(block)} blocks "
+                                                    f"of its weight imply {list(grid)}"))
         if len(sdt) > 1:
             problems.append(("fp8-scale-dtype", f"the scales of {src.prefix} mix dtypes {sorted(sdt)}"))
         scale_dtype = sorted(sdt)[0] if sdt else "F32"

@@ -191,11 +191,9 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
             view.misshaped.append((s, tuple(ref.shape)))
         view.present.append(s)
         if fmt.stores(ref.dtype):  # stacked experts ([E, out, in], no .weight module): the block scale beside them
-            (c,) = fmt.companions(s.key, s.shape)
-            skey, sshape = c.key, c.shape
+            skey, sshape, sref = fmt.scale_of(s.key, s.shape, keys)
             expected_keys.add(skey)
-            sref = keys.get(skey)
-            scale = Spec(skey, sshape, c.role, depth=s.depth, kind="other", dtype="F32")
+            scale = Spec(skey, sshape, "scale", depth=s.depth, kind="other", dtype="F32")
             if sref is None:
                 view.missing_scales.append(s.key)
             else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..expert_layouts import scale_key, scale_shape
 from ..problem import Problem
 from .checkpoint_codec import config_params
 from .codec import Codec
@@ -61,25 +60,20 @@ def block_problems(ckpt: Any, fmt: Codec, unknown: set[str], cfg: str | None) ->
                                "quantization_config"))
         if method is not None and not declared:
             return out  # another scheme (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
-    suffix = fmt.scale_suffix
-    grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> scale shape (few distinct shapes)
     tensors = ckpt.tensors
     found: list[tuple[str, Problem]] = []
     for k in fp8:
-        # scale_key's common case inlined: tens of thousands of weights in a large FP8 release
-        skey = k[:-6] + suffix if k.endswith(".weight") else scale_key(k, suffix)
         ref = tensors[k]
-        sref = tensors.get(skey)
+        skey, want_shape, sref = fmt.scale_of(k, ref.shape, tensors, block)
         if sref is None:
             if skey not in unknown:
                 found.append((k, Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")))
             continue
         if block is None:
             want = None if sref.shape in ((), (1,), (1, 1)) else "[] (one per-tensor scale)"
-        elif len(ref.shape) < 2:
-            continue  # block scales are defined for matrices (and stacks of them) only
+        elif want_shape is None:
+            continue
         else:
-            want_shape = grids.get(ref.shape) or grids.setdefault(ref.shape, scale_shape(ref.shape, block))
             want = None if sref.shape == want_shape else (f"{list(want_shape)} (block {block[0]}x{block[1]} over "
                                                           f"{list(ref.shape)})")
         if want is not None:
@@ -123,7 +117,7 @@ def fitting_block(ckpt: Any, fmt: Codec, declared: tuple[int, int] | None = None
     for k, ref in tensors.items():
         if ref.dtype not in fmt.weight_dtypes or len(ref.shape) < 2:
             continue
-        sref = tensors.get(k[:-6] + fmt.scale_suffix if k.endswith(".weight") else scale_key(k, fmt.scale_suffix))
+        sref = fmt.scale_of(k, ref.shape, tensors)[2]
         if sref is None:
             continue
         pair = (tuple(ref.shape), tuple(sref.shape))

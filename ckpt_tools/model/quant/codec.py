@@ -78,15 +78,23 @@ class Codec:
         """The scale companion of ``weight_key`` (a bare stacked-experts name gets the suffix past ``weight_``)."""
         return scale_key(weight_key, self.scale_suffix)
 
-    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The scale grid of a ``shape`` weight [..., out, in] (lead dims kept, edge tiles partial)."""
+    def scale_of(self, weight_key: str, shape: tuple[int, ...], tensors: Mapping[str, Any],
+                 block: tuple[int, int] | None = None) -> tuple[str, Any, Any]:
+        """The block-scale check, written once: (the scale companion's key, the grid a ``shape`` weight [..., out,
+        in] has in ``block`` tiles - the codec's own unless a declared one is given; edge tiles partial; None
+        for fewer than two dims -, the
+        stored scale in ``tensors`` or None). Each caller reports a missing or other-shaped scale by its rule."""
+        skey = weight_key[:-6] + self.scale_suffix if weight_key.endswith(".weight") else self.scale_key(weight_key)
+        if len(shape) < 2:  # block scales are defined for matrices (and stacks of them) only
+            return skey, None, tensors.get(skey)
         *lead, rows, cols = shape
-        br, bc = self.block or (rows, cols)
-        return (*lead, -(-rows // br), -(-cols // bc))
+        br, bc = block or self.block or (rows, cols)
+        return skey, (*lead, -(-rows // br), -(-cols // bc)), tensors.get(skey)
 
     def companions(self, weight_key: str, shape: tuple[int, ...]) -> list[Companion]:
         """Every tensor that travels with a quantized ``weight_key`` of logical ``shape``."""
-        return [Companion(self.scale_key(weight_key), "scale", self.scale_shape(tuple(shape)))]
+        skey, grid, _ = self.scale_of(weight_key, tuple(shape), {})
+        return [Companion(skey, "scale", grid)]
 
     def decode(self, w: Any, scale: Any, dtype: str) -> Any:
         """``w`` (a planned tensor in this format) times its ``scale`` companion as ``dtype``."""
