@@ -174,7 +174,7 @@ def test_the_block_the_scales_have_is_found_only_when_the_declared_one_does_not_
     from types import SimpleNamespace
 
     from ckpt_tools.model.quant.block_audit import fitting_block
-    from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec
+    from ckpt_tools.model.quant.codec import checkpoint_codec
 
     fmt = checkpoint_codec(hint="fp8-block")
     tensors = {"a.weight": ("F8_E4M3", (64, 64)), "a.weight_scale_inv": ("F32", (1, 1))}

@@ -26,7 +26,7 @@ from ckpt_tools.io.config import ConfigView
 from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
 from ckpt_tools.model.quant import decode_fp8 as fp8_decode
 from ckpt_tools.model.quant import encode_block as fp8
-from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec
+from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
 
@@ -627,7 +627,7 @@ def test_weight_block_size_is_read_once_by_the_scheme_table():
     from types import SimpleNamespace
 
     from ckpt_tools.model.quant.block_audit import declared_block
-    from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec, config_params
+    from ckpt_tools.model.quant.codec import checkpoint_codec, config_params
     from ckpt_tools.model.quant.tables import get_scheme
 
     fmt = checkpoint_codec(hint="fp8-block")

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
 from ckpt_tools.model.expert_layouts import scale_key
-from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec
+from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.model.tables.loader import all_tables, get_table
 from ckpt_tools.ops.inspect.inspect import inspect_checkpoint
 

@@ -92,7 +92,7 @@ def test_judging_classes_finds_what_judging_each_module_finds(producer):
 def _judge_each(rows, scheme, table, files) -> list[str]:
     """The findings of judging every module on its own (the rule as written, without classes)."""
     from ckpt_tools.model.quant.audit import Audit, _judge_fused, fused_names
-    from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec, restack_codec
+    from ckpt_tools.model.quant.codec import checkpoint_codec, restack_codec
 
     fused = {k: list(v) for k, v in table.fused_modules.items()}
     names = {m for m, *_ in rows}

@@ -1,4 +1,4 @@
-"""One quantization path: a block-FP8 weight's companions come from a scheme table (model.quant.checkpoint_codec).
+"""One quantization path: a block-FP8 weight's companions come from a scheme table (model.quant.codec).
 
 The scheme the checkpoint stores (its scale companion's name) or declares decides; the family table's
 one-word ``quantization`` hint is used only where there is no checkpoint (fixtures, the demo). A family
@@ -20,8 +20,7 @@ from ckpt_tools.errors import InputError, TableError, UsageError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.model.mtp import open_mtp
-from ckpt_tools.model.quant.checkpoint_codec import checkpoint_codec, restack_codec
-from ckpt_tools.model.quant.codec import Companion
+from ckpt_tools.model.quant.codec import Companion, checkpoint_codec, restack_codec
 from ckpt_tools.model.quant.tables import all_schemes
 from ckpt_tools.model.tables.loader import all_tables, get_table, mappings_dir
 

@@ -24,7 +24,7 @@ from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
 from .quant.agree import DESCRIPTION as AGREE_DESCRIPTION
 from .quant.agree import RULE as AGREE_RULE
-from .quant.checkpoint_codec import checkpoint_codec
+from .quant.codec import checkpoint_codec
 from .quant.kv_scales import DESCRIPTION as KV_SCALE_DESCRIPTION
 from .quant.kv_scales import RULE as KV_SCALE_RULE
 from .quant.patterns import DESCRIPTION as PATTERN_DESCRIPTION

@@ -38,8 +38,7 @@ from .expert_layouts import (
     scale_key,
     scale_shape,
 )
-from .quant.checkpoint_codec import checkpoint_codec, storage_codec
-from .quant.codec import Codec
+from .quant.codec import Codec, checkpoint_codec, storage_codec
 
 if TYPE_CHECKING:  # numpy is imported where pieces are computed: pure restacking never needs it
     import numpy as np
@@ -122,7 +121,7 @@ class Stored:
 def stored_tensors(group: ExpertGroup, kind: str = "weight", fmt: Codec | None = None
                    ) -> tuple[Stored, ...]:
     """Every tensor of ``group``'s layout (weights, or their ``fmt`` scale companions), in ``group.tensors()``
-    order (``fmt``: the checkpoint's block format, model.quant.checkpoint_codec; None: the default one)."""
+    order (``fmt``: the checkpoint's block format, model.quant.codec; None: the default one)."""
     fmt = fmt or checkpoint_codec()
     return _stored(group, kind, fmt.scale_suffix, (int(fmt.block[0]), int(fmt.block[1])))
 
@@ -640,12 +639,6 @@ def convert_group(src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGr
         raise PlanError(f"{dst.prefix}: {why}", rule="layout-unsupported")
     info = check_group(src, refs, fmt)
     return _Converter(src, refs, dst, info, fmt, dequant).outputs()
-
-
-def group_source_keys(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec | None = None
-                      ) -> list[str]:
-    """Every key ``convert_group`` consumes (weights and scales), after checking the group."""
-    return check_group(src, refs, fmt).keys
 
 
 def layout_from_label(text: str) -> ExpertLayout:

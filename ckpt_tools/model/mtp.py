@@ -19,8 +19,7 @@ from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
 from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout
-from .quant.checkpoint_codec import checkpoint_codec
-from .quant.codec import Codec
+from .quant.codec import Codec, checkpoint_codec
 from .tables.loader import detect_table, get_table
 from .tables.resolve import Resolved, Spec, resolve
 
@@ -53,7 +52,7 @@ class MtpView:
     @cached_property
     def codec(self) -> Codec:
         """How this checkpoint's block-scaled weights are stored (their scale companions, block, decoder):
-        the scheme table it declares or stores, else the family's hint (model.quant.checkpoint_codec)."""
+        the scheme table it declares or stores, else the family's hint (model.quant.codec)."""
         return checkpoint_codec(self.ckpt, self.table.quantization)
 
     @property

@@ -67,7 +67,7 @@ class Context:
 
 def _codec(ctx: Context):
     """The checkpoint's block format: its view's, else the one it stores or declares (the table's hint)."""
-    from .quant.checkpoint_codec import checkpoint_codec
+    from .quant.codec import checkpoint_codec
 
     if ctx.view is not None:
         return ctx.view.codec

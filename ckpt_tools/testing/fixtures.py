@@ -22,7 +22,7 @@ import numpy as np
 
 from ..io.config import ConfigView
 from ..model.expert_layouts import ExpertLayout
-from ..model.quant.checkpoint_codec import checkpoint_codec
+from ..model.quant.codec import checkpoint_codec
 from ..model.tables.loader import get_table
 from ..model.tables.resolve import Resolved, Spec, expert_specs, resolve, trunk_specs
 
@@ -132,7 +132,7 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
     tensors: dict[str, torch.Tensor] = {}
     order: list[str] = []
     zero_centred = table.norm == "zero_centred"
-    # no checkpoint to ask yet: the block format of the scheme the family table hints (model.quant.checkpoint_codec)
+    # no checkpoint to ask yet: the block format of the scheme the family table hints (model.quant.codec)
     fmt = checkpoint_codec(hint=table.quantization) if opts.fp8 else None
     for s in specs:
         values = spec_values(_copied(s, res), opts.seed, zero_centred)

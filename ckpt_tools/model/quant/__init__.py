@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checkpoint_codec import checkpoint_codec
-from .codec import CODECS, Codec, Companion, register_codec, unregister_codec
+from .codec import CODECS, Codec, Companion, checkpoint_codec, register_codec, unregister_codec
 from .config import quant_files
 from .declared import Declared, declaration, declared
 from .detect import Declaration, Group, QuantScheme, detect_in, detect_scheme

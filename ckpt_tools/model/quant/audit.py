@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ...dtypes import FLOAT_DTYPES
 from ...errors import InputError
 from ..expert_layouts import ExpertGroup, ExpertLayout
-from .checkpoint_codec import checkpoint_codec, restack_codec
+from .codec import checkpoint_codec, restack_codec
 from .config import QuantFiles
 from .declared import Declared, Declarer, declaration
 from .detect import QuantScheme, detect_scheme

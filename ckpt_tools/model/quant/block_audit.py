@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..problem import Problem
-from .checkpoint_codec import config_params
-from .codec import Codec
+from .codec import Codec, config_params
 from .tables import get_scheme
 
 BLOCK_SIZE_RULE = "fp8-block-size"

@@ -1,16 +1,14 @@
 """One codec per scheme: how float values go into a storage format's tensors and come out of them.
 
 ``CODECS`` maps a name (what a scheme table's format names as ``encoder:``) to its ``Codec``, as
-compressed-tensors registers its compressors by name: ``encode`` (values [rows, cols] -> {suffix:
-tensor}), ``layout`` (what it writes, known at plan time), ``stream`` (the same encoding with the values
-read in bands) and its capabilities. ``register_codec`` adds one from outside the package.
-
-A codec bound to a table's format and the parameters a checkpoint declares (``checkpoint_codec``)
-also knows the weight's companions for a shape, its decoder and its ``Storage``. ``restacks``: one
-code per element and one scale over a fixed tile, nothing else (``block.block_tile``), so experts
-slice and restack byte for byte; every other format is refused by name where experts are restacked.
-``keeps_bytes``: the round trip through the decoder is a fixed point, so bytes already in this storage
-are kept as they are rather than encoded again.
+compressed-tensors registers its compressors by name: ``encode`` (values [rows, cols] -> {suffix: tensor}),
+``layout`` (what it writes, known at plan time), ``stream`` (the same with the values read in bands) and its
+capabilities: ``restacks`` (one code per element, one scale over a fixed tile, nothing else: experts slice
+and restack byte for byte) and ``keeps_bytes`` (the round trip is a fixed point: bytes already in the storage
+are kept, not encoded again). ``register_codec`` adds one. Bound to a table's format and a checkpoint's
+parameters a codec also knows a weight's companions, decoder and ``Storage``: ``checkpoint_codec`` (the one
+a checkpoint's scaled weights use: its storage's, else its declared scheme's, else the family's hint, else
+``DEFAULT_SCHEME``) and ``storage_codec`` (any module's).
 """
 
 from __future__ import annotations
@@ -19,16 +17,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ...errors import PlanError
+from ...errors import InputError, PlanError
 from ..expert_layouts import scale_key
 from . import encode, encode_block, encode_int
+from .block import block_tile
 from .encode_core import EncodeArgs
 from .storage import Storage
+from .tables import all_schemes, get_scheme
 
 if TYPE_CHECKING:
     import torch
 
     from ...stream.plan import OutputTensor
+    from .schema import FormatDef, SchemeTable
 
 Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
 # (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
@@ -102,15 +103,6 @@ class Codec:
 
         return decode_block(self, w, scale, dtype)
 
-    def value_decoder(self, weight: Any, scale: Any):
-        """``decode(buf, start, n)``: float32 values of any run of ``weight``'s codes (TensorRefs of the weight
-        and its scale companion), the decoder's float32 product before any output cast (``diff --dequant``)."""
-        from .decode_fp8 import scale_to_f32, value_decoder
-
-        grid = scale_to_f32(scale.numpy(), scale.dtype)
-        return value_decoder(weight.dtype, grid, tuple(weight.shape), self.block, f"{scale.key} of {weight.key}: ",
-                             scale.file)
-
     def storage(self, weight_key: str, shape: tuple[int, ...], tensors: Mapping[str, Any]) -> Storage:
         """A weight of this format as a module ``Storage``, for a stacked experts tensor that ``module_storage``
         cannot name: what the encoders and decoders take."""
@@ -177,3 +169,95 @@ def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, 
 def bind(codec: Codec | None, **table: Any) -> Codec:
     """``codec`` (None: a format without one) bound to a table's format (the fields after ``scheme``)."""
     return replace(codec or Codec(""), **table)
+
+
+DEFAULT_SCHEME = "fp8-block"  # the codec of a checkpoint that declares, stores and hints nothing
+
+
+def restack_codec(table: SchemeTable, params: Mapping[str, Any] | None = None, how: str = "declared"
+                  ) -> Codec | None:
+    """The codec of ``table``'s format that restacks, with ``params`` (the table's defaults when None), or None."""
+    defaults = {name: p.default for d in table.declared_in for name, p in d.params.items()}
+    params = {**defaults, **(params or {})}
+    return next((c for c in (_bind(table, f, params, how) for f in table.storage) if c.restacks), None)
+
+
+def storage_codec(st: Storage) -> Codec:
+    """The codec of the format module storage ``st`` is in, bound to it (``restacks`` or not)."""
+    table = get_scheme(st.scheme or "")
+    return _bind(table, next(f for f in table.storage if f.name == st.format), dict(st.params), "stored")
+
+
+def _bind(table: SchemeTable, fmt: FormatDef, params: Mapping[str, Any], how: str) -> Codec:
+    scale = fmt.decoder.scale.tensor
+    return bind(CODECS.get(fmt.encoder or ""), scheme=table.scheme, format=fmt.name,
+                weight_dtypes=frozenset(fmt.weight.dtypes), scale_suffix=scale,
+                scale_dtypes=next((tuple(t.dtypes) for t in fmt.tensors if t.suffix == scale), ()),
+                block=block_tile(fmt, params), how=how, weight_suffix=fmt.weight.suffix, params=dict(params))
+
+
+def _declared(ckpt: Any) -> Codec | None:
+    from .detect import detect_scheme
+
+    try:
+        scheme = detect_scheme(ckpt)
+    except InputError:  # a scheme no table describes: the verbs that read it say so (module_storage)
+        return None
+    if scheme is None:
+        return None
+    for table in scheme.tables:
+        found = restack_codec(table, scheme.default_params(table))
+        if found is not None:
+            return found
+    return None
+
+
+def _stored(tensors: Mapping[str, Any]) -> Codec | None:
+    """The restacking codec whose scale companion sits next to the first FP8 weight that has one (the
+    companion's name tells the tables apart: ``weight_scale_inv``, ``scale``)."""
+    candidates = [f for f in (restack_codec(t, how="stored") for t in all_schemes().values()) if f is not None]
+    for key, ref in tensors.items():
+        for f in candidates:
+            if f.stores(ref.dtype):
+                sref = tensors.get(f.scale_key(key))
+                if sref is not None and sref.dtype in f.scale_dtypes:
+                    return f
+    return None
+
+
+def config_params(table: SchemeTable, ckpt: Any) -> dict[str, Any] | None:
+    """The parameters ``ckpt``'s configuration gives ``table`` where a place of it holds (None: none does)."""
+    from .config import dig, quant_files, section
+    from .detect import _holds, _params
+
+    files = quant_files(ckpt)
+    for where in table.declared_in:
+        sec = section(files, where.file, where.section)
+        if sec is not None and _holds(where.match, lambda k, sec=sec: dig(sec, k)):
+            return _params(where, sec)
+    return None
+
+
+def checkpoint_codec(ckpt: Any = None, hint: str | None = None) -> Codec:
+    """The codec of ``ckpt``'s scaled weights (see the module docstring for the order).
+
+    ``ckpt`` needs ``tensors`` (and the configuration files ``quant_files`` reads); None: no
+    checkpoint, the family's ``hint`` (a scheme name) decides.
+    """
+    if ckpt is not None:
+        stored = _stored(ckpt.tensors)
+        if stored is not None:
+            params = config_params(get_scheme(stored.scheme), ckpt)
+            return stored if params is None else restack_codec(get_scheme(stored.scheme), params, "stored") or stored
+        found = _declared(ckpt)
+        if found is not None:
+            return found
+    if hint is not None:
+        found = restack_codec(get_scheme(hint), how="hint")
+        if found is None:
+            raise InputError(f"quantization scheme {hint!r} has no block format (one FP8 scale over fixed tiles)",
+                             rule="quant-hint")
+        return found
+    found = restack_codec(get_scheme(DEFAULT_SCHEME), how="default")
+    assert found is not None
+    return found

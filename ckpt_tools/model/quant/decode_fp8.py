@@ -10,7 +10,7 @@ numpy, not torch: importing torch costs more than dequantizing an MTP layer take
 
 Every e4m3 / e5m2 value is exact in float32 and an element's result depends on its code and its
 block's scale alone: each block gets a 256-entry table of finished output values, and a band is
-decoded with one lookup per element (``BandDequantizer``). ``value_decoder`` decodes runs of elements;
+decoded with one lookup per element (``BandDequantizer``).
 ``dequant_array`` / ``dequant_stream`` are the whole-array and streamed forms of the band kernel.
 """
 
@@ -247,29 +247,5 @@ def whole_stream(read: Callable[[int], Any], stored: tuple[int, int, int], cols:
     yield out
 
 
-def value_decoder(fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int], what: str = "",
-                  path: str | None = None) -> Callable[[Any, int, int], np.ndarray]:
-    """``decode(buf, start, n)``: float32 ``value * scale`` of the ``n`` codes in ``buf``, elements
-    ``start``.. of a ``shape`` weight in C order (any run, not only whole rows).
-
-    ``scale`` is the float32 grid; the product is the same float32 rounding ``BandDequantizer`` makes,
-    without the cast to an output dtype (``ckpt diff --dequant`` compares these values)."""
-    _check_format(fmt, what)
-    *_, rows, cols = shape
-    grid = check_grid(shape, scale.shape, block, what, path)
-    gr, gc = grid[-2:]
-    flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
-    values = TABLES[fmt]
-
-    def decode(buf, start: int, n: int) -> np.ndarray:
-        idx = np.arange(start, start + n, dtype=np.int64)
-        col, row, lead = idx % cols, (idx // cols) % rows, idx // (rows * cols)
-        block_of = (lead * gr + row // block[0]) * gc + col // block[1]
-        with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as in BandDequantizer
-            return values[np.frombuffer(buf, dtype=np.uint8, count=n)] * flat[block_of]
-
-    return decode
-
-
 __all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "check_grid", "dequant_array",
-           "dequant_stream", "scale_to_f32", "thread_scratch", "value_decoder"]
+           "dequant_stream", "scale_to_f32", "thread_scratch"]

@@ -16,7 +16,7 @@ from ...io.checkpoint import Checkpoint
 from ...model.formats import all_wrappers
 from ...model.gate import check
 from ...model.prefixes import choose, rename
-from ...model.quant.checkpoint_codec import checkpoint_codec
+from ...model.quant.codec import checkpoint_codec
 from ...options import regex
 from ...stream.plan import CopyBytes
 from ...stream.progress import Progress

@@ -35,8 +35,7 @@ from ...model.expr import evaluate, render
 from ...model.formats import Correspondence, correspond, get_format
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, detect_group_layout
-from ...model.quant.checkpoint_codec import checkpoint_codec
-from ...model.quant.codec import Codec
+from ...model.quant.codec import Codec, checkpoint_codec
 from ...model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ...numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ...options import MAX_SEED, int_in_range, positive_finite
@@ -228,7 +227,7 @@ def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
     src_groups = {g.sub_prefix: g for g in groups}
     refs: dict[str, TensorRef] = {}
     layouts: dict[str, ExpertLayout] = {}
-    fmt = checkpoint_codec(target, table.quantization)  # the target's scale companions (model.quant.checkpoint_codec)
+    fmt = checkpoint_codec(target, table.quantization)  # the target's scale companions (model.quant.codec)
     for mtp_layer in res.layers:
         dst = {s.sub: s for s in mtp_layer.block}
         dst_groups = {g.sub_prefix: g for g in mtp_layer.experts}

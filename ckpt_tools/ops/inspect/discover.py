@@ -25,8 +25,7 @@ from ...errors import InputError, OutputError, UsageError
 from ...io.checkpoint import Checkpoint
 from ...io.config import ConfigView
 from ...model.expert_layouts import DEFAULT_KEYS, LAYOUT_NAMES, ExpertLayout
-from ...model.quant.checkpoint_codec import checkpoint_codec
-from ...model.quant.codec import Codec
+from ...model.quant.codec import Codec, checkpoint_codec
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 MTP_COUNT_KEYS = (
@@ -118,7 +117,7 @@ def discover(ckpt: Checkpoint, family: str | None = None) -> Discovery:
     geo = _depths(found, n, count, count_key, notes)
     depth_of = {f.key: geo.depth(f) for f in found}
     dims = _Dims(_int_or_none(config.get("hidden_size")), _int_or_none(config.get("vocab_size")))
-    fmt = checkpoint_codec(ckpt)  # the block format its weights are stored in (model.quant.checkpoint_codec)
+    fmt = checkpoint_codec(ckpt)  # the block format its weights are stored in (model.quant.codec)
     entries = _Entries(dims, _main_dtype(ckpt), fmt)
     glue, glue_src = _glue(found, depth_of, geo, entries)
     parts, blocks = _body(found, depth_of, geo, glue_src, entries, notes)

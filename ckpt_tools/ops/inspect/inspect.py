@@ -198,7 +198,7 @@ def _tally_mtp(view: MtpView) -> _MtpTally:
     """Every MTP tensor stored (a quantized weight counts every tensor it is stored as), one entry each."""
     ckpt = view.ckpt
     source_name = {id(src): name for name, src in ckpt.sources.items()}
-    fmt = view.codec  # the checkpoint's block format (model.quant.checkpoint_codec)
+    fmt = view.codec  # the checkpoint's block format (model.quant.codec)
     tally = _MtpTally(fp8={"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)})
     for s, key in view.stored():
         ref = ckpt.tensors[key]

@@ -29,7 +29,7 @@ from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
 from ...model.prefixes import Unwrapped, unwrap
 from ...model.provenance import manifest_claims, manifest_mismatch, manifest_unlike, prove_family
-from ...model.quant.checkpoint_codec import checkpoint_codec
+from ...model.quant.codec import checkpoint_codec
 from ...model.quant.dequant import format_of
 from ...model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ...model.quant.storage import Storage
@@ -109,7 +109,7 @@ class _Builder:
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):
         self.draft, self.view, self.corr, self.req, self.add = draft, view, corr, req, add
         self.res = view.resolved
-        # the block formats (model.quant.checkpoint_codec) of the verifier's weights and of the draft's; a draft that
+        # the block formats (model.quant.codec) of the verifier's weights and of the draft's; a draft that
         # neither declares nor stores one is read in the verifier's
         self.vfmt = view.codec
         found = checkpoint_codec(draft)
