@@ -268,3 +268,25 @@ def deepseek_v4_release(src: Path, dst: Path) -> Path:
                                   "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+def grid_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale grid of a weight: last two dims divided by the block, rounded up."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a float tensor (2-D or stacked) held whole to (float8_e4m3fn weight, float32 scale_inv): the
+    block codec's scale and code steps (``encode_block.block_scales`` / ``quantize_with``) over the whole tensor at
+    once, which the codec's banded recipes must reproduce. Values are taken as float32 first; ``pow2``: scales
+    rounded up to powers of two (``scale_fmt: ue8m0``)."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.model.quant.encode_block import block_scales, quantize_with
+
+    if not w.dtype.is_floating_point or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise InputError(f"quantize needs a float tensor, got {w.dtype}", rule="fp8-dtype")
+    x = w.to(torch.float32, copy=True).contiguous()
+    scale = block_scales(x, tuple(block), pow2=pow2)
+    return quantize_with(x, scale, tuple(block)), scale.contiguous()

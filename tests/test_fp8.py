@@ -1,6 +1,6 @@
 """FP8 block dequantization (fp8_decode, numpy) and quantization (fp8, torch) against independent oracles,
 through the interfaces the commands run: the block-format decode recipe (``Codec.decode``, model/quant's
-``decode_block``) / ``encode_block.requantize`` recipes written by the writer, and the band kernels under them.
+``Codec.decode``) / ``encode_block.requantize`` recipes written by the writer, and the band kernels under them.
 
 The oracles here never use torch's float8 casts: e4m3 / e5m2 bytes are decoded with
 tables built from the bit layout, products are exact in float64, roundings are done
@@ -29,6 +29,8 @@ from ckpt_tools.model.quant import encode_block as fp8
 from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
+
+from quant_helpers import grid_shape, quantize
 
 # ---------------------------------------------------------------------------
 # Independent oracles (numpy, float64)
@@ -137,7 +139,7 @@ def q_bytes(q: torch.Tensor) -> np.ndarray:
 def random_fp8(rng, shape, block, *, finite_only=True, scale_exp=(-20, 4)):
     """Random fp8 bytes and float32 scales spanning many binades."""
     qb = rng.choice(FINITE_BYTES if finite_only else np.arange(256, dtype=np.uint8), size=shape).astype(np.uint8)
-    gshape = fp8.grid_shape(shape, block)
+    gshape = grid_shape(shape, block)
     scale = (rng.uniform(1, 2, gshape) * 2.0 ** rng.integers(*scale_exp, gshape)).astype(np.float32)
     scale *= rng.choice([-1, 1], gshape).astype(np.float32)
     return qb, scale
@@ -441,7 +443,7 @@ def test_quantize_matches_numpy_oracle_and_error_bound():
     w[1, 128:256, 128:256] = 0.0  # a zero block
     w[2, 5, 7] = -0.0
     w[2, 256:, 256:] = rng.standard_normal((4, 44)).astype(np.float32) * 1e-40  # float32 subnormals
-    q, s = fp8.quantize(torch.from_numpy(w), block)
+    q, s = quantize(torch.from_numpy(w), block)
     want_q, want_s = ref_quantize(w, block)
     np.testing.assert_array_equal(s.numpy(), want_s)
     np.testing.assert_array_equal(q_bytes(q), want_q)
@@ -462,7 +464,7 @@ def test_quantize_rounds_ties_to_even():
     # with 448 in the block the scale is exactly 1, so these are the e4m3 inputs themselves
     ties = [1.0625, 1.1875, 248.0, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 0.5 * 2.0**-9, -1.0625, 1.0625 + 2.0**-20]
     want = [1.0, 1.25, 256.0, 2 * 2.0**-9, 2 * 2.0**-9, 0.0, -1.0, 1.125]
-    q, s = fp8.quantize(torch.tensor([[448.0, *ties]]))
+    q, s = quantize(torch.tensor([[448.0, *ties]]))
     assert s.item() == 1.0
     assert E4M3[q_bytes(q)[0, 1:]].tolist() == want
     assert np.array_equal(q_bytes(q)[0], ref_e4m3_rne(np.array([448.0, *ties])))
@@ -471,7 +473,7 @@ def test_quantize_rounds_ties_to_even():
 def test_quantize_saturates_at_448():
     # a block whose amax maps to exactly 448: q is 0x7e and the scale is exact
     w = torch.tensor([[448.0, -448.0, 1.0, 0.0]])
-    q, s = fp8.quantize(w)
+    q, s = quantize(w)
     assert s.item() == 1.0 and q_bytes(q).tolist() == [[0x7E, 0xFE, 0x38, 0x00]]
     # values beyond 448 clamp (torch's cast alone differs between versions and devices)
     y = torch.tensor([448.0, 449.0, 463.9, 464.0, 470.0, 1e6, -1e30])
@@ -481,7 +483,7 @@ def test_quantize_saturates_at_448():
     over = x / (x / 448.0) > 448.0
     assert over.any()
     for amax in x[over][:16]:
-        q, s = fp8.quantize(torch.tensor([[amax.item(), -amax.item() / 3]]))
+        q, s = quantize(torch.tensor([[amax.item(), -amax.item() / 3]]))
         assert q_bytes(q)[0, 0] == 0x7E and s.item() == np.float32(amax.item()) / np.float32(448)
 
 
@@ -490,7 +492,7 @@ def test_quantize_refuses_nan_and_inf():
         w = torch.zeros(256, 256)
         w[200, 3] = bad
         with pytest.raises(InputError, match="fp8-nonfinite") as e:
-            fp8.quantize(w)
+            quantize(w)
         assert "[1, 0]" in str(e.value)  # the block is named
 
 
@@ -528,12 +530,12 @@ def test_property_random_shapes_and_blocks(rows, cols, lead, br, bc, exp, seed):
     rng = np.random.default_rng(seed)
     shape = (lead, rows, cols) if lead else (rows, cols)
     w = (rng.standard_normal(shape) * 2.0**exp).astype(np.float32)
-    q, s = fp8.quantize(torch.from_numpy(w), (br, bc))
+    q, s = quantize(torch.from_numpy(w), (br, bc))
     want_q, want_s = ref_quantize(w, (br, bc))
     assert np.array_equal(q_bytes(q), want_q) and np.array_equal(s.numpy(), want_s)
     d = deq(q, s, (br, bc))
     np.testing.assert_array_equal(d.numpy(), ref_dequant(want_q, want_s, (br, bc)).astype(np.float32))
-    q2, s2 = fp8.quantize(d, (br, bc))
+    q2, s2 = quantize(d, (br, bc))
     assert np.array_equal(q_bytes(q2), want_q) and torch.equal(s2, s)
 
 
@@ -543,13 +545,13 @@ def test_quantize_dequantize_is_a_fixed_point(shape):
     w = rng.standard_normal(shape).astype(np.float32) * 2.0 ** rng.integers(-30, 10)
     w.reshape(-1)[:254] = E4M3[FINITE_BYTES]  # every finite code appears
     w[..., :128, :128] = 0.0  # a zero block
-    q, s = fp8.quantize(torch.from_numpy(w))
-    q2, s2 = fp8.quantize(deq(q, s))
+    q, s = quantize(torch.from_numpy(w))
+    q2, s2 = quantize(deq(q, s))
     assert np.array_equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2.view(torch.int32), s.view(torch.int32))
     # tiny blocks (floored scale, some rounding to all-zero codes) too
-    q, s = fp8.quantize(torch.from_numpy(w * np.float32(1e-36)))
+    q, s = quantize(torch.from_numpy(w * np.float32(1e-36)))
     assert (s >= 2.0**-126).all() and (s == 2.0**-126).any()
-    q2, s2 = fp8.quantize(deq(q, s))
+    q2, s2 = quantize(deq(q, s))
     assert np.array_equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2, s)
 
 
@@ -571,7 +573,7 @@ def test_requantize_recipes_match_quantize(tmp_path):
     assert outs[0].dtype == "F8_E4M3" and outs[1].dtype == "F32" and outs[3].shape == (3, 3, 3)
     got = run_plan(tmp_path, outs)
     for key, values, pow2 in (("a", a, False), ("e", e, False), ("pe", e, True)):
-        q, s = fp8.quantize(values, pow2=pow2)
+        q, s = quantize(values, pow2=pow2)
         assert got[key].dtype == torch.float8_e4m3fn
         assert np.array_equal(q_bytes(got[key]), q_bytes(q))
         assert torch.equal(got[f"{key}_scale_inv"], s)
@@ -584,7 +586,7 @@ def test_requantize_computes_each_scale_grid_once(tmp_path, monkeypatch, first):
     rng = np.random.default_rng(6)
     e = torch.from_numpy(rng.standard_normal((2, 300, 200)).astype(np.float32))
     refs, _ = write_refs(tmp_path / "d.safetensors", {"e": e})
-    q, want_s = fp8.quantize(e)
+    q, want_s = quantize(e)
     calls = {"scales": 0, "codes": 0}
     for name, count in (("block_scales", "scales"), ("quantize_with", "codes")):
         real = getattr(fp8, name)
@@ -655,16 +657,16 @@ def test_power_of_two_scales_for_ue8m0(shape):
     rng = np.random.default_rng(7)
     w = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.02)
     w[..., :128, :128] = 0.0
-    q, s = fp8.quantize(w, pow2=True)
+    q, s = quantize(w, pow2=True)
     mant, _ = torch.frexp(s)
     assert (mant == 0.5).all()  # powers of two only
-    plain_q, plain_s = fp8.quantize(w)
+    plain_q, plain_s = quantize(w)
     expect = torch.exp2(torch.ceil(torch.log2(plain_s.double()))).float()  # plain_s = fl(amax / 448)
     assert torch.equal(s, expect)
     # values are a fixed point (bytes may not be: a block whose largest code rounded down to 224 comes back
     # with half the scale and doubled codes, the same values; stitch keeps unchanged FP8 bytes by value)
     d = deq(q, s)
-    q2, s2 = fp8.quantize(d, pow2=True)
+    q2, s2 = quantize(d, pow2=True)
     assert torch.equal(deq(q2, s2), d)
     err = (deq(q, s) - w).abs().max()
     assert err <= w.abs().max() * 2.0**-3  # e4m3 keeps 3 mantissa bits; a larger scale costs at most one

@@ -108,9 +108,8 @@ def _tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def test_e5m2_weight_is_requantized_into_the_verifiers_e4m3(fp8, tmp_path):
-    from ckpt_tools.model.quant.encode_block import quantize
-
     from quant_helpers import fp8_dequant as dequantize
+    from quant_helpers import quantize
 
     verifier, draft8, _ = fp8
     draft = copy(draft8, tmp_path / "d")

@@ -88,12 +88,15 @@ def _to_torch(values: np.ndarray, dtype: str):
 
 
 def quantize_fp8_block(values: np.ndarray, block=(128, 128)):
-    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``, as model.quant.encode_block quantizes."""
+    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``: the block codec's encoder."""
     import torch
 
-    from ..model.quant.encode_block import quantize
+    from ..model.quant.codec import CODECS
+    from ..model.quant.encode_core import EncodeArgs
 
-    return quantize(torch.from_numpy(values).to(torch.float32), tuple(block))
+    out = CODECS["fp8-block"].encode(torch.from_numpy(values).to(torch.float32),
+                                     EncodeArgs({"block": list(block)}, suffixes={"scale": "scale"}))
+    return out["weight"], out["scale"]
 
 
 def checkpoint_specs(res: Resolved, opts: FixtureOptions) -> tuple[list[Spec], set[str]]:

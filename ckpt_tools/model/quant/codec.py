@@ -97,11 +97,30 @@ class Codec:
         skey, grid, _ = self.scale_of(weight_key, tuple(shape), {})
         return [Companion(skey, "scale", grid)]
 
-    def decode(self, w: Any, scale: Any, dtype: str) -> Any:
-        """``w`` (a planned tensor in this format) times its ``scale`` companion as ``dtype``."""
-        from .dequant import decode_block
+    def decode(self, w: Any, scale: Any, out_dtype: str) -> Any:
+        """``w`` (a planned tensor in this format: a byte copy, an expert slice, a restack) times its ``scale``
+        companion as ``out_dtype``: ``dequant.dequant_parts`` over the two, with ``w``'s meta kept."""
+        from ...dtypes import SCALE_DTYPES
+        from .decode_fp8 import OUT_DTYPES, check_grid
+        from .dequant import dequant_parts
 
-        return decode_block(self, w, scale, dtype)
+        if not self.stores(w.dtype) or len(w.shape) < 2:
+            raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
+        if out_dtype not in OUT_DTYPES:
+            raise PlanError(f"{w.key}: cannot dequantize to {out_dtype}; use one of {', '.join(OUT_DTYPES)}",
+                            rule="dequant-dtype")
+        if scale.dtype not in SCALE_DTYPES:
+            raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
+                            f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
+        check_grid(w.shape, scale.shape, self.block, f"{scale.key} of {w.key}: ")
+        module = w.key.removesuffix(".weight")
+        storage = Storage(module, "quantized", w.dtype, self.scheme, self.format, w.dtype,
+                          {"weight": w.key, self.scale_suffix: scale.key}, shape=tuple(w.shape),
+                          params={"block": list(self.block)})
+        t = dequant_parts(w.key, {"weight": w, self.scale_suffix: scale}, storage, out_dtype)
+        t.shard = w.shard
+        t.meta = {**w.meta, "dequantized_from": {"dtype": w.dtype, "scale": scale.key, "block": list(self.block)}}
+        return t
 
     def storage(self, weight_key: str, shape: tuple[int, ...], tensors: Mapping[str, Any]) -> Storage:
         """A weight of this format as a module ``Storage``, for a stacked experts tensor that ``module_storage``
@@ -166,11 +185,6 @@ def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, 
     return {k: (dt, (*lead, *sh)) for k, (dt, sh) in layout((rows, cols), args).items()}
 
 
-def bind(codec: Codec | None, **table: Any) -> Codec:
-    """``codec`` (None: a format without one) bound to a table's format (the fields after ``scheme``)."""
-    return replace(codec or Codec(""), **table)
-
-
 DEFAULT_SCHEME = "fp8-block"  # the codec of a checkpoint that declares, stores and hints nothing
 
 
@@ -190,7 +204,7 @@ def storage_codec(st: Storage) -> Codec:
 
 def _bind(table: SchemeTable, fmt: FormatDef, params: Mapping[str, Any], how: str) -> Codec:
     scale = fmt.decoder.scale.tensor
-    return bind(CODECS.get(fmt.encoder or ""), scheme=table.scheme, format=fmt.name,
+    return replace(CODECS.get(fmt.encoder or "") or Codec(""), scheme=table.scheme, format=fmt.name,
                 weight_dtypes=frozenset(fmt.weight.dtypes), scale_suffix=scale,
                 scale_dtypes=next((tuple(t.dtypes) for t in fmt.tensors if t.suffix == scale), ()),
                 block=block_tile(fmt, params), how=how, weight_suffix=fmt.weight.suffix, params=dict(params))

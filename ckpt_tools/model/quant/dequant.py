@@ -218,35 +218,6 @@ def module_outputs(ckpt: Any, storage: Storage, draft_key: str, dequant_to: str 
     return out
 
 
-def decode_block(fmt: Any, w: OutputTensor, scale: OutputTensor, out_dtype: str) -> OutputTensor:
-    """A block format's weight ``w`` (any recipe: a byte copy, an expert slice, a restack) times its
-    ``scale`` companion, as ``out_dtype``: ``dequant_parts`` over the two, with ``w``'s meta kept.
-
-    ``fmt``: a companions.Codec. The same checks (and messages) as the block-FP8 recipes had.
-    """
-    from ...dtypes import SCALE_DTYPES
-    from .decode_fp8 import OUT_DTYPES, check_grid
-    from .storage import Storage
-
-    if not fmt.stores(w.dtype) or len(w.shape) < 2:
-        raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
-    if out_dtype not in OUT_DTYPES:
-        raise PlanError(f"{w.key}: cannot dequantize to {out_dtype}; use one of {', '.join(OUT_DTYPES)}",
-                        rule="dequant-dtype")
-    if scale.dtype not in SCALE_DTYPES:
-        raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
-                        f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
-    check_grid(w.shape, scale.shape, fmt.block, f"{scale.key} of {w.key}: ")
-    module = w.key.removesuffix(".weight")
-    storage = Storage(module, "quantized", w.dtype, fmt.scheme, fmt.format, w.dtype,
-                      {"weight": w.key, fmt.scale_suffix: scale.key}, shape=tuple(w.shape),
-                      params={"block": list(fmt.block)})
-    t = dequant_parts(w.key, {"weight": w, fmt.scale_suffix: scale}, storage, out_dtype)
-    t.shard = w.shard
-    t.meta = {**w.meta, "dequantized_from": {"dtype": w.dtype, "scale": scale.key, "block": list(fmt.block)}}
-    return t
-
-
 def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int], weight_dtype: str,
                        scale_dtype: str, out_dtype: str, what: str | None = None) -> Any:
     """One whole block-format weight held in memory (numpy storage views: ``weight`` [..., rows, cols] of

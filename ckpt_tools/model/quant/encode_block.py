@@ -6,16 +6,16 @@ and one scale per ``br x bc`` tile (edge tiles partial), the scale named by the 
 
 With ``s = fl(amax / 448)`` (not transformers' ``1 / (448 / amax)``) the round trip through the decoder
 (``W = float32(Q) * s``) is a fixed point byte for byte (tests/test_fp8.py checks a whole binade): the codec
-``keeps_bytes``. ``quantize`` holds a tensor; ``requantize`` plans the codes and the grid as two recipes that
-read the values in bands of one block row (``stream``). ``pow2``: scales rounded up to powers of two
-(``scale_fmt: ue8m0``), or stored as F8_E8M0 exponents. torch is imported inside the functions only.
+``keeps_bytes``. ``requantize`` plans the codes and the grid as two recipes that read the values in bands
+of one block row (``stream``; ``encode`` runs it over a matrix in memory). ``pow2``: scales rounded up to
+powers of two (``scale_fmt: ue8m0``), or stored as F8_E8M0 exponents. torch is imported in the functions.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...arrays import bytes_to_torch, torch_threads
 from ...dtypes import DTYPES, FLOAT_DTYPES
@@ -29,46 +29,6 @@ if TYPE_CHECKING:
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FLT_MIN = 2.0**-126  # smallest normal float32: floor of every block scale (all-zero blocks included)
-DEFAULT_BLOCK = (128, 128)
-
-
-def _check_block(block: Any, what: str = "block") -> tuple[int, int]:
-    ok = (
-        isinstance(block, (list, tuple))
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    )
-    if not ok:
-        raise InputError(f"{what} must be two positive integers, got {block!r}", rule="fp8-block-size")
-    return int(block[0]), int(block[1])
-
-
-def grid_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
-    """The scale grid of a weight: last two dims divided by the block, rounded up."""
-    if len(shape) < 2:
-        raise InputError(f"block quantization needs at least 2 dims, got shape {list(shape)}", rule="fp8-shape")
-    *lead, rows, cols = shape
-    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK,
-             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize a float tensor (2-D or stacked) to (float8_e4m3fn weight, float32 scale_inv).
-
-    Values are taken as float32 first (exact for BF16 / F16; F64 rounds once). ``pow2``: scales rounded
-    up to powers of two (``scale_fmt: ue8m0``, DeepSeek's rule); then the round trip is a fixed point in
-    values, not always in bytes (a block whose largest code rounds down to 224 comes back with half the
-    scale and doubled codes: the same values).
-    """
-    import torch
-
-    block = _check_block(block)
-    if not w.dtype.is_floating_point or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise InputError(f"quantize needs a float tensor, got {w.dtype}", rule="fp8-dtype")
-    grid_shape(tuple(w.shape), block)
-    x = w.to(torch.float32, copy=True).contiguous()
-    scale = block_scales(x, block, pow2=pow2)
-    return quantize_with(x, scale, block), scale.contiguous()
 
 
 def block_scales(x: torch.Tensor, block: tuple[int, int], *, pow2: bool = False, where: str = "input",

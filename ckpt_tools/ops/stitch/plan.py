@@ -285,7 +285,7 @@ class _Builder:
 
     def _same_storage(self, t: OutputTensor, scale: OutputTensor | None, stored: Storage) -> bool:
         """The draft holds ``t`` in the verifier's block format, tile and dtypes (weight and scale, same shapes)."""
-        if scale is None or not self.dfmt.stores(t.dtype) or self.dfmt != self.vfmt:
+        if scale is None or not self.dfmt.stores(t.dtype) or self.dfmt != self.vfmt or not self.vfmt.keeps_bytes:
             return False
         if (stored.scheme, stored.format) != (self.vfmt.scheme, self.vfmt.format):
             return False
