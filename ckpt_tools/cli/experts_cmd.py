@@ -60,7 +60,7 @@ def _verb(verb: str, default_to: str, doc: str):
         json_output: bool = json_option(),
         overwrite: bool = overwrite_option(),
         dequant: str = typer.Option(None, "--dequant",
-                                    help="Dequantize FP8 block weights to bf16 | fp16 | fp32 (scales dropped)."),
+                                    help="Dequantize quantized weights to bf16 | fp16 | fp32 (scales dropped)."),
         allow_invalid: list[str] = allow_invalid_option(),
         threads: int = threads_option(),
     ) -> None:
