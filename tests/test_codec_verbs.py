@@ -66,3 +66,24 @@ def test_experts_the_codec_cannot_restack_are_refused_by_its_name(tmp_path, sche
     codec = scheme.removesuffix("-channel")
     assert "[expert-quant-scheme]" in out and f"whose codec ({codec}) cannot restack experts" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_codec_names_every_companion_of_its_format():
+    """A bound codec's companions for a shape come from its table: NVFP4's group scale grid and global scale, a
+    block format's one scale grid (a stacked experts name too), a packed integer format's scale and shape."""
+    from ckpt_tools.model.quant.codec import Companion, checkpoint_codec, storage_codec
+    from ckpt_tools.model.quant.storage import Storage
+
+    nv = storage_codec(Storage("m.q", "quantized", "U8", "ct-nvfp4", "nvfp4", params={"group_size": 16}))
+    assert nv.companions("m.q.weight_packed", (64, 128)) == [
+        Companion("m.q.weight_scale", "scale", (64, 8)), Companion("m.q.weight_global_scale", "global_scale", ())]
+    assert not nv.restacks and nv.name == "ct-nvfp4"
+    pack = storage_codec(Storage("m.q", "quantized", "I32", "ct-pack", "int4",
+                                 params={"strategy": "group", "group_size": 32, "num_bits": 4, "symmetric": True}))
+    assert [(c.role, c.shape) for c in pack.companions("m.q.weight_packed", (64, 128))] == [
+        ("scale", (64, 4)), ("shape", (2,))]
+    block = checkpoint_codec(hint="fp8-block")
+    assert block.restacks and block.keeps_bytes
+    assert block.companions("m.q.weight", (300, 129)) == [Companion("m.q.weight_scale_inv", "scale", (3, 2))]
+    assert block.companions("m.experts.down_proj", (4, 256, 128)) == [
+        Companion("m.experts.down_proj_scale_inv", "scale", (4, 2, 1))]

@@ -22,7 +22,7 @@ from ..expert_layouts import scale_key
 from . import encode, encode_block, encode_int
 from .block import block_tile
 from .encode_core import EncodeArgs
-from .storage import Storage
+from .storage import Storage, holds, scale_grid, zero_point_shapes
 from .tables import all_schemes, get_scheme
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ class Codec:
     how: str = ""  # "declared" | "stored" | "hint" | "default": where a checkpoint's codec came from
     weight_suffix: str = "weight"
     params: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the table's, as the config declares
+    spec: FormatDef | None = field(default=None, compare=False, repr=False)  # the table's format definition
 
     @property
     def restacks(self) -> bool:
@@ -93,9 +94,16 @@ class Codec:
         return skey, (*lead, -(-rows // br), -(-cols // bc)), tensors.get(skey)
 
     def companions(self, weight_key: str, shape: tuple[int, ...]) -> list[Companion]:
-        """Every tensor that travels with a quantized ``weight_key`` of logical ``shape``."""
-        skey, grid, _ = self.scale_of(weight_key, tuple(shape), {})
-        return [Companion(skey, "scale", grid)]
+        """Every tensor that travels with a quantized ``weight_key`` of logical ``shape``, as its table lists them
+        (scale grid, global scale and input scale [] or one per matrix, zero points, ...; optional ones left
+        out); a bare stacked-experts name (no module of its own) has its scale alone."""
+        if self.spec is None or not weight_key.endswith("." + self.weight_suffix):
+            skey, grid, _ = self.scale_of(weight_key, tuple(shape), {})
+            return [Companion(skey, "scale", grid)]
+        module, grid = weight_key.rsplit(".", 1)[0], scale_grid(self.spec, tuple(shape), self.params)
+        shapes = {"scale": grid, "zero_point": zero_point_shapes(self.spec, grid)[0], "shape": (len(shape),)}
+        return [Companion(f"{module}.{t.suffix}", t.role, shapes.get(t.role, tuple(shape[:-2])))
+                for t in self.spec.tensors if not t.optional and holds(t.when, self.params)]
 
     def decode(self, w: Any, scale: Any, out_dtype: str) -> Any:
         """``w`` (a planned tensor in this format: a byte copy, an expert slice, a restack) times its ``scale``
@@ -207,7 +215,8 @@ def _bind(table: SchemeTable, fmt: FormatDef, params: Mapping[str, Any], how: st
     return replace(CODECS.get(fmt.encoder or "") or Codec(""), scheme=table.scheme, format=fmt.name,
                 weight_dtypes=frozenset(fmt.weight.dtypes), scale_suffix=scale,
                 scale_dtypes=next((tuple(t.dtypes) for t in fmt.tensors if t.suffix == scale), ()),
-                block=block_tile(fmt, params), how=how, weight_suffix=fmt.weight.suffix, params=dict(params))
+                block=block_tile(fmt, params), how=how, weight_suffix=fmt.weight.suffix, params=dict(params),
+                spec=fmt)
 
 
 def _declared(ckpt: Any) -> Codec | None:
