@@ -216,7 +216,7 @@ def fp4_e8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_dequant(q: torch.Tensor, scale: torch.Tensor, block=(128, 128), dtype=torch.float32) -> torch.Tensor:
     """Block FP8 by its definition (DeepSeek's ``weight_dequant``): ``float32(q) * scale`` of each element's
-    block, one cast to ``dtype``. Plain torch, independent of ckpt_tools' numpy dequantizer (``fp8_decode``),
+    block, one cast to ``dtype``. Plain torch, independent of ckpt_tools' numpy dequantizer (``decode_fp8``),
     which the tests hold to it."""
     br, bc = block
     rows, cols = q.shape[-2:]
