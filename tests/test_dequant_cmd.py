@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_ckpt
-from quant_helpers import same_bits
+from quant_helpers import dequant_array, dequant_stream, same_bits
 from quant_helpers import tensors_of as _tensors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -207,8 +207,8 @@ def test_band_decoding_on_threads_equals_one_thread(threads):
             pos[0] += n
             return data[pos[0] - n: pos[0]]
 
-        streamed = _stream(fp8_decode.dequant_stream(read, shape, "F8_E4M3", scale, "BF16", block))
-        whole = fp8_decode.dequant_array(codes, scale, block, "F8_E4M3", "BF16").tobytes()
+        streamed = _stream(dequant_stream(read, shape, "F8_E4M3", scale, "BF16", block))
+        whole = dequant_array(codes, scale, block, "F8_E4M3", "BF16").tobytes()
         return streamed, whole
 
     fmt = next(f for f in get_scheme("ct-nvfp4").storage if f.name == "nvfp4")

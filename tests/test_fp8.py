@@ -30,7 +30,7 @@ from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
 
-from quant_helpers import grid_shape, quantize
+from quant_helpers import dequant_array, dequant_stream, grid_shape, quantize
 
 # ---------------------------------------------------------------------------
 # Independent oracles (numpy, float64)
@@ -194,7 +194,7 @@ def deq(q: torch.Tensor, s: torch.Tensor, block=(128, 128), out: str = "F32") ->
     from ckpt_tools.dtypes import torch_dtype
 
     fmt = "F8_E4M3" if q.dtype == torch.float8_e4m3fn else "F8_E5M2"
-    got = fp8_decode.dequant_array(q.view(torch.uint8).numpy(), s.numpy(), block, fmt, out)
+    got = dequant_array(q.view(torch.uint8).numpy(), s.numpy(), block, fmt, out)
     return torch.from_numpy(got.copy()).view(torch_dtype(out))
 
 
@@ -203,7 +203,7 @@ def test_every_byte_decodes_as_the_bit_layout_says(fmt, table):
     qb = np.arange(256, dtype=np.uint8).reshape(2, 128)
     for s in (1.0, 0.75, 2.0**-100, 2.0**120 * 1.5):  # the last overflows for the largest codes
         scale = np.full((1, 1), s, dtype=np.float32)
-        got = fp8_decode.dequant_array(qb, scale, (128, 128), fmt, "F32")
+        got = dequant_array(qb, scale, (128, 128), fmt, "F32")
         with np.errstate(over="ignore"):
             want = (table[qb] * np.float64(s)).astype(np.float32)
         np.testing.assert_array_equal(got, want)  # NaN == NaN here; inf and signed zeros must match
@@ -224,7 +224,7 @@ def test_dequantize_matches_float64_reference(shape, block):
     rng = np.random.default_rng(sum(shape))
     qb, scale = random_fp8(rng, shape, block)
     qb.reshape(-1)[:3] = [0x7F, 0xFF, 0x80]  # NaNs and -0
-    got = fp8_decode.dequant_array(qb, scale, block, "F8_E4M3", "F32")
+    got = dequant_array(qb, scale, block, "F8_E4M3", "F32")
     want = ref_dequant(qb, scale, block).astype(np.float32)  # one rounding of the exact product
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.float32 and got.shape == shape
@@ -235,9 +235,9 @@ def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
     rng = np.random.default_rng(12)
     qb, scale = random_fp8(rng, (3, 130, 257), (128, 128))
     exact32 = ref_dequant(qb, scale, (128, 128)).astype(np.float32)
-    got = fp8_decode.dequant_array(qb, scale, (128, 128), "F8_E4M3", "BF16")
+    got = dequant_array(qb, scale, (128, 128), "F8_E4M3", "BF16")
     np.testing.assert_array_equal(got, f32_to_bf16_bits(exact32))
-    np.testing.assert_array_equal(fp8_decode.dequant_array(qb, scale, (128, 128), "F8_E4M3", "F16"),
+    np.testing.assert_array_equal(dequant_array(qb, scale, (128, 128), "F8_E4M3", "F16"),
                                   exact32.astype(np.float16))
     # a sequential reader (e.g. over another recipe's bytes), consumed in odd-sized pieces
     data = qb.tobytes()
@@ -249,12 +249,12 @@ def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
         piece = data[pos - n : pos]
         return bytearray(piece) if pos % 2 else piece  # writable (used in place) or read-only (copied)
 
-    chunks = list(fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", scale, "BF16"))
+    chunks = list(dequant_stream(read, qb.shape, "F8_E4M3", scale, "BF16"))
     assert len(chunks) > 3 and pos == len(data)
     streamed = np.concatenate([c.reshape(-1) for c in chunks])
     np.testing.assert_array_equal(streamed, f32_to_bf16_bits(exact32).reshape(-1))
     with pytest.raises(InputError, match="fp8-stream"):
-        list(fp8_decode.dequant_stream(lambda n: b"\0" * (n - 1), qb.shape, "F8_E4M3", scale))
+        list(dequant_stream(lambda n: b"\0" * (n - 1), qb.shape, "F8_E4M3", scale))
 
 
 @pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
@@ -279,7 +279,7 @@ def test_dequantizer_matches_the_exact_product_cast_by_torch(fmt, out, monkeypat
     with np.errstate(over="ignore", invalid="ignore"):
         exact32 = ref_dequant(codes, scale, block, E4M3 if fmt == "F8_E4M3" else E5M2).astype(np.float32)
     want = torch.from_numpy(exact32).to(tdt)
-    got = fp8_decode.dequant_array(codes, scale, block, fmt, out)
+    got = dequant_array(codes, scale, block, fmt, out)
     assert got.shape == shape
     want_bits = want.view(torch.int16 if out != "F32" else torch.int32).numpy()
     got_bits = got.view(want_bits.dtype)
@@ -297,7 +297,7 @@ def test_dequantize_survives_flush_denormal_mode():
     want = ref_dequant(qb, np.ones((1, 1), np.float32), (128, 128)).astype(np.float32)
     assert torch.set_flush_denormal(True)
     try:
-        got = fp8_decode.dequant_array(qb, np.ones((1, 1), np.float32), (128, 128), "F8_E4M3", "F32")
+        got = dequant_array(qb, np.ones((1, 1), np.float32), (128, 128), "F8_E4M3", "F32")
     finally:
         torch.set_flush_denormal(False)
     np.testing.assert_array_equal(got, want)
@@ -306,11 +306,11 @@ def test_dequantize_survives_flush_denormal_mode():
 def test_dequantize_rejects_a_wrong_scale_grid_or_format():
     q = np.zeros((300, 200), dtype=np.uint8)
     with pytest.raises(PlanError, match="fp8-scale-shape"):
-        fp8_decode.dequant_array(q, np.ones((2, 2), np.float32), (128, 128), "F8_E4M3", "BF16")
+        dequant_array(q, np.ones((2, 2), np.float32), (128, 128), "F8_E4M3", "BF16")
     with pytest.raises(PlanError, match="fp8-dtype"):
-        fp8_decode.dequant_array(q, np.ones((3, 2), np.float32), (128, 128), "BF16", "BF16")
+        dequant_array(q, np.ones((3, 2), np.float32), (128, 128), "BF16", "BF16")
     with pytest.raises(PlanError, match="fp8-scale-dtype"):
-        fp8_decode.dequant_array(q, np.ones((3, 2), np.int32), (128, 128), "F8_E4M3", "BF16", "I32")
+        dequant_array(q, np.ones((3, 2), np.int32), (128, 128), "F8_E4M3", "BF16", "I32")
 
 
 def test_dequantize_agrees_with_transformers_fp8_dequantize():
@@ -420,13 +420,13 @@ def test_stream_worker_stops_when_the_consumer_does():
         return data[pos - n : pos]
 
     workers_before = threading.active_count()
-    gen = fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16")
+    gen = dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16")
     first = next(gen)
     assert first.dtype == np.uint16
     gen.close()  # the writer stops early (an error elsewhere): the worker must end
     assert threading.active_count() == workers_before
     pos = 0
-    chunks = list(fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16"))
+    chunks = list(dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16"))
     assert sum(c.size for c in chunks) == qb.size
     assert not any(np.shares_memory(c, chunks[0]) for c in chunks[1:])  # fresh arrays: consumers may keep them
 

@@ -264,6 +264,8 @@ def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch,
     from ckpt_tools.model.quant import decode_fp8 as fp8_decode
     from ckpt_tools.stream.plan import OutputTensor
 
+    from quant_helpers import dequant_array
+
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
     rng = np.random.default_rng(11)
     qa, sa = random_fp8(rng, (300, 200), (128, 128), scale_exp=(-12, 0))
@@ -293,7 +295,7 @@ def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch,
             sv, sdt = scales[sc]
             if sc == "b.weight_scale_inv":  # stored as BF16: its values rounded to bfloat16, read back
                 sv = torch.from_numpy(sa).bfloat16().float().numpy()
-            want[f"t{i}"] = fp8_decode.dequant_array(codes[w], sv, (128, 128), "F8_E4M3", out_dtype, sdt).tobytes()
+            want[f"t{i}"] = dequant_array(codes[w], sv, (128, 128), "F8_E4M3", out_dtype, sdt).tobytes()
         got = run_plan(tmp_path, new, f"new-{name}")
         assert got.keys() == want.keys() and got
         for k in want:
