@@ -27,7 +27,7 @@ from ckpt_tools.dtypes import DTYPES
 from ckpt_tools.io.artefacts import MANIFEST_NAME
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.model.expr import render
-from ckpt_tools.model.quant.companions import weight_format
+from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.model.tables.loader import get_table
 from ckpt_tools.model.tables.resolve import Spec, resolve
 from ckpt_tools.stream.execute import execute
@@ -273,7 +273,7 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
     nvfp4 = variant.startswith("nvfp4")
     if nvfp4:
         cfg = dict(cfg, quantization_config=NVFP4_CONFIG)
-    fmt = weight_format(hint=res.table.quantization)  # the family's hinted block format (no checkpoint yet)
+    fmt = checkpoint_codec(hint=res.table.quantization)  # the family's hinted block format (no checkpoint yet)
     for s in specs:
         packed = _nvfp4(s) if nvfp4 else None
         if packed is not None:

@@ -149,3 +149,19 @@ def as_bytes(x) -> memoryview:
     import torch
 
     return memoryview(t.view(torch.uint8).numpy())
+
+
+def encode_floats(values: np.ndarray, out_dtype: str) -> np.ndarray:
+    """float32 values in ``out_dtype`` storage, rounded to nearest even like torch's casts
+    (bf16 on the bits, every NaN as torch's 0xFFFF)."""
+    import numpy as np
+
+    if out_dtype == "F32":
+        return values.astype(np.float32, copy=False)
+    if out_dtype == "F16":
+        with np.errstate(over="ignore"):  # overflow to +-inf, as torch does
+            return values.astype(np.float16)
+    u = values.astype(np.float32, copy=False).view(np.uint32).astype(np.uint64)  # no overflow in the sum
+    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    out[np.isnan(values)] = np.uint16(0xFFFF)  # the NaN torch's float32 -> bfloat16 cast writes
+    return out

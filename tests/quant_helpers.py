@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+
+from ckpt_tools.arrays import decode_floats, numpy_storage_dtype
 
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:
@@ -216,7 +221,7 @@ def fp4_e8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_dequant(q: torch.Tensor, scale: torch.Tensor, block=(128, 128), dtype=torch.float32) -> torch.Tensor:
     """Block FP8 by its definition (DeepSeek's ``weight_dequant``): ``float32(q) * scale`` of each element's
-    block, one cast to ``dtype``. Plain torch, independent of ckpt_tools' numpy dequantizer (``fp8_decode``),
+    block, one cast to ``dtype``. Plain torch, independent of ckpt_tools' numpy dequantizer (``decode_fp8``),
     which the tests hold to it."""
     br, bc = block
     rows, cols = q.shape[-2:]
@@ -268,3 +273,97 @@ def deepseek_v4_release(src: Path, dst: Path) -> Path:
                                   "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+def grid_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale grid of a weight: last two dims divided by the block, rounded up."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a float tensor (2-D or stacked) held whole to (float8_e4m3fn weight, float32 scale_inv): the
+    block codec's scale and code steps (``encode_block.block_scales`` / ``quantize_with``) over the whole tensor at
+    once, which the codec's banded recipes must reproduce. Values are taken as float32 first; ``pow2``: scales
+    rounded up to powers of two (``scale_fmt: ue8m0``)."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.model.quant.encode_block import block_scales, quantize_with
+
+    if not w.dtype.is_floating_point or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise InputError(f"quantize needs a float tensor, got {w.dtype}", rule="fp8-dtype")
+    x = w.to(torch.float32, copy=True).contiguous()
+    scale = block_scales(x, tuple(block), pow2=pow2)
+    return quantize_with(x, scale, tuple(block)), scale.contiguous()
+
+
+# the block FP8 band kernel over a whole array and a sequential reader: what the tests hold the kernel to
+
+
+def scale_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Scale grid values as float32 (exact for every scale dtype) from their storage array."""
+    if dtype in ("F32", "BF16", "F16"):
+        return decode_floats(np.ascontiguousarray(raw), dtype).astype(np.float32, copy=False).reshape(raw.shape)
+    if dtype == "F8_E8M0":  # 2 ** (b - 127); 0xff is NaN
+        b = raw.view(np.uint8)
+        return np.where(b == 0xFF, np.float32(np.nan), np.ldexp(np.float32(1.0), b.astype(np.int32) - 127))
+    from ckpt_tools.errors import PlanError
+
+    raise PlanError(f"scale dtype {dtype} is not one of F32, BF16, F16, F8_E8M0", rule="fp8-scale-dtype")
+
+
+def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], fmt: str, out_dtype: str,
+                  scale_dtype: str = "F32") -> np.ndarray:
+    """A whole [..., rows, cols] FP8 weight (uint8 storage) -> values in ``out_dtype`` storage."""
+    from ckpt_tools.model.quant.decode_fp8 import BandDequantizer, bands
+    from ckpt_tools.parallel import run_all
+
+    codes = np.ascontiguousarray(codes).view(np.uint8)
+    kern = BandDequantizer(fmt, scale_to_f32(np.ascontiguousarray(scale), scale_dtype), codes.shape, block,
+                           out_dtype)
+    rows, cols = codes.shape[-2:]
+    flat = codes.reshape(-1, rows, cols)
+    out = np.empty(flat.shape, dtype=numpy_storage_dtype(out_dtype))
+
+    def one(band: tuple[int, int, int]) -> None:
+        li, r0, r1 = band
+        kern.dequant(flat[li, r0:r1], li, r0, out=out[li, r0:r1])
+
+    run_all(one, bands(flat.shape[0], rows, block[0], kern.step))  # bands on every core, each into its rows
+    return out.reshape(codes.shape)
+
+
+def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str, scale: np.ndarray,
+                   out_dtype: str = "BF16", block: tuple[int, int] = (128, 128)) -> Iterator[np.ndarray]:
+    """Dequantize a weight whose bytes come from a sequential reader (``read(n)`` -> the next
+    ``n`` bytes, C order), band by band, one worker thread ahead of the consumer.
+
+    ``scale`` is the whole (small) float32 scale grid. Yields fresh storage arrays."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.io.prefetch import prefetched
+    from ckpt_tools.model.quant.decode_fp8 import BandDequantizer, bands, whole_stream
+    from ckpt_tools.parallel import decode_threads, in_pool, ordered_map
+
+    shape = tuple(shape)
+    kern = BandDequantizer(fmt, scale, shape, block, out_dtype)
+    rows, cols = shape[-2:]
+    lead = math.prod(shape[:-2])
+    threads = decode_threads()  # read here: the reading thread below does not see the caller's context
+
+    def raw_bands() -> Iterator[tuple[np.ndarray, int, int]]:
+        for li, r0, r1 in bands(lead, rows, block[0], kern.step):
+            n = (r1 - r0) * cols
+            data = read(n) if n else b""
+            if len(data) != n:
+                raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
+            yield np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, cols), li, r0
+
+    def one(band: tuple[np.ndarray, int, int]) -> np.ndarray:
+        codes, li, r0 = band
+        return kern.dequant(codes, li, r0, out=np.empty(codes.shape, dtype=numpy_storage_dtype(out_dtype)))
+
+    if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
+        return whole_stream(read, (lead, rows, cols), cols, out_dtype, bands(lead, rows, block[0], kern.step),
+                            kern.dequant, lambda msg: InputError(msg, rule="fp8-stream"))
+    # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
+    return prefetched(lambda: ordered_map(one, raw_bands(), threads))

@@ -194,9 +194,9 @@ def test_the_block_the_scales_have_is_found_only_when_the_declared_one_does_not_
     from types import SimpleNamespace
 
     from ckpt_tools.model.quant.block_audit import fitting_block
-    from ckpt_tools.model.quant.companions import weight_format
+    from ckpt_tools.model.quant.codec import checkpoint_codec
 
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     tensors = {"a.weight": ("F8_E4M3", (64, 64)), "a.weight_scale_inv": ("F32", (1, 1))}
     ckpt = SimpleNamespace(tensors={k: SimpleNamespace(dtype=d, shape=s) for k, (d, s) in tensors.items()})
     assert fitting_block(ckpt, fmt, (64, 64)) is None  # the declared block fits: never called wrong

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import run_ckpt
-from quant_helpers import same_bits
+from quant_helpers import dequant_array, dequant_stream, same_bits
 from quant_helpers import tensors_of as _tensors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,9 +189,9 @@ def _stream(chunks) -> bytes:
 def test_band_decoding_on_threads_equals_one_thread(threads):
     """Block FP8 (several tile rows, ragged edges, a stack) and NVFP4 (group tiles), streamed and whole."""
     from ckpt_tools.model.quant import decode
+    from ckpt_tools.model.quant import decode_fp8 as fp8_decode
     from ckpt_tools.model.quant.schema import DecoderDef
     from ckpt_tools.model.quant.tables import get_scheme
-    from ckpt_tools.numeric import fp8_decode
     from ckpt_tools.parallel import use_threads
 
     rng = np.random.default_rng(0)
@@ -207,8 +207,8 @@ def test_band_decoding_on_threads_equals_one_thread(threads):
             pos[0] += n
             return data[pos[0] - n: pos[0]]
 
-        streamed = _stream(fp8_decode.dequant_stream(read, shape, "F8_E4M3", scale, "BF16", block))
-        whole = fp8_decode.dequant_array(codes, scale, block, "F8_E4M3", "BF16").tobytes()
+        streamed = _stream(dequant_stream(read, shape, "F8_E4M3", scale, "BF16", block))
+        whole = dequant_array(codes, scale, block, "F8_E4M3", "BF16").tobytes()
         return streamed, whole
 
     fmt = next(f for f in get_scheme("ct-nvfp4").storage if f.name == "nvfp4")
@@ -323,7 +323,7 @@ def test_a_decode_failing_mid_stream_leaves_no_complete_looking_output(make_fixt
     no manifest and no partial shard: nothing that looks complete."""
     from ckpt_tools import api
     from ckpt_tools.io.artefacts import MANIFEST_NAME
-    from ckpt_tools.numeric import fp8_decode
+    from ckpt_tools.model.quant import decode_fp8 as fp8_decode
 
     src = make_fixture("deepseek_v3", fp8=True)
     calls = [0]

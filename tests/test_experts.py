@@ -314,7 +314,7 @@ def test_dequant_hook_pairs_each_piece_with_its_scales(tmp_path):
     """A dequantizer sees canonical pieces with their own scale grids, whatever the layouts."""
     E, H, inter = 2, 136, 128
 
-    class Ref:  # a float64 reference dequantizer, test-local (the real one is ckpt_tools.numeric.fp8)
+    class Ref:  # a float64 reference dequantizer, test-local (the real one is the block codec, model.quant.decode_fp8)
         dtype = "F32"
 
         def __call__(self, w, s, block, weight_dtype, scale_dtype):
@@ -455,7 +455,7 @@ def test_layout_labels_parse_back():
 
 
 def test_block_dequant_adapter_matches_fp8_module(tmp_path):
-    """The shipped Dequantizer (BlockDequant: ckpt_tools.numeric.fp8_decode) gives each expert exactly the block-FP8
+    """The shipped Dequantizer (BlockDequant: ckpt_tools.model.quant.decode_fp8) gives each expert exactly the block-FP8
     definition of its own pieces."""
     from ckpt_tools.model.experts import BlockDequant
 

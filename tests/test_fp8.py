@@ -1,6 +1,6 @@
 """FP8 block dequantization (fp8_decode, numpy) and quantization (fp8, torch) against independent oracles,
-through the interfaces the commands run: the block-format decode recipe (``WeightFormat.decode``, model/quant's
-``decode_block``) / ``transforms.requantize`` recipes written by the writer, and the band kernels under them.
+through the interfaces the commands run: the block-format decode recipe (``Codec.decode``, model/quant's
+``Codec.decode``) / ``encode_block.requantize`` recipes written by the writer, and the band kernels under them.
 
 The oracles here never use torch's float8 casts: e4m3 / e5m2 bytes are decoded with
 tables built from the bit layout, products are exact in float64, roundings are done
@@ -24,10 +24,13 @@ from ckpt_tools.arrays import as_bytes
 from ckpt_tools.errors import InputError, PlanError
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.io.safetensors_io import LocalFile, read_header, refs_from_header
-from ckpt_tools.model.quant.companions import weight_format
-from ckpt_tools.numeric import fp8, fp8_decode, transforms
+from ckpt_tools.model.quant import decode_fp8 as fp8_decode
+from ckpt_tools.model.quant import encode_block as fp8
+from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.stream.execute import execute
 from ckpt_tools.stream.plan import CopyBytes, OutputTensor, Plan
+
+from quant_helpers import dequant_array, dequant_stream, grid_shape, quantize
 
 # ---------------------------------------------------------------------------
 # Independent oracles (numpy, float64)
@@ -136,7 +139,7 @@ def q_bytes(q: torch.Tensor) -> np.ndarray:
 def random_fp8(rng, shape, block, *, finite_only=True, scale_exp=(-20, 4)):
     """Random fp8 bytes and float32 scales spanning many binades."""
     qb = rng.choice(FINITE_BYTES if finite_only else np.arange(256, dtype=np.uint8), size=shape).astype(np.uint8)
-    gshape = fp8.grid_shape(shape, block)
+    gshape = grid_shape(shape, block)
     scale = (rng.uniform(1, 2, gshape) * 2.0 ** rng.integers(*scale_exp, gshape)).astype(np.float32)
     scale *= rng.choice([-1, 1], gshape).astype(np.float32)
     return qb, scale
@@ -191,7 +194,7 @@ def deq(q: torch.Tensor, s: torch.Tensor, block=(128, 128), out: str = "F32") ->
     from ckpt_tools.dtypes import torch_dtype
 
     fmt = "F8_E4M3" if q.dtype == torch.float8_e4m3fn else "F8_E5M2"
-    got = fp8_decode.dequant_array(q.view(torch.uint8).numpy(), s.numpy(), block, fmt, out)
+    got = dequant_array(q.view(torch.uint8).numpy(), s.numpy(), block, fmt, out)
     return torch.from_numpy(got.copy()).view(torch_dtype(out))
 
 
@@ -200,7 +203,7 @@ def test_every_byte_decodes_as_the_bit_layout_says(fmt, table):
     qb = np.arange(256, dtype=np.uint8).reshape(2, 128)
     for s in (1.0, 0.75, 2.0**-100, 2.0**120 * 1.5):  # the last overflows for the largest codes
         scale = np.full((1, 1), s, dtype=np.float32)
-        got = fp8_decode.dequant_array(qb, scale, (128, 128), fmt, "F32")
+        got = dequant_array(qb, scale, (128, 128), fmt, "F32")
         with np.errstate(over="ignore"):
             want = (table[qb] * np.float64(s)).astype(np.float32)
         np.testing.assert_array_equal(got, want)  # NaN == NaN here; inf and signed zeros must match
@@ -221,7 +224,7 @@ def test_dequantize_matches_float64_reference(shape, block):
     rng = np.random.default_rng(sum(shape))
     qb, scale = random_fp8(rng, shape, block)
     qb.reshape(-1)[:3] = [0x7F, 0xFF, 0x80]  # NaNs and -0
-    got = fp8_decode.dequant_array(qb, scale, block, "F8_E4M3", "F32")
+    got = dequant_array(qb, scale, block, "F8_E4M3", "F32")
     want = ref_dequant(qb, scale, block).astype(np.float32)  # one rounding of the exact product
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.float32 and got.shape == shape
@@ -232,9 +235,9 @@ def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
     rng = np.random.default_rng(12)
     qb, scale = random_fp8(rng, (3, 130, 257), (128, 128))
     exact32 = ref_dequant(qb, scale, (128, 128)).astype(np.float32)
-    got = fp8_decode.dequant_array(qb, scale, (128, 128), "F8_E4M3", "BF16")
+    got = dequant_array(qb, scale, (128, 128), "F8_E4M3", "BF16")
     np.testing.assert_array_equal(got, f32_to_bf16_bits(exact32))
-    np.testing.assert_array_equal(fp8_decode.dequant_array(qb, scale, (128, 128), "F8_E4M3", "F16"),
+    np.testing.assert_array_equal(dequant_array(qb, scale, (128, 128), "F8_E4M3", "F16"),
                                   exact32.astype(np.float16))
     # a sequential reader (e.g. over another recipe's bytes), consumed in odd-sized pieces
     data = qb.tobytes()
@@ -246,12 +249,12 @@ def test_dequantize_to_other_dtypes_and_from_a_stream(monkeypatch):
         piece = data[pos - n : pos]
         return bytearray(piece) if pos % 2 else piece  # writable (used in place) or read-only (copied)
 
-    chunks = list(fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", scale, "BF16"))
+    chunks = list(dequant_stream(read, qb.shape, "F8_E4M3", scale, "BF16"))
     assert len(chunks) > 3 and pos == len(data)
     streamed = np.concatenate([c.reshape(-1) for c in chunks])
     np.testing.assert_array_equal(streamed, f32_to_bf16_bits(exact32).reshape(-1))
     with pytest.raises(InputError, match="fp8-stream"):
-        list(fp8_decode.dequant_stream(lambda n: b"\0" * (n - 1), qb.shape, "F8_E4M3", scale))
+        list(dequant_stream(lambda n: b"\0" * (n - 1), qb.shape, "F8_E4M3", scale))
 
 
 @pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
@@ -276,7 +279,7 @@ def test_dequantizer_matches_the_exact_product_cast_by_torch(fmt, out, monkeypat
     with np.errstate(over="ignore", invalid="ignore"):
         exact32 = ref_dequant(codes, scale, block, E4M3 if fmt == "F8_E4M3" else E5M2).astype(np.float32)
     want = torch.from_numpy(exact32).to(tdt)
-    got = fp8_decode.dequant_array(codes, scale, block, fmt, out)
+    got = dequant_array(codes, scale, block, fmt, out)
     assert got.shape == shape
     want_bits = want.view(torch.int16 if out != "F32" else torch.int32).numpy()
     got_bits = got.view(want_bits.dtype)
@@ -294,7 +297,7 @@ def test_dequantize_survives_flush_denormal_mode():
     want = ref_dequant(qb, np.ones((1, 1), np.float32), (128, 128)).astype(np.float32)
     assert torch.set_flush_denormal(True)
     try:
-        got = fp8_decode.dequant_array(qb, np.ones((1, 1), np.float32), (128, 128), "F8_E4M3", "F32")
+        got = dequant_array(qb, np.ones((1, 1), np.float32), (128, 128), "F8_E4M3", "F32")
     finally:
         torch.set_flush_denormal(False)
     np.testing.assert_array_equal(got, want)
@@ -303,11 +306,11 @@ def test_dequantize_survives_flush_denormal_mode():
 def test_dequantize_rejects_a_wrong_scale_grid_or_format():
     q = np.zeros((300, 200), dtype=np.uint8)
     with pytest.raises(PlanError, match="fp8-scale-shape"):
-        fp8_decode.dequant_array(q, np.ones((2, 2), np.float32), (128, 128), "F8_E4M3", "BF16")
+        dequant_array(q, np.ones((2, 2), np.float32), (128, 128), "F8_E4M3", "BF16")
     with pytest.raises(PlanError, match="fp8-dtype"):
-        fp8_decode.dequant_array(q, np.ones((3, 2), np.float32), (128, 128), "BF16", "BF16")
+        dequant_array(q, np.ones((3, 2), np.float32), (128, 128), "BF16", "BF16")
     with pytest.raises(PlanError, match="fp8-scale-dtype"):
-        fp8_decode.dequant_array(q, np.ones((3, 2), np.int32), (128, 128), "F8_E4M3", "BF16", "I32")
+        dequant_array(q, np.ones((3, 2), np.int32), (128, 128), "F8_E4M3", "BF16", "I32")
 
 
 def test_dequantize_agrees_with_transformers_fp8_dequantize():
@@ -335,7 +338,7 @@ def tensor_of(ref) -> OutputTensor:
     ],
 )
 def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band):
-    """The block-FP8 decode recipe the verbs plan (``WeightFormat.decode``: dequant, extract --dequant, stitch's
+    """The block-FP8 decode recipe the verbs plan (``Codec.decode``: dequant, extract --dequant, stitch's
     comparisons) written by the writer."""
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
     rng = np.random.default_rng(3)
@@ -354,7 +357,7 @@ def test_dequantize_recipe_through_writer(tmp_path, monkeypatch, out_dtype, band
         },
     )
     src.ranges.clear()  # header reads are done; from here on only the recipes read
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     outs = [fmt.decode(tensor_of(refs[w]), tensor_of(refs[s]), out_dtype)
             for w, s in (("a.weight", "a.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"))]
     e8_out = fmt.decode(tensor_of(refs["e.weight"]), tensor_of(refs["e8.weight_scale_inv"]), "F32")
@@ -393,7 +396,7 @@ def test_dequantize_recipe_checks_at_plan_time(tmp_path):
         },
     )
     w, s = tensor_of(refs["w"]), tensor_of(refs["s"])
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     with pytest.raises(PlanError, match="fp8-scale") as e:
         fmt.decode(w, tensor_of(refs["s_bad"]), "BF16")
     assert "s_bad" in str(e.value)
@@ -417,13 +420,13 @@ def test_stream_worker_stops_when_the_consumer_does():
         return data[pos - n : pos]
 
     workers_before = threading.active_count()
-    gen = fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16")
+    gen = dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16")
     first = next(gen)
     assert first.dtype == np.uint16
     gen.close()  # the writer stops early (an error elsewhere): the worker must end
     assert threading.active_count() == workers_before
     pos = 0
-    chunks = list(fp8_decode.dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16"))
+    chunks = list(dequant_stream(read, qb.shape, "F8_E4M3", sc, "BF16"))
     assert sum(c.size for c in chunks) == qb.size
     assert not any(np.shares_memory(c, chunks[0]) for c in chunks[1:])  # fresh arrays: consumers may keep them
 
@@ -440,7 +443,7 @@ def test_quantize_matches_numpy_oracle_and_error_bound():
     w[1, 128:256, 128:256] = 0.0  # a zero block
     w[2, 5, 7] = -0.0
     w[2, 256:, 256:] = rng.standard_normal((4, 44)).astype(np.float32) * 1e-40  # float32 subnormals
-    q, s = fp8.quantize(torch.from_numpy(w), block)
+    q, s = quantize(torch.from_numpy(w), block)
     want_q, want_s = ref_quantize(w, block)
     np.testing.assert_array_equal(s.numpy(), want_s)
     np.testing.assert_array_equal(q_bytes(q), want_q)
@@ -461,7 +464,7 @@ def test_quantize_rounds_ties_to_even():
     # with 448 in the block the scale is exactly 1, so these are the e4m3 inputs themselves
     ties = [1.0625, 1.1875, 248.0, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 0.5 * 2.0**-9, -1.0625, 1.0625 + 2.0**-20]
     want = [1.0, 1.25, 256.0, 2 * 2.0**-9, 2 * 2.0**-9, 0.0, -1.0, 1.125]
-    q, s = fp8.quantize(torch.tensor([[448.0, *ties]]))
+    q, s = quantize(torch.tensor([[448.0, *ties]]))
     assert s.item() == 1.0
     assert E4M3[q_bytes(q)[0, 1:]].tolist() == want
     assert np.array_equal(q_bytes(q)[0], ref_e4m3_rne(np.array([448.0, *ties])))
@@ -470,7 +473,7 @@ def test_quantize_rounds_ties_to_even():
 def test_quantize_saturates_at_448():
     # a block whose amax maps to exactly 448: q is 0x7e and the scale is exact
     w = torch.tensor([[448.0, -448.0, 1.0, 0.0]])
-    q, s = fp8.quantize(w)
+    q, s = quantize(w)
     assert s.item() == 1.0 and q_bytes(q).tolist() == [[0x7E, 0xFE, 0x38, 0x00]]
     # values beyond 448 clamp (torch's cast alone differs between versions and devices)
     y = torch.tensor([448.0, 449.0, 463.9, 464.0, 470.0, 1e6, -1e30])
@@ -480,7 +483,7 @@ def test_quantize_saturates_at_448():
     over = x / (x / 448.0) > 448.0
     assert over.any()
     for amax in x[over][:16]:
-        q, s = fp8.quantize(torch.tensor([[amax.item(), -amax.item() / 3]]))
+        q, s = quantize(torch.tensor([[amax.item(), -amax.item() / 3]]))
         assert q_bytes(q)[0, 0] == 0x7E and s.item() == np.float32(amax.item()) / np.float32(448)
 
 
@@ -489,7 +492,7 @@ def test_quantize_refuses_nan_and_inf():
         w = torch.zeros(256, 256)
         w[200, 3] = bad
         with pytest.raises(InputError, match="fp8-nonfinite") as e:
-            fp8.quantize(w)
+            quantize(w)
         assert "[1, 0]" in str(e.value)  # the block is named
 
 
@@ -527,12 +530,12 @@ def test_property_random_shapes_and_blocks(rows, cols, lead, br, bc, exp, seed):
     rng = np.random.default_rng(seed)
     shape = (lead, rows, cols) if lead else (rows, cols)
     w = (rng.standard_normal(shape) * 2.0**exp).astype(np.float32)
-    q, s = fp8.quantize(torch.from_numpy(w), (br, bc))
+    q, s = quantize(torch.from_numpy(w), (br, bc))
     want_q, want_s = ref_quantize(w, (br, bc))
     assert np.array_equal(q_bytes(q), want_q) and np.array_equal(s.numpy(), want_s)
     d = deq(q, s, (br, bc))
     np.testing.assert_array_equal(d.numpy(), ref_dequant(want_q, want_s, (br, bc)).astype(np.float32))
-    q2, s2 = fp8.quantize(d, (br, bc))
+    q2, s2 = quantize(d, (br, bc))
     assert np.array_equal(q_bytes(q2), want_q) and torch.equal(s2, s)
 
 
@@ -542,22 +545,22 @@ def test_quantize_dequantize_is_a_fixed_point(shape):
     w = rng.standard_normal(shape).astype(np.float32) * 2.0 ** rng.integers(-30, 10)
     w.reshape(-1)[:254] = E4M3[FINITE_BYTES]  # every finite code appears
     w[..., :128, :128] = 0.0  # a zero block
-    q, s = fp8.quantize(torch.from_numpy(w))
-    q2, s2 = fp8.quantize(deq(q, s))
+    q, s = quantize(torch.from_numpy(w))
+    q2, s2 = quantize(deq(q, s))
     assert np.array_equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2.view(torch.int32), s.view(torch.int32))
     # tiny blocks (floored scale, some rounding to all-zero codes) too
-    q, s = fp8.quantize(torch.from_numpy(w * np.float32(1e-36)))
+    q, s = quantize(torch.from_numpy(w * np.float32(1e-36)))
     assert (s >= 2.0**-126).all() and (s == 2.0**-126).any()
-    q2, s2 = fp8.quantize(deq(q, s))
+    q2, s2 = quantize(deq(q, s))
     assert np.array_equal(q_bytes(q2), q_bytes(q)) and torch.equal(s2, s)
 
 
 # ---------------------------------------------------------------------------
-# Banded re-quantization: transforms.requantize (stitch and graft)
+# Banded re-quantization: encode_block.requantize (stitch and graft)
 
 
 def requantized(ref, block=(128, 128), pow2=False):
-    return transforms.requantize(tensor_of(ref), block, ref.key + "_scale_inv", pow2=pow2)
+    return fp8.requantize(tensor_of(ref), block, ref.key + "_scale_inv", pow2=pow2)
 
 
 def test_requantize_recipes_match_quantize(tmp_path):
@@ -570,7 +573,7 @@ def test_requantize_recipes_match_quantize(tmp_path):
     assert outs[0].dtype == "F8_E4M3" and outs[1].dtype == "F32" and outs[3].shape == (3, 3, 3)
     got = run_plan(tmp_path, outs)
     for key, values, pow2 in (("a", a, False), ("e", e, False), ("pe", e, True)):
-        q, s = fp8.quantize(values, pow2=pow2)
+        q, s = quantize(values, pow2=pow2)
         assert got[key].dtype == torch.float8_e4m3fn
         assert np.array_equal(q_bytes(got[key]), q_bytes(q))
         assert torch.equal(got[f"{key}_scale_inv"], s)
@@ -583,7 +586,7 @@ def test_requantize_computes_each_scale_grid_once(tmp_path, monkeypatch, first):
     rng = np.random.default_rng(6)
     e = torch.from_numpy(rng.standard_normal((2, 300, 200)).astype(np.float32))
     refs, _ = write_refs(tmp_path / "d.safetensors", {"e": e})
-    q, want_s = fp8.quantize(e)
+    q, want_s = quantize(e)
     calls = {"scales": 0, "codes": 0}
     for name, count in (("block_scales", "scales"), ("quantize_with", "codes")):
         real = getattr(fp8, name)
@@ -626,10 +629,10 @@ def test_weight_block_size_is_read_once_by_the_scheme_table():
     from types import SimpleNamespace
 
     from ckpt_tools.model.quant.block_audit import declared_block
-    from ckpt_tools.model.quant.companions import config_params, weight_format
+    from ckpt_tools.model.quant.codec import checkpoint_codec, config_params
     from ckpt_tools.model.quant.tables import get_scheme
 
-    fmt = weight_format(hint="fp8-block")
+    fmt = checkpoint_codec(hint="fp8-block")
     table = get_scheme("fp8-block")
 
     def ckpt(qc):
@@ -654,16 +657,16 @@ def test_power_of_two_scales_for_ue8m0(shape):
     rng = np.random.default_rng(7)
     w = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.02)
     w[..., :128, :128] = 0.0
-    q, s = fp8.quantize(w, pow2=True)
+    q, s = quantize(w, pow2=True)
     mant, _ = torch.frexp(s)
     assert (mant == 0.5).all()  # powers of two only
-    plain_q, plain_s = fp8.quantize(w)
+    plain_q, plain_s = quantize(w)
     expect = torch.exp2(torch.ceil(torch.log2(plain_s.double()))).float()  # plain_s = fl(amax / 448)
     assert torch.equal(s, expect)
     # values are a fixed point (bytes may not be: a block whose largest code rounded down to 224 comes back
     # with half the scale and doubled codes, the same values; stitch keeps unchanged FP8 bytes by value)
     d = deq(q, s)
-    q2, s2 = fp8.quantize(d, pow2=True)
+    q2, s2 = quantize(d, pow2=True)
     assert torch.equal(deq(q2, s2), d)
     err = (deq(q, s) - w).abs().max()
     assert err <= w.abs().max() * 2.0**-3  # e4m3 keeps 3 mantissa bits; a larger scale costs at most one

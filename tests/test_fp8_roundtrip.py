@@ -30,9 +30,8 @@ def test_untouched_dequantized_draft_stitches_back_byte_identical(make_fixture, 
 
 
 def test_perturbed_dequantized_draft_requantizes_exactly_those(make_fixture, tmp_path):
-    from ckpt_tools.numeric.fp8 import quantize
-
     from quant_helpers import fp8_dequant as dequantize
+    from quant_helpers import quantize
 
     verifier = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_DIMS)
     draft, out = tmp_path / "draft", tmp_path / "out"

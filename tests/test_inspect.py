@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpt_tools.cli import app
 from ckpt_tools.errors import EXIT_INPUT, EXIT_USAGE
 from ckpt_tools.model.expert_layouts import scale_key
-from ckpt_tools.model.quant.companions import weight_format
+from ckpt_tools.model.quant.codec import checkpoint_codec
 from ckpt_tools.model.tables.loader import all_tables, get_table
 from ckpt_tools.ops.inspect.inspect import inspect_checkpoint
 
@@ -131,7 +131,7 @@ def test_inspect_numbers_match_an_independent_count(make_fixture, family, fp8):
     assert j["fp8"]["weights"] == len(fp8_weights)
     # the scale suffix of the family's hinted scheme (weight_scale_inv; DeepSeek-V4's release names them `.scale`)
     q = get_table(family).quantization
-    suffix = weight_format(hint=q).scale_suffix
+    suffix = checkpoint_codec(hint=q).scale_suffix
     assert j["fp8"]["scales"] == sum(1 for k in mtp_keys if k.endswith("." + suffix) or k.endswith("_scale_inv"))
     if not fp8:
         assert not fp8_weights

@@ -108,9 +108,8 @@ def _tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def test_e5m2_weight_is_requantized_into_the_verifiers_e4m3(fp8, tmp_path):
-    from ckpt_tools.numeric.fp8 import quantize
-
     from quant_helpers import fp8_dequant as dequantize
+    from quant_helpers import quantize
 
     verifier, draft8, _ = fp8
     draft = copy(draft8, tmp_path / "d")
@@ -477,7 +476,7 @@ def test_float32_overflowing_squares_stay_finite(tmp_path):
 
 
 def test_no_worker_thread_sets_torchs_thread_count(fp8, tmp_path, monkeypatch):
-    from ckpt_tools.numeric import transforms
+    from ckpt_tools.model.quant import encode_block
     from ckpt_tools.stream.plan import CopyBytes, OutputTensor
 
     calls = []
@@ -486,7 +485,7 @@ def test_no_worker_thread_sets_torchs_thread_count(fp8, tmp_path, monkeypatch):
                         lambda n: (calls.append(threading.current_thread().name), real(n)))
     verifier, _, draft16 = fp8
     w = Checkpoint.open(draft16).tensors[Q_B]  # torch work: re-quantizing the draft's values
-    recipe = transforms.requantize(OutputTensor(Q_B, w.dtype, w.shape, CopyBytes([w.segment()])), (128, 128),
+    recipe = encode_block.requantize(OutputTensor(Q_B, w.dtype, w.shape, CopyBytes([w.segment()])), (128, 128),
                                    Q_B + "_scale_inv")[0].recipe
     real(2)  # a count to switch from
     try:

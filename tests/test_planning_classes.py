@@ -92,13 +92,13 @@ def test_judging_classes_finds_what_judging_each_module_finds(producer):
 def _judge_each(rows, scheme, table, files) -> list[str]:
     """The findings of judging every module on its own (the rule as written, without classes)."""
     from ckpt_tools.model.quant.audit import Audit, _judge_fused, fused_names
-    from ckpt_tools.model.quant.companions import block_format, weight_format
+    from ckpt_tools.model.quant.codec import checkpoint_codec, restack_codec
 
     fused = {k: list(v) for k, v in table.fused_modules.items()}
     names = {m for m, *_ in rows}
-    hint = weight_format(hint=table.quantization)
+    hint = checkpoint_codec(hint=table.quantization)
     convention = any(flag for _, _, flag, _ in rows) and (
-        any(block_format(t) is not None for t in scheme.tables)
+        any(restack_codec(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
     result = Audit(scheme)
     for module, stored, flag, expert in rows:

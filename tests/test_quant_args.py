@@ -128,13 +128,13 @@ def test_the_packed_zero_point_shape_is_the_librarys(bits):
     """The shape required under symmetric: false is what compressed-tensors' pack_to_int32 writes (rows packed)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from ckpt_tools.model.quant.storage import _zero_point_shapes
+    from ckpt_tools.model.quant.storage import zero_point_shapes
     from ckpt_tools.model.quant.tables import get_scheme
 
     fmt = next(f for f in get_scheme("ct-pack").storage if f.decoder.bits == bits)
     for rows in (1, 7, 9, 17, 23, 33, 128):
         packed = pack_to_int32(torch.zeros((rows, 3), dtype=torch.int8), bits, packed_dim=0)
-        assert _zero_point_shapes(fmt, (rows, 3)) == [tuple(packed.shape)]
+        assert zero_point_shapes(fmt, (rows, 3)) == [tuple(packed.shape)]
 
 
 def _shapes(src: Path) -> dict[str, tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""One quantization path: a block-FP8 weight's companions come from a scheme table (model.quant.companions).
+"""One quantization path: a block-FP8 weight's companions come from a scheme table (model.quant.codec).
 
 The scheme the checkpoint stores (its scale companion's name) or declares decides; the family table's
 one-word ``quantization`` hint is used only where there is no checkpoint (fixtures, the demo). A family
@@ -20,7 +20,7 @@ from ckpt_tools.errors import InputError, TableError, UsageError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.io.config import ConfigView
 from ckpt_tools.model.mtp import open_mtp
-from ckpt_tools.model.quant.companions import Companion, block_format, weight_format
+from ckpt_tools.model.quant.codec import Companion, checkpoint_codec, restack_codec
 from ckpt_tools.model.quant.tables import all_schemes
 from ckpt_tools.model.tables.loader import all_tables, get_table, mappings_dir
 
@@ -80,23 +80,23 @@ def test_every_family_hint_names_a_scheme_with_a_block_format():
     hinted = {f: t.quantization for f, t in all_tables().items() if t.quantization is not None}
     assert hinted, "no family hints a scheme"
     for family, scheme in hinted.items():
-        fmt = weight_format(hint=scheme)
+        fmt = checkpoint_codec(hint=scheme)
         assert fmt.scheme == scheme and fmt.how == "hint", family
-    assert weight_format(hint="deepseek-v4").scale_suffix == "scale"
-    assert weight_format(hint="fp8-block").scale_suffix == "weight_scale_inv"
+    assert checkpoint_codec(hint="deepseek-v4").scale_suffix == "scale"
+    assert checkpoint_codec(hint="fp8-block").scale_suffix == "weight_scale_inv"
 
 
 def test_only_single_scale_fixed_tile_fp8_formats_are_block_formats():
-    found = {name for name, t in all_schemes().items() if block_format(t) is not None}
+    found = {name for name, t in all_schemes().items() if restack_codec(t) is not None}
     # ct-fp8 / modelopt-fp8 carry an optional input_scale and per-tensor / channel tiles; FP4 / int pack codes
     assert found == {"fp8-block", "deepseek-v4"}
 
 
 def test_a_hint_must_name_a_scheme_with_a_block_format():
     with pytest.raises(UsageError, match="unknown quantization scheme 'no-such-scheme'"):
-        weight_format(hint="no-such-scheme")
+        checkpoint_codec(hint="no-such-scheme")
     with pytest.raises(InputError, match="'ct-nvfp4' has no block format") as ei:
-        weight_format(hint="ct-nvfp4")
+        checkpoint_codec(hint="ct-nvfp4")
     assert ei.value.rule == "quant-hint"
 
 
@@ -115,23 +115,23 @@ def test_storage_decides_before_the_configuration_and_the_hint():
     v3 = {"a.weight": _ref("F8_E4M3"), "a.weight_scale_inv": _ref("F32", (2, 2))}
     v4 = {"a.weight": _ref("F8_E4M3"), "a.scale": _ref("F8_E8M0", (2, 2))}
     declared = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 128]}}
-    assert weight_format(_ckpt(v3), hint="deepseek-v4").scheme == "fp8-block"
-    got = weight_format(_ckpt(v4), hint="fp8-block")
+    assert checkpoint_codec(_ckpt(v3), hint="deepseek-v4").scheme == "fp8-block"
+    got = checkpoint_codec(_ckpt(v4), hint="fp8-block")
     assert (got.scheme, got.scale_suffix, got.how) == ("deepseek-v4", "scale", "stored")
     # the block the configuration declares for the stored scheme's table
-    assert weight_format(_ckpt(v3, declared)).block == (64, 128)
+    assert checkpoint_codec(_ckpt(v3, declared)).block == (64, 128)
     # nothing stored: the declaration, then the hint, then the default
-    assert weight_format(_ckpt({}, declared)).how == "declared"
-    assert weight_format(_ckpt({"a.weight": _ref("BF16")}), hint="deepseek-v4").how == "hint"
-    assert weight_format(_ckpt({})).scheme == "fp8-block"
+    assert checkpoint_codec(_ckpt({}, declared)).how == "declared"
+    assert checkpoint_codec(_ckpt({"a.weight": _ref("BF16")}), hint="deepseek-v4").how == "hint"
+    assert checkpoint_codec(_ckpt({})).scheme == "fp8-block"
 
 
 def test_companions_name_role_and_shape():
-    fmt = weight_format(hint="deepseek-v4")
+    fmt = checkpoint_codec(hint="deepseek-v4")
     assert fmt.companions("m.wq_b.weight", (300, 129)) == [Companion("m.wq_b.scale", "scale", (3, 2))]
     assert fmt.companions("m.experts.gate_up_proj", (4, 256, 128)) == [
         Companion("m.experts.gate_up_proj_scale", "scale", (4, 2, 1))]
-    assert weight_format().scale_key("x.weight") == "x.weight_scale_inv"
+    assert checkpoint_codec().scale_key("x.weight") == "x.weight_scale_inv"
 
 
 # --------------------------------------------------------------------------- the verbs, byte for byte
@@ -141,7 +141,7 @@ def test_block_fp8_without_a_quantization_line_extracts_and_fuses_the_same(make_
     src = make_fixture("deepseek_v3", fp8=True, config_overrides=FP8_128)
     arch = unhinted("deepseek_v3")
     view = open_mtp(Checkpoint.open(src), get_table(arch))
-    assert view.block_format.how == "stored" and view.block_format.scheme == "fp8-block"
+    assert view.codec.how == "stored" and view.codec.scheme == "fp8-block"
     # every FP8 linear is a quantized module like any other scheme's, its scale named by the table
     fp8 = {s.key for s in view.present if view.ckpt.tensors[s.key].dtype == "F8_E4M3"}
     assert view.complete() and fp8 and set(view.quantized) == fp8
@@ -192,7 +192,7 @@ def test_deepseek_v4_scale_companions_come_from_its_scheme_table(make_fixture, t
     assert scales and not any(k.endswith("weight_scale_inv") for k in stored)
     arch = unhinted("deepseek_v4")  # no hint: the `.scale` tensors alone say deepseek-v4
     view = open_mtp(Checkpoint.open(src), get_table(arch))
-    fmt = view.block_format
+    fmt = view.codec
     assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
     assert view.complete() and not view.missing_scales
     assert view.quantized and all(st.scheme == "deepseek-v4" and set(st.tensors) == {"weight", "scale"}
@@ -212,7 +212,7 @@ def test_deepseek_v4_release_layout_reads_through_its_scheme_table(tmp_path, unh
     src = make_quantized_checkpoint("deepseek_v4", tmp_path / "v4", QuantOptions("fp8-ue8m0-fp4-experts"))
     arch = unhinted("deepseek_v4")
     view = open_mtp(Checkpoint.open(src), get_table(arch))
-    fmt = view.block_format
+    fmt = view.codec
     assert (fmt.scheme, fmt.scale_suffix, fmt.how) == ("deepseek-v4", "scale", "stored")
     assert "F8_E8M0" in fmt.scale_dtypes and view.complete()
     for args, a in _extracted_alike(src, arch, tmp_path):
@@ -253,16 +253,18 @@ def test_deepseek_v4_graft_keeps_its_scale_companions(make_fixture, tmp_path, ex
 
 @pytest.mark.parametrize("out_dtype,band", [("BF16", 3000), ("F16", 3000), ("F32", 1 << 20), ("BF16", 60000)])
 def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch, out_dtype, band):
-    """The verbs dequantize block-format weights with model/quant's decoder (WeightFormat.decode): byte for byte
-    what numeric.fp8_decode's kernel (the former block-FP8 recipe's) computes (F32, BF16 and UE8M0 scales, stacks,
+    """The verbs dequantize block-format weights with model/quant's decoder (Codec.decode): byte for byte
+    what model.quant.decode_fp8's kernel (the former block-FP8 recipe's) computes (F32, BF16 and UE8M0 scales, stacks,
     edge tiles), with the same plan-time checks."""
     import numpy as np
     import torch
     from test_fp8 import as_fp8, random_fp8, run_plan, tensor_of, write_refs
 
     from ckpt_tools.errors import PlanError
-    from ckpt_tools.numeric import fp8_decode
+    from ckpt_tools.model.quant import decode_fp8 as fp8_decode
     from ckpt_tools.stream.plan import OutputTensor
+
+    from quant_helpers import dequant_array
 
     monkeypatch.setattr(fp8_decode, "BAND_ELEMS", band)
     rng = np.random.default_rng(11)
@@ -278,7 +280,7 @@ def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch,
     pairs = [("a.weight", "a.weight_scale_inv"), ("a.weight", "b.weight_scale_inv"), ("e.weight", "e.weight_scale_inv"),
              ("e.weight", "e8.scale")]
     for name in ("fp8-block", "deepseek-v4"):
-        fmt = weight_format(hint=name)
+        fmt = checkpoint_codec(hint=name)
         codes = {"a.weight": qa, "e.weight": qe}
         scales = {"a.weight_scale_inv": (sa, "F32"), "b.weight_scale_inv": (sa, "F32"),
                   "e.weight_scale_inv": (se, "F32"), "e8.scale": (e8, "F8_E8M0")}
@@ -293,12 +295,12 @@ def test_the_verbs_decoder_writes_the_block_recipes_bytes(tmp_path, monkeypatch,
             sv, sdt = scales[sc]
             if sc == "b.weight_scale_inv":  # stored as BF16: its values rounded to bfloat16, read back
                 sv = torch.from_numpy(sa).bfloat16().float().numpy()
-            want[f"t{i}"] = fp8_decode.dequant_array(codes[w], sv, (128, 128), "F8_E4M3", out_dtype, sdt).tobytes()
+            want[f"t{i}"] = dequant_array(codes[w], sv, (128, 128), "F8_E4M3", out_dtype, sdt).tobytes()
         got = run_plan(tmp_path, new, f"new-{name}")
         assert got.keys() == want.keys() and got
         for k in want:
             assert got[k].view(torch.uint8).numpy().tobytes() == want[k], k
-    fmt = weight_format()
+    fmt = checkpoint_codec()
     w = tensor_of(refs["a.weight"])
     for scale, dtype, rule in ((refs["bad.weight_scale_inv"], "BF16", "fp8-scale-shape"),
                                (refs["a.weight_scale_inv"], "F8_E4M3", "dequant-dtype")):

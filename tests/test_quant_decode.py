@@ -182,13 +182,11 @@ def test_deepseek_v4_fp4_experts_equal_a_float64_reference():
 
 
 def test_block_fp8_with_ue8m0_scales_equals_the_fp8_module():
-    from ckpt_tools.numeric import fp8
-
-    from quant_helpers import fp8_dequant
+    from quant_helpers import fp8_dequant, quantize
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(200, 300, generator=g, dtype=torch.float32)
-    q, _ = fp8.quantize(w, (128, 128))
+    q, _ = quantize(w, (128, 128))
     scale = torch.randint(110, 135, (2, 3), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     want = fp8_dequant(q, scale, (128, 128), dtype=torch.bfloat16)
     ours = _decode_parts("fp8-block", "fp8-block", {"weight": q, "weight_scale_inv": scale}, (200, 300),
@@ -219,8 +217,8 @@ def test_nvfp4_pair_tables_equal_the_band_arithmetic(scheme, tile, gscale):
     included, in every output dtype; scales that are not all e4m3 values take the band arithmetic."""
     from ckpt_tools.arrays import numpy_storage_dtype
     from ckpt_tools.model.quant import decode
+    from ckpt_tools.model.quant.decode_fp8 import TABLES
     from ckpt_tools.model.quant.tables import get_scheme
-    from ckpt_tools.numeric.fp8_decode import TABLES
 
     spec = next(f for f in get_scheme(scheme).storage if f.name == "nvfp4").decoder
     rows, cols = 700, 512  # above PAIR_TABLE_MIN elements; ragged last tile row for (3, 16)

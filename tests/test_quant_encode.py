@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tools.model.quant.encode import ENCODERS, EncodeArgs
+from ckpt_tools.model.quant.codec import CODECS
+from ckpt_tools.model.quant.encode_core import EncodeArgs
 from ckpt_tools.model.quant.tables import all_schemes
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors comes with the test extra")
@@ -64,7 +65,7 @@ def test_ct_encoders_equal_compressed_tensors_own_compression(preset, dtype):
     for module, w in weights.items():
         want = {k.split(".", 1)[1]: v for k, v in lib.items() if k.startswith(module + ".")}
         dtypes = {s: DTYPES.get(v.dtype, "F8_E4M3") for s, v in want.items()}
-        got = ENCODERS[name](w, EncodeArgs(params, dtypes, DTYPES[dtype]))
+        got = CODECS[name].encode(w, EncodeArgs(params, dtypes, DTYPES[dtype]))
         for suffix, t in got.items():
             assert suffix in want, (module, suffix)
             assert _as_bytes(t.reshape(want[suffix].shape)) == _as_bytes(want[suffix]), f"{preset} {module}.{suffix}"
@@ -117,12 +118,12 @@ def test_encoders_reproduce_the_real_producers_outputs(fixture):
         rule = fmt.shared_scale
         group = group_absmax(base, module, fused) if rule == "fused" or (
             rule == "experts" and ".mlp.experts." in module) else None
-        got = ENCODERS[name](w, EncodeArgs(params, dtypes, "BF16", group))
+        got = CODECS[name].encode(w, EncodeArgs(params, dtypes, "BF16", group))
         for suffix, t in got.items():
             assert _as_bytes(t.reshape(stored[suffix].shape)) == _as_bytes(stored[suffix]), f"{module}.{suffix}"
         exact += 1
         if group is not None and group != float(w.abs().max()):
-            alone = ENCODERS[name](w, EncodeArgs(params, dtypes, "BF16"))
+            alone = CODECS[name].encode(w, EncodeArgs(params, dtypes, "BF16"))
             assert _as_bytes(alone[shared].reshape(stored[shared].shape)) != _as_bytes(stored[shared]), module
             grouped += 1
     assert exact >= 28 and (grouped >= 4 or shared is None), (exact, grouped)  # 8 NVFP4, 4 FP8 expert shards
@@ -130,7 +131,7 @@ def test_encoders_reproduce_the_real_producers_outputs(fixture):
 
 def test_every_encoder_is_named_by_a_table_and_every_table_name_exists():
     named = {f.encoder for t in all_schemes().values() for f in t.storage if f.encoder}
-    assert named == set(ENCODERS)
+    assert named == set(CODECS)
 
 
 def test_graft_help_lists_every_table_with_an_encoder():
@@ -317,8 +318,8 @@ def test_encoders_invert_their_decoders_and_keep_their_layout(name):
     step; every output has the dtype and shape the encoder's layout announces at plan time."""
     import numpy as np
 
+    from ckpt_tools.model.quant.codec import layout_of
     from ckpt_tools.model.quant.decode import Decoding, decode_array, scale_values
-    from ckpt_tools.model.quant.encode import layout_of
 
     table = next(t for t in all_schemes().values() for f in t.storage if f.encoder == name)
     fmt = next(f for f in table.storage if f.encoder == name)
@@ -330,7 +331,7 @@ def test_encoders_invert_their_decoders_and_keep_their_layout(name):
                                                                                      for t in fmt.tensors}})
 
     def decoded(x: torch.Tensor) -> torch.Tensor:
-        enc = ENCODERS[name](x, args)
+        enc = CODECS[name].encode(x, args)
         for suffix, (dtype, shape) in layout_of(name, tuple(x.shape), args).items():
             assert DTYPES.get(enc[suffix].dtype, "F8_E4M3" if enc[suffix].element_size() == 1 and
                               enc[suffix].dtype != torch.uint8 else "U8") == dtype and \

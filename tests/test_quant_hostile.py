@@ -190,10 +190,11 @@ def test_graft_from_a_source_with_a_zero_global_scale_is_refused(G, tmp_path):
 def test_the_modelopt_encoders_write_positive_scales_for_an_all_zero_weight():
     import torch
 
-    from ckpt_tools.model.quant.encode import ENCODERS, EncodeArgs
+    from ckpt_tools.model.quant.codec import CODECS
+    from ckpt_tools.model.quant.encode_core import EncodeArgs
 
     for name in ("modelopt-fp8", "modelopt-nvfp4", "ct-fp8", "ct-nvfp4"):
-        out = ENCODERS[name](torch.zeros(32, 64, dtype=torch.bfloat16),
+        out = CODECS[name].encode(torch.zeros(32, 64, dtype=torch.bfloat16),
                              EncodeArgs(params={"algo": "FP8", "group_size": 16, "strategy": "tensor"}))
         for suffix, t in out.items():
             if "scale" in suffix:

@@ -5,7 +5,7 @@ kind reads them) times a per-row absmax F32 scale ``weight_scale_row`` [rows, 1]
 ``quantization_config: {quant_method: toy-int8, ignore: [...]}`` - is known to this test alone: its table is
 written into a temporary directory (``register_scheme_dir``), its decoder is its code values
 (``register_codes``: the rest of decoding - scale tiles, one float32 product, one rounding - is the table's
-``decoder:`` data) and its encoder is registered (``register_encoder``). A deepseek_v3 fixture (trunk and
+``decoder:`` data) and its encoder is registered (``register_codec``). A deepseek_v3 fixture (trunk and
 MTP) quantized that way then works in every verb with no other change to the tool: ``inspect`` names the
 scheme, ``validate`` accepts it and refuses a missing companion, ``dequant`` writes exactly the decoded
 floats, ``stitch`` writes a changed MTP in the toy storage (the encoder's bytes) and keeps an unchanged one
@@ -28,14 +28,14 @@ from ckpt_tools.model.quant import (
     EncodeArgs,
     all_schemes,
     get_scheme,
+    register_codec,
     register_codes,
-    register_encoder,
     register_scheme_dir,
+    unregister_codec,
     unregister_codes,
-    unregister_encoder,
     unregister_scheme_dir,
 )
-from ckpt_tools.model.quant.encode import ENCODERS
+from ckpt_tools.model.quant.codec import CODECS
 
 from conftest import run_ckpt
 from quant_helpers import same_bits, tensors_of
@@ -101,13 +101,13 @@ def toy_decode(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 def register_toy(tables: Path) -> None:
     (tables / f"{NAME}.yaml").write_text(TABLE)
     register_codes(CODES, toy_code_values())
-    register_encoder(NAME, toy_encode, toy_layout)
+    register_codec(NAME, toy_encode, toy_layout)
     register_scheme_dir(tables)
 
 
 def unregister_toy(tables: Path) -> None:
     unregister_scheme_dir(tables)
-    unregister_encoder(NAME)
+    unregister_codec(NAME)
     unregister_codes(CODES)
 
 
@@ -184,7 +184,7 @@ def _modules(ckpt_dir: Path, prefix: str = "") -> list[str]:
 def test_without_the_registration_the_scheme_is_unknown(toy, tmp_path, tmp_path_factory):
     from ckpt_tools.model.quant.decode import REGISTERED_CODES
 
-    assert NAME not in all_schemes() and NAME not in ENCODERS and CODES not in REGISTERED_CODES
+    assert NAME not in all_schemes() and NAME not in CODECS and CODES not in REGISTERED_CODES
     for verb, code in ((("validate", toy), 1), (("dequant", toy, "-o", tmp_path / "out"), 3)):
         res = run_ckpt(*verb, code=code)
         assert "quant-unknown" in res.output and NAME in res.output, res.output
@@ -206,11 +206,11 @@ def test_a_table_loads_once_its_decoder_and_encoder_are_registered(toy, tmp_path
         with pytest.raises(TableError) as e:
             all_schemes()
         assert f"{NAME}.yaml" in str(e.value) and "storage[0].encoder" in str(e.value)
-        register_encoder(NAME, toy_encode, toy_layout)
+        register_codec(NAME, toy_encode, toy_layout)
         assert all_schemes()[NAME].storage[0].label == "INT8 per row"
         run_ckpt("validate", toy)
         with pytest.raises(ValueError, match="already"):
-            register_encoder(NAME, toy_encode, toy_layout)
+            register_codec(NAME, toy_encode, toy_layout)
         with pytest.raises(ValueError, match="already"):
             register_codes(CODES, toy_code_values())
         with pytest.raises(ValueError, match="already"):
@@ -419,7 +419,7 @@ def block_quantize(src: Path, dst: Path, drop_mtp: bool = False) -> Path:
                 continue
             if _quantizable(k, t):
                 module = k.removesuffix(".weight")
-                out.update({f"{module}.{s}": v for s, v in ENCODERS["fp8-block"](t, BLOCK_ARGS).items()})
+                out.update({f"{module}.{s}": v for s, v in CODECS["fp8-block"].encode(t, BLOCK_ARGS).items()})
             else:
                 out[k] = t
                 if k.endswith(".weight") and t.dim() == 2:
@@ -449,7 +449,7 @@ def test_a_block_scheme_table_alone_works_for_graft_and_stitch(block_scheme, rel
     encoded = sorted(k.removesuffix("." + BLOCK_SCALE) for k in got if k.startswith(MTP) and k.endswith(BLOCK_SCALE))
     assert len(encoded) >= 15 and not any(k.endswith(("weight_scale_inv", ".scale")) for k in got)
     for m in encoded:
-        for s, t in ENCODERS["fp8-block"](src[f"{m}.weight"], BLOCK_ARGS).items():
+        for s, t in CODECS["fp8-block"].encode(src[f"{m}.weight"], BLOCK_ARGS).items():
             assert same_bits(got[f"{m}.{s}"], t), (m, s)
     run_ckpt("validate", grafted)
 
@@ -467,7 +467,7 @@ def test_a_block_scheme_table_alone_works_for_graft_and_stitch(block_scheme, rel
     run_ckpt("stitch", draft, grafted, "-o", out)
     d, c = tensors_of(draft), tensors_of(out)
     for m in encoded:
-        for s, t in ENCODERS["fp8-block"](d[f"{m}.weight"], BLOCK_ARGS).items():
+        for s, t in CODECS["fp8-block"].encode(d[f"{m}.weight"], BLOCK_ARGS).items():
             assert same_bits(c[f"{m}.{s}"], t), (m, s)
     assert (out / "config.json").read_bytes() == (grafted / "config.json").read_bytes()
     run_ckpt("validate", out)

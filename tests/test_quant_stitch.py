@@ -175,8 +175,9 @@ def test_stitch_encodes_the_mtp_in_the_verifiers_modelopt_nvfp4_storage(built, t
     """ModelOpt NVFP4: a changed MTP weight is written as weight / weight_scale / weight_scale_2 by the encoder the
     table names, the side file and config unchanged, and its decoded values are the draft's within NVFP4's step."""
     from ckpt_tools.model.quant import detect_scheme, module_storage
+    from ckpt_tools.model.quant.codec import CODECS
     from ckpt_tools.model.quant.dequant import dequant_module
-    from ckpt_tools.model.quant.encode import ENCODERS, EncodeArgs
+    from ckpt_tools.model.quant.encode_core import EncodeArgs
     from ckpt_tools.numeric.transforms import recipe_bytes
 
     verifier, _, draft = built("qwen3_5_moe", "modelopt-nvfp4")
@@ -192,7 +193,7 @@ def test_stitch_encodes_the_mtp_in_the_verifiers_modelopt_nvfp4_storage(built, t
     for m in sorted(stored):
         w = weights[f"{m}.weight"]
         group = group_absmax(weights, m, get_table("qwen3_5_moe").fused_modules)  # gate/up share one weight_scale_2
-        want = ENCODERS["modelopt-nvfp4"](w, EncodeArgs({"group_size": 16}, {}, "BF16", group))
+        want = CODECS["modelopt-nvfp4"].encode(w, EncodeArgs({"group_size": 16}, {}, "BF16", group))
         for suffix, t in want.items():
             assert c.tensors[f"{m}.{suffix}"].read() == t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         t = dequant_module(c, module_storage(c, qs, m), f"{m}.weight", "F32")

@@ -24,7 +24,7 @@ from .mtp import MtpView, QuantLookup, detect_group_layout
 from .problem import Problem
 from .quant.agree import DESCRIPTION as AGREE_DESCRIPTION
 from .quant.agree import RULE as AGREE_RULE
-from .quant.companions import weight_format
+from .quant.codec import checkpoint_codec
 from .quant.kv_scales import DESCRIPTION as KV_SCALE_DESCRIPTION
 from .quant.kv_scales import RULE as KV_SCALE_RULE
 from .quant.patterns import DESCRIPTION as PATTERN_DESCRIPTION
@@ -423,7 +423,7 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
         expected += g.tensors() if lay == g.layout else g.with_layout(lay).tensors()
     out: list[Problem] = []
     cfg = config_path(ckpt)
-    quant = QuantLookup(ckpt, weight_format(ckpt, res.table.quantization))
+    quant = QuantLookup(ckpt, checkpoint_codec(ckpt, res.table.quantization))
     for s in expected:
         ref = ckpt.tensors.get(s.key)
         if ref is None or tuple(ref.shape) != tuple(s.shape):
@@ -504,7 +504,7 @@ def _block_advice(view: MtpView, weights: str) -> Callable[[str], str]:
     when the configuration's block is wrong (``misdeclared_block``): its scales are right, the config is not."""
     from .quant.block_audit import block_advice, misdeclared_block
 
-    ckpt, fmt = view.ckpt, view.block_format
+    ckpt, fmt = view.ckpt, view.codec
     wrong = misdeclared_block(ckpt, fmt)
     if wrong is None:
         return lambda module: weights

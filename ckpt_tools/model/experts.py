@@ -38,7 +38,7 @@ from .expert_layouts import (
     scale_key,
     scale_shape,
 )
-from .quant.companions import WeightFormat, weight_format
+from .quant.codec import Codec, checkpoint_codec, storage_codec
 
 if TYPE_CHECKING:  # numpy is imported where pieces are computed: pure restacking never needs it
     import numpy as np
@@ -64,13 +64,13 @@ class BlockDequant:
     ``dtype``); ``fmt``: the checkpoint's block format (None: the default one)."""
 
     dtype: str = "BF16"
-    fmt: WeightFormat | None = None
+    fmt: Codec | None = None
 
     def __call__(self, weight: np.ndarray, scale: np.ndarray, block: tuple[int, int], weight_dtype: str,
                  scale_dtype: str) -> np.ndarray:
         from .quant.dequant import decode_block_array
 
-        return decode_block_array(self.fmt or weight_format(), weight, scale, block, weight_dtype, scale_dtype,
+        return decode_block_array(self.fmt or checkpoint_codec(), weight, scale, block, weight_dtype, scale_dtype,
                                   self.dtype)
 
 
@@ -118,11 +118,11 @@ class Stored:
         return self.shape[1:] if self.expert is None else self.shape
 
 
-def stored_tensors(group: ExpertGroup, kind: str = "weight", fmt: WeightFormat | None = None
+def stored_tensors(group: ExpertGroup, kind: str = "weight", fmt: Codec | None = None
                    ) -> tuple[Stored, ...]:
     """Every tensor of ``group``'s layout (weights, or their ``fmt`` scale companions), in ``group.tensors()``
-    order (``fmt``: the checkpoint's block format, model.quant.companions; None: the default one)."""
-    fmt = fmt or weight_format()
+    order (``fmt``: the checkpoint's block format, model.quant.codec; None: the default one)."""
+    fmt = fmt or checkpoint_codec()
     return _stored(group, kind, fmt.scale_suffix, (int(fmt.block[0]), int(fmt.block[1])))
 
 
@@ -236,7 +236,7 @@ def layout_problem(group: ExpertGroup) -> str | None:
     return None
 
 
-def _encoded(group: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat):
+def _encoded(group: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec):
     """How ``group``'s first expert weight is stored when a scheme table other than the block format ``fmt``
     describes it (packed codes, per-channel or global scales ...): a model.quant Storage; None otherwise."""
     first = _group_tensors(group)[0]
@@ -255,20 +255,16 @@ def _encoded(group: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightForma
     return st
 
 
-def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightFormat | None = None) -> GroupInfo:
+def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec | None = None) -> GroupInfo:
     """Every tensor of ``src`` present with its shape, one dtype, FP8 scales, nothing stray; else PlanError."""
     problems: list[tuple[str, str]] = []
     why = layout_problem(src)
     if why:
         _raise(src, [("layout-unsupported", why)])
-    fmt = fmt or weight_format()
+    fmt = fmt or checkpoint_codec()
     encoded = _encoded(src, refs, fmt)
     if encoded is not None:
-        _raise(src, [("expert-quant-scheme",
-                      f"{encoded.module} is stored in scheme table {encoded.scheme}'s format {encoded.format}; "
-                      "experts are restacked as float or in a block format only (one scale companion over fixed "
-                      "tiles, which stacks along the expert axis: model.quant.companions); `ckpt dequant` them "
-                      "first")])
+        _raise(src, [("expert-quant-scheme", storage_codec(encoded).restack_refusal(encoded))])
     weights = stored_tensors(src)
     expected = {w.key for w in weights}
     dtypes: dict[str, list[str]] = {}
@@ -292,18 +288,18 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: WeightForm
     block = fmt.block
     if fmt.stores(dtype):
         sdt: set[str] = set()
-        for s in stored_tensors(src, "scale", fmt):
-            expected.add(s.key)
-            ref = refs.get(s.key)
+        for w in weights:
+            skey, grid, ref = fmt.scale_of(w.key, w.shape, refs)
+            expected.add(skey)
             if ref is None:
-                if s.weight_key in refs:
-                    problems.append(("fp8-scale-missing", f"FP8 weight {s.weight_key} has no {s.key}"))
+                if w.key in refs:
+                    problems.append(("fp8-scale-missing", f"FP8 weight {w.key} has no {skey}"))
                 continue
-            scale_keys.append(s.key)
+            scale_keys.append(skey)
             sdt.add(ref.dtype)
-            if tuple(ref.shape) != s.shape:
-                problems.append(("fp8-scale-shape", f"{s.key} has shape {list(ref.shape)}, {list(block)} blocks "
-                                                    f"of its weight imply {list(s.shape)}"))
+            if tuple(ref.shape) != grid:
+                problems.append(("fp8-scale-shape", f"{skey} has shape {list(ref.shape)}, {list(block)} blocks "
+                                                    f"of its weight imply {list(grid)}"))
         if len(sdt) > 1:
             problems.append(("fp8-scale-dtype", f"the scales of {src.prefix} mix dtypes {sorted(sdt)}"))
         scale_dtype = sorted(sdt)[0] if sdt else "F32"
@@ -392,7 +388,7 @@ class _Loc:
 
 class _Converter:
     def __init__(self, src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGroup, info: GroupInfo,
-                 fmt: WeightFormat, dequant: Dequantizer | None) -> None:
+                 fmt: Codec, dequant: Dequantizer | None) -> None:
         self.src, self.dst, self.info, self.block, self.fmt = src, dst, info, fmt.block, fmt
         self.refs = refs
         self.dequant = dequant if info.fp8 else None
@@ -625,13 +621,13 @@ def _nbytes(dtype: str, numel: int, key: str) -> int:
 
 
 def convert_group(src: ExpertGroup, refs: Mapping[str, TensorRef], dst: ExpertGroup, *,
-                  fmt: WeightFormat | None = None, dequant: Dequantizer | None = None) -> list[OutputTensor]:
+                  fmt: Codec | None = None, dequant: Dequantizer | None = None) -> list[OutputTensor]:
     """Plan ``dst`` (layout and key prefix) from the experts of ``src`` as stored in ``refs``.
 
     FP8 weights bring their block scales, converted the same way (or, with ``dequant``,
     are dequantized piece by piece and lose them). Same layout and prefix gives plain copies.
     """
-    fmt = fmt or weight_format()
+    fmt = fmt or checkpoint_codec()
     if (src.count, src.hidden, src.inter, src.gated) != (dst.count, dst.hidden, dst.inter, dst.gated):
         raise PlanError(
             f"{dst.prefix}: target E={dst.count} H={dst.hidden} I={dst.inter} gated={dst.gated} does not match "

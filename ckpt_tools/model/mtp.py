@@ -19,7 +19,7 @@ from ..dtypes import FLOAT_DTYPES
 from ..errors import InputError
 from ..io.checkpoint import Checkpoint
 from .expert_layouts import LAYOUT_NAMES, ExpertGroup, ExpertLayout
-from .quant.companions import WeightFormat, weight_format
+from .quant.codec import Codec, checkpoint_codec
 from .tables.loader import detect_table, get_table
 from .tables.resolve import Resolved, Spec, resolve
 
@@ -50,10 +50,10 @@ class MtpView:
         return self.resolved.table
 
     @cached_property
-    def block_format(self) -> WeightFormat:
+    def codec(self) -> Codec:
         """How this checkpoint's block-scaled weights are stored (their scale companions, block, decoder):
-        the scheme table it declares or stores, else the family's hint (model.quant.companions)."""
-        return weight_format(self.ckpt, self.table.quantization)
+        the scheme table it declares or stores, else the family's hint (model.quant.codec)."""
+        return checkpoint_codec(self.ckpt, self.table.quantization)
 
     @property
     def count(self) -> int:
@@ -84,7 +84,7 @@ class MtpView:
         """Raise with every missing / mis-shaped tensor named (the rule: config declares MTP)."""
         problems = [f"missing {s.key} {list(s.shape)}" for s in self.missing]
         problems += [f"{s.key} has shape {list(a)}, table expects {list(s.shape)}" for s, a in self.misshaped]
-        problems += [f"FP8 weight {k} has no {self.block_format.scale_suffix}" for k in self.missing_scales]
+        problems += [f"FP8 weight {k} has no {self.codec.scale_suffix}" for k in self.missing_scales]
         problems += [msg for _, msg in self.quant_problems]
         if problems:
             head = f"{self.ckpt.root}: config declares {self.count} MTP layer(s) ({self.table.family}) but "
@@ -162,7 +162,7 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
     view = MtpView(ckpt, res, layouts)
     expected = res.mtp_specs(layouts)
     expected_keys = set()
-    fmt = view.block_format
+    fmt = view.codec
     quant = QuantLookup(ckpt, fmt)
     for s in expected:
         expected_keys.add(s.key)
@@ -178,11 +178,9 @@ def open_mtp(ckpt: Checkpoint, table: Table | None = None, count: int | None = N
             view.misshaped.append((s, tuple(ref.shape)))
         view.present.append(s)
         if fmt.stores(ref.dtype):  # stacked experts ([E, out, in], no .weight module): the block scale beside them
-            (c,) = fmt.companions(s.key, s.shape)
-            skey, sshape = c.key, c.shape
+            skey, sshape, sref = fmt.scale_of(s.key, s.shape, keys)
             expected_keys.add(skey)
-            sref = keys.get(skey)
-            scale = Spec(skey, sshape, c.role, depth=s.depth, kind="other", dtype="F32")
+            scale = Spec(skey, sshape, "scale", depth=s.depth, kind="other", dtype="F32")
             if sref is None:
                 view.missing_scales.append(s.key)
             else:
@@ -204,7 +202,7 @@ class QuantLookup:
     """How each quantized linear weight is stored (``module_storage``), the scheme read lazily: a checkpoint
     whose weights are all float never reads it."""
 
-    def __init__(self, ckpt: Checkpoint, fmt: WeightFormat) -> None:
+    def __init__(self, ckpt: Checkpoint, fmt: Codec) -> None:
         self.ckpt = ckpt
         self.fmt = fmt
         self._scheme: object = _UNREAD
@@ -216,7 +214,7 @@ class QuantLookup:
     def storage(self, s, ref) -> Storage | None:
         """How ``s`` (a Spec or ExpertTensor) is stored, when a quantization scheme table describes it, block
         formats included (FP8 with ``weight_scale_inv`` or ``.scale``); None for float weights, a stacked
-        experts tensor (no module of its own: its block scale travels with it, ``WeightFormat``) and anything no
+        experts tensor (no module of its own: its block scale travels with it, ``Codec``) and anything no
         table describes (reported as missing or mis-shaped)."""
         if getattr(s, "kind", "linear") != "linear" or not s.key.endswith(".weight"):
             return None

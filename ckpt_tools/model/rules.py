@@ -65,13 +65,13 @@ class Context:
     config: str | None = None  # config.json's path when it is present and readable (the quant-config rule)
 
 
-def _block_format(ctx: Context):
+def _codec(ctx: Context):
     """The checkpoint's block format: its view's, else the one it stores or declares (the table's hint)."""
-    from .quant.companions import weight_format
+    from .quant.codec import checkpoint_codec
 
     if ctx.view is not None:
-        return ctx.view.block_format
-    return weight_format(ctx.ckpt, ctx.table.quantization if ctx.table else None)
+        return ctx.view.codec
+    return checkpoint_codec(ctx.ckpt, ctx.table.quantization if ctx.table else None)
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ RULE_SET: list[Check] = [
     Check("stored-dtype", (STORED_DTYPE_RULE,), "model", True,
           lambda ctx: stored_dtype_problems(ctx.view, ctx.unknown), needs_view=True),
     Check("fp8", ("fp8-scale-missing", "fp8-scale-shape", BLOCK_SIZE_RULE, "quant-config"), "model", True,
-          lambda ctx: block_problems(ctx.ckpt, _block_format(ctx), ctx.unknown, ctx.config)),
+          lambda ctx: block_problems(ctx.ckpt, _codec(ctx), ctx.unknown, ctx.config)),
     # every scale of every quantized module read as values (model/quant/scale_values.py)
     Check("scale-values", (SCALE_VALUE_RULE,), "model", True,
           lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown)),

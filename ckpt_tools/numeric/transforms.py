@@ -1,4 +1,4 @@
-"""Arithmetic on planned tensors, streamed in bands: casts, block-FP8 requantization, half swaps,
+"""Arithmetic on planned tensors, streamed in bands: casts, half swaps,
 column-wise joins and splits (decoding a quantized weight is ``model.quant.dequant``'s).
 
 Each function takes an ``OutputTensor`` (whatever its recipe: byte copies or a
@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 
 from ..arrays import as_bytes, bytes_to_numpy, bytes_to_torch, torch_threads
-from ..dtypes import DTYPES, FLOAT_DTYPES, FP8_DTYPES
+from ..dtypes import DTYPES, FP8_DTYPES
 from ..errors import PlanError
 from ..io.safetensors_io import read_bytes
 from ..stream.plan import Compute, CopyBytes, OutputTensor, Recipe
@@ -211,107 +211,3 @@ def inputs_of(t: OutputTensor) -> list[str]:
     if isinstance(r, Compute):
         return list(r.inputs)
     return list(t.meta.get("source", [])) or [t.key]
-
-
-def requantize(t: OutputTensor, block: tuple[int, int], scale_key: str, pow2: bool = False,
-               scale_dtype: str = "F32") -> tuple[OutputTensor, OutputTensor]:
-    """Block-FP8 quantization of ``t``: the F8_E4M3 weight and its scale grid ``scale_key`` (F32, or F8_E8M0:
-    the biased exponents of power-of-two scales, ``pow2`` required), the fp8-block encoder (model.quant.encode).
-
-    The two recipes share one ``_ScaleGrid``: the grid is computed once, by whichever recipe runs
-    first (the writer puts F32 scales before F8 weights in a shard), and the weights are then divided
-    by it. Both walk ``t`` in bands of one block row (of one matrix of a stack), so memory stays at
-    one band and the grid (one float per block).
-    """
-    if t.dtype not in FLOAT_DTYPES or len(t.shape) < 2:
-        raise PlanError(f"{t.key}: cannot quantize {t.dtype} {list(t.shape)} to FP8", rule="fp8-dtype")
-    *lead_dims, rows, cols = t.shape
-    grid = (*lead_dims, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    shared = _ScaleGrid(t, block, pow2)
-
-    def weights():
-        from . import fp8
-
-        with torch_threads(load=True):  # one thread for the whole recipe (not switched per band)
-            for values, scale in shared.bands():
-                yield fp8.quantize_with(values, scale, block)
-
-    if scale_dtype not in ("F32", "F8_E8M0") or (scale_dtype == "F8_E8M0" and not pow2):
-        raise PlanError(f"{t.key}: block scales are written as F32, or F8_E8M0 when powers of two; not {scale_dtype}",
-                        rule="quant-encode")
-
-    def scales():
-        g = shared.grid()
-        if scale_dtype == "F8_E8M0":  # a power of two 2**(e - 127) is its float32 biased exponent e: the E8M0 byte
-            import torch
-
-            g = ((g.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-        yield g
-
-    meta = dict(t.meta, quantized={"block": list(block), **({"scale_fmt": "ue8m0"} if pow2 else {})})
-    w = OutputTensor(t.key, "F8_E4M3", t.shape, Compute(weights, "quantize", inputs_of(t)), t.shard, meta)
-    s = OutputTensor(scale_key, scale_dtype, grid, Compute(scales, "quantize-scale", inputs_of(t)), t.shard,
-                     {"role": "scale", "source": inputs_of(t)})
-    return w, s
-
-
-class _ScaleGrid:
-    """The block scales of one tensor being re-quantized, shared by its weight and scale recipes.
-
-    The first pass over the values (either recipe's) computes each block row's scales and keeps
-    them; the other recipe reuses them, so a block's amax is taken once per run and the weights are
-    divided by exactly the scales written. Held until both recipes have their bytes, then dropped
-    (a recipe run again recomputes it: the same bytes).
-    """
-
-    def __init__(self, src: OutputTensor, block: tuple[int, int], pow2: bool) -> None:
-        self.src, self.block, self.pow2 = src, block, pow2
-        self._grid = None  # float32 [lead, gr, gc] once a pass has completed
-        self._served: set[str] = set()
-
-    def bands(self):
-        """The weight recipe's pass: (float32 values [n, cols], their scale row [1, gc]) per block row,
-        in C order. The values are scratch (the consumer divides them in place)."""
-        yield from self._pass()
-        self._serve("weights")
-
-    def grid(self):
-        """The scale recipe's bytes: the whole grid, float32 ``[*lead, gr, gc]`` (an amax-only pass when
-        the weights have not run yet)."""
-        if self._grid is None:
-            for _ in self._pass():
-                pass
-        grid = self._grid
-        self._serve("scales")
-        return grid.reshape(*self.src.shape[:-2], *grid.shape[-2:])
-
-    def _pass(self):
-        import torch
-
-        from . import fp8
-
-        *lead_dims, rows, cols = self.src.shape
-        (br, bc), lead = self.block, math.prod(lead_dims)
-        known, computed = self._grid, []
-        reader = RecipeReader(self.src.recipe)
-        item = DTYPES[self.src.dtype].nbytes(1)
-        with torch_threads(load=True):  # one thread for the whole pass (not switched per band)
-            for li in range(lead):
-                for r in range(0, rows, br):
-                    n = min(br, rows - r)
-                    values = bytes_to_torch(reader.read(n * cols * item), self.src.dtype, (n, cols)).float()
-                    if known is not None:
-                        scale = known[li, r // br : r // br + 1]
-                    else:
-                        where = f"{self.src.key} ({f'matrix {li}, ' if lead_dims else ''}rows {r}..{r + n})"
-                        scale = fp8.block_scales(values, self.block, pow2=self.pow2, where=where)
-                        computed.append(scale)
-                    yield values, scale
-        if known is None:
-            gc = math.ceil(cols / bc)
-            self._grid = (torch.cat(computed) if computed else torch.empty((0, gc))).reshape(lead, -(-rows // br), gc)
-
-    def _serve(self, recipe: str) -> None:
-        self._served.add(recipe)
-        if len(self._served) == 2:  # both recipes have their bytes: nothing asks again within this run
-            self._grid, self._served = None, set()

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..io.config import ConfigView
 from ..model.expert_layouts import ExpertLayout
-from ..model.quant.companions import weight_format
+from ..model.quant.codec import checkpoint_codec
 from ..model.tables.loader import get_table
 from ..model.tables.resolve import Resolved, Spec, expert_specs, resolve, trunk_specs
 
@@ -88,12 +88,15 @@ def _to_torch(values: np.ndarray, dtype: str):
 
 
 def quantize_fp8_block(values: np.ndarray, block=(128, 128)):
-    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``, as ckpt_tools.numeric.fp8 quantizes."""
+    """Block-FP8 (F8_E4M3 tensor, F32 scale_inv) of float32 ``values``: the block codec's encoder."""
     import torch
 
-    from ..numeric.fp8 import quantize
+    from ..model.quant.codec import CODECS
+    from ..model.quant.encode_core import EncodeArgs
 
-    return quantize(torch.from_numpy(values).to(torch.float32), tuple(block))
+    out = CODECS["fp8-block"].encode(torch.from_numpy(values).to(torch.float32),
+                                     EncodeArgs({"block": list(block)}, suffixes={"scale": "scale"}))
+    return out["weight"], out["scale"]
 
 
 def checkpoint_specs(res: Resolved, opts: FixtureOptions) -> tuple[list[Spec], set[str]]:
@@ -132,14 +135,14 @@ def make_checkpoint(family: str, out_dir: str | Path, options: FixtureOptions | 
     tensors: dict[str, torch.Tensor] = {}
     order: list[str] = []
     zero_centred = table.norm == "zero_centred"
-    # no checkpoint to ask yet: the block format of the scheme the family table hints (model.quant.companions)
-    fmt = weight_format(hint=table.quantization) if opts.fp8 else None
+    # no checkpoint to ask yet: the block format of the scheme the family table hints (model.quant.codec)
+    fmt = checkpoint_codec(hint=table.quantization) if opts.fp8 else None
     for s in specs:
         values = spec_values(_copied(s, res), opts.seed, zero_centred)
         if fmt is not None and s.quant:
             q, scale = quantize_fp8_block(values, fmt.block)
             skey = fmt.scale_key(s.key)
-            assert tuple(scale.shape) == fmt.scale_shape(s.shape)
+            assert tuple(scale.shape) == fmt.scale_of(s.key, s.shape, {})[1]
             tensors[s.key], tensors[skey] = q, scale
             order += [s.key, skey]
             if s.key in mtp_keys:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..io.config import ConfigView
-from ..model.quant.companions import weight_format
+from ..model.quant.codec import checkpoint_codec
 from ..model.tables.loader import get_table
 from ..model.tables.resolve import Resolved, resolve
 from . import quantizers as q
@@ -373,7 +373,7 @@ def _fp8_block(scheme: Scheme, linears, tensors, config, res, quant) -> _Build:
     if res.table.quantization is None:
         raise ValueError(f"table {res.family} declares no block quantization; a block-FP8 fixture would be fiction")
     out = dict(tensors)
-    fmt = weight_format(hint=res.table.quantization)  # the family's hinted scheme (model.quant.companions)
+    fmt = checkpoint_codec(hint=res.table.quantization)  # the family's hinted scheme (model.quant.codec)
     for lin in linears:
         if lin.quantized:
             out[f"{lin.name}.weight"], out[fmt.scale_key(f"{lin.name}.weight")] = q.fp8_block_ue8m0(lin.weight,

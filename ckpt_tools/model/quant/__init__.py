@@ -6,11 +6,11 @@ verb branches on a scheme name. The API: ``detect_scheme`` (what config.json / h
 declare), ``module_storage`` (how a module is stored: unquantized, quantized in which format, absent),
 ``declared`` / ``declaration`` (what the configuration declares for a module, each consumer's own
 matching rules), ``exclusion_entries`` (the configuration change that excludes modules, fused names
-included), ``weight_format`` (the checkpoint's block format: a weight's companions, decoder,
-encoder) and ``quant_files``.
+included), ``CODECS`` (one codec per scheme's format, by name: encode, decode, capabilities),
+``checkpoint_codec`` (the codec a checkpoint's scaled weights use) and ``quant_files``.
 
 Adding a scheme from outside the package (docs/quantization.md): ``register_scheme_dir(path)``,
-``register_encoder(name, fn, layout)`` and ``register_codes(name, values)``; the ``unregister_*``
+``register_codec(name, encode, layout)`` and ``register_codes(name, values)``; the ``unregister_*``
 functions undo them.
 """
 
@@ -18,21 +18,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from .companions import Companion, WeightFormat, weight_format
+from .codec import CODECS, Codec, Companion, checkpoint_codec, register_codec, unregister_codec
 from .config import quant_files
 from .declared import Declared, declaration, declared
 from .detect import Declaration, Group, QuantScheme, detect_in, detect_scheme
-from .encode import EncodeArgs, register_encoder, unregister_encoder
+from .encode_core import EncodeArgs
 from .exclude import Change, ConfigPatch, engine_names, exclusion_entries
 from .storage import Storage, module_storage, scale_grid
 from .tables import all_schemes, get_scheme, register_scheme_dir, reload_schemes, unregister_scheme_dir
 
 __all__ = [
-    "Change", "Companion", "ConfigPatch", "Declaration", "Declared", "EncodeArgs", "Group", "QuantScheme", "Storage",
-    "all_schemes", "declaration", "declared", "detect_in", "detect_scheme", "engine_names", "exclusion_entries",
-    "get_scheme", "module_storage", "quant_files", "register_codes", "register_encoder", "register_scheme_dir",
-    "reload_schemes", "scale_grid", "unregister_codes", "unregister_encoder", "unregister_scheme_dir", "WeightFormat",
-    "weight_format",
+    "CODECS", "Change", "Codec", "Companion", "ConfigPatch", "Declaration", "Declared", "EncodeArgs", "Group",
+    "QuantScheme", "Storage", "all_schemes", "checkpoint_codec", "declaration", "declared", "detect_in",
+    "detect_scheme", "engine_names", "exclusion_entries", "get_scheme", "module_storage", "quant_files",
+    "register_codec", "register_codes", "register_scheme_dir", "reload_schemes", "scale_grid", "unregister_codec",
+    "unregister_codes", "unregister_scheme_dir",
 ]
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ...dtypes import FLOAT_DTYPES
 from ...errors import InputError
 from ..expert_layouts import ExpertGroup, ExpertLayout
-from .companions import block_format, weight_format
+from .codec import checkpoint_codec, restack_codec
 from .config import QuantFiles
 from .declared import Declared, Declarer, declaration
 from .detect import QuantScheme, detect_scheme
@@ -114,7 +114,7 @@ def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Store
     st = view.quantized.get(key)
     if st is None and ref is not None and ref.dtype in FLOAT_DTYPES:
         return _plain(ref.dtype)
-    fmt = view.block_format
+    fmt = view.codec
     if st is None and ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(key) in view.ckpt.tensors:
         # the checkpoint's block format (its scale companion): the fp8-* rules check its scales
         return _block(ref.dtype, fmt.block)
@@ -199,7 +199,7 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
     present = view.present_keys() if isinstance(view, TrunkModules) else {s.key for s in view.present}
     for g in view.groups():
         if g.layout.per_expert:
-            alike = None if stored_of is not None else _stored_alike(view.ckpt, view.block_format, view.quantized,
+            alike = None if stored_of is not None else _stored_alike(view.ckpt, view.codec, view.quantized,
                                                                      _weights(g)[0])
             if alike is not None:  # every weight present, stored one way
                 out += [(m, alike, g.quant, True) for m in _weights(g)[1]]
@@ -271,13 +271,13 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     fused_map = {k: list(v) for k, v in table.fused_modules.items()}
     names = {m for m, *_ in rows}
     none = Declared("excluded", None, "the configuration declares no quantization")
-    hint = weight_format(hint=table.quantization)
+    hint = checkpoint_codec(hint=table.quantization)
     # a block-format release (a declared table with a block format, or scales under the name of the family's
     # hinted scheme): the table's quant flags say which modules those releases keep unquantized - where the
     # table flags any (a table that flags none says nothing of its quantized releases: every module needs its
     # exclusion, as the configuration's own rules say)
     convention = scheme is not None and any(flag for _, _, flag, _ in rows) and (
-        any(block_format(t) is not None for t in scheme.tables)
+        any(restack_codec(t) is not None for t in scheme.tables)
         or any(t.suffix == hint.scale_suffix for _, f in scheme.formats() for t in f.tensors))
     declare = Declarer(scheme, files) if scheme is not None else None  # one answer per combination of matches
     shards = {s for v in fused_map.values() for s in v}
@@ -318,7 +318,7 @@ def _judge(m: ModuleAudit, scheme: QuantScheme | None, result: Audit) -> None:
         how = "incomplete" if st.storage.missing else "malformed"  # a wrong dtype or shape is no missing tensor
         problem = Finding(m.module, f"stored {st.label} but {how}: {'; '.join(what)}; engines cannot load it")
     elif scheme is None:
-        if not weight_format().stores(st.dtype):  # FP8 without a quantization_config is rule quant-config
+        if not checkpoint_codec().stores(st.dtype):  # FP8 without a quantization_config is rule quant-config
             problem = Finding(m.module, f"stored {st.label}, but the configuration declares no quantization: "
                                         "loaders read its packed bytes as weights")
     elif d.state == "excluded":
@@ -394,7 +394,7 @@ class TrunkModules:
     found (46,000 in a release: keys, not a spec each)."""
 
     ckpt: Any
-    block_format: Any
+    codec: Any
     present: list = field(default_factory=list)
     quantized: dict = field(default_factory=dict)
     expert_groups: list = field(default_factory=list)
@@ -415,8 +415,8 @@ def trunk_modules(view: MtpView) -> TrunkModules:
     ckpt = view.ckpt
     keys = ckpt.tensors
     specs, groups = trunk_specs(view.resolved)
-    out = TrunkModules(ckpt, view.block_format)
-    quant = QuantLookup(ckpt, view.block_format)
+    out = TrunkModules(ckpt, view.codec)
+    quant = QuantLookup(ckpt, view.codec)
     if view.scheme is not None:
         quant._scheme = view.scheme  # already read
     for g in groups:
@@ -434,7 +434,7 @@ def trunk_modules(view: MtpView) -> TrunkModules:
             out.present.append(s)
     # routed experts: float, or the checkpoint's block format with its scale, told apart inline (QuantLookup's
     # first test); the rest asks the scheme tables
-    fmt = view.block_format
+    fmt = view.codec
     suffix, block_dtypes = fmt.scale_suffix, fmt.weight_dtypes
     found = out.expert_keys
     for g in out.expert_groups:

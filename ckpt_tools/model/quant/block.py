@@ -3,7 +3,7 @@
 A block format's weight holds one FP8 code per element, with exactly one companion tensor, its
 scale, over a tile that is the same whatever the matrix shape, and nothing else (no global scale,
 zero point or optional tensor): what the verbs can rename, slice per expert and restack byte for
-byte (model.quant.companions). Kept apart from companions so that detection (detect.py) can use
+byte (model.quant.codec). Kept apart from codec so that detection (detect.py) can use
 it without importing the decoders.
 """
 

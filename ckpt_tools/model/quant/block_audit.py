@@ -1,5 +1,5 @@
 """The block-format audit: every weight stored in the checkpoint's block format (FP8 codes with one scale per
-tile, ``companions.WeightFormat``) has its scale companion, of the grid its tile gives; such weights are
+tile, ``companions.Codec``) has its scale companion, of the grid its tile gives; such weights are
 present exactly when the configuration declares the format's scheme (rules ``fp8-scale-missing``,
 ``fp8-scale-shape``, ``fp8-block-size``, ``quant-config``).
 
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..expert_layouts import scale_key, scale_shape
 from ..problem import Problem
-from .companions import WeightFormat, config_params
+from .codec import Codec, config_params
 from .tables import get_scheme
 
 BLOCK_SIZE_RULE = "fp8-block-size"
 
-def declared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int] | None, bool, Any]:
+def declared_block(ckpt: Any, fmt: Codec) -> tuple[tuple[int, int] | None, bool, Any]:
     """(the tile the configuration declares for ``fmt``'s scheme - None: one per-tensor scale -, whether the
     configuration declares that scheme at all, the declared value when it is no tile: the format's own tile is
     used for the scale checks then, and the value is a problem of its own); undeclared, the format's tile."""
@@ -35,7 +34,7 @@ def declared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int] | None
     return ((int(b[0]), int(b[1])), True, None) if ok else (fmt.block, True, b)
 
 
-def block_problems(ckpt: Any, fmt: WeightFormat, unknown: set[str], cfg: str | None) -> list[Problem]:
+def block_problems(ckpt: Any, fmt: Codec, unknown: set[str], cfg: str | None) -> list[Problem]:
     """Every weight of ``fmt``'s dtypes has its scale, of the tile's grid; such weights <=> the scheme declared."""
     out: list[Problem] = []
     stored = fmt.weight_dtypes  # what fmt.stores accepts, without a call per tensor
@@ -60,25 +59,20 @@ def block_problems(ckpt: Any, fmt: WeightFormat, unknown: set[str], cfg: str | N
                                "quantization_config"))
         if method is not None and not declared:
             return out  # another scheme (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
-    suffix = fmt.scale_suffix
-    grids: dict[tuple[int, ...], tuple[int, ...]] = {}  # weight shape -> scale shape (few distinct shapes)
     tensors = ckpt.tensors
     found: list[tuple[str, Problem]] = []
     for k in fp8:
-        # scale_key's common case inlined: tens of thousands of weights in a large FP8 release
-        skey = k[:-6] + suffix if k.endswith(".weight") else scale_key(k, suffix)
         ref = tensors[k]
-        sref = tensors.get(skey)
+        skey, want_shape, sref = fmt.scale_of(k, ref.shape, tensors, block)
         if sref is None:
             if skey not in unknown:
                 found.append((k, Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")))
             continue
         if block is None:
             want = None if sref.shape in ((), (1,), (1, 1)) else "[] (one per-tensor scale)"
-        elif len(ref.shape) < 2:
-            continue  # block scales are defined for matrices (and stacks of them) only
+        elif want_shape is None:
+            continue
         else:
-            want_shape = grids.get(ref.shape) or grids.setdefault(ref.shape, scale_shape(ref.shape, block))
             want = None if sref.shape == want_shape else (f"{list(want_shape)} (block {block[0]}x{block[1]} over "
                                                           f"{list(ref.shape)})")
         if want is not None:
@@ -112,7 +106,7 @@ def _pick(lo: int, hi: float, default: int) -> int | None:
     return powers[0] if len(powers) == 1 else None
 
 
-def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None = None) -> tuple[int, int] | None:
+def fitting_block(ckpt: Any, fmt: Codec, declared: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """The one tile every stored scale grid of ``fmt``'s weights is the grid of (each scale [..., gr, gc] of a
     [..., rows, cols] weight: ceil(rows / b0) == gr and ceil(cols / b1) == gc); None when no tile fits them all,
     when several do (the format's own tile first, else a power of two), or when ``declared`` fits them all."""
@@ -122,7 +116,7 @@ def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None
     for k, ref in tensors.items():
         if ref.dtype not in fmt.weight_dtypes or len(ref.shape) < 2:
             continue
-        sref = tensors.get(k[:-6] + fmt.scale_suffix if k.endswith(".weight") else scale_key(k, fmt.scale_suffix))
+        sref = fmt.scale_of(k, ref.shape, tensors)[2]
         if sref is None:
             continue
         pair = (tuple(ref.shape), tuple(sref.shape))
@@ -143,19 +137,19 @@ def fitting_block(ckpt: Any, fmt: WeightFormat, declared: tuple[int, int] | None
     return None if rows is None or cols is None else (rows, cols)
 
 
-def _block_param(fmt: WeightFormat):
+def _block_param(fmt: Codec):
     """The scheme table's ``block`` parameter (its configuration keys and default), or None."""
     return next((p for d in get_scheme(fmt.scheme).declared_in for name, p in d.params.items() if name == "block"),
                 None)
 
 
-def _table_block(fmt: WeightFormat) -> tuple[int, int] | None:
+def _table_block(fmt: Codec) -> tuple[int, int] | None:
     p = _block_param(fmt)
     d = p.default if p is not None else None
     return (int(d[0]), int(d[1])) if isinstance(d, list) and len(d) == 2 else None
 
 
-def misdeclared_block(ckpt: Any, fmt: WeightFormat) -> tuple[tuple[int, int], tuple[int, int], str] | None:
+def misdeclared_block(ckpt: Any, fmt: Codec) -> tuple[tuple[int, int], tuple[int, int], str] | None:
     """(the declared tile, the tile every stored scale grid has, the configuration key that declares it) when the
     configuration declares a tile some stored scale grid disagrees with and all agree with one other."""
     block, declared, malformed = declared_block(ckpt, fmt)

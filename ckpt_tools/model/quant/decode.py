@@ -11,7 +11,7 @@ then one round-to-nearest-even cast to the output dtype, as the reference implem
 Codes: ``e4m3`` / ``e5m2`` (one per byte), ``e2m1`` and 4-bit ``int`` (two per byte, low nibble
 first), 8-bit ``int`` (unsigned with ``offset``, or signed). Packed I32 containers are read as their
 little-endian bytes. Scale tiles ``[tr, tc]`` (group, channel, tensor, block) may be partial at the
-edges; large FP8 tiles use fp8_decode's per-block tables, everything else expands the scale per band.
+edges; large FP8 tiles use decode_fp8, everything else expands the scale per band.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...arrays import Scratch, decode_floats, numpy_storage_dtype
+from ...arrays import encode_floats as encode
 from ...errors import PlanError
 from ...io.prefetch import prefetched
-from ...numeric.fp8_decode import OUT_DTYPES, BandDequantizer, band_rows, bands, encode, thread_scratch, whole_stream
-from ...numeric.fp8_decode import TABLES as FP8_TABLES
 from ...parallel import decode_threads, in_pool, ordered_map, run_all
+from .decode_fp8 import OUT_DTYPES, BandDequantizer, band_rows, bands, thread_scratch, whole_stream
+from .decode_fp8 import TABLES as FP8_TABLES
 
 if TYPE_CHECKING:
     from .schema import DecoderDef
@@ -335,7 +336,7 @@ def _encode_into(vals: np.ndarray, out: np.ndarray, out_dtype: str, scratch: Scr
     np.copyto(out, t, casting="unsafe")
     nan = np.isnan(vals)
     if nan.any():
-        out[nan] = 0xFFFF  # the NaN torch's float32 -> bfloat16 cast writes (fp8_decode.encode)
+        out[nan] = 0xFFFF  # the NaN torch's float32 -> bfloat16 cast writes (arrays.encode_floats)
 
 
 def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:

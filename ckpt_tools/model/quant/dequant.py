@@ -74,17 +74,55 @@ def dequant_parts(key: str, parts: dict[str, OutputTensor], storage: Storage, ou
     return OutputTensor(key, out_dtype, shape, recipe, parts[fmt.weight.suffix].shard, recipe.meta())
 
 
-def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables: dict | None = None) -> OutputTensor:
+def dequant_module(ckpt: Any, storage: Storage, key: str, out_dtype: str, tables: dict | None = None,
+                   finite: bool = True) -> OutputTensor:
     """``dequant_parts`` over the module's tensors as the checkpoint stores them (byte copies, made when the
     tensor is produced: a release's plan holds 46,000 of these). ``tables``: ``loaded_schemes()``, when the caller
-    plans many modules."""
+    plans many modules. ``finite``: a NaN / Inf value is refused (False: kept, ``diff`` counts them)."""
     _require_complete(storage)
     shape = tuple(storage.shape or ())
     fmt, tile = _format_and_tile(storage, shape, tables)
     inputs = list(storage.tensors.values())
     recipe = DequantRecipe(key, storage, fmt, tile, out_dtype, inputs, sum(ckpt.tensors[k].nbytes for k in inputs),
                            True, ckpt=ckpt)
+    recipe.finite = finite
     return OutputTensor(key, out_dtype, shape, recipe, None, recipe.meta())
+
+
+def checkpoint_lookup(ckpt: Any) -> Any:
+    """``storage.storage_lookup`` of the scheme ``ckpt`` declares (None when no table describes it: its own rule
+    says so)."""
+    from ...errors import InputError
+    from .detect import detect_scheme
+    from .storage import storage_lookup
+
+    try:
+        return storage_lookup(detect_scheme(ckpt))
+    except InputError:
+        return storage_lookup(None)
+
+
+def weight_storage(ckpt: Any, key: str, codec: Any, lookup: Any) -> Storage | None:
+    """How stored tensor ``key`` is stored when it is the weight of a quantized module whose companions are all there
+    (any scheme table's format; a stacked experts tensor in ``codec``'s, the checkpoint's), else None.
+    ``lookup``: ``checkpoint_lookup(ckpt)``."""
+    from ...dtypes import FLOAT_DTYPES
+
+    ref = ckpt.tensors[key]
+    if ref.dtype in FLOAT_DTYPES or "." not in key:
+        return None
+    st = lookup(ckpt, key.rsplit(".", 1)[0])
+    if not (st.quantized and st.all_keys()[0] == key) and codec.stores(ref.dtype) \
+            and codec.scale_key(key) in ckpt.tensors:
+        st = codec.storage(key, tuple(ref.shape), ckpt.tensors)
+    return st if st.quantized and st.all_keys()[0] == key and st.complete and not st.issues else None
+
+
+def values_of(ckpt: Any, key: str, codec: Any, lookup: Any) -> OutputTensor | None:
+    """The float32 values of ``key`` when ``weight_storage`` knows it (NaN / Inf kept), else None: what
+    ``diff --dequant`` compares."""
+    st = weight_storage(ckpt, key, codec, lookup)
+    return None if st is None else dequant_module(ckpt, st, key, "F32", finite=False)
 
 
 def _require_complete(storage: Storage) -> None:
@@ -111,6 +149,7 @@ class DequantRecipe(Compute):
         self.ahead = ahead
         self.storage, self.fmt, self.tile, self.out_dtype = storage, fmt, tile, out_dtype
         self._parts, self._ckpt = parts, ckpt
+        self.finite = True  # NaN / Inf values refused (finite.finite_bands)
 
     @property
     def detail(self) -> dict:  # type: ignore[override]
@@ -147,9 +186,9 @@ class DequantRecipe(Compute):
             zt = parts[dspec.zero_point.tensor]
             zp = decode.zero_point_values(read(zt), zt.dtype, dspec.bits, dspec.offset, dspec.zero_point.packed,
                                           -(-shape[-2] // tile[0]))
-        dec = decode.BandDecoder(d, scale, g, zp)
-        yield from finite_bands(decode.decode_stream(RecipeReader(weight.recipe).read, dec), self.key, shape,
-                                self.out_dtype, f"{self.storage.module} ({self.storage.label})", _file_of(weight))
+        bands = decode.decode_stream(RecipeReader(weight.recipe).read, decode.BandDecoder(d, scale, g, zp))
+        yield from finite_bands(bands, self.key, shape, self.out_dtype, f"{self.storage.module} ({self.storage.label})",
+                                _file_of(weight)) if self.finite else bands
 
 def _file_of(t: OutputTensor) -> str | None:
     """The file a byte-copied tensor is read from (for the message), else None."""
@@ -172,35 +211,6 @@ def module_outputs(ckpt: Any, storage: Storage, draft_key: str, dequant_to: str 
         extra = dict(meta) if role == "weight" else {"role": "scale"}
         out.append(copy_of(ckpt.tensors[key], f"{head}.{suffix}", {**extra, "source": [key], "quant": storage.label}))
     return out
-
-
-def decode_block(fmt: Any, w: OutputTensor, scale: OutputTensor, out_dtype: str) -> OutputTensor:
-    """A block format's weight ``w`` (any recipe: a byte copy, an expert slice, a restack) times its
-    ``scale`` companion, as ``out_dtype``: ``dequant_parts`` over the two, with ``w``'s meta kept.
-
-    ``fmt``: a companions.WeightFormat. The same checks (and messages) as the block-FP8 recipes had.
-    """
-    from ...dtypes import SCALE_DTYPES
-    from ...numeric.fp8_decode import OUT_DTYPES, check_grid
-    from .storage import Storage
-
-    if not fmt.stores(w.dtype) or len(w.shape) < 2:
-        raise PlanError(f"{w.key} is {w.dtype} {list(w.shape)}, not an FP8 matrix", rule="dequant")
-    if out_dtype not in OUT_DTYPES:
-        raise PlanError(f"{w.key}: cannot dequantize to {out_dtype}; use one of {', '.join(OUT_DTYPES)}",
-                        rule="dequant-dtype")
-    if scale.dtype not in SCALE_DTYPES:
-        raise PlanError(f"{scale.key} (block scale of {w.key}) is {scale.dtype}; a block scale is one of "
-                        f"{', '.join(SCALE_DTYPES)}", rule="fp8-scale-dtype")
-    check_grid(w.shape, scale.shape, fmt.block, f"{scale.key} of {w.key}: ")
-    module = w.key.removesuffix(".weight")
-    storage = Storage(module, "quantized", w.dtype, fmt.scheme, fmt.format, w.dtype,
-                      {"weight": w.key, fmt.scale_suffix: scale.key}, shape=tuple(w.shape),
-                      params={"block": list(fmt.block)})
-    t = dequant_parts(w.key, {"weight": w, fmt.scale_suffix: scale}, storage, out_dtype)
-    t.shard = w.shard
-    t.meta = {**w.meta, "dequantized_from": {"dtype": w.dtype, "scale": scale.key, "block": list(fmt.block)}}
-    return t
 
 
 def decode_block_array(fmt: Any, weight: Any, scale: Any, block: tuple[int, int], weight_dtype: str,

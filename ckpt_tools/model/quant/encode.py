@@ -1,12 +1,9 @@
 """Encoders: float values into one storage format's tensors, the inverse of ``decode`` (torch, CPU).
 
-A scheme table's storage format names its encoder (``encoder: ct-nvfp4``); ``ENCODERS`` maps that name
-to ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` (``register_encoder`` adds one, with its
-``Layout``). Each reproduces its producer operation for operation, so its bytes are the producer's:
-``ct-fp8`` / ``ct-nvfp4`` / ``ct-mxfp4`` / ``ct-int8`` / ``ct-pack`` (compressed-tensors as llm-compressor
-runs it), ``modelopt-fp8`` / ``modelopt-nvfp4`` (ModelOpt's export), and ``fp8-block``, the one block
-encoder, streamed a block row at a time (``STREAMS``: ``numeric.transforms.requantize``), its scale
-companion named by the table.
+Each is ``(values [rows, cols], EncodeArgs) -> {suffix: tensor}`` with its layout, registered by name in
+``codec.CODECS`` (what a scheme table's ``encoder:`` names). Each reproduces its producer operation for
+operation, so its bytes are the producer's: compressed-tensors' FP8 / NVFP4 / MXFP4 as llm-compressor runs
+it, ModelOpt's FP8 / NVFP4 export; the integer ones are in ``encode_int``, the block one in ``encode_block``.
 
 A shard of an engine-fused layer takes the group's per-tensor quantity (``EncodeArgs.group_absmax``),
 as the producers do for a layer vLLM loads with one scale. The compute dtype is the producer's (read off
@@ -17,73 +14,17 @@ not write them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import PlanError
-from . import encode_int
 from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax, _torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-    from ...stream.plan import OutputTensor
-
 FP8_MAX = 448.0
 FP4_MAX = 6.0
-
-
-Encoder = Callable[["torch.Tensor", EncodeArgs], dict[str, "torch.Tensor"]]
-# (rows, cols), args -> {suffix: (dtype, shape)}: what the encoder writes, known at plan time
-Layout = Callable[[tuple[int, int], EncodeArgs], dict[str, tuple[str, tuple[int, ...]]]]
-# values (a planned tensor, any recipe), args, {suffix: output key} -> {suffix: planned tensor}: an encoder that
-# streams the values in bands instead of holding one matrix (block FP8 of a release's largest weights)
-Stream = Callable[["OutputTensor", EncodeArgs, Mapping[str, str]], dict[str, "OutputTensor"]]
-ENCODERS: dict[str, Encoder] = {}
-LAYOUTS: dict[str, Layout] = {}
-STREAMS: dict[str, Stream] = {}
-
-
-def encoder(name: str, layout: Layout) -> Callable[[Encoder], Encoder]:
-    def register(fn: Encoder) -> Encoder:
-        ENCODERS[name], LAYOUTS[name] = fn, layout
-        return fn
-    return register
-
-
-def register_encoder(name: str, fn: Encoder, layout: Layout, stream: Stream | None = None) -> Encoder:
-    """Add encoder ``name`` (what a scheme table's ``encoder: name`` writes with) from outside the package:
-    ``fn(values [rows, cols] float, EncodeArgs) -> {suffix: tensor}``, and ``layout((rows, cols), EncodeArgs)
-    -> {suffix: (safetensors dtype, shape)}``, what ``fn`` writes, known before any value is read. A name
-    already taken is refused (two encoders must not claim one name); the scheme tables are checked again
-    against the new set on the next ``tables.all_schemes``. ``stream(values OutputTensor, EncodeArgs, {suffix:
-    key}) -> {suffix: OutputTensor}``, when given, is what stitch and graft plan with instead of ``fn`` (the
-    values read in bands rather than whole)."""
-    if name in ENCODERS:
-        raise ValueError(f"an encoder named {name!r} is already registered")
-    ENCODERS[name], LAYOUTS[name] = fn, layout
-    if stream is not None:  # what planning uses instead of ``fn``: the values read in bands, not whole
-        STREAMS[name] = stream
-    return fn
-
-
-def unregister_encoder(name: str) -> None:
-    """Remove encoder ``name`` (a table that names it is refused from the next ``tables.all_schemes``)."""
-    ENCODERS.pop(name, None)
-    LAYOUTS.pop(name, None)
-    STREAMS.pop(name, None)
-
-
-def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What encoder ``name`` writes for values of ``shape`` [..., rows, cols] (leading dims stacked)."""
-    *lead, rows, cols = shape
-    return {k: (dt, (*lead, *sh)) for k, (dt, sh) in LAYOUTS[name]((rows, cols), args).items()}
-
-
-def get_encoder(name: str) -> Encoder:
-    if name not in ENCODERS:
-        raise PlanError(f"no encoder {name!r}; known: {', '.join(sorted(ENCODERS))}", rule="quant-encode")
-    return ENCODERS[name]
 
 
 def _tensor_absmax(x: torch.Tensor, args: EncodeArgs) -> torch.Tensor:
@@ -127,13 +68,12 @@ def _per_tensor(args: EncodeArgs) -> bool:
     return str(args.params.get("strategy") or "tensor") == "tensor"
 
 
-def _ct_fp8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def ct_fp8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     tile = _ct_fp8_tile(args, shape)
     grid = (1,) if _per_tensor(args) else (-(-shape[0] // tile[0]), -(-shape[1] // tile[1]))
     return {"weight": ("F8_E4M3", shape), "weight_scale": (args.dtypes.get("weight_scale", args.model_dtype), grid)}
 
 
-@encoder("ct-fp8", _ct_fp8_layout)
 def ct_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors FP8 (tensor / channel / group / block): ``scale = absmax / 448`` in the scale's
     dtype (eps for zero), ``weight = e4m3(clamp(x / scale))`` with the quotient in that dtype."""
@@ -193,7 +133,7 @@ def _fp4_codes(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor
     return pack_fp4(q)
 
 
-def _fp4_layout(scale2: str, scale2_shape: tuple[int, ...]) -> Layout:
+def fp4_layout(scale2: str, scale2_shape: tuple[int, ...]) -> Callable:
     def layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
         rows, cols = shape
         group = int(args.params.get("group_size") or 16)
@@ -205,7 +145,6 @@ def _fp4_layout(scale2: str, scale2_shape: tuple[int, ...]) -> Layout:
     return layout
 
 
-@encoder("ct-nvfp4", _fp4_layout("weight_global_scale", (1,)))
 def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors NVFP4 (tensor_group): global ``g = 2688 / absmax`` in the model dtype, then F32;
     group scales ``e4m3(g * (absmax_g / 6))`` (0 -> 0.125); codes of ``x / (scale / g)`` in float32."""
@@ -241,7 +180,7 @@ def _round_to_power_2(x: torch.Tensor) -> torch.Tensor:
     return out.to(torch.int16).view(torch.bfloat16) if x.dtype == torch.bfloat16 else out.to(torch.int32).view(x.dtype)
 
 
-def _mxfp4_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+def mxfp4_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
     group = int(args.params.get("group_size") or 32)
     if group != 32 or shape[1] % 32:
         raise PlanError(f"MXFP4 is e2m1 codes in groups of 32 columns; got group {group}, {shape[1]} columns",
@@ -249,14 +188,13 @@ def _mxfp4_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[s
     return {"weight_packed": ("U8", (shape[0], shape[1] // 2)), "weight_scale": ("U8", (shape[0], shape[1] // 32))}
 
 
-@encoder("ct-mxfp4", _mxfp4_layout)
 def ct_mxfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """compressed-tensors MXFP4 (MXFP4PackedCompressor): per 32 values, the E8M0 exponent
     ``127 + floor(log2(round_to_power_2(absmax))) - 2`` (clamped to a byte; an all-zero group's scale
     ``2**-127``), codes ``cast_to_fp4(clamp(x / scale, -6, 6))`` in the model dtype, packed as NVFP4's."""
     import torch
 
-    _mxfp4_layout(tuple(values.shape), args)
+    mxfp4_layout(tuple(values.shape), args)
     dtype = _torch_dtype(args.model_dtype)
     x = values.to(dtype)
     m = _absmax(*_tile_minmax(x, (1, 32)))
@@ -277,7 +215,10 @@ def _positive(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float32).eps))
 
 
-@encoder("modelopt-fp8", lambda shape, args: {"weight": ("F8_E4M3", shape), "weight_scale": ("F32", ())})
+def modelopt_fp8_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {"weight": ("F8_E4M3", shape), "weight_scale": ("F32", ())}
+
+
 def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """ModelOpt FP8 per tensor: ``weight_scale = amax / 448`` (float32), ``weight = e4m3(x / scale)`` with the
     quotient rounded to the model dtype first (as ModelOpt's export divides the weight by a 0-d scale)."""
@@ -292,7 +233,6 @@ def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tens
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
 
 
-@encoder("modelopt-nvfp4", _fp4_layout("weight_scale_2", ()))
 def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """ModelOpt NVFP4: ``weight_scale_2 = amax / (6 * 448)``; group scales ``e4m3(amax_g / (6 * ws2))``
     (0 -> 1); codes of ``x / (scale * ws2)``, packed low nibble first."""
@@ -309,71 +249,7 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
     return {"weight": packed, "weight_scale": s.to(torch.float8_e4m3fn), "weight_scale_2": ws2}
 
 
-def _block(args: EncodeArgs) -> tuple[int, int]:
-    block = args.params.get("block")
-    if not block:
-        raise PlanError("block FP8 without a block (weight_block_size null: one per-tensor scale) has no encoder",
-                        rule="quant-encode")
-    return int(block[0]), int(block[1])
-
-
-def _scale_suffix(args: EncodeArgs) -> str:
-    """The scale companion's name, from the scheme table (``weight_scale_inv``, DeepSeek-V4's ``scale``)."""
-    if "scale" not in args.suffixes:
-        raise PlanError("the block FP8 encoder needs the table's scale suffix (EncodeArgs.suffixes)",
-                        rule="quant-encode")
-    return args.suffixes["scale"]
-
-
-def _block_scale_dtype(args: EncodeArgs) -> str:
-    """F32 scales, or F8_E8M0 where the reference stores them so (powers of two, which E8M0 holds exactly)."""
-    return "F8_E8M0" if args.dtypes.get(_scale_suffix(args)) == "F8_E8M0" else "F32"
-
-
-def _fp8_block_layout(shape: tuple[int, int], args: EncodeArgs) -> dict[str, tuple[str, tuple[int, ...]]]:
-    br, bc = _block(args)
-    return {args.suffixes.get("weight", "weight"): ("F8_E4M3", shape),
-            _scale_suffix(args): (_block_scale_dtype(args), (-(-shape[0] // br), -(-shape[1] // bc)))}
-
-
-def fp8_block_stream(values: OutputTensor, args: EncodeArgs, keys: Mapping[str, str]) -> dict[str, OutputTensor]:
-    """DeepSeek block FP8, streamed: ``numeric.transforms.requantize`` (F32 ``amax / 448`` per block, e4m3 codes,
-    the round trip through the decoder a fixed point), its scale named by the table (``keys``: suffix -> key);
-    powers of two under ``scale_fmt: ue8m0`` or F8_E8M0 scales."""
-    from ...numeric import transforms
-
-    wsfx, ssfx = args.suffixes.get("weight", "weight"), _scale_suffix(args)
-    e8m0 = _block_scale_dtype(args) == "F8_E8M0"
-    pow2 = e8m0 or str(args.params.get("scale_fmt") or "").lower() == "ue8m0"
-    w, s = transforms.requantize(values, _block(args), keys[ssfx], pow2, "F8_E8M0" if e8m0 else "F32")
-    w.key = keys[wsfx]
-    return {wsfx: w, ssfx: s}
-
-
-def _fp8_block(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
-    """``fp8_block_stream`` over one in-memory matrix (its outputs read back as tensors)."""
-    return run_stream(fp8_block_stream, _fp8_block_layout, values, args)
-
-
-def run_stream(stream: Stream, layout: Layout, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
-    """A streamed encoder run over an in-memory matrix: the same recipes, their bytes read back as tensors (the one
-    implementation serves both: nothing encodes block FP8 another way)."""
-    from ...arrays import bytes_to_torch
-    from ...dtypes import from_torch
-    from ...numeric.transforms import recipe_bytes
-    from ...stream.plan import Compute, OutputTensor
-
-    src = OutputTensor("values", from_torch(values.dtype), tuple(values.shape),
-                       Compute(lambda: iter([values.contiguous()]), "values", []))
-    outs = stream(src, args, {sfx: sfx for sfx in layout((int(values.shape[-2]), int(values.shape[-1])), args)})
-    return {sfx: bytes_to_torch(bytearray(b"".join(recipe_bytes(t.recipe, max(t.nbytes, 1)))), t.dtype,
-                                tuple(t.shape)) for sfx, t in outs.items()}
-
-
-ENCODERS["fp8-block"], LAYOUTS["fp8-block"], STREAMS["fp8-block"] = _fp8_block, _fp8_block_layout, fp8_block_stream
-
-
-def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
+def encode_matrices(enc: Callable, values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     """``enc`` over every [rows, cols] matrix of a stack [..., rows, cols], outputs stacked the same way."""
     import torch
 
@@ -382,7 +258,3 @@ def encode_matrices(enc: Encoder, values: torch.Tensor, args: EncodeArgs) -> dic
         return enc(values, args)
     parts = [enc(m, args) for m in values.reshape(math.prod(lead), rows, cols)]
     return {k: torch.stack([p[k] for p in parts]).reshape(*lead, *parts[0][k].shape) for k in parts[0]}
-
-
-ENCODERS["ct-int8"], LAYOUTS["ct-int8"] = encode_int.ct_int8, encode_int.int8_layout
-ENCODERS["ct-pack"], LAYOUTS["ct-pack"] = encode_int.ct_pack, encode_int.pack_layout

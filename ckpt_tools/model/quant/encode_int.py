@@ -8,7 +8,7 @@ zero), then ``_quantize`` (``round(clamp(x / scale, q_min, q_max))`` in that dty
 group of 32, little-endian I32 words) with the true shape in ``weight_shape``. Held byte for byte to the
 library's compressors and to llm-compressor's outputs in fixtures/producers (tests/test_quant_encode.py).
 Asymmetric weights (zero points) have no encoder here: they are refused with rule ``quant-encode``.
-Registered by ``encode`` (``ENCODERS``), under the names the tables use.
+Registered in ``codec.CODECS``, under the names the tables use.
 """
 
 from __future__ import annotations

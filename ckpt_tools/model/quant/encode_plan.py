@@ -1,7 +1,7 @@
 """Planning the encoding of one module's float values into its storage format (``encode_module``).
 
 The inverse of ``dequant.dequant_parts``: the values (any recipe) are read once, encoded by the
-format's encoder (``encode.ENCODERS``, named in the scheme table) and served as one tensor per
+format's codec (``codec.CODECS``, named in the scheme table) and served as one tensor per
 stored suffix, in the dtypes and shapes the reference storage (the verifier's) has. One shared
 computation serves every output (weight, scale, global scale): the first recipe the writer runs
 encodes, the others take their part; it is dropped once each has been served.
@@ -18,8 +18,10 @@ from ...dtypes import DTYPES
 from ...errors import PlanError
 from ...numeric.transforms import inputs_of
 from ...stream.plan import Compute, OutputTensor, copy_of
+from .codec import get_codec, layout_of
 from .dequant import format_of
-from .encode import STREAMS, EncodeArgs, encode_matrices, get_encoder, layout_of
+from .encode import encode_matrices
+from .encode_core import EncodeArgs
 from .storage import Storage
 
 OP = "quantize"  # a torch recipe (numeric.transforms.TORCH_OPS): one torch thread setting for the run
@@ -110,7 +112,7 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
     layout = layout_of(name, tuple(values.shape), args)
     wanted = {fmt.weight.suffix} | {t.suffix for t in fmt.tensors if t.role in ("scale", "global_scale", "shape")}
     streamed = _streamed(name, values, storage, args, layout, wanted)
-    shared = _Shared(values, get_encoder(name), args, set(layout) & wanted & set(storage.tensors), group)
+    shared = _Shared(values, get_codec(name).encode, args, set(layout) & wanted & set(storage.tensors), group)
     out: dict[str, OutputTensor] = {}
     for suffix, key in storage.tensors.items():
         ref = refs[key] if refs is not None else None
@@ -155,9 +157,8 @@ def suffixes(storage: Storage) -> dict[str, str]:
 
 def _streamed(name: str, values: OutputTensor, storage: Storage, args: EncodeArgs, layout: Mapping[str, Any],
               wanted: set[str]) -> dict[str, OutputTensor] | None:
-    """The outputs of a streaming encoder (``encode.STREAMS``), by suffix; None for one that encodes whole
-    matrices."""
-    stream = STREAMS.get(name)
+    """The outputs of a codec's streamed encoder, by suffix; None for one that encodes whole matrices."""
+    stream = get_codec(name).stream
     if stream is None:
         return None
     keys = {sfx: storage.tensors.get(sfx, f"{storage.module}.{sfx}") for sfx in layout if sfx in wanted}

@@ -192,7 +192,7 @@ class FormatDef(_Strict):
     weight: WeightDef
     tensors: list[TensorDef] = Field(default_factory=list)
     decoder: DecoderDef
-    encoder: str | None = None  # quant.encode.ENCODERS name: how float values are written in this format
+    encoder: str | None = None  # quant.codec.CODECS name: how float values are written in this format
     # which shards of an engine-fused layer (the family table's fused_modules) the producer gives one
     # per-tensor scale: all of them, routed experts' only, or none
     shared_scale: Literal["fused", "experts", "none"] = "none"

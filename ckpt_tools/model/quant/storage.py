@@ -205,7 +205,7 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
     lead = math.prod(logical[:-2]) if len(logical) > 2 else 1
     issues = _refusals(table, params)
     divides = fmt.decoder.scale.divides
-    if tile is not None and divides is not None and _holds(divides, params) and logical[-1] % tile[1]:
+    if tile is not None and divides is not None and holds(divides, params) and logical[-1] % tile[1]:
         issues.append(("quant-group-size", f"{module} has {logical[-1]} columns, which the declared "
                        f"{_args(fmt.decoder.scale.granularity, params)} does not divide into whole {tile[1]}-column "
                        "scale groups: compressed-tensors refuses to decompress a partial last group"))
@@ -213,7 +213,7 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         key = f"{module}.{t.suffix}"
         ref = tensors.get(key)
         rule = ROLE_RULES.get(t.role)
-        if not _holds(t.when, params):
+        if not holds(t.when, params):
             if ref is not None:  # part of the module all the same (copied with it), but never read
                 present[t.suffix] = key
                 text = (f"{key} is present, but the module is declared with {_args(t.when, params)}, under which "
@@ -241,7 +241,7 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
         elif t.role in ("global_scale", "input_scale") and ref.numel not in (1, lead):
             wrong = f"{key} has shape {list(ref.shape)}, expected one value"
         elif t.role == "zero_point" and grid is not None \
-                and tuple(ref.shape) not in (shapes := _zero_point_shapes(fmt, grid)):
+                and tuple(ref.shape) not in (shapes := zero_point_shapes(fmt, grid)):
             packed = ", packed along the rows" if shapes[0] != tuple(grid) else ""
             wrong = (f"{key} has shape {list(ref.shape)}, expected {_shapes_text(shapes)} for a {list(logical)} "
                      f"weight (one zero point per scale{packed})")
@@ -253,7 +253,7 @@ def _check(tensors: Mapping[str, Any], module: str, table: SchemeTable, fmt: For
                    tuple(missing), tuple(problems), logical, dict(params), tuple(issues))
 
 
-def _holds(expr: str | None, params: Mapping[str, Any], failed: bool = True) -> bool:
+def holds(expr: str | None, params: Mapping[str, Any], failed: bool = True) -> bool:
     """A table condition over the declared params (None: always true; ``failed``: when it cannot be evaluated)."""
     if expr is None:
         return True
@@ -275,12 +275,12 @@ def _refusals(table: SchemeTable, params: Mapping[str, Any]) -> list[tuple[str, 
     for d in table.declared_in:
         for r in d.refuse:
             message = f"declared with {_args(r.when, params)}: {r.reason}"
-            if _holds(r.when, params, False) and (r.rule, message) not in out:
+            if holds(r.when, params, False) and (r.rule, message) not in out:
                 out.append((r.rule, message))
     return out
 
 
-def _zero_point_shapes(fmt: FormatDef, grid: tuple[int, ...]) -> list[tuple[int, ...]]:
+def zero_point_shapes(fmt: FormatDef, grid: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Every shape a zero point of a scale ``grid`` may have: the scale's, or packed along the rows into I32 words
     ([..., ceil(gr * bits / 32), gc], compressed-tensors pack_to_int32 packed_dim=0)."""
     zp = fmt.decoder.zero_point

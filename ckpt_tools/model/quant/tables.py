@@ -84,6 +84,12 @@ def _dirs(registered: tuple[Path, ...], env: str) -> tuple[Path, ...]:
     return tuple(dirs)
 
 
+def _codecs() -> dict:
+    """The codecs registered by name (codec.CODECS), which the package imports before any table is read (read here
+    without importing codec, which reads the tables)."""
+    return sys.modules[f"{__package__}.codec"].CODECS
+
+
 def _registered_codes() -> frozenset[str]:
     """Code kinds added with decode.register_codes. Registering imports decode, so a decode module not yet
     imported has none (not importing it here keeps numpy out of every command's start), nor has one another
@@ -147,12 +153,8 @@ def _check(table: SchemeTable, path: Path) -> None:
                 if f.weight.pack != per_byte * DTYPES[dt].nbytes(1):
                     raise TableError(f"field {where}.weight.pack: {f.weight.pack}, but {codes!r} codes are "
                                      f"{per_byte} per byte of {dt}", path=str(path))
-        if f.encoder is not None:
-            from .encode import ENCODERS
-
-            if f.encoder not in ENCODERS:
-                raise TableError(f"field {where}.encoder: {f.encoder!r} is not one of {sorted(ENCODERS)}",
-                                 path=str(path))
+        if f.encoder is not None and f.encoder not in _codecs():
+            raise TableError(f"field {where}.encoder: {f.encoder!r} is not one of {sorted(_codecs())}", path=str(path))
         for j, t in enumerate(f.tensors):
             dtypes(t.dtypes, f"{where}.tensors[{j}].dtypes")
         try:
@@ -207,12 +209,10 @@ _LAST: list[tuple[tuple, dict[str, SchemeTable]]] = []
 def loaded_schemes() -> dict[str, SchemeTable]:
     """``all_schemes`` without the copy: the loaded tables themselves, the same object while the tables in force
     are the same (callers memoise on its identity; never modify it)."""
-    from . import encode  # waits for another thread still importing it
-
-    key = (os.environ.get("CKPT_QUANT_TABLES"), tuple(_REGISTERED), tuple(encode.ENCODERS), _registered_codes())
+    key = (os.environ.get("CKPT_QUANT_TABLES"), tuple(_REGISTERED), tuple(_codecs()), _registered_codes())
     if _LAST and _LAST[0][0] == key:
         return _LAST[0][1]
-    tables = _load(tuple(quant_dirs()), frozenset(encode.ENCODERS), key[3])
+    tables = _load(tuple(quant_dirs()), frozenset(key[2]), key[3])
     _LAST[:] = [(key, tables)]
     return tables
 

@@ -296,7 +296,7 @@ class Table(_Strict):
     dtype: str = "BF16"  # default stored dtype when the config names none
     # a quantization scheme name (mappings/quantization/<name>.yaml) whose block format fixtures and the
     # demo write where there is no checkpoint to ask; a checkpoint's own companions come from the scheme
-    # it declares or stores (ckpt_tools.model.quant.companions)
+    # it declares or stores (ckpt_tools.model.quant.codec)
     quantization: str | None = None
     # Draft architectures the serving engines use for this family, e.g.
     # {sglang_nextn: <Arch>ForCausalLMNextN, vllm_mtp: <Arch>MTPModel}

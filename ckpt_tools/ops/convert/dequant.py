@@ -36,7 +36,7 @@ from ..writing.add_mtp import CarriedShards, mtp_into, require_indexed
 from ..writing.carry import carried_files, check_link
 from ..writing.out_dtype import DTYPE_NAMES, dtype_arg
 
-OUT_DTYPES = ("BF16", "F16", "F32")  # what the decoders write (numeric.fp8_decode.OUT_DTYPES)
+OUT_DTYPES = ("BF16", "F16", "F32")  # what the decoders write (model.quant.decode_fp8.OUT_DTYPES)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`ckpt validate --fix-quant-config SRC -o OUT`: only the quantization config repaired.
 
 For a checkpoint whose MTP weights are all there but mis-declared (rule ``mtp-quant-config``), OUT is
-SRC with config.json and, for ModelOpt, hf_quant_config.json changed as ``quant.repair.repair_view``
+SRC with config.json and a producer's side file (hf_quant_config.json) changed as ``quant.repair.repair_view``
 says; every shard and every other file is copied or linked whole, never rewritten.
 
 Refused (InputError, exit 3, nothing written): an input that breaks another rule (``mtp-missing`` names
@@ -115,10 +115,10 @@ def plan_fix(ckpt: Checkpoint, *, arch: str | None = None, link: str = "copy", c
 
 def _block_repaired(ckpt: Checkpoint, arch: str | None) -> tuple[Checkpoint, tuple | None]:
     """``ckpt`` with its configuration's block set to the one every stored scale grid has, when the declared one
-    fits none of them (``misdeclared_block``: rule fp8-block-size), and what was wrong; else ``ckpt``, None."""
+    fits none of them (``misdeclared_block``: rule ``BLOCK_SIZE_RULE``), and what was wrong; else ``ckpt``, None."""
     from dataclasses import replace
 
-    wrong = misdeclared_block(ckpt, open_mtp(ckpt, choose_table(ckpt, arch)).block_format)
+    wrong = misdeclared_block(ckpt, open_mtp(ckpt, choose_table(ckpt, arch)).codec)
     if wrong is None:
         return ckpt, None
     _, fitting, key = wrong

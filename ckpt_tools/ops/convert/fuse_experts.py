@@ -24,7 +24,9 @@ from ...model.expert_layouts import ExpertGroup, ExpertLayout
 from ...model.experts import BlockDequant, convert_group, layout_from_label
 from ...model.gate import require_consistent
 from ...model.mtp import detect_group_layout
-from ...model.quant.companions import WeightFormat
+from ...model.quant.codec import Codec
+from ...model.quant.dequant import checkpoint_lookup, module_outputs, weight_storage
+from ...model.quant.storage import Storage
 from ...model.tables.resolve import trunk_specs
 from ...stream.fingerprint import record_inputs
 from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, copy_of
@@ -164,7 +166,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     gate = require_consistent(ckpt, arch=req.arch, allow=req.allow_invalid)
     table, res = gate.table, gate.view.resolved
     keys = ckpt.tensors
-    fmt = gate.view.block_format  # the scale companions, block and decoder of the checkpoint's scheme
+    fmt = gate.view.codec  # the scale companions, block and decoder of the checkpoint's scheme
 
     groups: list[tuple[str, ExpertGroup]] = [("mtp", g) for g in res.experts()]
     draft = False
@@ -255,25 +257,28 @@ def _raise_all(errors: list[tuple[str, PlanError]], root: str) -> None:
 
 @dataclass(frozen=True)
 class Dequant:
-    """--dequant for the tensors outside expert groups: each FP8 weight absorbs its scale, as in extract."""
+    """--dequant for the tensors outside expert groups: each quantized weight (any scheme's format) absorbs its
+    companions, as in extract."""
 
     dtype: str
-    fmt: WeightFormat
-    scales: frozenset[str]  # scale companions of quantized weights: written into their weights, not on their own
+    fmt: Codec
+    stored: dict[str, Storage]  # quantized weight key -> how it is stored
+    scales: frozenset[str]  # companions of quantized weights: written into their weights, not on their own
 
     @classmethod
-    def of(cls, ckpt: Checkpoint, dtype: str, fmt: WeightFormat) -> Dequant:
-        quantized = (k for k, ref in ckpt.tensors.items() if fmt.stores(ref.dtype))
-        return cls(dtype, fmt, frozenset(fmt.scale_key(k) for k in quantized))
+    def of(cls, ckpt: Checkpoint, dtype: str, fmt: Codec) -> Dequant:
+        lookup = checkpoint_lookup(ckpt)
+        stored = {k: st for k in ckpt.tensors if (st := weight_storage(ckpt, k, fmt, lookup)) is not None}
+        return cls(dtype, fmt, stored, frozenset(c for st in stored.values() for c in st.all_keys()[1:]))
 
     def apply(self, ckpt: Checkpoint, key: str, t: OutputTensor) -> list[OutputTensor]:
-        if key in self.scales:
-            return []
-        if not self.fmt.stores(t.dtype):
-            return [t]
-        sref = ckpt.tensors.get(self.fmt.scale_key(key))
-        scale = copy_of(sref, None, {}) if sref else None
-        return finish_tensor(t, scale, None, self.dtype, self.fmt)
+        st = self.stored.get(key)
+        if key in self.scales or st is None:
+            return [] if key in self.scales else [t]
+        if (st.scheme, st.format) == (self.fmt.scheme, self.fmt.format):  # the checkpoint's codec: as extract
+            return finish_tensor(t, copy_of(ckpt.tensors[self.fmt.scale_key(key)], None, {}), None, self.dtype,
+                                 self.fmt)
+        return module_outputs(ckpt, st, f"{st.module}.weight", self.dtype, t.meta)
 
 
 def _ordered(ckpt: Checkpoint, plans: list[GroupPlan], dequant: Dequant | None = None) -> list[OutputTensor]:

@@ -16,7 +16,7 @@ from ...io.checkpoint import Checkpoint
 from ...model.formats import all_wrappers
 from ...model.gate import check
 from ...model.prefixes import choose, rename
-from ...model.quant.companions import WeightFormat, weight_format
+from ...model.quant.codec import checkpoint_codec
 from ...options import regex
 from ...stream.plan import CopyBytes
 from ...stream.progress import Progress
@@ -109,7 +109,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
     a, b = _aligned(a, b, report)
     names = [k for k in sorted(set(a.tensors) | set(b.tensors)) if pattern is None or pattern.search(k)]
     both = [k for k in names if k in a.tensors and k in b.tensors]
-    fa, fb = (weight_format(a), weight_format(b)) if dequant else (None, None)
+    values = (_values(a), _values(b)) if dequant else None
     progress = progress or Progress()
     progress.phase("comparing", sum(a.tensors[k].nbytes + b.tensors[k].nbytes for k in both))
     for key in names:
@@ -120,12 +120,19 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
         if rb is None:
             report.diffs.append(TensorDiff(key, "removed", ra.dtype, None, list(ra.shape), None))
             continue
-        decode_a = _block_decoder(a, fa, key) if fa is not None and fa.stores(ra.dtype) else None
-        decode_b = _block_decoder(b, fb, key) if fb is not None and fb.stores(rb.dtype) else None
-        report.diffs.append(
-            compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape, CopyBytes([rb.segment()]),
-                    stats=stats, finite=stats, decode_a=decode_a, decode_b=decode_b)
-        )
+        va, vb = (values[0](key), values[1](key)) if values else (None, None)
+        if va is None and vb is None:
+            d = compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape,
+                        CopyBytes([rb.segment()]), stats=stats, finite=stats)
+        else:  # a quantized weight by the values its codec decodes (float32, no output rounding)
+            sides = [(t.dtype, t.shape, t.recipe, _f32) if t is not None else (r.dtype, r.shape, CopyBytes(
+                [r.segment()]), None) for t, r in ((va, ra), (vb, rb))]
+            d = compare(key, *sides[0][:3], *sides[1][:3], stats=stats, finite=stats, decode_a=sides[0][3],
+                        decode_b=sides[1][3])
+            d.dtype_a, d.dtype_b, d.shape_a, d.shape_b = ra.dtype, rb.dtype, list(ra.shape), list(rb.shape)
+            if d.status != "shape-changed":
+                d.status = "replaced" if ra.dtype == rb.dtype else "dtype-changed"
+        report.diffs.append(d)
         progress.advance(ra.nbytes + rb.nbytes)
     return report
 
@@ -143,10 +150,15 @@ def _aligned(a: Checkpoint, b: Checkpoint, report: DiffReport) -> tuple[Checkpoi
     return out[0], out[1]
 
 
-def _block_decoder(ckpt: Checkpoint, fmt: WeightFormat, key: str):
-    """Chunk decoder giving dequantized float32 values of a weight in the checkpoint's block format (its scale
-    companion, block and decoder from the scheme table, model.quant.companions); None without its scale."""
-    skey = fmt.scale_key(key)
-    if skey not in ckpt.tensors:
-        return None
-    return fmt.value_decoder(ckpt.tensors[key], ckpt.tensors[skey])
+def _values(ckpt: Checkpoint):
+    """``key`` -> the float32 values of a quantized weight of ``ckpt`` (its codec's decoder), else None."""
+    from ...model.quant.dequant import checkpoint_lookup, values_of
+
+    codec, lookup = checkpoint_codec(ckpt), checkpoint_lookup(ckpt)
+    return lambda key: values_of(ckpt, key, codec, lookup)
+
+
+def _f32(buf, start: int, n: int):
+    import numpy as np
+
+    return np.frombuffer(buf, dtype=np.float32, count=n)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequant_to: str | None
                   ) -> list[OutputTensor]:
     """Output tensors of the draft: byte copies where names change, computed where values must."""
-    fmt = view.block_format
+    fmt = view.codec
     steps: list[Step] = []
     for link in corr.tensors:
         if link.columns:  # the family's fusion halves joined into the format's one fusion tensor
@@ -60,7 +60,7 @@ class _AsAsked:
             t.meta["swapped_halves"] = True
         if spec is None:
             t.meta.setdefault("role", "expert")
-        self.out += finish_tensor(t, scale, requested_for(spec, self.cast_to), self.dequant_to, self.view.block_format)
+        self.out += finish_tensor(t, scale, requested_for(spec, self.cast_to), self.dequant_to, self.view.codec)
 
     def stored(self, step: Rename, st: Storage) -> None:
         """Dequantized (then swapped like any float tensor), or its stored tensors renamed."""

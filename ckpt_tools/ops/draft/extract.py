@@ -66,7 +66,7 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
         raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "
                          f"0..k-1; use --format sglang-nextn / speculators to renumber a single layer")
-    fmt_q = view.block_format
+    fmt_q = view.codec
     fp8_source = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
     if fp8_source and dequant_to is None and fmt.rename == "roles":
         what = "quantized" if view.quantized else "FP8"
@@ -124,8 +124,8 @@ def kept_dtypes(tensors: list[OutputTensor], dequant_to: str | None, cast_to: st
 
 def _quant_info(view: MtpView) -> dict:
     q = view.ckpt.config.get("quantization_config")
-    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.block_format.block),
-            "scale_suffix": view.block_format.scale_suffix}
+    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.codec.block),
+            "scale_suffix": view.codec.scale_suffix}
     if view.quantized:
         info["schemes"] = sorted({st.scheme for st in view.quantized.values()})
         info["storage"] = sorted({st.label for st in view.quantized.values()})

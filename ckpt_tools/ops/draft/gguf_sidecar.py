@@ -216,7 +216,7 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
     """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order,
     and the shared tensors SRC does not hold (a draft: the trunk's are carried)."""
     ckpt, res = view.ckpt, view.resolved
-    fmt_q = view.block_format
+    fmt_q = view.codec
     quantized = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
     corr = correspond(get_format("native"), view, None, with_embed=None, with_head=None)
     # llama.cpp stacks each projection's experts [experts, out, in]: a per-expert group is laid end to end (its

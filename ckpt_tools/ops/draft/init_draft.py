@@ -35,7 +35,7 @@ from ...model.expr import evaluate, render
 from ...model.formats import Correspondence, correspond, get_format
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, detect_group_layout
-from ...model.quant.companions import WeightFormat, weight_format
+from ...model.quant.codec import Codec, checkpoint_codec
 from ...model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ...numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ...options import MAX_SEED, int_in_range, positive_finite
@@ -205,7 +205,7 @@ class _LayerMatch:
 
     refs: dict[str, TensorRef]  # MTP key -> target tensor (weights and FP8 scales)
     layouts: dict[str, ExpertLayout]
-    fmt: WeightFormat  # the target's block format (its weights' scale companions)
+    fmt: Codec  # the target's block format (its weights' scale companions)
 
 
 def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
@@ -226,7 +226,7 @@ def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
     src_groups = {g.sub_prefix: g for g in groups}
     refs: dict[str, TensorRef] = {}
     layouts: dict[str, ExpertLayout] = {}
-    fmt = weight_format(target, table.quantization)  # the target's scale companions (model.quant.companions)
+    fmt = checkpoint_codec(target, table.quantization)  # the target's scale companions (model.quant.codec)
     for mtp_layer in res.layers:
         dst = {s.sub: s for s in mtp_layer.block}
         dst_groups = {g.sub_prefix: g for g in mtp_layer.experts}
@@ -266,7 +266,7 @@ def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefi
                          f"{mtp_prefix}*: " + "; ".join(problems), rule="from-layer-mismatch")
 
 
-def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, fmt: WeightFormat) -> dict[str, TensorRef]:
+def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, fmt: Codec) -> dict[str, TensorRef]:
     ref = target.tensors.get(src_key)
     if ref is None:
         raise InputError(f"--from-layer: the target has no {src_key}", rule="missing-tensor", path=target.root)
@@ -393,12 +393,12 @@ def _draft(fmt: Format, view: MtpView, corr: Correspondence, native: _NativeDraf
            dequant_to: str | None) -> tuple[list[OutputTensor], dict, list[str]]:
     """The draft's tensors in the format (as ``extract`` names them) and its config (with the fields omitted)."""
     tensors = draft_tensors(view, corr, gen_dtype, dequant_to)
-    fp8 = any(view.block_format.stores(view.ckpt.tensors[s.key].dtype) for s in native.present)
+    fp8 = any(view.codec.stores(view.ckpt.tensors[s.key].dtype) for s in native.present)
     if fp8 and dequant_to is None and fmt.rename == "roles":
         raise UsageError(f"layer {req.from_layer} of the target is FP8; format {fmt.name} has no place for block "
                          "scales: pass --dequant bf16")
     tensors = [_direct(t, source, native.copied) for t in tensors]
-    if not any(view.block_format.stores(t.dtype) for t in tensors) and \
+    if not any(view.codec.stores(t.dtype) for t in tensors) and \
             view.ckpt.config.get("quantization_config") is not None:
         # an FP8 target, a draft without FP8 tensors: its config must not declare FP8 weights
         config, omitted = build_draft_config(fmt, view, corr, tensors, dequant_to or gen_dtype or view.resolved.dtype,

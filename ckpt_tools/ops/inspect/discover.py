@@ -25,7 +25,7 @@ from ...errors import InputError, OutputError, UsageError
 from ...io.checkpoint import Checkpoint
 from ...io.config import ConfigView
 from ...model.expert_layouts import DEFAULT_KEYS, LAYOUT_NAMES, ExpertLayout
-from ...model.quant.companions import WeightFormat, weight_format
+from ...model.quant.codec import Codec, checkpoint_codec
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 MTP_COUNT_KEYS = (
@@ -117,7 +117,7 @@ def discover(ckpt: Checkpoint, family: str | None = None) -> Discovery:
     geo = _depths(found, n, count, count_key, notes)
     depth_of = {f.key: geo.depth(f) for f in found}
     dims = _Dims(_int_or_none(config.get("hidden_size")), _int_or_none(config.get("vocab_size")))
-    fmt = weight_format(ckpt)  # the block format its weights are stored in (model.quant.companions)
+    fmt = checkpoint_codec(ckpt)  # the block format its weights are stored in (model.quant.codec)
     entries = _Entries(dims, _main_dtype(ckpt), fmt)
     glue, glue_src = _glue(found, depth_of, geo, entries)
     parts, blocks = _body(found, depth_of, geo, glue_src, entries, notes)
@@ -464,7 +464,7 @@ class _Entries:
 
     dims: _Dims
     dtype: str  # the table's dtype
-    fmt: WeightFormat  # the checkpoint's block format: its weights are quantized linears
+    fmt: Codec  # the checkpoint's block format: its weights are quantized linears
 
     def tensor(self, key_template: str, f: Found, role: str | None = None) -> dict:
         t: dict = {"key": key_template, "shape": self.dims.shape(f.shape)}

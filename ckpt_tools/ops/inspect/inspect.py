@@ -124,7 +124,7 @@ def _quantization(ckpt: Checkpoint, view: MtpView, result: Audit) -> dict | None
     return {
         "quant_method": qc.get("quant_method"),
         "weight_block_size": qc.get("weight_block_size"),
-        "scale_suffix": view.block_format.scale_suffix,
+        "scale_suffix": view.codec.scale_suffix,
         "scheme": found["scheme"] if found else None,
         "schemes": found["schemes"] if found else [],
         "declared_in": found["declared_in"] if found else [],
@@ -198,7 +198,7 @@ def _tally_mtp(view: MtpView) -> _MtpTally:
     """Every MTP tensor stored (a quantized weight counts every tensor it is stored as), one entry each."""
     ckpt = view.ckpt
     source_name = {id(src): name for name, src in ckpt.sources.items()}
-    fmt = view.block_format  # the checkpoint's block format (model.quant.companions)
+    fmt = view.codec  # the checkpoint's block format (model.quant.codec)
     tally = _MtpTally(fp8={"weights": 0, "scales": 0, "scale_suffix": fmt.scale_suffix, "block": list(fmt.block)})
     for s, key in view.stored():
         ref = ckpt.tensors[key]

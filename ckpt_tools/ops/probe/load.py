@@ -271,7 +271,7 @@ def reference_mtp(main, cls, config, tensors, scheme, dtype: str, device: str, w
 
 def _forward_failure(main) -> str:
     """Why the loaded model cannot run a forward pass of two tokens ("" when it can): a quantizer's kernels may
-    load weights they cannot compute with on this device or dtype (compressed-tensors NVFP4 on CPU in fp32)."""
+    load weights they cannot compute with on this device or dtype (a 4-bit float scheme on CPU in fp32)."""
     import torch
 
     try:

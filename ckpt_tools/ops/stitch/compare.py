@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ...arrays import torch_threads
 from ...errors import InputError
-from ...model.quant.companions import WeightFormat
+from ...model.quant.codec import Codec
 from ...numeric import transforms
 from ...stream.plan import Compute, CopyBytes, OutputTensor, copy_of
 from ..shared.tensor_diff import TensorDiff
@@ -78,7 +78,7 @@ class Candidates:
     tensors: Mapping[str, OutputTensor]  # verifier key -> the tensor built from the draft
     values: Mapping[str, OutputTensor]  # encoded weight -> the draft's values it is encoded from
     removed: list[str]  # verifier keys the output leaves out
-    fmt: WeightFormat  # the verifier's block format: a stacked experts tensor's scale companion and decoder
+    fmt: Codec  # the verifier's block format: a stacked experts tensor's scale companion and decoder
     encoded: Mapping[str, Storage] = field(default_factory=dict)  # weight encoded in the verifier's storage
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
     as_stored: set[str] = field(default_factory=set)  # of those, weights the draft stores in that very format (kept)

@@ -313,7 +313,7 @@ class _Grafter:
         restacked = {t.key for step in steps for t in step.src.tensors()}
         steps += [Rename(s.key, s.key, s, {"source": [s.key]}) for s in self.sview.present
                   if s.role != "scale" and s.key not in restacked]
-        fmt = self.sview.block_format
+        fmt = self.sview.codec
         Mover(self.src.tensors, fmt, fmt, self.sview.quantized, scale_role=False).run(steps, self)
         return self.pieces
 
@@ -337,7 +337,7 @@ class _Grafter:
         self._add(s.key, piece, s.kind == "linear" and s.quant, pinned_dtype(s), s.role == "expert")
 
     def _piece(self, t: OutputTensor, scale: OutputTensor | None) -> _Piece:
-        fmt = self.sview.block_format
+        fmt = self.sview.codec
         if fmt.stores(t.dtype) and scale is not None:  # stacked experts in the source's block format
             st = fmt.storage(t.key, tuple(t.shape), {t.key: t, scale.key: scale})
             return _Piece([t, scale], Stored("quantized", st.label, fmt.scheme, st, t.dtype),
@@ -364,7 +364,7 @@ class _Grafter:
         from ...model.expert_layouts import scale_key
         from ...model.quant import get_scheme
         from ...model.quant.block import block_tile
-        from ...model.quant.encode import EncodeArgs, layout_of
+        from ...model.quant.codec import EncodeArgs, layout_of
         from ...model.quant.encode_plan import FusedGroups, encode_module
         from ...model.quant.storage import Storage, params_for
 

@@ -28,7 +28,7 @@ from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table, detect_group_layout
 from ...model.prefixes import Unwrapped, unwrap
 from ...model.provenance import manifest_claims, manifest_mismatch, manifest_unlike, prove_family
-from ...model.quant.companions import weight_format
+from ...model.quant.codec import checkpoint_codec
 from ...model.quant.dequant import format_of
 from ...model.quant.encode_plan import FusedGroups, encodable, encode_module
 from ...model.quant.storage import Storage
@@ -102,10 +102,10 @@ class _Builder:
     def __init__(self, draft: Checkpoint, view: MtpView, corr: Correspondence, req: StitchRequest, add: bool):
         self.draft, self.view, self.corr, self.req, self.add = draft, view, corr, req, add
         self.res = view.resolved
-        # the block formats (model.quant.companions) of the verifier's weights and of the draft's; a draft that
+        # the block formats (model.quant.codec) of the verifier's weights and of the draft's; a draft that
         # neither declares nor stores one is read in the verifier's
-        self.vfmt = view.block_format
-        found = weight_format(draft)
+        self.vfmt = view.codec
+        found = checkpoint_codec(draft)
         self.dfmt = found if found.how in ("stored", "declared") else self.vfmt
         # the draft's tensors in the verifier's names, scales named as the verifier names them
         self.mover = Mover(draft.tensors, self.dfmt, self.vfmt)
@@ -134,7 +134,7 @@ class _Builder:
     def take(self, t: OutputTensor, scale: OutputTensor | None, spec: Spec | None, step: Step) -> None:
         """Give ``t`` the verifier's storage and record it: encoded as the verifier stores the module (the encoder
         its scheme table names, block FP8 included), else its float dtype (cast), else (a non-float verifier
-        tensor) the draft's bytes. What the verifier stores in a format with no encoder (INT4, ...), or what
+        tensor) the draft's bytes. What the verifier stores in a format with no encoder, or what
         ``--keep-bf16`` / ``--dtype draft`` asks, goes in as float values in place of the stored tensors, and
         the config excludes the module."""
         stored = self._stored(t, spec)
@@ -173,7 +173,7 @@ class _Builder:
 
     def _stored(self, t: OutputTensor, spec: Spec | None) -> Storage | None:
         """How the verifier stores ``t``'s module when quantized (None: float, or add mode): its view's storage,
-        or for a stacked experts tensor (no module of its own) its block format's (``WeightFormat.storage``)."""
+        or for a stacked experts tensor (no module of its own) its block format's (``Codec.storage``)."""
         if self.add:
             return None
         stored = self.view.quantized.get(t.key)
@@ -216,7 +216,7 @@ class _Builder:
 
     def _same_storage(self, t: OutputTensor, scale: OutputTensor | None, stored: Storage) -> bool:
         """The draft holds ``t`` in the verifier's block format, tile and dtypes (weight and scale, same shapes)."""
-        if scale is None or not self.dfmt.stores(t.dtype) or self.dfmt != self.vfmt:
+        if scale is None or not self.dfmt.stores(t.dtype) or self.dfmt != self.vfmt or not self.vfmt.keeps_bytes:
             return False
         if (stored.scheme, stored.format) != (self.vfmt.scheme, self.vfmt.format):
             return False

@@ -17,7 +17,7 @@ from ...stream.plan import OutputTensor, copy_of
 
 if TYPE_CHECKING:
     from ...model.expert_layouts import ExpertGroup
-    from ...model.quant.companions import WeightFormat
+    from ...model.quant.codec import Codec
     from ...model.quant.storage import Storage
     from ...model.tables.resolve import Spec
 
@@ -65,8 +65,8 @@ class Mover:
     supplied recorded (``used``), for the verb to judge."""
 
     refs: Mapping[str, Any]
-    fmt: WeightFormat
-    out: WeightFormat
+    fmt: Codec
+    out: Codec
     quantized: Mapping[str, Storage] = field(default_factory=dict)  # source weights a scheme table stores
     scale_role: bool = True  # a paired scale's meta names its role
     used: set[str] = field(default_factory=set)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ...dtypes import FLOAT_DTYPES, lookup
 from ...errors import InputError, UsageError
-from ...model.quant.companions import WeightFormat
+from ...model.quant.codec import Codec
 from ...numeric import transforms
 from ...stream.plan import OutputTensor
 
@@ -44,7 +44,7 @@ def requested_for(spec: Spec | None, requested: str | None) -> str | None:
     return None if pinned(spec) else requested
 
 
-def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, fmt: WeightFormat
+def finish_tensor(t: OutputTensor, scale: OutputTensor | None, cast_to, dequant_to, fmt: Codec
                   ) -> list[OutputTensor]:
     """``t`` (and its ``scale`` companion in block format ``fmt``) as written: dequantized into one tensor (the
     format's decoder), cast, or as they are."""

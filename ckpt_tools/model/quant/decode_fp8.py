@@ -1,6 +1,6 @@
 """FP8 block dequantization in numpy: the band kernel the scheme decoders run for FP8 codes.
 
-The arithmetic (``fp8`` documents the format)::
+The arithmetic (``encode_block`` documents the format)::
 
     W[r, c] = float32(Q[r, c]) * scale_inv[r // br, c // bc]     (one float32 rounding)
 
@@ -10,8 +10,7 @@ numpy, not torch: importing torch costs more than dequantizing an MTP layer take
 
 Every e4m3 / e5m2 value is exact in float32 and an element's result depends on its code and its
 block's scale alone: each block gets a 256-entry table of finished output values, and a band is
-decoded with one lookup per element (``BandDequantizer``). ``value_decoder`` decodes runs of elements;
-``dequant_array`` / ``dequant_stream`` are the whole-array and streamed forms of the band kernel.
+decoded with one lookup per element (``BandDequantizer``).
 """
 
 from __future__ import annotations
@@ -23,14 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import Scratch, decode_floats, numpy_storage_dtype
-from ..errors import InputError, PlanError
-from ..io.prefetch import prefetched
-from ..parallel import decode_threads, in_pool, ordered_map, run_all
+from ...arrays import Scratch, encode_floats, numpy_storage_dtype
+from ...errors import PlanError
 
 BAND_ELEMS = 1 << 18  # elements per compute step: a few MB of scratch, cache-resident
 OUT_DTYPES = ("BF16", "F16", "F32")
-_BF16_NAN = np.uint16(0xFFFF)  # the NaN torch's float32 -> bfloat16 cast produces (its vectorised kernel)
 
 
 def _e4m3_table() -> np.ndarray:
@@ -50,16 +46,6 @@ def _e5m2_table() -> np.ndarray:
 
 
 TABLES = {"F8_E4M3": _e4m3_table(), "F8_E5M2": _e5m2_table()}
-
-
-def scale_to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """Scale grid values as float32 (exact for every scale dtype) from their storage array."""
-    if dtype in ("F32", "BF16", "F16"):
-        return decode_floats(np.ascontiguousarray(raw), dtype).astype(np.float32, copy=False).reshape(raw.shape)
-    if dtype == "F8_E8M0":  # 2 ** (b - 127); 0xff is NaN
-        b = raw.view(np.uint8)
-        return np.where(b == 0xFF, np.float32(np.nan), np.ldexp(np.float32(1.0), b.astype(np.int32) - 127))
-    raise PlanError(f"scale dtype {dtype} is not one of F32, BF16, F16, F8_E8M0", rule="fp8-scale-dtype")
 
 
 def _check_format(fmt: str, what: str = "") -> None:
@@ -166,22 +152,8 @@ class BandDequantizer:
         if tables is None or tables[0] != lead:
             with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
                 products = self.scale[lead][:, :, None] * self.values  # float32: one rounding, as per element
-            tables = self._tables = (lead, encode(products, self.out_dtype).reshape(-1))
+            tables = self._tables = (lead, encode_floats(products, self.out_dtype).reshape(-1))
         return tables[1]
-
-
-def encode(values: np.ndarray, out_dtype: str) -> np.ndarray:
-    """float32 values in ``out_dtype`` storage, rounded to nearest even like torch's casts
-    (bf16 on the bits, every NaN as torch's 0xFFFF)."""
-    if out_dtype == "F32":
-        return values.astype(np.float32, copy=False)
-    if out_dtype == "F16":
-        with np.errstate(over="ignore"):  # overflow to +-inf, as torch does
-            return values.astype(np.float16)
-    u = values.astype(np.float32, copy=False).view(np.uint32).astype(np.uint64)  # no overflow in the sum
-    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    out[np.isnan(values)] = _BF16_NAN
-    return out
 
 
 _THREAD = threading.local()
@@ -192,55 +164,6 @@ def thread_scratch() -> Scratch:
     if not hasattr(_THREAD, "scratch"):
         _THREAD.scratch = Scratch()
     return _THREAD.scratch
-
-
-def dequant_array(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], fmt: str, out_dtype: str,
-                  scale_dtype: str = "F32") -> np.ndarray:
-    """A whole [..., rows, cols] FP8 weight (uint8 storage) -> values in ``out_dtype`` storage."""
-    codes = np.ascontiguousarray(codes).view(np.uint8)
-    kern = BandDequantizer(fmt, scale_to_f32(np.ascontiguousarray(scale), scale_dtype), codes.shape, block,
-                           out_dtype)
-    rows, cols = codes.shape[-2:]
-    flat = codes.reshape(-1, rows, cols)
-    out = np.empty(flat.shape, dtype=numpy_storage_dtype(out_dtype))
-
-    def one(band: tuple[int, int, int]) -> None:
-        li, r0, r1 = band
-        kern.dequant(flat[li, r0:r1], li, r0, out=out[li, r0:r1])
-
-    run_all(one, bands(flat.shape[0], rows, block[0], kern.step))  # bands on every core, each into its rows
-    return out.reshape(codes.shape)
-
-
-def dequant_stream(read: Callable[[int], Any], shape: tuple[int, ...], fmt: str, scale: np.ndarray,
-                   out_dtype: str = "BF16", block: tuple[int, int] = (128, 128)) -> Iterator[np.ndarray]:
-    """Dequantize a weight whose bytes come from a sequential reader (``read(n)`` -> the next
-    ``n`` bytes, C order), band by band, one worker thread ahead of the consumer.
-
-    ``scale`` is the whole (small) float32 scale grid. Yields fresh storage arrays."""
-    shape = tuple(shape)
-    kern = BandDequantizer(fmt, scale, shape, block, out_dtype)
-    rows, cols = shape[-2:]
-    lead = math.prod(shape[:-2])
-    threads = decode_threads()  # read here: the reading thread below does not see the caller's context
-
-    def raw_bands() -> Iterator[tuple[np.ndarray, int, int]]:
-        for li, r0, r1 in bands(lead, rows, block[0], kern.step):
-            n = (r1 - r0) * cols
-            data = read(n) if n else b""
-            if len(data) != n:
-                raise InputError(f"short read: {len(data)} of {n} bytes", rule="fp8-stream")
-            yield np.frombuffer(data, dtype=np.uint8).reshape(r1 - r0, cols), li, r0
-
-    def one(band: tuple[np.ndarray, int, int]) -> np.ndarray:
-        codes, li, r0 = band
-        return kern.dequant(codes, li, r0, out=np.empty(codes.shape, dtype=numpy_storage_dtype(out_dtype)))
-
-    if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
-        return whole_stream(read, (lead, rows, cols), cols, out_dtype, bands(lead, rows, block[0], kern.step),
-                            kern.dequant, lambda msg: InputError(msg, rule="fp8-stream"))
-    # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
-    return prefetched(lambda: ordered_map(one, raw_bands(), threads))
 
 
 def whole_stream(read: Callable[[int], Any], stored: tuple[int, int, int], cols: int, out_dtype: str,
@@ -262,29 +185,5 @@ def whole_stream(read: Callable[[int], Any], stored: tuple[int, int, int], cols:
     yield out
 
 
-def value_decoder(fmt: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int], what: str = "",
-                  path: str | None = None) -> Callable[[Any, int, int], np.ndarray]:
-    """``decode(buf, start, n)``: float32 ``value * scale`` of the ``n`` codes in ``buf``, elements
-    ``start``.. of a ``shape`` weight in C order (any run, not only whole rows).
-
-    ``scale`` is the float32 grid; the product is the same float32 rounding ``BandDequantizer`` makes,
-    without the cast to an output dtype (``ckpt diff --dequant`` compares these values)."""
-    _check_format(fmt, what)
-    *_, rows, cols = shape
-    grid = check_grid(shape, scale.shape, block, what, path)
-    gr, gc = grid[-2:]
-    flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
-    values = TABLES[fmt]
-
-    def decode(buf, start: int, n: int) -> np.ndarray:
-        idx = np.arange(start, start + n, dtype=np.int64)
-        col, row, lead = idx % cols, (idx // cols) % rows, idx // (rows * cols)
-        block_of = (lead * gr + row // block[0]) * gc + col // block[1]
-        with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as in BandDequantizer
-            return values[np.frombuffer(buf, dtype=np.uint8, count=n)] * flat[block_of]
-
-    return decode
-
-
-__all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "check_grid", "dequant_array",
-           "dequant_stream", "scale_to_f32", "thread_scratch", "value_decoder"]
+__all__ = ["BAND_ELEMS", "BandDequantizer", "TABLES", "band_rows", "bands", "check_grid", "thread_scratch",
+           "whole_stream"]
