@@ -1,8 +1,8 @@
 """Every verb's quantized path works for every scheme, or its codec refuses it by name (model/quant/codec.py).
 
 ``diff --dequant`` compares a quantized weight of any scheme table's format by the values its codec decodes (not
-only block FP8): a checkpoint against itself is the same values everywhere; one code byte changed stands out, on
-that weight alone. Restacking experts stored in a format whose codec cannot restack is refused naming the codec.
+only block FP8): a checkpoint against itself is unchanged everywhere (exit 0); one code byte changed stands out,
+on that weight alone. Restacking experts stored in a format whose codec cannot restack is refused naming the codec.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ def test_diff_dequant_compares_every_schemes_weights_by_value(tmp_path, scheme):
         f.seek(ref.segment().offset)
         f.write(bytes([byte ^ 0x11]))
 
-    same = json.loads(ckpt("diff", a, a, "--dequant", "--json", code=1).output)
-    by_key = {t["key"]: t for t in same["tensors"]}
-    assert all(by_key[k]["max_abs"] == 0.0 and by_key[k]["cosine"] == 1.0 for k in weights)
+    same = json.loads(ckpt("diff", a, a, "--dequant", "--json", code=0).output)  # the same values: no difference
+    assert same["identical"] and same["totals"] == {"unchanged": len(c.tensors)}
     moved = json.loads(ckpt("diff", a, b, "--dequant", "--json", code=1).output)
-    changed = {t["key"]: t["max_abs"] for t in moved["tensors"] if t["key"] in weights and t["max_abs"] != 0.0}
+    status = {t["key"]: t["status"] for t in moved["tensors"] if t["key"] in weights}
+    assert {k for k, v in status.items() if v != "unchanged"} == {key}
+    changed = {t["key"]: t["max_abs"] for t in moved["tensors"] if t["key"] in weights and t.get("max_abs")}
     assert set(changed) == {key}
     assert {t["key"]: t["dtype_a"] for t in moved["tensors"]}[key] == ref.dtype  # reported as stored
 

@@ -124,14 +124,16 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
         if va is None and vb is None:
             d = compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape,
                         CopyBytes([rb.segment()]), stats=stats, finite=stats)
-        else:  # a quantized weight by the values its codec decodes (float32, no output rounding)
-            sides = [(t.dtype, t.shape, t.recipe, _f32) if t is not None else (r.dtype, r.shape, CopyBytes(
-                [r.segment()]), None) for t, r in ((va, ra), (vb, rb))]
+        else:  # a quantized weight by the values its codec decodes (float32, no output rounding); stored alike on
+            # both sides, equal values are unchanged (compared as float32 bytes)
+            alike = va is not None and vb is not None and ra.dtype == rb.dtype
+            sides = [(t.dtype, t.shape, t.recipe, None if alike else _f32) if t is not None else (
+                r.dtype, r.shape, CopyBytes([r.segment()]), None) for t, r in ((va, ra), (vb, rb))]
             d = compare(key, *sides[0][:3], *sides[1][:3], stats=stats, finite=stats, decode_a=sides[0][3],
                         decode_b=sides[1][3])
             d.dtype_a, d.dtype_b, d.shape_a, d.shape_b = ra.dtype, rb.dtype, list(ra.shape), list(rb.shape)
-            if d.status != "shape-changed":
-                d.status = "replaced" if ra.dtype == rb.dtype else "dtype-changed"
+            if ra.dtype != rb.dtype and d.status != "shape-changed":
+                d.status = "dtype-changed"
         report.diffs.append(d)
         progress.advance(ra.nbytes + rb.nbytes)
     return report
