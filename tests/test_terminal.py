@@ -69,6 +69,8 @@ def family_ids() -> set[str]:
     ids = set()
     for r in tables_info():
         ids |= {r["family"], r["mtp_prefix"], *r["architectures"], *r["model_types"], *r["formats"]}
+        if r.get("llama_cpp"):  # llama.cpp's architecture names (nemotron_h_moe holds the family nemotron_h)
+            ids.add(r["llama_cpp"]["arch"])
     return ids
 
 
