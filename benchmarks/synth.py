@@ -285,7 +285,7 @@ def generate(family: str, sizing: Sizing, variant: str, out: Path, *, shards: in
         if opts.fp8 and s.quant:
             items.append((s.key, "F8_E4M3", s.shape))
             sk = fmt.scale_key(s.key)
-            items.append((sk, "F32", fmt.scale_shape(s.shape)))
+            items.append((sk, "F32", fmt.scale_of(s.key, tuple(s.shape), {})[1]))
             if s.key in mtp:
                 mtp_keys.add(sk)
         else:
