@@ -494,7 +494,7 @@ def parse_index(data: bytes, where: str) -> dict:
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise InputError("index must be an object with a 'weight_map' object", rule="index-json", path=where)
     wm = index["weight_map"]
-    if not all(type(v) is str for v in wm.values()):
+    if not set(map(type, wm.values())) <= {str}:
         for k, v in wm.items():
             if not isinstance(v, str):
                 raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=where)
