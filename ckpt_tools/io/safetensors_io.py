@@ -18,6 +18,7 @@ import re
 import struct
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
@@ -266,9 +267,12 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v <= MAX_NUMEL
 
 
-def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: ByteSource | None = None) -> Header:
+def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: ByteSource | None = None,
+                       hasher: Executor | None = None) -> Header:
     """Validate header JSON ``raw`` (without the 8-byte length) of a file of ``file_size`` bytes (``src``: the
-    file it was read from, whose tensor references the header then holds)."""
+    file it was read from, whose tensor references the header then holds; ``hasher``: a thread that takes its
+    sha256 while it is parsed - hashlib releases the GIL)."""
+    digest = hasher.submit(_sha256_hex, raw) if hasher is not None else None
 
     def fail(rule: str, msg: str) -> HeaderError:
         return HeaderError(msg, rule=rule, path=name)
@@ -312,7 +316,11 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: B
             _check_coverage(tensors, data_len, fail)
         else:
             _check_end(end, data_len, fail)
-    return Header(name, header_len, tensors, metadata, hashlib.sha256(raw).hexdigest(), refs)
+    return Header(name, header_len, tensors, metadata, digest.result() if digest else _sha256_hex(raw), refs)
+
+
+def _sha256_hex(data: bytes | bytearray) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class _InfoView(Mapping):
@@ -496,8 +504,9 @@ def _check_end(expected: int, data_len: int, fail) -> None:
         raise fail("trailing-bytes", f"{data_len - expected} bytes after the last tensor")
 
 
-def read_header(src: ByteSource) -> Header:
-    """Read and validate the header of ``src`` without touching tensor data."""
+def read_header(src: ByteSource, hasher: Executor | None = None) -> Header:
+    """Read and validate the header of ``src`` without touching tensor data (``hasher``: see
+    ``parse_header_bytes``)."""
     size = src.size
     if size < 8:
         raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length",
@@ -509,7 +518,7 @@ def read_header(src: ByteSource) -> Header:
     if 8 + n > size:
         raise HeaderError(f"header length {n} runs past the end of the {size}-byte file", rule="header-length",
                           path=src.name)
-    return parse_header_bytes(read_bytes(src, 8, n), size, src.name, src)
+    return parse_header_bytes(read_bytes(src, 8, n), size, src.name, src, hasher)
 
 
 # ---------------------------------------------------------------------------
