@@ -136,19 +136,22 @@ def _declared_first(ckpt: Any) -> list[SchemeTable]:
 def companions(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> list[tuple[Any, _Kind]]:
     """Every scale / global scale / activation scale / zero point tensor of a quantized module, with its rule."""
     tensors: Mapping[str, Any] = ckpt.tensors
-    cands = _candidates(_declared_first(ckpt))
-    kinds: dict[tuple[int, int, str], _Kind | None] = {}  # per (format, companion, dtype): a few distinct ones
+    get = tensors.get
+    # per companion suffix, each (format, companion) that has it, with what is asked of every key made once: the
+    # weight's name, the dtypes allowed, and the kind per scale dtype (a few distinct ones)
+    cands = {suffix: [(f".{fmt.weight.suffix}", fmt.weight.dtypes, t.dtypes, fmt, t, {}) for fmt, t in options]
+             for suffix, options in _candidates(_declared_first(ckpt)).items()}
     out = []
     for key, ref in tensors.items():
         module, _, suffix = key.rpartition(".")
         options = cands.get(suffix)
-        if not options or key in unknown:
+        if options is None or key in unknown:
             continue
-        for fmt, t in options:
-            w = tensors.get(f"{module}.{fmt.weight.suffix}")
-            if w is not None and w.dtype in fmt.weight.dtypes and ref.dtype in t.dtypes:
-                at = (id(fmt), id(t), ref.dtype)
-                kind = kinds[at] if at in kinds else kinds.setdefault(at, _kind(fmt, t, ref.dtype))
+        dtype = ref.dtype
+        for weight, weight_dtypes, dtypes, fmt, t, kinds in options:
+            w = get(module + weight)
+            if w is not None and w.dtype in weight_dtypes and dtype in dtypes:
+                kind = kinds[dtype] if dtype in kinds else kinds.setdefault(dtype, _kind(fmt, t, dtype))
                 if kind is not None:
                     out.append((ref, kind))
                 break
