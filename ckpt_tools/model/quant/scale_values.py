@@ -176,30 +176,17 @@ def _pieces(refs: list[tuple[Any, _Kind]]) -> Iterator[_Batch]:
         group.sort(key=_OFFSET)
         step = max(kind.itemsize, BATCH_BYTES // kind.itemsize * kind.itemsize)
         sizes = list(map(_NBYTES, group))
-        if max(sizes) <= step:  # whole tensors: each batch the longest run that fits (one piece at least)
-            ends = list(accumulate(sizes))
-            first = 0
-            while first < len(group):
-                last = max(first + 1, bisect_right(ends, (ends[first - 1] if first else 0) + BATCH_BYTES, first))
-                yield kind, group[first:last], None, sizes[first:last]
-                first = last
-            continue
-        batch: list[Any] = []
-        starts: list[int] = []
-        lengths: list[int] = []
-        size = 0
-        for ref, n in zip(group, sizes, strict=True):
-            for start in range(0, n, step) if n > step else (0,):
-                length = min(step, n - start)
-                if batch and size + length > BATCH_BYTES:
-                    yield kind, batch, starts, lengths
-                    batch, starts, lengths, size = [], [], [], 0
-                batch.append(ref)
-                starts.append(start)
-                lengths.append(length)
-                size += length
-        if batch:
-            yield kind, batch, starts, lengths
+        starts = None  # whole tensors; a tensor larger than a batch is read in pieces of ``step``
+        if max(sizes) > step:
+            pieces = [(ref, at, min(step, n - at)) for ref, n in zip(group, sizes, strict=True)
+                      for at in range(0, max(n, 1), step)]
+            group, starts, sizes = (list(column) for column in zip(*pieces, strict=True))
+        ends = list(accumulate(sizes))
+        first = 0
+        while first < len(group):  # each batch the longest run that fits (one piece at least)
+            last = max(first + 1, bisect_right(ends, (ends[first - 1] if first else 0) + BATCH_BYTES, first))
+            yield kind, group[first:last], starts and starts[first:last], sizes[first:last]
+            first = last
 
 
 _OFFSET = attrgetter("offset")
