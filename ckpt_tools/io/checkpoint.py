@@ -450,16 +450,18 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
         # made one per entry): the index's copies of a release's 92,000 names and file names (~14 MB) are freed
         weight_map: dict[str, str] = {}
         names = {name: name for name in headers}
+        last = in_shard = name = None
         for key, shard in index["weight_map"].items():  # 92,000 times for a release: nothing but lookups
-            in_shard = refs.get(shard)
+            if shard != last:  # keys come in runs of one shard: its references and name looked up once a run
+                last, in_shard, name = shard, refs.get(shard), names.get(shard, shard)
             ref = in_shard.get(key) if in_shard is not None else None
             if ref is not None:
-                tensors[ref.key] = ref
                 key = ref.key
+                tensors[key] = ref
             elif strict and in_shard is not None:
                 raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
                                  path=index_path)
-            weight_map[key] = names.get(shard, shard)
+            weight_map[key] = name
         index["weight_map"] = weight_map
     return tensors, shard_keys
 
