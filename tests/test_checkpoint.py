@@ -217,3 +217,29 @@ def test_open_lenient_closes_the_file_of_a_shard_it_cannot_read(make_fixture, tm
         assert str((d / _shard(d, -1)).resolve()) not in held
     finally:
         opened.ckpt.close()
+
+
+def test_the_index_and_headers_are_hashed_on_a_second_thread_as_they_are_parsed(make_fixture, monkeypatch):
+    """Fingerprints need the sha256 of the index and of every header (20 MB at release scale): hashlib releases
+    the GIL, so a second thread takes them while json parses; the digests are those of the bytes as stored."""
+    import threading
+
+    src = make_fixture("deepseek_v3")
+    calls: list[tuple[int, int]] = []  # (thread, bytes hashed)
+    sha256 = hashlib.sha256
+
+    def recorded(data=b""):
+        calls.append((threading.get_ident(), len(data)))
+        return sha256(data)
+
+    monkeypatch.setattr(hashlib, "sha256", recorded)
+    with Checkpoint.open(src) as ckpt:
+        monkeypatch.undo()
+        for name, header in ckpt.headers.items():
+            with open(src / name, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                assert header.sha256 == sha256(f.read(n)).hexdigest()
+        assert ckpt.digests[INDEX] == sha256((src / INDEX).read_bytes()).hexdigest()
+    here = [n for t, n in calls if t == threading.get_ident()]
+    assert here == [(src / "config.json").stat().st_size]  # read before the index and the headers
+    assert len(calls) == len(ckpt.headers) + 2

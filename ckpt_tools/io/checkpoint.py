@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -100,11 +100,13 @@ class Checkpoint:
             problems.add(err)
         digests: dict[str, str] = {}
         config, config_present = _read_config(d, digests, problems, skip="config.json" in blocked)
-        found = _shard_names(d, single, index, INDEX_NAME in blocked, renamed, digests, problems)
-        if found is None:
-            return open_draft_source(d)
-        index, shard_names = found
-        sources, headers = _open_shards(d, root, shard_names, renamed, problems)
+        # the index and header bytes are hashed (fingerprints) on a second thread while they are parsed
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+            found = _shard_names(d, single, index, INDEX_NAME in blocked, renamed, digests, problems, hasher)
+            if found is None:
+                return open_draft_source(d)
+            index, shard_names = found
+            sources, headers = _open_shards(d, root, shard_names, renamed, problems, hasher)
         try:
             tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME), strict=problems.strict)
             manifest = _read_manifest_in(d, digests, problems, skip=MANIFEST_NAME in blocked)
@@ -304,7 +306,8 @@ def _read_config(d: Path, digests: dict[str, str], problems: _Problems,
 
 
 def _shard_names(d: Path, single: str | None, index: dict | None, index_blocked: bool, renamed: dict[str, Path],
-                 digests: dict[str, str], problems: _Problems) -> tuple[dict | None, list[str]] | None:
+                 digests: dict[str, str], problems: _Problems, hasher: Executor | None = None
+                 ) -> tuple[dict | None, list[str]] | None:
     """The index (None without one) and the shards to open; None when ``d`` holds weights another
     reader reads instead (``open_draft_source``). ``index``: one given by the caller, not read from ``d``."""
     if single is not None:
@@ -314,8 +317,11 @@ def _shard_names(d: Path, single: str | None, index: dict | None, index_blocked:
     if (d / INDEX_NAME).is_file() and not index_blocked:
         try:
             data = read_small(d / INDEX_NAME, "index-json")
-            digests[INDEX_NAME] = sha256_of(data)
-            index = parse_index(data, str(d / INDEX_NAME))
+            digest = hasher.submit(sha256_of, data) if hasher is not None else None
+            try:
+                index = parse_index(data, str(d / INDEX_NAME))
+            finally:  # recorded whether or not the index is valid JSON
+                digests[INDEX_NAME] = digest.result() if digest is not None else sha256_of(data)
             return index, sorted(set(index["weight_map"].values()))
         except InputError as e:
             problems.add(e)
@@ -347,8 +353,8 @@ def _unindexed_shards(d: Path, problems: _Problems) -> list[str]:
     return names
 
 
-def _open_shards(d: Path, root: Path, names: list[str], renamed: dict[str, Path],
-                 problems: _Problems) -> tuple[dict[str, LocalFile], dict[str, Header]]:
+def _open_shards(d: Path, root: Path, names: list[str], renamed: dict[str, Path], problems: _Problems,
+                 hasher: Executor | None = None) -> tuple[dict[str, LocalFile], dict[str, Header]]:
     """Each shard's file and header; one that cannot be read is a problem (and ``problems.unreadable``)."""
     sources: dict[str, LocalFile] = {}
     headers: dict[str, Header] = {}
@@ -361,7 +367,7 @@ def _open_shards(d: Path, root: Path, names: list[str], renamed: dict[str, Path]
                                      path=str(d / name))
                 src = sources[name] = LocalFile(fpath)
                 src.name = str(d / name)
-                headers[name] = read_header(src)
+                headers[name] = read_header(src, hasher)
             except InputError as e:
                 if name in sources:
                     sources.pop(name).close()
@@ -444,16 +450,18 @@ def references(headers: dict[str, Header], sources: dict, index: dict | None, in
         # made one per entry): the index's copies of a release's 92,000 names and file names (~14 MB) are freed
         weight_map: dict[str, str] = {}
         names = {name: name for name in headers}
+        last = in_shard = name = None
         for key, shard in index["weight_map"].items():  # 92,000 times for a release: nothing but lookups
-            in_shard = refs.get(shard)
+            if shard != last:  # keys come in runs of one shard: its references and name looked up once a run
+                last, in_shard, name = shard, refs.get(shard), names.get(shard, shard)
             ref = in_shard.get(key) if in_shard is not None else None
             if ref is not None:
-                tensors[ref.key] = ref
                 key = ref.key
+                tensors[key] = ref
             elif strict and in_shard is not None:
                 raise InputError(f"index maps {key!r} to {shard}, which does not hold it", rule="index-key-missing",
                                  path=index_path)
-            weight_map[key] = names.get(shard, shard)
+            weight_map[key] = name
         index["weight_map"] = weight_map
     return tensors, shard_keys
 
@@ -494,7 +502,7 @@ def parse_index(data: bytes, where: str) -> dict:
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise InputError("index must be an object with a 'weight_map' object", rule="index-json", path=where)
     wm = index["weight_map"]
-    if not all(type(v) is str for v in wm.values()):
+    if not set(map(type, wm.values())) <= {str}:
         for k, v in wm.items():
             if not isinstance(v, str):
                 raise InputError(f"weight_map[{k!r}] is not a file name", rule="index-json", path=where)

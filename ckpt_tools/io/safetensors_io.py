@@ -18,7 +18,9 @@ import re
 import struct
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -184,12 +186,16 @@ class Header:
     def in_offset_order(self) -> list[str]:
         """Its keys by offset (writers store them so: then no sort)."""
         entries = self.refs if self.refs is not None else self.tensors
-        begins = [e.offset if self.refs is not None else e.begin for e in entries.values()]
-        if all(a <= b for a, b in zip(begins, begins[1:], strict=False)):
+        begins = list(map(_OFFSET if self.refs is not None else _BEGIN, entries.values()))
+        if begins == sorted(begins):  # a sorted list is one run to sort: linear, in C
             return list(entries)
         order = sorted(range(len(begins)), key=begins.__getitem__)  # stable: ties keep their order
         keys = list(entries)
         return [keys[i] for i in order]
+
+
+_OFFSET = attrgetter("offset")
+_BEGIN = attrgetter("begin")
 
 
 def _reject_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -232,6 +238,7 @@ class _Duplicate(Exception):
 # Far beyond any real tensor (numpy stops at 64 dims); refusing early keeps a 100 MB list of dims cheap.
 MAX_RANK = 1024
 MAX_NUMEL = 2**64 - 1  # the library multiplies dims in u64 (checked_mul) and refuses an overflow
+EXACT_FLOAT = 2**53  # every integer up to it is a float
 
 
 def _numel(shape: list[int]) -> int | None:
@@ -260,9 +267,12 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v <= MAX_NUMEL
 
 
-def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: ByteSource | None = None) -> Header:
+def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: ByteSource | None = None,
+                       hasher: Executor | None = None) -> Header:
     """Validate header JSON ``raw`` (without the 8-byte length) of a file of ``file_size`` bytes (``src``: the
-    file it was read from, whose tensor references the header then holds)."""
+    file it was read from, whose tensor references the header then holds; ``hasher``: a thread that takes its
+    sha256 while it is parsed - hashlib releases the GIL)."""
+    digest = hasher.submit(_sha256_hex, raw) if hasher is not None else None
 
     def fail(rule: str, msg: str) -> HeaderError:
         return HeaderError(msg, rule=rule, path=name)
@@ -306,7 +316,11 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: B
             _check_coverage(tensors, data_len, fail)
         else:
             _check_end(end, data_len, fail)
-    return Header(name, header_len, tensors, metadata, hashlib.sha256(raw).hexdigest(), refs)
+    return Header(name, header_len, tensors, metadata, digest.result() if digest else _sha256_hex(raw), refs)
+
+
+def _sha256_hex(data: bytes | bytearray) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class _InfoView(Mapping):
@@ -348,7 +362,9 @@ def _load_fast(text: str) -> dict | None:
         return None  # the strict parser names the error
     if type(obj) is not dict:
         return None
-    pairs = len(obj) + sum(len(v) for v in obj.values() if type(v) is dict)
+    values = obj.values()
+    pairs = len(obj) + (sum(map(len, values)) if set(map(type, values)) == {dict} else
+                        sum(len(v) for v in values if type(v) is dict))
     return obj if text.count(":") == pairs else None
 
 
@@ -391,13 +407,16 @@ def _entries_fast(obj: dict, src: ByteSource | None = None, base: int = 0) -> tu
             bits = bits_of(dtype_name)  # JSON gives str keys; an unhashable dtype is a TypeError: strict path
             if bits is None:
                 return None
-            # a float product first: it raises on a list or string among the dimensions, where the integer
-            # product would build it repeated (a [big, [3], big] shape asked for petabytes)
-            if prod(shape, start=1.0) > MAX_NUMEL:
+            # a float product: it raises on a list or string among the dimensions, where the integer product
+            # would build it repeated (a [big, [3], big] shape asked for petabytes); exact up to 2**53 elements
+            # (no partial product exceeds a nonzero total), beyond that the strict path counts exactly. A float,
+            # bool or negative dimension or offset is refused after the loop.
+            numel = prod(shape, start=1.0)
+            if numel > EXACT_FLOAT:
                 return None
-            numel = prod(shape)
+            size = int(numel) * bits
             begin, end = offs
-            if numel > MAX_NUMEL or (numel * bits) % 8 or end - begin != numel * bits // 8 or begin > end:
+            if size & 7 or end - begin != size >> 3:
                 return None
             add(shape)
             add(offs)
@@ -485,8 +504,9 @@ def _check_end(expected: int, data_len: int, fail) -> None:
         raise fail("trailing-bytes", f"{data_len - expected} bytes after the last tensor")
 
 
-def read_header(src: ByteSource) -> Header:
-    """Read and validate the header of ``src`` without touching tensor data."""
+def read_header(src: ByteSource, hasher: Executor | None = None) -> Header:
+    """Read and validate the header of ``src`` without touching tensor data (``hasher``: see
+    ``parse_header_bytes``)."""
     size = src.size
     if size < 8:
         raise HeaderError(f"file is {size} bytes, too short for the 8-byte header length",
@@ -498,7 +518,7 @@ def read_header(src: ByteSource) -> Header:
     if 8 + n > size:
         raise HeaderError(f"header length {n} runs past the end of the {size}-byte file", rule="header-length",
                           path=src.name)
-    return parse_header_bytes(read_bytes(src, 8, n), size, src.name, src)
+    return parse_header_bytes(read_bytes(src, 8, n), size, src.name, src, hasher)
 
 
 # ---------------------------------------------------------------------------

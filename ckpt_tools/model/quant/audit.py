@@ -197,10 +197,11 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
             continue
         out.append((s.key.removesuffix(".weight"), look(s.key, s.shape), s.quant, False))
     present = view.present_keys() if isinstance(view, TrunkModules) else {s.key for s in view.present}
+    known = view.alike if isinstance(view, TrunkModules) else {}  # trunk groups told apart already
     for g in view.groups():
         if g.layout.per_expert:
-            alike = None if stored_of is not None else _stored_alike(view.ckpt, view.codec, view.quantized,
-                                                                     _weights(g)[0])
+            alike = None if stored_of is not None else known[g] if g in known else _stored_alike(
+                view.ckpt, view.codec, view.quantized, _weights(g)[0])
             if alike is not None:  # every weight present, stored one way
                 out += [(m, alike, g.quant, True) for m in _weights(g)[1]]
                 continue
@@ -399,6 +400,7 @@ class TrunkModules:
     quantized: dict = field(default_factory=dict)
     expert_groups: list = field(default_factory=list)
     expert_keys: set = field(default_factory=set)
+    alike: dict = field(default_factory=dict)  # per-expert group -> its weights' one description (_stored_alike)
 
     def groups(self) -> list[ExpertGroup]:
         return self.expert_groups
@@ -440,7 +442,8 @@ def trunk_modules(view: MtpView) -> TrunkModules:
     for g in out.expert_groups:
         if not g.layout.per_expert:
             continue
-        if _stored_alike(ckpt, fmt, out.quantized, _weights(g)[0]) is not None:
+        # kept for module_rows, which would find the same: alike, none of the group's keys enters ``quantized``
+        if out.alike.setdefault(g, _stored_alike(ckpt, fmt, out.quantized, _weights(g)[0])) is not None:
             found.update(_weights(g)[0])
             continue
         for t in g.tensors():

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import sys
+from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import accumulate
+from operator import add, attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InputError
@@ -134,71 +136,78 @@ def _declared_first(ckpt: Any) -> list[SchemeTable]:
 def companions(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> list[tuple[Any, _Kind]]:
     """Every scale / global scale / activation scale / zero point tensor of a quantized module, with its rule."""
     tensors: Mapping[str, Any] = ckpt.tensors
-    cands = _candidates(_declared_first(ckpt))
-    kinds: dict[tuple[int, int, str], _Kind | None] = {}  # per (format, companion, dtype): a few distinct ones
+    get = tensors.get
+    # per companion suffix, each (format, companion) that has it, with what is asked of every key made once: the
+    # weight's name, the dtypes allowed, and the kind per scale dtype (a few distinct ones)
+    cands = {suffix: [(f".{fmt.weight.suffix}", fmt.weight.dtypes, t.dtypes, fmt, t, {}) for fmt, t in options]
+             for suffix, options in _candidates(_declared_first(ckpt)).items()}
     out = []
     for key, ref in tensors.items():
         module, _, suffix = key.rpartition(".")
         options = cands.get(suffix)
-        if not options or key in unknown:
+        if options is None or key in unknown:
             continue
-        for fmt, t in options:
-            w = tensors.get(f"{module}.{fmt.weight.suffix}")
-            if w is not None and w.dtype in fmt.weight.dtypes and ref.dtype in t.dtypes:
-                at = (id(fmt), id(t), ref.dtype)
-                kind = kinds[at] if at in kinds else kinds.setdefault(at, _kind(fmt, t, ref.dtype))
+        dtype = ref.dtype
+        for weight, weight_dtypes, dtypes, fmt, t, kinds in options:
+            w = get(module + weight)
+            if w is not None and w.dtype in weight_dtypes and dtype in dtypes:
+                kind = kinds[dtype] if dtype in kinds else kinds.setdefault(dtype, _kind(fmt, t, dtype))
                 if kind is not None:
                     out.append((ref, kind))
                 break
     return out
 
 
-def _pieces(refs: list[tuple[Any, _Kind]]) -> Iterator[list[_Piece]]:
-    """Batches of at most BATCH_BYTES of one kind (one piece may be a part of a large tensor), per source in
-    offset order."""
+# a batch: its kind, its tensors (one source, offset order), where each piece starts inside its tensor (None: at
+# 0, whole tensors) and each piece's length; lists, not an object per piece: a release has 45,000 scale tensors
+_Batch = tuple
+
+
+def _pieces(refs: list[tuple[Any, _Kind]]) -> Iterator[_Batch]:
+    """Batches of at most BATCH_BYTES of one kind (one piece may be a part of a large tensor), per local source in
+    offset order (a remote one is left to the decoders' finite check)."""
     groups: dict[tuple[int, int], tuple[_Kind, list[Any]]] = {}
     for ref, kind in refs:  # kinds are shared objects (companions): grouped by identity, no hashing of fields
         at = (id(ref.source), id(kind))
         (groups.get(at) or groups.setdefault(at, (kind, [])))[1].append(ref)
     for kind, group in groups.values():
-        group.sort(key=attrgetter("offset"))
+        if group[0].source.local_fd() is None:
+            continue
+        group.sort(key=_OFFSET)
         step = max(kind.itemsize, BATCH_BYTES // kind.itemsize * kind.itemsize)
-        batch: list[_Piece] = []
-        size = 0
-        for ref in group:
-            n = ref.nbytes
-            for start in range(0, n, step) if n > step else (0,):
-                length = min(step, n - start)
-                if batch and size + length > BATCH_BYTES:
-                    yield batch
-                    batch, size = [], 0
-                batch.append((ref, start, length, kind))
-                size += length
-        if batch:
-            yield batch
+        sizes = list(map(_NBYTES, group))
+        starts = None  # whole tensors; a tensor larger than a batch is read in pieces of ``step``
+        if max(sizes) > step:
+            pieces = [(ref, at, min(step, n - at)) for ref, n in zip(group, sizes, strict=True)
+                      for at in range(0, max(n, 1), step)]
+            group, starts, sizes = (list(column) for column in zip(*pieces, strict=True))
+        ends = list(accumulate(sizes))
+        first = 0
+        while first < len(group):  # each batch the longest run that fits (one piece at least)
+            last = max(first + 1, bisect_right(ends, (ends[first - 1] if first else 0) + BATCH_BYTES, first))
+            yield kind, group[first:last], starts and starts[first:last], sizes[first:last]
+            first = last
 
 
-def _read(batch: list[_Piece]) -> tuple[bytearray, list[int]]:
-    """The batch's bytes, one after another, and where each piece starts."""
-    at, total = [], 0
-    for p in batch:
-        at.append(total)
-        total += p[2]
-    buf = bytearray(total)
-    view = memoryview(buf)
-    source = batch[0][0].source
+_OFFSET = attrgetter("offset")
+_NBYTES = attrgetter("nbytes")
+
+
+def _read(refs: list[Any], starts: list[int] | None, lengths: list[int], into: bytearray
+          ) -> tuple[memoryview, list[int]]:
+    """The batch's bytes, one piece after another, read into the start of ``into`` (at least as long; one buffer
+    for every batch: no fresh pages to zero and fault in per batch), and where each piece starts (and the end)."""
+    at = list(accumulate(lengths, initial=0))
+    view = memoryview(into)[:at[-1]]
+    source = refs[0].source
     fd = source.local_fd()
-
-    def one(i: int) -> None:
-        ref, start, length, _ = batch[i]
-        part = view[at[i]:at[i] + length]
-        if os.preadv(fd, [part], ref.offset + start) != length:
-            source.readinto(ref.offset + start, part)  # a short read: the source's own path and errors
-
-    for i in range(len(batch)):
-        one(i)
-    IO_STATS.add_read(total)
-    return buf, at
+    offsets = map(_OFFSET, refs) if starts is None else map(add, map(_OFFSET, refs), starts)
+    for begin, end, offset in zip(at, at[1:], offsets, strict=False):
+        part = view[begin:end]
+        if os.preadv(fd, [part], offset) != end - begin:
+            source.readinto(offset, part)  # a short read: the source's own path and errors
+    IO_STATS.add_read(at[-1])
+    return view, at
 
 
 # a small batch is judged without numpy (a small quantized checkpoint's read-only verbs then need none): its raw
@@ -207,7 +216,7 @@ _NATIVE = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "i1": "b", "<i2": "h",
 SMALL_VALUES = 1 << 16  # values judged one by one at most (a few ms)
 
 
-def _fine_small(buf: bytearray, kind: _Kind) -> bool:
+def _fine_small(buf: bytearray | memoryview, kind: _Kind) -> bool:
     """True when ``buf`` is small and every value of it is in range; False when numpy must judge (or name) it."""
     code = _NATIVE.get(kind.view)
     if code is None or len(buf) > SMALL_VALUES * kind.itemsize or (kind.itemsize > 1 and sys.byteorder != "little"):
@@ -283,15 +292,14 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
 def judge(refs: list[tuple[Any, _Kind]], rule: str = RULE) -> list[Problem]:
     """The problems of every (tensor, kind) in ``refs`` whose values are out of their kind's range, under ``rule``:
     one batched read of the local ones (a remote tensor is left to the decoders' finite check)."""
-    refs = [(r, k) for r, k in refs if r.source.local_fd() is not None]
-    if not refs:
-        return []
     out: list[Problem] = []
     seen: set[str] = set()
     extra = 0
-    for batch in _pieces(refs):
-        buf, at = _read(batch)
-        kind = batch[0][3]  # one kind per batch
+    into = bytearray()
+    for kind, batch, starts, lengths in _pieces(refs):
+        if len(into) < sum(lengths):
+            into = bytearray(sum(lengths))
+        buf, at = _read(batch, starts, lengths, into)
         if _fine_small(buf, kind):
             continue
         import numpy as np
@@ -301,13 +309,13 @@ def judge(refs: list[tuple[Any, _Kind]], rule: str = RULE) -> list[Problem]:
             continue
         # the pieces holding a bad value, found in one pass over the batch (a replica's scales are all zero: every
         # piece fails, and only the first MAX_DETAILED are looked at one by one)
-        for i in _failing(whole, at, kind):
-            p = batch[i]
-            key = p[0].key
+        for i in _failing(whole, at[:-1], kind):
+            key = batch[i].key
             if key in seen:  # another piece of a tensor larger than a batch
                 continue
             seen.add(key)
             if len(out) < MAX_DETAILED:
+                p = (batch[i], 0 if starts is None else starts[i], lengths[i], kind)
                 out.append(_problem(p, np.frombuffer(buf, dtype=kind.view, count=p[2] // kind.itemsize,
                                                      offset=at[i]), rule))
             else:
