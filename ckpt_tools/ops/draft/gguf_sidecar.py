@@ -373,30 +373,36 @@ def _encode(values, qtype) -> bytes:
 
 
 def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[bytes]:
-    """The tensor's bytes in ``qtype``, a band of whole rows at a time (rows quantize independently)."""
+    """The tensor's bytes in ``qtype``, a band of whole rows at a time (rows quantize independently). Bands are
+    read in order on this thread and converted on the decoding pool (numpy's gather and quantizers release the
+    GIL), at most a band per thread ahead of the one being written."""
     import numpy as np
 
     from ...arrays import decode_floats
     from ...numeric.transforms import RecipeReader
+    from ...parallel import ordered_map
 
     reader = RecipeReader(t.recipe)
     cols = t.shape[-1] if t.shape else 1
     rows = t.nbytes // max(1, _itemsize(t.dtype) * cols)
     per = max(1, BAND_BYTES // (4 * cols))
-    done = 0
     table = _bf16_to_f16() if (t.dtype == "BF16" and not offset and _is_f16(qtype)) else None
-    while done < rows:
-        n = min(per, rows - done)
-        buf = reader.read(n * cols * _itemsize(t.dtype))
+
+    def read() -> Iterator[tuple[int, bytes]]:
+        for done in range(0, rows, per):
+            n = min(per, rows - done)
+            yield n, reader.read(n * cols * _itemsize(t.dtype))
+
+    def convert(band: tuple[int, bytes]) -> bytes:
+        n, buf = band
         if table is not None:  # numpy's own cast of every bf16 value, looked up: the same bytes, 25x faster
-            yield table[np.frombuffer(buf, dtype="<u2")].tobytes()
-            done += n
-            continue
+            return table[np.frombuffer(buf, dtype="<u2")].tobytes()
         values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)
         if offset:
             values = values + np.float32(offset)
-        yield _encode(values, qtype)
-        done += n
+        return _encode(values, qtype)
+
+    yield from ordered_map(convert, read())
 
 
 def _is_f16(qtype) -> bool:
