@@ -150,9 +150,14 @@ class Codec:
 
     def restack_refusal(self, storage: Storage) -> str:
         """Why experts stored as ``storage`` (in this codec's format) are not restacked."""
+        return self.refusal(storage, "restack experts (only one scale companion over fixed tiles stacks along the "
+                            "expert axis)", "them")
+
+    def refusal(self, storage: Storage, what: str, them: str = "it") -> str:
+        """Why a verb does not ``what`` to a module stored as ``storage`` (in this codec's format): the codec's
+        capability, named."""
         return (f"{storage.module} is stored in scheme table {storage.scheme}'s format {storage.format}, whose codec "
-                f"({self.name or 'none'}) cannot restack experts (only one scale companion over fixed tiles stacks "
-                "along the expert axis); `ckpt dequant` them first")
+                f"({self.name or 'none'}) cannot {what}; `ckpt dequant` {them} first")
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
