@@ -148,11 +148,6 @@ class Codec:
                        () if skey in tensors else (skey,), shape=tuple(shape),
                        params={**self.params, "block": list(self.block or ())})
 
-    def restack_refusal(self, storage: Storage) -> str:
-        """Why experts stored as ``storage`` (in this codec's format) are not restacked."""
-        return self.refusal(storage, "restack experts (only one scale companion over fixed tiles stacks along the "
-                            "expert axis)", "them")
-
     def refusal(self, storage: Storage, what: str, them: str = "it") -> str:
         """Why a verb does not ``what`` to a module stored as ``storage`` (in this codec's format): the codec's
         capability, named."""
