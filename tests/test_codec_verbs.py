@@ -88,3 +88,12 @@ def test_a_codec_names_every_companion_of_its_format():
     assert block.companions("m.q.weight", (300, 129)) == [Companion("m.q.weight_scale_inv", "scale", (3, 2))]
     assert block.companions("m.experts.down_proj", (4, 256, 128)) == [
         Companion("m.experts.down_proj_scale_inv", "scale", (4, 2, 1))]
+
+
+@pytest.mark.parametrize("scheme", ["ct-nvfp4", "ct-fp8-channel"])
+def test_init_draft_from_layer_of_a_non_block_scheme_is_refused_by_its_codec(tmp_path, scheme):
+    src = make_quantized_checkpoint("qwen3_next", tmp_path / "q", QuantOptions(scheme=scheme))
+    out = ckpt("init-draft", src, "-o", tmp_path / "o", "--from-layer", "3", code=3).output
+    codec = "ct-nvfp4" if scheme == "ct-nvfp4" else "ct-fp8"
+    assert "[quant-capability]" in out and f"whose codec ({codec}) cannot copy a layer" in out
+    assert "model.layers.3.self_attn.q_proj" in out and not (tmp_path / "o").exists()

@@ -192,6 +192,18 @@ def test_a_quantized_draft_gives_the_quantized_verifiers_sidecar(tmp_path):
         assert _sidecar(tmp_path / fmt, tmp_path / f"{fmt}-out", trunk) == want, fmt
 
 
+@pytest.mark.parametrize("scheme", ["ct-nvfp4", "ct-fp8-channel"])
+def test_a_native_draft_of_a_non_block_scheme_gives_the_verifiers_sidecar(tmp_path, scheme):
+    """The sidecar decodes a draft's weights by their own codec (packed NVFP4, per-channel FP8), not as block FP8."""
+    pytest.importorskip("compressed_tensors")
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v3", tmp_path / "src", QuantOptions(scheme))
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf", gguf_type="f16")
+    extract(src, tmp_path / "native", format="native")
+    assert _sidecar(tmp_path / "native", tmp_path / "d", trunk) == _sidecar(src, tmp_path / "v", trunk)
+
+
 def test_a_draft_on_the_hub_fetches_only_what_the_sidecar_holds(verifiers, monkeypatch, tmp_path):
     """A real speculators draft from hf:// (the test Hub): the sidecar is the local one, and the bytes served are its
     MTP tensors, the headers and the side files: never the placeholder head the format ignores."""

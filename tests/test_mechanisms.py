@@ -229,6 +229,29 @@ def test_fusion_halves_extract_joined_and_stitch_back_split(make_fixture, tmp_pa
     assert raw(o["mtp.0.e_proj.weight"]) == raw(v["mtp.0.e_proj.weight"])
 
 
+@pytest.mark.parametrize("suffix,grid,codec", [("weight_scale_inv", (1, 1), "fp8-block"),
+                                               ("weight_scale", (64, 1), "ct-fp8")])
+def test_a_quantized_fused_draft_tensor_is_refused_its_split_by_its_codec(make_fixture, tmp_path, monkeypatch,
+                                                                          suffix, grid, codec):
+    from ckpt_tools.model import formats
+    from ckpt_tools.model.formats import table
+
+    registered = dict(formats.all_formats(), angelspec=any_block("angelspec"))
+    monkeypatch.setattr(table, "all_formats", lambda: registered)
+    src = make_fixture("deepseek_v4")
+    draft = tmp_path / "draft"
+    ckpt("extract", src, "-o", draft, "--format", "angelspec")
+    data = load_file(str(draft / "model.safetensors"))
+    w = data["eh_proj.weight"]
+    assert w.shape[0] == grid[0] or grid == (1, 1)
+    data["eh_proj.weight"] = w.float().to(torch.float8_e4m3fn)  # the fused weight stored FP8 with its scale
+    data["eh_proj." + suffix] = torch.ones(grid, dtype=torch.float32)
+    save_file(data, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    out = ckpt("stitch", draft, src, "-o", tmp_path / "out", code=3).output
+    assert "[quant-capability]" in out and f"whose codec ({codec}) cannot split its columns" in out
+    assert "eh_proj" in out and not (tmp_path / "out").exists()
+
+
 def test_a_missing_half_is_named(make_fixture, tmp_path):
     import shutil
 

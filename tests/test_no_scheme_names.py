@@ -3,7 +3,9 @@
 Every scheme, storage-format and codec name of the scheme tables (``ct-nvfp4``, ``nvfp4``, ``fp8-block``,
 ``modelopt-fp8`` ...) and the producers they are named after is searched for, case-insensitively and as a whole
 word, in every Python source file under ckpt_tools/ops/ - code, strings and comments alike. ``fp8`` alone is a
-number format every FP8 scheme shares (the F8_E4M3 dtype), not a scheme, and is left out.
+number format every FP8 scheme shares (the F8_E4M3 dtype), not a scheme, and is left out. As a value, though,
+a ``quant_method`` the tables match (``"fp8"``) or a companion suffix they name (``"weight_scale_inv"``) is a
+scheme fact: no string literal in ops/ is one (a dict key such as inspect's ``"fp8":`` field is allowed).
 """
 
 from __future__ import annotations
@@ -52,3 +54,28 @@ def test_the_scan_would_catch_a_scheme_name():
     assert pattern.search("for ModelOpt, hf_quant_config.json")
     assert not pattern.search("rule fp8-block-size")  # a rule's name, not the scheme's
     assert not pattern.search("an FP8 weight")
+
+
+def _values() -> re.Pattern:
+    tables = all_schemes().values()
+    values = {str(v) for t in tables for d in t.declared_in for v in d.match.get("quant_method", ())}
+    values |= {x.suffix for t in tables for f in t.storage for x in f.tensors if "_" in x.suffix}
+    values -= {x.role for t in tables for f in t.storage for x in f.tensors}  # a role ("input_scale") is generic
+    body = "|".join(re.escape(v) for v in sorted(values, key=len, reverse=True))
+    return re.compile(r"""(["'])(?:""" + body + r""")\1(?!\s*:)""")  # "FP8" in a message is a number format
+
+
+def test_no_verb_holds_a_scheme_value():
+    pattern = _values()
+    hits = [f"{p.relative_to(OPS.parent)}:{n}: {line.strip()[:100]!r}" for p in sorted(OPS.rglob("*.py"))
+            for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == [], "a quant_method or companion suffix belongs to the scheme tables (ask the codec):\n" + \
+        "\n".join(hits)
+
+
+def test_the_scan_would_catch_a_scheme_value():
+    pattern = _values()
+    assert pattern.search('q.get("quant_method", "fp8")')
+    assert pattern.search("SCALE_SUFFIXES = ('weight_scale_inv', 'weight_scale')")
+    assert not pattern.search('{"fp8": self.fp8}')
+    assert not pattern.search('"an fp8 weight"')

@@ -264,7 +264,8 @@ def check_group(src: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec | No
     fmt = fmt or checkpoint_codec()
     encoded = _encoded(src, refs, fmt)
     if encoded is not None:
-        _raise(src, [("expert-quant-scheme", storage_codec(encoded).restack_refusal(encoded))])
+        _raise(src, [("expert-quant-scheme", storage_codec(encoded).refusal(encoded, "restack experts (only one "
+                      "scale companion over fixed tiles stacks along the expert axis)", "them"))])
     weights = stored_tensors(src)
     expected = {w.key for w in weights}
     dtypes: dict[str, list[str]] = {}

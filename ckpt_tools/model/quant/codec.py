@@ -72,6 +72,13 @@ class Codec:
         """Experts in this format slice per expert and restack byte for byte (scales with them)."""
         return self.block is not None
 
+    @property
+    def quant_method(self) -> str | None:
+        """The ``quant_method`` a configuration declaring this codec's scheme names (its table's first place)."""
+        table = get_scheme(self.scheme) if self.scheme else None
+        return next((str(v[0]) for d in (table.declared_in if table else ()) for k, v in d.match.items()
+                     if k == "quant_method" and v), None)
+
     def stores(self, dtype: str | None) -> bool:
         """Whether a weight of ``dtype`` is quantized in this format (needs its companions)."""
         return dtype in self.weight_dtypes
@@ -141,11 +148,11 @@ class Codec:
                        () if skey in tensors else (skey,), shape=tuple(shape),
                        params={**self.params, "block": list(self.block or ())})
 
-    def restack_refusal(self, storage: Storage) -> str:
-        """Why experts stored as ``storage`` (in this codec's format) are not restacked."""
+    def refusal(self, storage: Storage, what: str, them: str = "it") -> str:
+        """Why a verb does not ``what`` to a module stored as ``storage`` (in this codec's format): the codec's
+        capability, named."""
         return (f"{storage.module} is stored in scheme table {storage.scheme}'s format {storage.format}, whose codec "
-                f"({self.name or 'none'}) cannot restack experts (only one scale companion over fixed tiles stacks "
-                "along the expert axis); `ckpt dequant` them first")
+                f"({self.name or 'none'}) cannot {what}; `ckpt dequant` {them} first")
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
@@ -191,6 +198,12 @@ def layout_of(name: str, shape: tuple[int, ...], args: EncodeArgs) -> dict[str, 
     layout = get_codec(name).layout
     assert layout is not None
     return {k: (dt, (*lead, *sh)) for k, (dt, sh) in layout((rows, cols), args).items()}
+
+
+def scale_suffixes() -> frozenset[str]:
+    """Every scale companion suffix of the form ``weight_<x>`` the scheme tables name (``weight_scale``, ...)."""
+    return frozenset(t.suffix for table in all_schemes().values() for f in table.storage for t in f.tensors
+                     if t.role == "scale" and t.suffix.startswith("weight_"))
 
 
 DEFAULT_SCHEME = "fp8-block"  # the codec of a checkpoint that declares, stores and hints nothing

@@ -124,7 +124,7 @@ def kept_dtypes(tensors: list[OutputTensor], dequant_to: str | None, cast_to: st
 
 def _quant_info(view: MtpView) -> dict:
     q = view.ckpt.config.get("quantization_config")
-    info = {"method": (q or {}).get("quant_method", "fp8"), "block": list(view.codec.block),
+    info = {"method": (q or {}).get("quant_method", view.codec.quant_method), "block": list(view.codec.block),
             "scale_suffix": view.codec.scale_suffix}
     if view.quantized:
         info["schemes"] = sorted({st.scheme for st in view.quantized.values()})

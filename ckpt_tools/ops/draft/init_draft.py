@@ -35,7 +35,8 @@ from ...model.expr import evaluate, render
 from ...model.formats import Correspondence, correspond, get_format
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, detect_group_layout
-from ...model.quant.codec import Codec, checkpoint_codec
+from ...model.quant.codec import Codec, checkpoint_codec, storage_codec
+from ...model.quant.storage import module_storage
 from ...model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ...numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
 from ...options import MAX_SEED, int_in_range, positive_finite
@@ -267,6 +268,10 @@ def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefi
 
 
 def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, fmt: Codec) -> dict[str, TensorRef]:
+    st = module_storage(target, None, src_key.removesuffix(".weight")) if src_key.endswith(".weight") else None
+    if st is not None and st.quantized and not storage_codec(st).restacks:  # only weight + tiled scale are copied
+        why = storage_codec(st).refusal(st, "copy a layer as its weight and one tiled scale")
+        raise InputError(f"--from-layer: {why}", rule="quant-capability", path=target.root, key=src_key)
     ref = target.tensors.get(src_key)
     if ref is None:
         raise InputError(f"--from-layer: the target has no {src_key}", rule="missing-tensor", path=target.root)

@@ -25,7 +25,7 @@ from ...errors import InputError, OutputError, UsageError
 from ...io.checkpoint import Checkpoint
 from ...io.config import ConfigView
 from ...model.expert_layouts import DEFAULT_KEYS, LAYOUT_NAMES, ExpertLayout
-from ...model.quant.codec import Codec, checkpoint_codec
+from ...model.quant.codec import Codec, checkpoint_codec, scale_suffixes
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers")
 MTP_COUNT_KEYS = (
@@ -33,7 +33,6 @@ MTP_COUNT_KEYS = (
     "mtp_config.num_nextn_predict_layers", "mtp_config.num_mtp_layers", "mtp_config.num_layers",
 )
 MTP_TOKENS = frozenset({"mtp", "nextn"})
-SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 
 # Glue tensor names (the key after the layer prefix, without ``.weight``) -> canonical role.
 GLUE_NAMES: dict[str, str] = {
@@ -198,8 +197,8 @@ def _locate(key: str, containers: set[str], n: int | None) -> tuple[int | None, 
     return None
 
 
-def _is_scale(key: str, keys) -> bool:
-    for suffix in SCALE_SUFFIXES:
+def _is_scale(key: str, keys, suffixes: frozenset[str]) -> bool:
+    for suffix in suffixes:
         if key.endswith("." + suffix) and key[: -len(suffix)] + "weight" in keys:
             return True
         if key.endswith("_" + suffix.removeprefix("weight_")) and key[: -len(suffix) + len("weight_") - 1] in keys:
@@ -212,11 +211,12 @@ def _find(ckpt: Checkpoint, containers: set[str], n: int | None) -> tuple[list[F
     keys = ckpt.tensors
     found: list[Found] = []
     scales: list[str] = []
+    suffixes = scale_suffixes()
     for key, ref in keys.items():
         loc = _locate(key, containers, n)
         if loc is None:
             continue
-        if _is_scale(key, keys):
+        if _is_scale(key, keys, suffixes):
             scales.append(key)
             continue
         index, prefix, container = loc

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from ...errors import PlanError, UsageError
+from ...model.quant.codec import storage_codec
+from ...model.quant.storage import module_storage
 from ...numeric import transforms
 from ...stream.plan import OutputTensor, copy_of
 
@@ -118,9 +121,10 @@ class Mover:
         policy.take(t, scale, step.spec, step)
 
     def _split(self, step: Split, policy: Any) -> None:
-        if self.fmt.stores(self.refs[step.src].dtype):
-            raise PlanError(f"{step.src} is FP8; splitting it into {[s.key for s in step.pieces]} needs a BF16 draft",
-                            rule="fp8-scale")
+        st = module_storage(SimpleNamespace(tensors=self.refs), None, step.src.removesuffix(".weight"))
+        if st.quantized:  # a scale grid (or packed codes) does not split where the values do
+            why = storage_codec(st).refusal(st, f"split its columns into {[s.key for s in step.pieces]}")
+            raise PlanError(f"{why} (or take a float draft)", rule="quant-capability", key=step.src)
         whole = copy_of(self.refs[step.src], None, {"source": [step.src], "role": step.spec.role})
         pieces = transforms.split_columns(whole, [(s.key, s.shape[-1]) for s in step.pieces])
         for piece, spec in zip(pieces, step.pieces, strict=True):
