@@ -93,6 +93,7 @@ class PendingOutput:
 
     index: dict | None
     renamed: dict[str, Path]
+    checked: frozenset[tuple[str, str, Any]] = frozenset()  # Plan.checked_values: not read again
 
 
 Check = Callable[[Path, PendingOutput], None]
@@ -263,7 +264,7 @@ class Writer:
         with self.target.view(held) as (root, renamed):
             try:
                 self.check(root, PendingOutput(None if lone else manifest.index(self.plan, result.tensor_files),
-                                               renamed))
+                                               renamed, self.plan.checked_values))
             except CkptError as e:  # named by the output's own names (not a local mirror's)
                 raise OutputError(f"{e.message}; the output was left incomplete (no {marker}, no {MANIFEST_NAME})"
                                   .replace(str(root), where), rule=e.rule or "output-invalid",
