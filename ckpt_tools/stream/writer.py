@@ -81,6 +81,7 @@ class WriteResult:
     bytes_read: int = 0  # IO_STATS.total before the output's check (which reads the output, not the inputs)
     # files copied or linked whole: name -> (digest, size, header) of what landed in the output
     landed: dict[str, tuple[str, int, object]] = field(default_factory=dict)
+    reused: dict[str, str] = field(default_factory=dict)  # whole file -> the input manifest its digest came from
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Writer:
                 held = self._write_all(shards, result, hasher, lone)
                 self.progress.phase("hashing")  # what the hasher threads have left
                 result.digests, result.landed = hasher.results()
+            result.reused = dict(target.reused)
             self._write_manifest(result, plan_digest)
             result.bytes_read = IO_STATS.total
             self.progress.phase("validating")

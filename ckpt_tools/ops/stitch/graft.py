@@ -91,6 +91,7 @@ class GraftReport(StitchReport):
             **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
             **({"validation": self.validation} if self.validation is not None else {}),
             **({"mtp_quant_auto": self.mtp_quant_auto} if self.mtp_quant_auto is not None else {}),
+            **({"link_digests": self.link_digests} if self.link_digests is not None else {}),
         }
 
 
