@@ -297,8 +297,10 @@ def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozens
 def checked_copies(ckpt: Any, copies: Mapping[str, str]) -> frozenset[tuple[str, str, Any]]:
     """The scales of ``ckpt``, an input the gate judged and found valid (``scale_value_problems``), held by files
     copied or linked whole into an output (``copies``: input file path -> output file name), as (output file name,
-    key, kind): the output's check skips exactly these (same bytes, same key, judged as the same kind)."""
-    return frozenset((copies[r.file], r.key, k) for r, k in companions(ckpt) if r.file in copies)
+    key, kind): the output's check skips exactly these (same bytes, same key, judged as the same kind). A remote
+    input's scales are not read by its gate (``judge``): none of them is returned."""
+    return frozenset((copies[r.file], r.key, k) for r, k in companions(ckpt)
+                     if r.file in copies and r.source.local_fd() is not None)
 
 
 def judge(refs: list[tuple[Any, _Kind]], rule: str = RULE) -> list[Problem]:
