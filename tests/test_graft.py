@@ -427,3 +427,52 @@ def test_mtp_quant_into_a_ue8m0_target_writes_power_of_two_scales(build, tmp_pat
     trunk = _scales(target, "model.layers.0.")
     assert trunk and all(bool((torch.frexp(s)[0] == 0.5).all()) for s in trunk.values())  # as the trunk's
     ckpt("validate", out)
+
+
+def _judged_in(monkeypatch, root: Path) -> list[str]:
+    """Keys of ``root``'s scales that quant-scale-value reads (scale_values.judge), recorded as it runs."""
+    from ckpt_tools.model.quant import scale_values
+
+    seen: list[str] = []
+    judge = scale_values.judge
+
+    def spy(refs, *a, **kw):
+        seen.extend(r.key for r, _ in refs if Path(r.file).parent.resolve() == root.resolve())
+        return judge(refs, *a, **kw)
+
+    monkeypatch.setattr(scale_values, "judge", spy)
+    return seen
+
+
+def test_output_check_reads_only_the_scales_no_gate_read(build, tmp_path, monkeypatch):
+    """The target's shards are copied whole, their scales read by the target's gate: the output check does not
+    read them again (issue 43); the MTP scales graft encodes (--mtp-quant), which no gate saw, it still reads."""
+    src, target = build("deepseek_v3"), build("deepseek_v3", "fp8-block-ue8m0", mtp="dropped")
+    out = tmp_path / "out"
+    judged = _judged_in(monkeypatch, out)
+    ckpt("graft", src, target, "-o", out, "--mtp-quant", "fp8-block")
+    mtp = [k for k in judged if _is_mtp(k, "deepseek_v3")]
+    assert len(mtp) > 4 and all(k.endswith("weight_scale_inv") for k in mtp), mtp
+    assert sorted(judged) == sorted(mtp), [k for k in judged if k not in mtp][:3]
+    assert json.loads((out / "graft-report.json").read_text())["validation"]["ok"]
+
+
+def test_output_check_still_reads_scales_the_gate_let_through(build, tmp_path):
+    """--allow-invalid quant-scale-value: the gate found a zero scale in a trunk shard and let it through, so the
+    output check reads it again and lists it as allowed."""
+    import shutil
+    import struct
+
+    target = tmp_path / "target"
+    shutil.copytree(build("deepseek_v3", "ct-nvfp4", mtp="dropped"), target)
+    with Checkpoint.open(str(target)) as c:
+        ref = next(r for k, r in c.tensors.items() if k.startswith("model.layers.1.") and k.endswith("weight_scale"))
+        where, at = Path(ref.file), ref.offset
+    with where.open("r+b") as f:
+        f.seek(at)
+        f.write(b"\x00" * len(struct.pack("<e", 0)))  # one FP8 / half scale byte pattern: zero
+    ckpt("graft", build("deepseek_v3"), target, "-o", tmp_path / "refused", code=3)
+    out = tmp_path / "out"
+    ckpt("graft", build("deepseek_v3"), target, "-o", out, "--allow-invalid", "quant-scale-value")
+    allowed = json.loads((out / "graft-report.json").read_text())["validation"]["allowed"]
+    assert [a["key"] for a in allowed] == [ref.key], allowed

@@ -181,6 +181,30 @@ def test_hardlink_mode_links_untouched_shards(make_fixture, tmp_path):
         assert (out / shard).stat().st_ino != (verifier / shard).stat().st_ino
 
 
+def test_hardlink_report_says_which_linked_shards_were_hashed_and_why(make_fixture, tmp_path):
+    """A link moves no bytes, yet the manifest lists each linked shard's digest: a verifier without a manifest has
+    every linked shard read once, and the report says so (issue 43); one whose manifest describes its files gives
+    their digests, and nothing is hashed."""
+    verifier = make_fixture("deepseek_v3")
+    draft = tmp_path / "draft"
+    ckpt("extract", verifier, "-o", draft)
+    _perturb(draft, ["model.layers.3.hnorm.weight"], np.random.default_rng(3))
+    first, second = tmp_path / "first", tmp_path / "second"
+    r = ckpt("stitch", draft, verifier, "-o", first, "--link", "hardlink")
+    links = json.loads((first / "stitch-report.json").read_text())["link_digests"]
+    linked = json.loads((first / "stitch-report.json").read_text())["linked_files"]
+    assert linked and sorted(links["hashed"]) == sorted(linked) and links["from_manifest"] == {}
+    assert all("no ckpt_manifest.json" in why for why in links["hashed"].values())
+    assert links["hashed_bytes"] == sum((verifier / n).stat().st_size for n in linked)
+    assert "linked shards hashed for the manifest" in r.output
+    ckpt("stitch", draft, first, "-o", second, "--link", "hardlink", "--report", tmp_path / "r.json")
+    again = json.loads((tmp_path / "r.json").read_text())
+    links = again["link_digests"]
+    assert links["hashed"] == {} and sorted(links["from_manifest"]) == sorted(again["linked_files"])
+    assert set(linked) <= set(again["linked_files"])
+    ckpt("verify-manifest", second)
+
+
 def test_run_is_the_command_without_rendering(make_fixture, tmp_path):
     """api.stitch: the CLI's options as keywords, its --json as ``report.to_json()``, one decision per key,
     and errors as exceptions (nothing written)."""

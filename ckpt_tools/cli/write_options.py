@@ -41,3 +41,9 @@ def say_shards_written(out: str, report: Any) -> None:
     """The line after a stitch or graft: which of the verifier's shards were rewritten, which are new."""
     out_console().print(f"wrote {out}; rewritten shards: {', '.join(report.rewritten_shards) or '-'}; "
                         f"new shards: {', '.join(report.new_shards) or '-'}")
+    links = getattr(report, "link_digests", None)
+    if links and links["hashed"]:  # a link moves no bytes: its digest for the manifest is one read of what landed
+        first = next(iter(links["hashed"].items()))
+        out_console().print(f"linked shards hashed for the manifest: {len(links['hashed'])} "
+                            f"({human_bytes(links['hashed_bytes'])}), e.g. {first[0]}: {first[1]}; "
+                            f"taken from the input's manifest: {len(links['from_manifest'])}", soft_wrap=True)

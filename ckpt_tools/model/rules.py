@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..io.artefacts import MANIFEST_NAME
 from . import consistency as c
@@ -63,6 +63,7 @@ class Context:
     table: Table | None = None
     whole_model: bool = False  # the trunk rules apply even to a checkpoint without a decoder layer
     config: str | None = None  # config.json's path when it is present and readable (the quant-config rule)
+    checked: frozenset[tuple[str, str, Any]] = frozenset()  # scales an input's gate read already (PendingOutput)
 
 
 def _codec(ctx: Context):
@@ -175,7 +176,7 @@ RULE_SET: list[Check] = [
           lambda ctx: block_problems(ctx.ckpt, _codec(ctx), ctx.unknown, ctx.config)),
     # every scale of every quantized module read as values (model/quant/scale_values.py)
     Check("scale-values", (SCALE_VALUE_RULE,), "model", True,
-          lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown)),
+          lambda ctx: scale_value_problems(ctx.ckpt, ctx.unknown, ctx.checked)),
     # KV-cache scales are finite and positive (model/quant/kv_scales.py)
     Check("kv-scale-values", (KV_SCALE_RULE,), "model", True, lambda ctx: kv_scale_problems(ctx.ckpt, ctx.unknown)),
 ]

@@ -142,6 +142,9 @@ class Plan:
     fingerprints: dict[str, dict] = field(default_factory=dict)
     # parts of ``fingerprints`` that read tensor bytes, computed only when the plan is written (or digested)
     pending_fingerprints: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
+    # (output file, key, kind) of scales copied unchanged from an input whose gate read them and found them valid:
+    # the output check does not read them again (scale_values.checked_copies)
+    checked_values: frozenset[tuple[str, str, Any]] = field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         schedule_reads(self.tensors)

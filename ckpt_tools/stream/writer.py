@@ -81,6 +81,7 @@ class WriteResult:
     bytes_read: int = 0  # IO_STATS.total before the output's check (which reads the output, not the inputs)
     # files copied or linked whole: name -> (digest, size, header) of what landed in the output
     landed: dict[str, tuple[str, int, object]] = field(default_factory=dict)
+    reused: dict[str, str] = field(default_factory=dict)  # whole file -> the input manifest its digest came from
 
 
 @dataclass
@@ -93,6 +94,7 @@ class PendingOutput:
 
     index: dict | None
     renamed: dict[str, Path]
+    checked: frozenset[tuple[str, str, Any]] = frozenset()  # Plan.checked_values: not read again
 
 
 Check = Callable[[Path, PendingOutput], None]
@@ -153,6 +155,7 @@ class Writer:
                 held = self._write_all(shards, result, hasher, lone)
                 self.progress.phase("hashing")  # what the hasher threads have left
                 result.digests, result.landed = hasher.results()
+            result.reused = dict(target.reused)
             self._write_manifest(result, plan_digest)
             result.bytes_read = IO_STATS.total
             self.progress.phase("validating")
@@ -263,7 +266,7 @@ class Writer:
         with self.target.view(held) as (root, renamed):
             try:
                 self.check(root, PendingOutput(None if lone else manifest.index(self.plan, result.tensor_files),
-                                               renamed))
+                                               renamed, self.plan.checked_values))
             except CkptError as e:  # named by the output's own names (not a local mirror's)
                 raise OutputError(f"{e.message}; the output was left incomplete (no {marker}, no {MANIFEST_NAME})"
                                   .replace(str(root), where), rule=e.rule or "output-invalid",

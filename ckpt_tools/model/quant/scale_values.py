@@ -280,13 +280,27 @@ def _problem(p: _Piece, raw: Any, rule: str = RULE) -> Problem:
                                              f"{more}: {effect}")
 
 
-def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
+def scale_value_problems(ckpt: Any, unknown: set[str] | frozenset[str] = frozenset(),
+                         checked: frozenset[tuple[str, str, Any]] = frozenset()) -> list[Problem]:
     """``quant-scale-value`` for every quantized module of ``ckpt`` (trunk and MTP alike) stored in local files.
 
     A remote checkpoint (hf://, s3://) is read header-only by inspect, validate and the gate (a verb downloads
     the shards it needs, no more), so its scales are not read here: they are checked where they are decoded
-    (``finite``: a NaN / Inf value is refused, naming the tensor and index)."""
-    return judge(companions(ckpt, unknown))
+    (``finite``: a NaN / Inf value is refused, naming the tensor and index). ``checked``: (file name, key, kind)
+    already judged in the input they were copied from unchanged (``checked_copies``), not read again."""
+    refs = companions(ckpt, unknown)
+    if checked:
+        refs = [(r, k) for r, k in refs if (os.path.basename(r.file), r.key, k) not in checked]
+    return judge(refs)
+
+
+def checked_copies(ckpt: Any, copies: Mapping[str, str]) -> frozenset[tuple[str, str, Any]]:
+    """The scales of ``ckpt``, an input the gate judged and found valid (``scale_value_problems``), held by files
+    copied or linked whole into an output (``copies``: input file path -> output file name), as (output file name,
+    key, kind): the output's check skips exactly these (same bytes, same key, judged as the same kind). A remote
+    input's scales are not read by its gate (``judge``): none of them is returned."""
+    return frozenset((copies[r.file], r.key, k) for r, k in companions(ckpt)
+                     if r.file in copies and r.source.local_fd() is not None)
 
 
 def judge(refs: list[tuple[Any, _Kind]], rule: str = RULE) -> list[Problem]:

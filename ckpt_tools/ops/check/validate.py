@@ -130,7 +130,7 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             report.reader, report.reader_notes = ckpt.reader, list(ckpt.reader_notes)
             report.files_checked = sum(len(getattr(src, "paths", ())) or 1 for src in ckpt.sources.values())
             report.tensors_checked = len(ckpt.tensors)
-        ctx = _file_checks(ckpt, unreadable, report)
+        ctx = _file_checks(ckpt, unreadable, report, pending)
         config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
         _config_checks(ckpt, arch, ctx, config_broken, report)
     finally:
@@ -142,10 +142,12 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
 # -- the rule set's checks, and what only validate reports -----------------------------------------------
 
 
-def _file_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationReport) -> rules.Context:
+def _file_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationReport,
+                 pending: PendingOutput | None = None) -> rules.Context:
     """The rule set's files stage, every check; the context the model stage goes on with."""
     unknown = consistency.unknown_keys(ckpt, unreadable)
-    ctx = rules.Context(ckpt, consistency.Holders(ckpt), unknown, list(unreadable))
+    ctx = rules.Context(ckpt, consistency.Holders(ckpt), unknown, list(unreadable),
+                        checked=pending.checked if pending else frozenset())
     report.extend(rules.run(ctx, "files", refusing_only=False))
     return ctx
 

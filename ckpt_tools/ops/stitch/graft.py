@@ -27,6 +27,8 @@ from ...model.consistency import MTP_RULES, count_field, note_allowed
 from ...model.gate import require_consistent
 from ...model.mtp import MtpView, choose_table
 from ...model.quant.audit import Stored
+from ...model.quant.scale_values import RULE as SCALE_VALUE_RULE
+from ...model.quant.scale_values import checked_copies
 from ...numeric import transforms
 from ...stream.fingerprint import record_inputs
 from ...stream.plan import CopyBytes, OutputTensor, Plan
@@ -89,6 +91,7 @@ class GraftReport(StitchReport):
             **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
             **({"validation": self.validation} if self.validation is not None else {}),
             **({"mtp_quant_auto": self.mtp_quant_auto} if self.mtp_quant_auto is not None else {}),
+            **({"link_digests": self.link_digests} if self.link_digests is not None else {}),
         }
 
 
@@ -175,6 +178,9 @@ def plan_graft(source: Checkpoint, target: Checkpoint, req: GraftRequest) -> tup
     if req.check_values:
         _require_finite(source, sorted(set(taken) - _checked_as_copied(source, plan.tensors)))
     record_inputs(plan, target=target, source=(source, taken))
+    if not any(p.rule == SCALE_VALUE_RULE for p in tgate.allowed):  # the gate read every scale of the target
+        plan.checked_values = checked_copies(target, {str(f.source): f.name for f in plan.files
+                                                      if f.tensors and f.source is not None})
     return plan, report
 
 

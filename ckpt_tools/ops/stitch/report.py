@@ -31,6 +31,7 @@ class StitchReport:
     draft: dict = field(default_factory=dict)  # how the draft was read: reader, its notes, the prefix stripped
     quant_config: dict | None = None  # the quantization config repair (quant.repair), when the config changed
     validation: dict | None = None
+    link_digests: dict | None = None  # execute.link_digests: how each linked shard's digest was had
 
     def totals(self) -> dict:
         counts: dict[str, int] = {}
@@ -63,4 +64,5 @@ class StitchReport:
             "linked_files": self.linked_files,
             **({"quant_config": self.quant_config} if self.quant_config is not None else {}),
             **({"validation": self.validation} if self.validation is not None else {}),
+            **({"link_digests": self.link_digests} if self.link_digests is not None else {}),
         }

@@ -25,6 +25,7 @@ class Report(Protocol):
     """What a writing verb's report offers: its JSON, and the validation result this module fills in."""
 
     validation: dict | None
+    link_digests: dict | None
 
     def to_json(self) -> dict: ...
 
@@ -107,6 +108,24 @@ def execute_and_report(plan: Plan, report: Report, o: Outputs, allow: frozenset[
         write_json_file(o.report_file, report.to_json(), "--report", plan.inputs)
 
 
+def link_digests(plan: Plan, result: WriteResult) -> dict | None:
+    """How the digest of each shard linked whole (--link hardlink / reflink) was had, None when none is: the
+    output's manifest lists every linked shard's whole-file digest (verify-manifest, --resume), and a link moves
+    no bytes to hash on the way, so each is taken over from its input's manifest where that manifest describes
+    the file as it is, else read once from the file that landed (``hashed``, each with why)."""
+    from ...stream.writer import source_size
+
+    linked = [f for f in plan.files if f.tensors and f.link in ("hardlink", "reflink")]
+    if not linked:
+        return None
+    taken = {f.name: result.reused[f.name] for f in linked if f.name in result.reused}
+    hashed = {f.name: f"no ckpt_manifest.json beside {f.source} lists its digest" if f.known is None else
+              f"{f.known.manifest} describes another file (size, mtime, inode or device differ)"
+              for f in linked if f.name not in taken}
+    return {"from_manifest": taken, "hashed": hashed,
+            "hashed_bytes": sum(source_size(f.source) for f in linked if f.name in hashed and f.source)}
+
+
 def _write(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: str,
            progress: Progress | None) -> None:
     """Execute the plan; the output is validated before its index appears (a failure is exit 4), then the
@@ -126,6 +145,7 @@ def _write(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: 
                                                             else {})}
 
     plan.files.append(OutputFile(name, content=b"{}"))  # placeholder, rewritten below
-    execute(plan, o.out, overwrite=o.overwrite, resume=o.resume, progress=progress, check=check)
+    result = execute(plan, o.out, overwrite=o.overwrite, resume=o.resume, progress=progress, check=check)
+    report.link_digests = link_digests(plan, result)
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
     write_output_file(o.out, name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())
