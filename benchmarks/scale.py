@@ -57,14 +57,14 @@ CASES = (
 
 # The fixed cost of each verb (issue 34, item 2: <= 0.30 s; `ckpt inspect` <= 0.25 s): the same commands on the
 # tiny DeepSeek-V3 fixture checkpoints (bf16, and block FP8 for dequant), where nothing but start-up is left.
-FIXED = (
-    Case("--help", ("--help",), 0.30, measured=0.07),
-    Case("inspect", ("inspect", "{tiny}"), 0.25, measured=0.15),
-    Case("validate", ("validate", "{tiny}"), 0.30, measured=0.14),
-    Case("diff", ("diff", "{tiny}", "{tiny}"), 0.30, measured=0.13),
-    Case("extract --dry-run", ("extract", "{tiny}", "-o", "{out}", "--dry-run"), 0.30, measured=0.16),
-    Case("dequant --dry-run", ("dequant", "{tiny_fp8}", "-o", "{out}", "--dry-run"), 0.30, measured=0.16),
-    Case("graft --dry-run", ("graft", "{tiny}", "{tiny_nomtp}", "-o", "{out}", "--dry-run"), 0.30, measured=0.16),
+FIXED = (  # measured: CPU s, `python -m benchmarks scale --runs 3`, 2026-12-06 06:40 UTC, load 0.7 (history)
+    Case("--help", ("--help",), 0.30, measured=0.09),
+    Case("inspect", ("inspect", "{tiny}"), 0.25, measured=0.21),
+    Case("validate", ("validate", "{tiny}"), 0.30, measured=0.19),
+    Case("diff", ("diff", "{tiny}", "{tiny}"), 0.30, measured=0.18),
+    Case("extract --dry-run", ("extract", "{tiny}", "-o", "{out}", "--dry-run"), 0.30, measured=0.21),
+    Case("dequant --dry-run", ("dequant", "{tiny_fp8}", "-o", "{out}", "--dry-run"), 0.30, measured=0.19),
+    Case("graft --dry-run", ("graft", "{tiny}", "{tiny_nomtp}", "-o", "{out}", "--dry-run"), 0.30, measured=0.21),
 )
 
 
