@@ -98,3 +98,16 @@ def test_a_duplicate_key_or_a_bad_alignment_is_refused(tmp_path):
     at = data.index(key) + len(key) + 4  # past the key and its type
     bad.write_bytes(data[:at] + (48).to_bytes(4, "little") + data[at + 4:])
     _refused(bad, "power of two")
+
+
+def test_a_tensor_whose_data_runs_past_the_end_is_refused(tmp_path):
+    """A sidecar cut inside its last tensor's data: its metadata is whole, yet it is no GGUF to serve or verify."""
+    path = tmp_path / "x.gguf"
+    _write(path, gguf.GGUFEndian.LITTLE)
+    data = path.read_bytes()
+    last = max(read_gguf(path).tensors.values(), key=lambda t: t.offset)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:last.offset + last.nbytes - 1])
+    _refused(cut, f"tensor {last.name} runs past the end of the file")
+    cut.write_bytes(data[:last.offset + last.nbytes])  # exactly its data: readable
+    assert read_gguf(cut).tensors[last.name].nbytes == last.nbytes

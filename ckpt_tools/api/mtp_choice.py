@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .options import DEPTH_AUTO, MAX_DROP, MAX_NEW_TOKENS_AUTO
+
 AS_STORED = "as stored"  # ops.probe.mtp_quant's first row: the MTP as the source stores it
 RULE = "mtp-quant-auto"
 
@@ -25,9 +27,9 @@ class Measure:
 
     option: str  # the CLI option that asked for it (--mtp-quant / --gguf-type)
     prompts: str | os.PathLike[str] | None
-    max_drop: float = 0.01
-    depth: int = 1
-    max_new_tokens: int = 32
+    max_drop: float = MAX_DROP.default
+    depth: int = DEPTH_AUTO.default
+    max_new_tokens: int = MAX_NEW_TOKENS_AUTO.default
 
     def check(self) -> None:
         from ..errors import UsageError

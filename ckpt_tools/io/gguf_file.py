@@ -171,7 +171,10 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
         n = 1
         for d in ne:
             n *= d
-        out.tensors[name] = GgufTensor(name, qtype.name, tuple(reversed(ne)), n * size // block, start + offset)
+        nbytes = n * size // block
+        if start + offset + nbytes > len(data):
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        out.tensors[name] = GgufTensor(name, qtype.name, tuple(reversed(ne)), nbytes, start + offset)
     return out
 
 

@@ -18,7 +18,7 @@ import fcntl
 import json
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import OutputError, UsageError
@@ -188,13 +188,8 @@ def previous_written(read: Callable[[str], bytes | None]) -> list[str]:
     before its manifest has only that) and of its manifest. A record is input like any other: names that could
     leave the output (absolute, ``..``) and the lock this run holds are not ours to remove and are dropped."""
     names: set[str] = set()
-    for record_name in (RESUME_NAME, MANIFEST_NAME):
-        raw = read(record_name)
-        try:
-            record = json.loads(raw) if raw else None
-        except (ValueError, RecursionError):
-            continue
-        listed = record.get("written") if isinstance(record, dict) else None
+    for record in _records(read):
+        listed = record.get("written")
         if isinstance(listed, list):
             names.update(n for n in listed if isinstance(n, str) and _inside(n) and n != LOCK_NAME)
     return sorted(names)
@@ -258,15 +253,19 @@ def _remove_listed(out: Path, name: str) -> None:
 def read_record(read: Callable[[str], bytes | None]) -> dict | None:
     """What an interrupted run was doing: its resume record, else the manifest of a finished run; ``read(name)``
     gives an output file's bytes (None: not there). A file that is not a record is no record."""
+    return next((r for r in _records(read) if isinstance(r.get("plan"), dict)), None)
+
+
+def _records(read: Callable[[str], bytes | None]) -> Iterator[dict]:
+    """The resume record, then the manifest, each that is there and a JSON object."""
     for name in (RESUME_NAME, MANIFEST_NAME):
         raw = read(name)
         try:
             record = json.loads(raw) if raw else None
         except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("plan"), dict):
-            return record
-    return None
+        if isinstance(record, dict):
+            yield record
 
 
 # -- resume -------------------------------------------------------------------------------------
