@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,7 +14,9 @@ import pytest
 from ckpt_tools.testing import FixtureOptions, make_checkpoint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
-os.environ.setdefault("CKPT_CACHE_DIR", tempfile.mkdtemp(prefix="ckpt-cache-"))  # never the user's cache
+if "CKPT_CACHE_DIR" not in os.environ:  # never the user's cache, and not left behind in /tmp either
+    os.environ["CKPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="ckpt-cache-")
+    atexit.register(shutil.rmtree, os.environ["CKPT_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_configure(config):
