@@ -141,6 +141,7 @@ class Writer:
         self.hash_tensors = hash_tensors
         self.check = check
         self._written_names: list[str] = []  # every file this run writes (output_dir.written_names)
+        self._copied: dict[str, str] = {}  # --resume: Plan.copied_digests
 
     def run(self) -> WriteResult:
         t0, plan, target = time.monotonic(), self.plan, self.target
@@ -194,7 +195,8 @@ class Writer:
             target.check(self.plan, overwrite=self.overwrite, resume=self.resume)
             if self.resume:
                 output_dir.check_resume(output_dir.read_record(target.read), target.listing, plan_digest,
-                                        self.plan.fingerprints, str(target.name))
+                                        self.plan.planned_fingerprints(), str(target.name))
+                self._copied = self.plan.copied_digests()  # what finished shards' copies must still hold
         except BaseException:
             target.release(False)
             raise
@@ -213,7 +215,7 @@ class Writer:
                 target.remove(name)
             target.remove_partials()
         self._written_names = output_dir.written_names(plan, shards)
-        target.put(RESUME_NAME, output_dir.resume_record(plan_digest, plan.settle_fingerprints(), plan.command,
+        target.put(RESUME_NAME, output_dir.resume_record(plan_digest, plan.planned_fingerprints(), plan.command,
                                                          self._written_names))
 
     def _write_all(self, shards: dict[str, list[OutputTensor]], result: WriteResult, hasher: _Hasher,
@@ -296,6 +298,8 @@ class Writer:
         result.files.append(name)
         result.tensor_files.update({t.key: name for t in ordered})
         proven = self.target.proven_shard(name, head, ordered) if self.resume else None
+        if proven is not None and any(proven[t.key] != self._copied.get(t.key, proven[t.key]) for t in ordered):
+            proven = None  # it copies an input's tensor whose bytes changed since (Plan.copied_digests): again
         if proven is not None:
             result.skipped_shards.append(name)  # its digests are the ones just proven: not hashed again
             for key, d in proven.items():
