@@ -116,12 +116,69 @@ def test_stitch_takes_the_drafts_fingerprint_from_its_comparison(make_fixture, t
     out = tmp_path / "out"
     ckpt("stitch", draft, verifier, "-o", out)
     assert read == []  # every draft tensor was hashed by the comparison that read it
-    digest_of = fingerprint.tensors_digest
-    monkeypatch.setattr(fingerprint, "tensors_digest", lambda refs, known=None: digest_of(refs))  # as before
+    monkeypatch.setattr(fingerprint.TakenTensors, "settle", read_all)  # as before
     before = tmp_path / "before"
     ckpt("stitch", draft, verifier, "-o", before)
     assert read  # the separate read
     m, b = (json.loads((o / "ckpt_manifest.json").read_text()) for o in (out, before))
     assert m["inputs"]["draft"]["tensors"] == b["inputs"]["draft"]["tensors"]
     assert m["plan"] == b["plan"] and m["tensors"] == b["tensors"]
+    ckpt("verify-manifest", out)
+
+
+def read_all(taken: fingerprint.TakenTensors, written) -> None:
+    """The taken tensors' fingerprint as it was computed before: every tensor read for it."""
+    digests = [fingerprint.tensor_digest(r) for r in taken.refs]
+    taken.fp["tensors"] = {"count": len(taken.refs), "blake3": fingerprint.combined(taken.refs, digests)}
+
+
+def test_graft_takes_the_sources_fingerprint_from_the_mtp_shard_it_writes(tmp_path, monkeypatch):
+    """The source's MTP tensors written as they are: their fingerprint digest is the digest of what was written
+    (no second read), the same as reading them gives; --mtp-dtype writes other bytes, so those are read."""
+    read: list[str] = []
+    real = fingerprint.tensor_digest
+    monkeypatch.setattr(fingerprint, "tensor_digest", lambda ref: read.append(ref.key) or real(ref))
+    out = tmp_path / "out"
+    ckpt("graft", SOURCE, TARGET, "-o", out)
+    assert read == []
+    cast = tmp_path / "cast"
+    ckpt("graft", SOURCE, TARGET, "-o", cast, "--mtp-dtype", "fp32")
+    assert read and all(k.startswith(MTP) for k in read) and len(read) == len(set(read))  # each once
+    with monkeypatch.context() as m:
+        m.setattr(fingerprint.TakenTensors, "settle", read_all)
+        ckpt("graft", SOURCE, TARGET, "-o", tmp_path / "before")
+    m, b = (json.loads((o / "ckpt_manifest.json").read_text()) for o in (out, tmp_path / "before"))
+    assert m["inputs"]["source"]["tensors"] == b["inputs"]["source"]["tensors"]
+    assert m["inputs"]["source"]["tensors"]["count"] == sum(k.startswith(MTP) for k in m["tensors"])
+    ckpt("verify-manifest", out)
+
+
+def test_graft_resume_writes_again_a_finished_mtp_shard_whose_source_bytes_changed(tmp_path, monkeypatch):
+    """The plan digest and the resume record leave out the digests of tensors copied whole (they come from the
+    writing); --resume reads them again and does not reuse a finished shard whose copies the source no longer
+    holds (same size, header and mtime, other bytes)."""
+    from test_integrity_output import interrupt_after, visible
+
+    src = tmp_path / "src"
+    shutil.copytree(SOURCE, src)
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 1, "copy_whole_file")  # the MTP shard (checked first) finished, one target shard
+        ckpt("graft", src, TARGET, "-o", out, code=130)
+    mtp_shard = out / "model-mtp.safetensors"
+    assert mtp_shard.is_file() and not (out / "model.safetensors.index.json").exists()
+    finished = mtp_shard.read_bytes()
+    key = f"{MTP}eh_proj.weight"
+    with Checkpoint.open(str(src)) as c:
+        seg = c.tensors[key].segment()
+        file = Path(seg.source.name)
+    st = file.stat()
+    with open(file, "r+b") as f:
+        f.seek(seg.offset)
+        f.write(struct.pack("<H", 0x3F80))  # bf16 1.0
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ckpt("graft", src, TARGET, "-o", out, "--resume")
+    assert mtp_shard.read_bytes() != finished
+    ckpt("graft", src, TARGET, "-o", tmp_path / "fresh")
+    assert visible(out) == visible(tmp_path / "fresh")
     ckpt("verify-manifest", out)

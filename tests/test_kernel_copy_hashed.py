@@ -105,3 +105,15 @@ def test_a_large_range_is_one_kernel_copy_per_piece_and_never_written_from_user_
     expected = digest.new()
     expected.update(want)
     assert result == expected.hexdigest()
+
+
+def test_tensors_laid_out_end_to_end_move_in_one_copy_with_their_own_digests(small_ranges, tmp_path, monkeypatch):
+    """The source's MTP tensors lie in the order graft writes them: consecutive ones move by one copy (pieces as
+    large as PIECE), each tensor still with the digest of its own bytes."""
+    monkeypatch.setattr(hashcopy, "PIECE", 8 << 20)
+    out = tmp_path / "out"
+    ckpt("graft", SOURCE, TARGET, "-o", out)
+    assert recorded(out) == read_back(out)
+    with Checkpoint.open(str(out)) as c:
+        mtp = [k for k in c.tensors if k.startswith(MTP)]
+    assert len(mtp) > 10 and len(small_ranges) < len(mtp) / 3  # 8 here (4 runs, 2 target shards); 36 one by one

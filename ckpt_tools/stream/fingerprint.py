@@ -3,8 +3,9 @@
 A fingerprint proves identity without reading tensor data the plan does not read: ``root`` (the
 absolute path, or ``hf://org/repo@commit``); ``files`` (per shard its size, mtime, the sha256 of its
 header bytes, the Hub's LFS sha256); ``side_files`` (sha256 of config.json, index, manifest);
-``other_files`` (size and mtime of the non-weight files); ``tensors`` (drafts only: the count and
-combined BLAKE3 of the tensors the plan takes, computed when the plan is written, never for a dry run).
+``other_files`` (size and mtime of the non-weight files); ``tensors`` (the count and combined BLAKE3 of
+the tensors the plan takes: computed when the plan is written, never for a dry run; a tensor the output
+copies whole is hashed as it is written, not read for it: ``TakenTensors``).
 
 ``record_inputs`` puts them in ``Plan.fingerprints`` (``--resume`` refuses when any differs) and
 describes the shards an output copies whole: their header, and the digest the input's manifest holds.
@@ -27,13 +28,13 @@ from .plan import Plan
 HASH_THREADS = 2  # reads and hashlib release the GIL
 
 
-def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = (), *, plan: Plan | None = None,
+def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str], plan: Plan,
                 known: Mapping[Segment, str] | None = None) -> dict:
     """The identity of ``ckpt`` (see the module docstring); ``tensor_keys``: tensors taken from it.
 
-    With ``plan``, the tensors' digest (which reads their bytes) is left to ``plan.settle_fingerprints``,
-    which runs when the plan is written: a ``--dry-run`` of a release's 15 GB MTP layer reads nothing.
-    ``known``: digests of byte ranges already read whole (stitch's comparison), not read again.
+    Their digest (which reads their bytes) is left to ``plan`` (``TakenTensors``): a ``--dry-run`` of a
+    release's 15 GB MTP layer reads nothing. ``known``: digests of byte ranges already read whole (stitch's
+    comparison), not read again.
     """
     lfs = getattr(ckpt, "lfs_sha256", {})
     files: dict[str, dict] = {}
@@ -51,16 +52,41 @@ def fingerprint(ckpt: Checkpoint, tensor_keys: Iterable[str] = (), *, plan: Plan
                 "other_files": _other_files(ckpt)}
     keys = sorted(set(tensor_keys))
     if keys:
-        refs = [ckpt.tensors[k] for k in keys]
-
-        def settle() -> None:
-            fp["tensors"] = {"count": len(refs), digest.MANIFEST_ALGO: tensors_digest(refs, known)}
-
-        if plan is None:
-            settle()
-        else:
-            plan.pending_fingerprints.append(settle)
+        plan.pending_fingerprints.append(TakenTensors(fp, [ckpt.tensors[k] for k in keys], dict(known or {})))
     return fp
+
+
+class TakenTensors:
+    """The tensors a plan takes from an input, and their combined digest (``fp["tensors"]``), each tensor's bytes
+    read at most once. A tensor the output copies whole (one byte range) is hashed as the writer copies it: its
+    digest is left out of the plan's digest and the resume record (``planned``), which are written before it, and
+    taken from what was written (``settle``); ``--resume`` reads it again (``copies``)."""
+
+    def __init__(self, fp: dict, refs: list[TensorRef], known: dict[Segment, str]) -> None:
+        self.fp, self.refs, self.known = fp, refs, known  # known: byte range -> digest, as they are had
+
+    def planned(self, copied: set[Segment]) -> dict:
+        """``fp`` as known before writing: the tensors not copied whole hashed (read now), the others counted."""
+        rest = [r for r in self.refs if r.segment() in self.known or r.segment() not in copied]
+        return {**self.fp, "tensors": {"count": len(self.refs), "copied": len(self.refs) - len(rest),
+                                       digest.MANIFEST_ALGO: self._digest(rest)}}
+
+    def copies(self, copied: set[Segment]) -> dict[Segment, str]:
+        """The digests of the tensors copied whole, read from the input now (what ``--resume`` proves against)."""
+        taken = [r for r in self.refs if r.segment() in copied]
+        self._digest(taken)
+        return {r.segment(): self.known[r.segment()] for r in taken}
+
+    def settle(self, written: Mapping[Segment, str]) -> None:
+        """``fp["tensors"]``, from the digests of the byte ranges the output copied whole (``written``), the
+        ones already had and (the rest) the input's bytes."""
+        self.known = {**written, **self.known}  # a range read from the input (--resume) is what it holds now
+        self.fp["tensors"] = {"count": len(self.refs), digest.MANIFEST_ALGO: self._digest(self.refs)}
+
+    def _digest(self, refs: list[TensorRef]) -> str:
+        missing = [r for r in refs if r.segment() not in self.known]
+        self.known.update(zip((r.segment() for r in missing), _read_digests(missing), strict=True))
+        return combined(refs, [self.known[r.segment()] for r in refs])
 
 
 def root_of(ckpt: Checkpoint) -> str:
@@ -84,12 +110,15 @@ def _other_files(ckpt: Checkpoint) -> dict[str, dict]:
     return out
 
 
-def tensors_digest(refs: list[TensorRef], known: Mapping[Segment, str] | None = None) -> str:
-    """One digest over (key, dtype, shape, digest of the bytes) of every tensor, in key order (``known``: digests of
-    byte ranges already read, by range)."""
-    known = known or {}
+def _read_digests(refs: list[TensorRef]) -> list[str]:
+    if not refs:
+        return []
     with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="ckpt-fingerprint") as pool:
-        digests = list(pool.map(lambda ref: known.get(ref.segment()) or tensor_digest(ref), refs))
+        return list(pool.map(tensor_digest, refs))
+
+
+def combined(refs: list[TensorRef], digests: list[str]) -> str:
+    """One digest over (key, dtype, shape, digest of the bytes) of every tensor, in key order."""
     h = digest.new()
     for ref, d in zip(refs, digests, strict=True):
         h.update(f"{ref.key}\0{ref.dtype}\0{list(ref.shape)}\0{d}\n".encode())

@@ -47,6 +47,23 @@ class Feed:
             s.update(data)
 
 
+class Split:
+    """One stream of bytes fed to consecutive sinks, ``sizes[i]`` bytes to the i-th (tensors copied by one copy)."""
+
+    def __init__(self, parts: list[tuple[int, Sink]]) -> None:
+        self.parts = deque(parts)
+        self.left = parts[0][0]
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(self.left, len(data))
+            self.parts[0][1].update(data[:take])
+            data, self.left = data[take:], self.left - take
+            if self.left == 0 and len(self.parts) > 1:
+                self.parts.popleft()
+                self.left = self.parts[0][0]
+
+
 class HashingCopier:
     """Copies byte ranges and computed chunks into an output, each byte fed to a sink: a large local range
     copied by the kernel and hashed from the page cache (on ``threads``: 0 inline, else one thread, in order);

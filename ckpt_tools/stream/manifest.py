@@ -42,7 +42,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
         "version": __version__,
         "command": plan.command,
         **plan.manifest,
-        "inputs": plan.settle_fingerprints(),
+        "inputs": plan.settle_fingerprints(digests),  # a tensor copied whole: its digest as written
         "plan": plan_digest,
         "files": {},
         "tensors": {},

@@ -140,8 +140,8 @@ class Plan:
     index_name: str = "model.safetensors.index.json"
     # role ("source", "verifier", "draft", "target") -> what the input was when planned (see fingerprint.py)
     fingerprints: dict[str, dict] = field(default_factory=dict)
-    # parts of ``fingerprints`` that read tensor bytes, computed only when the plan is written (or digested)
-    pending_fingerprints: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
+    # parts of ``fingerprints`` that read tensor bytes (fingerprint.TakenTensors), computed only when it is written
+    pending_fingerprints: list[Any] = field(default_factory=list, repr=False, compare=False)
     # (output file, key, kind) of scales copied unchanged from an input whose gate read them and found them valid:
     # the output check does not read them again (scale_values.checked_copies)
     checked_values: frozenset[tuple[str, str, Any]] = field(default=frozenset(), repr=False, compare=False)
@@ -149,11 +149,32 @@ class Plan:
     def __post_init__(self) -> None:
         schedule_reads(self.tensors)
 
-    def settle_fingerprints(self) -> dict[str, dict]:
-        """``fingerprints`` complete: the deferred tensor digests computed (once)."""
-        while self.pending_fingerprints:
-            self.pending_fingerprints.pop(0)()
+    def settle_fingerprints(self, written: dict[str, str] | None = None) -> dict[str, dict]:
+        """``fingerprints`` complete; ``written``: output tensor -> digest of its bytes as written (an input's
+        tensor the output copies whole is not read again for its digest)."""
+        by_range = {t.recipe.segments[0]: written[t.key] for t in self._copies() if t.key in (written or {})}
+        for taken in self.pending_fingerprints:
+            taken.settle(by_range)
         return self.fingerprints
+
+    def planned_fingerprints(self) -> dict[str, dict]:
+        """``fingerprints`` as the plan digest and the resume record hold them, before anything is written: the
+        digest of the tensors taken from an input leaves out those copied whole (fingerprint.TakenTensors)."""
+        copied = {t.recipe.segments[0] for t in self._copies()}
+        planned = {id(taken.fp): taken.planned(copied) for taken in self.pending_fingerprints}
+        return {role: planned.get(id(fp), fp) for role, fp in self.fingerprints.items()}
+
+    def copied_digests(self) -> dict[str, str]:
+        """Output tensor -> the digest of the input bytes it copies whole, read now, for the tensors taken from an
+        input (``--resume`` reuses a finished shard only when its copies still hold them)."""
+        copied = {t.recipe.segments[0] for t in self._copies()}
+        by_range = {seg: d for taken in self.pending_fingerprints for seg, d in taken.copies(copied).items()}
+        return {t.key: by_range[t.recipe.segments[0]] for t in self._copies() if t.recipe.segments[0] in by_range}
+
+    def _copies(self) -> list[OutputTensor]:
+        if not self.pending_fingerprints:  # nothing taken from an input by digest (a whole release: 92,000 tensors)
+            return []
+        return [t for t in self.tensors if isinstance(t.recipe, CopyBytes) and len(t.recipe.segments) == 1]
 
     @property
     def total_bytes(self) -> int:
@@ -229,8 +250,8 @@ class Plan:
 
         Covers every tensor (name, dtype, shape, shard, recipe with its options and source
         ranges), every file (generated content by its sha256), the op's manifest, the input
-        fingerprints and the tool version: equal digests mean the same output from the same
-        inputs. The command line is left out (it names -o and --resume).
+        fingerprints (``planned_fingerprints``) and the tool version: equal digests mean the same output from
+        the same inputs. The command line is left out (it names -o and --resume).
         """
         body = self.to_json()
         files = body.pop("files")
@@ -242,7 +263,7 @@ class Plan:
                         "index": self.index_name},
             "files": files,
             "manifest": self.manifest,
-            "inputs": self.settle_fingerprints(),
+            "inputs": self.planned_fingerprints(),
             "tool": __version__,
         }
         out = {name: _sha256_json(v) for name, v in parts.items()}

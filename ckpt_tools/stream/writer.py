@@ -40,7 +40,7 @@ from ..io.safetensors_io import (
     parse_header_bytes,
 )
 from . import manifest, output_dir
-from .hashcopy import Feed, HashingCopier
+from .hashcopy import Feed, HashingCopier, Split
 from .journal import JOURNAL_NAME
 from .known_digests import KnownDigest
 from .lookahead import lookahead
@@ -141,6 +141,7 @@ class Writer:
         self.hash_tensors = hash_tensors
         self.check = check
         self._written_names: list[str] = []  # every file this run writes (output_dir.written_names)
+        self._copied: dict[str, str] = {}  # --resume: Plan.copied_digests
 
     def run(self) -> WriteResult:
         t0, plan, target = time.monotonic(), self.plan, self.target
@@ -194,7 +195,8 @@ class Writer:
             target.check(self.plan, overwrite=self.overwrite, resume=self.resume)
             if self.resume:
                 output_dir.check_resume(output_dir.read_record(target.read), target.listing, plan_digest,
-                                        self.plan.fingerprints, str(target.name))
+                                        self.plan.planned_fingerprints(), str(target.name))
+                self._copied = self.plan.copied_digests()  # what finished shards' copies must still hold
         except BaseException:
             target.release(False)
             raise
@@ -213,7 +215,7 @@ class Writer:
                 target.remove(name)
             target.remove_partials()
         self._written_names = output_dir.written_names(plan, shards)
-        target.put(RESUME_NAME, output_dir.resume_record(plan_digest, plan.settle_fingerprints(), plan.command,
+        target.put(RESUME_NAME, output_dir.resume_record(plan_digest, plan.planned_fingerprints(), plan.command,
                                                          self._written_names))
 
     def _write_all(self, shards: dict[str, list[OutputTensor]], result: WriteResult, hasher: _Hasher,
@@ -296,6 +298,8 @@ class Writer:
         result.files.append(name)
         result.tensor_files.update({t.key: name for t in ordered})
         proven = self.target.proven_shard(name, head, ordered) if self.resume else None
+        if proven is not None and any(proven[t.key] != self._copied.get(t.key, proven[t.key]) for t in ordered):
+            proven = None  # it copies an input's tensor whose bytes changed since (Plan.copied_digests): again
         if proven is not None:
             result.skipped_shards.append(name)  # its digests are the ones just proven: not hashed again
             for key, d in proven.items():
@@ -303,8 +307,13 @@ class Writer:
             self.progress.advance(sum(t.nbytes for t in ordered))
             return None
         with self.target.open(name, head) as up, lookahead(ordered) as ahead:
-            for i, t in enumerate(ordered):  # the next computed tensors decode while this one is written
-                self._write_tensor(up, t, ahead.chunks(i), hasher)
+            i = 0
+            for run in _runs(ordered):
+                if len(run) > 1:
+                    self._write_run(up, run, hasher)
+                else:  # the next computed tensors decode while this one is written
+                    self._write_tensor(up, run[0], ahead.chunks(i), hasher)
+                i += len(run)
             up.close()
         if not lone:
             up.commit()
@@ -327,6 +336,27 @@ class Writer:
             check.finish()  # a refused value: the shard is not committed
         if h is not None:
             hasher.done_tensor(t.key, copier.later(h.hexdigest))
+
+    def _write_run(self, up: Any, run: list[OutputTensor], hasher: _Hasher) -> None:
+        """Tensors whose bytes lie end to end in one source, in this order (``_runs``): one copy - a kernel copy
+        when large, hashed from the page cache - each tensor's bytes fed to its own digest and check (``Split``)."""
+        checks = [t.check() if t.check is not None else None for t in run]
+        hashes = [digest.new(hasher.algo) if hasher.hashing else None for _ in run]
+        first = run[0].recipe.segments[0]
+        seg = Segment(first.source, first.offset, sum(t.nbytes for t in run))
+        feeds = [Feed(h, c) for h, c in zip(hashes, checks, strict=True)]
+        copier = hasher.copier if hasher.hashing or any(checks) else None
+        up.copy(seg, copier, None if copier is None else Split([(t.nbytes, f) for t, f in zip(run, feeds,
+                                                                                               strict=True)]))
+        self.progress.advance(seg.length)
+        if any(checks):
+            copier.drain()  # every byte fed (hashed from the page cache on its thread)
+            for c in checks:
+                if c is not None:
+                    c.finish()  # a refused value: the shard is not committed
+        for t, h in zip(run, hashes, strict=True):
+            if h is not None:
+                hasher.done_tensor(t.key, copier.later(h.hexdigest))
 
     def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
                        write: Callable[[memoryview], None], chunks: Iterable[Any] | None = None) -> None:
@@ -353,6 +383,26 @@ class Writer:
             self.progress.advance(len(mv))
         if n != t.nbytes:
             raise RuntimeError(f"plan error: {t.key} produced {n} bytes, needs {t.nbytes}")
+
+
+def _runs(ordered: list[OutputTensor]) -> list[list[OutputTensor]]:
+    """``ordered`` in runs: tensors each copied whole from one byte range that continues the previous one's in the
+    same source (a draft's or a release's MTP layer, laid out as it is written) share a run; others are alone."""
+    runs: list[list[OutputTensor]] = []
+    end = None
+    for t in ordered:
+        r = t.recipe
+        seg = r.segments[0] if isinstance(r, CopyBytes) and len(r.segments) == 1 else None
+        if seg is None or seg.length != t.nbytes or not t.nbytes:
+            runs.append([t])
+            end = None
+            continue
+        if end is not None and end[0] is seg.source and end[1] == seg.offset:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+        end = (seg.source, seg.offset + seg.length)
+    return runs
 
 
 def output_error(e: OSError, where: str, written: int | None = None) -> OutputError:

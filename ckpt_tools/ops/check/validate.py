@@ -132,7 +132,7 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             report.tensors_checked = len(ckpt.tensors)
         ctx = _file_checks(ckpt, unreadable, report, pending)
         config_broken = bool({"config-json", "config-field"} & report.rules())  # so far: only from reading it
-        _config_checks(ckpt, arch, ctx, config_broken, report)
+        _config_checks(ckpt, arch, ctx, config_broken, report, notes=pending is None)
     finally:
         if ckpt is not path_or_checkpoint:
             ckpt.close()
@@ -153,8 +153,10 @@ def _file_checks(ckpt: Checkpoint, unreadable: list[str], report: ValidationRepo
 
 
 def _config_checks(ckpt: Checkpoint, arch: str | None, ctx: rules.Context, config_broken: bool,
-                   report: ValidationReport) -> None:
-    """The rule set's model stage, every check (those needing the table skipped when it cannot be told)."""
+                   report: ValidationReport, *, notes: bool = True) -> None:
+    """The rule set's model stage, every check (those needing the table skipped when it cannot be told); with
+    ``notes``, what the report shows beside the problems (notes, the MTP quantization audit): the writer's check
+    of an output reads only the problems."""
     cfg = config_path(ckpt)
     draft_format = None if config_broken or arch else consistency.renamed_format(ckpt)
     if draft_format is not None:
@@ -180,7 +182,7 @@ def _config_checks(ckpt: Checkpoint, arch: str | None, ctx: rules.Context, confi
         report.family, report.mtp_layers = view.table.family, view.count
     # a config value the trunk's expressions cannot use fails that check only: the others still run
     report.extend(rules.run(ctx, "model", refusing_only=False, on_error=lambda _check, e: [as_problem(e)]))
-    if view is not None:
+    if view is not None and notes:
         try:
             report.notes += consistency.absent_notes(view)
             if consistency.trunk_exempt(view):

@@ -83,7 +83,7 @@ class Candidates:
     companions: Mapping[str, list[str]] = field(default_factory=dict)  # encoded weight -> tensors following it
     as_stored: set[str] = field(default_factory=set)  # of those, weights the draft stores in that very format (kept)
     # filled by decide: draft byte range -> the digest of its bytes, taken by the comparison that read them all
-    # (the draft's fingerprint then reads nothing again: fingerprint.tensors_digest)
+    # (the draft's fingerprint then reads nothing again: fingerprint.TakenTensors)
     digests: dict = field(default_factory=dict)
 
 
