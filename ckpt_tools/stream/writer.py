@@ -120,6 +120,7 @@ class Target(Protocol):
     def clear(self, markers: tuple[str, ...]) -> None: ...  # --overwrite: what a run of ours wrote, markers first
     def start(self, resume: bool) -> None: ...  # the journal of finished files (--resume: the previous run's)
     def journal(self, name: str, entry: dict) -> None: ...  # a finished file's size and digests
+    def settle(self) -> None: ...  # every file written so far durable and in place (fsync'd beside the copies)
     def finish(self) -> None: ...  # durable, and nothing left to resume
     def put(self, name: str, content: bytes) -> None: ...  # a small file, atomically
     def open(self, name: str, head: bytes) -> Any: ...  # a shard: write, copy, close, commit (a context manager)
@@ -153,6 +154,7 @@ class Writer:
             lone = output_dir.lone_file(plan, shards)
             with self._hasher() as hasher:
                 held = self._write_all(shards, result, hasher, lone)
+                target.settle()  # every file durable and in place before the manifest vouches for it
                 self.progress.phase("hashing")  # what the hasher threads have left
                 result.digests, result.landed = hasher.results()
             result.reused = dict(target.reused)
