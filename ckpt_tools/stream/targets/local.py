@@ -457,9 +457,9 @@ class _Durable:
                     os.close(fd)
             if rename and self._error is None:
                 os.replace(tmp, final)
-        except OSError as e:
+        except BaseException as e:  # kept for settle: only the last job's future is waited for
             if self._error is None:
-                self._error = output_error(e, str(final), _size_or_none(tmp))
+                self._error = output_error(e, str(final), _size_or_none(tmp)) if isinstance(e, OSError) else e
             tmp.unlink(missing_ok=True)
 
     def settle(self, quiet: bool = False) -> None:
