@@ -339,7 +339,7 @@ def _cleanup_on_error(tmp: Path, final: Path):
         raise
 
 
-def _size_of(fd: int, default: int) -> int:
+def _size_of(fd: int, default: int | None) -> int | None:
     try:
         return os.fstat(fd).st_size
     except OSError:
@@ -449,18 +449,21 @@ class _Durable:
 
     def _run(self, fd: int, tmp: Path, final: Path, rename: bool) -> None:
         try:
-            if fd >= 0:
-                try:
-                    if self._error is None:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-            if rename and self._error is None:
-                os.replace(tmp, final)
-        except BaseException as e:  # kept for settle: only the last job's future is waited for
             if self._error is None:
-                self._error = output_error(e, str(final), _size_or_none(tmp)) if isinstance(e, OSError) else e
-            tmp.unlink(missing_ok=True)
+                try:
+                    if fd >= 0:
+                        os.fsync(fd)
+                    if rename:
+                        os.replace(tmp, final)
+                except OSError as e:
+                    raise output_error(e, str(final), _size_of(fd, None) if fd >= 0 else None) from e
+        except BaseException as e:  # kept for settle, which waits for the last job only
+            self._error = self._error or e
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if self._error is not None:
+                tmp.unlink(missing_ok=True)
 
     def settle(self, quiet: bool = False) -> None:
         if self._last is not None:
@@ -473,11 +476,4 @@ class _Durable:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def _size_or_none(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return None
 
