@@ -127,7 +127,7 @@ def test_stitch_takes_the_drafts_fingerprint_from_its_comparison(make_fixture, t
     ckpt("verify-manifest", out)
 
 
-@pytest.mark.parametrize("step", [4096, 16 << 20])  # a step inside the header; one step for the whole file
+@pytest.mark.parametrize("step", [4096, 8 << 20])  # a step inside the header; one step for the whole file
 def test_a_linked_file_hashed_from_a_mapping_is_its_bytes_digest(tmp_path, monkeypatch, step):
     """A hard-linked shard is hashed from a read-only mapping in steps: the digest of its bytes, its size and its
     header, whatever the step; an empty file too."""

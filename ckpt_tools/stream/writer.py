@@ -519,7 +519,7 @@ class FileDigest:
         return self.h.hexdigest(), self.size, header
 
 
-MAP_STEP = 16 << 20  # a linked file is hashed from read-only mappings of this size, one at a time (RSS stays flat)
+MAP_STEP = 8 << 20  # a linked file is hashed from read-only mappings of this size, one at a time (RSS stays flat)
 
 
 def _hash_shard_file(path: Path) -> tuple[str, int, Header | None]:
