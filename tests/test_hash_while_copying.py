@@ -182,3 +182,21 @@ def test_graft_resume_writes_again_a_finished_mtp_shard_whose_source_bytes_chang
     ckpt("graft", src, TARGET, "-o", tmp_path / "fresh")
     assert visible(out) == visible(tmp_path / "fresh")
     ckpt("verify-manifest", out)
+
+
+@pytest.mark.parametrize("step", [4096, 8 << 20])  # a step inside the header; one step for the whole file
+def test_a_linked_file_hashed_from_a_mapping_is_its_bytes_digest(tmp_path, monkeypatch, step):
+    """A hard-linked shard is hashed from a read-only mapping in steps: the digest of its bytes, its size and its
+    header, whatever the step; an empty file too."""
+    from ckpt_tools.io import digest
+
+    shard = sorted(SOURCE.glob("*.safetensors"))[0]
+    monkeypatch.setattr(writer, "MAP_STEP", step)
+    d, size, header = writer._hash_shard_file(shard)
+    h = digest.new()
+    h.update(shard.read_bytes())
+    assert (d, size) == (h.hexdigest(), shard.stat().st_size)
+    with Checkpoint.open(str(SOURCE)) as c:
+        assert sorted(header.tensors) == sorted(c.shard_keys[shard.name])
+    (tmp_path / "empty").write_bytes(b"")
+    assert writer._hash_shard_file(tmp_path / "empty")[:2] == (digest.new().hexdigest(), 0)

@@ -461,6 +461,62 @@ def test_a_source_that_shrank_is_a_short_read(local_verifier, tmp_path, monkeypa
     assert e.value.rule == "short-read" and e.value.exit_code == 3 and str(src) in str(e.value)
 
 
+def test_a_shard_is_flushed_while_the_next_is_copied(verifier, tmp_path, monkeypatch):
+    """The disk flushes a copied shard (fsync) while the writer copies the next one; every shard is fsync'd before
+    it is renamed into place, and all are in place before the manifest and the index."""
+    import threading
+
+    import ckpt_tools.stream.targets.local as w
+
+    draft = finetuned_draft(verifier, tmp_path / "draft")
+    second, copies, waited, synced, renamed = threading.Event(), [0], [], set(), []
+    copy, fsync, replace = w.copy_whole_file, os.fsync, os.replace
+
+    def counted(*a, **k):
+        copies[0] += 1
+        if copies[0] == 2:
+            second.set()
+        return copy(*a, **k)
+
+    def flush(fd):
+        path = _fd_path(fd)
+        if path.endswith(".safetensors.partial") and not waited:
+            waited.append(second.wait(timeout=10))  # fsyncing each file in turn, the next copy never starts
+        synced.add(path)
+        return fsync(fd)
+
+    def rename(src, dst, *a, **k):
+        renamed.append((Path(dst).name, str(src) in synced))
+        return replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(w, "copy_whole_file", counted)
+    monkeypatch.setattr(os, "fsync", flush)
+    monkeypatch.setattr(os, "replace", rename)
+    out = tmp_path / "out"
+    ckpt("stitch", draft, verifier, "-o", out)
+    assert waited == [True]
+    names = [n for n, _ in renamed]
+    shards = [i for i, n in enumerate(names) if n.endswith(".safetensors")]
+    assert len(shards) == 4 and all(ok for n, ok in renamed if n.endswith(".safetensors"))
+    assert max(shards) < names.index(MANIFEST) < names.index(INDEX)
+
+
+def test_a_failed_flush_is_exit_4_naming_the_shard(verifier, tmp_path, monkeypatch):
+    draft = finetuned_draft(verifier, tmp_path / "draft")
+    out, fsync = tmp_path / "out", os.fsync
+
+    def failing(fd):
+        if _fd_path(fd).endswith("00002-of-00004.safetensors.partial"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    r = ckpt("stitch", draft, verifier, "-o", out, code=4)
+    assert "write failed" in r.output and "model-00002-of-00004.safetensors" in r.output
+    assert not complete(out) and not (out / MANIFEST).exists() and not list(out.glob(".*.partial"))
+    assert not (out / "model-00002-of-00004.safetensors").exists()
+
+
 # -- Checkpoint closes its files ------------------------------------------------------------------------
 
 

@@ -115,7 +115,7 @@ class HashingCopier:
                 n = os.copy_file_range(src, fd, min(PIECE, seg.length - done), seg.offset + done)
                 if n == 0:
                     break
-                self._queue(sink, lambda at=seg.offset + done, n=n: _feed(sink, own, seg.source.name, at, n))
+                self._queue(sink, lambda at=seg.offset + done, n=n: feed_mapped(sink, own, seg.source.name, at, n))
                 done += n
         except OSError as e:
             if e.errno in sio._CFR_WRITE_ERRORS:
@@ -173,7 +173,7 @@ class HashingCopier:
         self._pool.shutdown(wait=True)  # every queued piece: each closes what it opened
 
 
-def _feed(sink: Sink, fd: int, name: str, at: int, n: int) -> None:
+def feed_mapped(sink: Sink, fd: int, name: str, at: int, n: int) -> None:
     """``sink`` fed the ``n`` bytes at ``at`` of ``fd`` from a read-only mapping (the page cache, no copy). A source
     truncated by someone else between this mapping and its hash is a SIGBUS, as for any reader of a mapping."""
     start = at - at % mmap.ALLOCATIONGRANULARITY

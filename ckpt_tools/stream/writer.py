@@ -40,7 +40,7 @@ from ..io.safetensors_io import (
     parse_header_bytes,
 )
 from . import manifest, output_dir
-from .hashcopy import Feed, HashingCopier, Split
+from .hashcopy import Feed, HashingCopier, Split, feed_mapped
 from .journal import JOURNAL_NAME
 from .known_digests import KnownDigest
 from .lookahead import lookahead
@@ -120,6 +120,7 @@ class Target(Protocol):
     def clear(self, markers: tuple[str, ...]) -> None: ...  # --overwrite: what a run of ours wrote, markers first
     def start(self, resume: bool) -> None: ...  # the journal of finished files (--resume: the previous run's)
     def journal(self, name: str, entry: dict) -> None: ...  # a finished file's size and digests
+    def settle(self) -> None: ...  # every file written so far durable and in place (fsync'd beside the copies)
     def finish(self) -> None: ...  # durable, and nothing left to resume
     def put(self, name: str, content: bytes) -> None: ...  # a small file, atomically
     def open(self, name: str, head: bytes) -> Any: ...  # a shard: write, copy, close, commit (a context manager)
@@ -154,6 +155,7 @@ class Writer:
             lone = output_dir.lone_file(plan, shards)
             with self._hasher() as hasher:
                 held = self._write_all(shards, result, hasher, lone)
+                target.settle()  # every file durable and in place before the manifest vouches for it
                 self.progress.phase("hashing")  # what the hasher threads have left
                 result.digests, result.landed = hasher.results()
             result.reused = dict(target.reused)
@@ -567,13 +569,17 @@ class FileDigest:
         return self.h.hexdigest(), self.size, header
 
 
+MAP_STEP = 8 << 20  # a linked file is hashed from read-only mappings of this size, one at a time (RSS stays flat)
+
+
 def _hash_shard_file(path: Path) -> tuple[str, int, Header | None]:
-    """(digest, size, header) of a safetensors file as it landed in the output, in one pass."""
+    """(digest, size, header) of a safetensors file as it landed in the output, in one pass: hashed from read-only
+    mappings (the page cache, no copy into a buffer: a third less CPU than reading it, BLAKE3 on 2 cores)."""
     d = FileDigest()
-    mv = memoryview(bytearray(HASH_CHUNK))
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(mv):
-            d.update(mv[:n])
+        size = os.fstat(f.fileno()).st_size
+        for at in range(0, size, MAP_STEP):
+            feed_mapped(d, f.fileno(), str(path), at, min(MAP_STEP, size - at))
     return d.result(str(path))
 
 

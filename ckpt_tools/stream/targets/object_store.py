@@ -127,6 +127,9 @@ class ObjectStoreTarget:
         self._done[name] = {**self._done.get(name, {}), **entry}
         self._save_record()
 
+    def settle(self) -> None:
+        pass  # an upload is complete (and durable) when its last part is in
+
     def finish(self) -> None:
         self.remove(RESUME_NAME)  # a completed upload is durable: nothing to fsync
 
