@@ -90,9 +90,6 @@ class Audit:
     def ok(self) -> bool:
         return not self.findings
 
-    def fixable(self) -> bool:
-        return all(f.fix is not None for f in self.findings)
-
 
 def scheme_of(view: MtpView) -> QuantScheme | None:
     """What ``view``'s checkpoint declares (InputError ``quant-unknown`` propagates)."""
@@ -115,7 +112,7 @@ def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Store
     if st is None and ref is not None and ref.dtype in FLOAT_DTYPES:
         return _plain(ref.dtype)
     fmt = view.codec
-    if st is None and ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(key) in view.ckpt.tensors:
+    if st is None and fmt.scaled(key, view.ckpt.tensors):
         # the checkpoint's block format (its scale companion): the fp8-* rules check its scales
         return _block(ref.dtype, fmt.block)
     if st is None:  # something only the scheme tables know
