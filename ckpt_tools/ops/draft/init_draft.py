@@ -394,8 +394,11 @@ def _virtual_view(target: Checkpoint, res: Resolved, layouts: dict[str, ExpertLa
     virtual = Checkpoint(target.root, target.config, refs, {}, None, list(target.files), local_dir=target.local_dir)
     view = MtpView(virtual, res, layouts)
     view.present = native.present
-    quant = QuantLookup(virtual, view.codec)  # a weight copied by --from-layer keeps its storage (any scheme)
-    view.quantized = {s.key: st for s in native.present if (st := quant.storage(s, refs.get(s.key))) is not None}
+    # a weight --from-layer copies in a format that cannot restack is carried as its storage (to be dequantized); a
+    # block format's weight and scale travel as the checkpoint's codec pairs them
+    quant = QuantLookup(virtual, view.codec)
+    view.quantized = {s.key: st for s in native.present
+                      if (st := quant.storage(s, refs.get(s.key))) is not None and not storage_codec(st).restacks}
     if res.mtp_count != declared:
         virtual.config = ConfigView(set_count(view, target.config.raw, res.mtp_count))
     return view, source
