@@ -134,14 +134,10 @@ def _block(dtype: str, block: tuple[int, int]) -> Stored:
     return Stored("quantized", f"{dtype} block {list(block)}", dtype=dtype)
 
 
+@lru_cache(maxsize=512)
 def _weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The keys of a per-expert group and their module names, when every key is a ``.weight`` (else none: such a
     group is looked at key by key)."""
-    return _group_weights(group)
-
-
-@lru_cache(maxsize=512)
-def _group_weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
     keys = group.columns()[0]
     if not all(k.endswith(".weight") for k in keys):
         return (), ()
@@ -161,10 +157,8 @@ def _stored_alike(ckpt: Any, fmt: Any, quantized: dict, keys: tuple[str, ...]) -
     (dtype,) = dtypes
     if dtype in FLOAT_DTYPES:
         return _plain(dtype)
-    if fmt.stores(dtype):
-        suffix = fmt.scale_suffix
-        if all(map(tensors.__contains__, [k[:-6] + suffix for k in keys])):
-            return _block(dtype, fmt.block)
+    if fmt.stores(dtype) and all(map(tensors.__contains__, [k[:-6] + fmt.scale_suffix for k in keys])):
+        return _block(dtype, fmt.block)
     return None
 
 
@@ -175,7 +169,7 @@ def forget_group_keys() -> None:
     """Drop the memoised keys of expert groups (``ExpertGroup.tensors`` / ``columns``, ``_weights``)."""
     from ..expert_layouts import forget_group_tensors
 
-    _group_weights.cache_clear()
+    _weights.cache_clear()
     forget_group_tensors()
 
 

@@ -9,6 +9,7 @@ make its tensors "removed" without a word, or two broken sides "identical".
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,10 +47,7 @@ class DiffReport:
                 and not self.changed_files())
 
     def totals(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for d in self.diffs:
-            out[d.status] = out.get(d.status, 0) + 1
-        return out
+        return dict(Counter(d.status for d in self.diffs))
 
     def changed_files(self) -> list[FileDiff]:
         """Side files that differ (our own records never count)."""
