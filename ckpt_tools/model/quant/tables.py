@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...dtypes import DTYPES
 from ...errors import TableError, UsageError
-from ..expr import ExprError, names_in
 from ..tables import cache
-from ..tables.loader import _parse, checked_table, mappings_dir
+from ..tables.loader import _parse, checked_table, mappings_dir, names_checker
 
 if TYPE_CHECKING:
     from .schema import SchemeTable
@@ -104,18 +103,7 @@ def _check(table: SchemeTable, path: Path) -> None:
         raise TableError(f"field scheme: {table.scheme!r}: names starting gguf- are the GGUF sidecar types of "
                          "probe --mtp-quant", path=str(path))
 
-    known = SHAPE_VARS | table.params
-
-    def expr(text: str | None, where: str) -> None:
-        if text is None:
-            return
-        try:
-            unknown = sorted(names_in(text) - known)
-        except ExprError as e:
-            raise TableError(f"field {where}: {e}", path=str(path)) from None
-        if unknown:
-            raise TableError(f"field {where}: uses {', '.join(unknown)}, not a config param or rows / cols",
-                             path=str(path))
+    expr = names_checker(SHAPE_VARS | table.params, path, "not a config param or rows / cols")
 
     def dtypes(values: list[str], where: str) -> None:
         bad = [d for d in values if d not in DTYPES]

@@ -52,6 +52,23 @@ def table_dirs() -> list[Path]:
     return dirs
 
 
+def names_checker(known: set[str], path: Path, why: str) -> Callable[..., None]:
+    """``check(text, where, template=False)``: a TableError naming field ``where`` when the expression (or key
+    template) ``text`` does not parse or uses a name outside ``known`` (``why`` says what the names must be)."""
+
+    def check(text: Any, where: str, template: bool = False) -> None:
+        if not isinstance(text, str):
+            return
+        try:
+            unknown = sorted((template_names(text) if template else names_in(text)) - known)
+        except ExprError as e:
+            raise TableError(f"field {where}: {e}", path=str(path)) from None
+        if unknown:
+            raise TableError(f"field {where}: uses {', '.join(unknown)}, {why}", path=str(path))
+
+    return check
+
+
 def _check_names(table: Table, path: Path) -> None:
     """Every expression may only use declared config variables and the loop indices."""
     known = set(table.config) | LOOP_VARS | set(table.mtp.layer_vars)
@@ -63,18 +80,7 @@ def _check_names(table: Table, path: Path) -> None:
                 raise TableError(f"field config.{name}.default: {var.default!r} is not of type {var.kind} ({e})",
                                  path=str(path)) from None
 
-    def check(text, where: str, template: bool = False) -> None:
-        if not isinstance(text, str):
-            return
-        try:
-            used = template_names(text) if template else names_in(text)
-        except ExprError as e:
-            raise TableError(f"field {where}: {e}", path=str(path)) from None
-        unknown = sorted(used - known)
-        if unknown:
-            raise TableError(
-                f"field {where}: uses {', '.join(unknown)}, not declared under 'config'", path=str(path)
-            )
+    check = names_checker(known, path, "not declared under 'config'")
 
     def check_tensor(t, where):
         check(t.key, f"{where}.key", template=True)
