@@ -73,8 +73,9 @@ class InspectReport:
     def complete(self) -> bool:
         return bool(self.status["complete"])
 
-    def to_json(self) -> dict:  # the fields in order, but for the view; allowed_invalid last, when there are any
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("view", "allowed_invalid")}
+    def to_json(self) -> dict:  # this class's fields in order, but the view; allowed_invalid last, when there are any
+        skip = ("view", "allowed_invalid")
+        out = {f.name: getattr(self, f.name) for f in fields(InspectReport) if f.name not in skip}
         return {**out, **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {})}
 
 

@@ -120,7 +120,7 @@ class ProbeResult:
     mtp_quant: list[dict] | None = None  # --mtp-quant: one row per scheme (mtp_quant.QuantRow.to_json)
 
     def to_json(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}  # in order; mtp_quant only when measured
+        out = {f.name: getattr(self, f.name) for f in fields(ProbeResult)}  # in order; mtp_quant only when measured
         if self.mtp_quant is None:
             del out["mtp_quant"]
         return {**out, "drafts": [d.to_json() for d in self.drafts]}
