@@ -52,7 +52,6 @@ DTYPES: dict[str, DType] = {name: DType(name, bits, rank, tn) for rank, (name, b
 
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
-FP8_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2")  # block-quantized weights the tool can dequantize
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # dtypes of their block scales (weight_scale_inv)
 
 # Spellings users type for --dtype, and the names configs use.

@@ -73,6 +73,8 @@ def test_min_acceptance_not_met_is_check_failed_with_the_report(monkeypatch, tmp
     assert e.value.exit_code == 1
     report = e.value.report
     assert report.to_json() == json.loads(r.stdout)
+    assert list(report.to_json()) == ["drafts", "prompts", "needed_bytes", "chain", "loaded", "mtp_loaded", "engine",
+                                      "reference", "dtype", "device", "max_new_tokens", "prompts_sha256", "plot"]
     assert [d.name for d in report.below_min_acceptance()] == ["./low"]
     assert report.failures() == ["./low: depth-1 agreement 0.6000 is below --min-acceptance 0.8"]
     assert report.failures()[0] in r.stderr

@@ -91,9 +91,17 @@ def test_a_codec_names_every_companion_of_its_format():
 
 
 @pytest.mark.parametrize("scheme", ["ct-nvfp4", "ct-fp8-channel"])
-def test_init_draft_from_layer_of_a_non_block_scheme_is_refused_by_its_codec(tmp_path, scheme):
+def test_init_draft_from_layer_of_a_non_block_scheme_is_dequantized_or_refused_by_its_codec(tmp_path, scheme):
     src = make_quantized_checkpoint("qwen3_next", tmp_path / "q", QuantOptions(scheme=scheme))
     out = ckpt("init-draft", src, "-o", tmp_path / "o", "--from-layer", "3", code=3).output
     codec = "ct-nvfp4" if scheme == "ct-nvfp4" else "ct-fp8"
     assert "[quant-capability]" in out and f"whose codec ({codec}) cannot copy a layer" in out
-    assert "model.layers.3.self_attn.q_proj" in out and not (tmp_path / "o").exists()
+    assert "model.layers.3.self_attn.q_proj" in out and "--dequant" in out and not (tmp_path / "o").exists()
+    # with --dequant the layer's modules are read in their own storage (its parameters, its companions) and
+    # decoded: the draft's MTP weight is what `ckpt dequant` makes of the target's layer 3
+    ckpt("init-draft", src, "-o", tmp_path / "o", "--from-layer", "3", "--dequant", "bf16")
+    ckpt("dequant", src, "-o", tmp_path / "dq")
+    draft, dq = Checkpoint.open(tmp_path / "o"), Checkpoint.open(tmp_path / "dq")
+    key = "mtp.layers.0.self_attn.q_proj.weight"
+    assert draft.tensors[key].dtype == "BF16"
+    assert draft.tensors[key].read() == dq.tensors["model.layers.3.self_attn.q_proj.weight"].read()

@@ -283,6 +283,23 @@ def test_from_layer_of_an_fp8_target_keeps_its_scales(make_fixture, tmp_path):
     ckpt("stitch", scratch, trunk, "-o", tmp_path / "stitched", "--mode", "add")
 
 
+def test_from_layer_of_llm_compressors_fp8_block_release_reads_its_block_structure(tmp_path):
+    """llm-compressor's FP8_BLOCK output (compressed-tensors, weight_scale over [128, 128] blocks): layer 1 is
+    read with the parameters its config declares (not the table's per-tensor default); its experts cannot be
+    kept as stored (the codec names why), and with --dequant the draft holds what `ckpt dequant` decodes."""
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "producers" / "llmcompressor-fp8-block"
+    r = ckpt("init-draft", src, "-o", tmp_path / "kept", "--from-layer", "1", code=3)
+    assert "[quant-capability]" in r.output and "whose codec (ct-fp8) cannot copy a layer" in r.output
+    ckpt("init-draft", src, "-o", tmp_path / "d", "--from-layer", "1", "--dequant", "bf16")
+    ckpt("dequant", src, "-o", tmp_path / "dq", "--allow-invalid", "mtp-missing")  # the producer dropped the MTP
+    got, want = tensors_of(tmp_path / "d"), tensors_of(tmp_path / "dq")
+    copied = {k: k.replace("layers.2.", "layers.1.", 1) for k in got if k.replace("layers.2.", "layers.1.", 1) in want}
+    assert len(copied) == 26 and not [k for k in got if "weight_scale" in k]
+    for k, w in copied.items():
+        assert got[k].dtype == want[w].dtype and torch.equal(got[k], want[w]), k
+    assert ckpt("validate", tmp_path / "d").exit_code == 0
+
+
 def test_config_only_target(make_fixture, tmp_path):
     cfg = make_fixture("qwen3") / "config.json"
     ckpt("init-draft", cfg, "-o", tmp_path / "q", "--num-layers", "2")

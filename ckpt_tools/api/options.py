@@ -340,7 +340,7 @@ class InitDraft:
     from_layer: int = opt(None, "--from-layer", "Copy the target's decoder layer L as the block; init only the glue.")
     format: str = opt("native", "--format", "native | speculators | angelspec | sglang-nextn")
     dtype: str = opt("keep", "--dtype", "keep (the table's / config's dtypes) | bf16 | fp16 | fp32")
-    dequant: str = opt(None, "--dequant", "FP8 --from-layer: dequantize to bf16 / fp32.")
+    dequant: str = opt(None, "--dequant", "Quantized --from-layer (any scheme): dequantize to bf16 / fp32.")
     max_shard_size: str = MAX_SHARD_SIZE()
     dry_run: bool = DRY_RUN()
     plan_json: Path = PLAN_JSON()

@@ -254,16 +254,11 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
             allow_invalid: Sequence[str] = (), progress: bool = False, threads: int | None = None) -> ExtractReport:
     """MTP layers of ``source`` into a standalone draft at ``out``, or with ``drop_mtp`` the trunk without them.
     llama.cpp's GGUF sidecar (``--format gguf``): ``extract_gguf``."""
-    from ..io.checkpoint import Checkpoint
     from ..ops.draft.extract import ExtractRequest, plan_extract
-    from ..ops.writing.execute import bytes_read_so_far, write_plan
-    from ..parallel import check_threads, use_threads
+    from ..parallel import check_threads
     from ..stream.plan import parse_size
 
     check_threads(threads)  # before anything is opened
-
-    read_before = bytes_read_so_far()
-
     command = _command(extract, (source, out), locals())
     allow = _allow(allow_invalid)
     dest = _out(out)
@@ -271,16 +266,8 @@ def extract(source: PathArg, out: PathArg, *, arch: str | None = None, layers: S
                          with_head=with_head, dtype=dtype, dequant=dequant, drop_mtp=drop_mtp,
                          max_shard_size=parse_size(max_shard_size), command=command, source=os.fspath(source),
                          verifier_name=verifier_name, allow_invalid=allow)
-    with _progress(progress) as sink:
-        sink.phase("reading headers")
-        with Checkpoint.open(source) as ckpt:
-            sink.phase("planning")
-            plan = plan_extract(ckpt, req)
-            _planned(plan)
-            with use_threads(threads):
-                done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite, resume), allow, sink,
-                                  read_before=read_before)
-    written, validation = done if done is not None else (None, None)
+    plan, written, validation = _plan_and_write(source, lambda c: (plan_extract(c, req),) * 2, allow, progress,
+                                                _outputs(dest, dry_run, plan_json, None, overwrite, resume), threads)
     return ExtractReport(format, plan, written, validation, plan.manifest.get("shared_from_trunk"),
                          plan.manifest.get("kept_dtype") or {})
 
@@ -344,12 +331,8 @@ def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_la
                progress: bool = False) -> InitDraftReport:
     """A draft whose dimensions match ``target`` (a checkpoint or its config.json): initialised from
     ``seed``, or warm-started from its decoder layer ``from_layer``."""
-    from ..io.checkpoint import Checkpoint
     from ..ops.draft.init_draft import InitRequest, check_request, plan_init
-    from ..ops.writing.execute import bytes_read_so_far, write_plan
     from ..stream.plan import parse_size
-
-    read_before = bytes_read_so_far()
 
     command = _command(init_draft, (target, out), locals())
     allow = _allow(allow_invalid)
@@ -358,15 +341,9 @@ def init_draft(target: PathArg, out: PathArg, *, arch: str | None = None, num_la
                       dtype=dtype, dequant=dequant, max_shard_size=parse_size(max_shard_size), command=command,
                       allow_invalid=allow)
     check_request(req)  # before the target is opened
-    with _progress(progress) as sink:
-        sink.phase("reading headers")
-        with Checkpoint.open(target) as ckpt:
-            sink.phase("planning")
-            plan, summary = plan_init(ckpt, req)
-            _planned(plan)
-            done = write_plan(plan, _outputs(dest, dry_run, plan_json, None, overwrite), allow, sink,
-                              read_before=read_before)
-    written, validation = done if done is not None else (None, None)
+    outputs = _outputs(dest, dry_run, plan_json, None, overwrite)
+    (plan, summary), written, validation = _plan_and_write(target, lambda c: ((r := plan_init(c, req))[0], r), allow,
+                                                           progress, outputs)
     return InitDraftReport(format, plan, summary, written, validation)
 
 
@@ -374,13 +351,9 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
              options: dict[str, Any]) -> ExpertsReport:
     """fuse_experts / unfuse_experts: the same run, each with its own target layouts."""
     from ..errors import UsageError
-    from ..io.checkpoint import Checkpoint
     from ..ops.convert.fuse_experts import ExpertsRequest, plan_experts, stats, target_layout
-    from ..ops.writing.execute import bytes_read_so_far, write_plan
-    from ..parallel import check_threads, use_threads
+    from ..parallel import check_threads
     from ..stream.plan import parse_size
-
-    read_before = bytes_read_so_far()
 
     o = options
     command = _command(verb, (source, out), o)
@@ -392,16 +365,9 @@ def _experts(verb: Callable[..., ExpertsReport], name: str, source: PathArg, out
     dest = _out(out)
     req = ExpertsRequest(layout, only_mtp=o["only_mtp"], arch=o["arch"], max_shard_size=parse_size(o["max_shard_size"]),
                          command=command, dequant=o["dequant"], allow_invalid=allow)
-    with _progress(o["progress"]) as sink:
-        sink.phase("reading headers")
-        with Checkpoint.open(source) as ckpt:
-            sink.phase("planning")
-            xplan = plan_experts(ckpt, req)
-            _planned(xplan.plan)
-            outputs = _outputs(dest, o["dry_run"], o["plan_json"], None, o["overwrite"])
-            with use_threads(o["threads"]):
-                done = write_plan(xplan.plan, outputs, allow, sink, arch=o["arch"], read_before=read_before)
-    written, validation = done if done is not None else (None, None)
+    outputs = _outputs(dest, o["dry_run"], o["plan_json"], None, o["overwrite"])
+    xplan, written, validation = _plan_and_write(source, lambda c: ((x := plan_experts(c, req)).plan, x), allow,
+                                                 o["progress"], outputs, o["threads"], o["arch"])
     moved = stats(xplan)
     return ExpertsReport(layout.label(), xplan, written, validation, moved["bytes_copied"], moved["bytes_computed"])
 
@@ -434,13 +400,10 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = Dequant.dtype,
     """Every quantized module of ``source`` (``only_mtp``: of its MTP layers) decoded, scales dropped, everything
     else copied. ``out`` may be None for a dry run."""
     from ..errors import UsageError
-    from ..io.checkpoint import Checkpoint
     from ..ops.convert.dequant import DequantRequest, plan_dequant
-    from ..ops.writing.execute import bytes_read_so_far, write_plan
-    from ..parallel import check_threads, decode_threads, use_threads
+    from ..parallel import check_threads, decode_threads
     from ..stream.plan import parse_size
 
-    read_before = bytes_read_so_far()
     command = _command(dequant, (source, out), locals())
     check_threads(threads)
     allow = _allow(allow_invalid)
@@ -449,16 +412,10 @@ def dequant(source: PathArg, out: PathArg | None, *, dtype: str = Dequant.dtype,
     dest = _out(out)
     req = DequantRequest(dtype=dtype, only_mtp=only_mtp, arch=arch, max_shard_size=parse_size(max_shard_size),
                          command=command, allow_invalid=allow, link=link)
-    with _progress(progress) as sink, use_threads(threads):
-        sink.phase("reading headers")
-        with Checkpoint.open(source) as ckpt:
-            sink.phase("planning")
-            dplan = plan_dequant(ckpt, req)
-            _planned(dplan.plan)
-            outputs = _outputs(dest, dry_run, plan_json, None, overwrite, resume)
-            done = write_plan(dplan.plan, outputs, allow, sink, arch=arch, read_before=read_before)
-        used = decode_threads()
-    written, validation = done if done is not None else (None, None)
+    outputs = _outputs(dest, dry_run, plan_json, None, overwrite, resume)
+    (dplan, used), written, validation = _plan_and_write(
+        source, lambda c: ((d := plan_dequant(c, req)).plan, (d, decode_threads())), allow, progress, outputs, threads,
+        arch)
     return DequantReport(dplan, written, validation, used)
 
 
@@ -521,6 +478,25 @@ def graft(source: PathArg, target: PathArg, out: PathArg, *, mtp_dtype: str | No
     details = _merge_and_write(plan_graft, source, target, req, "graft-report.json", allow, progress,
                                lambda: _outputs(dest, dry_run, plan_json, report, overwrite, resume))
     return GraftReport(details, dry_run)
+
+
+def _plan_and_write(source: PathArg, planner: Callable[[Any], tuple[Plan, Any]], allow: frozenset[str], progress: bool,
+                    outputs: Outputs, threads: int | None = None, arch: str | None = None) -> tuple[Any, Any, Any]:
+    """extract / init_draft / dequant / (un)fuse_experts: open ``source``, plan (``planner(ckpt)`` -> the plan and
+    the verb's own result), write with ``threads``; returns (that result, what was written, the validation)."""
+    from ..io.checkpoint import Checkpoint
+    from ..ops.writing.execute import bytes_read_so_far, write_plan
+    from ..parallel import use_threads
+
+    read_before = bytes_read_so_far()
+    with _progress(progress) as sink, use_threads(threads):
+        sink.phase("reading headers")
+        with Checkpoint.open(source) as ckpt:
+            sink.phase("planning")
+            plan, result = planner(ckpt)
+            _planned(plan)
+            done = write_plan(plan, outputs, allow, sink, arch=arch, read_before=read_before)
+    return (result, *(done if done is not None else (None, None)))
 
 
 def _auto(value: str | None, option: str, prompts: PathArg | None, max_drop: float, depth: int, max_new_tokens: int,

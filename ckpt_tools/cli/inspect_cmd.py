@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import typer
 
@@ -147,9 +148,7 @@ def _render_status(con, status: dict, count: int) -> None:
         return
     parts = []
     if status["missing"]:
-        by_role: dict[str, int] = {}
-        for m in status["missing"]:
-            by_role[m["role"]] = by_role.get(m["role"], 0) + 1
+        by_role = Counter(m["role"] for m in status["missing"])
         parts.append(f"{len(status['missing'])} declared tensor(s) missing ("
                      + ", ".join(f"{role} {n}" for role, n in by_role.items()) + ")")
     for what, name in (("misshaped", "mis-shaped"), ("missing_scales", "without their scale"),

@@ -549,14 +549,6 @@ _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def read_manifest(path: Path) -> dict:
-    """ckpt_manifest.json, checked where other modules trust its shape; InputError (manifest-json) if not.
-
-    A draft's manifest steers stitch (names, layers, layouts): from a stranger it is input like any other.
-    """
-    return parse_manifest(_read_side_file(path), str(path))
-
-
 def _read_side_file(path: Path) -> bytes:
     try:
         return read_small(path, "manifest-json")
@@ -565,7 +557,8 @@ def _read_side_file(path: Path) -> bytes:
 
 
 def parse_manifest(data: bytes, where: str) -> dict:
-    """The checks of ``read_manifest`` on bytes already read (a local file, or one from the Hub)."""
+    """ckpt_manifest.json's bytes (a local file, or one from the Hub), checked where other modules trust its
+    shape (a draft's manifest steers stitch: from a stranger it is input like any other); InputError if not."""
     def bad(msg: str) -> InputError:
         return InputError(msg, rule="manifest-json", path=where)
 

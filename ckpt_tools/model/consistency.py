@@ -40,9 +40,7 @@ if TYPE_CHECKING:
 
 MAX_LISTED = 20  # keys named in one message before "..."
 
-INDEX_RULES = ("index-empty", "unindexed-shard", "unindexed-key", "duplicate-tensor", "single-file-shadows-index")
 MTP_RULES = ("mtp-missing", "mtp-misshaped", "mtp-beyond", "mtp-extra")
-CONFIG_RULES = (*MTP_RULES, "fp8-scale-missing", "fp8-scale-shape", "quant-config", "mtp-quant-config", "tied-head")
 TRUNK_RULES = ("trunk-missing", "trunk-misshaped")
 # Every rule the gate refuses on, and what proceeding with --allow-invalid RULE means.
 RULES: dict[str, str] = {
@@ -511,9 +509,7 @@ def _block_advice(view: MtpView, weights: str) -> Callable[[str], str]:
     advice = f"; {block_advice(ckpt, wrong)}"
 
     def pick(module: str) -> str:
-        ref = ckpt.tensors.get(f"{module}.weight")
-        scaled = ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(ref.key) in ckpt.tensors
-        return advice if scaled else weights
+        return advice if fmt.scaled(f"{module}.weight", ckpt.tensors) else weights
 
     return pick
 

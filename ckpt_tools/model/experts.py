@@ -241,7 +241,7 @@ def _encoded(group: ExpertGroup, refs: Mapping[str, TensorRef], fmt: Codec):
     describes it (packed codes, per-channel or global scales ...): a model.quant Storage; None otherwise."""
     first = _group_tensors(group)[0]
     ref = refs.get(first.key)
-    if ref is not None and (ref.dtype in FLOAT_DTYPES or (fmt.stores(ref.dtype) and fmt.scale_key(first.key) in refs)):
+    if ref is not None and (ref.dtype in FLOAT_DTYPES or fmt.scaled(first.key, refs)):
         return None
     if not first.key.endswith(".weight"):
         return None  # a stacked name: no scheme table names companions of stacked experts

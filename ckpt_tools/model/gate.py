@@ -7,6 +7,7 @@ refuses (exit 3) what neither ``--allow-invalid`` nor the verb's own repairs let
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -81,9 +82,7 @@ def refusal(ckpt: Checkpoint, refused: list[Problem], role: str | None = None, h
             ) -> InputError:
     """One message: the first problem in full, how many others (by rule), and the two ways on."""
     first = refused[0]
-    counts: dict[str, int] = {}
-    for p in refused[1:]:
-        counts[p.rule] = counts.get(p.rule, 0) + 1
+    counts = Counter(p.rule for p in refused[1:])
     others = ""
     if counts:
         listed = ", ".join(f"{r} x{n}" if n > 1 else r for r, n in counts.items())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,14 +151,9 @@ def _stitch_summary(report: dict) -> dict:
     for key in ("totals", "summary"):
         if isinstance(report.get(key), dict):
             return {k: v for k, v in report[key].items() if isinstance(v, (int, float, str))}
-    counts: dict[str, int] = {}
     entries = report.get("tensors") or report.get("keys") or {}
     items = entries.values() if isinstance(entries, dict) else entries
-    for e in items:
-        if isinstance(e, dict):
-            status = str(e.get("status") or e.get("change") or "other")
-            counts[status] = counts.get(status, 0) + 1
-    return counts
+    return dict(Counter(str(e.get("status") or e.get("change") or "other") for e in items if isinstance(e, dict)))
 
 
 # The family table's ``engines:`` keys (mtp-layouts.md 1.9) that say an engine has a draft class for the family's

@@ -11,10 +11,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...errors import TableError, UsageError
+from ...errors import UsageError
 from ..prefixes import WRAPPERS, peel
 from ..tables import cache as table_cache
-from ..tables.loader import _parse, mappings_dir
+from ..tables.loader import _parse, checked_table, mappings_dir
 
 if TYPE_CHECKING:
     from .models import Format
@@ -39,19 +39,9 @@ def formats_dir() -> Path:
 
 
 def _build(path: Path, data: object) -> Format:
-    from pydantic import ValidationError
-
-    from ..tables.plain import to_plain
     from .models import Format
 
-    try:
-        fmt = Format.model_validate(data)
-    except ValidationError as e:
-        msgs = "; ".join(f"field {'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:6])
-        raise TableError(msgs, path=str(path)) from None
-    if fmt.name != path.stem:
-        raise TableError(f"field name: {fmt.name!r} must match the file name {path.stem!r}", path=str(path))
-    return to_plain(fmt)
+    return checked_table(Format, data, path, "name", what="a format table")
 
 
 @lru_cache(maxsize=1)
@@ -61,8 +51,8 @@ def all_formats() -> dict[str, Format]:
     return table_cache.load_tables((formats_dir(),), _parse, _build, lambda f: f.name, CACHE_PREFIX, code=_CODE)
 
 
-_CODE = tuple(Path(__file__).with_name(n) for n in ("table.py", "models.py")) + (
-    Path(__file__).parent.parent / "tables" / "plain.py",)
+_CODE = tuple(Path(__file__).with_name(n) for n in ("table.py", "models.py")) + tuple(
+    Path(__file__).parent.parent / "tables" / n for n in ("plain.py", "loader.py"))
 
 
 def get_format(name: str) -> Format:

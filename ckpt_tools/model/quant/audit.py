@@ -90,9 +90,6 @@ class Audit:
     def ok(self) -> bool:
         return not self.findings
 
-    def fixable(self) -> bool:
-        return all(f.fix is not None for f in self.findings)
-
 
 def scheme_of(view: MtpView) -> QuantScheme | None:
     """What ``view``'s checkpoint declares (InputError ``quant-unknown`` propagates)."""
@@ -115,7 +112,7 @@ def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Store
     if st is None and ref is not None and ref.dtype in FLOAT_DTYPES:
         return _plain(ref.dtype)
     fmt = view.codec
-    if st is None and ref is not None and fmt.stores(ref.dtype) and fmt.scale_key(key) in view.ckpt.tensors:
+    if st is None and fmt.scaled(key, view.ckpt.tensors):
         # the checkpoint's block format (its scale companion): the fp8-* rules check its scales
         return _block(ref.dtype, fmt.block)
     if st is None:  # something only the scheme tables know
@@ -137,14 +134,10 @@ def _block(dtype: str, block: tuple[int, int]) -> Stored:
     return Stored("quantized", f"{dtype} block {list(block)}", dtype=dtype)
 
 
+@lru_cache(maxsize=512)
 def _weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The keys of a per-expert group and their module names, when every key is a ``.weight`` (else none: such a
     group is looked at key by key)."""
-    return _group_weights(group)
-
-
-@lru_cache(maxsize=512)
-def _group_weights(group: ExpertGroup) -> tuple[tuple[str, ...], tuple[str, ...]]:
     keys = group.columns()[0]
     if not all(k.endswith(".weight") for k in keys):
         return (), ()
@@ -164,10 +157,8 @@ def _stored_alike(ckpt: Any, fmt: Any, quantized: dict, keys: tuple[str, ...]) -
     (dtype,) = dtypes
     if dtype in FLOAT_DTYPES:
         return _plain(dtype)
-    if fmt.stores(dtype):
-        suffix = fmt.scale_suffix
-        if all(map(tensors.__contains__, [k[:-6] + suffix for k in keys])):
-            return _block(dtype, fmt.block)
+    if fmt.stores(dtype) and all(map(tensors.__contains__, [k[:-6] + fmt.scale_suffix for k in keys])):
+        return _block(dtype, fmt.block)
     return None
 
 
@@ -178,7 +169,7 @@ def forget_group_keys() -> None:
     """Drop the memoised keys of expert groups (``ExpertGroup.tensors`` / ``columns``, ``_weights``)."""
     from ..expert_layouts import forget_group_tensors
 
-    _group_weights.cache_clear()
+    _weights.cache_clear()
     forget_group_tensors()
 
 

@@ -83,6 +83,11 @@ class Codec:
         """Whether a weight of ``dtype`` is quantized in this format (needs its companions)."""
         return dtype in self.weight_dtypes
 
+    def scaled(self, key: str, tensors: Mapping[str, Any]) -> bool:
+        """Whether ``tensors[key]`` is a weight in this format with its scale companion beside it."""
+        ref = tensors.get(key)
+        return ref is not None and ref.dtype in self.weight_dtypes and self.scale_key(key) in tensors
+
     def scale_key(self, weight_key: str) -> str:
         """The scale companion of ``weight_key`` (a bare stacked-experts name gets the suffix past ``weight_``)."""
         return scale_key(weight_key, self.scale_suffix)

@@ -112,8 +112,7 @@ def weight_storage(ckpt: Any, key: str, codec: Any, lookup: Any) -> Storage | No
     if ref.dtype in FLOAT_DTYPES or "." not in key:
         return None
     st = lookup(ckpt, key.rsplit(".", 1)[0])
-    if not (st.quantized and st.all_keys()[0] == key) and codec.stores(ref.dtype) \
-            and codec.scale_key(key) in ckpt.tensors:
+    if not (st.quantized and st.all_keys()[0] == key) and codec.scaled(key, ckpt.tensors):
         st = codec.storage(key, tuple(ref.shape), ckpt.tensors)
     return st if st.quantized and st.all_keys()[0] == key and st.complete and not st.issues else None
 

@@ -17,8 +17,9 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...dtypes import torch_dtype
 from ...errors import PlanError
-from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax, _torch_dtype
+from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +80,7 @@ def ct_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     dtype (eps for zero), ``weight = e4m3(clamp(x / scale))`` with the quotient in that dtype."""
     import torch
 
-    dtype = _torch_dtype(args.dtypes.get("weight_scale", args.model_dtype))
+    dtype = torch_dtype(args.dtypes.get("weight_scale", args.model_dtype))
     x = values.to(dtype)
     tile = _ct_fp8_tile(args, tuple(x.shape))
     scale = _absmax(*_tile_minmax(x, tile)) / torch.tensor(2 * FP8_MAX, dtype=dtype).div(2)
@@ -150,7 +151,7 @@ def ct_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     group scales ``e4m3(g * (absmax_g / 6))`` (0 -> 0.125); codes of ``x / (scale / g)`` in float32."""
     import torch
 
-    dtype = _torch_dtype(args.model_dtype)
+    dtype = torch_dtype(args.model_dtype)
     group = int(args.params.get("group_size") or 16)
     x = values.to(dtype)
     m = _tensor_absmax(x, args).reshape(1)
@@ -195,7 +196,7 @@ def ct_mxfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
     import torch
 
     mxfp4_layout(tuple(values.shape), args)
-    dtype = _torch_dtype(args.model_dtype)
+    dtype = torch_dtype(args.model_dtype)
     x = values.to(dtype)
     m = _absmax(*_tile_minmax(x, (1, 32)))
     e = 127 + torch.floor(torch.log2(_round_to_power_2(m))) - 2  # in the model dtype, as the observer computes
@@ -227,7 +228,7 @@ def modelopt_fp8(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tens
         raise PlanError(f"ModelOpt {algo} has no encoder (per-tensor FP8 only)", rule="quant-encode")
     import torch
 
-    x = values.to(_torch_dtype(args.model_dtype))
+    x = values.to(torch_dtype(args.model_dtype))
     scale = _positive((_tensor_absmax(x, args).float() / FP8_MAX).reshape(()))
     q = _e4m3(x / scale)  # a 0-d float32 scale: the quotient is in the model dtype
     return {"weight": q, "weight_scale": scale.to(torch.float32)}
@@ -239,7 +240,7 @@ def modelopt_nvfp4(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Te
     import torch
 
     group = int(args.params.get("group_size") or 16)
-    x = values.to(_torch_dtype(args.model_dtype))
+    x = values.to(torch_dtype(args.model_dtype))
     ws2 = _positive((_tensor_absmax(x, args).float() / (FP4_MAX * FP8_MAX)).reshape(()))
     x = x.float()
     amax_g = x.abs().unflatten(-1, (x.shape[-1] // group, group)).amax(-1)

@@ -28,12 +28,6 @@ class EncodeArgs:
     suffixes: Mapping[str, str] = field(default_factory=dict)
 
 
-def _torch_dtype(name: str):
-    from ...dtypes import torch_dtype
-
-    return torch_dtype(name)
-
-
 def _tile_minmax(x: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-tile min and max of [rows, cols] (edge tiles partial), in x's dtype: [ceil(r/tr), ceil(c/tc)]."""
     import torch

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...dtypes import torch_dtype
 from ...errors import PlanError
-from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax, _torch_dtype
+from .encode_core import EncodeArgs, _absmax, _expand, _tile_minmax
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +57,7 @@ def _codes(values: torch.Tensor, args: EncodeArgs, bits: int) -> tuple[torch.Ten
     """(int8 codes [rows, cols], scale grid) as compressed-tensors computes them, in the scale's dtype."""
     import torch
 
-    dtype = _torch_dtype(args.dtypes.get("weight_scale", args.model_dtype))
+    dtype = torch_dtype(args.dtypes.get("weight_scale", args.model_dtype))
     x = values.to(dtype)
     shape = (int(x.shape[0]), int(x.shape[1]))
     tile = _tile(args, shape)
@@ -113,6 +114,6 @@ def ct_pack(values: torch.Tensor, args: EncodeArgs) -> dict[str, torch.Tensor]:
 
     bits = _bits(args, 4)
     q, scale = _codes(values, args, bits)
-    shape_dtype = _torch_dtype(args.dtypes.get("weight_shape", "I64"))
+    shape_dtype = torch_dtype(args.dtypes.get("weight_shape", "I64"))
     return {"weight_packed": pack_int32(q, bits), "weight_scale": scale,
             "weight_shape": torch.tensor(list(values.shape), dtype=shape_dtype)}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from ...dtypes import DTYPES
+from ...dtypes import DTYPES, torch_dtype
 from ...errors import PlanError
 from ...numeric.transforms import inputs_of
 from ...stream.plan import Compute, OutputTensor, copy_of
@@ -92,7 +92,7 @@ def _absmax_of(values: OutputTensor, model_dtype: str) -> float:
     from ...numeric.transforms import recipe_bytes
 
     buf = bytearray(b"".join(recipe_bytes(values.recipe, max(values.nbytes, 1))))
-    x = bytes_to_torch(buf, values.dtype, tuple(values.shape)).to(_torch(model_dtype))
+    x = bytes_to_torch(buf, values.dtype, tuple(values.shape)).to(torch_dtype(model_dtype))
     return float(x.abs().max()) if x.numel() else 0.0
 
 
@@ -132,7 +132,7 @@ def encode_module(values: OutputTensor, storage: Storage, model_dtype: str, refs
 
         def produce(suffix: str = suffix, dtype: str = dtype, shape: tuple[int, ...] = shape, key: str = key):
             t = shared.take(suffix)
-            if t.dtype != _torch(dtype) or t.numel() != _numel(shape):  # the encoder and its layout disagree
+            if t.dtype != torch_dtype(dtype) or t.numel() != _numel(shape):  # the encoder and its layout disagree
                 raise PlanError(f"{key}: the {name} encoder wrote {t.dtype} {list(t.shape)}, its layout says "
                                 f"{dtype} {list(shape)}", rule="quant-encode")
             yield t.contiguous().reshape(shape)
@@ -163,12 +163,6 @@ def _streamed(name: str, values: OutputTensor, storage: Storage, args: EncodeArg
         return None
     keys = {sfx: storage.tensors.get(sfx, f"{storage.module}.{sfx}") for sfx in layout if sfx in wanted}
     return stream(values, args, keys)
-
-
-def _torch(dtype: str):
-    from ...dtypes import torch_dtype
-
-    return torch_dtype(dtype)
 
 
 class _Shared:

@@ -24,13 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from ...dtypes import DTYPES
 from ...errors import TableError, UsageError
-from ..expr import ExprError, names_in
 from ..tables import cache
-from ..tables.loader import _parse, mappings_dir
+from ..tables.loader import _parse, checked_table, mappings_dir, names_checker
 
 if TYPE_CHECKING:
-    from pydantic import ValidationError
-
     from .schema import SchemeTable
 
 CACHE_PREFIX = "quant-"
@@ -98,28 +95,15 @@ def _registered_codes() -> frozenset[str]:
     return frozenset(getattr(decode, "REGISTERED_CODES", ()))
 
 
-def _errors(err: ValidationError) -> str:
-    lines = [f"field {'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()[:8]]
-    more = len(err.errors()) - 8
-    return "; ".join(lines + ([f"... and {more} more"] if more > 0 else []))
-
-
 def _check(table: SchemeTable, path: Path) -> None:
     """Dtypes are safetensors dtypes; expressions use only ``out``, ``in`` and declared params."""
     from .schema import CODES
 
-    known = SHAPE_VARS | table.params
+    if table.scheme.startswith("gguf-"):  # model.gguf_names.GGUF_ROW: probe --mtp-quant's GGUF sidecar types
+        raise TableError(f"field scheme: {table.scheme!r}: names starting gguf- are the GGUF sidecar types of "
+                         "probe --mtp-quant", path=str(path))
 
-    def expr(text: str | None, where: str) -> None:
-        if text is None:
-            return
-        try:
-            unknown = sorted(names_in(text) - known)
-        except ExprError as e:
-            raise TableError(f"field {where}: {e}", path=str(path)) from None
-        if unknown:
-            raise TableError(f"field {where}: uses {', '.join(unknown)}, not a config param or rows / cols",
-                             path=str(path))
+    expr = names_checker(SHAPE_VARS | table.params, path, "not a config param or rows / cols")
 
     def dtypes(values: list[str], where: str) -> None:
         bad = [d for d in values if d not in DTYPES]
@@ -165,26 +149,11 @@ def _check(table: SchemeTable, path: Path) -> None:
 
 def load_scheme(path: str | os.PathLike, data: Any = None) -> SchemeTable:
     """Check and build the scheme table in ``path`` (``data``: its parsed YAML, if at hand)."""
-    path = Path(path)
-    data = _parse(path) if data is None else data
-    if not isinstance(data, dict):
-        raise TableError("a scheme table must be a YAML mapping", path=str(path))
-    from pydantic import ValidationError
-
-    from ..tables.plain import to_plain
     from .schema import SchemeTable
 
-    try:
-        table = SchemeTable.model_validate(data)
-    except ValidationError as e:
-        raise TableError(_errors(e), path=str(path)) from None
-    if table.scheme != path.stem:
-        raise TableError(f"field scheme: {table.scheme!r} must match the file name {path.stem!r}", path=str(path))
-    if table.scheme.startswith("gguf-"):  # model.gguf_names.GGUF_ROW: probe --mtp-quant's GGUF sidecar types
-        raise TableError(f"field scheme: {table.scheme!r}: names starting gguf- are the GGUF sidecar types of "
-                         "probe --mtp-quant", path=str(path))
-    _check(table, path)
-    return to_plain(table)  # what runs read (and the cache holds): the checked fields, without pydantic
+    path = Path(path)
+    return checked_table(SchemeTable, _parse(path) if data is None else data, path, "scheme", _check,
+                         "a scheme table")
 
 
 @lru_cache(maxsize=4)
@@ -197,7 +166,8 @@ def _load(dirs: tuple[Path, ...], encoders: frozenset[str] = frozenset(),
 
 # what checks a scheme table: an edit to any of it misses the cache
 _CODE = (*(Path(__file__).with_name(n) for n in ("schema.py", "tables.py")),
-         Path(__file__).parent.parent / "tables" / "plain.py", Path(__file__).parent.parent / "expr.py",
+         *(Path(__file__).parent.parent / "tables" / n for n in ("plain.py", "loader.py")),
+         Path(__file__).parent.parent / "expr.py",
          Path(__file__).parents[2] / "dtypes.py")
 
 

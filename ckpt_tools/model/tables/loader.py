@@ -15,7 +15,7 @@ from . import cache
 from .resolve import typed_value
 
 if TYPE_CHECKING:
-    from pydantic import ValidationError
+    from collections.abc import Callable
 
     from .schema import Table
 
@@ -52,15 +52,21 @@ def table_dirs() -> list[Path]:
     return dirs
 
 
-def _format_validation_error(path: Path, err: ValidationError) -> str:
-    lines = []
-    for e in err.errors()[:8]:
-        loc = ".".join(str(x) for x in e["loc"] if not isinstance(x, int) or True)
-        lines.append(f"field {loc}: {e['msg']}")
-    more = len(err.errors()) - 8
-    if more > 0:
-        lines.append(f"... and {more} more")
-    return "; ".join(lines)
+def names_checker(known: set[str], path: Path, why: str) -> Callable[..., None]:
+    """``check(text, where, template=False)``: a TableError naming field ``where`` when the expression (or key
+    template) ``text`` does not parse or uses a name outside ``known`` (``why`` says what the names must be)."""
+
+    def check(text: Any, where: str, template: bool = False) -> None:
+        if not isinstance(text, str):
+            return
+        try:
+            unknown = sorted((template_names(text) if template else names_in(text)) - known)
+        except ExprError as e:
+            raise TableError(f"field {where}: {e}", path=str(path)) from None
+        if unknown:
+            raise TableError(f"field {where}: uses {', '.join(unknown)}, {why}", path=str(path))
+
+    return check
 
 
 def _check_names(table: Table, path: Path) -> None:
@@ -74,18 +80,7 @@ def _check_names(table: Table, path: Path) -> None:
                 raise TableError(f"field config.{name}.default: {var.default!r} is not of type {var.kind} ({e})",
                                  path=str(path)) from None
 
-    def check(text, where: str, template: bool = False) -> None:
-        if not isinstance(text, str):
-            return
-        try:
-            used = template_names(text) if template else names_in(text)
-        except ExprError as e:
-            raise TableError(f"field {where}: {e}", path=str(path)) from None
-        unknown = sorted(used - known)
-        if unknown:
-            raise TableError(
-                f"field {where}: uses {', '.join(unknown)}, not declared under 'config'", path=str(path)
-            )
+    check = names_checker(known, path, "not declared under 'config'")
 
     def check_tensor(t, where):
         check(t.key, f"{where}.key", template=True)
@@ -156,26 +151,36 @@ def _parse(path: Path) -> Any:
         raise TableError(f"not UTF-8 text: {e}", path=str(path)) from None
 
 
-def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
-    """Check and build the table in ``path`` (``data``: its already parsed YAML, if at hand)."""
-    path = Path(path)
-    if data is _UNPARSED:
-        data = _parse(path)
-    if not isinstance(data, dict):
-        raise TableError("a table must be a YAML mapping", path=str(path))
+def checked_table(model: Any, data: Any, path: Path, name: str, check: Callable[[Any, Path], None] | None = None,
+                  what: str = "a table") -> Any:
+    """Table file ``path``'s YAML ``data`` checked by pydantic ``model``, its ``name`` field the file's name, then
+    by ``check``: as the plain record runs read (and the cache holds), without pydantic."""
     from pydantic import ValidationError
 
     from .plain import to_plain
+
+    if not isinstance(data, dict):
+        raise TableError(f"{what} must be a YAML mapping", path=str(path))
+    try:
+        table = model.model_validate(data)
+    except ValidationError as e:
+        errors = [f"field {'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()]
+        more = [f"... and {len(errors) - 8} more"] if len(errors) > 8 else []
+        raise TableError("; ".join(errors[:8] + more), path=str(path)) from None
+    if getattr(table, name) != path.stem:
+        raise TableError(f"field {name}: {getattr(table, name)!r} must match the file name {path.stem!r}",
+                         path=str(path))
+    if check is not None:
+        check(table, path)
+    return to_plain(table)
+
+
+def load_table(path: str | os.PathLike, data: Any = _UNPARSED) -> Table:
+    """Check and build the table in ``path`` (``data``: its already parsed YAML, if at hand)."""
     from .schema import Table
 
-    try:
-        table = Table.model_validate(data)
-    except ValidationError as e:
-        raise TableError(_format_validation_error(path, e), path=str(path)) from None
-    if table.family != path.stem:
-        raise TableError(f"field family: {table.family!r} must match the file name {path.stem!r}", path=str(path))
-    _check_names(table, path)
-    return to_plain(table)  # what runs read (and the cache holds): the checked fields, without pydantic
+    path = Path(path)
+    return checked_table(Table, _parse(path) if data is _UNPARSED else data, path, "family", _check_names)
 
 
 @lru_cache(maxsize=8)

@@ -8,6 +8,7 @@ condition (``when``) or as optional may be present or absent; one it lists uncon
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,9 +119,7 @@ def summarize(g: GgufFile, family: str | None = None) -> GgufSummary:
     from ...model.tables.loader import all_tables
 
     tables = {n: t for n, t in all_tables().items() if t.llama_cpp is not None and t.llama_cpp.arch == g.arch}
-    types: dict[str, int] = {}
-    for t in g.tensors.values():
-        types[t.type_name] = types.get(t.type_name, 0) + 1
+    types = dict(Counter(t.type_name for t in g.tensors.values()))
     blocks = int(g.block_count) if g.block_count is not None else None
     trunk_layers = blocks - g.nextn if blocks is not None else None
     present: dict[int, list[str]] = {}

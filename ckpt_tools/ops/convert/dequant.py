@@ -16,6 +16,7 @@ scales (``dequant``), nothing quantized (``not-quantized``).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ... import __version__
@@ -66,9 +67,7 @@ class DequantPlan:
     link: str | None = None
 
     def summary(self) -> dict:
-        labels: dict[str, int] = {}
-        for label in self.modules.values():
-            labels[label] = labels.get(label, 0) + 1
+        labels = Counter(self.modules.values())
         return {
             "command": self.plan.command, "family": self.family, "scheme": self.scheme, "dtype": self.dtype,
             "scope": self.scope, "modules": len(self.modules), "storage": dict(sorted(labels.items())),

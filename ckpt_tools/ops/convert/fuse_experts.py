@@ -30,6 +30,7 @@ from ...model.quant.storage import Storage
 from ...model.tables.resolve import trunk_specs
 from ...stream.fingerprint import record_inputs
 from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan, copy_of
+from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg, finish_tensor
 
 CONFIG_FIELD = "ckpt_expert_layout"
@@ -203,7 +204,7 @@ def plan_experts(ckpt: Checkpoint, req: ExpertsRequest) -> ExpertsPlan:
     tensors = _ordered(ckpt, plans, Dequant.of(ckpt, dequant_to, fmt) if dequant_to else None)
     config = _config(ckpt, req)
     files = [OutputFile("config.json", content=config)] if config is not None else []
-    files += _carried(ckpt)
+    files += carried_files(ckpt)
     manifest = note_allowed(_manifest(ckpt, table.family, req, plans, draft, dequant_to), gate)
     plan = record_inputs(Plan(req.command, tensors, files, max_shard_size=req.max_shard_size, manifest=manifest),
                          source=ckpt)
@@ -324,12 +325,6 @@ def _config(ckpt: Checkpoint, req: ExpertsRequest) -> bytes | None:
     else:
         raw.pop(SCOPE_FIELD, None)
     return (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode()
-
-
-def _carried(ckpt: Checkpoint) -> list[OutputFile]:
-    from ..writing.carry import carried_files
-
-    return carried_files(ckpt)
 
 
 def stats(xplan: ExpertsPlan) -> dict:

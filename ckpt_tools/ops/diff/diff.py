@@ -9,6 +9,7 @@ make its tensors "removed" without a word, or two broken sides "identical".
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,6 @@ from ...model.gate import check
 from ...model.prefixes import choose, rename
 from ...model.quant.codec import checkpoint_codec
 from ...options import regex
-from ...stream.plan import CopyBytes
 from ...stream.progress import Progress
 
 if TYPE_CHECKING:  # compare loads numpy: imported when a comparison runs, not with the report class
@@ -47,10 +47,7 @@ class DiffReport:
                 and not self.changed_files())
 
     def totals(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for d in self.diffs:
-            out[d.status] = out.get(d.status, 0) + 1
-        return out
+        return dict(Counter(d.status for d in self.diffs))
 
     def changed_files(self) -> list[FileDiff]:
         """Side files that differ (our own records never count)."""
@@ -95,7 +92,7 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
     (``problems``), not refused, unless ``allow`` lets the rule through (``allowed_invalid``).
     ``progress``: the "comparing" phase, advanced by the bytes of each pair of tensors read.
     """
-    from ..shared.compare import TensorDiff, compare
+    from ..shared.compare import TensorDiff, compare, recipe_of
     from .files import config_diff, file_diffs
 
     pattern = regex("--keys", keys) if keys else None
@@ -121,16 +118,14 @@ def diff(a: Checkpoint, b: Checkpoint, *, keys: str | None = None, stats: bool =
             report.diffs.append(TensorDiff(key, "removed", ra.dtype, None, list(ra.shape), None))
             continue
         va, vb = (values[0](key), values[1](key)) if values else (None, None)
-        if va is None and vb is None:
-            d = compare(key, ra.dtype, ra.shape, CopyBytes([ra.segment()]), rb.dtype, rb.shape,
-                        CopyBytes([rb.segment()]), stats=stats, finite=stats)
-        else:  # a quantized weight by the values its codec decodes (float32, no output rounding); stored alike on
-            # both sides, equal values are unchanged (compared as float32 bytes)
-            alike = va is not None and vb is not None and ra.dtype == rb.dtype
-            sides = [(t.dtype, t.shape, t.recipe, None if alike else _f32) if t is not None else (
-                r.dtype, r.shape, CopyBytes([r.segment()]), None) for t, r in ((va, ra), (vb, rb))]
-            d = compare(key, *sides[0][:3], *sides[1][:3], stats=stats, finite=stats, decode_a=sides[0][3],
-                        decode_b=sides[1][3])
+        # a quantized weight by the values its codec decodes (float32, no output rounding); stored alike on both
+        # sides, equal values are unchanged (compared as float32 bytes)
+        alike = va is not None and vb is not None and ra.dtype == rb.dtype
+        sides = [(t.dtype, t.shape, t.recipe, None if alike else _f32) if t is not None else (
+            r.dtype, r.shape, recipe_of(r), None) for t, r in ((va, ra), (vb, rb))]
+        d = compare(key, *sides[0][:3], *sides[1][:3], stats=stats, finite=stats, decode_a=sides[0][3],
+                    decode_b=sides[1][3])
+        if va is not None or vb is not None:
             d.dtype_a, d.dtype_b, d.shape_a, d.shape_b = ra.dtype, rb.dtype, list(ra.shape), list(rb.shape)
             if ra.dtype != rb.dtype and d.status != "shape-changed":
                 d.status = "dtype-changed"

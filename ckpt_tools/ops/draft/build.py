@@ -119,6 +119,11 @@ def build_draft_config(fmt: Format, view: MtpView, corr: Correspondence, tensors
     return config, omitted
 
 
+def quantized_source(view: MtpView) -> bool:
+    """Whether the MTP tensors a draft takes from ``view`` are stored quantized (by any scheme table)."""
+    return bool(view.quantized) or any(view.codec.stores(view.ckpt.tensors[k].dtype) for _, k in view.stored())
+
+
 def output_quantized(tensors: list[OutputTensor]) -> bool:
     """Whether any output tensor is stored quantized: FP8 bytes, a quantized module's stored tensors
     (``quant`` in its meta) or a scale."""

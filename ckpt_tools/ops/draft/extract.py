@@ -25,7 +25,7 @@ from ...stream.plan import OutputFile, OutputTensor, Plan, ShardLayout, copy_of
 from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg
 from ..writing.output_config import set_count
-from .build import build_draft_config, draft_tensors, expert_groups, output_quantized
+from .build import build_draft_config, draft_tensors, expert_groups, output_quantized, quantized_source
 
 
 @dataclass
@@ -66,8 +66,7 @@ def plan_extract(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
     if fmt.rename == "native" and corr.layers != list(range(len(corr.layers))):
         raise UsageError(f"--layers {corr.layers}: the native format keeps layer indices, so it needs layers "
                          f"0..k-1; use --format sglang-nextn / speculators to renumber a single layer")
-    fmt_q = view.codec
-    fp8_source = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
+    fp8_source = quantized_source(view)
     if fp8_source and dequant_to is None and fmt.rename == "roles":
         what = "quantized" if view.quantized else "FP8"
         raise UsageError(f"the source MTP weights are {what}; format {fmt.name} has no place for their scales: "

@@ -30,7 +30,7 @@ from ...model.gguf_names import GGUF_TYPES, GLUE_NAMES, TensorNames, folded, glu
 from ...model.mtp import MtpView
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor, copy_of
-from .build import draft_tensors
+from .build import draft_tensors, quantized_source
 
 RULE_MISMATCH = "gguf-trunk-mismatch"
 RULE_TRUNK = "gguf-trunk"
@@ -216,8 +216,7 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
     """(tensor of float values, the name llama.cpp's converter maps, its table kind) in the converter's order,
     and the shared tensors SRC does not hold (a draft: the trunk's are carried)."""
     ckpt, res = view.ckpt, view.resolved
-    fmt_q = view.codec
-    quantized = bool(view.quantized) or any(fmt_q.stores(ckpt.tensors[k].dtype) for _, k in view.stored())
+    quantized = quantized_source(view)
     corr = correspond(get_format("native"), view, None, with_embed=None, with_head=None)
     # llama.cpp stacks each projection's experts [experts, out, in]: a per-expert group is laid end to end (its
     # experts' bytes in order, decoded one expert at a time), another layout is restacked by our converters

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ... import __version__
+from ...dtypes import FLOAT_DTYPES
 from ...errors import InputError, UsageError
 from ...gcpause import gc_paused
 from ...io.checkpoint import Checkpoint, revision_of, source_name
@@ -34,8 +35,9 @@ from ...model.expert_layouts import ExpertLayout
 from ...model.expr import evaluate, render
 from ...model.formats import Correspondence, correspond, get_format
 from ...model.gate import require_consistent
-from ...model.mtp import MtpView, detect_group_layout
+from ...model.mtp import MtpView, QuantLookup, detect_group_layout
 from ...model.quant.codec import Codec, checkpoint_codec, storage_codec
+from ...model.quant.detect import QuantScheme, detect_scheme
 from ...model.quant.storage import module_storage
 from ...model.tables.resolve import MAX_MTP_LAYERS, MAX_TRUNK_LAYERS, Resolved, Spec, part_specs, resolve, trunk_specs
 from ...numeric.init_values import BAND_ELEMS, RNG_DESCRIPTION, InitRecipe, InitSource, produce
@@ -45,7 +47,7 @@ from ...stream.plan import Compute, CopyBytes, OutputFile, OutputTensor, Plan
 from ..writing.carry import carried_files
 from ..writing.out_dtype import dtype_arg, requested_for
 from ..writing.output_config import set_count
-from .build import build_draft_config, draft_tensors, expert_groups
+from .build import build_draft_config, draft_tensors, expert_groups, quantized_source
 
 if TYPE_CHECKING:
     from ...model.formats import Format
@@ -204,12 +206,11 @@ def _trunk_layout(res: Resolved, target: Checkpoint) -> ExpertLayout | None:
 class _LayerMatch:
     """Target decoder layer L renamed onto the MTP block of every depth."""
 
-    refs: dict[str, TensorRef]  # MTP key -> target tensor (weights and FP8 scales)
+    refs: dict[str, dict[str, TensorRef]]  # MTP key -> what it copies: the target tensor and its companions
     layouts: dict[str, ExpertLayout]
-    fmt: Codec  # the target's block format (its weights' scale companions)
 
 
-def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
+def _from_layer(res: Resolved, target: Checkpoint, layer: int, dequant: bool) -> _LayerMatch:
     table = res.table
     if not target.tensors:
         raise UsageError(f"--from-layer needs the target's weights; {target.root} has none (a config.json?)")
@@ -225,23 +226,23 @@ def _from_layer(res: Resolved, target: Checkpoint, layer: int) -> _LayerMatch:
     specs, groups = part_specs(table, table.trunk.parts, lenv, prefix, res.dtype, "trunk")
     src = {s.sub: s for s in specs}
     src_groups = {g.sub_prefix: g for g in groups}
-    refs: dict[str, TensorRef] = {}
+    refs: dict[str, dict[str, TensorRef]] = {}
     layouts: dict[str, ExpertLayout] = {}
-    fmt = checkpoint_codec(target, table.quantization)  # the target's scale companions (model.quant.codec)
+    fmt, scheme = checkpoint_codec(target, table.quantization), detect_scheme(target)
     for mtp_layer in res.layers:
         dst = {s.sub: s for s in mtp_layer.block}
         dst_groups = {g.sub_prefix: g for g in mtp_layer.experts}
         _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_layer.prefix)
         for sub, spec in dst.items():
-            refs.update(_layer_refs(target, src[sub].key, spec.key, fmt))
+            refs[spec.key] = _layer_refs(target, src[sub].key, spec.key, scheme, fmt, dequant)
         for sub, g in dst_groups.items():
             sg = src_groups[sub]
             lay = detect_group_layout(sg, target.tensors)
             layouts[g.prefix] = lay
             s_on, d_on = sg.with_layout(lay) if lay != sg.layout else sg, g.with_layout(lay) if lay != g.layout else g
             for st, dt in zip(s_on.tensors(), d_on.tensors(), strict=True):
-                refs.update(_layer_refs(target, st.key, dt.key, fmt))
-    return _LayerMatch(refs, layouts, fmt)
+                refs[dt.key] = _layer_refs(target, st.key, dt.key, scheme, fmt, dequant)
+    return _LayerMatch(refs, layouts)
 
 
 def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefix) -> None:
@@ -267,22 +268,31 @@ def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefi
                          f"{mtp_prefix}*: " + "; ".join(problems), rule="from-layer-mismatch")
 
 
-def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, fmt: Codec) -> dict[str, TensorRef]:
-    st = module_storage(target, None, src_key.removesuffix(".weight")) if src_key.endswith(".weight") else None
-    if st is not None and st.quantized and not storage_codec(st).restacks:  # only weight + tiled scale are copied
-        why = storage_codec(st).refusal(st, "copy a layer as its weight and one tiled scale")
-        raise InputError(f"--from-layer: {why}", rule="quant-capability", path=target.root, key=src_key)
+def _layer_refs(target: Checkpoint, src_key: str, dst_key: str, scheme: QuantScheme | None, fmt: Codec,
+                dequant: bool) -> dict[str, TensorRef]:
+    """``src_key`` and what is stored with it (a module's companions as its scheme table lists them, a stacked
+    experts tensor's scale as the target's codec names it), renamed onto ``dst_key``; a module whose codec
+    cannot restack is copied only to be dequantized."""
     ref = target.tensors.get(src_key)
-    if ref is None:
+    stem, dst_stem = src_key.removesuffix(".weight"), dst_key.removesuffix(".weight")
+    quantized = stem != src_key and (ref is None or ref.dtype not in FLOAT_DTYPES)
+    st = module_storage(target, scheme, stem) if quantized else None
+    keys, missing = [src_key], ()
+    if st is not None and st.quantized:
+        if not dequant and not storage_codec(st).restacks:  # kept as stored: weight and one tiled scale only
+            why = storage_codec(st).refusal(st, "copy a layer as its weight and one tiled scale")
+            raise InputError(f"--from-layer: {why}, or pass --dequant", rule="quant-capability", path=target.root,
+                             key=src_key)
+        keys, missing = st.all_keys(), st.missing
+    elif ref is None:
         raise InputError(f"--from-layer: the target has no {src_key}", rule="missing-tensor", path=target.root)
-    out = {dst_key: _renamed(ref, dst_key)}
-    if fmt.stores(ref.dtype):
-        skey = fmt.scale_key(src_key)
-        sref = target.tensors.get(skey)
-        if sref is None:
-            raise InputError(f"--from-layer: FP8 weight {src_key} has no {skey}", rule="fp8-scale", path=target.root)
-        out[fmt.scale_key(dst_key)] = _renamed(sref, fmt.scale_key(dst_key))
-    return out
+    elif fmt.stores(ref.dtype):
+        skey, _, sref = fmt.scale_of(src_key, ref.shape, target.tensors)
+        keys, missing = [src_key, skey], () if sref is not None else (skey,)
+    if missing:
+        raise InputError(f"--from-layer: quantized weight {src_key} has no {', '.join(missing)}", rule="fp8-scale",
+                         path=target.root)
+    return {dst_stem + k[len(stem):]: _renamed(target.tensors[k], dst_stem + k[len(stem):]) for k in keys}
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +317,7 @@ def plan_init(target: Checkpoint, req: InitRequest) -> tuple[Plan, InitSummary]:
     dequant_to = dtype_arg(req.dequant, "--dequant")
     res = declared if count == declared.mtp_count else resolve(table, target.config, mtp_count=count)
 
-    match = _from_layer(res, target, req.from_layer) if req.from_layer is not None else None
+    match = _from_layer(res, target, req.from_layer, dequant_to is not None) if req.from_layer is not None else None
     trunk_layout = _trunk_layout(res, target)
     layouts = {g.prefix: (match.layouts[g.prefix] if match else trunk_layout or g.layout) for g in res.experts()}
     native = _native_draft(res, target, match, layouts, gen_dtype, std, req.seed)
@@ -364,12 +374,8 @@ def _native_draft(res: Resolved, target: Checkpoint, match: _LayerMatch | None, 
             d.refs[spec.key] = _renamed(ref, spec.key)
             d.copied[spec.key] = ref.key
         elif match is not None and spec.key in match.refs:
-            d.refs[spec.key] = match.refs[spec.key]
-            d.copied[spec.key] = match.refs[spec.key].key
-            skey = match.fmt.scale_key(spec.key)
-            if skey in match.refs:
-                d.refs[skey] = match.refs[skey]
-                d.copied[skey] = match.refs[skey].key
+            d.refs.update(match.refs[spec.key])
+            d.copied.update((k, r.key) for k, r in match.refs[spec.key].items())
         else:
             # a dtype the table pins is written as such whatever --dtype says
             dtype = requested_for(spec, gen_dtype) or spec.dtype
@@ -388,6 +394,11 @@ def _virtual_view(target: Checkpoint, res: Resolved, layouts: dict[str, ExpertLa
     virtual = Checkpoint(target.root, target.config, refs, {}, None, list(target.files), local_dir=target.local_dir)
     view = MtpView(virtual, res, layouts)
     view.present = native.present
+    # a weight --from-layer copies in a format that cannot restack is carried as its storage (to be dequantized); a
+    # block format's weight and scale travel as the checkpoint's codec pairs them
+    quant = QuantLookup(virtual, view.codec)
+    view.quantized = {s.key: st for s in native.present
+                      if (st := quant.storage(s, refs.get(s.key))) is not None and not storage_codec(st).restacks}
     if res.mtp_count != declared:
         virtual.config = ConfigView(set_count(view, target.config.raw, res.mtp_count))
     return view, source
@@ -398,7 +409,7 @@ def _draft(fmt: Format, view: MtpView, corr: Correspondence, native: _NativeDraf
            dequant_to: str | None) -> tuple[list[OutputTensor], dict, list[str]]:
     """The draft's tensors in the format (as ``extract`` names them) and its config (with the fields omitted)."""
     tensors = draft_tensors(view, corr, gen_dtype, dequant_to)
-    fp8 = any(view.codec.stores(view.ckpt.tensors[s.key].dtype) for s in native.present)
+    fp8 = quantized_source(view)
     if fp8 and dequant_to is None and fmt.rename == "roles":
         raise UsageError(f"layer {req.from_layer} of the target is FP8; format {fmt.name} has no place for block "
                          "scales: pass --dequant bf16")

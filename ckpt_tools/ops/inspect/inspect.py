@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
 from ...errors import InputError
@@ -73,34 +73,10 @@ class InspectReport:
     def complete(self) -> bool:
         return bool(self.status["complete"])
 
-    def to_json(self) -> dict:
-        return {
-            "path": self.path,
-            "family": self.family,
-            "title": self.title,
-            "table_source": self.table_source,
-            "norm": self.norm,
-            "concat_order": self.concat_order,
-            "dtype": self.dtype,
-            "mtp_layers": self.mtp_layers,
-            "count_field": self.count_field,
-            "quantization": self.quantization,
-            "mtp_quant": self.mtp_quant,
-            "totals": self.totals,
-            "roles": self.roles,
-            "layers": self.layers,
-            "experts": self.experts,
-            "shards": self.shards,
-            "dtypes": self.dtypes,
-            "fp8": self.fp8,
-            "tensors": self.tensors,
-            "status": self.status,
-            "reader": self.reader,
-            "reader_notes": self.reader_notes,
-            "findings": self.findings,
-            "notes": self.notes,
-            **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {}),
-        }
+    def to_json(self) -> dict:  # this class's fields in order, but the view; allowed_invalid last, when there are any
+        skip = ("view", "allowed_invalid")
+        out = {f.name: getattr(self, f.name) for f in fields(InspectReport) if f.name not in skip}
+        return {**out, **({"allowed_invalid": self.allowed_invalid} if self.allowed_invalid else {})}
 
 
 def _count_field(view: MtpView) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import InputError, UsageError
-from .probe import DraftResult, ProbeRequest, ProbeResult, check_prompts, read_prompt_lines
+from .probe import DraftResult, ProbeRequest, ProbeResult, at_least_one, check_prompts, read_prompt_lines
 
 BINARY = "llama-speculative-simple"
 SPEC_TYPE = "draft-mtp"  # llama.cpp's speculative type for a model's own MTP layers (model cards print it)
@@ -99,14 +99,8 @@ def engine_info(binary: Path) -> dict:
 
 
 def check_options(req: ProbeRequest, opts: LlamaCppOptions) -> None:
-    if req.depth < 1:
-        raise UsageError("--depth must be at least 1")
-    if req.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    if opts.threads < 1:
-        raise UsageError("--threads must be at least 1")
-    if opts.ctx_size is not None and opts.ctx_size < 1:
-        raise UsageError("--ctx-size must be at least 1")
+    at_least_one(("--depth", req.depth), ("--max-new-tokens", req.max_new_tokens), ("--threads", opts.threads),
+                 ("--ctx-size", opts.ctx_size))
     if req.device not in ("cpu", "auto"):
         raise UsageError(f"--device {req.device!r}: --engine llama.cpp runs on the CPU here (use cpu)")
 

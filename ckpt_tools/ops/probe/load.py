@@ -94,23 +94,13 @@ def captured_warnings() -> Iterator[list[str]]:
         root.handlers = shown
 
 
-@contextlib.contextmanager
-def _all_unexpected_reported(cls) -> Iterator[None]:
+def _all_unexpected_reported(cls) -> contextlib.AbstractContextManager:
     """The model class's ``_keys_to_ignore_on_load_unexpected`` emptied while loading: DeepSeek-V3 hides every
     ``model.layers.61.*`` key there, so a stray key under that prefix would go unreported. The MTP keys are
     taken out of the report by the caller (they are loaded, and checked, separately)."""
-    was = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", _MISSING)
-    cls._keys_to_ignore_on_load_unexpected = None
-    try:
-        yield
-    finally:
-        if was is _MISSING:
-            del cls._keys_to_ignore_on_load_unexpected
-        else:
-            cls._keys_to_ignore_on_load_unexpected = was
+    from unittest import mock
 
-
-_MISSING = object()
+    return mock.patch.object(cls, "_keys_to_ignore_on_load_unexpected", None, create=True)
 
 
 def transformers_quantizer(config) -> str | None:

@@ -23,7 +23,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,12 +120,10 @@ class ProbeResult:
     mtp_quant: list[dict] | None = None  # --mtp-quant: one row per scheme (mtp_quant.QuantRow.to_json)
 
     def to_json(self) -> dict:
-        extra = {} if self.mtp_quant is None else {"mtp_quant": self.mtp_quant}
-        return {"drafts": [d.to_json() for d in self.drafts], "prompts": self.prompts,
-                "needed_bytes": self.needed_bytes, "chain": self.chain, "loaded": self.loaded,
-                "mtp_loaded": self.mtp_loaded, "engine": self.engine, "reference": self.reference,
-                "dtype": self.dtype, "device": self.device, "max_new_tokens": self.max_new_tokens,
-                "prompts_sha256": self.prompts_sha256, "plot": self.plot, **extra}
+        out = {f.name: getattr(self, f.name) for f in fields(ProbeResult)}  # in order; mtp_quant only when measured
+        if self.mtp_quant is None:
+            del out["mtp_quant"]
+        return {**out, "drafts": [d.to_json() for d in self.drafts]}
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -133,6 +131,13 @@ class ProbeResult:
 def read_prompts(path: str | None) -> list[str | list[int]]:
     """JSONL (``{"prompt": text}`` or ``{"input_ids": [...]}`` per line) or a text file (one prompt a line)."""
     return [p for _, p in read_prompt_lines(path)]
+
+
+def at_least_one(*options: tuple[str, int | None]) -> None:
+    """Each option given (a value not None) is at least 1, checked in order."""
+    bad = next((name for name, value in options if value is not None and value < 1), None)
+    if bad is not None:
+        raise UsageError(f"{bad} must be at least 1")
 
 
 def check_prompts(path: str | None, vocab_size: int | None, positions: int | None, max_new_tokens: int) -> None:
@@ -400,17 +405,13 @@ def draft_mtp(main, loaded, verifier: Checkpoint, draft_path: str | Mapping, map
     return Drafter(draft_name(draft_path), engine, reference)
 
 
-@contextmanager
-def mtp_for_generate(mtp) -> Iterator[None]:
+def mtp_for_generate(mtp) -> contextlib.AbstractContextManager:
     """generate(use_mtp=True) builds its MtpModel with ``MtpModel.from_pretrained``: hand it ``mtp`` instead."""
+    from unittest import mock
+
     from transformers.modeling_layers import MtpModel
 
-    original = MtpModel.__dict__["from_pretrained"]
-    MtpModel.from_pretrained = classmethod(lambda cls, main_model, device_map=None, **kw: mtp)
-    try:
-        yield
-    finally:
-        MtpModel.from_pretrained = original
+    return mock.patch.object(MtpModel, "from_pretrained", classmethod(lambda cls, *a, **kw: mtp))
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -511,27 +512,19 @@ def _chain_mask(mtp, length: int, depth: int, inputs: torch.Tensor):
         allow_is_causal_skip=False, dtype=inputs.dtype, device=dev)
 
 
-@contextmanager
-def _attention_mask(mtp, mask) -> Iterator[None]:
+def _attention_mask(mtp, mask) -> contextlib.AbstractContextManager:
     """``forward_layer`` with ``mask`` instead of the causal mask it builds (None: its own)."""
-    if mask is not None:
-        mtp.create_masks_for_mtp_layer = lambda *a, **k: {"attention_mask": mask}  # shadows the method
-    try:
-        yield
-    finally:
-        mtp.__dict__.pop("create_masks_for_mtp_layer", None)
+    from unittest import mock
+
+    return contextlib.nullcontext() if mask is None else mock.patch.object(
+        mtp, "create_masks_for_mtp_layer", lambda *a, **k: {"attention_mask": mask})  # shadows the method
 
 
-@contextmanager
-def _pre_norm(mtp, on: bool) -> Iterator[None]:
+def _pre_norm(mtp, on: bool) -> contextlib.AbstractContextManager:
     """The first MTP layer returning its block's output before its final norm (vLLM's chained state)."""
-    layer = mtp.layers[0]
-    was = layer.use_post_norm
-    layer.use_post_norm = was and not on
-    try:
-        yield
-    finally:
-        layer.use_post_norm = was
+    from unittest import mock
+
+    return mock.patch.object(mtp.layers[0], "use_post_norm", mtp.layers[0].use_post_norm and not on)
 
 
 @dataclass
@@ -596,10 +589,7 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
     """``announce(needed_bytes, available_bytes)`` is called before the weights load (available 0: unknown)."""
     import torch
 
-    if req.depth < 1:
-        raise UsageError("--depth must be at least 1")
-    if req.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
+    at_least_one(("--depth", req.depth), ("--max-new-tokens", req.max_new_tokens))
     if req.dtype not in DTYPES:
         raise UsageError(f"--dtype {req.dtype!r}: use bf16 or fp32")
     if req.chain not in CHAINS:

