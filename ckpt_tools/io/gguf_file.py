@@ -24,6 +24,7 @@ class GgufKV:
     value: Any
     vtype: Any  # gguf.GGUFValueType
     sub_type: Any = None  # arrays: the element type
+    raw: bytes | None = field(default=None, compare=False, repr=False)  # the entry's bytes in a little-endian file
 
 
 @dataclass(frozen=True)
@@ -141,19 +142,21 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
     n_tensors, n_kv = cur.take("Q"), cur.take("Q")
     out = GgufFile(path)
     for _ in range(n_kv):
+        at = cur.at
         key = cur.string()
         if key in out.kv:
             raise ValueError(f"duplicate key {key}")
-        vtype = GGUFValueType(cur.take("I"))
+        vtype, sub = GGUFValueType(cur.take("I")), None
         if vtype != GGUFValueType.ARRAY:
-            out.kv[key] = GgufKV(key, _value(cur, vtype), vtype)
-            continue
-        sub, count = GGUFValueType(cur.take("I")), cur.take("Q")
-        if sub == GGUFValueType.ARRAY:
-            raise InputError(f"key {key}: nested arrays are not read", rule=RULE, path=str(path))
-        strings = sub == GGUFValueType.STRING
-        out.kv[key] = GgufKV(key, [cur.string() for _ in range(count)] if strings else cur.array(_FORMATS[sub], count),
-                             vtype, sub)
+            value = _value(cur, vtype)
+        else:
+            sub, count = GGUFValueType(cur.take("I")), cur.take("Q")
+            if sub == GGUFValueType.ARRAY:
+                raise InputError(f"key {key}: nested arrays are not read", rule=RULE, path=str(path))
+            strings = sub == GGUFValueType.STRING
+            value = [cur.string() for _ in range(count)] if strings else cur.array(_FORMATS[sub], count)
+        # kept so that a writer copies the entry (a vocabulary: megabytes) instead of packing it value by value
+        out.kv[key] = GgufKV(key, value, vtype, sub, bytes(data[at:cur.at]) if order == "<" else None)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
