@@ -116,6 +116,20 @@ class _Cursor:
         self.at += n
         return str(self.data[self.at - n:self.at], "utf-8")
 
+    def strings(self, count: int) -> list[str]:
+        """An array's strings (a vocabulary: the loop kept tight)."""
+        data, at, size = self.data, self.at, len(self.data)
+        length = struct.Struct(self.order + "Q").unpack_from
+        out = []
+        for _ in range(count):
+            n = length(data, at)[0]
+            at += 8 + n
+            if at > size:
+                raise ValueError("a string runs past the end of the file")
+            out.append(str(data[at - n:at], "utf-8"))
+        self.at = at
+        return out
+
     def array(self, fmt: str, count: int) -> list:
         import numpy as np
 
@@ -154,7 +168,7 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
             if sub == GGUFValueType.ARRAY:
                 raise InputError(f"key {key}: nested arrays are not read", rule=RULE, path=str(path))
             strings = sub == GGUFValueType.STRING
-            value = [cur.string() for _ in range(count)] if strings else cur.array(_FORMATS[sub], count)
+            value = cur.strings(count) if strings else cur.array(_FORMATS[sub], count)
         # kept so that a writer copies the entry (a vocabulary: megabytes) instead of packing it value by value
         out.kv[key] = GgufKV(key, value, vtype, sub, bytes(data[at:cur.at]) if order == "<" else None)
     infos = []
