@@ -168,7 +168,7 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
             if sub == GGUFValueType.ARRAY:
                 raise InputError(f"key {key}: nested arrays are not read", rule=RULE, path=str(path))
             strings = sub == GGUFValueType.STRING
-            value = cur.strings(count) if strings else cur.array(_FORMATS[sub], count)
+            value = cur.strings(count) if strings else cur.array(VALUE_FORMATS[sub], count)
         # kept so that a writer copies the entry (a vocabulary: megabytes) instead of packing it value by value
         out.kv[key] = GgufKV(key, value, vtype, sub, bytes(data[at:cur.at]) if order == "<" else None)
     infos = []
@@ -195,10 +195,11 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
     return out
 
 
-_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# GGUFValueType -> the struct format of its scalars
+VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def _value(cur: _Cursor, vtype: Any) -> Any:
     if vtype == 8:  # STRING
         return cur.string()
-    return cur.array(_FORMATS[int(vtype)], 1)[0]  # through numpy, as GGUFReader: float32 widened the same way
+    return cur.array(VALUE_FORMATS[int(vtype)], 1)[0]  # through numpy, as GGUFReader: float32 widened the same way

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OutputError
-from ..io.gguf_file import GgufKV
+from ..io.gguf_file import VALUE_FORMATS, GgufKV
 
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING, _ARRAY = 8, 9  # GGUFValueType
 
 
 @dataclass
@@ -62,13 +61,13 @@ def _value(value: Any, vtype: int, sub_type: int | None) -> bytes:
     if vtype == _STRING:
         return _string(value)
     if vtype != _ARRAY:
-        return struct.pack("<" + _SCALARS[vtype], value)
+        return struct.pack("<" + VALUE_FORMATS[vtype], value)
     if not value:
         raise ValueError("an empty GGUF metadata array")
     head = struct.pack("<IQ", int(sub_type), len(value))
     if sub_type == _STRING:
         return head + b"".join(_string(v) for v in value)
-    return head + struct.pack(f"<{len(value)}{_SCALARS[int(sub_type)]}", *value)
+    return head + struct.pack(f"<{len(value)}{VALUE_FORMATS[int(sub_type)]}", *value)
 
 
 def _header(arch: str, kv: Iterable[GgufKV], tensors: list[GgufTensorOut]) -> tuple[bytes, int]:
