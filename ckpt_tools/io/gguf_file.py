@@ -110,11 +110,7 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.take("Q")
-        if self.at + n > len(self.data):
-            raise ValueError("a string runs past the end of the file")
-        self.at += n
-        return str(self.data[self.at - n:self.at], "utf-8")
+        return self.strings(1)[0]
 
     def strings(self, count: int) -> list[str]:
         """An array's strings (a vocabulary: the loop kept tight)."""
