@@ -285,18 +285,19 @@ def test_a_family_without_a_llama_cpp_section_is_refused(glm, tmp_path):
 
 
 def test_bf16_to_f16_bands_are_numpys_cast_bit_for_bit():
-    """A bf16 tensor's F16 bytes come from a lookup (the cast is element-wise in numpy, 25x slower): they must be
-    what llama.cpp's converter writes (bf16 -> f32 -> numpy astype) for every bf16 bit pattern, NaN payloads
-    included, read in little-endian order from the band's bytes."""
+    """A bf16 tensor's F16 bytes come from integer arithmetic and a lookup (numpy's cast is element-wise, slow):
+    they must be what llama.cpp's converter writes (bf16 -> f32 -> numpy astype) for every bf16 bit pattern
+    (F16 subnormals, overflow, Inf, NaN payloads included), in any order, over more than one piece."""
     import numpy as np
 
-    from ckpt_tools.ops.draft.gguf_sidecar import _bf16_to_f16
+    from ckpt_tools.ops.draft.gguf_sidecar import _bf16_to_f16, _f16_of_bf16
 
     bits = np.arange(65536, dtype=np.uint32).astype("<u2")
-    looked_up = _bf16_to_f16()[np.frombuffer(bits.tobytes(), dtype="<u2")]
+    bits = np.concatenate([bits, np.random.default_rng(0).permutation(bits), bits[:12345]])  # pieces, one short
     with np.errstate(over="ignore", invalid="ignore"):
-        cast = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float16)
-    assert looked_up.tobytes() == cast.tobytes()
+        cast = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float16).tobytes()
+    assert _bf16_to_f16()[bits].tobytes() == cast
+    assert _f16_of_bf16(bytearray(bits.tobytes())).tobytes() == cast
 
 
 def test_the_output_policy_of_every_writer_holds(glm, tmp_path):

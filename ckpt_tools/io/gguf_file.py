@@ -24,6 +24,7 @@ class GgufKV:
     value: Any
     vtype: Any  # gguf.GGUFValueType
     sub_type: Any = None  # arrays: the element type
+    raw: bytes | None = field(default=None, compare=False, repr=False)  # the entry's bytes in a little-endian file
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,21 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.take("Q")
-        if self.at + n > len(self.data):
-            raise ValueError("a string runs past the end of the file")
-        self.at += n
-        return str(self.data[self.at - n:self.at], "utf-8")
+        return self.strings(1)[0]
+
+    def strings(self, count: int) -> list[str]:
+        """An array's strings (a vocabulary: the loop kept tight)."""
+        data, at, size = self.data, self.at, len(self.data)
+        length = struct.Struct(self.order + "Q").unpack_from
+        out = []
+        for _ in range(count):
+            n = length(data, at)[0]
+            at += 8 + n
+            if at > size:
+                raise ValueError("a string runs past the end of the file")
+            out.append(str(data[at - n:at], "utf-8"))
+        self.at = at
+        return out
 
     def array(self, fmt: str, count: int) -> list:
         import numpy as np
@@ -141,19 +152,21 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
     n_tensors, n_kv = cur.take("Q"), cur.take("Q")
     out = GgufFile(path)
     for _ in range(n_kv):
+        at = cur.at
         key = cur.string()
         if key in out.kv:
             raise ValueError(f"duplicate key {key}")
-        vtype = GGUFValueType(cur.take("I"))
+        vtype, sub = GGUFValueType(cur.take("I")), None
         if vtype != GGUFValueType.ARRAY:
-            out.kv[key] = GgufKV(key, _value(cur, vtype), vtype)
-            continue
-        sub, count = GGUFValueType(cur.take("I")), cur.take("Q")
-        if sub == GGUFValueType.ARRAY:
-            raise InputError(f"key {key}: nested arrays are not read", rule=RULE, path=str(path))
-        strings = sub == GGUFValueType.STRING
-        out.kv[key] = GgufKV(key, [cur.string() for _ in range(count)] if strings else cur.array(_FORMATS[sub], count),
-                             vtype, sub)
+            value = _value(cur, vtype)
+        else:
+            sub, count = GGUFValueType(cur.take("I")), cur.take("Q")
+            if sub == GGUFValueType.ARRAY:
+                raise InputError(f"key {key}: nested arrays are not read", rule=RULE, path=str(path))
+            strings = sub == GGUFValueType.STRING
+            value = cur.strings(count) if strings else cur.array(VALUE_FORMATS[sub], count)
+        # kept so that a writer copies the entry (a vocabulary: megabytes) instead of packing it value by value
+        out.kv[key] = GgufKV(key, value, vtype, sub, bytes(data[at:cur.at]) if order == "<" else None)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -178,10 +191,11 @@ def _scan(path: Path, data: memoryview) -> GgufFile:
     return out
 
 
-_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# GGUFValueType -> the struct format of its scalars
+VALUE_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def _value(cur: _Cursor, vtype: Any) -> Any:
     if vtype == 8:  # STRING
         return cur.string()
-    return cur.array(_FORMATS[int(vtype)], 1)[0]  # through numpy, as GGUFReader: float32 widened the same way
+    return cur.array(VALUE_FORMATS[int(vtype)], 1)[0]  # through numpy, as GGUFReader: float32 widened the same way
