@@ -97,7 +97,8 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
-    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc, env))
+    extended = _extended(trunk, trunk_layers, lc, [_layer_env(table, env, i) for i in range(view.count)])
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, extended)
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -113,7 +114,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         # sidecar: e.g. glm-dsa.attention.indexer.types)
         "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
                                  and isinstance(v.value, list) and len(v.value) == trunk_layers),
-        "per_layer_keys_extended": {f"{trunk.arch}.{k}": _extend_value(v, env) for k, v in lc.extend.items()},
+        "per_layer_keys_extended": {k: _one(v[trunk_layers:]) for k, v in extended.items()},
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
@@ -159,11 +160,18 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
     return layers
 
 
-def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any, env: dict) -> dict[str, list]:
-    """The per-layer arrays the table says the converter extends for the MTP layers, extended."""
+def _layer_env(table: Any, env: dict, i: int) -> dict:
+    """The variables of MTP layer ``i``: the config's, ``i`` and the table's per-depth ``mtp.layer_vars``."""
+    out = {**env, "i": i}
+    for name, expr in table.mtp.layer_vars.items():
+        out[name] = evaluate(expr, out)
+    return out
+
+
+def _extended(trunk: GgufFile, layers: int, lc: Any, envs: list[dict]) -> dict[str, list]:
+    """The per-layer arrays the table says the converter extends for the MTP layers (``envs``: each one's), extended."""
     out = {}
     for suffix, value in lc.extend.items():
-        value = _extend_value(value, env)
         key = f"{trunk.arch}.{suffix}"
         kv = trunk.kv.get(key)
         if kv is None:
@@ -171,12 +179,21 @@ def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any, env: dict) -> d
         if not isinstance(kv.value, list) or len(kv.value) != layers:
             raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
                              path=str(trunk.path), key=key)
-        out[key] = [*kv.value, *([value] * nextn)]
+        out[key] = [*kv.value, *(_extend_value(value, e) for e in envs)]
     return out
 
 
 def _extend_value(value: Any, env: dict) -> Any:
-    return int(evaluate(value, env)) if isinstance(value, str) else value
+    """A table's value for one MTP layer (an expression over its variables: Step-3.5's layers alternate)."""
+    if not isinstance(value, str):
+        return value
+    v = evaluate(value, env)
+    return v if isinstance(v, bool) else int(v)
+
+
+def _one(values: list) -> Any:
+    """The manifest's record of what extended an array: one value when every MTP layer had the same."""
+    return values[0] if len(set(values)) == 1 else values
 
 
 def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]
