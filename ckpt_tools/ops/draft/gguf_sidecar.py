@@ -174,9 +174,9 @@ def _extended(trunk: GgufFile, layers: int, lc: Any, envs: list[dict]) -> dict[s
     for suffix, value in lc.extend.items():
         key = f"{trunk.arch}.{suffix}"
         kv = trunk.kv.get(key)
-        if kv is None:
+        if kv is None or not isinstance(kv.value, list):  # one value for every layer holds for the MTP layers too
             continue
-        if not isinstance(kv.value, list) or len(kv.value) != layers:
+        if len(kv.value) != layers:
             raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
                              path=str(trunk.path), key=key)
         out[key] = [*kv.value, *(_extend_value(value, e) for e in envs)]
