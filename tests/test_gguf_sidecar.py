@@ -284,6 +284,23 @@ def test_a_family_without_a_llama_cpp_section_is_refused(glm, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_a_family_llama_cpp_drafts_and_we_do_not_says_what_is_missing(glm, tmp_path, family):
+    """A table with no llama_cpp section says why (llama_cpp_absent): extract's refusal and `ckpt tables` name
+    llama.cpp's architecture and each missing item; the check level is none."""
+    from ckpt_tools.model.tables.loader import all_tables
+
+    absent = all_tables()[family].llama_cpp_absent
+    src = make_checkpoint(family, tmp_path / "src")
+    r = _extract(src, glm[1], tmp_path / "out")
+    assert r.returncode == 3 and "[gguf-family]" in r.stderr and f"drafts with it ({absent.arch})" in r.stderr
+    assert all(m in " ".join(r.stderr.split()) for m in absent.missing), r.stderr
+    assert not (tmp_path / "out").exists()
+    r = subprocess.run([sys.executable, "-m", "ckpt_tools", "tables", family, "--json"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert json.loads(r.stdout)["llama_cpp"] == {"arch": absent.arch, "check": "none", "missing": absent.missing}
+
+
 def test_bf16_to_f16_bands_are_numpys_cast_bit_for_bit():
     """A bf16 tensor's F16 bytes come from a lookup (the cast is element-wise in numpy, 25x slower): they must be
     what llama.cpp's converter writes (bf16 -> f32 -> numpy astype) for every bf16 bit pattern, NaN payloads

@@ -280,6 +280,14 @@ class LlamaCppDef(_Strict):
         return self
 
 
+class LlamaCppAbsentDef(_Strict):
+    """llama.cpp b11434 drafts with the family's MTP layers (``arch``), and we write no sidecar for it: ``missing``
+    says what it would take (shown by `ckpt tables`, named by extract's refusal), one item a line."""
+
+    arch: str  # general.architecture llama.cpp b11434 reads, e.g. deepseek4
+    missing: list[str] = Field(min_length=1)
+
+
 class DetectDef(_Strict):
     architectures: list[str] = Field(default_factory=list)
     model_types: list[str] = Field(default_factory=list)
@@ -307,6 +315,7 @@ class Table(_Strict):
     fused_modules: dict[str, list[str]] = Field(default_factory=dict)
     vllm: VllmDef | None = None  # vLLM's MTP class for the family and the level it was checked at
     llama_cpp: LlamaCppDef | None = None  # llama.cpp's architecture for the family (GGUF sidecars)
+    llama_cpp_absent: LlamaCppAbsentDef | None = None  # or why there is no such section
     demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
@@ -327,6 +336,12 @@ class Table(_Strict):
                 d = {"keys": d}
             out[name] = d
         return out
+
+    @model_validator(mode="after")
+    def _llama_cpp_once(self):
+        if self.llama_cpp is not None and self.llama_cpp_absent is not None:
+            raise ValueError("llama_cpp and llama_cpp_absent: a family has a llama.cpp section or says why not")
+        return self
 
     @model_validator(mode="after")
     def _vllm_engine(self):

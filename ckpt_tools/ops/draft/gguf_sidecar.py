@@ -82,9 +82,11 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     view, table = gate.view, gate.table
     lc = table.llama_cpp
     if lc is None:
-        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): "
-                         "llama.cpp b11434 has no MTP graph we know of for it", rule=RULE_FAMILY,
-                         path=str(ckpt.root))
+        absent = table.llama_cpp_absent
+        why = ("llama.cpp b11434 has no MTP graph we know of for it" if absent is None else
+               f"llama.cpp b11434 drafts with it ({absent.arch}), but missing: {'; '.join(absent.missing)}")
+        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): {why}",
+                         rule=RULE_FAMILY, path=str(ckpt.root))
     if view.count == 0:
         raise InputError(f"{ckpt.root}: the config declares no MTP layers for {table.family}; nothing to extract",
                          rule="no-mtp")
