@@ -99,8 +99,8 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
-    extended = _extended(trunk, trunk_layers, lc, [_layer_env(table, env, i) for i in range(view.count)])
-    kv = _kv(trunk, blocks, view.count, req.gguf_type, extended)
+    envs = [_layer_env(table, env, i) for i in range(view.count)]
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, lc, envs))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -116,7 +116,8 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         # sidecar: e.g. glm-dsa.attention.indexer.types)
         "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
                                  and isinstance(v.value, list) and len(v.value) == trunk_layers),
-        "per_layer_keys_extended": {k: _one(v[trunk_layers:]) for k, v in extended.items()},
+        "per_layer_keys_extended": {f"{trunk.arch}.{k}": _one([_extend_value(v, e) for e in envs])
+                                    for k, v in lc.extend.items()},
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
