@@ -90,6 +90,6 @@ def write_tokenizer(directory: str | Path, vocab_size: int, add_bos: bool = Fals
     tok.save(str(d / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": False,
               "bos_token": SPECIALS[1], "eos_token": SPECIALS[2], "model_max_length": 1 << 20}
-    if add_bos:  # no unk, or the Llama class adds one past the vocabulary
+    if add_bos:  # no unk, or that class adds one past the vocabulary
         config.update(tokenizer_class="LlamaTokenizerFast", unk_token=None)
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
