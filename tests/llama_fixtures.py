@@ -22,16 +22,14 @@ FIXTURE_OPTIONS = {"hy_v3": {"with_optional": False}, "bailing_moe_v3": {"with_o
 # wide); Nemotron-H's MoE releases' layer kinds only (the converter's nemotron_h_moe counts no dense MLP layer, '-');
 # the release config fields the converters read: DeepSeek-V3.2's router (scoring_func, else no
 # deepseek32.expert_gating_func and llama.cpp refuses the trunk), Step-3.5's attention_other_setting (the sliding
-# layers' heads) and partial_rotary_factors (asserted against layer_types); MiMo-V2.5 / Pro's fused qkv_proj:
-# llama.cpp b11434's mimo2 MTP graph drafts only with a fused attn_qkv (GGML_ASSERT "MIMO2 MTP requires fused
-# attn_qkv"), so the Flash layout's split q/k/v MTP layers load but cannot draft
+# layers' heads) and partial_rotary_factors (asserted against layer_types)
 DSA = {"index_head_dim": 64}
 LLAMA_FIXTURE = {"glm_moe_dsa": DSA, "nemotron_h": {"hybrid_override_pattern": "ME*E"},
                  "deepseek_v32": {**DSA, "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                  "step3p5": {"attention_other_setting": {"num_attention_heads": 6, "num_attention_groups": 2},
-                             "partial_rotary_factors": [0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5]},
-                 "mimo_v2": {"architectures": ["MiMoV2ForCausalLM"], "model_type": "mimo_v2",
-                             "attention_projection_layout": "fused_qkv"}}
+                             "partial_rotary_factors": [0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5]}}
+# MiMo-V2.5 / Pro: the fused qkv_proj layout (the table's fixture is Flash's, split q / k / v)
+MIMO_PRO = {"architectures": ["MiMoV2ForCausalLM"], "model_type": "mimo_v2", "attention_projection_layout": "fused_qkv"}
 # DeepSeek's tokenizer_config says add_bos_token, and llama.cpp's DeepSeek-V3.2 converter asserts it
 ADD_BOS = {"deepseek_v32"}
 # the families whose converter fails under this project's transformers 5 (it rewrites their configs: MiMo-V2's
@@ -41,9 +39,10 @@ ADD_BOS = {"deepseek_v32"}
 PINNED = {"mimo_v2", "step3p5", "deepseek_v32"}
 
 
-def llama_source(family: str, dest: Path, vocab: int = 128) -> Path:
-    """The family's table fixture as llama.cpp takes it, with the test tokenizer."""
-    overrides = {"vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2, **LLAMA_FIXTURE.get(family, {})}
+def llama_source(family: str, dest: Path, vocab: int = 128, more: dict | None = None) -> Path:
+    """The family's table fixture as llama.cpp takes it (and ``more`` config fields), with the test tokenizer."""
+    overrides = {"vocab_size": vocab, "bos_token_id": 1, "eos_token_id": 2, **LLAMA_FIXTURE.get(family, {}),
+                 **(more or {})}
     src = make_checkpoint(family, dest, num_shards=1, **FIXTURE_OPTIONS.get(family, {}), config_overrides=overrides)
     tokenizer.write_tokenizer(src, vocab, add_bos=family in ADD_BOS)
     return src

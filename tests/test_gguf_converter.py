@@ -15,7 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from llama_fixtures import CONVERT, PINNED, convert, llama_source
+from llama_fixtures import CONVERT, MIMO_PRO, PINNED, convert, llama_source
 
 from ckpt_tools.api.writing import extract_gguf
 
@@ -27,6 +27,9 @@ CASES = {"glm4_moe": ("f32", "f16", "bf16", "q8_0"), "glm4_moe_lite": ("f16",), 
          "qwen3_next": ("f16",), "qwen3_5": ("f16",), "qwen3_5_moe": ("f16",), "hy_v3": ("f16",),
          "nemotron_h": ("f16",), "bailing_moe_v3": ("f16",), "mimo_v2": ("f16",), "step3p5": ("f16",),
          "deepseek_v32": ("f16",)}
+# MiMo-V2 in the Pro layout: for Flash's split q / k / v our sidecar joins them into attn_qkv (llama_cpp.join: the
+# mimo2 MTP graph drafts with nothing else), its converter does not
+MORE = {"mimo_v2": MIMO_PRO}
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,7 +45,7 @@ def converted(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("converter")
     jobs, out = {False: [], True: []}, {}
     for family, types in CASES.items():
-        src = llama_source(family, root / family, VOCAB)
+        src = llama_source(family, root / family, VOCAB, MORE.get(family))
         trunk = root / f"{family}-trunk.gguf"
         jobs[family in PINNED].append([src, "--outfile", trunk, "--outtype", "f16", "--no-mtp"])
         for t in types:

@@ -223,6 +223,15 @@ class LlamaCppSplitDef(_Strict):
         return v
 
 
+class LlamaCppJoinDef(_Strict):
+    """Tensors of one MTP block that llama.cpp's graph wants as one, their rows end to end in the order of ``keys``
+    (q / k / v where the family's MTP graph takes only a fused attn_qkv). A block holding none of them (already
+    fused) is left alone."""
+
+    keys: list[str] = Field(min_length=2)  # block-relative keys, e.g. self_attn.q_proj.weight
+    into: str  # the block-relative name the tensor map knows for the whole, e.g. self_attn.qkv_proj.weight
+
+
 class LlamaCppPermuteDef(_Strict):
     """A q / k projection whose rows llama.cpp's converter reorders for its rotary layout (LlamaModel.permute)."""
 
@@ -249,6 +258,7 @@ class LlamaCppDef(_Strict):
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
+    join: list[LlamaCppJoinDef] = Field(default_factory=list)
     permute: list[LlamaCppPermuteDef] = Field(default_factory=list)
     # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
     norm_offset: float = 0.0

@@ -96,6 +96,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     blocks = trunk_layers + view.count
     names = TensorNames(lc, blocks, table.family)
     tensors, from_trunk = _source_tensors(view, lc)
+    tensors = _joined(tensors, lc)
     out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
@@ -294,6 +295,41 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
             raise InputError(f"{spec.key}: role {spec.role} (sub-block {spec.block}) has no place in llama.cpp's "
                              "MTP layout", rule=RULE_NAME, key=spec.key)
     return out, from_trunk
+
+
+def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple[OutputTensor, str, str]]:
+    """The table's joins (``llama_cpp.join``): per block, its parts' rows end to end as one tensor, in the first
+    part's place. Rows are whole in each part, so the whole is the parts' bytes one after the other."""
+    from ...numeric.transforms import RecipeReader
+    from ...stream.plan import Compute
+
+    out: list[tuple[OutputTensor, str, str] | None] = list(tensors)
+    for jn in lc.join:
+        blocks: dict[str, dict[int, int]] = {}  # block name prefix -> part -> index in out
+        for i, item in enumerate(out):
+            for j, key in enumerate(jn.keys):
+                if item is not None and item[1].endswith("." + key):
+                    blocks.setdefault(item[1][: -len(key)], {})[j] = i
+        for base, at in blocks.items():
+            parts = [out[at[j]][0] for j in sorted(at)]  # type: ignore[index]
+            if len(at) != len(jn.keys) or len({(p.dtype, p.shape[1:]) for p in parts}) != 1:
+                raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}; the source holds "
+                                 f"{', '.join(f'{p.key} {p.dtype} {list(p.shape)}' for p in parts)}",
+                                 rule=RULE_NAME, key=parts[0].key)
+
+            def produce(parts=parts):
+                for p in parts:
+                    yield RecipeReader(p.recipe).read(p.nbytes)
+
+            first = parts[0]
+            whole = OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
+                                 Compute(produce, "join", inputs=[p.key for p in parts]),
+                                 meta={"source": [s for p in parts for s in p.meta.get("source", [p.key])],
+                                       "source_dtype": first.meta.get("source_dtype", first.dtype)})
+            out[at[0]] = (whole, base + jn.into, out[at[0]][2])  # type: ignore[index]
+            for j in range(1, len(jn.keys)):
+                out[at[j]] = None
+    return [item for item in out if item is not None]
 
 
 def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:
