@@ -97,6 +97,29 @@ $(LLAMA_CPP)/.installed:
 
 llama-cpp: $(LLAMA_CPP)/.installed
 
+# llama.cpp b11434's converter (convert_hf_to_gguf.py in $(LLAMA_CPP)/src) under its own pin, transformers 4.57.6
+# (tests/consumers/llama-convert-requirements.txt): transformers 5 rewrites MiMo-V2's, Step-3.5's and DeepSeek-V3.2's
+# configs so that the converter fails on them. The converter imports torch: this venv takes torch (and whatever else
+# it lacks) from $(VENV) through a .pth file, added after its own packages so that its transformers, huggingface-hub
+# and tokenizers come first; installing before the .pth exists keeps pip from touching $(VENV).
+CONVERT_VENV ?= .venv-llama-convert
+CONVERT_LOG := $(CONVERT_VENV).log
+
+$(CONVERT_VENV)/.installed: tests/consumers/llama-convert-requirements.txt $(VENV)/.installed
+	@rm -rf $(CONVERT_VENV)
+	@echo "building $(CONVERT_VENV) (transformers 4.57.6 for llama.cpp's converter; log: $(CONVERT_LOG))"
+	@start=$$(date +%s); \
+	( python3 -m venv $(CONVERT_VENV) \
+	  && $(CONVERT_VENV)/bin/python -m pip install -q -r tests/consumers/llama-convert-requirements.txt \
+	  && $(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+	     > "$$($(CONVERT_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/project-venv.pth" \
+	  && $(CONVERT_VENV)/bin/python -c "import torch, transformers; assert transformers.__version__ == '4.57.6'" \
+	) > $(CONVERT_LOG) 2>&1 \
+	&& touch $@ && echo "$(CONVERT_VENV) built in $$(( $$(date +%s) - start )) s" \
+	|| { echo "could not build $(CONVERT_VENV) (see $(CONVERT_LOG))"; tail -5 $(CONVERT_LOG); $(CONSUMER_FAILED); }
+
+llama-convert-venv: $(CONVERT_VENV)/.installed
+
 # A consumer venv that cannot be built: on a developer's machine its tests skip, saying why; under CI (CI=true)
 # the run fails here (and its tests would fail too: tests/consumer_venv.py).
 CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: every consumer (venv, llama.cpp build) is required"; false; }
@@ -104,7 +127,7 @@ CONSUMER_FAILED = [ "$$CI" != true ] || { echo "CI=true: every consumer (venv, l
 # The venvs build side by side: each is mostly one pip process unpacking and byte-compiling wheels on one core.
 # llama.cpp's compile (the longest, CPU-bound) starts with them, so that its minutes overlap theirs.
 venvs:
-	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed speculators-venv-or-skip vllm-venv-or-skip llama-cpp-or-skip
+	@$(MAKE) --no-print-directory -j3 $(VENV)/.installed speculators-venv-or-skip vllm-venv-or-skip llama-cpp-or-skip llama-convert-venv-or-skip
 
 speculators-venv-or-skip:
 	@$(MAKE) --no-print-directory speculators-venv
@@ -114,6 +137,10 @@ vllm-venv-or-skip:
 
 llama-cpp-or-skip:
 	@$(MAKE) --no-print-directory llama-cpp
+
+# after $(VENV), whose torch it uses (the sub-make must not build $(VENV) a second time)
+llama-convert-venv-or-skip: $(VENV)/.installed
+	@$(MAKE) --no-print-directory llama-convert-venv
 
 test: venvs
 	$(VENV)/bin/ruff check .
@@ -127,7 +154,7 @@ PRODUCERS_VENVS ?= .venvs-producers
 producers: producers-base producers-transformers producers-llmcompressor producers-modelopt producers-trainers
 
 .PHONY: install demo test venvs speculators-venv speculators-venv-or-skip vllm-venv vllm-venv-or-skip producers
-.PHONY: llama-cpp llama-cpp-or-skip
+.PHONY: llama-cpp llama-cpp-or-skip llama-convert-venv llama-convert-venv-or-skip
 
 # Planning at release scale (issue 34): inspect, validate and the --dry-run verbs on a sparse replica of the
 # DeepSeek-V3 release (163 shards, 91,991 tensors, a few MB on disk; nothing downloaded); medians, peak RSS.

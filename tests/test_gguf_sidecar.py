@@ -284,6 +284,39 @@ def test_a_family_without_a_llama_cpp_section_is_refused(glm, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_mimo_flash_mtp_q_k_v_are_joined_into_attn_qkv(tmp_path):
+    """MiMo-V2-Flash keeps its MTP q / k / v apart; llama.cpp's mimo2 MTP graph drafts only with attn_qkv (its
+    converter does not join them, and llama.cpp aborts on that sidecar): ours holds attn_qkv, their rows end to
+    end, and no attn_q / attn_k / attn_v in the MTP blocks."""
+    src = make_checkpoint("mimo_v2", tmp_path / "src")
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf")
+    assert _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32").returncode == 0
+    ts = _tensors(_read(tmp_path / "out"))
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    for i in range(3):
+        base = f"model.mtp.layers.{i}.self_attn."
+        whole = np.concatenate([_source(src, f"{base}{p}_proj.weight") for p in "qkv"], axis=0)
+        assert np.asarray(ts[f"blk.{layers + i}.attn_qkv.weight"].data).tobytes() == whole.astype(np.float32).tobytes()
+        assert not {f"blk.{layers + i}.attn_{p}.weight" for p in "qkv"} & set(ts)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_a_family_llama_cpp_drafts_and_we_do_not_says_what_is_missing(glm, tmp_path, family):
+    """A table with no llama_cpp section says why (llama_cpp_absent): extract's refusal and `ckpt tables` name
+    llama.cpp's architecture and each missing item; the check level is none."""
+    from ckpt_tools.model.tables.loader import all_tables
+
+    absent = all_tables()[family].llama_cpp_absent
+    src = make_checkpoint(family, tmp_path / "src")
+    r = _extract(src, glm[1], tmp_path / "out")
+    assert r.returncode == 3 and "[gguf-family]" in r.stderr and f"drafts with it ({absent.arch})" in r.stderr
+    assert all(m in " ".join(r.stderr.split()) for m in absent.missing), r.stderr
+    assert not (tmp_path / "out").exists()
+    r = subprocess.run([sys.executable, "-m", "ckpt_tools", "tables", family, "--json"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert json.loads(r.stdout)["llama_cpp"] == {"arch": absent.arch, "check": "none", "missing": absent.missing}
+
+
 def test_bf16_to_f16_bands_are_numpys_cast_bit_for_bit():
     """A bf16 tensor's F16 bytes come from integer arithmetic and a lookup (numpy's cast is element-wise, slow):
     they must be what llama.cpp's converter writes (bf16 -> f32 -> numpy astype) for every bf16 bit pattern

@@ -67,7 +67,10 @@ def render_family(r: dict) -> None:
         if "note" in v:
             fields.append(("", v["note"]))
     lc = r.get("llama_cpp")
-    if lc:
+    if lc and "missing" in lc:
+        fields.append(("llama.cpp", f"{lc['arch']}, checked: none (we write no sidecar for it)"))
+        fields += [("", f"missing: {m}") for m in lc["missing"]]
+    elif lc:
         lacks = f"; the gguf package lacks {', '.join(lc['package_lacks'])}" if "package_lacks" in lc else ""
         fields.append(("llama.cpp", f"{lc['arch']} (names from gguf {lc['tensor_arch']}{lacks}), checked: "
                                     f"{lc['check']}"))

@@ -70,8 +70,10 @@ def text_of(ids: list[int], vocab_size: int) -> bytes:
     return b"".join(table[i] for i in ids)
 
 
-def write_tokenizer(directory: str | Path, vocab_size: int) -> None:
-    """tokenizer.json and tokenizer_config.json for ``vocab_size`` ids in ``directory`` (a tiny checkpoint's)."""
+def write_tokenizer(directory: str | Path, vocab_size: int, add_bos: bool = False) -> None:
+    """tokenizer.json and tokenizer_config.json for ``vocab_size`` ids in ``directory`` (a tiny checkpoint's);
+    ``add_bos`` as DeepSeek's releases say (llama.cpp's DeepSeek-V3.2 converter asserts it), with their tokenizer
+    class, which reads it (transformers 4.57's PreTrainedTokenizerFast has no add_bos_token)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     table = pieces(vocab_size)
@@ -86,6 +88,8 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> None:
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     d = Path(directory)
     tok.save(str(d / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos, "add_eos_token": False,
               "bos_token": SPECIALS[1], "eos_token": SPECIALS[2], "model_max_length": 1 << 20}
+    if add_bos:  # no unk, or that class adds one past the vocabulary
+        config.update(tokenizer_class="LlamaTokenizerFast", unk_token=None)
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -223,6 +223,15 @@ class LlamaCppSplitDef(_Strict):
         return v
 
 
+class LlamaCppJoinDef(_Strict):
+    """Tensors of one MTP block that llama.cpp's graph wants as one, their rows end to end in the order of ``keys``
+    (q / k / v where the family's MTP graph takes only a fused attn_qkv). A block holding none of them (already
+    fused) is left alone."""
+
+    keys: list[str] = Field(min_length=2)  # block-relative keys, e.g. self_attn.q_proj.weight
+    into: str  # the block-relative name the tensor map knows for the whole, e.g. self_attn.qkv_proj.weight
+
+
 class LlamaCppPermuteDef(_Strict):
     """A q / k projection whose rows llama.cpp's converter reorders for its rotary layout (LlamaModel.permute)."""
 
@@ -249,6 +258,7 @@ class LlamaCppDef(_Strict):
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
+    join: list[LlamaCppJoinDef] = Field(default_factory=list)
     permute: list[LlamaCppPermuteDef] = Field(default_factory=list)
     # the converter adds this to every norm weight of the MTP layer (zero-centred norms stored as w - 1)
     norm_offset: float = 0.0
@@ -280,6 +290,14 @@ class LlamaCppDef(_Strict):
         return self
 
 
+class LlamaCppAbsentDef(_Strict):
+    """llama.cpp b11434 drafts with the family's MTP layers (``arch``), and we write no sidecar for it: ``missing``
+    says what it would take (shown by `ckpt tables`, named by extract's refusal), one item a line."""
+
+    arch: str  # general.architecture llama.cpp b11434 reads, e.g. deepseek4
+    missing: list[str] = Field(min_length=1)
+
+
 class DetectDef(_Strict):
     architectures: list[str] = Field(default_factory=list)
     model_types: list[str] = Field(default_factory=list)
@@ -307,6 +325,7 @@ class Table(_Strict):
     fused_modules: dict[str, list[str]] = Field(default_factory=dict)
     vllm: VllmDef | None = None  # vLLM's MTP class for the family and the level it was checked at
     llama_cpp: LlamaCppDef | None = None  # llama.cpp's architecture for the family (GGUF sidecars)
+    llama_cpp_absent: LlamaCppAbsentDef | None = None  # or why there is no such section
     demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
@@ -327,6 +346,12 @@ class Table(_Strict):
                 d = {"keys": d}
             out[name] = d
         return out
+
+    @model_validator(mode="after")
+    def _llama_cpp_once(self):
+        if self.llama_cpp is not None and self.llama_cpp_absent is not None:
+            raise ValueError("llama_cpp and llama_cpp_absent: a family has a llama.cpp section or says why not")
+        return self
 
     @model_validator(mode="after")
     def _vllm_engine(self):

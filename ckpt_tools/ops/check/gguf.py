@@ -81,6 +81,8 @@ def _expected(table: Any, names: TensorNames, bid: int) -> tuple[set[str], set[s
     may: set[str] = set()
 
     def add(hf: str, required: bool) -> None:
+        for jn in lc.join:  # a part of a join has the whole's name
+            hf = next((hf[: -len(k)] + jn.into for k in jn.keys if hf.endswith("." + k)), hf)
         for sp in lc.split:
             if hf.endswith(sp.key):
                 for sub in sp.into:

@@ -82,9 +82,11 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     view, table = gate.view, gate.table
     lc = table.llama_cpp
     if lc is None:
-        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): "
-                         "llama.cpp b11434 has no MTP graph we know of for it", rule=RULE_FAMILY,
-                         path=str(ckpt.root))
+        absent = table.llama_cpp_absent
+        why = ("llama.cpp b11434 has no MTP graph we know of for it" if absent is None else
+               f"llama.cpp b11434 drafts with it ({absent.arch}), but missing: {'; '.join(absent.missing)}")
+        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): {why}",
+                         rule=RULE_FAMILY, path=str(ckpt.root))
     if view.count == 0:
         raise InputError(f"{ckpt.root}: the config declares no MTP layers for {table.family}; nothing to extract",
                          rule="no-mtp")
@@ -94,10 +96,12 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     blocks = trunk_layers + view.count
     names = TensorNames(lc, blocks, table.family)
     tensors, from_trunk = _source_tensors(view, lc)
+    tensors = _joined(tensors, lc)
     out: list[GgufTensorOut] = [_from_trunk(trunk, key, names, table.family) for key in from_trunk]
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
-    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, view.count, lc, env))
+    envs = [_layer_env(table, env, i) for i in range(view.count)]
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, lc, envs))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -113,7 +117,8 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
         # sidecar: e.g. glm-dsa.attention.indexer.types)
         "per_layer_keys": sorted(k for k, v in trunk.kv.items() if k.startswith(f"{trunk.arch}.")
                                  and isinstance(v.value, list) and len(v.value) == trunk_layers),
-        "per_layer_keys_extended": {f"{trunk.arch}.{k}": _extend_value(v, env) for k, v in lc.extend.items()},
+        "per_layer_keys_extended": {f"{trunk.arch}.{k}": _one([_extend_value(v, e) for e in envs])
+                                    for k, v in lc.extend.items()},
         "tensors": {t.name: {"type": t.qtype.name, "shape": list(t.shape), **t.meta} for t in out},
         "tool_version": __version__,
     }
@@ -159,24 +164,40 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
     return layers
 
 
-def _extended(trunk: GgufFile, layers: int, nextn: int, lc: Any, env: dict) -> dict[str, list]:
-    """The per-layer arrays the table says the converter extends for the MTP layers, extended."""
+def _layer_env(table: Any, env: dict, i: int) -> dict:
+    """The variables of MTP layer ``i``: the config's, ``i`` and the table's per-depth ``mtp.layer_vars``."""
+    out = {**env, "i": i}
+    for name, expr in table.mtp.layer_vars.items():
+        out[name] = evaluate(expr, out)
+    return out
+
+
+def _extended(trunk: GgufFile, layers: int, lc: Any, envs: list[dict]) -> dict[str, list]:
+    """The per-layer arrays the table says the converter extends for the MTP layers (``envs``: each one's), extended."""
     out = {}
     for suffix, value in lc.extend.items():
-        value = _extend_value(value, env)
         key = f"{trunk.arch}.{suffix}"
         kv = trunk.kv.get(key)
-        if kv is None:
+        if kv is None or not isinstance(kv.value, list):  # one value for every layer holds for the MTP layers too
             continue
-        if not isinstance(kv.value, list) or len(kv.value) != layers:
+        if len(kv.value) != layers:
             raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
                              path=str(trunk.path), key=key)
-        out[key] = [*kv.value, *([value] * nextn)]
+        out[key] = [*kv.value, *(_extend_value(value, e) for e in envs)]
     return out
 
 
 def _extend_value(value: Any, env: dict) -> Any:
-    return int(evaluate(value, env)) if isinstance(value, str) else value
+    """A table's value for one MTP layer (an expression over its variables: Step-3.5's layers alternate)."""
+    if not isinstance(value, str):
+        return value
+    v = evaluate(value, env)
+    return v if isinstance(v, bool) else int(v)
+
+
+def _one(values: list) -> Any:
+    """The manifest's record of what extended an array: one value when every MTP layer had the same."""
+    return values[0] if len(set(values)) == 1 else values
 
 
 def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]) -> list[GgufKV]:
@@ -269,6 +290,41 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
             raise InputError(f"{spec.key}: role {spec.role} (sub-block {spec.block}) has no place in llama.cpp's "
                              "MTP layout", rule=RULE_NAME, key=spec.key)
     return out, from_trunk
+
+
+def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple[OutputTensor, str, str]]:
+    """The table's joins (``llama_cpp.join``): per block, its parts' rows end to end as one tensor, in the first
+    part's place. Rows are whole in each part, so the whole is the parts' bytes one after the other."""
+    from ...numeric.transforms import RecipeReader
+    from ...stream.plan import Compute
+
+    out: list[tuple[OutputTensor, str, str] | None] = list(tensors)
+    for jn in lc.join:
+        blocks: dict[str, dict[int, int]] = {}  # block name prefix -> part -> index in out
+        for i, item in enumerate(out):
+            for j, key in enumerate(jn.keys):
+                if item is not None and item[1].endswith("." + key):
+                    blocks.setdefault(item[1][: -len(key)], {})[j] = i
+        for base, at in blocks.items():
+            parts = [out[at[j]][0] for j in sorted(at)]  # type: ignore[index]
+            if len(at) != len(jn.keys) or len({(p.dtype, p.shape[1:]) for p in parts}) != 1:
+                raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}; the source holds "
+                                 f"{', '.join(f'{p.key} {p.dtype} {list(p.shape)}' for p in parts)}",
+                                 rule=RULE_NAME, key=parts[0].key)
+
+            def produce(parts=parts):
+                for p in parts:
+                    yield RecipeReader(p.recipe).read(p.nbytes)
+
+            first = parts[0]
+            whole = OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
+                                 Compute(produce, "join", inputs=[p.key for p in parts]),
+                                 meta={"source": [s for p in parts for s in p.meta.get("source", [p.key])],
+                                       "source_dtype": first.meta.get("source_dtype", first.dtype)})
+            out[at[0]] = (whole, base + jn.into, out[at[0]][2])  # type: ignore[index]
+            for j in range(1, len(jn.keys)):
+                out[at[j]] = None
+    return [item for item in out if item is not None]
 
 
 def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:

@@ -46,7 +46,8 @@ def _llama_cpp(table) -> dict | None:
     """llama.cpp's architecture for the family (GGUF sidecars), from the ``llama_cpp`` section, and its check."""
     lc = table.llama_cpp
     if lc is None:
-        return None
+        absent = table.llama_cpp_absent
+        return None if absent is None else {"arch": absent.arch, "check": "none", "missing": list(absent.missing)}
     return {"arch": lc.arch, "tensor_arch": lc.tensor_arch, "check": lc.check,
             **({"package_lacks": list(lc.package_lacks)} if lc.package_lacks else {}),
             **({"note": lc.note} if lc.note else {})}
