@@ -249,3 +249,29 @@ def test_nvfp4_pair_tables_equal_the_band_arithmetic(scheme, tile, gscale):
     assert decode.BandDecoder(d, odd, g)._keys is None
     odd.flat[5] = 0.3
     assert decode.BandDecoder(d, odd, g)._keys is None
+
+
+def test_nvfp4_pair_tables_vouch_for_finite_bands_and_still_refuse_overflow(monkeypatch):
+    """Bands decoded from pair tables without a NaN / Inf entry are not scanned again (the tables vouch for
+    them); a global scale whose products overflow still refuses the weight, naming the first index."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.model.quant import finite
+
+    scanned = []
+    real = finite.first_nonfinite
+    monkeypatch.setattr(finite, "first_nonfinite", lambda v, d: scanned.append(v.size) or real(v, d))
+    rows, cols = 700, 512  # above PAIR_TABLE_MIN: the pair tables
+    packed, scale = _random_nvfp4(rows, cols, 5)
+
+    def parts(gscale):
+        return {"weight_packed": packed, "weight_scale": scale,
+                "weight_global_scale": torch.tensor([gscale], dtype=torch.float32)}
+
+    got = _decode_parts("ct-nvfp4", "nvfp4", parts(1234.567), (rows, cols), {"group_size": 16})
+    assert got.shape == (rows, cols) and not scanned
+    packed[0, :8] = 0
+    packed[0, 3] = 0x70  # codes 0 and 6 (e2m1's largest) at [0, 6] and [0, 7]
+    scale[0, 0] = 448.0  # 448 / 4.48e-36 = 1e38 is a float32; 6e38 is past bfloat16's range
+    with pytest.raises(InputError, match="nonfinite") as e:
+        _decode_parts("ct-nvfp4", "nvfp4", parts(4.48e-36), (rows, cols), {"group_size": 16})
+    assert "index [0, 7]" in str(e.value) and "inf" in str(e.value) and scanned
