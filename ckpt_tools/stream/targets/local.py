@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from ...errors import OutputError
 from ...io.artefacts import MANIFEST_NAME, RESUME_NAME
@@ -239,6 +241,31 @@ class LocalTarget:
         hasher.when_file_done(name, lambda landed: self.journal(name, {"size": landed[1], "whole": landed[0]}))
 
 
+WRITEBACK = 16 << 20  # bytes written between two starts of their writeback (_Upload)
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), else None: Python has no binding for it."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``fd``'s dirty pages in the range to disk, waiting for nothing (no-op where unsupported: the
+    fsync that makes the file durable does it all)."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error changes nothing: the fsync reports it
+
+
 class _Upload:
     """One shard being written: a temporary file, fsync'd on ``close``, renamed into place on ``commit``."""
 
@@ -247,16 +274,25 @@ class _Upload:
         self.final = target._final(name)
         self.tmp = _partial(self.final)
         self.fd = _exclusive(str(self.tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        self.size = 0
+        self.size = self._flushed = 0
         self.write(memoryview(head))
 
     def write(self, mv: memoryview) -> None:
         _write_all(self.fd, mv)
         self.size += len(mv)
+        self._start_writeback()
 
     def copy(self, seg: Segment, copier: HashingCopier | None, sink: Feed | None) -> None:
         copy_range(seg, self.fd, self.target._buf, copier, sink)
         self.size += seg.length
+        self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        """Every WRITEBACK bytes, the disk starts writing them (the kernel would wait for its dirty limit, or the fsync
+        on ``close``): it works while the next bytes are computed, and ``close`` waits for less."""
+        if self.size - self._flushed >= WRITEBACK:
+            start_writeback(self.fd, self._flushed, self.size - self._flushed)
+            self._flushed = self.size
 
     def __enter__(self) -> _Upload:
         return self
