@@ -1,7 +1,8 @@
 """A local directory as the writer's target: temporary files renamed into place, an flock, a journal.
 
 A file is written under a hidden temporary name (``.name.partial``, created exclusively, never
-through a link), fsync'd, and renamed; the directory is fsync'd at the end. Whole files are
+through a link), its writeback started every few MiB as it is written (the disk works while the next
+bytes are computed), fsync'd, and renamed; the directory is fsync'd at the end. Whole files are
 copied (kernel copies, hashed as they are read), reflinked or hard-linked; a file whose input
 manifest provably describes it keeps that digest (``known_digests``). ``--resume`` reuses a file
 only when the journal's digests match its bytes hashed again (``journal``).
