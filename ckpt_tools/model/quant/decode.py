@@ -314,7 +314,7 @@ class BandDecoder:
                     _tiles(vals[a:b], self.zero[lead, trow:trow + 1], tc, np.subtract)
                 _tiles(vals[a:b], self.scale[lead, trow:trow + 1], tc, np.multiply)
                 a = b
-        _encode_into(vals, out, d.out_dtype, scratch)
+        encode(vals, d.out_dtype, out, scratch)
         return out
 
 
@@ -330,24 +330,6 @@ def _tiles(block: np.ndarray, per_tile: np.ndarray, tc: int, op) -> None:
     if cols % tc:
         tail = block[:, full * tc:]
         op(tail, per_tile[:, full:full + 1], out=tail)
-
-
-def _encode_into(vals: np.ndarray, out: np.ndarray, out_dtype: str, scratch: Scratch) -> None:
-    """Round float32 ``vals`` to nearest even into ``out`` (the output dtype's storage), as torch's casts do."""
-    if out_dtype != "BF16":
-        out[...] = encode(vals, out_dtype)
-        return
-    u = vals.view(np.uint32)
-    t = scratch.take("bf16", u.size, np.uint32).reshape(u.shape)
-    np.right_shift(u, 16, out=t)
-    np.bitwise_and(t, 1, out=t)
-    t += 0x7FFF
-    t += u  # wraps only for negative NaN payloads, fixed below
-    t >>= 16
-    np.copyto(out, t, casting="unsafe")
-    nan = np.isnan(vals)
-    if nan.any():
-        out[nan] = 0xFFFF  # the NaN torch's float32 -> bfloat16 cast writes (arrays.encode_floats)
 
 
 def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
