@@ -151,17 +151,32 @@ def as_bytes(x) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
 
-def encode_floats(values: np.ndarray, out_dtype: str) -> np.ndarray:
-    """float32 values in ``out_dtype`` storage, rounded to nearest even like torch's casts
-    (bf16 on the bits, every NaN as torch's 0xFFFF)."""
+def encode_floats(values: np.ndarray, out_dtype: str, out: np.ndarray | None = None,
+                  scratch: Scratch | None = None) -> np.ndarray:
+    """float32 values in ``out_dtype`` storage, rounded to nearest even like torch's casts (bf16 on the bits:
+    a uint32 sum that wraps only for NaNs, each then written as torch's 0xFFFF). ``out``: the storage array
+    to write (else a new one); ``scratch``: where the bf16 sum lives (else a new array)."""
     import numpy as np
 
-    if out_dtype == "F32":
-        return values.astype(np.float32, copy=False)
-    if out_dtype == "F16":
+    if out_dtype in ("F32", "F16"):
         with np.errstate(over="ignore"):  # overflow to +-inf, as torch does
-            return values.astype(np.float16)
-    u = values.astype(np.float32, copy=False).view(np.uint32).astype(np.uint64)  # no overflow in the sum
-    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    out[np.isnan(values)] = np.uint16(0xFFFF)  # the NaN torch's float32 -> bfloat16 cast writes
+            cast = values.astype(np.float32 if out_dtype == "F32" else np.float16, copy=False)
+        if out is not None:
+            out[...] = cast
+        return cast if out is None else out
+    v = values.astype(np.float32, copy=False)
+    u = v.view(np.uint32)
+    t = scratch.take("bf16-sum", u.size, np.uint32).reshape(u.shape) if scratch else np.empty(u.shape, np.uint32)
+    np.right_shift(u, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    t += 0x7FFF
+    t += u
+    t >>= 16
+    if out is None:
+        out = t.astype(np.uint16)
+    else:
+        np.copyto(out, t, casting="unsafe")
+    nan = np.isnan(v)
+    if nan.any():
+        out[nan] = 0xFFFF
     return out

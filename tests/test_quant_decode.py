@@ -249,3 +249,50 @@ def test_nvfp4_pair_tables_equal_the_band_arithmetic(scheme, tile, gscale):
     assert decode.BandDecoder(d, odd, g)._keys is None
     odd.flat[5] = 0.3
     assert decode.BandDecoder(d, odd, g)._keys is None
+
+
+def test_nvfp4_pair_tables_vouch_for_finite_bands_and_still_refuse_overflow(monkeypatch):
+    """Bands decoded from pair tables without a NaN / Inf entry are not scanned again (the tables vouch for
+    them); a global scale whose products overflow still refuses the weight, naming the first index."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.model.quant import finite
+
+    scanned = []
+    real = finite.first_nonfinite
+    monkeypatch.setattr(finite, "first_nonfinite", lambda v, d: scanned.append(v.size) or real(v, d))
+    rows, cols = 700, 512  # above PAIR_TABLE_MIN: the pair tables
+    packed, scale = _random_nvfp4(rows, cols, 5)
+
+    def parts(gscale):
+        return {"weight_packed": packed, "weight_scale": scale,
+                "weight_global_scale": torch.tensor([gscale], dtype=torch.float32)}
+
+    got = _decode_parts("ct-nvfp4", "nvfp4", parts(1234.567), (rows, cols), {"group_size": 16})
+    assert got.shape == (rows, cols) and not scanned
+    packed[0, :8] = 0
+    packed[0, 3] = 0x70  # codes 0 and 6 (e2m1's largest) at [0, 6] and [0, 7]
+    scale[0, 0] = 448.0  # 448 / 4.48e-36 = 1e38 is a float32; 6e38 is past bfloat16's range
+    with pytest.raises(InputError, match="nonfinite") as e:
+        _decode_parts("ct-nvfp4", "nvfp4", parts(4.48e-36), (rows, cols), {"group_size": 16})
+    assert "index [0, 7]" in str(e.value) and "inf" in str(e.value) and scanned
+
+
+def test_bf16_rounding_in_uint32_equals_the_wide_formula_on_edge_patterns():
+    """arrays.encode_floats rounds float32 to bfloat16 in uint32 (the sum wraps only for NaN payloads, rewritten
+    as 0xFFFF): equal to the overflow-free uint64 formula and to torch's cast on every sign, exponent and the
+    mantissa patterns around each rounding boundary, into a given output through a scratch buffer too."""
+    from ckpt_tools.arrays import Scratch, encode_floats
+
+    mant = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x10000, 0x17FFF, 0x18000, 0x18001, 0x7F7FFF, 0x7F8000,
+                     0x7FFFFF], dtype=np.uint32)
+    bits = ((np.arange(512, dtype=np.uint32)[:, None] << 23) | mant[None, :]).reshape(-1)  # sign and exponent
+    values = bits.view(np.float32)
+    u = bits.astype(np.uint64)
+    wide = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    wide[np.isnan(values)] = 0xFFFF
+    out = np.empty(values.shape, np.uint16)
+    assert np.array_equal(encode_floats(values, "BF16"), wide)
+    assert encode_floats(values.reshape(-1, 13), "BF16", out.reshape(-1, 13), Scratch()) is not None
+    assert np.array_equal(out, wide)
+    theirs = torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(wide, theirs)

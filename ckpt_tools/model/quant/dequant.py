@@ -185,9 +185,10 @@ class DequantRecipe(Compute):
             zt = parts[dspec.zero_point.tensor]
             zp = decode.zero_point_values(read(zt), zt.dtype, dspec.bits, dspec.offset, dspec.zero_point.packed,
                                           -(-shape[-2] // tile[0]))
-        bands = decode.decode_stream(RecipeReader(weight.recipe).read, decode.BandDecoder(d, scale, g, zp))
+        dec = decode.BandDecoder(d, scale, g, zp)
+        bands = decode.decode_stream(RecipeReader(weight.recipe).read, dec)
         yield from finite_bands(bands, self.key, shape, self.out_dtype, f"{self.storage.module} ({self.storage.label})",
-                                _file_of(weight)) if self.finite else bands
+                                _file_of(weight), dec.vouches_finite) if self.finite else bands
 
 def _file_of(t: OutputTensor) -> str | None:
     """The file a byte-copied tensor is read from (for the message), else None."""

@@ -9,7 +9,7 @@ is NaN or Inf exactly when its exponent bits are all ones): one mask and one red
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -42,15 +42,16 @@ def first_nonfinite(values: np.ndarray, dtype: str) -> int | None:
 
 
 def finite_bands(bands: Iterable[np.ndarray], key: str, shape: tuple[int, ...], dtype: str, what: str,
-                 path: str | None = None) -> Iterator[np.ndarray]:
+                 path: str | None = None, vouched: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
     """``bands`` (consecutive C-order parts of a ``shape`` tensor in ``dtype`` storage) passed through; the first
-    NaN / Inf is an InputError (rule ``nonfinite``) naming ``key``, the index and ``what`` it was decoded from."""
+    NaN / Inf is an InputError (rule ``nonfinite``) naming ``key``, the index and ``what`` it was decoded from.
+    ``vouched()``: True when the bands decoded so far are known finite (``decode.BandDecoder.vouches_finite``)."""
     if dtype not in _BITS:
         yield from bands
         return
     done = 0
     for band in bands:
-        i = first_nonfinite(band, dtype)
+        i = None if vouched is not None and vouched() else first_nonfinite(band, dtype)
         if i is not None:
             flat = done + i
             index = [int(x) for x in np.unravel_index(flat, shape)] if shape and math.prod(shape) else [flat]

@@ -1,9 +1,10 @@
 """A local directory as the writer's target: temporary files renamed into place, an flock, a journal.
 
 A file is written under a hidden temporary name (``.name.partial``, created exclusively, never
-through a link), fsync'd and renamed on one thread beside the writer (``_Durable``: the disk flushes
-a shard while the next is copied), all in place before the manifest; the directory fsync'd last. Whole
-files are copied (kernel copies, hashed as they are read), reflinked or hard-linked; a file whose input
+through a link), its writeback started every few MiB as it is written (the disk works while the next
+bytes are computed), then fsync'd and renamed on one thread beside the writer (``_Durable``: the disk
+flushes a shard while the next is copied), all in place before the manifest; the directory fsync'd last.
+Whole files are copied (kernel copies, hashed as they are read), reflinked or hard-linked; a file whose input
 manifest provably describes it keeps that digest (``known_digests``). ``--resume`` reuses a file
 only when the journal's digests match its bytes hashed again (``journal``).
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ...errors import OutputError
 from ...io.artefacts import MANIFEST_NAME, RESUME_NAME
@@ -260,6 +263,31 @@ class LocalTarget:
         hasher.when_file_done(name, lambda landed: self.journal(name, {"size": landed[1], "whole": landed[0]}))
 
 
+WRITEBACK = 16 << 20  # bytes written between two starts of their writeback (_Upload)
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), else None: Python has no binding for it."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):  # no such call here (not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``fd``'s dirty pages in the range to disk, waiting for nothing (no-op where unsupported: the
+    fsync that makes the file durable does it all)."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error changes nothing: the fsync reports it
+
+
 class _Upload:
     """One shard being written: a temporary file, fsync'd on ``close``, renamed into place on ``commit``."""
 
@@ -268,16 +296,25 @@ class _Upload:
         self.final = target._final(name)
         self.tmp = _partial(self.final)
         self.fd = _exclusive(str(self.tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        self.size = 0
+        self.size = self._flushed = 0
         self.write(memoryview(head))
 
     def write(self, mv: memoryview) -> None:
         _write_all(self.fd, mv)
         self.size += len(mv)
+        self._start_writeback()
 
     def copy(self, seg: Segment, copier: HashingCopier | None, sink: Feed | None) -> None:
         copy_range(seg, self.fd, self.target._buf, copier, sink)
         self.size += seg.length
+        self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        """Every WRITEBACK bytes, the disk starts writing them (the kernel would wait for its dirty limit, or the fsync
+        on ``close``): it works while the next bytes are computed, and ``close`` waits for less."""
+        if self.size - self._flushed >= WRITEBACK:
+            start_writeback(self.fd, self._flushed, self.size - self._flushed)
+            self._flushed = self.size
 
     def __enter__(self) -> _Upload:
         return self

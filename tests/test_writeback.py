@@ -1,0 +1,47 @@
+"""A shard's writeback starts while it is written (stream.targets.local): the disk writes beside the computing,
+and the fsync that makes the shard durable waits only for the rest."""
+
+from __future__ import annotations
+
+import os
+
+from ckpt_tools.io.safetensors_io import LocalFile, Segment
+from ckpt_tools.stream.targets import local
+
+
+def test_a_shard_starts_the_writeback_of_each_written_stretch(tmp_path, monkeypatch):
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(local, "WRITEBACK", 1 << 20)
+    monkeypatch.setattr(local, "start_writeback", lambda fd, off, n: calls.append((off, n)))
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    target = local.LocalTarget(tmp_path / "out")
+    target.lock()
+    up = target.open("x.safetensors", b"h" * 10)
+    piece = 700 << 10
+    for _ in range(3):  # written bytes: each stretch of at least 1 MiB, once
+        up.write(memoryview(b"a" * piece))
+    f = LocalFile(src)
+    up.copy(Segment(f, 0, 3 << 20), None, None)  # copied bytes too
+    f.close()
+    up.close()
+    up.commit()
+    target.settle()  # fsync'd and renamed on the target's thread
+    assert calls == [(0, 10 + 2 * piece), (10 + 2 * piece, piece + (3 << 20))]
+    data = (tmp_path / "out" / "x.safetensors").read_bytes()
+    assert data == b"h" * 10 + b"a" * 3 * piece + src.read_bytes()
+    target.release(True)
+
+
+def test_start_writeback_leaves_the_bytes_as_written(tmp_path):
+    p = tmp_path / "f"
+    body = os.urandom(5 << 20)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, body)
+        local.start_writeback(fd, 0, len(body))
+        local.start_writeback(fd, len(body), 1 << 20)  # past the end: nothing to write, no error
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == body
