@@ -17,6 +17,7 @@ import os
 import re
 import struct
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -274,6 +275,8 @@ def parse_header_bytes(raw: bytes | bytearray, file_size: int, name: str, src: B
     file it was read from, whose tensor references the header then holds; ``hasher``: a thread that takes its
     sha256 while it is parsed - hashlib releases the GIL)."""
     digest = hasher.submit(_sha256_hex, raw) if hasher is not None else None
+    if digest is not None:  # the hasher takes the GIL now and hashes (without it) while this thread parses; else it
+        time.sleep(0)  # waits for the parse to end (the switch interval, 5 ms, is longer) and the two run in turn
 
     def fail(rule: str, msg: str) -> HeaderError:
         return HeaderError(msg, rule=rule, path=name)
