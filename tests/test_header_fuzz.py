@@ -10,12 +10,14 @@ import json
 import struct
 import tracemalloc
 
+import pytest
 import safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_tools.dtypes import DTYPES
 from ckpt_tools.errors import HeaderError
+from ckpt_tools.io import safetensors_io
 from ckpt_tools.io.safetensors_io import parse_header_bytes, read_header
 
 FAST = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -100,10 +102,10 @@ def valid_file(draw):
 
 
 @st.composite
-def mutated_file(draw):
+def mutated_file(draw, least: int = 1):
     header, data_len = draw(valid_file())
     keys = [k for k in header if k != "__metadata__"]
-    for _ in range(draw(st.integers(min_value=1, max_value=3))):
+    for _ in range(draw(st.integers(min_value=least, max_value=3))):
         what = draw(st.sampled_from(["field", "dim", "offset", "extra", "drop", "meta", "key"]))
         if what == "meta":
             header["__metadata__"] = draw(weird)
@@ -126,7 +128,10 @@ def mutated_file(draw):
             elif what == "key":
                 header[draw(st.text(max_size=6))] = header.pop(k)
                 keys = [x for x in header if x != "__metadata__"]
-    raw = json.dumps(header, allow_nan=True).encode()
+    # compact (safetensors' and our writers' layout: the regular-expression path) or json.dumps' default spacing
+    compact = draw(st.booleans())
+    raw = json.dumps(header, allow_nan=True, separators=(",", ":") if compact else None,
+                     ensure_ascii=not compact or draw(st.booleans())).encode()
     raw += b" " * draw(st.integers(0, 7))
     data_len = max(0, data_len + draw(st.integers(min_value=-3, max_value=3)))
     data = struct.pack("<Q", len(raw)) + raw + bytes(data_len)
@@ -141,6 +146,59 @@ def mutated_file(draw):
 @given(mutated_file())
 def test_mutated_headers(data):
     check(data)
+
+
+def _read(data: bytes) -> tuple:
+    try:
+        h = read_header(Mem(data))
+    except HeaderError as e:
+        return e.rule, str(e)
+    refs = [(k, r[1:]) for k, r in (h.refs or {}).items()]  # (without the source: one per read)
+    return h.header_len, list(h.tensors.items()), refs, h.metadata, h.sha256
+
+
+def _by_json(data: bytes) -> tuple:
+    saved = safetensors_io._compact
+    safetensors_io._compact = lambda *a: None
+    try:
+        return _read(data)
+    finally:
+        safetensors_io._compact = saved
+
+
+@st.composite
+def compact_file(draw):
+    """A compact header (the regular-expression path's) with a character JSON cares about put in, or not."""
+    header, data_len = draw(valid_file())
+    text = json.dumps(header, separators=(",", ":"))
+    for _ in range(draw(st.integers(0, 2))):
+        i = draw(st.integers(0, len(text) - 1))
+        cut = i + draw(st.integers(0, 2))  # insert, replace one, replace two
+        text = text[:i] + draw(st.sampled_from('{}[],:"\\0123456789-.eE +_a\u00e9\x00\t')) + text[cut:]
+    raw = text.encode() + b" " * draw(st.integers(0, 3))
+    return struct.pack("<Q", len(raw)) + raw + bytes(max(0, data_len + draw(st.integers(-2, 2))))
+
+
+@settings(FAST, max_examples=500)
+@given(st.one_of(compact_file(), mutated_file(least=0)))
+def test_compact_path_reads_what_json_reads(data):
+    """Whatever the regular-expression path decides (a header, or None: json decides) is what json decides."""
+    assert _read(data) == _by_json(data)
+
+
+def test_compact_header_makes_no_json_object_per_entry(monkeypatch):
+    """A header as safetensors writes it (compact, with metadata, padded) is read without json's objects."""
+    header = {"__metadata__": {"format": "pt", "note": "a \\ \"quoted\" \u00e9"},
+              "a.weight": {"dtype": "F8_E4M3", "shape": [4, 8], "data_offsets": [0, 32]},
+              "a.weight_scale_inv": {"dtype": "F32", "shape": [1, 1], "data_offsets": [32, 36]},
+              "b": {"dtype": "BF16", "shape": [], "data_offsets": [36, 38]}}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode() + b"   "
+    data = struct.pack("<Q", len(raw)) + raw + bytes(38)
+    expected = _read(data)
+    monkeypatch.setattr(safetensors_io, "_load_fast", lambda text: pytest.fail("json read a compact header"))
+    assert _read(data) == expected
+    assert expected[3] == header["__metadata__"]
+    assert [k for k, _ in expected[1]] == ["a.weight", "a.weight_scale_inv", "b"]
 
 
 @FAST

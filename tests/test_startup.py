@@ -230,3 +230,31 @@ def test_table_caches_of_two_directory_sets_do_not_evict_each_other(tmp_path, mo
     loader._load_dirs.cache_clear()
     assert parsed == [one / "deepseek_v3.yaml", two / "deepseek_v3.yaml"]  # the last two runs hit
     assert len(list((tmp_path / "cache").glob(f"{cache.PREFIX}*.json"))) == 2
+
+
+def test_a_safetensors_checkpoint_loads_no_draft_reader(make_fixture, tmp_path):
+    """The torch and DCP draft readers are imported only when a draft in their format is read."""
+    src = make_fixture("deepseek_v3")
+    drafts = ("ckpt_tools.io.readers.torch_state", "ckpt_tools.io.readers.dcp")
+    for args in (["inspect", src], ["validate", src]):
+        assert imported(tmp_path, drafts, *args) == [], args
+
+
+# A paused block's objects (a release's 92,000 references) in a fresh interpreter: frozen when the block ends in a
+# process that runs one command (the CLI), so no young collection scans them; in the Python API nothing is frozen.
+GC_PROBE = """
+import gc, sys
+from ckpt_tools import gcpause
+if sys.argv[1] == "cli":
+    gcpause.one_command()
+before = gc.get_freeze_count()
+with gcpause.gc_paused():
+    kept = [[] for _ in range(10000)]
+print(gc.get_freeze_count() - before >= 10000, gc.isenabled())
+"""
+
+
+@pytest.mark.parametrize(("mode", "frozen"), [("cli", "True"), ("api", "False")])
+def test_a_paused_block_leaves_its_objects_frozen_in_the_cli_only(mode, frozen):
+    r = subprocess.run([sys.executable, "-c", GC_PROBE, mode], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == [frozen, "True"], r.stderr

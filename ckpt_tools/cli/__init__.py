@@ -8,6 +8,7 @@ import sys
 
 import typer
 
+from ..gcpause import one_command
 from . import coerce
 from .common import STATE
 
@@ -71,8 +72,9 @@ def app_for(args: list[str]) -> typer.Typer:
 
 def main() -> None:
     # What is loaded by now lives until the process ends: freezing it spares the collector rescanning it,
-    # during the command and again in the full collection at interpreter exit (~20-40 ms per run).
-    gc.freeze()
+    # during the command and again in the full collection at interpreter exit (~20-40 ms per run); so does
+    # what each planning burst leaves (gcpause)
+    one_command()
     try:
         app_for(sys.argv[1:])()
     finally:

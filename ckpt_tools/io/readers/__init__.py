@@ -15,12 +15,35 @@ unpickler that knows only DCP's metadata classes.
 
 from __future__ import annotations
 
-from . import dcp, memory, safetensors, torch_state
-from .base import TORCH_SUFFIXES, Confine, ReadIndex, WeightSet
+from types import ModuleType
+
+from . import memory, safetensors
+from .base import DCP_METADATA, TORCH_SUFFIXES, Confine, ReadIndex, WeightSet
 from .registry import READERS, Reader, detect, for_file, for_object, read_weights, register, unregister
 
-for _builtin in (safetensors, torch_state, dcp, memory):  # the order detection asks them
-    register(_builtin.READER)
+
+# The torch and DCP readers are imported when first asked (pickle, zipfile: ~10 ms of every command's start)
+def _torch() -> ModuleType:
+    from . import torch_state
+
+    return torch_state
+
+
+def _dcp() -> ModuleType:
+    from . import dcp
+
+    return dcp
+
+
+for _builtin in (  # the order detection asks them
+    safetensors.READER,
+    Reader("torch", "torch (.bin/.pt/.pth)", detect=lambda d: _torch().detect(d), suffixes=TORCH_SUFFIXES,
+           read=lambda d, confine, read_index, only: _torch().read_torch(d, confine, read_index, only=only)),
+    Reader("dcp", f"DCP ({DCP_METADATA})", detect=lambda d: _dcp().detect(d),
+           read=lambda d, confine, read_index, only: _dcp().read_dcp(d, confine)),
+    memory.READER,
+):
+    register(_builtin)
 
 __all__ = ["READERS", "TORCH_SUFFIXES", "Confine", "ReadIndex", "Reader", "WeightSet", "detect", "for_file",
            "for_object", "read_weights", "register", "unregister"]

@@ -16,6 +16,7 @@ from ...errors import InputError
 from ..safetensors_io import IO_STATS, LocalFile, Segment, TensorRef
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+DCP_METADATA = ".metadata"  # a torch distributed checkpoint's metadata file
 CACHE_BYTES = 256 << 20  # loaded tensors kept beyond the one being read (small ones are reused by interleaved reads)
 
 Confine = Callable[[str], Path]  # a name relative to the checkpoint directory -> its path, refusing escapes

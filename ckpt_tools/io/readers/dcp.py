@@ -23,6 +23,7 @@ from ...dtypes import torch_dtype
 from ...errors import InputError
 from ..safetensors_io import LocalFile, Segment
 from .base import (
+    DCP_METADATA,
     Confine,
     Deferred,
     FileSpans,
@@ -38,10 +39,9 @@ from .base import (
     tensor_nbytes,
     torch_dtype_name,
 )
-from .registry import Reader
 from .torch_state import load_torch, read_stored, stored_records
 
-METADATA = ".metadata"
+METADATA = DCP_METADATA
 STEP_MODEL = "model"  # the model sub-folder of a training step
 METADATA_LIMIT = 256 << 20  # .metadata is read whole; real ones are KBs to tens of MB
 # First key components of training state saved beside the model in one DCP folder.
@@ -121,8 +121,6 @@ def read_dcp(d: Path, confine: Confine) -> WeightSet:
                             carries_files=False)
 
 
-READER = Reader("dcp", f"DCP ({METADATA})", detect=detect,
-                read=lambda d, confine, read_index, only: read_dcp(d, confine))
 
 
 # ---------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from .base import (
     build_weight_set,
     torch_dtype_name,
 )
-from .registry import Reader
 
 BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -93,8 +92,6 @@ def read_torch(d: Path, confine: Confine, read_index: ReadIndex, *, only: str | 
     return build_weight_set("torch", found, opened, cache, notes, consumed)
 
 
-READER = Reader("torch", "torch (.bin/.pt/.pth)", detect=detect, suffixes=TORCH_SUFFIXES,
-                read=lambda d, confine, read_index, only: read_torch(d, confine, read_index, only=only))
 
 
 def _indexed(tensors: list[Tensor], keys: set[str] | None, name: str, index_path: str,
