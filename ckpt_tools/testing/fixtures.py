@@ -63,13 +63,9 @@ def fixture_config(family: str, overrides: dict | None = None, fp8: bool = False
     return cfg
 
 
-def _rng(seed: int, key: str) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(key.encode())])
-
-
 def spec_values(spec: Spec, seed: int, zero_centred: bool):
     """float32 values for a spec: distinct per key, plausible per kind."""
-    rng = _rng(seed, spec.key)
+    rng = np.random.default_rng([seed, zlib.crc32(spec.key.encode())])
     shape = spec.shape
     if spec.kind == "norm":
         base = 0.0 if zero_centred else 1.0

@@ -77,9 +77,7 @@ def write_tokenizer(directory: str | Path, vocab_size: int) -> None:
     table = pieces(vocab_size)
     specials = special_ids(vocab_size)
     names = {i: s for s, i in specials.items()}
-    vocab = {}
-    for i, piece in enumerate(table):
-        vocab[names[i] if i in names else "".join(byte_level(b) for b in piece)] = i
+    vocab = {names[i] if i in names else "".join(byte_level(b) for b in piece): i for i, piece in enumerate(table)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("1", "2")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

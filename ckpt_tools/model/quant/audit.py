@@ -99,11 +99,8 @@ def scheme_of(view: MtpView) -> QuantScheme | None:
 def fused_names(module: str, fused: dict[str, list[str]], present: set[str]) -> tuple[str, ...]:
     """The engine layers ``module`` is a shard of: ``fused`` entries whose every shard is a present sibling."""
     parent, dot, leaf = module.rpartition(".")
-    out = []
-    for name, shards in fused.items():
-        if leaf in shards and all(f"{parent}{dot}{s}" in present for s in shards):
-            out.append(f"{parent}{dot}{name}")
-    return tuple(out)
+    return tuple(f"{parent}{dot}{name}" for name, shards in fused.items()
+                 if leaf in shards and all(f"{parent}{dot}{s}" in present for s in shards))
 
 
 def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Stored:

@@ -91,11 +91,7 @@ def _norm(v: Any) -> Any:
 
 
 def _holds(rules: Mapping[str, list], lookup) -> bool:
-    for key, accepted in rules.items():
-        v = lookup(key)
-        if _norm(v) not in {_norm(a) for a in accepted}:
-            return False
-    return True
+    return all(_norm(lookup(key)) in {_norm(a) for a in accepted} for key, accepted in rules.items())
 
 
 def _params(where: ConfigDef, *scopes: Mapping[str, Any]) -> dict[str, Any]:

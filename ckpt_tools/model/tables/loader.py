@@ -236,7 +236,5 @@ def detect_table(config: ConfigView, tables: dict[str, Table] | None = None) -> 
 
 
 def _fits(table: Table, config: ConfigView) -> bool:
-    for v in table.config.values():
-        if v.required and v.default is None and not any(config.has(k) for k in v.keys):
-            return False
-    return True
+    return not any(v.required and v.default is None and not any(config.has(k) for k in v.keys)
+                   for v in table.config.values())
