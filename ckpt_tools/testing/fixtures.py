@@ -178,9 +178,7 @@ def zero_mtp_count(table, view: ConfigView) -> ConfigView:
 def _copied(spec: Spec, res: Resolved) -> Spec:
     """A per-layer copy (``copy_of``) holds the same values as the shared tensor, as releases ship it."""
     shared = res.shared.get(spec.copy_of or "") or (res.shared.get("embed") if spec.copy_of == "head" else None)
-    if shared is not None and tuple(shared.shape) == tuple(spec.shape):
-        return shared
-    return spec
+    return shared if shared is not None and tuple(shared.shape) == tuple(spec.shape) else spec
 
 
 def _split(order: list[str], tensors, mtp_keys: set[str], opts: FixtureOptions) -> dict[str, list[str]]:

@@ -35,9 +35,7 @@ MAX_VOCAB = len(BYTES) + 1 + len(SPECIALS) + len(TAIL_SPECIALS)
 def byte_level(b: int) -> str:
     """GPT-2's byte-level alphabet: printable Latin-1 bytes as themselves, the others shifted past 255."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    if b in printable:
-        return chr(b)
-    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+    return chr(b) if b in printable else chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
 def pieces(vocab_size: int) -> list[bytes]:

@@ -122,9 +122,7 @@ def _digest(ckpt: Checkpoint, name: str) -> str | None:
             raise InputError(f"cannot read {name}: {e.strerror or e}", rule="read-error",
                              path=str(ckpt.local_dir / name)) from None
     lfs = getattr(ckpt, "lfs_sha256", None) or {}
-    if name in lfs:
-        return lfs[name]
-    return hashlib.sha256(ckpt.read_file(name)).hexdigest()
+    return lfs[name] if name in lfs else hashlib.sha256(ckpt.read_file(name)).hexdigest()
 
 
 def _json(ckpt: Checkpoint, name: str) -> tuple[Any] | str:

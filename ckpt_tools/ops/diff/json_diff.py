@@ -73,9 +73,7 @@ def _canon(x: Any) -> str:
 
 def _join(path: str, key: str) -> str:
     part = key if _PLAIN_KEY.match(key) else json.dumps([key])
-    if not path:
-        return part
-    return f"{path}{part}" if part.startswith("[") else f"{path}.{part}"
+    return (f"{path}{part}" if part.startswith("[") else f"{path}.{part}") if path else part
 
 
 def describe(d: dict) -> str:

@@ -327,9 +327,7 @@ def _base_copy(local: Path, path: str, candidates: list, hashes: dict[Path, str]
     if local not in hashes:
         hashes[local] = file_sha256(local)
     match = [e for e in candidates if e.lfs.sha256 == hashes[local]]
-    if not match:
-        return None
-    return next((e for e in match if e.path == path), match[0]).path
+    return next((e for e in match if e.path == path), match[0]).path if match else None
 
 
 def _remote_file_ops(req: PushRequest, remote_files: dict[str, tuple[HubRef, str]], remote: dict,
