@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import InputError, UsageError
+from ...errors import InputError, UsageError, extra_module
 from ...io.checkpoint import Checkpoint
 from .drafter import Drafter
 
@@ -278,12 +278,7 @@ def check_memory(verifier: Checkpoint, dtype: str, drafts: int) -> int:
 
 def transformers_module(what: str = "ckpt probe"):
     """transformers, or a UsageError naming the extra that installs it (it is not a core dependency)."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise UsageError(f"{what} needs transformers, which is not installed ({e.msg}); install the extra: "
-                         f"pip install '{EXTRA}'", rule="missing-extra") from None
-    return transformers
+    return extra_module("transformers", what, "transformers", EXTRA)
 
 
 def resolve_device(device: str) -> str:
