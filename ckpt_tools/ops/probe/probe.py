@@ -242,12 +242,10 @@ def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
 
 def available_memory() -> int:
     """MemAvailable from /proc/meminfo, in bytes (0 when it cannot be read: no refusal then)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     return 0
 
 
