@@ -135,11 +135,9 @@ def _claim(table: SchemeTable, where: ConfigDef, sec: Mapping[str, Any]) -> tupl
                                     tuple(targets) if isinstance(targets, list) else None))
         return groups, {}
     if where.per_module:
-        modules = {}
-        for mname, m in (dig(sec, where.per_module) or {}).items():
-            if isinstance(m, dict) and _holds(where.module_match, lambda k, m=m: dig(m, k)):
-                modules[str(mname)] = Group(str(mname), table, m, _params(where, m, sec))
-        return [], modules
+        return [], {str(mname): Group(str(mname), table, m, _params(where, m, sec))
+                    for mname, m in (dig(sec, where.per_module) or {}).items()
+                    if isinstance(m, dict) and _holds(where.module_match, lambda k, m=m: dig(m, k))}
     return [Group("*", table, sec, _params(where, sec))], {}
 
 

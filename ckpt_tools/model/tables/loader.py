@@ -45,11 +45,8 @@ def mappings_dir() -> Path:
 def table_dirs() -> list[Path]:
     """Shipped tables (families with MTP, then ``kind: template`` tables for families without it, used
     by ``init-draft``), plus user directories from ``CKPT_TABLES`` (os.pathsep-separated)."""
-    dirs = [mappings_dir() / "architectures", mappings_dir() / "templates"]
-    for extra in os.environ.get("CKPT_TABLES", "").split(os.pathsep):
-        if extra.strip():
-            dirs.append(Path(extra))
-    return dirs
+    return [mappings_dir() / "architectures", mappings_dir() / "templates",
+            *(Path(extra) for extra in os.environ.get("CKPT_TABLES", "").split(os.pathsep) if extra.strip())]
 
 
 def names_checker(known: set[str], path: Path, why: str) -> Callable[..., None]:

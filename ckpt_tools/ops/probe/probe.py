@@ -642,11 +642,9 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
                         mismatch[m] = {"prompt": i, "position": first_difference(a, b) - ids.shape[1]}
             if progress is not None:
                 progress(i + 1, len(prompts))
-    results = []
-    for drafter, per_depth, miss, rows in zip(models, totals, mismatch, per_prompt, strict=True):
-        results.append(DraftResult(
-            drafter.name, [c.agreement for c in per_depth], [c.mean_kl for c in per_depth], per_depth[0].positions,
-            None if drafter.reference is None else miss is None, miss, rows))
+    results = [DraftResult(drafter.name, [c.agreement for c in per_depth], [c.mean_kl for c in per_depth],
+                           per_depth[0].positions, None if drafter.reference is None else miss is None, miss, rows)
+               for drafter, per_depth, miss, rows in zip(models, totals, mismatch, per_prompt, strict=True)]
     import transformers
 
     engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}
