@@ -201,8 +201,7 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
         if whole is None:
             continue
         stored = replace(whole, label=f"{whole.label} ({g.layout.label()} experts)", scheme=None)
-        for t in g.with_layout(PER_EXPERT).tensors():
-            out.append((t.key.removesuffix(".weight"), stored, g.quant, True))
+        out += [(t.key.removesuffix(".weight"), stored, g.quant, True) for t in g.with_layout(PER_EXPERT).tensors()]
     return out
 
 

@@ -79,11 +79,8 @@ def file_diffs(a: Checkpoint, b: Checkpoint) -> list[FileDiff]:
     when a side holds weights only."""
     if weights_only(a) or weights_only(b):
         return []
-    out = [_one(a, b, name, counted=True) for name in sorted(set(a.files) | set(b.files))]
-    for name in OWN_FILES:
-        if _has(a, name) or _has(b, name):
-            out.append(_one(a, b, name, counted=False))
-    return out
+    return ([_one(a, b, name, counted=True) for name in sorted(set(a.files) | set(b.files))]
+            + [_one(a, b, name, counted=False) for name in OWN_FILES if _has(a, name) or _has(b, name)])
 
 
 def _one(a: Checkpoint, b: Checkpoint, name: str, *, counted: bool) -> FileDiff:
