@@ -548,10 +548,8 @@ def _block_entry(cont: str, j: int, geo: _Depths, refs_list: list[tuple[int, str
 
 def _part_items(rel, refs, depth, entries: _Entries) -> list:
     groups, used = _experts(rel, entries.dims.hidden)
-    items: list = []
-    for r in sorted(rel, key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)]):
-        if r not in used:
-            items.append(entries.tensor(r, refs[(depth, r)]))
+    items: list = [entries.tensor(r, refs[(depth, r)]) for r in sorted(
+        rel, key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)]) if r not in used]
     for g in groups:
         e = dict(g)
         e["hidden"] = entries.dims.dim(e["hidden"])
