@@ -11,6 +11,7 @@ mis-read every quantized tensor.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -273,10 +274,8 @@ def detect_scheme(ckpt: Any) -> QuantScheme | None:
             memo = (at, detect_in(quant_files(ckpt), ckpt.tensors), None)
         except InputError as e:
             memo = (at, None, e)
-        try:
+        with contextlib.suppress(AttributeError):  # a checkpoint-like object that keeps no attributes: asked again
             ckpt._detected_scheme = memo
-        except AttributeError:  # a checkpoint-like object that keeps no attributes: asked again next time
-            pass
     if memo[2] is not None:
         raise memo[2]
     return memo[1]
