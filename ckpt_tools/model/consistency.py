@@ -266,10 +266,7 @@ def count_field(view: MtpView) -> str:
     var = table.config.get(table.mtp.count_field or "")
     if var is None:
         return "the MTP count"
-    for k in var.keys:
-        if view.ckpt.config.has(k):
-            return k
-    return var.keys[0]
+    return next((k for k in var.keys if view.ckpt.config.has(k)), var.keys[0])
 
 
 def _mixed(view: MtpView) -> list[tuple[ExpertGroup, dict[str, str]]]:

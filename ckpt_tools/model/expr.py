@@ -108,10 +108,7 @@ _FIELD = re.compile(r"\{([^{}]+)\}")
 
 
 def template_names(template: str) -> frozenset[str]:
-    out: set[str] = set()
-    for m in _FIELD.finditer(template):
-        out |= names_in(m.group(1))
-    return frozenset(out)
+    return frozenset(n for m in _FIELD.finditer(template) for n in names_in(m.group(1)))
 
 
 def render(template: str, env: Mapping[str, object]) -> str:

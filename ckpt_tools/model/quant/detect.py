@@ -80,11 +80,8 @@ class QuantScheme:
 
     def default_params(self, table: SchemeTable) -> dict[str, Any]:
         """Params of the first group that uses ``table`` (for modules whose group is not known)."""
-        for d in self.declarations:
-            for g in (*d.groups, *d.modules.values()):
-                if g.table.scheme == table.scheme:
-                    return dict(g.params)
-        return {}
+        return next((dict(g.params) for d in self.declarations for g in (*d.groups, *d.modules.values())
+                     if g.table.scheme == table.scheme), {})
 
 
 def _norm(v: Any) -> Any:

@@ -53,10 +53,7 @@ def load_manifest(ckpt: Checkpoint) -> dict:
 
 
 def _file_name(ckpt: Checkpoint, source) -> str:
-    for name, src in ckpt.sources.items():
-        if src is source:
-            return name
-    return source.name
+    return next((name for name, src in ckpt.sources.items() if src is source), source.name)
 
 
 def _hash(seg: Segment, algo: str, progress: Progress) -> str:

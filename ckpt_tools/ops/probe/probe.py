@@ -565,10 +565,7 @@ def score(mtp, seq: torch.Tensor, prompt_len: int, logits: torch.Tensor, hidden:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _mapper(req: ProbeRequest) -> DraftMapper:
