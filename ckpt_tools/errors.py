@@ -14,6 +14,8 @@ message (no traceback unless ``--debug``) and exits with its ``exit_code``:
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK = 0
 EXIT_FOUND = 1
 EXIT_USAGE = 2
@@ -76,3 +78,12 @@ class PlanError(InputError):
 
 class OutputError(CkptError):
     exit_code = EXIT_OUTPUT
+
+
+def extra_module(name: str, what: str, package: str, extra: str, hint: str = "") -> Any:
+    """Module ``name``, or a UsageError (exit 2, ``missing-extra``) naming the extra that installs it."""
+    try:
+        return __import__(name)
+    except ImportError as e:
+        raise UsageError(f"{what} needs {package}, which is not installed ({e.msg}); install the extra: "
+                         f"pip install '{extra}'{hint}", rule="missing-extra") from None

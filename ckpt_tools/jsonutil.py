@@ -18,7 +18,7 @@ from typing import Any
 
 def strict(obj: Any) -> Any:
     """``obj`` with every value JSON can hold exactly as JSON (see the module docstring)."""
-    if _is_numpy(obj):  # numpy scalars and arrays: their Python values
+    if type(obj).__module__ == "numpy" and hasattr(obj, "tolist"):  # numpy scalars and arrays: their Python values
         return strict(obj.tolist())
     if isinstance(obj, float):
         return json_float(obj)
@@ -91,7 +91,3 @@ def _key(k: Any) -> str | int | bool | None:
     if isinstance(k, (str, int, bool)) or k is None:
         return k
     return str(k)
-
-
-def _is_numpy(obj: Any) -> bool:
-    return type(obj).__module__ == "numpy" and hasattr(obj, "tolist")

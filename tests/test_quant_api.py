@@ -298,8 +298,7 @@ def test_deepseek_v4_is_told_from_block_fp8_by_its_scales(make_fixture):
 def test_a_missing_extra_is_one_error_naming_it(monkeypatch):
     import builtins
 
-    from ckpt_tools.errors import UsageError
-    from ckpt_tools.model.quant.extra import compressed_tensors
+    from ckpt_tools.errors import UsageError, extra_module
 
     real = builtins.__import__
 
@@ -310,7 +309,7 @@ def test_a_missing_extra_is_one_error_naming_it(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_ct)
     with pytest.raises(UsageError) as e:
-        compressed_tensors("graft --dequant-trunk")
+        extra_module("compressed_tensors", "graft --dequant-trunk", "compressed-tensors", "ckpt-tools[quant]")
     assert "ckpt-tools[quant]" in str(e.value) and e.value.exit_code == 2
 
 

@@ -64,11 +64,7 @@ def stop_signals_raise() -> Iterator[None]:
 
 def _in_writer(tb) -> bool:
     """Whether an exception was raised while the writer ran (its frames are on the traceback)."""
-    while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__") == "ckpt_tools.stream.writer":
-            return True
-        tb = tb.tb_next
-    return False
+    return any(frame.f_globals.get("__name__") == "ckpt_tools.stream.writer" for frame, _ in traceback.walk_tb(tb))
 
 
 def stopped_message(e: KeyboardInterrupt, kwargs: dict) -> tuple[str, int]:
@@ -166,10 +162,8 @@ def _broken_pipe(e: BaseException) -> bool:
     """
     if not (isinstance(e, BrokenPipeError) or isinstance(e, SystemExit) and isinstance(e.__context__, BrokenPipeError)):
         return False
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no real stdout (an in-process runner)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # no real stdout (an in-process runner)
-        pass
     return True
 
 

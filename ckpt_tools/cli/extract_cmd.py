@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
     def extract(src: str = typer.Argument(..., help="Checkpoint directory or hf://org/repo[@rev]."), **o) -> None:
         """Extract MTP layers into a draft (native, speculators, angelspec, sglang-nextn) or drop them."""
         from .. import api
-        from .render import render_plan
+        from .write_options import render_plan
 
         out, json_output, trunk, gguf_type = o.pop("out"), o.pop("json"), o.pop("gguf_trunk"), o.pop("gguf_type")
         auto = {k: o.pop(k) for k in AUTO}

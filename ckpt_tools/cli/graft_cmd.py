@@ -21,8 +21,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Graft the source's MTP layers into a target that lost them: config count and quantization config repaired."""
         from .. import api
-        from .quant_render import say_config_changes
         from .summary import render_diffs
+        from .write_options import say_config_changes
 
         out, json_output, show_all, dry_run = o.pop("out"), o.pop("json"), o.pop("all"), o["dry_run"]
         with invoked():

@@ -19,8 +19,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Create an MTP draft whose dimensions match TARGET: from scratch, or warm-started from one of its layers."""
         from .. import api
-        from .render import render_plan
-        from .write_options import invoked, say_written
+        from .write_options import invoked, render_plan, say_written
 
         json_output = o.pop("json")
         with invoked():

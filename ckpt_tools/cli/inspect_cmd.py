@@ -160,9 +160,7 @@ def _render_status(con, status: dict, count: int) -> None:
 
 def _file(where: str | None, root: str) -> list[str]:
     """The file a finding is in, relative to the checkpoint (as validate names it)."""
-    if not where:
-        return []
-    return [where[len(root) + 1:] if where.startswith(root.rstrip("/") + "/") else where]
+    return [where[len(root) + 1:] if where.startswith(root.rstrip("/") + "/") else where] if where else []
 
 
 # rules whose findings repeat one message per key: the first in full, the other keys below it

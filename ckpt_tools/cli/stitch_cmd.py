@@ -7,8 +7,7 @@ import typer
 from ..api.options import Stitch
 from .common import command, emit_json, out_console
 from .options import takes
-from .quant_render import say_config_changes
-from .write_options import invoked, say_shards_written
+from .write_options import invoked, say_config_changes, say_shards_written
 from .write_options import layers as parse_layers
 
 

@@ -103,9 +103,7 @@ def _tensors(n: int) -> str:
 
 def _before_after(a, b) -> str:
     """One value when both sides agree or only one side exists (added / removed), else "a -> b"."""
-    if a is None or b is None or a == b:
-        return str(b if a is None else a)
-    return f"{a} -> {b}"
+    return str(b if a is None else a) if a is None or b is None or a == b else f"{a} -> {b}"
 
 
 def _num(v: float | None) -> str:

@@ -79,8 +79,7 @@ def render_family(r: dict) -> None:
     if "probe" in r:
         fields.append(("probe", (f"yes{' (checked against transformers MtpModel)' if r['probe_reference'] else ''}"
                                  if r["probe"] else f"no ({r.get('probe_reason', '')})")))
-        for engine, what in r.get("probe_engines", {}).items():
-            fields.append(("", f"{engine}: {what or '-'}"))
+        fields += [("", f"{engine}: {what or '-'}") for engine, what in r.get("probe_engines", {}).items()]
     for name, value in fields:
         t.add_row(name, Text(value))
     con.print(t)

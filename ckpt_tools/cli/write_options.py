@@ -1,13 +1,16 @@
 """What every writing verb shares (its options are declared in api/options.py): ``--layers`` parsing, the
-invocation the manifest records, and the lines said after a write."""
+invocation the manifest records, the plan a --dry-run shows, and the lines said after a write."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import command_line, human_bytes, out_console, say_allowed
+
+if TYPE_CHECKING:
+    from ..stream.plan import Plan
 
 
 def layers(text: str | None) -> list[int] | None:
@@ -47,3 +50,36 @@ def say_shards_written(out: str, report: Any) -> None:
         out_console().print(f"linked shards hashed for the manifest: {len(links['hashed'])} "
                             f"({human_bytes(links['hashed_bytes'])}), e.g. {first[0]}: {first[1]}; "
                             f"taken from the input's manifest: {len(links['from_manifest'])}", soft_wrap=True)
+
+
+def say_config_changes(repair: dict | None, shown: int = 4) -> None:
+    """``repair``: ``quant.repair.Repair.to_json()``; nothing is printed when the config is unchanged."""
+    if not repair:
+        return
+    for ch in repair.get("changes", []):
+        where = f"{ch['file']}:{'.'.join(p for p in (ch.get('section'), ch.get('field')) if p)}"
+        for verb, entries in (("added", ch.get("add") or []), ("removed", ch.get("remove") or [])):
+            if entries:
+                more = f", ... (+{len(entries) - shown})" if len(entries) > shown else ""
+                out_console().print(f"quantization config: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
+                                    f"{verb} in {where}: {', '.join(entries[:shown])}{more}",
+                                    markup=False, soft_wrap=True)
+
+
+def render_plan(plan: Plan, console) -> None:
+    """One row per planned tensor; the shard column only when the plan writes more than one."""
+    from .layout import Col, print_table
+
+    shards = plan.shards()
+    where = {t.key: name for name, ts in shards.items() for t in ts}
+    cols = [Col("tensor", "id"), Col("dtype", "id"), Col("shape", "id"), Col("bytes", "id", "right"),
+            Col("recipe")] + ([Col("shard", "id")] if len(shards) > 1 else [])
+    rows = []
+    for t in plan.tensors:
+        d = t.recipe.describe()
+        recipe = d["op"] + (f" ({len(d['ranges'])} ranges)" if "ranges" in d and len(d["ranges"]) > 1 else "")
+        rows.append([t.key, t.dtype, str(list(t.shape)), human_bytes(t.nbytes), recipe, where[t.key]][:len(cols)])
+    print_table(console, cols, rows, title=f"plan: {plan.command}")
+    console.print(f"{len(plan.tensors)} tensors, {human_bytes(plan.total_bytes)} in {len(shards)} shard(s)"
+                  + (f" ({next(iter(shards))})" if len(shards) == 1 else "")
+                  + f"; files: {', '.join(f.name for f in plan.files) or '-'}", markup=False)

@@ -229,10 +229,8 @@ def stray_problems(ckpt: Checkpoint, holders: Holders | None = None) -> list[Pro
                                                               "remove it or repair and index it"))
             continue
         dups = sorted(k for k in keys if k in holders)
-        for k in dups[:MAX_LISTED]:
-            out.append(Problem("duplicate-tensor", path, k,
-                               f"stale copy: also held by {holders.first(k)}; {name} is not in the index, but tools "
-                               "that glob *.safetensors load both"))
+        out += [Problem("duplicate-tensor", path, k, f"stale copy: also held by {holders.first(k)}; {name} is not in "
+                        "the index, but tools that glob *.safetensors load both") for k in dups[:MAX_LISTED]]
         own = sorted(k for k in keys if k not in holders)
         if own:
             shown = ", ".join(own[:5]) + (" ..." if len(own) > 5 else "")
@@ -268,10 +266,7 @@ def count_field(view: MtpView) -> str:
     var = table.config.get(table.mtp.count_field or "")
     if var is None:
         return "the MTP count"
-    for k in var.keys:
-        if view.ckpt.config.has(k):
-            return k
-    return var.keys[0]
+    return next((k for k in var.keys if view.ckpt.config.has(k)), var.keys[0])
 
 
 def _mixed(view: MtpView) -> list[tuple[ExpertGroup, dict[str, str]]]:
@@ -322,12 +317,11 @@ def mtp_problems(view: MtpView, unknown: set[str] = frozenset()) -> list[Problem
         out.append(Problem("mtp-misshaped", file_of(ckpt, s.key), s.key,
                            f"shape {list(actual)}, but the {view.table.family} table expects {list(s.shape)}"
                            + turned))
-    for k, msg in view.quant_problems:
-        out.append(Problem("mtp-misshaped", file_of(ckpt, view.quantized[k].all_keys()[0]), k, msg))
-    for k in view.beyond:
-        out.append(Problem("mtp-beyond", file_of(ckpt, k), k,
-                           f"{declared} but this tensor belongs to an MTP layer past that count; set {field_name} to "
-                           "match the weights, or drop the tensors (`ckpt extract --drop-mtp`)"))
+    out += [Problem("mtp-misshaped", file_of(ckpt, view.quantized[k].all_keys()[0]), k, msg)
+            for k, msg in view.quant_problems]
+    out += [Problem("mtp-beyond", file_of(ckpt, k), k, f"{declared} but this tensor belongs to an MTP layer past that "
+                    f"count; set {field_name} to match the weights, or drop the tensors (`ckpt extract --drop-mtp`)")
+            for k in view.beyond]
     mixed = {k for _, found in _mixed(view) for k in found} if view.extra else set()
     for k in view.extra:
         if k in mixed:

@@ -157,8 +157,7 @@ class ExpertGroup:
             else:
                 out.append(ExpertTensor(self.key("up"), (E, H, I) if t else (E, I, H), "up", None))
         else:
-            for p in self.projections()[:-1]:
-                out.append(ExpertTensor(self.key(p), (E, H, I) if t else (E, I, H), p, None))
+            out += [ExpertTensor(self.key(p), (E, H, I) if t else (E, I, H), p, None) for p in self.projections()[:-1]]
         out.append(ExpertTensor(self.key("down"), (E, I, H) if t else (E, H, I), "down", None))
         return out
 

@@ -609,9 +609,7 @@ def compose(pieces: list[np.ndarray], layout: Slab) -> np.ndarray:
 def _compute_op(src: Slab, dst: Slab) -> str:
     if src.transposed != dst.transposed:
         return "transpose"
-    if "interleave" in (src.join, dst.join):
-        return "interleave"
-    return "restack"
+    return "interleave" if "interleave" in (src.join, dst.join) else "restack"
 
 
 def _nbytes(dtype: str, numel: int, key: str) -> int:

@@ -108,10 +108,7 @@ _FIELD = re.compile(r"\{([^{}]+)\}")
 
 
 def template_names(template: str) -> frozenset[str]:
-    out: set[str] = set()
-    for m in _FIELD.finditer(template):
-        out |= names_in(m.group(1))
-    return frozenset(out)
+    return frozenset(n for m in _FIELD.finditer(template) for n in names_in(m.group(1)))
 
 
 def render(template: str, env: Mapping[str, object]) -> str:
@@ -122,9 +119,7 @@ def render(template: str, env: Mapping[str, object]) -> str:
 def render_key(template: str, prefix: str, env: Mapping[str, object]) -> str:
     """A tensor key from its template: under ``prefix``, or from the root when the template starts with '/'
     (a tensor shared by every depth, or outside the layer's namespace)."""
-    if template.startswith("/"):
-        return render(template[1:], env)
-    return prefix + render(template, env)
+    return render(template[1:], env) if template.startswith("/") else prefix + render(template, env)
 
 
 def _field(text: str, env: Mapping[str, object]) -> str:

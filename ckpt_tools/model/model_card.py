@@ -262,8 +262,7 @@ def render(f: CardFacts) -> str:
         lines += ["- Command:", "", "```bash", f.command, "```"]
     if f.sources:
         lines += ["", "| role | source | revision |", "| --- | --- | --- |"]
-        for s in f.sources:
-            lines.append(f"| {s['role']} | `{s['path']}` | `{s.get('revision') or '-'}` |")
+        lines += [f"| {s['role']} | `{s['path']}` | `{s.get('revision') or '-'}` |" for s in f.sources]
     if f.stitch_summary:
         lines += ["", "Stitch report (tensors per change):", ""]
         lines += [f"- {k}: {v}" for k, v in f.stitch_summary.items()]

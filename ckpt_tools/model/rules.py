@@ -137,9 +137,8 @@ def manifest_entries(ctx: Context) -> list[Problem]:
             out.append(Problem("manifest-mismatch", ref.file, key, f"is {ref.dtype} {list(ref.shape)}, the manifest "
                                                                    f"says {entry.get('dtype')} {entry.get('shape')}"))
     if (ckpt.manifest or {}).get("kind") == "mtp-draft":
-        for key in sorted(set(ckpt.tensors) - set(entries)):
-            out.append(Problem("manifest-extra", ckpt.tensors[key].file, key,
-                               "not listed in the draft's ckpt_manifest.json"))
+        out += [Problem("manifest-extra", ckpt.tensors[key].file, key, "not listed in the draft's ckpt_manifest.json")
+                for key in sorted(set(ckpt.tensors) - set(entries))]
     return out
 
 

@@ -33,8 +33,7 @@ class Journal:
         with self._lock:
             tmp = self.path.with_name(f".{JOURNAL_NAME}.partial")
             with open(tmp, "w") as fh:  # rewritten whole: a torn line of the previous run is not carried
-                for name, entry in entries.items():
-                    fh.write(json.dumps({"file": name, **entry}) + "\n")
+                fh.writelines(json.dumps({"file": name, **entry}) + "\n" for name, entry in entries.items())
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)

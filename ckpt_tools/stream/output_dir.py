@@ -13,6 +13,7 @@ The local target (``targets.local``) calls these; the object-store target shares
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -159,10 +160,8 @@ class DirLock:
             raise
 
     def release(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self.fd)
 
 

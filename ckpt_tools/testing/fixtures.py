@@ -63,13 +63,9 @@ def fixture_config(family: str, overrides: dict | None = None, fp8: bool = False
     return cfg
 
 
-def _rng(seed: int, key: str) -> np.random.Generator:
-    return np.random.default_rng([seed, zlib.crc32(key.encode())])
-
-
 def spec_values(spec: Spec, seed: int, zero_centred: bool):
     """float32 values for a spec: distinct per key, plausible per kind."""
-    rng = _rng(seed, spec.key)
+    rng = np.random.default_rng([seed, zlib.crc32(spec.key.encode())])
     shape = spec.shape
     if spec.kind == "norm":
         base = 0.0 if zero_centred else 1.0
@@ -182,9 +178,7 @@ def zero_mtp_count(table, view: ConfigView) -> ConfigView:
 def _copied(spec: Spec, res: Resolved) -> Spec:
     """A per-layer copy (``copy_of``) holds the same values as the shared tensor, as releases ship it."""
     shared = res.shared.get(spec.copy_of or "") or (res.shared.get("embed") if spec.copy_of == "head" else None)
-    if shared is not None and tuple(shared.shape) == tuple(spec.shape):
-        return shared
-    return spec
+    return shared if shared is not None and tuple(shared.shape) == tuple(spec.shape) else spec
 
 
 def _split(order: list[str], tensors, mtp_keys: set[str], opts: FixtureOptions) -> dict[str, list[str]]:

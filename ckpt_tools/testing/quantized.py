@@ -207,9 +207,7 @@ def _group(scheme: Scheme, expert: bool) -> int | None:
 
 def _modelopt_algo(scheme: Scheme, expert: bool) -> str:
     """MIXED_PRECISION as ModelOpt's mixed recipes ship it: routed experts NVFP4, the other Linears FP8."""
-    if scheme.algo != "MIXED_PRECISION":
-        return scheme.algo
-    return "NVFP4" if expert else "FP8"
+    return scheme.algo if scheme.algo != "MIXED_PRECISION" else ("NVFP4" if expert else "FP8")
 
 
 def _source_key(key: str, source: dict[str, torch.Tensor]) -> str:

@@ -35,9 +35,7 @@ MAX_VOCAB = len(BYTES) + 1 + len(SPECIALS) + len(TAIL_SPECIALS)
 def byte_level(b: int) -> str:
     """GPT-2's byte-level alphabet: printable Latin-1 bytes as themselves, the others shifted past 255."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    if b in printable:
-        return chr(b)
-    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+    return chr(b) if b in printable else chr(256 + [x for x in range(256) if x not in printable].index(b))
 
 
 def pieces(vocab_size: int) -> list[bytes]:
@@ -79,9 +77,7 @@ def write_tokenizer(directory: str | Path, vocab_size: int, add_bos: bool = Fals
     table = pieces(vocab_size)
     specials = special_ids(vocab_size)
     names = {i: s for s, i in specials.items()}
-    vocab = {}
-    for i, piece in enumerate(table):
-        vocab[names[i] if i in names else "".join(byte_level(b) for b in piece)] = i
+    vocab = {names[i] if i in names else "".join(byte_level(b) for b in piece): i for i, piece in enumerate(table)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("1", "2")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -56,10 +56,7 @@ class Correspondence:
     experts: list[ExpertLink] = field(default_factory=list)
 
     def draft_keys(self) -> list[str]:
-        out = [t.draft_key for t in self.tensors]
-        for e in self.experts:
-            out += [t.key for t in e.draft.tensors()]
-        return out
+        return [t.draft_key for t in self.tensors] + [t.key for e in self.experts for t in e.draft.tensors()]
 
 
 def correspond(

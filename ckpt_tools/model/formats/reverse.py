@@ -78,10 +78,8 @@ def _module(key: str) -> str:
 
 
 def _moved(key: str, names: dict[str, str]) -> str | None:
-    for old, new in names.items():
-        if key == old or key.startswith(old) and old.endswith("."):
-            return new + key[len(old):]
-    return None
+    return next((new + key[len(old):] for old, new in names.items()
+                 if key == old or key.startswith(old) and old.endswith(".")), None)
 
 
 def _family(fmt: Format, draft: Checkpoint) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING
 
@@ -153,10 +154,8 @@ def _unknown_field(fmt: Format, path: str, env: dict) -> list[str]:
     if not (isinstance(node, str) and node.startswith("{") and node.endswith("}")):
         return []
     expr = node[1:-1]
-    try:
+    with contextlib.suppress(ExprError):
         if evaluate(expr, env) is not None:
             return []
-    except ExprError:
-        pass
     names = sorted(n for n in names_in(expr) if env.get(n) is None)
     return names or [expr]

@@ -23,9 +23,7 @@ def verifier_name_of(source: str) -> str:
     if text.startswith("hf://"):
         return text[len("hf://"):].split("@", 1)[0].rstrip("/")
     m = _HUB_CACHE.search(text.replace("\\", "/"))
-    if m:
-        return f"{m.group(1)}/{m.group(2)}"
-    return text
+    return f"{m.group(1)}/{m.group(2)}" if m else text
 
 
 def _fill(value, env: dict, omitted: list[str], path: str):

@@ -128,12 +128,8 @@ def agree_problems(ckpt: Any) -> list[Problem]:
             else:
                 a = f"{first_at[0]} {first_at[1]}.{k1} = {_shown(raw1)}"
                 b = f"{at[0]} {at[1]}.{k2} = {_shown(raw2)}"
-            out.append(Problem(RULE, _path(ckpt, at[0]), None,
+            out.append(Problem(RULE, f"{ckpt.root}/{at[0]}", None,
                                f"{a} but {b}: the two files disagree on {fact.removeprefix('param ')}, and "
                                "consumers read one or the other (vLLM config.json's when present); make them say "
                                "the same"))
     return out
-
-
-def _path(ckpt: Any, name: str) -> str:
-    return f"{ckpt.root}/{name}"

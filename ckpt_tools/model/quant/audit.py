@@ -99,11 +99,8 @@ def scheme_of(view: MtpView) -> QuantScheme | None:
 def fused_names(module: str, fused: dict[str, list[str]], present: set[str]) -> tuple[str, ...]:
     """The engine layers ``module`` is a shard of: ``fused`` entries whose every shard is a present sibling."""
     parent, dot, leaf = module.rpartition(".")
-    out = []
-    for name, shards in fused.items():
-        if leaf in shards and all(f"{parent}{dot}{s}" in present for s in shards):
-            out.append(f"{parent}{dot}{name}")
-    return tuple(out)
+    return tuple(f"{parent}{dot}{name}" for name, shards in fused.items()
+                 if leaf in shards and all(f"{parent}{dot}{s}" in present for s in shards))
 
 
 def _stored(view: MtpView, scheme: QuantScheme | None, key: str, shape) -> Stored:
@@ -204,8 +201,7 @@ def module_rows(view: MtpView, scheme: QuantScheme | None, stored_of: StoredOf |
         if whole is None:
             continue
         stored = replace(whole, label=f"{whole.label} ({g.layout.label()} experts)", scheme=None)
-        for t in g.with_layout(PER_EXPERT).tensors():
-            out.append((t.key.removesuffix(".weight"), stored, g.quant, True))
+        out += [(t.key.removesuffix(".weight"), stored, g.quant, True) for t in g.with_layout(PER_EXPERT).tensors()]
     return out
 
 

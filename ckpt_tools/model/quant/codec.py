@@ -244,26 +244,16 @@ def _declared(ckpt: Any) -> Codec | None:
         scheme = detect_scheme(ckpt)
     except InputError:  # a scheme no table describes: the verbs that read it say so (module_storage)
         return None
-    if scheme is None:
-        return None
-    for table in scheme.tables:
-        found = restack_codec(table, scheme.default_params(table))
-        if found is not None:
-            return found
-    return None
+    return next((c for c in (restack_codec(t, scheme.default_params(t)) for t in (scheme.tables if scheme else ()))
+                 if c is not None), None)
 
 
 def _stored(tensors: Mapping[str, Any]) -> Codec | None:
     """The restacking codec whose scale companion sits next to the first FP8 weight that has one (the
     companion's name tells the tables apart: ``weight_scale_inv``, ``scale``)."""
     candidates = [f for f in (restack_codec(t, how="stored") for t in all_schemes().values()) if f is not None]
-    for key, ref in tensors.items():
-        for f in candidates:
-            if f.stores(ref.dtype):
-                sref = tensors.get(f.scale_key(key))
-                if sref is not None and sref.dtype in f.scale_dtypes:
-                    return f
-    return None
+    return next((f for key, ref in tensors.items() for f in candidates if f.stores(ref.dtype)
+                 and getattr(tensors.get(f.scale_key(key)), "dtype", None) in f.scale_dtypes), None)
 
 
 def config_params(table: SchemeTable, ckpt: Any) -> dict[str, Any] | None:

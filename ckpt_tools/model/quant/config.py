@@ -46,9 +46,7 @@ def _side_bytes(ckpt: Any, name: str) -> bytes | None:
         path = ckpt.local_dir / name
         return read_small(path, "quant-config") if path.is_file() else None
     sizes = getattr(ckpt, "file_sizes", None) or {}
-    if name not in sizes:
-        return None
-    return ckpt.read_file(name)
+    return ckpt.read_file(name) if name in sizes else None
 
 
 def dig(obj: Any, dotted: str) -> Any:

@@ -101,12 +101,7 @@ def _target_groups(decl: Declaration, sec: Mapping) -> dict[str, Group]:
 def _build_target_groups(decl: Declaration, sec: Mapping) -> dict[str, Group]:
     order = list(dig(sec, decl.where.groups) or {}) if decl.where.groups else []
     groups = sorted(decl.groups, key=lambda g: order.index(g.name) if g.name in order else len(order))
-    out: dict[str, Group] = {}
-    for g in groups:
-        for t in g.targets or ():
-            if isinstance(t, str):
-                out[t] = g
-    return out
+    return {t: g for g in groups for t in g.targets or () if isinstance(t, str)}
 
 
 def _pick(module: str, by_target: Mapping[str, Group], fused: Fused | None, kind: str

@@ -11,6 +11,7 @@ mis-read every quantized tensor.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,11 +80,8 @@ class QuantScheme:
 
     def default_params(self, table: SchemeTable) -> dict[str, Any]:
         """Params of the first group that uses ``table`` (for modules whose group is not known)."""
-        for d in self.declarations:
-            for g in (*d.groups, *d.modules.values()):
-                if g.table.scheme == table.scheme:
-                    return dict(g.params)
-        return {}
+        return next((dict(g.params) for d in self.declarations for g in (*d.groups, *d.modules.values())
+                     if g.table.scheme == table.scheme), {})
 
 
 def _norm(v: Any) -> Any:
@@ -91,11 +89,7 @@ def _norm(v: Any) -> Any:
 
 
 def _holds(rules: Mapping[str, list], lookup) -> bool:
-    for key, accepted in rules.items():
-        v = lookup(key)
-        if _norm(v) not in {_norm(a) for a in accepted}:
-            return False
-    return True
+    return all(_norm(lookup(key)) in {_norm(a) for a in accepted} for key, accepted in rules.items())
 
 
 def _params(where: ConfigDef, *scopes: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,11 +133,9 @@ def _claim(table: SchemeTable, where: ConfigDef, sec: Mapping[str, Any]) -> tupl
                                     tuple(targets) if isinstance(targets, list) else None))
         return groups, {}
     if where.per_module:
-        modules = {}
-        for mname, m in (dig(sec, where.per_module) or {}).items():
-            if isinstance(m, dict) and _holds(where.module_match, lambda k, m=m: dig(m, k)):
-                modules[str(mname)] = Group(str(mname), table, m, _params(where, m, sec))
-        return [], modules
+        return [], {str(mname): Group(str(mname), table, m, _params(where, m, sec))
+                    for mname, m in (dig(sec, where.per_module) or {}).items()
+                    if isinstance(m, dict) and _holds(where.module_match, lambda k, m=m: dig(m, k))}
     return [Group("*", table, sec, _params(where, sec))], {}
 
 
@@ -279,10 +271,8 @@ def detect_scheme(ckpt: Any) -> QuantScheme | None:
             memo = (at, detect_in(quant_files(ckpt), ckpt.tensors), None)
         except InputError as e:
             memo = (at, None, e)
-        try:
+        with contextlib.suppress(AttributeError):  # a checkpoint-like object that keeps no attributes: asked again
             ckpt._detected_scheme = memo
-        except AttributeError:  # a checkpoint-like object that keeps no attributes: asked again next time
-            pass
     if memo[2] is not None:
         raise memo[2]
     return memo[1]

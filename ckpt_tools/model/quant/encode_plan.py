@@ -9,6 +9,7 @@ encodes, the others take their part; it is dropped once each has been served.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -199,7 +200,4 @@ class _Shared:
 
 
 def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return math.prod(int(d) for d in shape)

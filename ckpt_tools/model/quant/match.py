@@ -115,9 +115,7 @@ def shards_of(name: str, fused: Fused | None) -> list[str] | None:
         return None
     head, dot, last = name.rpartition(".")
     parts = fused.get(last)
-    if parts is None:
-        return None
-    return [f"{head}{dot}{p}" for p in parts]
+    return None if parts is None else [f"{head}{dot}{p}" for p in parts]
 
 
 def excluded(matcher: str, name: str, patterns: list[str], fused: Fused | None = None) -> bool | None:
@@ -156,6 +154,4 @@ def first_listed(name: str, targets: Iterable[str], kind: str = "Linear") -> str
     ``ranked``'s first only where two name targets match."""
     targets = list(targets)
     names = [t for t in ranked(name, targets, kind) if t != kind]
-    if names:
-        return min(names, key=targets.index)
-    return kind if kind in targets else None
+    return min(names, key=targets.index) if names else (kind if kind in targets else None)

@@ -131,6 +131,4 @@ def repair_written(view: MtpView, files: QuantFiles, tensors: Mapping[str, Any],
     if changed_only:
         now = {m: st.state for m, st, *_ in module_rows(view, scheme)}
         rows = [r for r in rows if now.get(r[0]) != r[1].state]
-    if not rows:
-        return Repair()
-    return repair(rows, scheme, view.table, files, modules, tensors)
+    return repair(rows, scheme, view.table, files, modules, tensors) if rows else Repair()

@@ -74,11 +74,8 @@ def quant_dirs() -> list[Path]:
 def _dirs(registered: tuple[Path, ...], env: str) -> tuple[Path, ...]:
     """The same Path objects for the same settings: all_schemes runs per module (tens of thousands of times in
     a release's gate), and building and hashing fresh paths each time was most of its cost."""
-    dirs = [mappings_dir() / "quantization", *registered]
-    for extra in env.split(os.pathsep):
-        if extra.strip():
-            dirs.append(Path(extra))
-    return tuple(dirs)
+    return (mappings_dir() / "quantization", *registered,
+            *(Path(extra) for extra in env.split(os.pathsep) if extra.strip()))
 
 
 def _codecs() -> dict:

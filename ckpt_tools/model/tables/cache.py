@@ -40,9 +40,9 @@ def _entry(files: list[Path], prefix: str = PREFIX, code: tuple[Path, ...] = (),
     root = cache_dir()
     if root is None:
         return None
-    key: list[Any] = [__version__, extra]
-    for f in (*files, *code):  # contents, not modification times: those tick coarser than a quick edit
-        key.append([str(f.resolve()), hashlib.sha256(f.read_bytes()).hexdigest()])
+    # contents, not modification times: those tick coarser than a quick edit
+    key: list[Any] = [__version__, extra, *([str(f.resolve()), hashlib.sha256(f.read_bytes()).hexdigest()]
+                                            for f in (*files, *code))]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
     return root / f"{_place_prefix(files, prefix)}{digest}.json"
 

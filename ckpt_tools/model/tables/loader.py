@@ -45,11 +45,8 @@ def mappings_dir() -> Path:
 def table_dirs() -> list[Path]:
     """Shipped tables (families with MTP, then ``kind: template`` tables for families without it, used
     by ``init-draft``), plus user directories from ``CKPT_TABLES`` (os.pathsep-separated)."""
-    dirs = [mappings_dir() / "architectures", mappings_dir() / "templates"]
-    for extra in os.environ.get("CKPT_TABLES", "").split(os.pathsep):
-        if extra.strip():
-            dirs.append(Path(extra))
-    return dirs
+    return [mappings_dir() / "architectures", mappings_dir() / "templates",
+            *(Path(extra) for extra in os.environ.get("CKPT_TABLES", "").split(os.pathsep) if extra.strip())]
 
 
 def names_checker(known: set[str], path: Path, why: str) -> Callable[..., None]:
@@ -236,7 +233,5 @@ def detect_table(config: ConfigView, tables: dict[str, Table] | None = None) -> 
 
 
 def _fits(table: Table, config: ConfigView) -> bool:
-    for v in table.config.values():
-        if v.required and v.default is None and not any(config.has(k) for k in v.keys):
-            return False
-    return True
+    return not any(v.required and v.default is None and not any(config.has(k) for k in v.keys)
+                   for v in table.config.values())

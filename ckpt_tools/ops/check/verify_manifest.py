@@ -53,10 +53,7 @@ def load_manifest(ckpt: Checkpoint) -> dict:
 
 
 def _file_name(ckpt: Checkpoint, source) -> str:
-    for name, src in ckpt.sources.items():
-        if src is source:
-            return name
-    return source.name
+    return next((name for name, src in ckpt.sources.items() if src is source), source.name)
 
 
 def _hash(seg: Segment, algo: str, progress: Progress) -> str:
@@ -116,8 +113,7 @@ def _verify(ckpt: Checkpoint, manifest: dict, progress: Progress) -> VerifyRepor
         checks = (("file", entry.get("file"), fname), ("dtype", entry.get("dtype"), ref.dtype),
                   ("shape", entry.get("shape"), list(ref.shape)))
         bad = [(what, want, got) for what, want, got in checks if want is not None and want != got]
-        for what, want, got in bad:
-            report.mismatches.append(Mismatch(key, what, fname, str(want), str(got)))
+        report.mismatches += [Mismatch(key, what, fname, str(want), str(got)) for what, want, got in bad]
         own = digest.recorded(entry)
         if own is None and (digest.recorded(files.get(fname, {})) is not None or _store_copy(files.get(fname))):
             by_file[fname] = by_file.get(fname, 0) + (not bad)

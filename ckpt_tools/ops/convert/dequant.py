@@ -106,12 +106,8 @@ def quantized_modules(ckpt: Checkpoint, scheme, keys: list[str]) -> dict[str, St
 
 def _visible_keys(ckpt: Checkpoint) -> list[str]:
     """Tensor keys in source order (shard, then offset), those the index lists for their shard only."""
-    out = []
-    for shard in sorted(ckpt.shard_keys):
-        for k in ckpt.shard_keys[shard]:
-            if k in ckpt.tensors and (ckpt.index is None or ckpt.index["weight_map"].get(k) == shard):
-                out.append(k)
-    return out
+    return [k for shard in sorted(ckpt.shard_keys) for k in ckpt.shard_keys[shard]
+            if k in ckpt.tensors and (ckpt.index is None or ckpt.index["weight_map"].get(k) == shard)]
 
 
 @gc_paused()  # planning builds tens of thousands of objects, no cycles: see gcpause

@@ -79,11 +79,8 @@ def file_diffs(a: Checkpoint, b: Checkpoint) -> list[FileDiff]:
     when a side holds weights only."""
     if weights_only(a) or weights_only(b):
         return []
-    out = [_one(a, b, name, counted=True) for name in sorted(set(a.files) | set(b.files))]
-    for name in OWN_FILES:
-        if _has(a, name) or _has(b, name):
-            out.append(_one(a, b, name, counted=False))
-    return out
+    return ([_one(a, b, name, counted=True) for name in sorted(set(a.files) | set(b.files))]
+            + [_one(a, b, name, counted=False) for name in OWN_FILES if _has(a, name) or _has(b, name)])
 
 
 def _one(a: Checkpoint, b: Checkpoint, name: str, *, counted: bool) -> FileDiff:
@@ -122,9 +119,7 @@ def _digest(ckpt: Checkpoint, name: str) -> str | None:
             raise InputError(f"cannot read {name}: {e.strerror or e}", rule="read-error",
                              path=str(ckpt.local_dir / name)) from None
     lfs = getattr(ckpt, "lfs_sha256", None) or {}
-    if name in lfs:
-        return lfs[name]
-    return hashlib.sha256(ckpt.read_file(name)).hexdigest()
+    return lfs[name] if name in lfs else hashlib.sha256(ckpt.read_file(name)).hexdigest()
 
 
 def _json(ckpt: Checkpoint, name: str) -> tuple[Any] | str:

@@ -47,10 +47,7 @@ def json_diff(a: Any, b: Any, path: str = "") -> list[dict]:
 
 def _list_diff(a: list, b: list, path: str) -> list[dict]:
     if len(a) == len(b) and all(isinstance(x, (dict, list)) for x in a + b):
-        out: list[dict] = []
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            out += json_diff(x, y, f"{path}[{i}]")
-        return out
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in json_diff(x, y, f"{path}[{i}]")]
     ca, cb = Counter(map(_canon, a)), Counter(map(_canon, b))
     if ca == cb:
         return [{"path": path or "(document)", "change": "reordered"}]
@@ -73,9 +70,7 @@ def _canon(x: Any) -> str:
 
 def _join(path: str, key: str) -> str:
     part = key if _PLAIN_KEY.match(key) else json.dumps([key])
-    if not path:
-        return part
-    return f"{path}{part}" if part.startswith("[") else f"{path}.{part}"
+    return (f"{path}{part}" if part.startswith("[") else f"{path}.{part}") if path else part
 
 
 def describe(d: dict) -> str:

@@ -154,9 +154,7 @@ def plan_trunk(ckpt: Checkpoint, req: ExtractRequest) -> Plan:
         keep = [k for k in keys if k not in drop and (ckpt.index is None or ckpt.index["weight_map"].get(k) == shard)]
         if not keep:
             continue
-        for k in keep:
-            ref = ckpt.tensors[k]
-            tensors.append(copy_of(ref, k, None, shard))
+        tensors += [copy_of(ckpt.tensors[k], k, None, shard) for k in keep]
         verbatim = raw_header(ckpt, shard) if len(keep) == len(keys) else None
         layouts[shard] = ShardLayout(order=keep, header_bytes=verbatim)
     config = set_count(view, ckpt.config.raw, 0) if table.mtp.count_field else dict(ckpt.config.raw)

@@ -253,12 +253,10 @@ def _check_same_parts(layer, prefix, src, dst, src_groups, dst_groups, mtp_prefi
         problems.append(f"the MTP block needs {', '.join(only_dst[:8])} which layer {layer} lacks")
     if only_src:
         problems.append(f"layer {layer} has {', '.join(only_src[:8])} which the MTP block lacks")
-    for sub in sorted(set(src) & set(dst)):
-        if src[sub].shape != dst[sub].shape:
-            problems.append(f"{sub}: layer {layer} {list(src[sub].shape)}, MTP block {list(dst[sub].shape)}")
-    for sub in sorted(set(src_groups) ^ set(dst_groups)):
-        where = "the MTP block" if sub in dst_groups else f"layer {layer}"
-        problems.append(f"routed experts {sub} only in {where}")
+    problems += [f"{sub}: layer {layer} {list(src[sub].shape)}, MTP block {list(dst[sub].shape)}"
+                 for sub in sorted(set(src) & set(dst)) if src[sub].shape != dst[sub].shape]
+    problems += [f"routed experts {sub} only in {'the MTP block' if sub in dst_groups else f'layer {layer}'}"
+                 for sub in sorted(set(src_groups) ^ set(dst_groups))]
     for sub in sorted(set(src_groups) & set(dst_groups)):
         a, b = src_groups[sub], dst_groups[sub]
         if (a.count, a.hidden, a.inter, a.gated) != (b.count, b.hidden, b.inter, b.gated):

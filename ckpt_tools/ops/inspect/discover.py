@@ -548,10 +548,8 @@ def _block_entry(cont: str, j: int, geo: _Depths, refs_list: list[tuple[int, str
 
 def _part_items(rel, refs, depth, entries: _Entries) -> list:
     groups, used = _experts(rel, entries.dims.hidden)
-    items: list = []
-    for r in sorted(rel, key=_natural):
-        if r not in used:
-            items.append(entries.tensor(r, refs[(depth, r)]))
+    items: list = [entries.tensor(r, refs[(depth, r)]) for r in sorted(
+        rel, key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)]) if r not in used]
     for g in groups:
         e = dict(g)
         e["hidden"] = entries.dims.dim(e["hidden"])
@@ -605,10 +603,6 @@ def _mtp_section(geo: _Depths, count_key: str | None, order: str, glue: dict, bl
         mtp["count_field"] = "num_mtp"
     mtp.update(prefix=mtp_prefix or "mtp.{i}.", concat_order=order, glue=glue, blocks=blocks)
     return mtp
-
-
-def _natural(key: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
 
 
 def _common_prefix(keys: list[str]) -> str:

@@ -82,12 +82,7 @@ class InspectReport:
 def _count_field(view: MtpView) -> str | None:
     table = view.table
     var = table.config.get(table.mtp.count_field or "")
-    if var is None:
-        return None
-    for k in var.keys:
-        if view.ckpt.config.has(k):
-            return k
-    return None
+    return next((k for k in var.keys if view.ckpt.config.has(k)), None) if var is not None else None
 
 
 def _quantization(ckpt: Checkpoint, view: MtpView, result: Audit) -> dict | None:

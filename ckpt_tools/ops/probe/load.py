@@ -297,10 +297,8 @@ def _generation_config(main, path: str) -> None:
     """The checkpoint's generation_config.json (what from_pretrained reads from a path), when it has one."""
     from transformers import GenerationConfig
 
-    try:
+    with contextlib.suppress(OSError):  # none: the default built from the config stays
         main.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except OSError:  # none: the default built from the config stays
-        pass
 
 
 def load_mtp(main, tensors: Mapping[str, OutputTensor], regex, scheme, dtype: str, device: str,

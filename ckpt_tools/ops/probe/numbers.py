@@ -18,10 +18,8 @@ FIELDS = ("agreement", "kl")  # per depth, per draft and per prompt
 
 def _bad(values: Any) -> int | None:
     """The first index whose value is not a finite number, or None."""
-    for i, v in enumerate(values or []):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return i
-    return None
+    return next((i for i, v in enumerate(values or [])
+                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)), None)
 
 
 def _require_finite_fields(row: dict, what: str, where: str | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ...errors import OutputError, UsageError
+from ...errors import OutputError, extra_module
 
 EXTRA = "ckpt-tools[plot]"
 SIZE = (9.0, 4.0)  # inches, two panels side by side
@@ -20,11 +20,7 @@ DPI = 100
 
 def matplotlib_pyplot() -> Any:
     """matplotlib.pyplot on the file-only Agg backend, or a UsageError (exit 2) naming the extra."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise UsageError(f"--plot needs matplotlib, which is not installed ({e.msg}); install the extra: "
-                         f"pip install '{EXTRA}'", rule="missing-extra") from None
+    matplotlib = extra_module("matplotlib", "--plot", "matplotlib", EXTRA)
     matplotlib.use("Agg")  # no display: a file is all that is drawn
     import matplotlib.pyplot as plt
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import InputError, UsageError
+from ...errors import InputError, UsageError, extra_module
 from ...io.checkpoint import Checkpoint
 from .drafter import Drafter
 
@@ -242,12 +242,10 @@ def read_prompt_lines(path: str | None) -> list[tuple[int, str | list[int]]]:
 
 def available_memory() -> int:
     """MemAvailable from /proc/meminfo, in bytes (0 when it cannot be read: no refusal then)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
     return 0
 
 
@@ -278,12 +276,7 @@ def check_memory(verifier: Checkpoint, dtype: str, drafts: int) -> int:
 
 def transformers_module(what: str = "ckpt probe"):
     """transformers, or a UsageError naming the extra that installs it (it is not a core dependency)."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise UsageError(f"{what} needs transformers, which is not installed ({e.msg}); install the extra: "
-                         f"pip install '{EXTRA}'", rule="missing-extra") from None
-    return transformers
+    return extra_module("transformers", what, "transformers", EXTRA)
 
 
 def resolve_device(device: str) -> str:
@@ -572,10 +565,7 @@ def score(mtp, seq: torch.Tensor, prompt_len: int, logits: torch.Tensor, hidden:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _mapper(req: ProbeRequest) -> DraftMapper:
@@ -649,11 +639,9 @@ def probe(req: ProbeRequest, progress: Callable[[int, int], None] | None = None,
                         mismatch[m] = {"prompt": i, "position": first_difference(a, b) - ids.shape[1]}
             if progress is not None:
                 progress(i + 1, len(prompts))
-    results = []
-    for drafter, per_depth, miss, rows in zip(models, totals, mismatch, per_prompt, strict=True):
-        results.append(DraftResult(
-            drafter.name, [c.agreement for c in per_depth], [c.mean_kl for c in per_depth], per_depth[0].positions,
-            None if drafter.reference is None else miss is None, miss, rows))
+    results = [DraftResult(drafter.name, [c.agreement for c in per_depth], [c.mean_kl for c in per_depth],
+                           per_depth[0].positions, None if drafter.reference is None else miss is None, miss, rows)
+               for drafter, per_depth, miss, rows in zip(models, totals, mismatch, per_prompt, strict=True)]
     import transformers
 
     engine = {"name": "transformers", "version": transformers.__version__, "mtp": ENGINE}

@@ -113,7 +113,5 @@ def float_state(tensors: Mapping[str, OutputTensor], scheme, dtype: str, where: 
         raise InputError(f"{len(undecoded)} tensor(s) are stored in a non-float dtype that no scheme decoder reads "
                          f"(first: {first}); probe measures only a model loaded as stored", rule=RULE, path=where,
                          key=undecoded[0])
-    for k, t in tensors.items():
-        if k not in consumed:
-            out[k] = t
+    out.update((k, t) for k, t in tensors.items() if k not in consumed)
     return out, schemes

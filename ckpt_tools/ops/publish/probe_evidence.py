@@ -215,10 +215,7 @@ def quant_problem(data: dict) -> str | None:
 def _plot_beside(report: Path, data: dict) -> Path | None:
     named = data.get("plot")
     named_path = [report.parent / named] if isinstance(named, str) and named else []
-    for candidate in [*named_path, report.parent / PLOT_NAME]:
-        if candidate.is_file():
-            return candidate
-    return None
+    return next((c for c in [*named_path, report.parent / PLOT_NAME] if c.is_file()), None)
 
 
 def _in_repo(folder: Path, local: Path, name: str, uploads: dict[str, Path]) -> str:

@@ -175,10 +175,6 @@ def git_blob_sha1(path: Path) -> str:
     return h.hexdigest()
 
 
-def _git_blob_sha1_bytes(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
-
-
 def run_validation(folder: Path):
     from ..check.validate import validate
     from .gguf_publish import gguf_files, validate_folder
@@ -331,9 +327,7 @@ def _base_copy(local: Path, path: str, candidates: list, hashes: dict[Path, str]
     if local not in hashes:
         hashes[local] = file_sha256(local)
     match = [e for e in candidates if e.lfs.sha256 == hashes[local]]
-    if not match:
-        return None
-    return next((e for e in match if e.path == path), match[0]).path
+    return next((e for e in match if e.path == path), match[0]).path if match else None
 
 
 def _remote_file_ops(req: PushRequest, remote_files: dict[str, tuple[HubRef, str]], remote: dict,
@@ -353,7 +347,8 @@ def _remote_file_ops(req: PushRequest, remote_files: dict[str, tuple[HubRef, str
 
 def _card_op(card: bytes, remote: dict) -> Op:
     r = remote.get(CARD_NAME)
-    same = r is not None and r.lfs is None and r.blob_id == _git_blob_sha1_bytes(card)
+    blob = hashlib.sha1(b"blob %d\0" % len(card) + card, usedforsecurity=False).hexdigest()  # its git blob id
+    same = r is not None and r.lfs is None and r.blob_id == blob
     return Op("unchanged" if same else "add", CARD_NAME, len(card))
 
 
@@ -435,10 +430,6 @@ def _base_for_remote_files(req: PushRequest, remote_files: dict[str, tuple[HubRe
     return replace(req, base=req.base or ref)
 
 
-def _escape_glob(path: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", path)
-
-
 def execute_push(plan: PushPlan) -> PushResult:
     from huggingface_hub import CommitOperationAdd, CommitOperationCopy, CommitOperationDelete
 
@@ -488,7 +479,8 @@ def execute_push(plan: PushPlan) -> PushResult:
         info = call(lambda: api.upload_folder(repo_id=req.repo_id, folder_path=staging, commit_message=message,
                                               commit_description=description, revision=req.revision,
                                               create_pr=req.create_pr, parent_commit=parent,
-                                              delete_patterns=[_escape_glob(o.path) for o in deletes] or None),
+                                              delete_patterns=[re.sub(r"([*?\[])", r"[\1]", o.path)  # escaped
+                                                               for o in deletes] or None),
                     ref=ref, what=f"uploading to {ref}", push=True, retry=False)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -388,7 +388,7 @@ def _account(builder: _Builder, view: MtpView, declared: MtpView | None, report:
     """What the draft leaves out of the verifier's MTP (``declared``: replace mode's view): per-layer copies kept
     or absent (never invented), and any other tensor refused unless --allow-partial keeps the verifier's."""
     mtp_keys = set(declared.keys()) if declared is not None else set()
-    copies = {k for k in mtp_keys if _is_copy(k, view)}
+    copies = {k for k in mtp_keys if any(s.key == k and s.role in ("embed", "head") for s in view.present)}
     report.kept_copies = sorted(copies - set(builder.candidates))
     # never invented: a copy the verifier does not have is written only when the draft brings it (add mode)
     report.absent_copies = sorted(s.key for s in view.resolved.glue_specs()
@@ -440,10 +440,6 @@ def _draft_count(draft: Checkpoint, fmt: Format, table) -> int:
                 if isinstance(v, int) and v > 0:
                     return v
     return 1
-
-
-def _is_copy(key: str, view: MtpView) -> bool:
-    return any(s.key == key and s.role in ("embed", "head") for s in view.present)
 
 
 def _check_draft(draft: Checkpoint, fmt: Format, builder: _Builder, report: StitchReport, view: MtpView,
@@ -554,12 +550,8 @@ def _encode_partners(decisions: list[Decision], builder: _Builder) -> None:
                             "per-tensor scale") if key == k else f"scale of {k}, follows it (requantize)"
 
 
-def _changed(report: StitchReport) -> set[str]:
-    return {d.key for d in report.diffs if d.status != "unchanged"}
-
-
 def _replace_plan(draft, verifier: Checkpoint, view: MtpView, builder: _Builder, req, report: StitchReport, fmt):
-    changed = _changed(report)
+    changed = {d.key for d in report.diffs if d.status != "unchanged"}
     removed = set(builder.removed)
     wm = verifier.index["weight_map"] if verifier.index else None
     tensors: list[OutputTensor] = []

@@ -4,6 +4,7 @@ rewritten, added and linked, the provenance and the config repair (``StitchRepor
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..shared.tensor_diff import TensorDiff
@@ -34,9 +35,7 @@ class StitchReport:
     link_digests: dict | None = None  # execute.link_digests: how each linked shard's digest was had
 
     def totals(self) -> dict:
-        counts: dict[str, int] = {}
-        for d in self.diffs:
-            counts[d.status] = counts.get(d.status, 0) + 1
+        counts = dict(Counter(d.status for d in self.diffs))
         counts["copied (outside MTP)"] = self.copied_tensors
         return counts
 

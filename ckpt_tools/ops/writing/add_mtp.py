@@ -77,9 +77,7 @@ def mtp_into(verifier: Checkpoint, mtp: list[OutputTensor], config_files: list[O
             files.append(untouched_file(verifier, shard, link, {k: verifier.tensors[k].nbytes for k in listed}, name))
             report.linked_files.append(name)
         elif kept:  # rewritten without the dropped tensors, the others byte for byte in their order
-            for k in kept:
-                ref = verifier.tensors[k]
-                tensors.append(copy_of(ref, k, {"copied_from": "verifier"}, name))
+            tensors += [copy_of(verifier.tensors[k], k, {"copied_from": "verifier"}, name) for k in kept]
             layouts[name] = ShardLayout(order=kept)
             report.rewritten_shards.append(name)
         report.copied_tensors += len(kept)
