@@ -278,12 +278,20 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     # trunk modules come in a handful of such classes; a class that disagrees is judged module by module (the
     # findings name each module)
     fine: dict[tuple[int, int, bool], bool] = {}
+    # a declaration that names no module (no lists): routed experts (never fused) are told apart by how they are
+    # stored and flagged alone, so a fine class's 768 experts a layer are passed over without a declaration each
+    by_class = not every_module and (declare is None or declare.constant)
+    passed: set[tuple[int, bool]] = set()
     for module, stored, flag, expert in rows:
+        if expert and by_class and (id(stored), flag) in passed:
+            continue
         d = declare(module) if declare is not None else none
         fused = () if expert or module.rpartition(".")[2] not in shards else fused_names(module, fused_map, names)
         exempt = convention and not flag
         at = (id(stored), id(d), exempt)
         if not every_module and not fused and fine.get(at):
+            if expert and by_class:
+                passed.add((id(stored), flag))
             continue
         m = ModuleAudit(module, stored, d, flag, expert, exempt, fused)
         result.modules.append(m)
@@ -292,6 +300,8 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
         before = len(result.findings)
         _judge(m, scheme, result)
         fine[at] = len(result.findings) == before
+        if fine[at] and expert and by_class:
+            passed.add((id(stored), flag))
     _judge_fused(result, scheme, files, fused_map)
     return result
 
