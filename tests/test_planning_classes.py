@@ -207,3 +207,22 @@ def test_small_batches_are_judged_without_numpy_as_numpy_judges_them(dtype):
         assert scale_values._fine_small(buf, kind) == (not scale_values._bad(np.frombuffer(buf, width), kind))
     big = bytearray((scale_values.SMALL_VALUES + 1) * width.itemsize)  # numpy's to judge, whatever it holds
     assert not scale_values._fine_small(big, kind)
+
+
+def test_routed_experts_are_declared_once_per_class_under_a_configuration_naming_no_module(tmp_path, monkeypatch):
+    from ckpt_tools.testing.fixtures import FixtureOptions, make_checkpoint
+
+    make_checkpoint("deepseek_v3", tmp_path / "fp8", FixtureOptions(fp8=True))
+    asked: list[str] = []
+    call = Declarer.__call__
+    monkeypatch.setattr(Declarer, "__call__", lambda self, m: asked.append(m) or call(self, m))
+    with Checkpoint.open(tmp_path / "fp8") as ckpt:
+        view = open_mtp(ckpt)
+        scheme = detect_scheme(ckpt)
+        rows = trunk_rows(view, scheme)
+        assert Declarer(scheme).constant
+        asked.clear()
+        lean = judge(rows, scheme, view.table, every_module=False)
+    experts = [m for m, _, _, expert in rows if expert]
+    assert len(experts) > 10 and not lean.findings
+    assert len([m for m in asked if m in set(experts)]) == len({(id(s), f) for _, s, f, e in rows if e})

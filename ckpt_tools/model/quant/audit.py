@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ...dtypes import FLOAT_DTYPES
 from ...errors import InputError
 from ..expert_layouts import ExpertGroup, ExpertLayout
+from .block_audit import scale_pairs
 from .codec import checkpoint_codec, restack_codec
 from .config import QuantFiles
 from .declared import Declared, Declarer, declaration
@@ -154,7 +155,7 @@ def _stored_alike(ckpt: Any, fmt: Any, quantized: dict, keys: tuple[str, ...]) -
     (dtype,) = dtypes
     if dtype in FLOAT_DTYPES:
         return _plain(dtype)
-    if fmt.stores(dtype) and all(map(tensors.__contains__, [k[:-6] + fmt.scale_suffix for k in keys])):
+    if fmt.stores(dtype) and scale_pairs(ckpt, fmt)[1].issuperset(keys):  # keys: ``.weight`` names (``_weights``)
         return _block(dtype, fmt.block)
     return None
 
@@ -273,12 +274,20 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
     # trunk modules come in a handful of such classes; a class that disagrees is judged module by module (the
     # findings name each module)
     fine: dict[tuple[int, int, bool], bool] = {}
+    # a declaration that names no module (no lists): routed experts (never fused) are told apart by how they are
+    # stored and flagged alone, so a fine class's 768 experts a layer are passed over without a declaration each
+    by_class = not every_module and (declare is None or declare.constant)
+    passed: set[tuple[int, bool]] = set()
     for module, stored, flag, expert in rows:
+        if expert and by_class and (id(stored), flag) in passed:
+            continue
         d = declare(module) if declare is not None else none
         fused = () if expert or module.rpartition(".")[2] not in shards else fused_names(module, fused_map, names)
         exempt = convention and not flag
         at = (id(stored), id(d), exempt)
         if not every_module and not fused and fine.get(at):
+            if expert and by_class:
+                passed.add((id(stored), flag))
             continue
         m = ModuleAudit(module, stored, d, flag, expert, exempt, fused)
         result.modules.append(m)
@@ -287,6 +296,8 @@ def judge(rows: list[Row], scheme: QuantScheme | None, table: Table, files: Quan
         before = len(result.findings)
         _judge(m, scheme, result)
         fine[at] = len(result.findings) == before
+        if fine[at] and expert and by_class:
+            passed.add((id(stored), flag))
     _judge_fused(result, scheme, files, fused_map)
     return result
 
@@ -423,14 +434,13 @@ def trunk_modules(view: MtpView) -> TrunkModules:
             out.present.append(s)
     # routed experts: float, or the checkpoint's block format with its scale, told apart inline (QuantLookup's
     # first test); the rest asks the scheme tables
-    fmt = view.codec
-    suffix, block_dtypes = fmt.scale_suffix, fmt.weight_dtypes
+    scaled = scale_pairs(ckpt, view.codec)[1]
     found = out.expert_keys
     for g in out.expert_groups:
         if not g.layout.per_expert:
             continue
         # kept for module_rows, which would find the same: alike, none of the group's keys enters ``quantized``
-        if out.alike.setdefault(g, _stored_alike(ckpt, fmt, out.quantized, _weights(g)[0])) is not None:
+        if out.alike.setdefault(g, _stored_alike(ckpt, view.codec, out.quantized, _weights(g)[0])) is not None:
             found.update(_weights(g)[0])
             continue
         for t in g.tensors():
@@ -438,8 +448,7 @@ def trunk_modules(view: MtpView) -> TrunkModules:
             if not key.endswith(".weight"):
                 continue
             ref = keys.get(key)
-            if ref is not None and (ref.dtype in FLOAT_DTYPES or (ref.dtype in block_dtypes and key[:-6] + suffix
-                                                                  in keys)):
+            if ref is not None and (ref.dtype in FLOAT_DTYPES or key in scaled):
                 found.add(key)
                 continue
             st = quant.storage(t, ref)

@@ -19,6 +19,33 @@ from .tables import get_scheme
 
 BLOCK_SIZE_RULE = "fp8-block-size"
 
+
+Pairs = tuple[list[tuple[str, Any, str, Any]], frozenset[str]]
+
+
+def scale_pairs(ckpt: Any, fmt: Codec) -> Pairs:
+    """Every weight of ``fmt``'s dtypes as (key, ref, its scale companion's key, the stored scale or None), in the
+    checkpoint's order, and the keys of those whose scale is stored. Found once per checkpoint and kept on it (as
+    ``detect_scheme`` keeps its answer) while its tensors stay the same object: the trunk audit, the fp8 rule and
+    the block fit each ask (a release has 45,808 such weights)."""
+    tensors = ckpt.tensors
+    at = (id(tensors), len(tensors), fmt.weight_dtypes, fmt.scale_suffix)
+    memo = getattr(ckpt, "_scale_pairs", None)
+    if memo is not None and memo[0] == at:
+        return memo[1]
+    stored, suffix, scale_key = fmt.weight_dtypes, fmt.scale_suffix, fmt.scale_key
+    keys = [k for k, ref in tensors.items() if ref.dtype in stored]
+    skeys = [k[:-6] + suffix if k.endswith(".weight") else scale_key(k) for k in keys]  # Codec.scale_of's key
+    srefs = list(map(tensors.get, skeys))
+    pairs = list(zip(keys, map(tensors.__getitem__, keys), skeys, srefs, strict=True))
+    found = (pairs, frozenset(k for k, sref in zip(keys, srefs, strict=True) if sref is not None))
+    try:
+        ckpt._scale_pairs = (at, found)
+    except AttributeError:  # a checkpoint-like object that keeps no attributes: found again next time
+        pass
+    return found
+
+
 def declared_block(ckpt: Any, fmt: Codec) -> tuple[tuple[int, int] | None, bool, Any]:
     """(the tile the configuration declares for ``fmt``'s scheme - None: one per-tensor scale -, whether the
     configuration declares that scheme at all, the declared value when it is no tile: the format's own tile is
@@ -37,8 +64,8 @@ def declared_block(ckpt: Any, fmt: Codec) -> tuple[tuple[int, int] | None, bool,
 def block_problems(ckpt: Any, fmt: Codec, unknown: set[str], cfg: str | None) -> list[Problem]:
     """Every weight of ``fmt``'s dtypes has its scale, of the tile's grid; such weights <=> the scheme declared."""
     out: list[Problem] = []
-    stored = fmt.weight_dtypes  # what fmt.stores accepts, without a call per tensor
-    fp8 = [k for k, r in ckpt.tensors.items() if r.dtype in stored]
+    pairs = scale_pairs(ckpt, fmt)[0]
+    fp8 = [k for k, *_ in pairs]
     qc = ckpt.config.get("quantization_config") if cfg else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     block, declared, malformed = declared_block(ckpt, fmt) if cfg else (fmt.block, False, None)
@@ -59,18 +86,17 @@ def block_problems(ckpt: Any, fmt: Codec, unknown: set[str], cfg: str | None) ->
                                "quantization_config"))
         if method is not None and not declared:
             return out  # another scheme (compressed-tensors, fbgemm_fp8, ...) names its scales its own way
-    tensors = ckpt.tensors
     found: list[tuple[str, Problem]] = []
-    for k in fp8:
-        ref = tensors[k]
-        skey, want_shape, sref = fmt.scale_of(k, ref.shape, tensors, block)
+    grids: dict[tuple[int, ...], Any] = {}  # weight shape -> its scale grid (a release has a few dozen shapes)
+    for k, ref, skey, sref in pairs:
         if sref is None:
             if skey not in unknown:
                 found.append((k, Problem("fp8-scale-missing", ref.file, k, f"{ref.dtype} weight without its {skey}")))
             continue
         if block is None:
             want = None if sref.shape in ((), (1,), (1, 1)) else "[] (one per-tensor scale)"
-        elif want_shape is None:
+        elif (want_shape := grids[ref.shape] if ref.shape in grids else grids.setdefault(
+                ref.shape, fmt.scale_of(k, ref.shape, {}, block)[1])) is None:
             continue
         else:
             want = None if sref.shape == want_shape else (f"{list(want_shape)} (block {block[0]}x{block[1]} over "
@@ -110,14 +136,10 @@ def fitting_block(ckpt: Any, fmt: Codec, declared: tuple[int, int] | None = None
     """The one tile every stored scale grid of ``fmt``'s weights is the grid of (each scale [..., gr, gc] of a
     [..., rows, cols] weight: ceil(rows / b0) == gr and ceil(cols / b1) == gc); None when no tile fits them all,
     when several do (the format's own tile first, else a power of two), or when ``declared`` fits them all."""
-    tensors = ckpt.tensors
     seen: set[tuple] = set()
     lo0, hi0, lo1, hi1 = 1, float("inf"), 1, float("inf")
-    for k, ref in tensors.items():
-        if ref.dtype not in fmt.weight_dtypes or len(ref.shape) < 2:
-            continue
-        sref = fmt.scale_of(k, ref.shape, tensors)[2]
-        if sref is None:
+    for _, ref, _, sref in scale_pairs(ckpt, fmt)[0]:
+        if sref is None or len(ref.shape) < 2:
             continue
         pair = (tuple(ref.shape), tuple(sref.shape))
         if pair in seen:

@@ -213,6 +213,11 @@ class Declarer:
         self._tests = tests
         self._cache: dict[tuple, Declared] = {}
 
+    @property
+    def constant(self) -> bool:
+        """Every module gets the same answer (no list of the configuration names modules)."""
+        return not self._tests
+
     def __call__(self, module: str) -> Declared:
         sig = tuple([t(module) for t in self._tests]) if self._tests else ()
         got = self._cache.get(sig)
