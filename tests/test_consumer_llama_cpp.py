@@ -300,10 +300,17 @@ def test_engine_reruns_when_the_final_lines_are_missing(fake_llama, tmp_path):
 
 
 def test_engine_counters_never_come_is_refused(fake_llama, tmp_path, monkeypatch):
+    """Ten runs, each after a pause twice the last (up to 2 s): a burst of load that starves llama.cpp's logging
+    thread passes; then the refusal."""
+    from ckpt_tools.ops.probe import llama_cpp
+
+    pauses: list[float] = []
+    monkeypatch.setattr(llama_cpp, "sleep", pauses.append)
     monkeypatch.setenv("FAKE_NEVER", "1")
     r = ckpt("probe", tmp_path / "m.gguf", "--engine", "llama.cpp", "--llama-cpp", fake_llama, "--prompts",
              tmp_path / "p.jsonl", "--max-new-tokens", "3", code=3)
     assert "[probe-llama-cpp]" in r.output and "missing in 10 runs" in r.output
+    assert pauses == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0]
 
 
 def test_engine_llama_cpps_refusal_is_an_input_error_with_its_reason(fake_llama, tmp_path, monkeypatch):

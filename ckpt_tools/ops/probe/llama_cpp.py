@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from time import sleep
 
 from ...errors import InputError, UsageError
 from .probe import DraftResult, ProbeRequest, ProbeResult, at_least_one, check_prompts, read_prompt_lines
@@ -32,8 +33,10 @@ SPEC_TYPE = "draft-mtp"  # llama.cpp's speculative type for a model's own MTP la
 RULE = "probe-llama-cpp"
 # llama.cpp logs from a thread that is not waited for at exit: the entries still queued then are lost (the more
 # often, the busier the machine; about 1 run in 6 on 2 loaded cores for a tiny model). A run whose log lacks the
-# counters is repeated.
+# counters is repeated, after a pause that doubles each time (a burst of load passes; 10 runs back to back all lost
+# their counters once while another process held both cores).
 RUNS = 10
+RETRY_PAUSE = 0.05, 2.0  # seconds: the first pause and the longest (all ten: about 9 s)
 TIMEOUT = 3600  # seconds per run (one prompt, one MTP)
 # the reference run drafts nothing: a draft token needs a probability of at least --spec-draft-p-min, here above 1
 # (--spec-type none and --spec-draft-n-max 0 are refused or abort in b11434's llama-speculative-simple)
@@ -269,7 +272,9 @@ def _run(binary: Path, model: str, draft: str | None, prompt: Path, depth: int, 
            "--spec-draft-p-min", "0" if depth else NEVER, "-lv", "4", "--log-file", str(log)]
     what = f"{model}{'' if draft is None else ' with ' + draft} (prompt line {line})"
     stderr = b""
-    for _ in range(RUNS):
+    for attempt in range(RUNS):
+        if attempt:
+            sleep(min(RETRY_PAUSE[0] * 2 ** (attempt - 1), RETRY_PAUSE[1]))
         log.unlink(missing_ok=True)
         with open(work / "out", "wb") as out, open(work / "err", "wb") as err:
             try:
