@@ -45,3 +45,26 @@ def test_start_writeback_leaves_the_bytes_as_written(tmp_path):
     finally:
         os.close(fd)
     assert p.read_bytes() == body
+
+
+def test_a_gguf_sidecar_starts_the_writeback_of_each_written_stretch(tmp_path, monkeypatch):
+    """The GGUF writer too: every stretch of WRITEBACK bytes, once, in order, while the next tensors are produced;
+    the file's bytes are those written without it."""
+    from gguf import GGMLQuantizationType
+
+    from ckpt_tools.io.gguf_file import read_gguf
+    from ckpt_tools.stream import gguf_out
+
+    body = [os.urandom(600 << 10) for _ in range(5)]
+    f32 = GGMLQuantizationType.F32
+    tensors = [gguf_out.GgufTensorOut(f"t{i}", (len(b) // 4,), f32, lambda b=b: [b[:1000], b[1000:]], {})
+               for i, b in enumerate(body)]
+    gguf_out.write_gguf(tmp_path / "plain.gguf", "llama", [], tensors)
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(gguf_out, "WRITEBACK", 1 << 20)
+    monkeypatch.setattr(gguf_out, "start_writeback", lambda fd, off, n: calls.append((off, n)))
+    gguf_out.write_gguf(tmp_path / "out.gguf", "llama", [], tensors)
+    assert (tmp_path / "out.gguf").read_bytes() == (tmp_path / "plain.gguf").read_bytes()
+    assert len(calls) == 2 and calls[0][0] == 0 and calls[1][0] == sum(calls[0]) and all(n >= 1 << 20 for _, n in calls)
+    assert sum(calls[-1]) <= (tmp_path / "out.gguf").stat().st_size
+    assert sorted(read_gguf(tmp_path / "out.gguf").tensors) == [f"t{i}" for i in range(5)]

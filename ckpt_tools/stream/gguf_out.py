@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import OutputError
 from ..io.gguf_file import VALUE_FORMATS, GgufKV
+from .targets.local import WRITEBACK, start_writeback
 
 _STRING, _ARRAY = 8, 9  # GGUFValueType
 
@@ -106,7 +107,8 @@ def _write(path, arch, kv, tensors, on_tensor) -> tuple[int, dict[str, str]]:
     try:
         # a chunk is hashed on a second thread while it is written (blake3 and the write release the GIL)
         with open(tmp, "wb") as fout, ThreadPoolExecutor(1, thread_name_prefix="ckpt-gguf-hash") as hasher:
-            fout.write(header + _pad(len(header), align))
+            end = fout.write(header + _pad(len(header), align))
+            started = 0  # the disk writes each stretch while the next is converted (the fsync waits for the rest)
             digests: dict[str, str] = {}
             for t in tensors:
                 written = 0
@@ -115,11 +117,15 @@ def _write(path, arch, kv, tensors, on_tensor) -> tuple[int, dict[str, str]]:
                     hashed = hasher.submit(h.update, chunk)
                     written += fout.write(chunk)
                     hashed.result()
+                    if end + written - started >= WRITEBACK:
+                        fout.flush()
+                        start_writeback(fout.fileno(), started, end + written - started)
+                        started = end + written
                 digests[t.name] = h.hexdigest()
                 if written != t.nbytes:
                     raise OutputError(f"tensor {t.name}: {written} bytes produced, {t.nbytes} declared",
                                       path=str(path), key=t.name)
-                fout.write(_pad(t.nbytes, align))
+                end += written + fout.write(_pad(t.nbytes, align))
                 if on_tensor is not None:
                     on_tensor(t, written)
             fout.flush()
