@@ -68,3 +68,17 @@ def test_a_gguf_sidecar_starts_the_writeback_of_each_written_stretch(tmp_path, m
     assert len(calls) == 2 and calls[0][0] == 0 and calls[1][0] == sum(calls[0]) and all(n >= 1 << 20 for _, n in calls)
     assert sum(calls[-1]) <= (tmp_path / "out.gguf").stat().st_size
     assert sorted(read_gguf(tmp_path / "out.gguf").tensors) == [f"t{i}" for i in range(5)]
+
+
+def test_a_whole_file_copy_starts_the_writeback_of_each_step(tmp_path, monkeypatch):
+    """A shard copied whole (stitch's and graft's untouched shards) starts the writeback of each copied step, in
+    order, covering the file once; the copy is the source's bytes."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(local, "WHOLE_FILE_STEP", 1 << 20)
+    monkeypatch.setattr(local, "start_writeback", lambda fd, off, n: calls.append((off, n)))
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom((5 << 20) + 123))
+    local.copy_whole_file(src, tmp_path / "copy", reflink=False, progress=local.Progress(),
+                          buf=memoryview(bytearray(1 << 16)))
+    assert calls == [(i << 20, 1 << 20) for i in range(5)] + [(5 << 20, 123)]
+    assert (tmp_path / "copy").read_bytes() == src.read_bytes()

@@ -419,7 +419,7 @@ def _append(seg: Segment, fd: int, buf: memoryview, copier: HashingCopier | None
 
 
 _FICLONE = 0x40049409
-WHOLE_FILE_STEP = 256 << 20  # progress granularity of a whole-file copy
+WHOLE_FILE_STEP = 64 << 20  # a whole-file copy's progress granularity and writeback stretch
 
 
 def _reflink(source: LocalFile, dst_fd: int, dst: Path) -> None:
@@ -456,6 +456,7 @@ def copy_whole_file(src: Path, dst: Path, *, reflink: bool, progress: Progress, 
                 for offset in range(0, source.size, WHOLE_FILE_STEP):
                     seg = Segment(source, offset, min(WHOLE_FILE_STEP, source.size - offset))
                     _append(seg, fd, buf, copier, d)
+                    start_writeback(fd, offset, seg.length)  # the disk writes it while the next step is copied
                     progress.advance(seg.length)
                 landed = copier.later(lambda: d.result(name or str(dst))) if copier is not None else None
             fo.flush()
