@@ -178,6 +178,7 @@ def test_quantized_source_is_decoded_as_extract_dequant_decodes(tmp_path_factory
     ("glm4moe.expert_count", 8, "trunk 8, source experts = 4"),
     ("glm4moe.attention.head_count", 8, "trunk 8, source heads = 4"),
     ("glm4moe.vocab_size", 300, "trunk 300, source vocab = 256"),
+    ("glm4moe.attention.head_count", [8, 8, 8], "no trunk layer has heads = 4"),  # per layer (as Step-3.5's)
 ])
 def test_mismatched_trunk_is_refused_and_nothing_written(glm, tmp_path, key, value, named):
     src, _ = glm
@@ -186,6 +187,15 @@ def test_mismatched_trunk_is_refused_and_nothing_written(glm, tmp_path, key, val
     assert r.returncode == 3, r.stderr
     assert named in r.stderr and "gguf-trunk-mismatch" in r.stderr
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_a_per_layer_head_count_holding_the_sources_heads_is_accepted(glm, tmp_path):
+    """Step-3.5's trunks give heads per layer (its sliding layers have their own): the source's count must be some
+    layer's, checked, not skipped."""
+    src, _ = glm
+    trunk = write_trunk_gguf(src, tmp_path / "t.gguf", overrides={"glm4moe.attention.head_count": [4, 8, 4]})
+    r = _extract(src, trunk, tmp_path / "out")
+    assert r.returncode == 0, r.stderr
 
 
 def test_trunk_of_another_architecture_is_refused(glm, dsv3, tmp_path):

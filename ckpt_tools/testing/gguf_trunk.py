@@ -55,7 +55,8 @@ def write_trunk_gguf(ckpt_dir: str | Path, path: str | Path, *, overrides: dict 
         if "experts" in env:
             kv[f"{arch}.expert_count"] = (env["experts"], gguf.GGUFValueType.UINT32)
         for k, v in (overrides or {}).items():
-            kv[k] = (v, kv[k][1] if k in kv else gguf.GGUFValueType.UINT32)
+            kv[k] = (v, gguf.GGUFValueType.ARRAY if isinstance(v, list)
+                     else kv[k][1] if k in kv else gguf.GGUFValueType.UINT32)
         names = TensorNames(lc, layers, table.family)
         w = gguf.GGUFWriter(path, arch)
         for k, (v, t) in kv.items():

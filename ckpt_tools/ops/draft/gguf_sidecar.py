@@ -158,7 +158,11 @@ def check_trunk(trunk: GgufFile, table: Any, env: dict, lc: Any) -> int:
                 raise InputError(f"{what}: absent from the trunk, source {var} = {ours}", rule=RULE_MISMATCH,
                                  path=where, key=what)
             continue
-        if int(theirs) != int(ours):
+        if isinstance(theirs, list):  # per layer (Step-3.5's heads: sliding layers have their own): some layer's
+            if int(ours) not in {int(v) for v in theirs}:
+                raise InputError(f"{what}: no trunk layer has {var} = {ours} (trunk: {sorted(set(theirs))})",
+                                 rule=RULE_MISMATCH, path=where, key=what)
+        elif int(theirs) != int(ours):
             raise InputError(f"{what}: trunk {theirs}, source {var} = {ours}", rule=RULE_MISMATCH, path=where,
                              key=what)
     return layers
