@@ -26,7 +26,7 @@ VOCAB = 128
 CASES = {"glm4_moe": ("f32", "f16", "bf16", "q8_0"), "glm4_moe_lite": ("f16",), "glm_moe_dsa": ("f16",),
          "qwen3_next": ("f16",), "qwen3_5": ("f16",), "qwen3_5_moe": ("f16",), "hy_v3": ("f16",),
          "nemotron_h": ("f16",), "bailing_moe_v3": ("f16",), "mimo_v2": ("f16",), "step3p5": ("f16",),
-         "deepseek_v32": ("f16",)}
+         "deepseek_v32": ("f16",), "qwen4_exp": ("f16",)}
 # MiMo-V2 in the Pro layout: for Flash's split q / k / v our sidecar joins them into attn_qkv (llama_cpp.join: the
 # mimo2 MTP graph drafts with nothing else), its converter does not
 MORE = {"mimo_v2": MIMO_PRO}

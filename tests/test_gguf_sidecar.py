@@ -310,7 +310,40 @@ def test_mimo_flash_mtp_q_k_v_are_joined_into_attn_qkv(tmp_path):
         assert not {f"blk.{layers + i}.attn_{p}.weight" for p in "qkv"} & set(ts)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+def test_qwen4_exp_eh_proj_is_its_two_projections_side_by_side_and_the_indexer_split_by_rows(tmp_path, monkeypatch):
+    """Qwen4-Exp has no [H, 2H] fusion: llama.cpp's eh_proj is [fc_embedding | fc_hidden] (each row both rows side
+    by side, its converter's torch.cat dim 1), read a band of rows at a time; the QSA indexer's index_qk_proj is
+    split by rows into indexer q ([heads * dim] rows) and k (the rest), its layernorms + 1 as every norm."""
+    from ckpt_tools.api.writing import extract_gguf
+    from ckpt_tools.ops.draft import gguf_sidecar
+
+    monkeypatch.setattr(gguf_sidecar, "BAND_BYTES", 5 * 2 * 64 * 2)  # 5 rows of both parts (bf16): 13 bands
+    src = make_checkpoint("qwen4_exp", tmp_path / "src")
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf")
+    ts = _tensors(gguf.GGUFReader(extract_gguf(src, tmp_path / "out", trunk, gguf_type="f32").path))
+    blk = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    eh = np.concatenate([_source(src, "mtp.fc_embedding.weight"), _source(src, "mtp.fc_hidden.weight")], axis=1)
+    assert _values(ts[f"blk.{blk}.nextn.eh_proj.weight"]).tobytes() == eh.tobytes()
+    qk = _source(src, "mtp.layers.0.self_attn.indexer.index_qk_proj.weight")
+    assert _values(ts[f"blk.{blk}.indexer.q_proj.weight"]).tobytes() == qk[:2 * 16].tobytes()
+    assert _values(ts[f"blk.{blk}.indexer.k_proj.weight"]).tobytes() == qk[2 * 16:].tobytes()
+    norm = _source(src, "mtp.layers.0.self_attn.indexer.q_layernorm.weight") + np.float32(1)
+    assert _values(ts[f"blk.{blk}.indexer.q_norm.weight"]).tobytes() == norm.tobytes()
+    assert {f"blk.{blk}.hc_attn_inject.weight", f"blk.{blk}.nextn.hc_head_down.weight"} <= set(ts)
+
+
+def test_qwen4_exp_without_the_qsa_indexer_is_refused(glm, tmp_path):
+    """llama.cpp's qwen4exp graph has no path without QSA (its loader requires the indexer keys and tensors): a
+    source whose config sets no indexer_n_heads (vLLM builds its MTP layer without an indexer) is refused, exit 3
+    naming the rule and the config key, and nothing is written."""
+    src = make_checkpoint("qwen4_exp", tmp_path / "src", config_overrides={"indexer_n_heads": None})
+    r = _extract(src, glm[1], tmp_path / "out")
+    assert r.returncode == 3 and "[gguf-family]" in r.stderr, r.stderr
+    assert "qwen4exp graph requires idx_heads" in r.stderr and "(indexer_n_heads)" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4"])
 def test_a_family_llama_cpp_drafts_and_we_do_not_says_what_is_missing(glm, tmp_path, family):
     """A table with no llama_cpp section says why (llama_cpp_absent): extract's refusal and `ckpt tables` name
     llama.cpp's architecture and each missing item; the check level is none."""

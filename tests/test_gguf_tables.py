@@ -41,6 +41,15 @@ def test_names_come_from_the_package_and_its_gaps_are_real(family):
     for name in lc.package_lacks:
         kind = getattr(gguf.MODEL_TENSOR, name)
         assert kind not in kinds, f"{family}: the package lists {name} for {lc.tensor_arch} now; drop it"
+    saved = dict(gguf.TensorNameMap.block_mappings_cfg)  # the map updates its class-level templates per architecture
+    try:
+        package = gguf.get_tensor_name_map(arch, 64)
+    finally:
+        gguf.TensorNameMap.block_mappings_cfg = saved
+    for kind_name, (gguf_name, *templates) in lc.names.items():  # typed only where the package cannot name them
+        kind = getattr(gguf.MODEL_TENSOR, kind_name, None)
+        assert kind is None or not any(package.get_type(t.format(bid=3)) == kind for t in templates), \
+            f"{family}: the package names {kind_name} for {lc.tensor_arch} now; drop it from llama_cpp.names"
     names = set(gguf.MODEL_ARCH_NAMES.values())
     if lc.arch in names:  # an architecture the package knows must be the one whose names we use
         assert gguf.MODEL_ARCH_NAMES[arch] == lc.arch

@@ -2,7 +2,7 @@
 section: never typed here. Each tensor is first given the name llama.cpp's converter gives it before its map
 (the MTP glue under the trunk's layer prefix at block ``trunk layers + depth``, as its converters remap every
 family's MTP), then looked up in ``get_tensor_name_map(tensor_arch, block_count)``, widened by the kinds the
-table says the package lacks.
+table says the package lacks, and by the names it gives for the kinds the package cannot name at all.
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ class TensorNames:
                 name = gguf.TENSOR_NAMES[kind].format(bid=bid)
                 for t in templates:
                     mapping.setdefault(t.format(bid=bid), (kind, name))
+        for kind_name, (gguf_name, *templates) in self.lc.names.items():  # what the package cannot name at all
+            for bid in range(self.block_count):
+                for t in templates:
+                    mapping[t.format(bid=bid)] = (kind_name, gguf_name.format(bid=bid))
         # a name in GGUF form is its own (a converter that formats a kind's name itself: format_tensor_name)
         for kind, name in list(mapping.values()):
             mapping.setdefault(name, (kind, name))
@@ -77,12 +81,12 @@ class TensorNames:
             name = name.replace(old, new)
         hit = self._map.get(name)
         if hit is not None:
-            return hit[0].name, hit[1]
+            return getattr(hit[0], "name", hit[0]), hit[1]
         for suffix in SUFFIXES:
             if name.endswith(suffix):
                 hit = self._map.get(name[: -len(suffix)])
                 if hit is not None:
-                    return hit[0].name, hit[1] + suffix
+                    return getattr(hit[0], "name", hit[0]), hit[1] + suffix
         return None
 
 

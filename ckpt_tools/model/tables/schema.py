@@ -178,7 +178,7 @@ class VllmDef(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"  # the dtype the CPU layers accept
     # CPU stand-ins the load check installs (named in ckpt_tools/ops/check/vllm_cpu.py), for layers whose
     # construction needs a GPU kernel although loading does not
-    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports"]] = Field(
+    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports", "qsa_attention"]] = Field(
         default_factory=list)
     fixture: dict = Field(default_factory=dict)  # config overrides for sizes / fields vLLM's classes need
     # what vLLM's loader skips on purpose (say why in the note and the header): glue roles, or block tensor keys
@@ -209,7 +209,7 @@ class LlamaCppSplitDef(_Strict):
     when ``transpose_first`` (``attn_k_b`` is ``[heads, cols, first]``), as llama.cpp's converter does."""
 
     key: str  # block-relative key of the source tensor, e.g. self_attn.kv_b_proj.weight
-    heads: str  # expressions over the table's config variables
+    heads: str | None = None  # expressions over the table's config variables; no heads: two 2-D row ranges
     first: str
     second: str
     into: list[str]  # the two block-relative names the tensor map knows, e.g. [self_attn.k_b_proj.weight, ...]
@@ -222,6 +222,12 @@ class LlamaCppSplitDef(_Strict):
             raise ValueError("llama_cpp.split.into needs two distinct names")
         return v
 
+    @model_validator(mode="after")
+    def _rows_are_not_transposed(self):
+        if self.heads is None and self.transpose_first:
+            raise ValueError("llama_cpp.split without heads (two row ranges) takes transpose_first: false")
+        return self
+
 
 class LlamaCppJoinDef(_Strict):
     """Tensors of one MTP block that llama.cpp's graph wants as one, their rows end to end in the order of ``keys``
@@ -230,6 +236,8 @@ class LlamaCppJoinDef(_Strict):
 
     keys: list[str] = Field(min_length=2)  # block-relative keys, e.g. self_attn.q_proj.weight
     into: str  # the block-relative name the tensor map knows for the whole, e.g. self_attn.qkv_proj.weight
+    # columns: each row the parts' rows side by side (Qwen4-Exp's eh_proj = [fc_embedding | fc_hidden])
+    axis: Literal["rows", "columns"] = "rows"
 
 
 class LlamaCppPermuteDef(_Strict):
@@ -247,15 +255,20 @@ class LlamaCppDef(_Strict):
     tensor map of ``tensor_arch`` (``get_tensor_name_map``). What the package (0.19.0, older than b11434) lacks
     is said as data: an ``arch`` string it has no ``MODEL_ARCH`` for, and ``package_lacks``, the
     ``MODEL_TENSOR`` kinds llama.cpp b11434 has for the architecture that the package's list for
-    ``tensor_arch`` does not (the NextN kinds). ``check``: ``served`` (llama.cpp drafted with our sidecar in a
-    test), ``converter`` (every tensor and key equal llama.cpp's converter --mtp output,
-    tests/test_gguf_converter.py), ``names`` (names and kinds checked against llama.cpp b11434's gguf-py,
-    tests/test_gguf_tables.py: say why no more in ``note``).
+    ``tensor_arch`` does not (the NextN kinds), and ``names``, the kinds it cannot name at all (typed as
+    llama.cpp b11434's gguf-py has them, held by its converter's output). ``check``: ``served`` (llama.cpp
+    drafted with our sidecar in a test), ``converter`` (every tensor and key equal llama.cpp's converter --mtp
+    output, tests/test_gguf_converter.py), ``names`` (names and kinds checked against llama.cpp b11434's
+    gguf-py, tests/test_gguf_tables.py: say why no more in ``note``).
     """
 
     arch: str  # general.architecture llama.cpp b11434 reads, e.g. glm4moe, deepseek2
     tensor_arch: str  # the gguf package's MODEL_ARCH member whose tensor map names our tensors
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
+    # kinds the package cannot name for tensor_arch at all (no member, or not the converter's names): MODEL_TENSOR
+    # name -> [its GGUF name, the converter's names before its map], with {bid}, as llama.cpp b11434's gguf-py has them
+    names: dict[str, list[str]] = Field(default_factory=dict)
+    requires: list[str] = Field(default_factory=list)  # config variables llama.cpp's graph cannot do without
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
     join: list[LlamaCppJoinDef] = Field(default_factory=list)

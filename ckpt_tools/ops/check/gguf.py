@@ -107,7 +107,8 @@ def _expected(table: Any, names: TensorNames, bid: int) -> tuple[set[str], set[s
                 if item.tensor is not None:
                     t = item.tensor
                     for fold in folds:
-                        add(folded(fold, t.key, base, bid), required and not t.optional and t.when is None)
+                        # a key from the root ('/mtp.fc_hidden.weight') is named as the sidecar names it, without '/'
+                        add(folded(fold, t.key.lstrip("/"), base, bid), required and not t.optional and t.when is None)
                 else:
                     ex = item.experts
                     projections = ("gate", "up", "down") if ex.gated else ("up", "down")

@@ -153,6 +153,14 @@ def _stub_moe_kernel() -> None:
     method.select_unquantized_moe_backend = cpu_layout
 
 
+def _stub_qsa_attention() -> None:
+    """Qwen4-Exp's QSA attention refuses to be built without FlashAttention's varlen kernel (it runs at forward
+    time): say it is there. Its parameters (the indexer's included) are the same either way."""
+    from vllm.models.qwen4_exp.nvidia import model, qsa  # noqa: F401 (model first: it imports qsa)
+
+    qsa.is_flash_attn_varlen_func_available = lambda: True
+
+
 # CPU stand-ins a table may ask for (``vllm.stubs``): each lets a class be BUILT on CPU where its constructor
 # reaches for a GPU-only piece; none of them touches load_weights, which is what the check runs
 STUBS = {
@@ -160,6 +168,7 @@ STUBS = {
     "sparse_attention": _stub_sparse_attention,
     "moe_kernel": _stub_moe_kernel,
     "cuda_imports": _stub_cuda_imports,
+    "qsa_attention": _stub_qsa_attention,
 }
 
 

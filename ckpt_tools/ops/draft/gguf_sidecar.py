@@ -92,6 +92,11 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
                          rule="no-mtp")
     view.require_complete()
     env = view.resolved.env
+    for var in lc.requires:  # e.g. Qwen4-Exp's QSA: llama.cpp's graph has no path without it
+        if not env.get(var):
+            raise InputError(f"{table.family}: llama.cpp b11434's {lc.arch} graph requires {var}, which the config "
+                             f"does not set ({' / '.join(table.config[var].keys)})", rule=RULE_FAMILY,
+                             path=str(ckpt.root), key=table.config[var].keys[0])
     trunk_layers = check_trunk(trunk, table, env, lc)
     blocks = trunk_layers + view.count
     names = TensorNames(lc, blocks, table.family)
@@ -311,7 +316,8 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
                     blocks.setdefault(item[1][: -len(key)], {})[j] = i
         for base, at in blocks.items():
             parts = [out[at[j]][0] for j in sorted(at)]  # type: ignore[index]
-            if len(at) != len(jn.keys) or len({(p.dtype, p.shape[1:]) for p in parts}) != 1:
+            same = (lambda p: p.shape[:1]) if jn.axis == "columns" else (lambda p: p.shape[1:])
+            if len(at) != len(jn.keys) or len({(p.dtype, same(p)) for p in parts}) != 1:
                 raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}; the source holds "
                                  f"{', '.join(f'{p.key} {p.dtype} {list(p.shape)}' for p in parts)}",
                                  rule=RULE_NAME, key=parts[0].key)
@@ -321,14 +327,37 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
                     yield RecipeReader(p.recipe).read(p.nbytes)
 
             first = parts[0]
-            whole = OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
-                                 Compute(produce, "join", inputs=[p.key for p in parts]),
-                                 meta={"source": [s for p in parts for s in p.meta.get("source", [p.key])],
-                                       "source_dtype": first.meta.get("source_dtype", first.dtype)})
+            meta = {"source": [s for p in parts for s in p.meta.get("source", [p.key])],
+                    "source_dtype": first.meta.get("source_dtype", first.dtype)}
+            whole = (side_by_side(parts, meta) if jn.axis == "columns" else
+                     OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
+                                  Compute(produce, "join", inputs=[p.key for p in parts]), meta=meta))
             out[at[0]] = (whole, base + jn.into, out[at[0]][2])  # type: ignore[index]
             for j in range(1, len(jn.keys)):
                 out[at[j]] = None
     return [item for item in out if item is not None]
+
+
+def side_by_side(parts: list[OutputTensor], meta: dict) -> OutputTensor:
+    """2-D tensors of one dtype and row count as one, each row the parts' rows side by side ([a | b], torch.cat
+    dim 1). Read a band of rows of every part at a time: memory stays a few bands whatever the parts' size."""
+    from ...numeric.transforms import RecipeReader
+    from ...stream.plan import Compute
+
+    rows = parts[0].shape[0]
+    widths = [p.nbytes // rows for p in parts]  # bytes of one row of each part
+    per = max(1, BAND_BYTES // sum(widths))
+
+    def produce():
+        readers = [RecipeReader(p.recipe) for p in parts]
+        for done in range(0, rows, per):
+            n = min(per, rows - done)
+            bands = [r.read(n * w) for r, w in zip(readers, widths, strict=True)]
+            yield b"".join(b[i * w:(i + 1) * w] for i in range(n) for b, w in zip(bands, widths, strict=True))
+
+    first = parts[0]
+    return OutputTensor(first.key, first.dtype, (rows, sum(p.shape[1] for p in parts)),
+                        Compute(produce, "join-columns", inputs=[p.key for p in parts]), meta=meta)
 
 
 def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:
@@ -519,7 +548,7 @@ def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env
            family: str) -> list[GgufTensorOut]:
     """MLA's kv_b_proj [heads * (first + second), cols] as llama.cpp's converter splits it: the first part per
     head transposed ([heads, cols, first]), the second as it is ([heads, second, cols])."""
-    heads, first, second = (int(evaluate(e, env)) for e in (sp.heads, sp.first, sp.second))
+    heads, first, second = (int(evaluate(e, env)) for e in (sp.heads or "1", sp.first, sp.second))
     cols = t.shape[-1]
     if t.shape[0] != heads * (first + second):
         raise InputError(f"{t.key}: {t.shape[0]} rows, not heads {heads} x ({first} + {second})",
@@ -533,6 +562,7 @@ def _split(t: OutputTensor, base: str, sp: Any, names: TensorNames, lc: Any, env
                              rule=RULE_NAME, path=f"mappings/architectures/{family}.yaml", key=t.key)
         tkind, gname = found
         shape = (heads, cols, first) if (j == 0 and sp.transpose_first) else (heads, first if j == 0 else second, cols)
+        shape = shape if sp.heads else shape[1:]  # row ranges of a 2-D tensor (Qwen4-Exp's indexer q / k)
         qtype = _out_qtype(tkind, gname, shape, lc, gguf_type)
         meta = {"source": list(t.meta.get("source", [t.key])), "split": f"{sp.key}[{j}]"}
         outs.append(GgufTensorOut(gname, shape, qtype, lambda j=j, qtype=qtype: _split_values(
@@ -627,6 +657,8 @@ def _unsplit(parts: list, hf_name: str, lc: Any):
     import numpy as np
 
     sp = next(sp for sp in lc.split if hf_name.endswith("." + sp.key))
+    if not sp.heads:
+        return np.concatenate(parts, axis=0)
     first = parts[0].transpose(0, 2, 1) if sp.transpose_first else parts[0]
     joined = np.concatenate([first, parts[1]], axis=1)
     return joined.reshape(-1, joined.shape[-1])
