@@ -43,12 +43,10 @@ def recipe_of(ref: TensorRef) -> Recipe:
 
 class Tap:
     """The digest of B's bytes, taken by a comparison that reads all of them (stitch: the draft's tensor digest for
-    its fingerprint, without another read). A pass that stops early leaves no digest; so does one over a B that
-    differs from A when ``changed`` is False (the writer copies that B whole and hashes it as it does)."""
+    its fingerprint, without another read). A pass that stops early leaves no digest."""
 
-    def __init__(self, changed: bool = True) -> None:
+    def __init__(self) -> None:
         self.digest: str | None = None
-        self.changed = changed
         self._h = None
 
     def start(self) -> None:
@@ -88,8 +86,8 @@ def compare(key: str, a_dtype: str, a_shape, a: Recipe, b_dtype: str, b_shape, b
     decodable_a = decode_a is not None or a_dtype in FLOAT_DTYPES
     decodable_b = decode_b is not None or b_dtype in FLOAT_DTYPES
     if decodable_b and (stats or finite):
-        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop,
-                    tap if tap is not None and tap.changed else None, readers)
+        _statistics(d, a, b, a_dtype, b_dtype, a_shape, decode_a, decode_b, stats and decodable_a, stop, tap,
+                    readers)
     return d
 
 

@@ -85,9 +85,6 @@ class Candidates:
     # filled by decide: draft byte range -> the digest of its bytes, taken by the comparison that read them all
     # (the draft's fingerprint then reads nothing again: fingerprint.TakenTensors)
     digests: dict = field(default_factory=dict)
-    # also of a draft tensor that differs and is written as it is: else the writer's digest of its copy is the
-    # fingerprint's (TakenTensors.settle), and hashing it here too costs a second BLAKE3 pass over the changed MTP
-    hash_changed: bool = True
 
 
 def decide(view: MtpView, cand: Candidates) -> list[Decision]:
@@ -152,8 +149,7 @@ def _probe(cand: Candidates, view: MtpView, key: str, t: OutputTensor, stop) -> 
         sref = view.ckpt.tensors[cand.fmt.scale_key(key)]
         a = cand.fmt.decode(_as_tensor(vref), _as_tensor(sref), a_dtype).recipe
     one = b.recipe.segments if isinstance(b.recipe, CopyBytes) and len(b.recipe.segments) == 1 else None
-    # a draft tensor read whole: its digest comes with the comparison (when changed, only where it is not copied)
-    tap = Tap(changed=cand.hash_changed or b is not t) if one else None
+    tap = Tap() if one else None  # a draft tensor read whole: its digest comes with the comparison
     d = compare(key, a_dtype, vref.shape, a, b.dtype, b.shape, b.recipe, stop=stop, tap=tap)
     if tap is not None and tap.digest is not None:
         cand.digests[one[0]] = tap.digest

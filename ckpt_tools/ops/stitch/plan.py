@@ -502,10 +502,7 @@ def _is_draft_copy(key: str, fmt: Format, view: MtpView) -> bool:
 def _decide(builder: _Builder, view: MtpView, report: StitchReport) -> None:
     """Every candidate compared with the verifier's tensor; an identical one is written from the
     verifier's own bytes (cheap, and provably the same)."""
-    # the draft's tensors hashed as they are compared (digests); a changed one written as it is only for an init
-    # claim (_manifest_evidence checks its digests before anything is written)
-    builder.out.hash_changed = isinstance((builder.draft.manifest or {}).get("init"), dict)
-    report.decisions = decide(view, builder.out)
+    report.decisions = decide(view, builder.out)  # the draft's tensors hashed as they are compared (digests)
     _encode_partners(report.decisions, builder)
     report.diffs = [d.stats for d in report.decisions]
     for d in report.decisions:
