@@ -145,10 +145,10 @@ class _Held:
     def read(self, n: int):
         if self._at >= len(self._held):
             return self._reader.read(n)
-        out = bytearray(self._held[self._at:self._at + n])
+        out = self._held[self._at:self._at + n]  # a view: the held bytes are not copied again
         self._at += len(out)
         if len(out) < n:
-            out += self._reader.read(n - len(out))
+            out = bytearray(out) + self._reader.read(n - len(out))
         return out
 
 

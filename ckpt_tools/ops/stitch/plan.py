@@ -388,7 +388,7 @@ def _account(builder: _Builder, view: MtpView, declared: MtpView | None, report:
     """What the draft leaves out of the verifier's MTP (``declared``: replace mode's view): per-layer copies kept
     or absent (never invented), and any other tensor refused unless --allow-partial keeps the verifier's."""
     mtp_keys = set(declared.keys()) if declared is not None else set()
-    copies = {k for k in mtp_keys if any(s.key == k and s.role in ("embed", "head") for s in view.present)}
+    copies = mtp_keys & {s.key for s in view.present if s.role in ("embed", "head")}  # one pass, not one per key
     report.kept_copies = sorted(copies - set(builder.candidates))
     # never invented: a copy the verifier does not have is written only when the draft brings it (add mode)
     report.absent_copies = sorted(s.key for s in view.resolved.glue_specs()
