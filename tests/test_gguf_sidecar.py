@@ -310,7 +310,28 @@ def test_mimo_flash_mtp_q_k_v_are_joined_into_attn_qkv(tmp_path):
         assert not {f"blk.{layers + i}.attn_{p}.weight" for p in "qkv"} & set(ts)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "qwen4_exp"])
+@pytest.mark.parametrize("ratios", [[0, 4, 128, 4], [0, 4, 128, 4, 0]])
+def test_deepseek_v4_e_and_h_proj_side_by_side_and_hc_head_at_the_root(tmp_path, ratios):
+    """DeepSeek-V4's MTP fuses two [H, H] projections; llama.cpp's deepseek4 graph takes one eh_proj [H, 2H]
+    whose rows are e_proj's then h_proj's (its converter's torch.cat dim 1); the MTP's hc_head goes to the file's
+    root (output_hc_*), which its MTP graph reads; compress_ratios gets the MTP layer's 0 (sliding attention)
+    unless the trunk's already lists it, as the release config does."""
+    src = make_checkpoint("deepseek_v4", tmp_path / "src", with_optional=False)
+    key = "deepseek4.attention.compress_ratios"
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf", overrides={key: ratios})
+    assert _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32").returncode == 0
+    r = _read(tmp_path / "out")
+    ts = _tensors(r)
+    e, h = _source(src, "mtp.0.e_proj.weight"), _source(src, "mtp.0.h_proj.weight")
+    assert np.asarray(ts["blk.4.nextn.eh_proj.weight"].data).tobytes() == np.concatenate([e, h], axis=1).tobytes()
+    for part in ("fn", "base", "scale"):
+        root = np.asarray(ts[f"output_hc_{part}.weight"].data)
+        assert root.tobytes() == _source(src, f"mtp.0.hc_head_{part}").tobytes()
+    assert not [n for n in ts if ".e_proj" in n or ".h_proj" in n or "hc_head" in n]
+    assert list(r.fields[key].contents()) == [0, 4, 128, 4, 0]
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp"])
 def test_a_family_llama_cpp_drafts_and_we_do_not_says_what_is_missing(glm, tmp_path, family):
     """A table with no llama_cpp section says why (llama_cpp_absent): extract's refusal and `ckpt tables` name
     llama.cpp's architecture and each missing item; the check level is none."""

@@ -26,7 +26,7 @@ LLAMA = {n: t for n, t in sorted(all_tables().items()) if t.llama_cpp is not Non
 _TREE = Path(os.environ.get("LLAMA_CPP_SRC") or Path(__file__).resolve().parent.parent / ".llama-cpp" / "src")
 SRC = str(_TREE) if (_TREE / "gguf-py").is_dir() else None
 # llama.cpp b11434 names no per-layer head copy for bailingmoe3 (its converter refuses one, and so do we)
-OPTIONS = {"bailing_moe_v3": {"with_optional": False}}
+OPTIONS = {"bailing_moe_v3": {"with_optional": False}, "deepseek_v4": {"with_optional": False}}
 
 
 def test_the_two_families_issue_41_starts_with_are_covered():
@@ -41,6 +41,8 @@ def test_names_come_from_the_package_and_its_gaps_are_real(family):
     for name in lc.package_lacks:
         kind = getattr(gguf.MODEL_TENSOR, name)
         assert kind not in kinds, f"{family}: the package lists {name} for {lc.tensor_arch} now; drop it"
+    for name in lc.new_kinds:
+        assert not hasattr(gguf.MODEL_TENSOR, name), f"{family}: the package has {name} now; drop it from new_kinds"
     names = set(gguf.MODEL_ARCH_NAMES.values())
     if lc.arch in names:  # an architecture the package knows must be the one whose names we use
         assert gguf.MODEL_ARCH_NAMES[arch] == lc.arch

@@ -72,8 +72,9 @@ def render_family(r: dict) -> None:
         fields += [("", f"missing: {m}") for m in lc["missing"]]
     elif lc:
         lacks = f"; the gguf package lacks {', '.join(lc['package_lacks'])}" if "package_lacks" in lc else ""
-        fields.append(("llama.cpp", f"{lc['arch']} (names from gguf {lc['tensor_arch']}{lacks}), checked: "
-                                    f"{lc['check']}"))
+        source = (f"the table's tensor_map; the gguf package lacks {', '.join(lc['new_kinds'])}" if "new_kinds" in lc
+                  else f"gguf {lc['tensor_arch']}{lacks}")
+        fields.append(("llama.cpp", f"{lc['arch']} (names from {source}), checked: {lc['check']}"))
         if "note" in lc:
             fields.append(("", lc["note"]))
     if "probe" in r:

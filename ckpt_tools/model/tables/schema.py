@@ -230,6 +230,9 @@ class LlamaCppJoinDef(_Strict):
 
     keys: list[str] = Field(min_length=2)  # block-relative keys, e.g. self_attn.q_proj.weight
     into: str  # the block-relative name the tensor map knows for the whole, e.g. self_attn.qkv_proj.weight
+    # side by side instead: each row of the whole is the parts' rows one after the other (DeepSeek-V4's e_proj and
+    # h_proj into eh_proj, as its converter's torch.cat dim 1)
+    columns: bool = False
 
 
 class LlamaCppPermuteDef(_Strict):
@@ -256,6 +259,12 @@ class LlamaCppDef(_Strict):
     arch: str  # general.architecture llama.cpp b11434 reads, e.g. glm4moe, deepseek2
     tensor_arch: str  # the gguf package's MODEL_ARCH member whose tensor map names our tensors
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
+    # a converter that names tensors with its own map, not the package's TensorNameMap (DeepSeek-V4's): its source
+    # name templates ({bid}: the block) -> MODEL_TENSOR kind; the GGUF name is the kind's, with the source's suffix
+    tensor_map: dict[str, str] = Field(default_factory=dict)
+    # MODEL_TENSOR kinds the package has no member for at all -> their GGUF names in llama.cpp b11434's gguf-py
+    # (constants.py TENSOR_NAMES), for tensor_map
+    new_kinds: dict[str, str] = Field(default_factory=dict)
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
     join: list[LlamaCppJoinDef] = Field(default_factory=list)

@@ -184,6 +184,8 @@ def _extended(trunk: GgufFile, layers: int, lc: Any, envs: list[dict]) -> dict[s
         kv = trunk.kv.get(key)
         if kv is None or not isinstance(kv.value, list):  # one value for every layer holds for the MTP layers too
             continue
+        if len(kv.value) == layers + len(envs):  # already lists the MTP layers (DeepSeek-V4's compress_ratios)
+            continue
         if len(kv.value) != layers:
             raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
                              path=str(trunk.path), key=key)
@@ -196,7 +198,7 @@ def _extend_value(value: Any, env: dict) -> Any:
     if not isinstance(value, str):
         return value
     v = evaluate(value, env)
-    return v if isinstance(v, bool) else int(v)
+    return v if isinstance(v, (bool, float)) else int(v)
 
 
 def _one(values: list) -> Any:
@@ -281,12 +283,13 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
             out.append((t, f"{folded(lc.fold, g.sub_prefix, base, bid)}.{slot}_proj.weight", "linear"))
             continue
         spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
-        if spec is None or spec.depth is None and spec.role not in GLUE_NAMES:
+        glue = spec is not None and (spec.role in GLUE_NAMES or spec.role in lc.glue)
+        if spec is None or spec.depth is None and not glue:
             raise InputError(f"{t.key}: not an MTP tensor of the table", rule=RULE_NAME, key=t.key)
         depth = spec.depth if spec.depth is not None else 0
         base = render(prefix, {**res.env, "l": _trunk_layers(res) + depth})
         bid = _trunk_layers(res) + depth
-        if spec.role in GLUE_NAMES:
+        if glue:
             out.append((t, glue_name(lc, spec.role, base, bid), spec.kind))
         elif spec.role == "block" and (spec.block == 0 or spec.block < len(lc.fold)):
             out.append((t, folded(lc.fold[spec.block:spec.block + 1], spec.sub, base, bid), spec.kind))
@@ -311,8 +314,10 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
                     blocks.setdefault(item[1][: -len(key)], {})[j] = i
         for base, at in blocks.items():
             parts = [out[at[j]][0] for j in sorted(at)]  # type: ignore[index]
-            if len(at) != len(jn.keys) or len({(p.dtype, p.shape[1:]) for p in parts}) != 1:
-                raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}; the source holds "
+            same = {(p.dtype, p.shape[0], len(p.shape)) if jn.columns else (p.dtype, p.shape[1:]) for p in parts}
+            if len(at) != len(jn.keys) or len(same) != 1:
+                raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}"
+                                 f"{' side by side' if jn.columns else ''}; the source holds "
                                  f"{', '.join(f'{p.key} {p.dtype} {list(p.shape)}' for p in parts)}",
                                  rule=RULE_NAME, key=parts[0].key)
 
@@ -321,14 +326,39 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
                     yield RecipeReader(p.recipe).read(p.nbytes)
 
             first = parts[0]
-            whole = OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
-                                 Compute(produce, "join", inputs=[p.key for p in parts]),
-                                 meta={"source": [s for p in parts for s in p.meta.get("source", [p.key])],
-                                       "source_dtype": first.meta.get("source_dtype", first.dtype)})
+            meta = {"source": [s for p in parts for s in p.meta.get("source", [p.key])],
+                    "source_dtype": first.meta.get("source_dtype", first.dtype)}
+            whole = (_side_by_side(parts, meta) if jn.columns else
+                     OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
+                                  Compute(produce, "join", inputs=[p.key for p in parts]), meta=meta))
             out[at[0]] = (whole, base + jn.into, out[at[0]][2])  # type: ignore[index]
             for j in range(1, len(jn.keys)):
                 out[at[j]] = None
     return [item for item in out if item is not None]
+
+
+def _side_by_side(parts: list[OutputTensor], meta: dict) -> OutputTensor:
+    """Matrices of the same rows joined column-wise (``join.columns``): each row of the whole is the parts' rows
+    one after the other, read a band of rows at a time from each part."""
+    from ...numeric.transforms import RecipeReader
+    from ...stream.plan import Compute
+
+    rows, item = parts[0].shape[0], _itemsize(parts[0].dtype)
+    widths = [p.shape[1] * item for p in parts]
+    per = max(1, BAND_BYTES // sum(widths))
+
+    def produce():
+        import numpy as np
+
+        readers = [RecipeReader(p.recipe) for p in parts]
+        for done in range(0, rows, per):
+            n = min(per, rows - done)
+            bands = [np.frombuffer(r.read(n * w), np.uint8).reshape(n, w) for r, w in zip(readers, widths, strict=True)]
+            yield memoryview(np.concatenate(bands, axis=1).reshape(-1))
+
+    first = parts[0]
+    return OutputTensor(first.key, first.dtype, (rows, sum(p.shape[1] for p in parts)),
+                        Compute(produce, "join-columns", inputs=[p.key for p in parts]), meta=meta)
 
 
 def _laid_end_to_end(produced: list[OutputTensor], pieces: dict[str, tuple[str, int]]) -> list[OutputTensor]:
@@ -381,8 +411,9 @@ def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: A
             return _split(t, hf_name[: -len(sp.key)], sp, names, lc, env, gguf_type, family)
     found = names.lookup(hf_name)
     if found is None:
-        raise InputError(f"{t.key} ({hf_name} in llama.cpp's converter) has no name in the gguf tensor map of "
-                         f"{lc.tensor_arch}{' + ' + ', '.join(lc.package_lacks) if lc.package_lacks else ''}",
+        raise InputError(f"{t.key} ({hf_name} in llama.cpp's converter) has no name in "
+                         f"{'the table tensor_map' if lc.tensor_map else 'the gguf tensor map of ' + lc.tensor_arch}"
+                         f"{' + ' + ', '.join(lc.package_lacks) if lc.package_lacks else ''}",
                          rule=RULE_NAME, path=f"mappings/architectures/{family}.yaml", key=t.key)
     tkind, gname = found
     offset = lc.norm_offset if kind == "norm" else 0.0

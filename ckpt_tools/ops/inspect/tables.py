@@ -50,6 +50,7 @@ def _llama_cpp(table) -> dict | None:
         return None if absent is None else {"arch": absent.arch, "check": "none", "missing": list(absent.missing)}
     return {"arch": lc.arch, "tensor_arch": lc.tensor_arch, "check": lc.check,
             **({"package_lacks": list(lc.package_lacks)} if lc.package_lacks else {}),
+            **({"new_kinds": list(lc.new_kinds)} if lc.new_kinds else {}),
             **({"note": lc.note} if lc.note else {})}
 
 
