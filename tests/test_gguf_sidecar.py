@@ -323,12 +323,38 @@ def test_deepseek_v4_e_and_h_proj_side_by_side_and_hc_head_at_the_root(tmp_path,
     r = _read(tmp_path / "out")
     ts = _tensors(r)
     e, h = _source(src, "mtp.0.e_proj.weight"), _source(src, "mtp.0.h_proj.weight")
-    assert np.asarray(ts["blk.4.nextn.eh_proj.weight"].data).tobytes() == np.concatenate([e, h], axis=1).tobytes()
+    whole = gguf.quants.quantize(np.concatenate([e, h], axis=1), gguf.GGMLQuantizationType.Q8_0)  # the converter's
+    assert np.asarray(ts["blk.4.nextn.eh_proj.weight"].data).tobytes() == whole.tobytes()
     for part in ("fn", "base", "scale"):
         root = np.asarray(ts[f"output_hc_{part}.weight"].data)
         assert root.tobytes() == _source(src, f"mtp.0.hc_head_{part}").tobytes()
     assert not [n for n in ts if ".e_proj" in n or ".h_proj" in n or "hc_head" in n]
     assert list(r.fields[key].contents()) == [0, 4, 128, 4, 0]
+
+
+def test_deepseek_v4_fp4_experts_go_out_as_mxfp4_value_for_value(tmp_path):
+    """The release's routed experts (FP4 e2m1 codes, an E8M0 scale per 32) go out as MXFP4, as llama.cpp's
+    converter repacks them whatever the output type (llama_cpp.types): every value the source's, its -0 codes
+    kept; its FP8 weights as Q8_0, the file type MXFP4_MOE."""
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v4", tmp_path / "src", QuantOptions("fp8-ue8m0-fp4-experts"))
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf", tensors=False)
+    assert _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32").returncode == 0
+    r = _read(tmp_path / "out")
+    ts = _tensors(r)
+    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    assert ts["blk.4.attn_q_a.weight"].tensor_type.name == "Q8_0"
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    with Checkpoint.open(src) as ck:  # the format's definition: code * 2 ** (e - 127), first code in the low nibble
+        codes, scales = (np.concatenate([np.frombuffer(ck.tensors[f"mtp.0.ffn.experts.{x}.w1.{k}"].read(), np.uint8)
+                                         for x in range(4)]) for k in ("weight", "scale"))
+    values = e2m1[np.stack([codes & 15, codes >> 4], -1).reshape(-1)] * np.repeat(np.exp2(scales - 127.0), 32)
+    t = ts["blk.4.ffn_gate_exps.weight"]
+    assert t.tensor_type.name == "MXFP4"
+    assert np.array_equal(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1), values)
+    mx = np.asarray(t.data).reshape(-1, 17)[:, 1:]
+    assert ((mx & 15) == 8).sum() + ((mx >> 4) == 8).sum() == ((codes & 15) == 8).sum() + ((codes >> 4) == 8).sum() > 0
 
 
 @pytest.mark.parametrize("family", ["qwen4_exp"])

@@ -265,6 +265,11 @@ class LlamaCppDef(_Strict):
     # MODEL_TENSOR kinds the package has no member for at all -> their GGUF names in llama.cpp b11434's gguf-py
     # (constants.py TENSOR_NAMES), for tensor_map
     new_kinds: dict[str, str] = Field(default_factory=dict)
+    # a converter that types tensors itself, whatever --outtype says (DeepSeek-V4's tensor_force_quant): a matrix's
+    # GGUF type by its kind, else by its source's storage (a dtype, or a scheme table's storage name: fp8-block);
+    # and the general.file_type it writes
+    types: dict[str, Literal["f32", "f16", "bf16", "q8_0", "mxfp4"]] = Field(default_factory=dict)
+    file_type: str | None = None  # a gguf.LlamaFileType member name
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
     join: list[LlamaCppJoinDef] = Field(default_factory=list)

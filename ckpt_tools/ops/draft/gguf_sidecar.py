@@ -60,12 +60,15 @@ def _qtype(name: str):
     import gguf
 
     return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[name]
+            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+            "mxfp4": gguf.GGMLQuantizationType.MXFP4}[name]
 
 
-def _file_type(name: str) -> int:
+def _file_type(name: str, lc: Any) -> int:
     import gguf
 
+    if lc.file_type is not None:  # the converter's, whatever its --outtype (DeepSeek-V4: MOSTLY_MXFP4_MOE)
+        return int(gguf.LlamaFileType[lc.file_type])
     return int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[name])
 
@@ -101,7 +104,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
     envs = [_layer_env(table, env, i) for i in range(view.count)]
-    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, lc, envs))
+    kv = _kv(trunk, blocks, view.count, _file_type(req.gguf_type, lc), _extended(trunk, trunk_layers, lc, envs))
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -206,13 +209,13 @@ def _one(values: list) -> Any:
     return values[0] if len(set(values)) == 1 else values
 
 
-def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]) -> list[GgufKV]:
+def _kv(trunk: GgufFile, blocks: int, nextn: int, file_type: int, extended: dict[str, list]) -> list[GgufKV]:
     """The trunk's key-values in its order (the unchanged ones as their bytes), the sidecar's own values set."""
     import gguf
 
     arch = trunk.arch
     set_keys = {f"{arch}.block_count": blocks, f"{arch}.nextn_predict_layers": nextn,
-                "general.file_type": _file_type(gguf_type), **extended}
+                "general.file_type": file_type, **extended}
     kv = [v if v.key not in set_keys else GgufKV(v.key, set_keys.pop(v.key), v.vtype, v.sub_type)
           for v in trunk.kv.values()]
     return kv + [GgufKV(key, value, gguf.GGUFValueType.UINT32) for key, value in set_keys.items()]
@@ -417,7 +420,7 @@ def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: A
                          rule=RULE_NAME, path=f"mappings/architectures/{family}.yaml", key=t.key)
     tkind, gname = found
     offset = lc.norm_offset if kind == "norm" else 0.0
-    qtype = _out_qtype(tkind, gname, t.shape, lc, gguf_type)
+    qtype = _out_qtype(tkind, gname, t.shape, lc, gguf_type, _storage(t))
     meta = {"source": list(t.meta.get("source", [t.key])), "source_dtype": t.meta.get("source_dtype", t.dtype)}
     heads = next((int(evaluate(p.heads, env)) for p in lc.permute if hf_name.endswith("." + p.key)), None)
     if heads is not None:
@@ -440,10 +443,20 @@ def _permuted(t: OutputTensor, qtype, heads: int) -> Iterator[bytes]:
     yield _encode(np.ascontiguousarray(values), qtype)
 
 
-def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str):
+def _storage(t: OutputTensor) -> str:
+    """How the source stores ``t``: a scheme table's storage name (fp8-block) where it was decoded, else its dtype."""
+    first = t.meta.get("experts", [t])[0]
+    return (first.meta.get("dequantized_from") or {}).get("format") or first.meta.get("source_dtype") or t.dtype
+
+
+def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str, storage: str | None = None):
     import gguf
 
-    if keeps_f32(tkind, gname, len(shape), list(lc.f32), list(lc.not_f32)):
+    # the converter's own type for a matrix (llama_cpp.types) yields only to F32 for vectors and norms, as there
+    forced = lc.types.get(tkind) or lc.types.get(storage or "")
+    if forced and len(shape) > 1 and not gname.endswith("_norm.weight"):
+        gguf_type = forced
+    elif keeps_f32(tkind, gname, len(shape), list(lc.f32), list(lc.not_f32)):
         return gguf.GGMLQuantizationType.F32
     q = _qtype(gguf_type)
     block = gguf.GGML_QUANT_SIZES[q][0]
@@ -454,9 +467,23 @@ def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_typ
 
 def _encode(values, qtype) -> memoryview:
     import numpy as np
-    from gguf import quants
+    from gguf import GGMLQuantizationType, quants
 
-    return _as_bytes(np.ascontiguousarray(quants.quantize(values, qtype)))
+    q = np.ascontiguousarray(quants.quantize(values, qtype))
+    if qtype == GGMLQuantizationType.MXFP4:
+        _signed_zeros(values, q)
+    return _as_bytes(q)
+
+
+def _signed_zeros(values, q) -> None:
+    """An MXFP4 block's -0 values as code 8 (-0), as the FP4 source stores them and llama.cpp's converter repacks
+    them; gguf's quantizer writes 0. Each block is its scale byte, then byte j: value j low, value j + 16 high."""
+    import numpy as np
+
+    v = values.reshape(-1, 2, 16)
+    negative_zero = (v == 0) & np.signbit(v)
+    codes = q.reshape(-1, 17)[:, 1:]
+    codes |= (negative_zero[:, 0] * np.uint8(0x08)) | (negative_zero[:, 1] * np.uint8(0x80))
 
 
 def _as_bytes(array) -> memoryview:
