@@ -64,11 +64,11 @@ def _qtype(name: str):
             "mxfp4": gguf.GGMLQuantizationType.MXFP4}[name]
 
 
-def _file_type(name: str, lc: Any) -> int:
+def _file_type(name: str, forced: str | None = None) -> int:
     import gguf
 
-    if lc.file_type is not None:  # the converter's, whatever its --outtype (DeepSeek-V4: MOSTLY_MXFP4_MOE)
-        return int(gguf.LlamaFileType[lc.file_type])
+    if forced is not None:  # the converter's, whatever its --outtype (llama_cpp.file_type: DeepSeek-V4's MXFP4_MOE)
+        return int(gguf.LlamaFileType[forced])
     return int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[name])
 
@@ -104,7 +104,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
     envs = [_layer_env(table, env, i) for i in range(view.count)]
-    kv = _kv(trunk, blocks, view.count, _file_type(req.gguf_type, lc), _extended(trunk, trunk_layers, lc, envs))
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, lc, envs), lc.file_type)
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -209,13 +209,14 @@ def _one(values: list) -> Any:
     return values[0] if len(set(values)) == 1 else values
 
 
-def _kv(trunk: GgufFile, blocks: int, nextn: int, file_type: int, extended: dict[str, list]) -> list[GgufKV]:
+def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list],
+        file_type: str | None = None) -> list[GgufKV]:
     """The trunk's key-values in its order (the unchanged ones as their bytes), the sidecar's own values set."""
     import gguf
 
     arch = trunk.arch
     set_keys = {f"{arch}.block_count": blocks, f"{arch}.nextn_predict_layers": nextn,
-                "general.file_type": file_type, **extended}
+                "general.file_type": _file_type(gguf_type, file_type), **extended}
     kv = [v if v.key not in set_keys else GgufKV(v.key, set_keys.pop(v.key), v.vtype, v.sub_type)
           for v in trunk.kv.values()]
     return kv + [GgufKV(key, value, gguf.GGUFValueType.UINT32) for key, value in set_keys.items()]
