@@ -69,9 +69,8 @@ class TensorNames:
         # a name in GGUF form is its own (a converter that formats a kind's name itself: format_tensor_name)
         for kind, name in list(mapping.values()):
             mapping.setdefault(name, (kind, name))
-        out = {k: (kind.name, name) for k, (kind, name) in mapping.items()}
-        out.update(self._converter_map(gguf))
-        return out
+        mapping.update(self._converter_map(gguf))
+        return mapping
 
     def _converter_map(self, gguf: Any) -> dict[str, tuple[str, str]]:
         """The table's ``tensor_map`` (a converter's own map of source names to kinds), whole names with their
@@ -97,12 +96,12 @@ class TensorNames:
             name = name.replace(old, new)
         hit = self._map.get(name)
         if hit is not None:
-            return hit
+            return getattr(hit[0], "name", hit[0]), hit[1]
         for suffix in SUFFIXES:
             if name.endswith(suffix):
                 hit = self._map.get(name[: -len(suffix)])
                 if hit is not None:
-                    return hit[0], hit[1] + suffix
+                    return getattr(hit[0], "name", hit[0]), hit[1] + suffix
         return None
 
 

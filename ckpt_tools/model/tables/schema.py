@@ -230,9 +230,8 @@ class LlamaCppJoinDef(_Strict):
 
     keys: list[str] = Field(min_length=2)  # block-relative keys, e.g. self_attn.q_proj.weight
     into: str  # the block-relative name the tensor map knows for the whole, e.g. self_attn.qkv_proj.weight
-    # side by side instead: each row of the whole is the parts' rows one after the other (DeepSeek-V4's e_proj and
-    # h_proj into eh_proj, as its converter's torch.cat dim 1)
-    columns: bool = False
+    # columns: each row the parts' rows side by side (Qwen4-Exp's eh_proj = [fc_embedding | fc_hidden])
+    axis: Literal["rows", "columns"] = "rows"
 
 
 class LlamaCppPermuteDef(_Strict):

@@ -320,10 +320,9 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
                     blocks.setdefault(item[1][: -len(key)], {})[j] = i
         for base, at in blocks.items():
             parts = [out[at[j]][0] for j in sorted(at)]  # type: ignore[index]
-            same = {(p.dtype, p.shape[0], len(p.shape)) if jn.columns else (p.dtype, p.shape[1:]) for p in parts}
-            if len(at) != len(jn.keys) or len(same) != 1:
-                raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}"
-                                 f"{' side by side' if jn.columns else ''}; the source holds "
+            same = (lambda p: p.shape[:1]) if jn.axis == "columns" else (lambda p: p.shape[1:])
+            if len(at) != len(jn.keys) or len({(p.dtype, same(p)) for p in parts}) != 1:
+                raise InputError(f"{base}: llama.cpp joins {', '.join(jn.keys)} into {jn.into}; the source holds "
                                  f"{', '.join(f'{p.key} {p.dtype} {list(p.shape)}' for p in parts)}",
                                  rule=RULE_NAME, key=parts[0].key)
 
@@ -334,7 +333,7 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
             first = parts[0]
             meta = {"source": [s for p in parts for s in p.meta.get("source", [p.key])],
                     "source_dtype": first.meta.get("source_dtype", first.dtype)}
-            whole = (_side_by_side(parts, meta) if jn.columns else
+            whole = (side_by_side(parts, meta) if jn.axis == "columns" else
                      OutputTensor(first.key, first.dtype, (sum(p.shape[0] for p in parts), *first.shape[1:]),
                                   Compute(produce, "join", inputs=[p.key for p in parts]), meta=meta))
             out[at[0]] = (whole, base + jn.into, out[at[0]][2])  # type: ignore[index]
@@ -343,24 +342,22 @@ def _joined(tensors: list[tuple[OutputTensor, str, str]], lc: Any) -> list[tuple
     return [item for item in out if item is not None]
 
 
-def _side_by_side(parts: list[OutputTensor], meta: dict) -> OutputTensor:
-    """Matrices of the same rows joined column-wise (``join.columns``): each row of the whole is the parts' rows
-    one after the other, read a band of rows at a time from each part."""
+def side_by_side(parts: list[OutputTensor], meta: dict) -> OutputTensor:
+    """2-D tensors of one dtype and row count as one, each row the parts' rows side by side ([a | b], torch.cat
+    dim 1). Read a band of rows of every part at a time: memory stays a few bands whatever the parts' size."""
     from ...numeric.transforms import RecipeReader
     from ...stream.plan import Compute
 
-    rows, item = parts[0].shape[0], _itemsize(parts[0].dtype)
-    widths = [p.shape[1] * item for p in parts]
+    rows = parts[0].shape[0]
+    widths = [p.nbytes // rows for p in parts]  # bytes of one row of each part
     per = max(1, BAND_BYTES // sum(widths))
 
     def produce():
-        import numpy as np
-
         readers = [RecipeReader(p.recipe) for p in parts]
         for done in range(0, rows, per):
             n = min(per, rows - done)
-            bands = [np.frombuffer(r.read(n * w), np.uint8).reshape(n, w) for r, w in zip(readers, widths, strict=True)]
-            yield memoryview(np.concatenate(bands, axis=1).reshape(-1))
+            bands = [r.read(n * w) for r, w in zip(readers, widths, strict=True)]
+            yield b"".join(b[i * w:(i + 1) * w] for i in range(n) for b, w in zip(bands, widths, strict=True))
 
     first = parts[0]
     return OutputTensor(first.key, first.dtype, (rows, sum(p.shape[1] for p in parts)),
