@@ -258,17 +258,6 @@ class LlamaCppDef(_Strict):
     arch: str  # general.architecture llama.cpp b11434 reads, e.g. glm4moe, deepseek2
     tensor_arch: str  # the gguf package's MODEL_ARCH member whose tensor map names our tensors
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
-    # a converter that names tensors with its own map, not the package's TensorNameMap (DeepSeek-V4's): its source
-    # name templates ({bid}: the block) -> MODEL_TENSOR kind; the GGUF name is the kind's, with the source's suffix
-    tensor_map: dict[str, str] = Field(default_factory=dict)
-    # MODEL_TENSOR kinds the package has no member for at all -> their GGUF names in llama.cpp b11434's gguf-py
-    # (constants.py TENSOR_NAMES), for tensor_map
-    new_kinds: dict[str, str] = Field(default_factory=dict)
-    # a converter that types tensors itself, whatever --outtype says (DeepSeek-V4's tensor_force_quant): a matrix's
-    # GGUF type by its kind, else by its source's storage (a dtype, or a scheme table's storage name: fp8-block);
-    # and the general.file_type it writes
-    types: dict[str, Literal["f32", "f16", "bf16", "q8_0", "mxfp4"]] = Field(default_factory=dict)
-    file_type: str | None = None  # a gguf.LlamaFileType member name
     check: Literal["served", "converter", "names"]
     split: list[LlamaCppSplitDef] = Field(default_factory=list)
     join: list[LlamaCppJoinDef] = Field(default_factory=list)
@@ -294,6 +283,17 @@ class LlamaCppDef(_Strict):
     # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
     # (the defaults apply where the table declares the variable: a dense family has no ``experts``)
     compare: dict[str, str] = Field(default_factory=lambda: dict(LLAMA_CPP_COMPARE))
+    # a converter that names tensors with its own map, not the package's TensorNameMap (DeepSeek-V4's): its source
+    # name templates ({bid}: the block) -> MODEL_TENSOR kind; the GGUF name is the kind's, with the source's suffix
+    tensor_map: dict[str, str] = Field(default_factory=dict)
+    # MODEL_TENSOR kinds the package has no member for at all -> their GGUF names in llama.cpp b11434's gguf-py
+    # (constants.py TENSOR_NAMES), for tensor_map
+    new_kinds: dict[str, str] = Field(default_factory=dict)
+    # a converter that types tensors itself, whatever --outtype says (DeepSeek-V4's tensor_force_quant): a matrix's
+    # GGUF type by its kind, else by its source's storage (a dtype, or a scheme table's storage name: fp8-block);
+    # and the general.file_type it writes
+    types: dict[str, Literal["f32", "f16", "bf16", "q8_0", "mxfp4"]] = Field(default_factory=dict)
+    file_type: str | None = None  # a gguf.LlamaFileType member name
     note: str | None = None
 
     @model_validator(mode="after")
