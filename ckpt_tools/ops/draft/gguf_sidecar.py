@@ -36,7 +36,6 @@ RULE_MISMATCH = "gguf-trunk-mismatch"
 RULE_TRUNK = "gguf-trunk"
 RULE_NAME = "gguf-name"
 RULE_FAMILY = "gguf-family"
-RULE_MXFP4 = "gguf-mxfp4"
 BAND_BYTES = 8 << 20  # float32 values of the rows converted at a time: memory stays a few bands
 
 
@@ -286,7 +285,7 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
             base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
             bid = _trunk_layers(res) + (g.depth or 0)
             out.append((t, f"{folded(lc.fold, g.sub_prefix, base, bid)}.{slot}_proj.weight", "linear"))
-            t.meta["raw"] = ckpt.tensors  # a decoded expert's stored scales, for MXFP4 (_exponents)
+            t.meta["raw"] = ckpt.tensors  # a decoded expert's stored codes and scales, for MXFP4 (_fp4_stored)
             continue
         spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
         glue = spec is not None and (spec.role in GLUE_NAMES or spec.role in lc.glue)
@@ -472,38 +471,32 @@ def _encode(values, qtype) -> memoryview:
     return _as_bytes(np.ascontiguousarray(quants.quantize(values, qtype)))
 
 
-def _exponents(part: OutputTensor, raw: Any, cols: int):
-    """An FP4 expert's E8M0 scales [rows, cols / 32] as its source stores them (meta ``source``: codes, then
-    scale), where MXFP4 is the same numbers: gguf's quantizer would pick a smaller exponent for a block whose
-    largest code is below 4, and write -0 as 0."""
+def _fp4_stored(part: OutputTensor, raw: Any, cols: int):
+    """A decoded FP4 expert as its source stores it (meta ``source``: codes, then scale): (codes [rows, cols / 2],
+    two a byte, the first low; E8M0 exponents [rows, cols / 32]), else None. MXFP4 holds the same numbers, and
+    llama.cpp's converter moves them: gguf's quantizer on the values would pick a smaller exponent for a block
+    whose largest code is below 4, and write -0 as 0."""
     import numpy as np
 
     source = part.meta.get("source", [])
-    ref = raw.get(source[-1]) if raw is not None and len(source) == 2 else None
-    if ref is None or ref.dtype not in ("F8_E8M0", "U8") or cols % 32 or ref.nbytes * 32 != part.nbytes // 4:
+    refs = [raw.get(k) for k in source] if raw is not None and len(source) == 2 else [None]
+    values = part.nbytes // 4  # decoded to F32
+    if None in refs or cols % 32 or refs[0].dtype not in ("I8", "U8") or refs[1].dtype not in ("F8_E8M0", "U8") \
+            or refs[0].nbytes * 2 != values or refs[1].nbytes * 32 != values:
         return None
-    return np.frombuffer(ref.read(), np.uint8).reshape(-1, cols // 32)
+    return (np.frombuffer(refs[0].read(), np.uint8).reshape(-1, cols // 2),
+            np.frombuffer(refs[1].read(), np.uint8).reshape(-1, cols // 32))
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4 magnitudes, codes 0-7 (8-15: the same, negative)
-
-
-def _mxfp4(values, exponents, key: str) -> memoryview:
-    """ggml's block_mxfp4 for values that are FP4 codes times 2 ** (e - 127): the exponent byte, then byte j
-    holding code j (low) and code j + 16 (high) of the block of 32."""
+def _mxfp4(codes, exponents) -> memoryview:
+    """ggml's block_mxfp4 of FP4 codes and their E8M0 exponents: per block of 32, the exponent, then byte j
+    holding code j (low) and code j + 16 (high)."""
     import numpy as np
 
-    n = values.shape[0]
-    x = values.reshape(n, -1, 32) / np.exp2(exponents.astype(np.float32) - 127)[..., None]
-    mag = np.abs(x)
-    code = np.searchsorted(np.array(E2M1, np.float32), mag)
-    if not np.array_equal(np.array(E2M1, np.float32)[np.minimum(code, 7)], mag):
-        raise InputError(f"{key}: a value is not an FP4 code of its stored scale; no MXFP4 for it",
-                         rule=RULE_MXFP4, key=key)
-    code = code.astype(np.uint8) | (np.signbit(x).astype(np.uint8) << 3)
-    out = np.empty((*code.shape[:2], 17), np.uint8)
+    c = np.stack([codes & 15, codes >> 4], -1).reshape(*exponents.shape, 32)
+    out = np.empty((*exponents.shape, 17), np.uint8)
     out[..., 0] = exponents
-    out[..., 1:] = code[..., :16] | (code[..., 16:] << 4)
+    out[..., 1:] = c[..., :16] | (c[..., 16:] << 4)
     return _as_bytes(out)
 
 
@@ -528,23 +521,25 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[memoryview]:
     direct = t.dtype == "BF16" and not offset and _is_f16(qtype)
     mxfp4 = qtype.name == "MXFP4"
 
-    def read() -> Iterator[tuple[int, bytearray, Any]]:
+    def read() -> Iterator[tuple[int, Any, Any]]:
         for part in t.meta.get("experts", [t]):
-            reader = RecipeReader(part.recipe)
+            stored = _fp4_stored(part, t.meta.get("raw"), cols) if mxfp4 else None  # then not decoded at all
+            reader = RecipeReader(part.recipe) if stored is None else None
             rows = part.nbytes // row
-            exponents = _exponents(part, t.meta.get("raw"), cols) if mxfp4 else None
             for done in range(0, rows, per):
                 n = min(per, rows - done)
-                yield n, reader.read(n * row), None if exponents is None else exponents[done:done + n]
+                yield n, reader and reader.read(n * row), stored and [a[done:done + n] for a in stored]
 
-    def convert(band: tuple[int, bytearray, Any]) -> memoryview:
-        n, buf, exponents = band
+    def convert(band: tuple[int, Any, Any]) -> memoryview:
+        n, buf, stored = band
+        if stored:
+            return _mxfp4(*stored)
         if direct:
             return _as_bytes(_f16_of_bf16(buf))
         values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)
         if offset:
             values = values + np.float32(offset)
-        return _encode(values, qtype) if exponents is None else _mxfp4(values, exponents, t.key)
+        return _encode(values, qtype)
 
     yield from ordered_map(convert, read())
 
