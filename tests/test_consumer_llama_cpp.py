@@ -358,7 +358,7 @@ def test_min_acceptance_checks_every_sidecar_of_a_trunk_without_mtp(fake_llama, 
 # table fixtures (random weights: acceptance is noise), vocabulary 128 for the test tokenizer: every family whose
 # table's llama.cpp check is `served` besides FAMILIES
 OTHER_FAMILIES = ["glm4_moe_lite", "glm_moe_dsa", "qwen3_next", "qwen3_5", "qwen3_5_moe", "hy_v3", "nemotron_h",
-                  "bailing_moe_v3", "mimo_v2", "step3p5", "deepseek_v32", "qwen4_exp"]
+                  "bailing_moe_v3", "mimo_v2", "step3p5", "deepseek_v32", "qwen4_exp", "deepseek_v4"]
 
 
 @pytest.fixture(scope="module")

@@ -340,17 +340,15 @@ def test_families_md_counts_what_it_names():
 
 
 def test_gguf_md_lists_each_llama_cpp_family_with_its_check_level():
-    """docs/gguf.md's family table: every table with a llama_cpp section, its architecture and check level; a family
-    listed with none has no section and says why (llama_cpp_absent, the same architecture)."""
+    """docs/gguf.md's family table: every table with a llama_cpp section, its architecture and check level, and
+    no other row."""
     page = (ROOT / "docs" / "gguf.md").read_text().partition("| family | llama.cpp architecture | check |")[2]
     rows = re.findall(r"^\| `(\w+)` \| `([\w-]+)` \| (\w+) \|$", page.partition("\n\n")[0], flags=re.M)
     listed = {family: (arch, check) for family, arch, check in rows}
     assert len(listed) == len(rows), rows
     tables = _tables_of("mtp")
     sections = {n: (t.llama_cpp.arch, t.llama_cpp.check) for n, t in tables.items() if t.llama_cpp is not None}
-    assert {f: v for f, v in listed.items() if v[1] != "none"} == sections
-    absent = {n: (t.llama_cpp_absent.arch, "none") for n, t in tables.items() if t.llama_cpp_absent is not None}
-    assert {f: v for f, v in listed.items() if v[1] == "none"} == absent
+    assert listed == sections
 
 
 def test_draft_formats_and_schemes_the_docs_list_are_the_tables():

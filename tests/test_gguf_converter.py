@@ -4,7 +4,9 @@ convert_hf_to_gguf.py's, for each output type; Q8_0 bytes from the PyPI gguf pac
 the converter's gguf-py. The converter (Python only; no llama.cpp binary) runs from llama.cpp b11434's source
 tree: ``LLAMA_CPP_SRC``, else ``.llama-cpp/src`` as ``make llama-cpp`` unpacks it; with its test tokenizer
 (ckpt_tools/testing/tokenizer.py) and runner (tests/consumers/llama_convert.py), for MiMo-V2, Step-3.5 and
-DeepSeek-V3.2 under its own transformers pin (tests/llama_fixtures.PINNED).
+DeepSeek-V3.2 under its own transformers pin (tests/llama_fixtures.PINNED). DeepSeek-V4 stored as its release is
+(FP8, FP4 experts with E8M0 scales: its converter takes no other): its converter types each tensor by its source's
+whatever --outtype says (llama_cpp.types), the routed experts MXFP4.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ VOCAB = 128
 CASES = {"glm4_moe": ("f32", "f16", "bf16", "q8_0"), "glm4_moe_lite": ("f16",), "glm_moe_dsa": ("f16",),
          "qwen3_next": ("f16",), "qwen3_5": ("f16",), "qwen3_5_moe": ("f16",), "hy_v3": ("f16",),
          "nemotron_h": ("f16",), "bailing_moe_v3": ("f16",), "mimo_v2": ("f16",), "step3p5": ("f16",),
-         "deepseek_v32": ("f16",), "qwen4_exp": ("f16",)}
+         "deepseek_v32": ("f16",), "qwen4_exp": ("f16",), "deepseek_v4": ("f16",)}
 # MiMo-V2 in the Pro layout: for Flash's split q / k / v our sidecar joins them into attn_qkv (llama_cpp.join: the
 # mimo2 MTP graph drafts with nothing else), its converter does not
 MORE = {"mimo_v2": MIMO_PRO}
@@ -84,3 +86,4 @@ def test_our_sidecar_is_the_converters(converted, family, gguf_type):
         mine = ta[name]
         assert (mine.tensor_type, list(mine.shape)) == (t.tensor_type, list(t.shape)), name
         assert np.asarray(mine.data).tobytes() == np.asarray(t.data).tobytes(), name
+

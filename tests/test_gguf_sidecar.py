@@ -343,21 +343,58 @@ def test_qwen4_exp_without_the_qsa_indexer_is_refused(glm, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4"])
-def test_a_family_llama_cpp_drafts_and_we_do_not_says_what_is_missing(glm, tmp_path, family):
-    """A table with no llama_cpp section says why (llama_cpp_absent): extract's refusal and `ckpt tables` name
-    llama.cpp's architecture and each missing item; the check level is none."""
-    from ckpt_tools.model.tables.loader import all_tables
+@pytest.mark.parametrize("ratios", [[0, 4, 128, 4], [0, 4, 128, 4, 0]])
+def test_deepseek_v4_e_and_h_proj_side_by_side_and_hc_head_at_the_root(tmp_path, ratios):
+    """DeepSeek-V4's MTP fuses two [H, H] projections; llama.cpp's deepseek4 graph takes one eh_proj [H, 2H]
+    whose rows are e_proj's then h_proj's (its converter's torch.cat dim 1); the MTP's hc_head goes to the file's
+    root (output_hc_*), which its MTP graph reads; compress_ratios gets the MTP layer's 0 (sliding attention)
+    unless the trunk's already lists it, as the release config does."""
+    src = make_checkpoint("deepseek_v4", tmp_path / "src", with_optional=False)
+    key = "deepseek4.attention.compress_ratios"
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf", overrides={key: ratios})
+    assert _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32").returncode == 0
+    r = _read(tmp_path / "out")
+    ts = _tensors(r)
+    e, h = _source(src, "mtp.0.e_proj.weight"), _source(src, "mtp.0.h_proj.weight")
+    whole = gguf.quants.quantize(np.concatenate([e, h], axis=1), gguf.GGMLQuantizationType.Q8_0)  # the converter's
+    assert np.asarray(ts["blk.4.nextn.eh_proj.weight"].data).tobytes() == whole.tobytes()
+    for part in ("fn", "base", "scale"):
+        root = np.asarray(ts[f"output_hc_{part}.weight"].data)
+        assert root.tobytes() == _source(src, f"mtp.0.hc_head_{part}").tobytes()
+    assert not [n for n in ts if ".e_proj" in n or ".h_proj" in n or "hc_head" in n]
+    assert list(r.fields[key].contents()) == [0, 4, 128, 4, 0]
 
-    absent = all_tables()[family].llama_cpp_absent
-    src = make_checkpoint(family, tmp_path / "src")
-    r = _extract(src, glm[1], tmp_path / "out")
-    assert r.returncode == 3 and "[gguf-family]" in r.stderr and f"drafts with it ({absent.arch})" in r.stderr
-    assert all(m in " ".join(r.stderr.split()) for m in absent.missing), r.stderr
-    assert not (tmp_path / "out").exists()
-    r = subprocess.run([sys.executable, "-m", "ckpt_tools", "tables", family, "--json"], capture_output=True,
-                       text=True, cwd=ROOT)
-    assert json.loads(r.stdout)["llama_cpp"] == {"arch": absent.arch, "check": "none", "missing": absent.missing}
+
+def test_deepseek_v4_fp4_experts_go_out_as_mxfp4_bit_for_bit(tmp_path):
+    """The release's routed experts (FP4 e2m1 codes, an E8M0 scale per 32) go out as MXFP4 whatever the output
+    type, their codes and scales moved, not quantized again (llama.cpp's converter repacks them): also a block
+    whose largest code is below 4 (gguf's quantizer would pick a smaller exponent) and -0 codes (it would write 0).
+    Its FP8 weights go out as Q8_0, the file type is MXFP4_MOE (llama_cpp.types, file_type)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    src = make_quantized_checkpoint("deepseek_v4", tmp_path / "src", QuantOptions("fp8-ue8m0-fp4-experts"))
+    [shard] = [f for f in src.glob("*.safetensors") if "mtp.0.ffn.experts.0.w1.weight" in load_file(f)]
+    state = load_file(shard)
+    small = state["mtp.0.ffn.experts.0.w1.weight"].view(torch.uint8) & 0x33  # every code of expert 0 below 2.0
+    small[0, :2] = 0x88  # and -0 codes
+    state["mtp.0.ffn.experts.0.w1.weight"] = small.view(torch.int8)
+    save_file(state, shard, metadata={"format": "pt"})
+    trunk = write_trunk_gguf(src, tmp_path / "trunk.gguf", tensors=False)
+    assert _extract(src, trunk, tmp_path / "out", "--gguf-type", "f32").returncode == 0
+    r = _read(tmp_path / "out")
+    ts = _tensors(r)
+    assert r.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
+    assert ts["blk.4.attn_q_a.weight"].tensor_type.name == "Q8_0"
+    with Checkpoint.open(src) as ck:  # ggml's block_mxfp4: the exponent, then byte j: code j low, code j + 16 high
+        codes, scales = (np.stack([np.frombuffer(ck.tensors[f"mtp.0.ffn.experts.{x}.w1.{k}"].read(), np.uint8)
+                                   for x in range(4)]) for k in ("weight", "scale"))
+    c = np.stack([codes & 15, codes >> 4], -1).reshape(*scales.shape, 32)
+    want = np.concatenate([scales[..., None], c[..., :16] | (c[..., 16:] << 4)], axis=-1)
+    t = ts["blk.4.ffn_gate_exps.weight"]
+    assert t.tensor_type.name == "MXFP4" and np.asarray(t.data).tobytes() == want.tobytes()
 
 
 def test_bf16_to_f16_bands_are_numpys_cast_bit_for_bit():

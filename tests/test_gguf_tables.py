@@ -26,7 +26,7 @@ LLAMA = {n: t for n, t in sorted(all_tables().items()) if t.llama_cpp is not Non
 _TREE = Path(os.environ.get("LLAMA_CPP_SRC") or Path(__file__).resolve().parent.parent / ".llama-cpp" / "src")
 SRC = str(_TREE) if (_TREE / "gguf-py").is_dir() else None
 # llama.cpp b11434 names no per-layer head copy for bailingmoe3 (its converter refuses one, and so do we)
-OPTIONS = {"bailing_moe_v3": {"with_optional": False}}
+OPTIONS = {"bailing_moe_v3": {"with_optional": False}, "deepseek_v4": {"with_optional": False}}
 
 
 def test_the_two_families_issue_41_starts_with_are_covered():
@@ -50,6 +50,7 @@ def test_names_come_from_the_package_and_its_gaps_are_real(family):
         kind = getattr(gguf.MODEL_TENSOR, kind_name, None)
         assert kind is None or not any(package.get_type(t.format(bid=3)) == kind for t in templates), \
             f"{family}: the package names {kind_name} for {lc.tensor_arch} now; drop it from llama_cpp.names"
+        assert templates or kind is None, f"{family}: the package has {kind_name} now; drop it from llama_cpp.names"
     names = set(gguf.MODEL_ARCH_NAMES.values())
     if lc.arch in names:  # an architecture the package knows must be the one whose names we use
         assert gguf.MODEL_ARCH_NAMES[arch] == lc.arch

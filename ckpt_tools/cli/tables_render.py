@@ -67,13 +67,11 @@ def render_family(r: dict) -> None:
         if "note" in v:
             fields.append(("", v["note"]))
     lc = r.get("llama_cpp")
-    if lc and "missing" in lc:
-        fields.append(("llama.cpp", f"{lc['arch']}, checked: none (we write no sidecar for it)"))
-        fields += [("", f"missing: {m}") for m in lc["missing"]]
-    elif lc:
-        lacks = f"; the gguf package lacks {', '.join(lc['package_lacks'])}" if "package_lacks" in lc else ""
-        fields.append(("llama.cpp", f"{lc['arch']} (names from gguf {lc['tensor_arch']}{lacks}), checked: "
-                                    f"{lc['check']}"))
+    if lc:
+        lacks = [*lc.get("package_lacks", []), *lc.get("names", [])]
+        source = ("the table's tensor_map" if "tensor_map" in lc else f"gguf {lc['tensor_arch']}") + (
+            f"; the gguf package lacks {', '.join(lacks)}" if lacks else "")
+        fields.append(("llama.cpp", f"{lc['arch']} (names from {source}), checked: {lc['check']}"))
         if "note" in lc:
             fields.append(("", lc["note"]))
     if "probe" in r:

@@ -73,7 +73,26 @@ class TensorNames:
         # a name in GGUF form is its own (a converter that formats a kind's name itself: format_tensor_name)
         for kind, name in list(mapping.values()):
             mapping.setdefault(name, (kind, name))
+        mapping.update(self._converter_map(gguf))
         return mapping
+
+    def _converter_map(self, gguf: Any) -> dict[str, tuple[str, str]]:
+        """The table's ``tensor_map`` (a converter's own map of source names to kinds), whole names with their
+        suffix: the source's, else ``.weight`` (the converter's format_tensor_name default)."""
+        out = {}
+        for template, kind_name in self.lc.tensor_map.items():
+            kind = getattr(gguf.MODEL_TENSOR, kind_name, None)
+            if (kind is None) == (kind_name not in self.lc.names):
+                raise TableError(f"{self.family}: llama_cpp.tensor_map kind {kind_name!r} must be a gguf.MODEL_TENSOR "
+                                 "member or in names (the package lacks it), not both or neither",
+                                 rule="gguf-table")
+            gname = gguf.TENSOR_NAMES[kind] if kind is not None else self.lc.names[kind_name][0]
+            suffix = next((s for s in SUFFIXES if template.endswith(s)), ".weight")
+            for bid in range(self.block_count) if "{bid}" in template else (0,):
+                name = gname.format(bid=bid)
+                out[template.format(bid=bid)] = (kind_name, name + suffix)
+                out.setdefault(name, (kind_name, name))  # the GGUF name is its own, as the package's are
+        return out
 
     def lookup(self, name: str) -> tuple[str, str] | None:
         """(kind name, GGUF name with suffix) for an HF-style name, or None."""

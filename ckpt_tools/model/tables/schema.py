@@ -267,6 +267,7 @@ class LlamaCppDef(_Strict):
     package_lacks: list[str] = Field(default_factory=list)  # MODEL_TENSOR member names
     # kinds the package cannot name for tensor_arch at all (no member, or not the converter's names): MODEL_TENSOR
     # name -> [its GGUF name, the converter's names before its map], with {bid}, as llama.cpp b11434's gguf-py has them
+    # (just [its GGUF name] where tensor_map gives the source names)
     names: dict[str, list[str]] = Field(default_factory=dict)
     requires: list[str] = Field(default_factory=list)  # config variables llama.cpp's graph cannot do without
     check: Literal["served", "converter", "names"]
@@ -294,6 +295,14 @@ class LlamaCppDef(_Strict):
     # SRC config variable -> the trunk's ``{arch}.<key>`` it must equal (checked before anything is written)
     # (the defaults apply where the table declares the variable: a dense family has no ``experts``)
     compare: dict[str, str] = Field(default_factory=lambda: dict(LLAMA_CPP_COMPARE))
+    # a converter that names tensors with its own map, not the package's TensorNameMap (DeepSeek-V4's): its source
+    # name templates ({bid}: the block) -> MODEL_TENSOR kind; the GGUF name is the kind's, with the source's suffix
+    tensor_map: dict[str, str] = Field(default_factory=dict)
+    # a converter that types tensors itself, whatever --outtype says (DeepSeek-V4's tensor_force_quant): a matrix's
+    # GGUF type by its kind, else by its source's storage (a dtype, or a scheme table's storage name: fp8-block);
+    # and the general.file_type it writes
+    types: dict[str, Literal["f32", "f16", "bf16", "q8_0", "mxfp4"]] = Field(default_factory=dict)
+    file_type: str | None = None  # a gguf.LlamaFileType member name
     note: str | None = None
 
     @model_validator(mode="after")
@@ -301,14 +310,6 @@ class LlamaCppDef(_Strict):
         if self.check == "names" and not self.note:
             raise ValueError("llama_cpp.check: names needs a note saying why nothing ran")
         return self
-
-
-class LlamaCppAbsentDef(_Strict):
-    """llama.cpp b11434 drafts with the family's MTP layers (``arch``), and we write no sidecar for it: ``missing``
-    says what it would take (shown by `ckpt tables`, named by extract's refusal), one item a line."""
-
-    arch: str  # general.architecture llama.cpp b11434 reads, e.g. deepseek4
-    missing: list[str] = Field(min_length=1)
 
 
 class DetectDef(_Strict):
@@ -338,7 +339,6 @@ class Table(_Strict):
     fused_modules: dict[str, list[str]] = Field(default_factory=dict)
     vllm: VllmDef | None = None  # vLLM's MTP class for the family and the level it was checked at
     llama_cpp: LlamaCppDef | None = None  # llama.cpp's architecture for the family (GGUF sidecars)
-    llama_cpp_absent: LlamaCppAbsentDef | None = None  # or why there is no such section
     demo: bool = False  # the family `ckpt demo` builds when --family is not given
     shared: dict[str, TensorDef] = Field(default_factory=dict)  # embed, final norm, head, ...
     parts: dict[str, list[PartItem]]
@@ -359,12 +359,6 @@ class Table(_Strict):
                 d = {"keys": d}
             out[name] = d
         return out
-
-    @model_validator(mode="after")
-    def _llama_cpp_once(self):
-        if self.llama_cpp is not None and self.llama_cpp_absent is not None:
-            raise ValueError("llama_cpp and llama_cpp_absent: a family has a llama.cpp section or says why not")
-        return self
 
     @model_validator(mode="after")
     def _vllm_engine(self):

@@ -96,7 +96,7 @@ def _expected(table: Any, names: TensorNames, bid: int) -> tuple[set[str], set[s
             must.add(hit[1])
 
     for role, t in table.mtp.glue.items():
-        if role in GLUE_NAMES:
+        if role in GLUE_NAMES or role in lc.glue:
             add(glue_name(lc, role, base, bid), not t.optional and t.when is None)
     for n, block in enumerate(table.mtp.blocks):
         # a repeated block's sub-blocks are not told apart here: a key may take any sub-block's name (none required)
@@ -161,7 +161,8 @@ def summarize(g: GgufFile, family: str | None = None) -> GgufSummary:
         problems: list[GgufProblem] = []
         for bid in range(trunk_layers, blocks):
             must, may = _expected(table, names, bid)
-            have = set(present.get(bid, ()))
+            # a tensor of the block the converter writes at the root (DeepSeek-V4's hc_head: output_hc_*)
+            have = set(present.get(bid, ())) | {n for n in may if _block_of(n) is None and n in g.tensors}
             missing, unexpected = sorted(must - have), sorted(have - may)
             report[bid] = {"present": sorted(have), "missing": missing, "unexpected": unexpected}
             problems += [GgufProblem(RULE_MISSING, f"{name}: block {bid} lacks it", key=k, path=where)

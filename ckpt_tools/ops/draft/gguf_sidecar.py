@@ -60,12 +60,15 @@ def _qtype(name: str):
     import gguf
 
     return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[name]
+            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+            "mxfp4": gguf.GGMLQuantizationType.MXFP4}[name]
 
 
-def _file_type(name: str) -> int:
+def _file_type(name: str, forced: str | None = None) -> int:
     import gguf
 
+    if forced is not None:  # the converter's, whatever its --outtype (llama_cpp.file_type: DeepSeek-V4's MXFP4_MOE)
+        return int(gguf.LlamaFileType[forced])
     return int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[name])
 
@@ -82,11 +85,8 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     view, table = gate.view, gate.table
     lc = table.llama_cpp
     if lc is None:
-        absent = table.llama_cpp_absent
-        why = ("llama.cpp b11434 has no MTP graph we know of for it" if absent is None else
-               f"llama.cpp b11434 drafts with it ({absent.arch}), but missing: {'; '.join(absent.missing)}")
-        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): {why}",
-                         rule=RULE_FAMILY, path=str(ckpt.root))
+        raise InputError(f"{table.family}: its table names no llama.cpp architecture (no llama_cpp section): "
+                         "llama.cpp b11434 has no MTP graph we know of for it", rule=RULE_FAMILY, path=str(ckpt.root))
     if view.count == 0:
         raise InputError(f"{ckpt.root}: the config declares no MTP layers for {table.family}; nothing to extract",
                          rule="no-mtp")
@@ -106,7 +106,7 @@ def plan_sidecar(ckpt: Checkpoint, trunk: GgufFile, req: GgufRequest) -> Sidecar
     for t, hf_name, spec_kind in tensors:
         out += _convert(t, hf_name, spec_kind, names, lc, env, req.gguf_type, table.family)
     envs = [_layer_env(table, env, i) for i in range(view.count)]
-    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, lc, envs))
+    kv = _kv(trunk, blocks, view.count, req.gguf_type, _extended(trunk, trunk_layers, lc, envs), lc.file_type)
     label = (trunk.kv["general.name"].value if "general.name" in trunk.kv else Path(str(ckpt.root)).name)
     fname = f"mtp-{_slug(label)}-{req.gguf_type.upper()}.gguf"
     manifest = {
@@ -189,6 +189,8 @@ def _extended(trunk: GgufFile, layers: int, lc: Any, envs: list[dict]) -> dict[s
         kv = trunk.kv.get(key)
         if kv is None or not isinstance(kv.value, list):  # one value for every layer holds for the MTP layers too
             continue
+        if len(kv.value) == layers + len(envs):  # already lists the MTP layers (DeepSeek-V4's compress_ratios)
+            continue
         if len(kv.value) != layers:
             raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
                              path=str(trunk.path), key=key)
@@ -201,7 +203,7 @@ def _extend_value(value: Any, env: dict) -> Any:
     if not isinstance(value, str):
         return value
     v = evaluate(value, env)
-    return v if isinstance(v, bool) else int(v)
+    return v if isinstance(v, (bool, float)) else int(v)
 
 
 def _one(values: list) -> Any:
@@ -209,13 +211,14 @@ def _one(values: list) -> Any:
     return values[0] if len(set(values)) == 1 else values
 
 
-def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list]) -> list[GgufKV]:
+def _kv(trunk: GgufFile, blocks: int, nextn: int, gguf_type: str, extended: dict[str, list],
+        file_type: str | None = None) -> list[GgufKV]:
     """The trunk's key-values in its order (the unchanged ones as their bytes), the sidecar's own values set."""
     import gguf
 
     arch = trunk.arch
     set_keys = {f"{arch}.block_count": blocks, f"{arch}.nextn_predict_layers": nextn,
-                "general.file_type": _file_type(gguf_type), **extended}
+                "general.file_type": _file_type(gguf_type, file_type), **extended}
     kv = [v if v.key not in set_keys else GgufKV(v.key, set_keys.pop(v.key), v.vtype, v.sub_type)
           for v in trunk.kv.values()]
     return kv + [GgufKV(key, value, gguf.GGUFValueType.UINT32) for key, value in set_keys.items()]
@@ -284,14 +287,16 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
             base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
             bid = _trunk_layers(res) + (g.depth or 0)
             out.append((t, f"{folded(lc.fold, g.sub_prefix, base, bid)}.{slot}_proj.weight", "linear"))
+            t.meta["raw"] = ckpt.tensors  # a decoded expert's stored codes and scales, for MXFP4 (_fp4_stored)
             continue
         spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
-        if spec is None or spec.depth is None and spec.role not in GLUE_NAMES:
+        glue = spec is not None and (spec.role in GLUE_NAMES or spec.role in lc.glue)
+        if spec is None or spec.depth is None and not glue:
             raise InputError(f"{t.key}: not an MTP tensor of the table", rule=RULE_NAME, key=t.key)
         depth = spec.depth if spec.depth is not None else 0
         base = render(prefix, {**res.env, "l": _trunk_layers(res) + depth})
         bid = _trunk_layers(res) + depth
-        if spec.role in GLUE_NAMES:
+        if glue:
             out.append((t, glue_name(lc, spec.role, base, bid), spec.kind))
         elif spec.role == "block" and (spec.block == 0 or spec.block < len(lc.fold)):
             out.append((t, folded(lc.fold[spec.block:spec.block + 1], spec.sub, base, bid), spec.kind))
@@ -410,12 +415,13 @@ def _convert(t: OutputTensor, hf_name: str, kind: str, names: TensorNames, lc: A
             return _split(t, hf_name[: -len(sp.key)], sp, names, lc, env, gguf_type, family)
     found = names.lookup(hf_name)
     if found is None:
-        raise InputError(f"{t.key} ({hf_name} in llama.cpp's converter) has no name in the gguf tensor map of "
-                         f"{lc.tensor_arch}{' + ' + ', '.join(lc.package_lacks) if lc.package_lacks else ''}",
+        raise InputError(f"{t.key} ({hf_name} in llama.cpp's converter) has no name in "
+                         f"{'the table tensor_map' if lc.tensor_map else 'the gguf tensor map of ' + lc.tensor_arch}"
+                         f"{' + ' + ', '.join(lc.package_lacks) if lc.package_lacks else ''}",
                          rule=RULE_NAME, path=f"mappings/architectures/{family}.yaml", key=t.key)
     tkind, gname = found
     offset = lc.norm_offset if kind == "norm" else 0.0
-    qtype = _out_qtype(tkind, gname, t.shape, lc, gguf_type)
+    qtype = _out_qtype(tkind, gname, t.shape, lc, gguf_type, _storage(t))
     meta = {"source": list(t.meta.get("source", [t.key])), "source_dtype": t.meta.get("source_dtype", t.dtype)}
     heads = next((int(evaluate(p.heads, env)) for p in lc.permute if hf_name.endswith("." + p.key)), None)
     if heads is not None:
@@ -438,10 +444,20 @@ def _permuted(t: OutputTensor, qtype, heads: int) -> Iterator[bytes]:
     yield _encode(np.ascontiguousarray(values), qtype)
 
 
-def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str):
+def _storage(t: OutputTensor) -> str:
+    """How the source stores ``t``: a scheme table's storage name (fp8-block) where it was decoded, else its dtype."""
+    first = t.meta.get("experts", [t])[0]
+    return (first.meta.get("dequantized_from") or {}).get("format") or first.meta.get("source_dtype") or t.dtype
+
+
+def _out_qtype(tkind: str, gname: str, shape: tuple[int, ...], lc: Any, gguf_type: str, storage: str | None = None):
     import gguf
 
-    if keeps_f32(tkind, gname, len(shape), list(lc.f32), list(lc.not_f32)):
+    # the converter's own type for a matrix (llama_cpp.types) yields only to F32 for vectors and norms, as there
+    forced = lc.types.get(tkind) or lc.types.get(storage or "")
+    if forced and len(shape) > 1 and not gname.endswith("_norm.weight"):
+        gguf_type = forced
+    elif keeps_f32(tkind, gname, len(shape), list(lc.f32), list(lc.not_f32)):
         return gguf.GGMLQuantizationType.F32
     q = _qtype(gguf_type)
     block = gguf.GGML_QUANT_SIZES[q][0]
@@ -455,6 +471,35 @@ def _encode(values, qtype) -> memoryview:
     from gguf import quants
 
     return _as_bytes(np.ascontiguousarray(quants.quantize(values, qtype)))
+
+
+def _fp4_stored(part: OutputTensor, raw: Any, cols: int):
+    """A decoded FP4 expert as its source stores it (meta ``source``: codes, then scale): (codes [rows, cols / 2],
+    two a byte, the first low; E8M0 exponents [rows, cols / 32]), else None. MXFP4 holds the same numbers, and
+    llama.cpp's converter moves them: gguf's quantizer on the values would pick a smaller exponent for a block
+    whose largest code is below 4, and write -0 as 0."""
+    import numpy as np
+
+    source = part.meta.get("source", [])
+    refs = [raw.get(k) for k in source] if raw is not None and len(source) == 2 else [None]
+    values = part.nbytes // 4  # decoded to F32
+    if None in refs or cols % 32 or refs[0].dtype not in ("I8", "U8") or refs[1].dtype not in ("F8_E8M0", "U8") \
+            or refs[0].nbytes * 2 != values or refs[1].nbytes * 32 != values:
+        return None
+    return (np.frombuffer(refs[0].read(), np.uint8).reshape(-1, cols // 2),
+            np.frombuffer(refs[1].read(), np.uint8).reshape(-1, cols // 32))
+
+
+def _mxfp4(codes, exponents) -> memoryview:
+    """ggml's block_mxfp4 of FP4 codes and their E8M0 exponents: per block of 32, the exponent, then byte j
+    holding code j (low) and code j + 16 (high)."""
+    import numpy as np
+
+    c = np.stack([codes & 15, codes >> 4], -1).reshape(*exponents.shape, 32)
+    out = np.empty((*exponents.shape, 17), np.uint8)
+    out[..., 0] = exponents
+    out[..., 1:] = c[..., :16] | (c[..., 16:] << 4)
+    return _as_bytes(out)
 
 
 def _as_bytes(array) -> memoryview:
@@ -476,17 +521,21 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[memoryview]:
     row = _itemsize(t.dtype) * cols
     per = max(1, BAND_BYTES // (4 * cols))
     direct = t.dtype == "BF16" and not offset and _is_f16(qtype)
+    mxfp4 = qtype.name == "MXFP4"
 
-    def read() -> Iterator[tuple[int, bytearray]]:
+    def read() -> Iterator[tuple[int, Any, Any]]:
         for part in t.meta.get("experts", [t]):
-            reader = RecipeReader(part.recipe)
+            stored = _fp4_stored(part, t.meta.get("raw"), cols) if mxfp4 else None  # then not decoded at all
+            reader = RecipeReader(part.recipe) if stored is None else None
             rows = part.nbytes // row
             for done in range(0, rows, per):
                 n = min(per, rows - done)
-                yield n, reader.read(n * row)
+                yield n, reader and reader.read(n * row), stored and [a[done:done + n] for a in stored]
 
-    def convert(band: tuple[int, bytearray]) -> memoryview:
-        n, buf = band
+    def convert(band: tuple[int, Any, Any]) -> memoryview:
+        n, buf, stored = band
+        if stored:
+            return _mxfp4(*stored)
         if direct:
             return _as_bytes(_f16_of_bf16(buf))
         values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)

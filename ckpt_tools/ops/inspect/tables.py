@@ -46,10 +46,11 @@ def _llama_cpp(table) -> dict | None:
     """llama.cpp's architecture for the family (GGUF sidecars), from the ``llama_cpp`` section, and its check."""
     lc = table.llama_cpp
     if lc is None:
-        absent = table.llama_cpp_absent
-        return None if absent is None else {"arch": absent.arch, "check": "none", "missing": list(absent.missing)}
+        return None
     return {"arch": lc.arch, "tensor_arch": lc.tensor_arch, "check": lc.check,
             **({"package_lacks": list(lc.package_lacks)} if lc.package_lacks else {}),
+            **({"names": list(lc.names)} if lc.names else {}),
+            **({"tensor_map": True} if lc.tensor_map else {}),
             **({"note": lc.note} if lc.note else {})}
 
 
