@@ -186,6 +186,19 @@ def test_compact_path_reads_what_json_reads(data):
     assert _read(data) == _by_json(data)
 
 
+@pytest.mark.parametrize(("a", "refused"), [
+    ('"shape":[2,04],"data_offsets":[0,16]', True), ('"shape":[2,,4],"data_offsets":[0,16]', True),
+    ('"shape":[8],"data_offsets":[0,016]', True), ('"shape":[8],"data_offsets":[00,16]', True),
+    ('"shape":[2,4],"data_offsets":[0,16]', False)])
+def test_compact_numbers_are_json_integers(a, refused):
+    """The regular expression reads digits; a leading zero or an empty dimension is still json's to refuse."""
+    raw = ('{"a":{"dtype":"F16",' + a + '},"b":{"dtype":"F32","shape":[1],"data_offsets":[16,20]}}').encode()
+    data = struct.pack("<Q", len(raw)) + raw + bytes(20)
+    got = _read(data)
+    assert got == _by_json(data)
+    assert isinstance(got[0], str) == refused  # (rule, message) when refused, else the header's length first
+
+
 def test_compact_header_makes_no_json_object_per_entry(monkeypatch):
     """A header as safetensors writes it (compact, with metadata, padded) is read without json's objects."""
     header = {"__metadata__": {"format": "pt", "note": "a \\ \"quoted\" \u00e9"},

@@ -88,6 +88,15 @@ def test_dry_runs_of_a_bf16_checkpoint_import_no_numeric_library_and_no_checker(
                         cache_dir=warm)) <= {"huggingface_hub"}
 
 
+def test_a_dry_run_imports_neither_the_writer_nor_the_expert_converters(make_fixture, tmp_path):
+    """A dry run plans and prints: the executor, the output validator and the expert converters stay unloaded."""
+    src = make_fixture("deepseek_v3", fp8=True)
+    writer = ("ckpt_tools.stream.writer", "ckpt_tools.stream.execute", "ckpt_tools.ops.check.validate",
+              "ckpt_tools.model.experts")
+    for verb in ("extract", "dequant"):
+        assert imported(tmp_path, writer, verb, src, "-o", tmp_path / "out", "--dry-run") == [], verb
+
+
 # What each read-only verb must not import: libraries it does not need (diff compares values with numpy only where
 # the bytes differ: the test diffs a checkpoint with itself; the others read headers and bytes only), and the
 # operations of the other verbs (a verb's module imports its own).

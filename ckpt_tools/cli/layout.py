@@ -124,12 +124,28 @@ def _stacked(console, key_header: str, cols: list[Col], rows: list[list[str]], w
     if title:
         console.print(Text(title, style="bold"))
     console.print(Text(key_header, style="bold"))
-    lines = [Text(line, style="bold") for line in (_cells(sub, [c.header for c in sub], widths) if sub else [])]
+    head = _cells(sub, [c.header for c in sub], widths) if sub else []
+    body = []
     for r in rows:
-        lines.append(Text(r[0]))
-        lines += [Text(line) for line in _cells(sub, r[1:], widths)]  # wider than the console only in the last resort
-    if lines:  # one print: a release's dry run lists ~1,600 tensors, and each print costs rich a terminal probe
-        console.print(Text("\n").join(lines), overflow="fold")
+        body.append(r[0])
+        body += _cells(sub, r[1:], widths)  # wider than the console only in the last resort
+    if not head and not body:
+        return
+    if _plain_fits(console, head + body):  # what rich would print, without its ~3,000 Text objects for a release's plan
+        console.file.write("\n".join(head + body) + "\n")
+        console.file.flush()  # as rich does after each print (stderr's lines keep their place)
+        return
+    # one print: a release's dry run lists ~1,600 tensors, and each print costs rich a terminal probe
+    console.print(Text("\n").join([Text(line, style="bold") for line in head] + list(map(Text, body))),
+                  overflow="fold")
+
+
+def _plain_fits(console, lines: list[str]) -> bool:
+    """Whether rich would print ``lines`` as they are: no styles written (not a terminal, no colour forced), and
+    every line printable ASCII (one cell a character, no control code to strip) within the width (none folded)."""
+    text = "".join(lines)
+    return (console.color_system is None and not console.record and not console.quiet and text.isascii()
+            and text.isprintable() and max(map(len, lines), default=0) <= console.width)
 
 
 def _cells(cols: list[Col], cells: list[str], widths: list[int]) -> list[str]:

@@ -384,9 +384,11 @@ def _load_fast(text: str) -> dict | None:
 # data_offsets, keys without escapes. One regular expression reads it into columns, and every check is one C-level
 # pass over a column (or over its few distinct dtypes and shapes): no JSON object per entry, ~40% less time at
 # release scale. Anything else (and any doubt) goes to json (_load_fast / _load_strict), which names the rule.
-_NUM = "(?:0|[1-9][0-9]*)"  # a JSON integer >= 0 (no sign, fraction, exponent or leading zero)
-_ENTRY = re.compile(r'([{,])"([^"\\\x00-\x1f]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[((?:N(?:,N)*)?)\],'
-                    r'"data_offsets":\[(N),(N)\]\}'.replace("N", _NUM))
+# Numbers are read as digits (a plain class scans faster than JSON's integer grammar); that they are JSON integers
+# (no leading zero, no empty dimension) is checked on the columns: each distinct shape once, the offsets as the ends
+# they continue, written back
+_ENTRY = re.compile(r'([{,])"([^"\\\x00-\x1f]*)":\{"dtype":"([A-Z0-9_]+)","shape":\[([0-9,]*)\],'
+                    r'"data_offsets":\[([0-9]+),([0-9]+)\]\}')
 _ENTRY_CHARS = len('{"":{"dtype":"","shape":[],"data_offsets":[,]}')  # an entry's characters besides its groups
 _METADATA = '{"__metadata__":'
 _STRICT = json.JSONDecoder(object_pairs_hook=_reject_duplicates)
@@ -426,17 +428,23 @@ def _compact(text: str, src: ByteSource | None, base: int) -> tuple[dict | None,
             dims = tuple(map(int, shape.split(","))) if shape else ()
             numel = _numel(dims) if len(dims) <= MAX_RANK else None
             bits = _BITS.get(dtype)
-            if numel is None or bits is None or numel * bits & 7 or max(dims, default=0) > MAX_NUMEL:
+            if (numel is None or bits is None or numel * bits & 7 or max(dims, default=0) > MAX_NUMEL
+                    or ",".join(map(str, dims)) != shape):  # a leading zero
                 return None
             sizes[dtype, shape] = dims, numel * bits >> 3
-        begins, ends = list(map(int, begins)), list(map(int, ends))
-    except ValueError:  # an integer of more digits than int() reads
+        # each entry begins where the one before ends (as text: then a begin is a JSON integer as that end is)
+        if begins[0] != "0" or begins[1:] != ends[:-1]:
+            return None  # out of order too: the json path sorts them and names what is wrong
+        ends_text, ends = ends, list(map(int, ends))
+        if list(map(str, ends)) != list(ends_text):  # a leading zero
+            return None
+    except ValueError:  # an empty dimension, or an integer of more digits than int() reads
         return None
+    begins = [0, *ends[:-1]]
     shape_size = list(map(sizes.__getitem__, zip(dtypes, shapes, strict=True)))
     nbytes = list(map(sub, ends, begins))
-    if (nbytes != list(map(itemgetter(1), shape_size)) or begins[0] or begins[1:] != ends[:-1] or ends[-1] > MAX_NUMEL
-            or "__metadata__" in keys):
-        return None  # out of order too: the json path sorts them and names what is wrong
+    if nbytes != list(map(itemgetter(1), shape_size)) or ends[-1] > MAX_NUMEL or "__metadata__" in keys:
+        return None
     new = tuple.__new__
     dims = map(itemgetter(0), shape_size)
     # (not strict: repeat is endless)

@@ -36,12 +36,14 @@ def draft_tensors(view: MtpView, corr: Correspondence, cast_to: str | None, dequ
         if link.spec.depth is not None:
             meta["depth"] = link.spec.depth
         steps.append(Rename(link.verifier_key, link.draft_key, link.spec, meta, link.swap_halves))
-    from ...model.experts import BlockDequant
-
     # same layout: tensor-by-tensor renames; otherwise byte-level restacking or per-expert compute;
     # with --dequant each expert piece is dequantized before it is laid out
-    steps += [Restack(link.verifier, link.draft, BlockDequant(dequant_to, fmt) if dequant_to else None)
-              for link in corr.experts]
+    dequant = None
+    if dequant_to:  # the expert converters' module only where experts are dequantized (frozen: one for all)
+        from ...model.experts import BlockDequant
+
+        dequant = BlockDequant(dequant_to, fmt)
+    steps += [Restack(link.verifier, link.draft, dequant) for link in corr.experts]
     policy = _AsAsked(view, cast_to, dequant_to)
     Mover(view.ckpt.tensors, fmt, fmt, view.quantized).run(steps, policy)
     return policy.out

@@ -77,13 +77,13 @@ def write_plan(plan: Plan, o: Outputs, allow: frozenset[str], progress: Progress
     validated (as ``arch`` when given) before its index appears: an invalid one is an OutputError
     (exit 4) and is never marked complete. Returns what was written (``read_before``: the
     ``bytes_read_so_far()`` when the verb started) and the validation result."""
-    from ...stream.execute import execute
-    from ..check.validate import validate_output
-
     if o.plan_json is not None:
         plan.write_json(o.plan_json)
     if o.dry_run:
         return None
+    from ...stream.execute import execute  # the writer's modules: not imported for a dry run
+    from ..check.validate import validate_output
+
     validation: dict[str, Any] = {}
     result = execute(plan, o.out, overwrite=o.overwrite, resume=o.resume, progress=progress,
                      check=lambda path, pending: validation.update(validate_output(path, arch=arch, allow=allow,
