@@ -10,6 +10,7 @@ group) have no module of their own: a block-FP8 stack brings its scale into ``pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
@@ -206,6 +207,7 @@ class QuantLookup:
         self.ckpt = ckpt
         self.fmt = fmt
         self._scheme: object = _UNREAD
+        self._lookup: Callable[..., Storage] | None = None  # storage_lookup of the scheme (a short-lived object)
 
     @property
     def scheme_if_read(self) -> QuantScheme | None:
@@ -220,11 +222,14 @@ class QuantLookup:
             return None
         if ref is not None and ref.dtype in FLOAT_DTYPES:
             return None
-        from .quant import detect_scheme, module_storage
+        if self._lookup is None:  # the scheme and the tables in force looked up once: a lookup runs per module
+            from .quant import detect_scheme
+            from .quant.storage import storage_lookup
 
-        if self._scheme is _UNREAD:
-            self._scheme = detect_scheme(self.ckpt)
-        st = module_storage(self.ckpt, self._scheme, s.key[: -len(".weight")], tuple(s.shape))
+            if self._scheme is _UNREAD:
+                self._scheme = detect_scheme(self.ckpt)
+            self._lookup = storage_lookup(self._scheme)  # type: ignore[arg-type]
+        st = self._lookup(self.ckpt, s.key[: -len(".weight")], tuple(s.shape))
         return st if st.quantized else None
 
 

@@ -38,6 +38,10 @@ class _Memo:
     suffixes: tuple[str, ...]  # every tensor name a candidate (or a float weight) may use, after "{module}."
     per_module: bool  # some table's parameters depend on the module's name (several declared groups)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # table -> params, when not per module
+    position: dict[str, int] = field(init=False)  # suffix -> its index in ``suffixes``
+
+    def __post_init__(self) -> None:
+        self.position = {s: i for i, s in enumerate(self.suffixes)}
     # what the modules stored alike are stored as (see module_storage): their tensors' dtypes and shapes -> Storage
     alike: dict[tuple, Storage] = field(default_factory=dict)
 
@@ -365,13 +369,14 @@ def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,
     if not memo.per_module:
         # Modules whose tensors have the same dtypes and shapes are stored alike (the parameters being the same
         # for all): one look at the tables per pattern, not per module (a release has 46,000 such modules).
-        refs = [tensors.get(f"{module}.{s}") for s in memo.suffixes]
-        alike = (shape, *(None if r is None else (r.dtype, r.shape) for r in refs))
+        prefix = module + "."
+        refs = list(map(tensors.get, [prefix + s for s in memo.suffixes]))
+        alike = (shape, *[None if r is None else (r.dtype, r.shape) for r in refs])
         st = memo.alike.get(alike)
         if st is not None:
-            keys = {s: r.key for s, r in zip(memo.suffixes, refs, strict=True) if r is not None}
+            at = memo.position
             return Storage(module, st.state, st.dtype, st.scheme, st.format, st.label,
-                           {s: keys[s] for s in st.tensors}, (), (), st.shape, st.params)
+                           {s: refs[at[s]].key for s in st.tensors}, (), (), st.shape, st.params)
     st = _module_storage(tensors, memo, scheme, module, shape, fused)
     if alike is not None and _reusable(st, memo):
         memo.alike[alike] = st
