@@ -168,14 +168,18 @@ def thread_scratch() -> Scratch:
 
 def whole_stream(read: Callable[[int], Any], stored: tuple[int, int, int], cols: int, out_dtype: str,
                  band_list: Iterable[tuple[int, int, int]], kernel: Callable[[np.ndarray, int, int, np.ndarray], Any],
-                 short: Callable[[str], Exception]) -> Iterator[np.ndarray]:
+                 short: Callable[[str], Exception], fill: Callable[[memoryview], bool] | None = None
+                 ) -> Iterator[np.ndarray]:
     """A weight of ``stored`` [lead, rows, row bytes] uint8 read at once and decoded band by band on this thread
     (``kernel(raw, lead, r0, out)`` over ``band_list``) into one [lead, rows, cols] ``out_dtype`` array: a small
     tensor on a pool thread (stream.lookahead), the same bytes as the streamed bands. ``short(message)``: the
-    error of a short read."""
+    error of a short read. ``fill(buffer)``: reads the bytes into this thread's scratch instead (no fresh zeroed
+    buffer per tensor); False when it does not hold exactly that many (``read`` then says what is wrong)."""
     lead, rows, row_bytes = stored
     total = lead * rows * row_bytes
-    data = read(total) if total else b""
+    data: Any = thread_scratch().take("raw", total, np.uint8) if fill is not None else None
+    if data is None or not fill(memoryview(data)):  # type: ignore[misc]
+        data = read(total) if total else b""
     if len(data) != total:
         raise short(f"short read: {len(data)} of {total} bytes")
     raw = np.frombuffer(data, dtype=np.uint8).reshape(lead, rows, row_bytes)
