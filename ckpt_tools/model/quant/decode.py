@@ -270,10 +270,11 @@ class BandDecoder:
         np.take(tables, index.reshape(n, -1), out=out.view(tables.dtype).reshape(n, -1), mode="clip")
         return out
 
-    def vouches_finite(self) -> bool:
-        """True when no band decoded so far can hold a NaN / Inf: each came from a table of finished outputs
-        that holds none (the pair tables), so the band need not be scanned (``finite.finite_bands``)."""
-        return self._finite_tables
+    def vouches_finite(self, band: np.ndarray) -> bool:
+        """True when ``band``, decoded by this, is known to hold no NaN / Inf without a scan (``finite.finite_bands``):
+        every band decoded so far came from tables of finished outputs that hold none (the pair tables), or from
+        FP8 tables whose one non-finite output is bf16 0xFFFF, which its maximum shows (``BandDequantizer``)."""
+        return self._finite_tables or (self._fast is not None and self._fast.vouches(band))
 
     def bands(self) -> Iterator[tuple[int, int, int]]:
         """(lead, r0, r1) in C order: inside one tile row, or starting on a tile-row boundary."""
