@@ -281,10 +281,10 @@ def test_fp8_bf16_bands_are_judged_by_their_maximum_and_a_nan_or_overflow_still_
     """Block-FP8 tables whose one non-finite output is bf16 0xFFFF (a NaN code) let a band's maximum judge it: no
     masked scan of a finite band; a NaN code, and a scale whose products pass bfloat16's range (Inf entries: the
     maximum cannot show +Inf), are still refused, naming the index."""
-    from quant_helpers import quantize
-
     from ckpt_tools.errors import InputError
     from ckpt_tools.model.quant import finite
+
+    from quant_helpers import quantize
 
     scanned = []
     real = finite.first_nonfinite
