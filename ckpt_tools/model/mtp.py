@@ -111,11 +111,13 @@ def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
     stored = _stored_weight_suffixes()
     for lay in candidates:
         g = group if lay == group.layout else group.with_layout(lay)
-        ts = g.tensors()
-        # a weight a quantization scheme stores under another name (weight_packed) is on disk too
-        hits = sum(1 for t in ts if t.key in keys or (t.key.endswith(".weight") and any(
-            t.key[:-6] + s in keys for s in stored)))
-        if hits == len(ts):
+        names = g.columns()[0]
+        absent = [k for k in names if k not in keys]
+        # a weight a quantization scheme stores under another name (weight_packed) is on disk too: one pass per
+        # name (a release's layer has 768 experts), a weight counted once whatever name holds it
+        weights = [k[:-6] for k in absent if k.endswith(".weight")]
+        hits = len(names) - len(absent) + len({w for s in stored for w in weights if w + s in keys})
+        if hits == len(names):
             return lay
         if hits > best_hits:
             best, best_hits = lay, hits
@@ -231,6 +233,20 @@ class QuantLookup:
             self._lookup = storage_lookup(self._scheme)  # type: ignore[arg-type]
         st = self._lookup(self.ckpt, s.key[: -len(".weight")], tuple(s.shape))
         return st if st.quantized else None
+
+    def alike(self, group: ExpertGroup) -> Storage | None:
+        """The one quantized storage of a per-expert group's weights when all are stored alike (``alike_storage``:
+        judged in columns), else None (ask ``storage`` per tensor)."""
+        from .quant import detect_scheme
+        from .quant.storage import alike_storage
+
+        keys, shapes = group.columns()
+        if not group.layout.per_expert or not all(k.endswith(".weight") for k in keys):
+            return None
+        if self._scheme is _UNREAD:
+            self._scheme = detect_scheme(self.ckpt)
+        st = alike_storage(self.ckpt, self._scheme, [k[:-7] for k in keys], shapes)  # type: ignore[arg-type]
+        return st if st is not None and st.quantized else None
 
 
 _UNREAD = object()

@@ -9,7 +9,7 @@ does not declare is still recognised (and reported as such).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -381,6 +381,35 @@ def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,
     if alike is not None and _reusable(st, memo):
         memo.alike[alike] = st
     return st
+
+
+def alike_storage(ckpt: Any, scheme: QuantScheme | None, modules: Sequence[str],
+                  shapes: Sequence[tuple[int, ...]]) -> Storage | None:
+    """The storage of ``modules[0]`` when every module (its logical shape in ``shapes``: a routed-expert group's
+    projections) is stored as ``module_storage`` finds the first of its shape and those agree but for names: each
+    tensor name a format may use present in all of a shape's modules or in none, in one dtype and shape. Looked at
+    in columns, not module by module (a release's layer has 768 experts); None: ask per module."""
+    memo = _scheme_memo(scheme)
+    if memo.per_module or not modules:
+        return None
+    tensors = ckpt.tensors
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for module, shape in zip(modules, shapes, strict=True):
+        by_shape.setdefault(tuple(shape), []).append(module)
+    first: Storage | None = None
+    for shape, names in by_shape.items():
+        for suffix in memo.suffixes:
+            refs = map(tensors.get, [f"{m}.{suffix}" for m in names])
+            column = {None if r is None else (r.dtype, r.shape) for r in refs}
+            if len(column) != 1:
+                return None
+        st = _storage_in(memo, scheme, ckpt, names[0], shape)
+        if not _reusable(st, memo) or (first is not None and (st.state, st.dtype, st.scheme, st.format, st.label,
+                                                               st.params) != (first.state, first.dtype, first.scheme,
+                                                                              first.format, first.label, first.params)):
+            return None
+        first = first or st
+    return first
 
 
 def _reusable(st: Storage, memo: _Memo) -> bool:
