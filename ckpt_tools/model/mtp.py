@@ -210,6 +210,7 @@ class QuantLookup:
         self.fmt = fmt
         self._scheme: object = _UNREAD
         self._lookup: Callable[..., Storage] | None = None  # storage_lookup of the scheme (a short-lived object)
+        self._last_names: set[str] | None = None  # the last name component of every key (alike)
 
     @property
     def scheme_if_read(self) -> QuantScheme | None:
@@ -245,7 +246,10 @@ class QuantLookup:
             return None
         if self._scheme is _UNREAD:
             self._scheme = detect_scheme(self.ckpt)
-        st = alike_storage(self.ckpt, self._scheme, [k[:-7] for k in keys], shapes)  # type: ignore[arg-type]
+        if self._last_names is None:  # once per lookup (a short-lived object): a name no key ends with is not asked
+            self._last_names = {k.rpartition(".")[2] for k in self.ckpt.tensors}
+        st = alike_storage(self.ckpt, self._scheme, [k[:-7] for k in keys], shapes,  # type: ignore[arg-type]
+                           self._last_names)
         return st if st is not None and st.quantized else None
 
 

@@ -9,7 +9,7 @@ does not declare is still recognised (and reported as such).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -384,11 +384,13 @@ def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,
 
 
 def alike_storage(ckpt: Any, scheme: QuantScheme | None, modules: Sequence[str],
-                  shapes: Sequence[tuple[int, ...]]) -> Storage | None:
+                  shapes: Sequence[tuple[int, ...]], last_names: Collection[str] = ()) -> Storage | None:
     """The storage of ``modules[0]`` when every module (its logical shape in ``shapes``: a routed-expert group's
     projections) is stored as ``module_storage`` finds the first of its shape and those agree but for names: each
     tensor name a format may use present in all of a shape's modules or in none, in one dtype and shape. Looked at
-    in columns, not module by module (a release's layer has 768 experts); None: ask per module."""
+    in columns, not module by module (a release's layer has 768 experts); None: ask per module. ``last_names``: the
+    last name component of every key of ``ckpt`` when known (a name no key ends with is in no module: not looked
+    up)."""
     memo = _scheme_memo(scheme)
     if memo.per_module or not modules:
         return None
@@ -399,6 +401,8 @@ def alike_storage(ckpt: Any, scheme: QuantScheme | None, modules: Sequence[str],
     first: Storage | None = None
     for shape, names in by_shape.items():
         for suffix in memo.suffixes:
+            if last_names and "." not in suffix and suffix not in last_names:
+                continue
             refs = map(tensors.get, [f"{m}.{suffix}" for m in names])
             column = {None if r is None else (r.dtype, r.shape) for r in refs}
             if len(column) != 1:
