@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
+from .arrays import keep_freed_memory
 from .errors import UsageError
 
 T = TypeVar("T")
@@ -79,6 +80,8 @@ def _pool(n: int) -> ThreadPoolExecutor:
     """The process's decoding pool, with room for at least ``n`` threads (grown, never shrunk)."""
     global _POOL
     with _POOL_LOCK:
+        if _POOL is None:
+            keep_freed_memory()  # band-sized arrays on every thread from now on
         if _POOL is None or _POOL[0] < n:
             old = _POOL
             _POOL = (n, ThreadPoolExecutor(max_workers=n, thread_name_prefix=_PREFIX))

@@ -226,3 +226,30 @@ def test_routed_experts_are_declared_once_per_class_under_a_configuration_naming
     experts = [m for m, _, _, expert in rows if expert]
     assert len(experts) > 10 and not lean.findings
     assert len([m for m in asked if m in set(experts)]) == len({(id(s), f) for _, s, f, e in rows if e})
+
+
+def test_nvfp4_routed_experts_are_looked_at_in_columns_and_a_missing_scale_still_named(tmp_path, monkeypatch):
+    """A per-expert group stored in a scheme table's format (NVFP4) is stored alike: one storage per projection,
+    its experts' tensors checked in columns, not a ``module_storage`` per expert in the trunk rules; an expert
+    missing its scale breaks the group into modules again, and the gate names it as before."""
+    from ckpt_tools.model import gate
+    from ckpt_tools.model.quant import storage
+    from ckpt_tools.testing.quantized import QuantOptions, make_quantized_checkpoint
+
+    calls: list[str] = []
+    real = storage._storage_in
+    monkeypatch.setattr(storage, "_storage_in", lambda memo, scheme, ckpt, module, *a: calls.append(module)
+                        or real(memo, scheme, ckpt, module, *a))
+    whole = make_quantized_checkpoint("deepseek_v3", tmp_path / "whole", QuantOptions("ct-nvfp4"))
+    with Checkpoint.open(whole) as ckpt:
+        experts = [k for k in ckpt.tensors if ".mlp.experts." in k and k.endswith(".weight_packed")
+                   and not k.startswith("model.layers.3.")]  # the trunk's (layer 3 is the MTP layer here)
+        problems, _ = gate.check(ckpt)
+    assert len(experts) > 20 and not problems
+    # two trunk rules ask: per expert that was 2 * len(experts); per group and projection shape, a third of that
+    assert len([m for m in calls if f"{m}.weight_packed" in experts]) < len(experts) // 2
+    lost = experts[5].replace(".weight_packed", ".weight_scale")
+    broken = make_quantized_checkpoint("deepseek_v3", tmp_path / "broken", QuantOptions("ct-nvfp4", drop_keys=(lost,)))
+    with Checkpoint.open(broken) as ckpt:
+        problems, _ = gate.check(ckpt)
+    assert any(p.key == lost and p.rule == "trunk-missing" for p in problems), [(p.rule, p.key) for p in problems]

@@ -277,6 +277,41 @@ def test_nvfp4_pair_tables_vouch_for_finite_bands_and_still_refuse_overflow(monk
     assert "index [0, 7]" in str(e.value) and "inf" in str(e.value) and scanned
 
 
+def test_fp8_bf16_bands_are_judged_by_their_maximum_and_a_nan_or_overflow_still_refused(monkeypatch):
+    """Block-FP8 tables whose one non-finite output is bf16 0xFFFF (a NaN code) let a band's maximum judge it: no
+    masked scan of a finite band; a NaN code, and a scale whose products pass bfloat16's range (Inf entries: the
+    maximum cannot show +Inf), are still refused, naming the index."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.model.quant import finite
+
+    from quant_helpers import quantize
+
+    scanned = []
+    real = finite.first_nonfinite
+    monkeypatch.setattr(finite, "first_nonfinite", lambda v, d: scanned.append(v.size) or real(v, d))
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(9), dtype=torch.float32)
+    q, scale = quantize(w, (128, 128))
+
+    def run(q, scale):
+        return _decode_parts("fp8-block", "fp8-block", {"weight": q, "weight_scale_inv": scale}, (200, 300),
+                             {"block": [128, 128]})
+
+    assert run(q, scale).shape == (200, 300) and not scanned
+    nan = q.clone()
+    nan.view(torch.uint8)[150, 7] = 0x7F  # an e4m3 NaN code
+    with pytest.raises(InputError, match="nonfinite") as e:
+        run(nan, scale)
+    assert "index [150, 7]" in str(e.value) and "NaN" in str(e.value) and scanned
+    scanned.clear()
+    big = scale.clone()
+    big[1, 2] = 1e36  # 448 * 1e36 is a float32 past bfloat16's largest: Inf entries in that block's table
+    q2 = q.clone()
+    q2.view(torch.uint8)[128:, 256:] = 0x7E  # 448 in every element of that block
+    with pytest.raises(InputError, match="nonfinite") as e:
+        run(q2, big)
+    assert "index [128, 256]" in str(e.value) and "inf" in str(e.value) and scanned
+
+
 def test_bf16_rounding_in_uint32_equals_the_wide_formula_on_edge_patterns():
     """arrays.encode_floats rounds float32 to bfloat16 in uint32 (the sum wraps only for NaN payloads, rewritten
     as 0xFFFF): equal to the overflow-free uint64 formula and to torch's cast on every sign, exponent and the

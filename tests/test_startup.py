@@ -267,3 +267,14 @@ print(gc.get_freeze_count() - before >= 10000, gc.isenabled())
 def test_a_paused_block_leaves_its_objects_frozen_in_the_cli_only(mode, frozen):
     r = subprocess.run([sys.executable, "-c", GC_PROBE, mode], capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == [frozen, "True"], r.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2, reason="counts /proc tasks")
+def test_the_cli_loads_numpy_without_blas_threads(tmp_path):
+    """numpy's OpenBLAS starts a thread per core that spins ~0.1 s of CPU after import, beside the decoding threads;
+    the CLI asks for one (nothing it runs multiplies matrices): after a command, importing numpy adds no thread."""
+    code = ("import os, sys\nsys.argv = ['ckpt', '--help']\nfrom ckpt_tools.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\nimport numpy\nprint(len(os.listdir('/proc/self/task')))")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert r.stdout.split()[-1] == "1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 import sys
 
 import typer
@@ -75,6 +76,9 @@ def main() -> None:
     # during the command and again in the full collection at interpreter exit (~20-40 ms per run); so does
     # what each planning burst leaves (gcpause)
     one_command()
+    # numpy's OpenBLAS starts a thread per core that spins ~0.1 s of CPU after import, taking a core from the
+    # decoding threads; nothing here multiplies matrices (set before numpy is imported: after, it is too late)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         app_for(sys.argv[1:])()
     finally:

@@ -406,16 +406,18 @@ def trunk_problems(view: MtpView, unknown: set[str] = frozenset(), *, whole_mode
         return []
     expected = [s for s in res.shared.values() if not s.optional] + [s for s in specs if not s.optional]
     tensors = ckpt.tensors
+    quant = QuantLookup(ckpt, checkpoint_codec(ckpt, res.table.quantization))
     for g in groups:  # routed experts in the layout found on disk (the shipped one, checked first, is usual)
         names, shapes = g.columns()
         refs = list(map(tensors.get, names))  # one C-level pass per group (768 tensors a layer in a release)
         if None not in refs and tuple(r.shape for r in refs) == shapes:
             continue  # complete as shipped
         lay = detect_group_layout(g, tensors)
-        expected += g.tensors() if lay == g.layout else g.with_layout(lay).tensors()
+        on_disk = g if lay == g.layout else g.with_layout(lay)
+        if quant.alike(on_disk) is None:  # else quantized alike, every companion present and shaped: complete
+            expected += on_disk.tensors()
     out: list[Problem] = []
     cfg = config_path(ckpt)
-    quant = QuantLookup(ckpt, checkpoint_codec(ckpt, res.table.quantization))
     for s in expected:
         ref = ckpt.tensors.get(s.key)
         if ref is None or tuple(ref.shape) != tuple(s.shape):

@@ -10,6 +10,7 @@ group) have no module of their own: a block-FP8 stack brings its scale into ``pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
@@ -110,11 +111,13 @@ def detect_group_layout(group: ExpertGroup, keys) -> ExpertLayout:
     stored = _stored_weight_suffixes()
     for lay in candidates:
         g = group if lay == group.layout else group.with_layout(lay)
-        ts = g.tensors()
-        # a weight a quantization scheme stores under another name (weight_packed) is on disk too
-        hits = sum(1 for t in ts if t.key in keys or (t.key.endswith(".weight") and any(
-            t.key[:-6] + s in keys for s in stored)))
-        if hits == len(ts):
+        names = g.columns()[0]
+        absent = [k for k in names if k not in keys]
+        # a weight a quantization scheme stores under another name (weight_packed) is on disk too: one pass per
+        # name (a release's layer has 768 experts), a weight counted once whatever name holds it
+        weights = [k[:-6] for k in absent if k.endswith(".weight")]
+        hits = len(names) - len(absent) + len({w for s in stored for w in weights if w + s in keys})
+        if hits == len(names):
             return lay
         if hits > best_hits:
             best, best_hits = lay, hits
@@ -206,6 +209,8 @@ class QuantLookup:
         self.ckpt = ckpt
         self.fmt = fmt
         self._scheme: object = _UNREAD
+        self._lookup: Callable[..., Storage] | None = None  # storage_lookup of the scheme (a short-lived object)
+        self._last_names: set[str] | None = None  # the last name component of every key (alike)
 
     @property
     def scheme_if_read(self) -> QuantScheme | None:
@@ -220,12 +225,32 @@ class QuantLookup:
             return None
         if ref is not None and ref.dtype in FLOAT_DTYPES:
             return None
-        from .quant import detect_scheme, module_storage
+        if self._lookup is None:  # the scheme and the tables in force looked up once: a lookup runs per module
+            from .quant import detect_scheme
+            from .quant.storage import storage_lookup
 
+            if self._scheme is _UNREAD:
+                self._scheme = detect_scheme(self.ckpt)
+            self._lookup = storage_lookup(self._scheme)  # type: ignore[arg-type]
+        st = self._lookup(self.ckpt, s.key[: -len(".weight")], tuple(s.shape))
+        return st if st.quantized else None
+
+    def alike(self, group: ExpertGroup) -> Storage | None:
+        """The one quantized storage of a per-expert group's weights when all are stored alike (``alike_storage``:
+        judged in columns), else None (ask ``storage`` per tensor)."""
+        from .quant import detect_scheme
+        from .quant.storage import alike_storage
+
+        keys, shapes = group.columns()
+        if not group.layout.per_expert or not all(k.endswith(".weight") for k in keys):
+            return None
         if self._scheme is _UNREAD:
             self._scheme = detect_scheme(self.ckpt)
-        st = module_storage(self.ckpt, self._scheme, s.key[: -len(".weight")], tuple(s.shape))
-        return st if st.quantized else None
+        if self._last_names is None:  # once per lookup (a short-lived object): a name no key ends with is not asked
+            self._last_names = {k.rpartition(".")[2] for k in self.ckpt.tensors}
+        st = alike_storage(self.ckpt, self._scheme, [k[:-7] for k in keys], shapes,  # type: ignore[arg-type]
+                           self._last_names)
+        return st if st is not None and st.quantized else None
 
 
 _UNREAD = object()

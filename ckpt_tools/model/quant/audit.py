@@ -443,6 +443,11 @@ def trunk_modules(view: MtpView) -> TrunkModules:
         if out.alike.setdefault(g, _stored_alike(ckpt, view.codec, out.quantized, _weights(g)[0])) is not None:
             found.update(_weights(g)[0])
             continue
+        st = quant.alike(g)  # a scheme table's format (NVFP4 experts): one storage for the group, looked at in columns
+        if st is not None:
+            out.alike[g] = Stored("quantized", st.label, st.scheme, st, st.dtype)  # as ``_stored`` makes per module
+            found.update(_weights(g)[0])
+            continue
         for t in g.tensors():
             key = t.key
             if not key.endswith(".weight"):

@@ -252,7 +252,8 @@ def _stored(tensors: Mapping[str, Any]) -> Codec | None:
     """The restacking codec whose scale companion sits next to the first FP8 weight that has one (the
     companion's name tells the tables apart: ``weight_scale_inv``, ``scale``)."""
     candidates = [f for f in (restack_codec(t, how="stored") for t in all_schemes().values()) if f is not None]
-    return next((f for key, ref in tensors.items() for f in candidates if f.stores(ref.dtype)
+    dtypes = frozenset().union(*(f.weight_dtypes for f in candidates))  # a tensor of another dtype is none's weight
+    return next((f for key, ref in tensors.items() if ref.dtype in dtypes for f in candidates if f.stores(ref.dtype)
                  and getattr(tensors.get(f.scale_key(key)), "dtype", None) in f.scale_dtypes), None)
 
 

@@ -259,7 +259,7 @@ class BandDecoder:
         codes = raw.reshape(n, gc * tb)
         # each tile's key repeated over its bytes first: a flat add, not one broadcast over tb bytes at a time
         if tr == 1:
-            np.add(codes, np.repeat(self._keys[lead, r0:r0 + n], tb, axis=1), out=index)
+            np.add(codes, _spread(self._keys[lead, r0:r0 + n], tb, scratch), out=index)
         else:
             a = 0
             while a < n:  # rows of one tile row share their scales
@@ -270,10 +270,11 @@ class BandDecoder:
         np.take(tables, index.reshape(n, -1), out=out.view(tables.dtype).reshape(n, -1), mode="clip")
         return out
 
-    def vouches_finite(self) -> bool:
-        """True when no band decoded so far can hold a NaN / Inf: each came from a table of finished outputs
-        that holds none (the pair tables), so the band need not be scanned (``finite.finite_bands``)."""
-        return self._finite_tables
+    def vouches_finite(self, band: np.ndarray) -> bool:
+        """True when ``band``, decoded by this, is known to hold no NaN / Inf without a scan (``finite.finite_bands``):
+        every band decoded so far came from tables of finished outputs that hold none (the pair tables), or from
+        FP8 tables whose one non-finite output is bf16 0xFFFF, which its maximum shows (``BandDequantizer``)."""
+        return self._finite_tables or (self._fast is not None and self._fast.vouches(band))
 
     def bands(self) -> Iterator[tuple[int, int, int]]:
         """(lead, r0, r1) in C order: inside one tile row, or starting on a tile-row boundary."""
@@ -318,6 +319,21 @@ class BandDecoder:
         return out
 
 
+def _spread(keys: np.ndarray, tb: int, scratch: Scratch) -> np.ndarray:
+    """[n, gc] uint16 ``keys``, each repeated over its tile's ``tb`` bytes: [n, gc * tb]. With ``tb`` a multiple of
+    4, four copies of a key fill one uint64 (key * 0x0001000100010001: equal lanes, whatever the byte order), copied
+    tb / 4 times: ``np.repeat`` copies 2 bytes at a time, a quarter of the pair decode's index cost."""
+    n, gc = keys.shape
+    if tb % 4:
+        return np.repeat(keys, tb, axis=1)
+    k64 = scratch.take("keys64", n * gc, np.uint64).reshape(n, gc)
+    np.multiply(keys, np.uint64(0x0001000100010001), out=k64, casting="unsafe")
+    spread = scratch.take("keys-spread", n * gc * (tb // 4), np.uint64).reshape(n, gc, tb // 4)
+    for j in range(tb // 4):
+        spread[:, :, j] = k64
+    return spread.view(np.uint16).reshape(n, gc * tb)
+
+
 def _tiles(block: np.ndarray, per_tile: np.ndarray, tc: int, op) -> None:
     """``block[r, c] = op(block[r, c], per_tile[r or 0, c // tc])`` in place (float32)."""
     rows, cols = block.shape
@@ -332,9 +348,11 @@ def _tiles(block: np.ndarray, per_tile: np.ndarray, tc: int, op) -> None:
         op(tail, per_tile[:, full:full + 1], out=tail)
 
 
-def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.ndarray]:
+def decode_stream(read: Callable[[int], Any], dec: BandDecoder, fill: Callable[[memoryview], bool] | None = None
+                  ) -> Iterator[np.ndarray]:
     """Decode a weight whose stored bytes come from a sequential reader (``read(n)``: the next n bytes),
-    band by band, one worker thread ahead of the consumer. Yields fresh storage arrays."""
+    band by band, one worker thread ahead of the consumer. Yields fresh storage arrays. ``fill``: reads the
+    whole weight into a buffer (``whole_stream``)."""
     d = dec.d
     threads = decode_threads()
 
@@ -351,7 +369,7 @@ def decode_stream(read: Callable[[int], Any], dec: BandDecoder) -> Iterator[np.n
 
     if in_pool():  # a tensor decoded whole on a pool thread (stream.lookahead): inline, one read, one array
         return whole_stream(read, (d.lead, d.rows, d.row_bytes), d.cols, d.out_dtype, dec.bands(), dec.decode,
-                            lambda msg: PlanError(msg, rule="dequant"))
+                            lambda msg: PlanError(msg, rule="dequant"), fill)
     # bands read in order on one thread, decoded on ``threads`` (in order), one step ahead of the consumer
     return prefetched(lambda: ordered_map(one, raw_bands(), threads))
 

@@ -117,6 +117,8 @@ class BandDequantizer:
         self.col_offset16 = self.col_offset.astype(np.uint16) if self.row_stride <= 1 << 16 else None
         self._scratch = scratch  # None: each decoding thread's own (bands may be decoded on several threads)
         self._tables: tuple[int, np.ndarray] | None = None
+        # every table built so far writes no Inf, and NaN only as 0xFFFF (bf16; see ``vouches``)
+        self._nan_top = out_dtype == "BF16"
 
     def dequant(self, codes: np.ndarray, lead: int, r0: int, out: np.ndarray) -> np.ndarray:
         """Values of the ``codes`` band [n, cols] at rows ``r0``.. of matrix ``lead``, written to
@@ -152,8 +154,17 @@ class BandDequantizer:
         if tables is None or tables[0] != lead:
             with np.errstate(over="ignore", invalid="ignore"):  # Inf and NaN are kept, as torch keeps them
                 products = self.scale[lead][:, :, None] * self.values  # float32: one rounding, as per element
-            tables = self._tables = (lead, encode_floats(products, self.out_dtype).reshape(-1))
+            table = encode_floats(products, self.out_dtype).reshape(-1)
+            if self._nan_top and bool((table[(table & 0x7FFF) >= 0x7F80] != 0xFFFF).any()):
+                self._nan_top = False  # before a band is decoded with it (then yielded and judged)
+            tables = self._tables = (lead, table)
         return tables[1]
+
+    def vouches(self, band: np.ndarray) -> bool:
+        """True when ``band`` (bf16 storage decoded by this) holds no NaN / Inf, known from its maximum alone: every
+        table so far writes no Inf and NaN only as 0xFFFF, and a finite bf16 is below 0xFF80 (-Inf), so one
+        reduction replaces the masked scan (``finite.first_nonfinite``, which then names the index)."""
+        return self._nan_top and int(band.max()) < 0xFF80
 
 
 _THREAD = threading.local()
@@ -168,14 +179,18 @@ def thread_scratch() -> Scratch:
 
 def whole_stream(read: Callable[[int], Any], stored: tuple[int, int, int], cols: int, out_dtype: str,
                  band_list: Iterable[tuple[int, int, int]], kernel: Callable[[np.ndarray, int, int, np.ndarray], Any],
-                 short: Callable[[str], Exception]) -> Iterator[np.ndarray]:
+                 short: Callable[[str], Exception], fill: Callable[[memoryview], bool] | None = None
+                 ) -> Iterator[np.ndarray]:
     """A weight of ``stored`` [lead, rows, row bytes] uint8 read at once and decoded band by band on this thread
     (``kernel(raw, lead, r0, out)`` over ``band_list``) into one [lead, rows, cols] ``out_dtype`` array: a small
     tensor on a pool thread (stream.lookahead), the same bytes as the streamed bands. ``short(message)``: the
-    error of a short read."""
+    error of a short read. ``fill(buffer)``: reads the bytes into this thread's scratch instead (no fresh zeroed
+    buffer per tensor); False when it does not hold exactly that many (``read`` then says what is wrong)."""
     lead, rows, row_bytes = stored
     total = lead * rows * row_bytes
-    data = read(total) if total else b""
+    data: Any = thread_scratch().take("raw", total, np.uint8) if fill is not None else None
+    if data is None or not fill(memoryview(data)):  # type: ignore[misc]
+        data = read(total) if total else b""
     if len(data) != total:
         raise short(f"short read: {len(data)} of {total} bytes")
     raw = np.frombuffer(data, dtype=np.uint8).reshape(lead, rows, row_bytes)

@@ -6,6 +6,7 @@ are read whole. Memory stays at one band of the weight plus its scales, whatever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...dtypes import DTYPES
@@ -186,9 +187,27 @@ class DequantRecipe(Compute):
             zp = decode.zero_point_values(read(zt), zt.dtype, dspec.bits, dspec.offset, dspec.zero_point.packed,
                                           -(-shape[-2] // tile[0]))
         dec = decode.BandDecoder(d, scale, g, zp)
-        bands = decode.decode_stream(RecipeReader(weight.recipe).read, dec)
+        bands = decode.decode_stream(RecipeReader(weight.recipe).read, dec, _filler(weight.recipe))
         yield from finite_bands(bands, self.key, shape, self.out_dtype, f"{self.storage.module} ({self.storage.label})",
                                 _file_of(weight), dec.vouches_finite) if self.finite else bands
+
+def _filler(recipe: Any) -> Callable[[memoryview], bool] | None:
+    """Reads a byte copy's segments straight into a buffer (False: they are not that many bytes); None for a
+    computed recipe."""
+    if not isinstance(recipe, CopyBytes):
+        return None
+
+    def fill(buf: memoryview) -> bool:
+        if recipe.nbytes != len(buf):
+            return False
+        at = 0
+        for seg in recipe.segments:
+            seg.source.readinto(seg.offset, buf[at:at + seg.length])
+            at += seg.length
+        return True
+
+    return fill
+
 
 def _file_of(t: OutputTensor) -> str | None:
     """The file a byte-copied tensor is read from (for the message), else None."""

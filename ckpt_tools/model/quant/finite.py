@@ -42,7 +42,8 @@ def first_nonfinite(values: np.ndarray, dtype: str) -> int | None:
 
 
 def finite_bands(bands: Iterable[np.ndarray], key: str, shape: tuple[int, ...], dtype: str, what: str,
-                 path: str | None = None, vouched: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
+                 path: str | None = None, vouched: Callable[[np.ndarray], bool] | None = None
+                 ) -> Iterator[np.ndarray]:
     """``bands`` (consecutive C-order parts of a ``shape`` tensor in ``dtype`` storage) passed through; the first
     NaN / Inf is an InputError (rule ``nonfinite``) naming ``key``, the index and ``what`` it was decoded from.
     ``vouched()``: True when the bands decoded so far are known finite (``decode.BandDecoder.vouches_finite``)."""
@@ -51,7 +52,7 @@ def finite_bands(bands: Iterable[np.ndarray], key: str, shape: tuple[int, ...], 
         return
     done = 0
     for band in bands:
-        i = None if vouched is not None and vouched() else first_nonfinite(band, dtype)
+        i = None if vouched is not None and vouched(band) else first_nonfinite(band, dtype)
         if i is not None:
             flat = done + i
             index = [int(x) for x in np.unravel_index(flat, shape)] if shape and math.prod(shape) else [flat]

@@ -9,7 +9,7 @@ does not declare is still recognised (and reported as such).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -38,6 +38,10 @@ class _Memo:
     suffixes: tuple[str, ...]  # every tensor name a candidate (or a float weight) may use, after "{module}."
     per_module: bool  # some table's parameters depend on the module's name (several declared groups)
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # table -> params, when not per module
+    position: dict[str, int] = field(init=False)  # suffix -> its index in ``suffixes``
+
+    def __post_init__(self) -> None:
+        self.position = {s: i for i, s in enumerate(self.suffixes)}
     # what the modules stored alike are stored as (see module_storage): their tensors' dtypes and shapes -> Storage
     alike: dict[tuple, Storage] = field(default_factory=dict)
 
@@ -365,17 +369,51 @@ def _storage_in(memo: _Memo, scheme: QuantScheme | None, ckpt: Any, module: str,
     if not memo.per_module:
         # Modules whose tensors have the same dtypes and shapes are stored alike (the parameters being the same
         # for all): one look at the tables per pattern, not per module (a release has 46,000 such modules).
-        refs = [tensors.get(f"{module}.{s}") for s in memo.suffixes]
-        alike = (shape, *(None if r is None else (r.dtype, r.shape) for r in refs))
+        prefix = module + "."
+        refs = list(map(tensors.get, [prefix + s for s in memo.suffixes]))
+        alike = (shape, *[None if r is None else (r.dtype, r.shape) for r in refs])
         st = memo.alike.get(alike)
         if st is not None:
-            keys = {s: r.key for s, r in zip(memo.suffixes, refs, strict=True) if r is not None}
+            at = memo.position
             return Storage(module, st.state, st.dtype, st.scheme, st.format, st.label,
-                           {s: keys[s] for s in st.tensors}, (), (), st.shape, st.params)
+                           {s: refs[at[s]].key for s in st.tensors}, (), (), st.shape, st.params)
     st = _module_storage(tensors, memo, scheme, module, shape, fused)
     if alike is not None and _reusable(st, memo):
         memo.alike[alike] = st
     return st
+
+
+def alike_storage(ckpt: Any, scheme: QuantScheme | None, modules: Sequence[str],
+                  shapes: Sequence[tuple[int, ...]], last_names: Collection[str] = ()) -> Storage | None:
+    """The storage of ``modules[0]`` when every module (its logical shape in ``shapes``: a routed-expert group's
+    projections) is stored as ``module_storage`` finds the first of its shape and those agree but for names: each
+    tensor name a format may use present in all of a shape's modules or in none, in one dtype and shape. Looked at
+    in columns, not module by module (a release's layer has 768 experts); None: ask per module. ``last_names``: the
+    last name component of every key of ``ckpt`` when known (a name no key ends with is in no module: not looked
+    up)."""
+    memo = _scheme_memo(scheme)
+    if memo.per_module or not modules:
+        return None
+    tensors = ckpt.tensors
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for module, shape in zip(modules, shapes, strict=True):
+        by_shape.setdefault(tuple(shape), []).append(module)
+    first: Storage | None = None
+    for shape, names in by_shape.items():
+        for suffix in memo.suffixes:
+            if last_names and "." not in suffix and suffix not in last_names:
+                continue
+            refs = map(tensors.get, [f"{m}.{suffix}" for m in names])
+            column = {None if r is None else (r.dtype, r.shape) for r in refs}
+            if len(column) != 1:
+                return None
+        st = _storage_in(memo, scheme, ckpt, names[0], shape)
+        if not _reusable(st, memo) or (first is not None and (st.state, st.dtype, st.scheme, st.format, st.label,
+                                                               st.params) != (first.state, first.dtype, first.scheme,
+                                                                              first.format, first.label, first.params)):
+            return None
+        first = first or st
+    return first
 
 
 def _reusable(st: Storage, memo: _Memo) -> bool:
