@@ -9,13 +9,12 @@ manifest back is ``checkpoint.parse_manifest``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..io import digest
-from ..jsonutil import dumps_strict
+from ..jsonutil import dumps_indented
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def manifest_bytes(manifest: dict) -> bytes:
-    return (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity
+    return (dumps_indented(manifest, 1) + "\n").encode()  # strict: no bare NaN/Infinity
 
 
 def manifest_dict(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[str, str], digests: dict[str, str],
@@ -110,4 +109,4 @@ def index(plan: Plan, tensor_files: dict[str, str]) -> dict:
 
 
 def index_bytes(plan: Plan, tensor_files: dict[str, str]) -> bytes:
-    return (json.dumps(index(plan, tensor_files), indent=2) + "\n").encode()
+    return (dumps_indented(index(plan, tensor_files), 2) + "\n").encode()
