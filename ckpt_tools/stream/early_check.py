@@ -11,12 +11,15 @@ descriptor, reading ranges not kept; a byte that differs) is checked again as it
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ..io.safetensors_io import IO_STATS, LocalFile
+
+SWITCH = 0.0002  # seconds: the interpreter's switch interval while the check runs
 
 
 class StandIn(LocalFile):
@@ -51,7 +54,14 @@ class EarlyCheck:
     def _run(self, run: Callable[[dict[str, Callable[[], StandIn]]], dict], ready: Future) -> None:
         IO_STATS.quiet()  # it reads the output (and inputs in place of copies), not what the verb reads
         ready.result()  # the files written so far in place
-        self.manifest = run({name: lambda n=name, p=path: self._stand(n, p) for name, path in self.copies.items()})
+        # the writer takes the GIL back after each kernel copy: it waits for this thread at most this long (5 ms by
+        # default: a copy of 8 MiB takes about 3 ms, so the copies would crawl beside the check)
+        was = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH)
+        try:
+            self.manifest = run({name: lambda n=name, p=path: self._stand(n, p) for name, path in self.copies.items()})
+        finally:
+            sys.setswitchinterval(was)
 
     def _stand(self, name: str, path: Path) -> StandIn:
         self.stands[name] = StandIn(path)
