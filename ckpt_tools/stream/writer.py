@@ -355,13 +355,17 @@ class Writer:
             self.progress.advance(sum(t.nbytes for t in ordered))
             return None
         with self.target.open(name, head) as up, lookahead(ordered) as ahead:
-            i = 0
+            i, checks = 0, []
             for run in _runs(ordered):
                 if len(run) > 1:
-                    self._write_run(up, run, hasher)
+                    checks += self._write_run(up, run, hasher)
                 else:  # the next computed tensors decode while this one is written
-                    self._write_tensor(up, run[0], ahead.chunks(i), hasher)
+                    checks += self._write_tensor(up, run[0], ahead.chunks(i), hasher)
                 i += len(run)
+            if checks:  # judged once every byte is fed (hashed beside the copies, up to the last): the first refused
+                hasher.copier.drain()  # value in the shard's order is the error, and the shard is not committed
+                for check in checks:
+                    check.finish()
             up.close()
         if not lone:
             up.commit()
@@ -370,24 +374,23 @@ class Writer:
         result.bytes_written += up.size
         return up
 
-    def _write_tensor(self, up: Any, t: OutputTensor, chunks: Iterable[Any], hasher: _Hasher) -> None:
+    def _write_tensor(self, up: Any, t: OutputTensor, chunks: Iterable[Any], hasher: _Hasher) -> list[Any]:
         """``t``'s bytes appended to ``up``: kernel copies and plain writes, or (``copier``) each chunk read once
-        and fed to its digest and its value check as it is written."""
+        and fed to its digest and its value check as it is written; the check, to be finished (``_write_shard``)."""
         copier = hasher.copier if hasher.hashing or t.check else None
         h = digest.new(hasher.algo) if copier is not None and hasher.hashing else None
         check = t.check() if t.check is not None else None
         sink = Feed(h, check) if copier is not None else None
         write = up.write if copier is None else lambda mv: copier.chunk(sink, mv, up.write)
         self._stream_tensor(t, lambda seg: up.copy(seg, copier, sink), write, chunks)
-        if check is not None:
-            copier.drain()  # every byte fed to it (hashed from the page cache on its thread)
-            check.finish()  # a refused value: the shard is not committed
         if h is not None:
             hasher.done_tensor(t.key, copier.later(h.hexdigest))
+        return [check] if check is not None else []
 
-    def _write_run(self, up: Any, run: list[OutputTensor], hasher: _Hasher) -> None:
+    def _write_run(self, up: Any, run: list[OutputTensor], hasher: _Hasher) -> list[Any]:
         """Tensors whose bytes lie end to end in one source, in this order (``_runs``): one copy - a kernel copy
-        when large, hashed from the page cache - each tensor's bytes fed to its own digest and check (``Split``)."""
+        when large, hashed from the page cache - each tensor's bytes fed to its own digest and check (``Split``);
+        the checks, to be finished (``_write_shard``)."""
         checks = [t.check() if t.check is not None else None for t in run]
         hashes = [digest.new(hasher.algo) if hasher.hashing else None for _ in run]
         first = run[0].recipe.segments[0]
@@ -397,14 +400,10 @@ class Writer:
         up.copy(seg, copier, None if copier is None else Split([(t.nbytes, f) for t, f in zip(run, feeds,
                                                                                                strict=True)]))
         self.progress.advance(seg.length)
-        if any(checks):
-            copier.drain()  # every byte fed (hashed from the page cache on its thread)
-            for c in checks:
-                if c is not None:
-                    c.finish()  # a refused value: the shard is not committed
         for t, h in zip(run, hashes, strict=True):
             if h is not None:
                 hasher.done_tensor(t.key, copier.later(h.hexdigest))
+        return [c for c in checks if c is not None]
 
     def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
                        write: Callable[[memoryview], None], chunks: Iterable[Any] | None = None) -> None:
