@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tools.stream import early_check
 from ckpt_tools.stream.targets import local
 
 from conftest import run_ckpt as ckpt
@@ -45,7 +44,7 @@ def test_the_check_runs_while_the_target_shards_are_copied(tmp_path, monkeypatch
 
     def copy(src, dst, **kw):
         if Path(src).name in SHARDS:
-            waited.append(started.wait(20))  # the check starts before this copy is done: it does not wait for it
+            waited.append(started.wait(10))  # the check starts before this copy is done: it does not wait for it
         return real(src, dst, **kw)
 
     monkeypatch.setattr(local, "copy_whole_file", copy)
@@ -76,7 +75,7 @@ def test_a_copy_that_lands_other_bytes_than_were_checked_is_checked_again(change
 
     def later(self, fd, tmp, final, rename=True):
         if final.name == name and fd >= 0:
-            started.wait(20)
+            started.wait(10)
             change(fd, tmp)
         return real(self, fd, tmp, final, rename)
 
@@ -88,7 +87,9 @@ def test_a_copy_that_lands_other_bytes_than_were_checked_is_checked_again(change
     assert not (out / "model.safetensors.index.json").exists()
 
 
-def _early(tmp_path: Path, read) -> tuple[early_check.EarlyCheck, Path]:
+def _early(tmp_path: Path, read):
+    from ckpt_tools.stream import early_check
+
     src, out = tmp_path / "input.bin", tmp_path / "out"
     src.write_bytes(bytes(range(256)) * 4)
     out.mkdir()
