@@ -257,9 +257,11 @@ class Writer:
 
     def _copied_whole(self, lone: bool) -> dict[str, Path]:
         """Files copied whole from a local input, which the output's check reads in their copies' place while they
-        are copied (``early_check``): none without a check, for a lone file, or where the target cannot tell when
-        files are in place."""
-        if self.check is None or lone or self.target.barrier() is None:
+        are copied (``early_check``): none without a check, for a lone file, where the target cannot tell when
+        files are in place, or where a whole file's header is not known before it lands (the planned manifest lists
+        its tensors from it)."""
+        whole = [f for f in self.plan.files if f.tensors and f.link != "remote"]
+        if self.check is None or lone or self.target.barrier() is None or any(f.header is None for f in whole):
             return {}
         return {f.name: f.source for f in self.plan.files if f.tensors and f.link == "copy" and f.content is None
                 and type(f.source) is type(Path())}  # not a lazy remote path (fetched when opened)
