@@ -200,3 +200,34 @@ def test_a_linked_file_hashed_from_a_mapping_is_its_bytes_digest(tmp_path, monke
         assert sorted(header.tensors) == sorted(c.shard_keys[shard.name])
     (tmp_path / "empty").write_bytes(b"")
     assert writer._hash_shard_file(tmp_path / "empty")[:2] == (digest.new().hexdigest(), 0)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64"])
+def test_the_writers_value_check_counts_what_a_read_counts(dtype):
+    """``FiniteCheck`` (fed the writer's chunks, cut anywhere) counts the NaN / Inf ``count_nonfinite`` counts."""
+    import numpy as np
+
+    from ckpt_tools.io.safetensors_io import Segment
+    from ckpt_tools.ops.shared.compare import FiniteCheck, count_nonfinite
+    from ckpt_tools.stream.plan import CopyBytes
+
+    class Memory:
+        name = "memory"
+
+        def __init__(self, data: bytes) -> None:
+            self.data, self.size = data, len(data)
+
+        def readinto(self, offset: int, buf: memoryview) -> None:
+            buf[:] = self.data[offset: offset + len(buf)]
+
+        def local_fd(self) -> None:
+            return None
+
+    width = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8}[dtype]
+    raw = np.random.default_rng(1).integers(0, 256, size=width * 50_000, dtype=np.uint8).tobytes()
+    for cut in (1, 777, 4096, len(raw)):
+        check = FiniteCheck("k", dtype, "p", "w")
+        for at in range(0, len(raw), cut):
+            check.update(memoryview(raw)[at: at + cut])
+        want = count_nonfinite(CopyBytes([Segment(Memory(raw), 0, len(raw))]), dtype, (len(raw) // width,))
+        assert check.bad == want > 0

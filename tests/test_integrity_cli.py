@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from ckpt_tools.cli import app
 from ckpt_tools.cli.common import command
 from ckpt_tools.errors import EXIT_INPUT, EXIT_OUTPUT, EXIT_USAGE, InputError
-from ckpt_tools.jsonutil import dumps_strict
+from ckpt_tools.jsonutil import dumps_indented, dumps_strict
 
 from conftest import run_ckpt, tree_hash
 
@@ -293,6 +293,18 @@ def test_dumps_strict_maps_nonfinite_values():
            "arr": np.array([1.5, np.inf]), "t": (1, 2), "path": Path("/x"), "ok": 0.25}
     assert _strict(dumps_strict(obj)) == {"nan": None, "inf": "inf", "ninf": "-inf", "np": None, "n": 3,
                                           "arr": [1.5, "inf"], "t": [1, 2], "path": "/x", "ok": 0.25}
+
+
+@pytest.mark.parametrize("indent", [1, 2])
+def test_dumps_indented_is_dumps_strict(indent, verifier, tmp_path):
+    """The manifest's, the index's and the reports' fast indenting writes json's text, character for character."""
+    run_ckpt("extract", verifier, "-o", tmp_path / "d")
+    cases = [json.loads((tmp_path / "d" / "ckpt_manifest.json").read_text()), {}, [], {"a": [], "b": {}},
+             [1.5, -0.0, 1e300, 2**70, True, False, None, "é\n\"\\x\u2028\x7f"], {"t": (1, (2, []))},
+             {"a": [[], [{}], {"b": [1, {"c": None}]}]}, "s", 3, 0.1, None,
+             {"nan": float("nan")}, {1: 2}, {"n": np.int64(3)}, {"p": Path("/x")}]  # the last ones: json's own way
+    for case in cases:
+        assert dumps_indented(case, indent) == dumps_strict(case, indent=indent), case
 
 
 # --------------------------------------------------------------------------- every non-zero exit says why

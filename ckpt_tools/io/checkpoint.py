@@ -85,12 +85,13 @@ class Checkpoint:
     @classmethod
     @gc_paused()  # ~92,000 references and header entries at release scale: no cycles to look for
     def _open_dir(cls, d: Path, single: str | None = None, *, problems: _Problems | None = None,
-                  index: dict | None = None, renamed: dict[str, Path] | None = None) -> Checkpoint:
+                  index: dict | None = None, renamed: dict[str, Path] | None = None,
+                  manifest: dict | None = None) -> Checkpoint:
         """Directory ``d`` (only its file ``single`` when given): config, index, shard headers, manifest.
 
         ``problems`` decides what a problem does: raise it (the default), or note it and open
-        what can be opened (``open_lenient``). ``index`` and ``renamed`` describe an output the
-        writer has not marked complete yet (see ``open_lenient``).
+        what can be opened (``open_lenient``). ``index``, ``renamed`` and ``manifest`` describe an output
+        the writer has not marked complete yet (see ``open_lenient``).
         """
         problems = problems or _Problems(strict=True)
         renamed = renamed or {}
@@ -109,7 +110,8 @@ class Checkpoint:
             sources, headers = _open_shards(d, root, shard_names, renamed, problems, hasher)
         try:
             tensors, shard_keys = references(headers, sources, index, str(d / INDEX_NAME), strict=problems.strict)
-            manifest = _read_manifest_in(d, digests, problems, skip=MANIFEST_NAME in blocked)
+            if manifest is None:
+                manifest = _read_manifest_in(d, digests, problems, skip=MANIFEST_NAME in blocked)
         except BaseException:
             _close_all(sources)  # a refused checkpoint leaves no open file behind
             raise
@@ -362,10 +364,13 @@ def _open_shards(d: Path, root: Path, names: list[str], renamed: dict[str, Path]
         for name in names:
             try:
                 fpath = renamed.get(name) or _confined(d, root, name)
-                if not fpath.is_file():
+                if callable(fpath):  # a file not in place yet, read from what it is made of (writer.PendingOutput)
+                    src = sources[name] = fpath()
+                elif not fpath.is_file():
                     raise InputError(f"index names shard {name!r}, which does not exist", rule="missing-shard",
                                      path=str(d / name))
-                src = sources[name] = LocalFile(fpath)
+                else:
+                    src = sources[name] = LocalFile(fpath)
                 src.name = str(d / name)
                 headers[name] = read_header(src, hasher)
             except InputError as e:
@@ -636,7 +641,7 @@ class LenientOpen:
 
 
 def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
-                 renamed: dict[str, Path] | None = None) -> LenientOpen:
+                 renamed: dict[str, Path] | None = None, manifest: dict | None = None) -> LenientOpen:
     """Like ``Checkpoint.open`` for local paths, but collects file-level errors instead of raising.
 
     ``ckpt validate`` uses it to report every problem at once. Raises ``InputError``
@@ -646,7 +651,8 @@ def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
 
     An output the writer has not marked complete yet is opened as it will be: ``index``
     is the index about to be written, ``renamed`` maps final file names to the temporary
-    files that hold them (the lone ``model.safetensors`` before its rename).
+    files that hold them (the lone ``model.safetensors`` before its rename) or open what stands in for
+    them, ``manifest`` the manifest about to be written.
     """
     p = Path(path)
     single: str | None = None
@@ -660,7 +666,7 @@ def open_lenient(path: str | os.PathLike, *, index: dict | None = None,
     if not p.is_dir():
         raise InputError("no such checkpoint directory or .safetensors file", rule="no-weights", path=str(path))
     problems = _Problems(strict=False)
-    ckpt = Checkpoint._open_dir(p, single, problems=problems, index=index, renamed=renamed)
+    ckpt = Checkpoint._open_dir(p, single, problems=problems, index=index, renamed=renamed, manifest=manifest)
     return LenientOpen(ckpt, problems.errors, problems.unreadable)
 
 

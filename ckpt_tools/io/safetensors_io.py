@@ -43,10 +43,18 @@ class IOStats:
     bytes_read: int = 0  # read into user space (headers, computed tensors)
     bytes_copied: int = 0  # moved by byte-range copies (kernel or buffered)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # a thread reading the output (the writer's check beside the copies), not the inputs: not counted
+    _quiet: threading.local = field(default_factory=threading.local, repr=False)
 
     def add_read(self, n: int) -> None:
+        if getattr(self._quiet, "on", False):
+            return
         with self._lock:
             self.bytes_read += n
+
+    def quiet(self) -> None:
+        """This thread's reads are not counted from now on."""
+        self._quiet.on = True
 
     def add_copied(self, n: int) -> None:
         with self._lock:

@@ -9,23 +9,26 @@ manifest back is ``checkpoint.parse_manifest``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..io import digest
-from ..jsonutil import dumps_strict
+from ..jsonutil import dumps_indented
 
 if TYPE_CHECKING:
     from .plan import Plan
 
 
 
-def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[str, str], digests: dict[str, str],
-                   landed: dict[str, tuple[str, int, object]], landed_facts: Callable[[str], dict], *,
-                   file_stats: dict[str, dict] | None = None, reused: dict[str, str] | None = None,
-                   written: list[str] | None = None) -> bytes:
+def manifest_bytes(manifest: dict) -> bytes:
+    return (dumps_indented(manifest, 1) + "\n").encode()  # strict: no bare NaN/Infinity
+
+
+def manifest_dict(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[str, str], digests: dict[str, str],
+                  landed: dict[str, tuple[str, int, object]], landed_facts: Callable[[str], dict], *,
+                  file_stats: dict[str, dict] | None = None, reused: dict[str, str] | None = None,
+                  written: list[str] | None = None, settle: bool = True) -> dict:
     """Every tensor of the output: written ones with their digest, those in copied shards by their file's.
 
     ``tensor_files``: written tensor -> its file; ``digests``: tensor -> digest (written tensors, and those of a
@@ -33,7 +36,8 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
     size, header) of what landed; ``landed_facts``: what the storage itself vouches for about such a file (an
     object store's ETag); ``file_stats``: local shard -> its stat as it landed (``known_digests``: what lets a
     later run take its digests over); ``reused``: whole file -> the input manifest its digest was taken from;
-    ``written``: every file the run writes (side files included: what a later ``--overwrite`` removes).
+    ``written``: every file the run writes (side files included: what a later ``--overwrite`` removes);
+    ``settle``: the inputs' fingerprints completed from ``digests`` (False: the manifest as planned, none yet).
     """
     reused = reused or {}
     algo = digest.MANIFEST_ALGO  # read once: the knob is looked up on each access
@@ -42,7 +46,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
         "version": __version__,
         "command": plan.command,
         **plan.manifest,
-        "inputs": plan.settle_fingerprints(digests),  # a tensor copied whole: its digest as written
+        "inputs": plan.settle_fingerprints(digests) if settle else {},  # a tensor copied whole: its digest as written
         "plan": plan_digest,
         "files": {},
         "tensors": {},
@@ -90,7 +94,7 @@ def manifest_bytes(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[s
         manifest["written"] = list(written)
     if file_stats:
         manifest["file_stats"] = dict(sorted(file_stats.items()))
-    return (dumps_strict(manifest, indent=1) + "\n").encode()  # strict: no bare NaN/Infinity
+    return manifest
 
 
 def index(plan: Plan, tensor_files: dict[str, str]) -> dict:
@@ -105,4 +109,4 @@ def index(plan: Plan, tensor_files: dict[str, str]) -> dict:
 
 
 def index_bytes(plan: Plan, tensor_files: dict[str, str]) -> bytes:
-    return (json.dumps(index(plan, tensor_files), indent=2) + "\n").encode()
+    return (dumps_indented(index(plan, tensor_files), 2) + "\n").encode()

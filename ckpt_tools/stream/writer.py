@@ -40,6 +40,7 @@ from ..io.safetensors_io import (
     parse_header_bytes,
 )
 from . import manifest, output_dir
+from .early_check import EarlyCheck
 from .hashcopy import Feed, HashingCopier, Split, feed_mapped
 from .journal import JOURNAL_NAME
 from .known_digests import KnownDigest
@@ -93,8 +94,9 @@ class PendingOutput:
     """
 
     index: dict | None
-    renamed: dict[str, Path]
+    renamed: dict[str, Path | Callable[[], Any]]  # or a file still being copied: its input, read in its place
     checked: frozenset[tuple[str, str, Any]] = frozenset()  # Plan.checked_values: not read again
+    manifest: dict | None = None  # the manifest about to be written (None: the one in place)
 
 
 Check = Callable[[Path, PendingOutput], None]
@@ -129,6 +131,7 @@ class Target(Protocol):
     def moved_bytes(self, f: OutputFile) -> int: ...
     def landed_facts(self, name: str) -> dict: ...  # what the storage vouches for (an object store's ETag)
     def view(self, lone: Any) -> contextlib.AbstractContextManager[tuple[Path, dict[str, Path]]]: ...
+    def barrier(self) -> Future | None: ...  # done once the files handed over are in place (None: no early check)
 
 
 class Writer:
@@ -143,6 +146,7 @@ class Writer:
         self.check = check
         self._written_names: list[str] = []  # every file this run writes (output_dir.written_names)
         self._copied: dict[str, str] = {}  # --resume: Plan.copied_digests
+        self._early: EarlyCheck | None = None  # the output's check, started beside the whole-file copies
 
     def run(self) -> WriteResult:
         t0, plan, target = time.monotonic(), self.plan, self.target
@@ -154,15 +158,15 @@ class Writer:
             self.progress.phase("writing", plan.total_bytes + sum(map(target.moved_bytes, plan.files)))
             lone = output_dir.lone_file(plan, shards)
             with self._hasher() as hasher:
-                held = self._write_all(shards, result, hasher, lone)
+                held = self._write_all(shards, result, hasher, lone, plan_digest)
                 target.settle()  # every file durable and in place before the manifest vouches for it
                 self.progress.phase("hashing")  # what the hasher threads have left
                 result.digests, result.landed = hasher.results()
             result.reused = dict(target.reused)
-            self._write_manifest(result, plan_digest)
+            written = self._write_manifest(result, plan_digest)
             result.bytes_read = IO_STATS.total
             self.progress.phase("validating")
-            self._run_check(result, lone, held)
+            self._run_check(result, lone, held, written)
             if not lone:
                 target.put(plan.index_name, manifest.index_bytes(plan, result.tensor_files))
             elif held is not None:
@@ -178,6 +182,8 @@ class Writer:
                         target.remove(name)
             raise e.error from None
         finally:
+            if self._early is not None:
+                self._early.wait()  # nothing of this run reads the output after it
             self.progress.stop()
             target.remove_partials()
             if not complete:  # a manifest without its completion marker would read as a finished run
@@ -221,13 +227,15 @@ class Writer:
                                                          self._written_names))
 
     def _write_all(self, shards: dict[str, list[OutputTensor]], result: WriteResult, hasher: _Hasher,
-                   lone: bool) -> Any:
+                   lone: bool, plan_digest: dict[str, str]) -> Any:
         """Shards whose values are checked first (a refused value stops the run before the rest is written), then
-        files copied or linked whole (hashing linked ones overlaps the shards written next), the other shards,
-        the other files. The lone output file (no index) is returned uncommitted (None: proven in place)."""
+        files linked whole (hashing them overlaps the shards written next), the other shards, the other files,
+        and the files copied whole: the output's check starts before them, on a thread (``early_check``). The lone
+        output file (no index) is returned uncommitted (None: proven in place)."""
         checked = [n for n, ts in shards.items() if any(t.check is not None for t in ts)]
         rest = [n for n in shards if n not in checked]
-        files = sorted(self.plan.files, key=lambda f: not f.tensors)
+        copies = self._copied_whole(lone)
+        files = sorted((f for f in self.plan.files if f.name not in copies), key=lambda f: not f.tensors)
         try:
             uploads = [self._write_shard(n, shards[n], result, hasher, lone) for n in checked]
         except CkptError as e:
@@ -239,8 +247,42 @@ class Writer:
         uploads += [self._write_shard(n, shards[n], result, hasher, lone) for n in rest]
         for f in files[sum(bool(f.tensors) for f in files):]:
             self._write_file(f, hasher)
+        if copies:
+            self._early = self._start_check(result, plan_digest, copies)
+        for f in self.plan.files:
+            if f.name in copies:
+                self._write_file(f, hasher)
         result.files += [f.name for f in self.plan.files]
         return uploads[0] if lone else None
+
+    def _copied_whole(self, lone: bool) -> dict[str, Path]:
+        """Files copied whole from a local input, which the output's check reads in their copies' place while they
+        are copied (``early_check``): none without a check, for a lone file, where the target cannot tell when
+        files are in place, or where a whole file's header is not known before it lands (the planned manifest lists
+        its tensors from it)."""
+        whole = [f for f in self.plan.files if f.tensors and f.link != "remote"]
+        if self.check is None or lone or self.target.barrier() is None or any(f.header is None for f in whole):
+            return {}
+        return {f.name: f.source for f in self.plan.files if f.tensors and f.link == "copy" and f.content is None
+                and type(f.source) is type(Path())}  # not a lazy remote path (fetched when opened)
+
+    def _start_check(self, result: WriteResult, plan_digest: dict[str, str], copies: dict[str, Path]) -> EarlyCheck:
+        """The output's check, on a thread once every file handed over so far is in place, the files copied whole
+        read from their inputs and the manifest as planned."""
+        plan, target, check = self.plan, self.target, self.check
+        assert check is not None
+        index = manifest.index(plan, result.tensor_files)
+        tensor_files = dict(result.tensor_files)
+
+        def run(stand_ins: dict[str, Callable[[], Any]]) -> dict:
+            landed = {f.name: ("", 0, f.header) for f in plan.files if f.tensors and f.link != "remote"}
+            planned = manifest.manifest_dict(plan, plan_digest, tensor_files, {}, landed, target.landed_facts,
+                                             written=self._written_names, settle=False)
+            with target.view(None) as (root, renamed):
+                check(root, PendingOutput(index, {**renamed, **stand_ins}, plan.checked_values, planned))
+            return planned
+
+        return EarlyCheck(run, copies, target.barrier())
 
     def _write_file(self, f: OutputFile, hasher: _Hasher) -> None:
         if f.link == "remote":
@@ -250,25 +292,31 @@ class Writer:
         else:
             self.target.copy_file(f, hasher, self.progress)
 
-    def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> None:
+    def _write_manifest(self, result: WriteResult, plan_digest: dict[str, str]) -> dict:
         target = self.target
-        content = manifest.manifest_bytes(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
-                                          target.landed_facts, file_stats=target.stats, reused=target.reused,
-                                          written=self._written_names)
-        target.put(MANIFEST_NAME, content)
+        content = manifest.manifest_dict(self.plan, plan_digest, result.tensor_files, result.digests, result.landed,
+                                         target.landed_facts, file_stats=target.stats, reused=target.reused,
+                                         written=self._written_names)
+        target.put(MANIFEST_NAME, manifest.manifest_bytes(content))
+        return content
 
     def _hasher(self) -> _Hasher:
         return _Hasher(digest.hash_threads() if self.hash_tensors else None)  # threads beside the copies (digest)
 
-    def _run_check(self, result: WriteResult, lone: bool, held: Any) -> None:
-        """The caller's check of the output as it will be (``held``: the lone file, not yet committed); a failure
-        leaves it without its completion marker."""
+    def _run_check(self, result: WriteResult, lone: bool, held: Any, written: dict) -> None:
+        """The caller's check of the output as it will be (``held``: the lone file, not yet committed): the one run
+        beside the copies when what landed is proven to be what it read, else run now; a failure leaves the output
+        without its completion marker."""
         if self.check is None:
             return
         where = str(self.target.name)
         marker = self.plan.single_file_name if lone else self.plan.index_name
         with self.target.view(held) as (root, renamed):
             try:
+                if self._early is not None:
+                    self._early.result()
+                    if self._early.proven(root, written):
+                        return
                 self.check(root, PendingOutput(None if lone else manifest.index(self.plan, result.tensor_files),
                                                renamed, self.plan.checked_values))
             except CkptError as e:  # named by the output's own names (not a local mirror's)
@@ -309,13 +357,17 @@ class Writer:
             self.progress.advance(sum(t.nbytes for t in ordered))
             return None
         with self.target.open(name, head) as up, lookahead(ordered) as ahead:
-            i = 0
+            i, checks = 0, []
             for run in _runs(ordered):
                 if len(run) > 1:
-                    self._write_run(up, run, hasher)
+                    checks += self._write_run(up, run, hasher)
                 else:  # the next computed tensors decode while this one is written
-                    self._write_tensor(up, run[0], ahead.chunks(i), hasher)
+                    checks += self._write_tensor(up, run[0], ahead.chunks(i), hasher)
                 i += len(run)
+            if checks:  # judged once every byte is fed (hashed beside the copies, up to the last): the first refused
+                hasher.copier.drain()  # value in the shard's order is the error, and the shard is not committed
+                for check in checks:
+                    check.finish()
             up.close()
         if not lone:
             up.commit()
@@ -324,24 +376,23 @@ class Writer:
         result.bytes_written += up.size
         return up
 
-    def _write_tensor(self, up: Any, t: OutputTensor, chunks: Iterable[Any], hasher: _Hasher) -> None:
+    def _write_tensor(self, up: Any, t: OutputTensor, chunks: Iterable[Any], hasher: _Hasher) -> list[Any]:
         """``t``'s bytes appended to ``up``: kernel copies and plain writes, or (``copier``) each chunk read once
-        and fed to its digest and its value check as it is written."""
+        and fed to its digest and its value check as it is written; the check, to be finished (``_write_shard``)."""
         copier = hasher.copier if hasher.hashing or t.check else None
         h = digest.new(hasher.algo) if copier is not None and hasher.hashing else None
         check = t.check() if t.check is not None else None
         sink = Feed(h, check) if copier is not None else None
         write = up.write if copier is None else lambda mv: copier.chunk(sink, mv, up.write)
         self._stream_tensor(t, lambda seg: up.copy(seg, copier, sink), write, chunks)
-        if check is not None:
-            copier.drain()  # every byte fed to it (hashed from the page cache on its thread)
-            check.finish()  # a refused value: the shard is not committed
         if h is not None:
             hasher.done_tensor(t.key, copier.later(h.hexdigest))
+        return [check] if check is not None else []
 
-    def _write_run(self, up: Any, run: list[OutputTensor], hasher: _Hasher) -> None:
+    def _write_run(self, up: Any, run: list[OutputTensor], hasher: _Hasher) -> list[Any]:
         """Tensors whose bytes lie end to end in one source, in this order (``_runs``): one copy - a kernel copy
-        when large, hashed from the page cache - each tensor's bytes fed to its own digest and check (``Split``)."""
+        when large, hashed from the page cache - each tensor's bytes fed to its own digest and check (``Split``);
+        the checks, to be finished (``_write_shard``)."""
         checks = [t.check() if t.check is not None else None for t in run]
         hashes = [digest.new(hasher.algo) if hasher.hashing else None for _ in run]
         first = run[0].recipe.segments[0]
@@ -351,14 +402,10 @@ class Writer:
         up.copy(seg, copier, None if copier is None else Split([(t.nbytes, f) for t, f in zip(run, feeds,
                                                                                                strict=True)]))
         self.progress.advance(seg.length)
-        if any(checks):
-            copier.drain()  # every byte fed (hashed from the page cache on its thread)
-            for c in checks:
-                if c is not None:
-                    c.finish()  # a refused value: the shard is not committed
         for t, h in zip(run, hashes, strict=True):
             if h is not None:
                 hasher.done_tensor(t.key, copier.later(h.hexdigest))
+        return [c for c in checks if c is not None]
 
     def _stream_tensor(self, t: OutputTensor, copy: Callable[[Segment], None],
                        write: Callable[[memoryview], None], chunks: Iterable[Any] | None = None) -> None:

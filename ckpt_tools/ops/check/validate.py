@@ -115,7 +115,8 @@ def validate(path_or_checkpoint: str | os.PathLike | Checkpoint, arch: str | Non
             return report
     else:
         opened = open_lenient(path_or_checkpoint, index=pending.index if pending else None,
-                              renamed=pending.renamed if pending else None)
+                              renamed=pending.renamed if pending else None,
+                              manifest=pending.manifest if pending else None)
         ckpt, unreadable = opened.ckpt, opened.unreadable
         report = ValidationReport(ckpt.root)
         remote = set((ckpt.manifest or {}).get("remote_files") or {})

@@ -16,6 +16,7 @@ positions where both sides are finite.
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING
 
 from ...arrays import Scratch, decode_floats
@@ -107,6 +108,9 @@ def count_nonfinite(recipe: Recipe, dtype: str, shape) -> int:
     return bad
 
 
+_SCRATCH = threading.local()
+
+
 class FiniteCheck:
     """Counts the NaN / Inf of a float tensor's bytes as they are written (``OutputTensor.check``: the values
     ``count_nonfinite`` counts, judged from the writer's chunks instead of a separate read); ``finish`` refuses
@@ -128,7 +132,11 @@ class FiniteCheck:
             data = memoryview(self._carry + bytes(data))
         cut = len(data) - len(data) % self.size
         v = np.frombuffer(data[:cut], dtype=self.view)
-        self.bad += int(np.count_nonzero((v & self.view(self.mask)) >= self.top))
+        if v.size:  # masked into a reused buffer (no page faults), counted only when its largest value is bad
+            scratch = _SCRATCH.__dict__.setdefault("scratch", Scratch())  # per thread: a copier's, the writer's
+            bits = np.bitwise_and(v, self.view(self.mask), out=scratch.take("finite", v.size, v.dtype))
+            if bits.max() >= self.top:
+                self.bad += int(np.count_nonzero(bits >= self.top))
         self._carry = bytes(data[cut:])
 
     def finish(self) -> None:

@@ -133,7 +133,7 @@ def _write(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: 
 
     What --allow-invalid let in from the verifier may be carried out: those rules do not fail it.
     """
-    from ...jsonutil import dumps_strict
+    from ...jsonutil import dumps_indented
     from ...stream.execute import execute
     from ...stream.plan import OutputFile
     from ...stream.targets import write_output_file
@@ -148,4 +148,4 @@ def _write(plan: Plan, report: Report, o: Outputs, allow: frozenset[str], name: 
     result = execute(plan, o.out, overwrite=o.overwrite, resume=o.resume, progress=progress, check=check)
     report.link_digests = link_digests(plan, result)
     # tmp + rename: a run killed here leaves the placeholder, never a truncated report
-    write_output_file(o.out, name, (dumps_strict(report.to_json(), indent=2) + "\n").encode())
+    write_output_file(o.out, name, (dumps_indented(report.to_json(), 2) + "\n").encode())

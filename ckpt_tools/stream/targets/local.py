@@ -108,6 +108,10 @@ class LocalTarget:
         """Every file written so far fsync'd and renamed into place (the first failure, an OutputError)."""
         self._durable.settle()
 
+    def barrier(self) -> Future:
+        """Done once every file handed over so far is fsync'd and in place (``_Durable`` works in order)."""
+        return self._durable.barrier()
+
     def finish(self) -> None:
         self.settle()  # the lone file's rename
         fd = os.open(self.out, os.O_RDONLY)
@@ -502,6 +506,13 @@ class _Durable:
                 os.close(fd)
             if self._error is not None:
                 tmp.unlink(missing_ok=True)
+
+    def barrier(self) -> Future:
+        if self._last is not None:
+            return self._last
+        done: Future = Future()
+        done.set_result(None)
+        return done
 
     def settle(self, quiet: bool = False) -> None:
         if self._last is not None:
