@@ -121,6 +121,21 @@ def test_what_landed_is_proven_byte_for_byte(tmp_path):
     assert not check.proven(out, {"tensors": {"k": {"file": "f", "dtype": "F32", "shape": [1]}}})  # another manifest
 
 
+def test_a_stand_in_keeps_digests_not_the_bytes_it_read(tmp_path):
+    """Memory stays bounded whatever share of a copy the check reads (a release's ~160 MB of scales, where no gate
+    vouched for them): a stand-in keeps each range's offset, length and digest, not its bytes; the proof still
+    catches a changed byte."""
+    size = 1024  # the file _early writes
+    check, out = _early(tmp_path, lambda s: [s.readinto(at, memoryview(bytearray(size // 4))) for at in (0, size // 2)])
+    [stand] = check.stands.values()
+    assert sum(len(str(r)) for r in stand.reads) < 300 and all(len(r[2]) == 64 for r in stand.reads), stand.reads
+    assert check.proven(out, {"tensors": {}})
+    data = bytearray((out / "f").read_bytes())
+    data[size // 2 + 7] ^= 1
+    (out / "f").write_bytes(bytes(data))
+    assert not check.proven(out, {"tensors": {}})
+
+
 def test_a_stand_in_whose_descriptor_was_read_is_not_proven(tmp_path):
     """Reads through the descriptor are not kept: what landed there cannot be compared, so it is checked again."""
     check, out = _early(tmp_path, lambda s: s.local_fd())
