@@ -178,7 +178,7 @@ class VllmDef(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"  # the dtype the CPU layers accept
     # CPU stand-ins the load check installs (named in ckpt_tools/ops/check/vllm_cpu.py), for layers whose
     # construction needs a GPU kernel although loading does not
-    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports", "qsa_attention"]] = Field(
+    stubs: list[Literal["cuda_stream", "sparse_attention", "moe_kernel", "cuda_imports", "flash_varlen"]] = Field(
         default_factory=list)
     fixture: dict = Field(default_factory=dict)  # config overrides for sizes / fields vLLM's classes need
     # what vLLM's loader skips on purpose (say why in the note and the header): glue roles, or block tensor keys

@@ -161,7 +161,7 @@ def summarize(g: GgufFile, family: str | None = None) -> GgufSummary:
         problems: list[GgufProblem] = []
         for bid in range(trunk_layers, blocks):
             must, may = _expected(table, names, bid)
-            # a tensor of the block the converter writes at the root (DeepSeek-V4's hc_head: output_hc_*)
+            # a tensor of the block the converter writes at the root (a table's names without {bid})
             have = set(present.get(bid, ())) | {n for n in may if _block_of(n) is None and n in g.tensors}
             missing, unexpected = sorted(must - have), sorted(have - may)
             report[bid] = {"present": sorted(have), "missing": missing, "unexpected": unexpected}

@@ -8,6 +8,7 @@ GPU-only piece. None of them touches ``load_weights``, which is what the check r
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import json
 import os
@@ -153,12 +154,15 @@ def _stub_moe_kernel() -> None:
     method.select_unquantized_moe_backend = cpu_layout
 
 
-def _stub_qsa_attention() -> None:
-    """Qwen4-Exp's QSA attention refuses to be built without FlashAttention's varlen kernel (it runs at forward
-    time): say it is there. Its parameters (the indexer's included) are the same either way."""
-    from vllm.models.qwen4_exp.nvidia import model, qsa  # noqa: F401 (model first: it imports qsa)
-
-    qsa.is_flash_attn_varlen_func_available = lambda: True
+def _stub_flash_varlen(cls_path: str) -> None:
+    """An attention that refuses to be built without FlashAttention's varlen kernel (it runs at forward time):
+    every module of the draft class's package that took the availability check by name says it is there. Its
+    parameters are the same either way."""
+    package, _, cls = cls_path.rpartition(".")
+    getattr(importlib.import_module(package), cls)  # the class's modules (a package may import them when asked)
+    for name, module in list(sys.modules.items()):
+        if (name == package or name.startswith(package + ".")) and hasattr(module, FLASH_VARLEN):
+            setattr(module, FLASH_VARLEN, lambda: True)
 
 
 # CPU stand-ins a table may ask for (``vllm.stubs``): each lets a class be BUILT on CPU where its constructor
@@ -168,18 +172,20 @@ STUBS = {
     "sparse_attention": _stub_sparse_attention,
     "moe_kernel": _stub_moe_kernel,
     "cuda_imports": _stub_cuda_imports,
-    "qsa_attention": _stub_qsa_attention,
+    "flash_varlen": _stub_flash_varlen,
 }
+FLASH_VARLEN = "is_flash_attn_varlen_func_available"
+TAKES_CLASS = {"flash_varlen"}  # stand-ins that patch the draft class's own package
 
 
 _INSTALLED: set[str] = set()
 
 
-def install_stubs(names: list[str]) -> None:
-    """The stand-ins a table names (``vllm.stubs``), each once per process."""
+def install_stubs(names: list[str], cls_path: str = "") -> None:
+    """The stand-ins a table names (``vllm.stubs``), each once per process; ``cls_path``: the table's draft class."""
     for name in names:
         if name not in _INSTALLED:
-            STUBS[name]()
+            STUBS[name](*([cls_path] if name in TAKES_CLASS else []))
             _INSTALLED.add(name)
 
 

@@ -64,7 +64,7 @@ def job_for(ckpt_dir: str | os.PathLike[str], table: Any, view: Any, *, meta: bo
             "variants": [v.architecture for v in vdef.variants],
             "mtp": [sorted(depths[k]) for k in sorted(depths)], "unread": sorted(skipped),
             "device": "meta" if meta else vdef.device, "bytes": "meta" if meta else "real",
-            "dtype": vdef.dtype, "stubs": list(vdef.stubs)}
+            "dtype": vdef.dtype, "stubs": list(vdef.stubs), "class": vdef.cls}
 
 
 # -- running it (inside vLLM's interpreter) ----------------------------------------------------------------------
@@ -261,7 +261,7 @@ def _build(job: dict, tmp: str | os.PathLike[str], out: dict) -> tuple[Any, Any,
 
     from . import vllm_cpu
 
-    vllm_cpu.install_stubs(job.get("stubs", []))
+    vllm_cpu.install_stubs(job.get("stubs", []), job.get("class", ""))
     vcfg = vllm_cpu.engine_config(job["dir"], job.get("dtype", "float32"))
     draft = vcfg.speculative_config.draft_model_config
     arch = draft.hf_config.architectures[0]

@@ -28,6 +28,7 @@ from ...model.formats.reverse import as_verifier
 from ...model.gate import require_consistent
 from ...model.gguf_names import GGUF_TYPES, GLUE_NAMES, TensorNames, folded, glue_name, keeps_f32
 from ...model.mtp import MtpView
+from ...model.quant import gguf_repack
 from ...stream.gguf_out import GgufTensorOut
 from ...stream.plan import CopyBytes, OutputTensor, copy_of
 from .build import draft_tensors, quantized_source
@@ -59,15 +60,13 @@ class SidecarPlan:
 def _qtype(name: str):
     import gguf
 
-    return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-            "mxfp4": gguf.GGMLQuantizationType.MXFP4}[name]
+    return gguf.GGMLQuantizationType[name.upper()]  # the table's types name gguf's (a schema literal checks them)
 
 
 def _file_type(name: str, forced: str | None = None) -> int:
     import gguf
 
-    if forced is not None:  # the converter's, whatever its --outtype (llama_cpp.file_type: DeepSeek-V4's MXFP4_MOE)
+    if forced is not None:  # the converter's, whatever its --outtype (llama_cpp.file_type)
         return int(gguf.LlamaFileType[forced])
     return int({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[name])
@@ -189,7 +188,7 @@ def _extended(trunk: GgufFile, layers: int, lc: Any, envs: list[dict]) -> dict[s
         kv = trunk.kv.get(key)
         if kv is None or not isinstance(kv.value, list):  # one value for every layer holds for the MTP layers too
             continue
-        if len(kv.value) == layers + len(envs):  # already lists the MTP layers (DeepSeek-V4's compress_ratios)
+        if len(kv.value) == layers + len(envs):  # already lists the MTP layers, as a release config may
             continue
         if len(kv.value) != layers:
             raise InputError(f"{key}: not an array of one value per trunk layer ({layers})", rule=RULE_TRUNK,
@@ -287,7 +286,7 @@ def _source_tensors(view: MtpView, lc: Any) -> tuple[list[tuple[OutputTensor, st
             base = render(prefix, {**res.env, "l": _trunk_layers(res) + (g.depth or 0)})
             bid = _trunk_layers(res) + (g.depth or 0)
             out.append((t, f"{folded(lc.fold, g.sub_prefix, base, bid)}.{slot}_proj.weight", "linear"))
-            t.meta["raw"] = ckpt.tensors  # a decoded expert's stored codes and scales, for MXFP4 (_fp4_stored)
+            t.meta["raw"] = ckpt.tensors  # a decoded expert's stored codes and scales (gguf_repack)
             continue
         spec = specs.get(t.key)  # the native names: the verifier's own (a decoded tensor's source is its packed key)
         glue = spec is not None and (spec.role in GLUE_NAMES or spec.role in lc.glue)
@@ -445,7 +444,7 @@ def _permuted(t: OutputTensor, qtype, heads: int) -> Iterator[bytes]:
 
 
 def _storage(t: OutputTensor) -> str:
-    """How the source stores ``t``: a scheme table's storage name (fp8-block) where it was decoded, else its dtype."""
+    """How the source stores ``t``: a scheme table's storage name where it was decoded, else its dtype."""
     first = t.meta.get("experts", [t])[0]
     return (first.meta.get("dequantized_from") or {}).get("format") or first.meta.get("source_dtype") or t.dtype
 
@@ -473,35 +472,6 @@ def _encode(values, qtype) -> memoryview:
     return _as_bytes(np.ascontiguousarray(quants.quantize(values, qtype)))
 
 
-def _fp4_stored(part: OutputTensor, raw: Any, cols: int):
-    """A decoded FP4 expert as its source stores it (meta ``source``: codes, then scale): (codes [rows, cols / 2],
-    two a byte, the first low; E8M0 exponents [rows, cols / 32]), else None. MXFP4 holds the same numbers, and
-    llama.cpp's converter moves them: gguf's quantizer on the values would pick a smaller exponent for a block
-    whose largest code is below 4, and write -0 as 0."""
-    import numpy as np
-
-    source = part.meta.get("source", [])
-    refs = [raw.get(k) for k in source] if raw is not None and len(source) == 2 else [None]
-    values = part.nbytes // 4  # decoded to F32
-    if None in refs or cols % 32 or refs[0].dtype not in ("I8", "U8") or refs[1].dtype not in ("F8_E8M0", "U8") \
-            or refs[0].nbytes * 2 != values or refs[1].nbytes * 32 != values:
-        return None
-    return (np.frombuffer(refs[0].read(), np.uint8).reshape(-1, cols // 2),
-            np.frombuffer(refs[1].read(), np.uint8).reshape(-1, cols // 32))
-
-
-def _mxfp4(codes, exponents) -> memoryview:
-    """ggml's block_mxfp4 of FP4 codes and their E8M0 exponents: per block of 32, the exponent, then byte j
-    holding code j (low) and code j + 16 (high)."""
-    import numpy as np
-
-    c = np.stack([codes & 15, codes >> 4], -1).reshape(*exponents.shape, 32)
-    out = np.empty((*exponents.shape, 17), np.uint8)
-    out[..., 0] = exponents
-    out[..., 1:] = c[..., :16] | (c[..., 16:] << 4)
-    return _as_bytes(out)
-
-
 def _as_bytes(array) -> memoryview:
     """A contiguous array's bytes, not copied (the writer and the hash take any buffer)."""
     return memoryview(array.reshape(-1).view("u1"))
@@ -521,11 +491,12 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[memoryview]:
     row = _itemsize(t.dtype) * cols
     per = max(1, BAND_BYTES // (4 * cols))
     direct = t.dtype == "BF16" and not offset and _is_f16(qtype)
-    mxfp4 = qtype.name == "MXFP4"
+    repacked = gguf_repack.repacks(qtype)
 
     def read() -> Iterator[tuple[int, Any, Any]]:
         for part in t.meta.get("experts", [t]):
-            stored = _fp4_stored(part, t.meta.get("raw"), cols) if mxfp4 else None  # then not decoded at all
+            stored = (gguf_repack.stored_codes(part.meta.get("source", []), t.meta.get("raw"), part.nbytes // 4, cols)
+                      if repacked else None)  # then not decoded at all
             reader = RecipeReader(part.recipe) if stored is None else None
             rows = part.nbytes // row
             for done in range(0, rows, per):
@@ -535,7 +506,7 @@ def _bands(t: OutputTensor, qtype, offset: float) -> Iterator[memoryview]:
     def convert(band: tuple[int, Any, Any]) -> memoryview:
         n, buf, stored = band
         if stored:
-            return _mxfp4(*stored)
+            return _as_bytes(gguf_repack.blocks(*stored))
         if direct:
             return _as_bytes(_f16_of_bf16(buf))
         values = decode_floats(buf, t.dtype).astype(np.float32, copy=False).reshape(n, cols)
