@@ -2,7 +2,8 @@
 
 The safetensors writer stores a file's tensors by dtype, then name, so a shard's scales lie end to end, broken
 only by other tensors of their dtype: one read per such run, not one per scale (a release: 222 reads for its
-45,808 scales), and every value is still judged where it lies in the run.
+45,808 scales), every value is still judged where it lies in the run, and a shard cut inside a run is the same
+short read, at the same byte, as when each scale was read alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import shutil
 import struct
 from pathlib import Path
 
+import pytest
+
+from ckpt_tools.errors import InputError
 from ckpt_tools.io.checkpoint import Checkpoint
 from ckpt_tools.model.quant import scale_values
 
@@ -67,3 +71,16 @@ def test_a_bad_value_inside_a_run_is_named_where_it_lies(tmp_path):
     last = [int(n) - 1 for n in ref.shape]
     assert [(p.key, p.message.split(":")[0]) for p in found] == [
         (ref.key, f"scale value NaN at index {last} is not finite and positive")]
+
+
+def test_a_shard_cut_inside_a_run_is_a_short_read_at_its_end(tmp_path):
+    out = tmp_path / "ckpt"
+    shutil.copytree(CORPUS / "llmcompressor-fp8-block", out)
+    with Checkpoint.open(out) as ckpt:
+        refs = sorted((r for r, _ in scale_values.companions(ckpt)), key=lambda r: (r.file, r.offset))
+        a, b = next((a, b) for a, b in zip(refs, refs[1:]) if a.file == b.file and a.offset + a.nbytes == b.offset)
+        os.truncate(b.file, b.offset + 1)  # within the run, after the file was opened
+        with pytest.raises(InputError) as e:
+            scale_values.scale_value_problems(ckpt)
+    assert (e.value.rule, e.value.path, e.value.message) == (
+        "short-read", b.file, f"short read at byte {b.offset + 1} (file changed or shrank while reading?)")
