@@ -166,11 +166,16 @@ def shard_name(i: int, n: int = SHARDS) -> str:
     return f"model-{i + 1:05d}-of-{n:06d}.safetensors"
 
 
+# the safetensors writer's order in a file (the release's too): by dtype, descending in its enum's order, then by name;
+# the F32 scales of a shard lie end to end (read in a few runs), and the header lists tensors in that order
+WRITER_ORDER = {"F32": 0, "BF16": 1, "F8_E4M3": 2}
+
+
 def write_shard(path: Path, entries: list[Entry]) -> int:
     """Header as the release writes it, then a hole for the data; returns the data bytes."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     pos = 0
-    for key, dtype, shape in entries:
+    for key, dtype, shape in sorted(entries, key=lambda e: (WRITER_ORDER[e[1]], e[0])):
         n = nbytes((key, dtype, shape))
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
