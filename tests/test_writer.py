@@ -241,3 +241,18 @@ def test_writing_1gb_keeps_peak_rss_small(tmp_path):
         assert peak < 250 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB"
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_small_file_put_into_an_output_holds_no_copy_buffer(tmp_path):
+    """A report written into a finished output (and a hashed write, which copies through the copier) needs no 16 MiB
+    copy buffer: zero-filled, it is resident."""
+    from ckpt_tools.stream.targets import write_output_file
+
+    tracemalloc.start()
+    try:
+        write_output_file(tmp_path, "report.json", b"{}\n")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (tmp_path / "report.json").read_bytes() == b"{}\n"
+    assert peak < 1 << 20, f"{peak >> 20} MB traced for a 3-byte file"
