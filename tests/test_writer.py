@@ -248,6 +248,7 @@ def test_a_small_file_put_into_an_output_holds_no_copy_buffer(tmp_path):
     copy buffer: zero-filled, it is resident."""
     from ckpt_tools.stream.targets import write_output_file
 
+    write_output_file(tmp_path, "first.json", b"{}\n")  # what it imports is not what it holds
     tracemalloc.start()
     try:
         write_output_file(tmp_path, "report.json", b"{}\n")
