@@ -61,14 +61,19 @@ def dumps_indented(obj: Any, indent: int) -> str:
     index holds (dicts with string keys, lists, strings, ints, finite floats, booleans, None): json indents in pure
     Python, with a generator per level. Anything else is left to it."""
     out: list[str] = []
+    done: list[str] = []  # ``out`` joined every _FLUSH pieces: ~25 small strings a manifest entry, ~2 KB of objects
     try:
-        _indented(obj, "\n", " " * indent, out)
+        _indented(obj, "\n", " " * indent, out, done)
     except (TypeError, ValueError):
         return dumps_strict(obj, indent=indent)
-    return "".join(out)
+    done.append("".join(out))
+    return "".join(done)
 
 
-def _indented(o: Any, pad: str, step: str, out: list[str]) -> None:
+_FLUSH = 4096
+
+
+def _indented(o: Any, pad: str, step: str, out: list[str], done: list[str]) -> None:
     t = type(o)
     if t is str:
         out.append(_quote(o))
@@ -86,12 +91,15 @@ def _indented(o: Any, pad: str, step: str, out: list[str]) -> None:
                 out.append(sep)
                 out.append(_quote(k))
                 out.append(": ")
-                _indented(v, inner, step, out)
+                _indented(v, inner, step, out, done)
                 sep = "," + inner
+                if len(out) > _FLUSH:
+                    done.append("".join(out))
+                    out.clear()
         else:
             for v in o:
                 out.append(sep)
-                _indented(v, inner, step, out)
+                _indented(v, inner, step, out, done)
                 sep = "," + inner
         out.append(pad + ("}" if t is dict else "]"))
     elif t is int:

@@ -10,12 +10,12 @@ descriptor, reading ranges not kept; a byte that differs) is checked again as it
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from ..io import digest
 from ..io.safetensors_io import IO_STATS, LocalFile
@@ -49,7 +49,9 @@ class EarlyCheck:
                  ready: Future) -> None:
         self.copies = copies
         self.stands: dict[str, StandIn] = {}
-        self.manifest: dict | None = None  # the manifest the check read (``run``'s result)
+        # what the check read of the manifest (``run``'s result) as one digest: the manifest itself has an entry
+        # per tensor (~0.5 KB each), not to be held until the written one is compared
+        self.checked: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-check")
         self._future = self._pool.submit(self._run, run, ready)
         self._pool.shutdown(wait=False)
@@ -62,7 +64,8 @@ class EarlyCheck:
         was = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH)
         try:
-            self.manifest = run({name: lambda n=name, p=path: self._stand(n, p) for name, path in self.copies.items()})
+            self.checked = _as_checked(run({name: lambda n=name, p=path: self._stand(n, p)
+                                            for name, path in self.copies.items()}))
         finally:
             sys.setswitchinterval(was)
 
@@ -81,7 +84,7 @@ class EarlyCheck:
     def proven(self, out: Path, manifest: dict) -> bool:
         """What landed is what was checked: each copy holds the bytes read in its place, at its size, and
         ``manifest`` (written) says what the checked one said."""
-        if self.manifest is None or _as_checked(manifest) != _as_checked(self.manifest):
+        if self.checked is None or _as_checked(manifest) != self.checked:
             return False
         for name, stand in self.stands.items():
             if stand.unrecorded:
@@ -106,8 +109,9 @@ def _digest(data: bytes | memoryview) -> str:
     return h.hexdigest()
 
 
-def _as_checked(manifest: dict) -> Any:
-    """What a check reads of a manifest: all but the digests and what only the bytes that landed say."""
+def _as_checked(manifest: dict) -> str:
+    """The digest of what a check reads of a manifest: all but the digests and what only the bytes that landed say
+    (canonical JSON: keys sorted, so two manifests that are equal there have the same digest)."""
     rest = {k: v for k, v in manifest.items() if k not in ("inputs", "files", "tensors", "file_stats")}
     tensors = {k: (e.get("file"), e.get("dtype"), e.get("shape")) for k, e in manifest.get("tensors", {}).items()}
-    return rest, tensors
+    return _digest(json.dumps([rest, tensors], sort_keys=True, default=repr).encode())

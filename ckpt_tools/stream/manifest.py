@@ -51,11 +51,12 @@ def manifest_dict(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[st
         "files": {},
         "tensors": {},
     }
+    shapes: dict[tuple, list[int]] = {}  # one list per shape, shared by its entries (a release has a few dozen)
     for t in plan.tensors:
         entry = {
             "file": tensor_files[t.key],
             "dtype": t.dtype,
-            "shape": list(t.shape),
+            "shape": _shape(shapes, t.shape),
         }
         if t.key in digests:
             entry[algo] = digests[t.key]
@@ -80,9 +81,8 @@ def manifest_dict(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[st
         manifest["files"][f.name] = about
         keys = header.tensors if header is not None else dict.fromkeys(f.tensors)
         for key, info in keys.items():
-            entry = {"file": f.name}
-            if info is not None:
-                entry.update(dtype=info.dtype, shape=list(info.shape))
+            entry = ({"file": f.name} if info is None else
+                     {"file": f.name, "dtype": info.dtype, "shape": _shape(shapes, info.shape)})
             if key in digests:
                 entry[algo] = digests[key]
             manifest["tensors"][key] = entry
@@ -95,6 +95,14 @@ def manifest_dict(plan: Plan, plan_digest: dict[str, str], tensor_files: dict[st
     if file_stats:
         manifest["file_stats"] = dict(sorted(file_stats.items()))
     return manifest
+
+
+def _shape(shapes: dict[tuple, list[int]], shape) -> list[int]:
+    key = tuple(shape)
+    found = shapes.get(key)
+    if found is None:
+        found = shapes[key] = list(key)
+    return found
 
 
 def index(plan: Plan, tensor_files: dict[str, str]) -> dict:

@@ -502,7 +502,9 @@ class _Hasher:
         # the copier hashes on the writing thread: measured on 2 cores, a hash thread fed 512 KiB chunks cost more
         # CPU (a thread switch per chunk) than it overlapped (graft 1 GB: 0.93 s CPU threaded, 0.80 s inline)
         self.copier = HashingCopier(threads=threads or 0)  # also feeds value checks when nothing is hashed
-        self._tensors: dict[str, Future] = {}
+        # key -> its digest, or the Future that brings it (replaced by its digest once done: a Future with its
+        # Condition is ~1 KB, and a shard rewritten whole has one per tensor)
+        self._tensors: dict[str, str | Future] = {}
         self._files: dict[str, Future] = {}
         self._known: dict[str, tuple] = {}  # whole files: name -> (digest or None, size, header), from a manifest
         self._known_tensors: dict[str, str] = {}  # their tensors' digests, when the manifest has them per tensor
@@ -520,20 +522,21 @@ class _Hasher:
         futures = {k: self._tensors[k] for k in keys if k in self._tensors}
         if self.pool is None or len(futures) != len(keys):
             return
-        left = [len(futures)]
+        pending = [f for f in futures.values() if isinstance(f, Future)]
+        left = [len(pending)]
         lock = threading.Lock()
 
-        def one(_f: Future) -> None:
+        def one(_f: Future | None) -> None:
             with lock:
                 left[0] -= 1
-                if left[0]:
+                if left[0] > 0:
                     return
             with contextlib.suppress(Exception):  # a failed hash is reported by results(); no entry: rewritten
-                callback({k: f.result() for k, f in futures.items()})
+                callback({k: _value(f) for k, f in futures.items()})
 
-        if not futures:
-            callback({})
-        for f in futures.values():
+        if not pending:
+            one(None)
+        for f in pending:
             f.add_done_callback(one)
 
     def when_file_done(self, name: str, callback: Callable[[tuple], None]) -> None:
@@ -543,7 +546,13 @@ class _Hasher:
 
     def done_tensor(self, key: str, digest: str | Future) -> None:
         """A tensor's digest: computed (a resumed shard's proof), or on its way (the copier's)."""
-        self._tensors[key] = _done(digest)
+        self._tensors[key] = digest
+        if isinstance(digest, Future):
+            digest.add_done_callback(lambda f: self._settle(key, f))
+
+    def _settle(self, key: str, f: Future) -> None:
+        if f.exception() is None and self._tensors.get(key) is f:
+            self._tensors[key] = f.result()
 
     def done_file(self, name: str, landed: tuple | Future) -> None:
         self._files[name] = _done(landed)
@@ -554,7 +563,7 @@ class _Hasher:
         self._known_tensors.update(known.tensors or {})
 
     def results(self) -> tuple[dict[str, str], dict[str, tuple]]:
-        return ({**{k: f.result() for k, f in self._tensors.items()}, **self._known_tensors},
+        return ({**{k: _value(f) for k, f in self._tensors.items()}, **self._known_tensors},
                 {**{k: f.result() for k, f in self._files.items()}, **self._known})
 
     def __enter__(self) -> _Hasher:
@@ -564,6 +573,10 @@ class _Hasher:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)  # nothing reads a file after this
         self.copier.close()
+
+
+def _value(digest: str | Future) -> str:
+    return digest.result() if isinstance(digest, Future) else digest
 
 
 def _done(value: Any) -> Future:

@@ -38,12 +38,17 @@ class LocalTarget:
         self.out = self.name = Path(out)
         self.stats: dict[str, dict[str, int]] = {}  # shard -> its file_stats entry, taken as it landed
         self.reused: dict[str, str] = {}  # whole file -> the input manifest its digest came from
-        self._buf = memoryview(bytearray(COPY_CHUNK))
         self._journal: Journal | None = None
         self._previous: dict[str, dict] = {}  # the interrupted run's journal entries (--resume)
         self._lock: output_dir.DirLock | None = None
         self._created = False  # this run created the directory (a refused input then removes it)
         self._durable = _Durable()
+
+    @functools.cached_property
+    def _buf(self) -> memoryview:
+        """The unhashed copies' buffer, made when one needs it: 16 MiB zeroed (resident) is more than all else a
+        hashed write or a report's ``put`` holds."""
+        return memoryview(bytearray(COPY_CHUNK))
 
     # -- may this run write here, the lock, what a previous run left (output_dir) ----
 
