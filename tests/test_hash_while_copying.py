@@ -231,3 +231,27 @@ def test_the_writers_value_check_counts_what_a_read_counts(dtype):
             check.update(memoryview(raw)[at: at + cut])
         want = count_nonfinite(CopyBytes([Segment(Memory(raw), 0, len(raw))]), dtype, (len(raw) // width,))
         assert check.bad == want > 0
+
+
+def test_a_sink_error_holding_a_view_of_the_mapping_is_the_error_raised(tmp_path):
+    """A sink that fails while a view of the mapped bytes is alive (a value check's array in its traceback): its own
+    error comes out, not a BufferError from closing the mapping over the exported view (exit 5, "cannot close
+    exported pointers exist")."""
+    import numpy as np
+
+    from ckpt_tools.stream.hashcopy import feed_mapped
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+
+    class Failing:
+        def update(self, data):
+            values = np.frombuffer(data, np.uint8)  # held by this frame, so by the traceback
+            raise ValueError(f"bad value at {int(values.argmax())}")
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="bad value"):
+            feed_mapped(Failing(), fd, str(path), 100, 1000)
+    finally:
+        os.close(fd)

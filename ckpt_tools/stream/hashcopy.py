@@ -13,6 +13,7 @@ bytes being copied, not from a separate read.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections import deque
@@ -181,5 +182,12 @@ def feed_mapped(sink: Sink, fd: int, name: str, at: int, n: int) -> None:
         m = mmap.mmap(fd, at + n - start, prot=mmap.PROT_READ, offset=start)
     except ValueError:  # shorter than what was just copied: it shrank
         raise sio.short_read(name, at) from None
-    with m, memoryview(m) as whole, whole[at - start :] as part:
+    part = memoryview(m)[at - start :]
+    try:
         sink.update(part)
+    finally:
+        # a sink's error may hold a view of the mapping (its traceback's frames): closing then raises BufferError,
+        # which would hide that error; the mapping is unmapped when the last view goes instead
+        del part
+        with contextlib.suppress(BufferError):
+            m.close()
