@@ -104,7 +104,7 @@ def _early(tmp_path: Path, read):
         return {"tensors": {}}
 
     check = early_check.EarlyCheck(run, {"f": src}, ready)
-    check.result()
+    assert check.passed()
     return check, out
 
 
@@ -140,3 +140,23 @@ def test_a_stand_in_whose_descriptor_was_read_is_not_proven(tmp_path):
     """Reads through the descriptor are not kept: what landed there cannot be compared, so it is checked again."""
     check, out = _early(tmp_path, lambda s: s.local_fd())
     assert not check.proven(out, {"tensors": {}})
+
+
+def test_a_refusal_of_the_inputs_in_the_copies_place_is_judged_again_on_what_landed(tmp_path):
+    """The early check reads inputs in place of copies: its refusal is not the verdict (``passed`` is False, so the
+    writer checks what landed, and reports that); a crash in it is raised, not taken for a refusal."""
+    from ckpt_tools.errors import InputError
+    from ckpt_tools.stream import early_check
+
+    ready: Future = Future()
+    ready.set_result(None)
+
+    def refuse(stand_ins):
+        raise InputError("a bad value", rule="nonfinite")
+
+    def crash(stand_ins):
+        raise RuntimeError("a bug")
+
+    assert not early_check.EarlyCheck(refuse, {}, ready).passed()
+    with pytest.raises(RuntimeError, match="a bug"):
+        early_check.EarlyCheck(crash, {}, ready).passed()

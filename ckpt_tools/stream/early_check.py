@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import CkptError
 from ..io import digest
 from ..io.safetensors_io import IO_STATS, LocalFile
 
@@ -73,9 +74,15 @@ class EarlyCheck:
         self.stands[name] = StandIn(path)
         return self.stands[name]
 
-    def result(self) -> None:
-        """Wait for the check; its error, if it failed."""
-        self._future.result()
+    def passed(self) -> bool:
+        """Wait for the check: whether it found the output valid. A refusal is not reported from here: it judged
+        inputs in the copies' place, so the writer judges what landed again and reports that (its bytes, its
+        names); anything else (a crash) is raised."""
+        try:
+            self._future.result()
+        except CkptError:
+            return False
+        return True
 
     def wait(self) -> None:
         """Wait for the check, whatever came of it."""

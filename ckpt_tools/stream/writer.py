@@ -313,10 +313,8 @@ class Writer:
         marker = self.plan.single_file_name if lone else self.plan.index_name
         with self.target.view(held) as (root, renamed):
             try:
-                if self._early is not None:
-                    self._early.result()
-                    if self._early.proven(root, written):
-                        return
+                if self._early is not None and self._early.passed() and self._early.proven(root, written):
+                    return  # else (refused, or unproven) judged again below, on what landed
                 self.check(root, PendingOutput(None if lone else manifest.index(self.plan, result.tensor_files),
                                                renamed, self.plan.checked_values))
             except CkptError as e:  # named by the output's own names (not a local mirror's)
